@@ -1,0 +1,112 @@
+"""Stability metric (composite Amax gain) and the bytes-moved model of each mHC op.
+
+Legend: T tokens, n streams, C hidden size, N = n*n + 2n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from mhc_core.ops._checks import check_rank, shape_str
+
+__all__ = ["AmaxGain", "amax_gain", "OpBytes", "bytes_moved", "OPS"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AmaxGain:
+    """The paper's "Amax Gain Magnitude" of a composite residual mapping."""
+
+    forward: float
+    """max over tokens of the max absolute row sum of `prod H` (signal gain)."""
+    backward: float
+    """max over tokens of the max absolute column sum (gradient gain)."""
+
+
+def amax_gain(h_res_stack: torch.Tensor, transposed: bool = False) -> AmaxGain:
+    """Composite gain of a stack of per-sublayer residual mappings.
+
+    Args:
+        h_res_stack: `[L, T, n, n]` (or `[L, n, n]`), sublayer 0 applied first. The composite is
+            `H_{L-1} @ ... @ H_0` per token (`x_{l+1} = H_l x_l`).
+        transposed: the stack holds matrices applied transposed (`megatron_dev`'s `H^T @ x`).
+
+    Returns:
+        `AmaxGain(forward=..., backward=...)`, each the maximum over tokens.
+    """
+    if h_res_stack.dim() == 3:
+        h_res_stack = h_res_stack.unsqueeze(1)
+    check_rank(h_res_stack, 4, name="h_res_stack", op="amax_gain", layout="[L, T, n, n]")
+    if h_res_stack.shape[-1] != h_res_stack.shape[-2] or h_res_stack.shape[0] == 0:
+        raise ValueError(f"amax_gain: h_res_stack must be [L>=1, T, n, n], got {shape_str(h_res_stack)}")
+    mats = h_res_stack.to(torch.float64)
+    if transposed:
+        mats = mats.transpose(-1, -2)
+    composite = mats[0]
+    for h in mats[1:]:
+        composite = h @ composite
+    absm = composite.abs()
+    fwd = absm.sum(dim=-1).amax(dim=-1)  # [T]
+    bwd = absm.sum(dim=-2).amax(dim=-1)
+    return AmaxGain(forward=float(fwd.max()), backward=float(bwd.max()))
+
+
+OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda", "residual_add")
+Direction = Literal["fwd", "bwd"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpBytes:
+    """Bytes read and written by an ideal kernel (each tensor touched once)."""
+
+    read: int
+    written: int
+
+    @property
+    def total(self) -> int:
+        return self.read + self.written
+
+
+def bytes_moved(
+    op: str, direction: Direction, *, tokens: int, n: int, hidden: int, act_bytes: int, coeff_bytes: int = 4,
+    with_bias: bool = False,
+) -> OpBytes:
+    """Bytes-moved model of `op` in `direction` for T=`tokens`, n, C=`hidden`.
+
+    Activations take `act_bytes` per element (2 for bf16), coefficients and parameters
+    `coeff_bytes` (4, fp32). `residual_add` is the plain pre-norm residual (2C in, C out) that
+    mHC replaces, the reference point of the overhead.
+    """
+    t, c, a, f = tokens, hidden, act_bytes, coeff_bytes
+    big_n = n * n + 2 * n
+    nc = n * c
+    if op == "sinkhorn":
+        if direction == "fwd":
+            return OpBytes(read=t * n * n * f, written=t * n * n * f)
+        return OpBytes(read=2 * t * n * n * f, written=t * n * n * f)  # logits + grad_out -> grad
+    if op == "mapping":
+        if direction == "fwd":
+            return OpBytes(read=t * nc * a + big_n * nc * f + 3 * f + big_n * f, written=t * big_n * f)
+        return OpBytes(
+            read=t * nc * a + t * big_n * f + big_n * nc * f,
+            written=t * nc * a + big_n * nc * f + 3 * f + big_n * f,
+        )
+    if op == "h_aggregate":
+        if direction == "fwd":
+            return OpBytes(read=t * nc * a + t * n * f, written=t * c * a)
+        return OpBytes(read=t * c * a + t * nc * a + t * n * f, written=t * nc * a + t * n * f)
+    if op == "h_post_bda":
+        b = c * a if with_bias else 0
+        if direction == "fwd":
+            return OpBytes(read=t * nc * a + t * c * a + b + t * (n * n + n) * f, written=t * nc * a)
+        return OpBytes(
+            read=t * nc * a + t * nc * a + t * c * a + b + t * (n * n + n) * f,
+            written=t * nc * a + t * c * a + t * (n * n + n) * f + b,
+        )
+    if op == "residual_add":
+        if direction == "fwd":
+            return OpBytes(read=2 * t * c * a, written=t * c * a)
+        return OpBytes(read=t * c * a, written=2 * t * c * a)
+    raise ValueError(f"bytes_moved: op={op!r} unknown; valid: {', '.join(OPS)}")

@@ -1,0 +1,159 @@
+"""`HyperConnectionModule`: one mHC sublayer connection, a plain `torch.nn.Module`.
+
+Legend: s = sequence, b = micro-batch, C = hidden size, n = residual streams, N = n*n + 2n.
+The residual is carried as `[s, b, n*C]`, stream-major (`view(s, b, n, C)`).
+
+Per sublayer F (attention or MLP):
+
+    aggregated, h_res, h_post, residual = hc(x)                  # x [s, b, n*C]
+    y, bias = F(norm(aggregated))                                # [s, b, C]
+    x_next = hc.post_residual_bda(h_res, residual, h_post, (y, bias), dropout_p, training)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
+from mhc_core.kernels import select_ops
+from mhc_core.ops._checks import check_dim, check_rank, shape_str
+
+__all__ = ["HyperConnectionModule"]
+
+
+class HyperConnectionModule(nn.Module):
+    """Coefficients, aggregation and post/residual mixing of one mHC sublayer.
+
+    Parameters (names and shapes as upstream Megatron-LM, all fp32):
+        mapping_proj.weight `[N, n*C]` xavier-uniform, no bias;
+        alpha_pre, alpha_post, alpha_res `[1]` = `init_gating_factor`;
+        bias `[N]` zeros, laid out `[pre(n) | post(n) | res(n*n row-major)]`.
+
+    Args:
+        config: a `HyperConnectionConfig`, or a megatron-core `TransformerConfig` carrying the
+            `mhc_*` fields (read with `HyperConnectionConfig.from_transformer_config`).
+        layer_number: accepted for megatron-core's `build_module`; only stored.
+    """
+
+    def __init__(self, config: HyperConnectionConfig | Any, layer_number: int | None = None):
+        super().__init__()
+        if not isinstance(config, HyperConnectionConfig):
+            config = HyperConnectionConfig.from_transformer_config(config)
+        self.hc_config = config
+        self.layer_number = layer_number
+        n, c = config.num_residual_streams, config.hidden_size
+        self.n, self.hidden_size = n, c
+        big_n = config.num_mapping_outputs
+        self.mapping_proj = nn.Linear(n * c, big_n, bias=False, dtype=PARAM_DTYPE)
+        self.alpha_pre = nn.Parameter(torch.full((1,), config.init_gating_factor, dtype=PARAM_DTYPE))
+        self.alpha_post = nn.Parameter(torch.full((1,), config.init_gating_factor, dtype=PARAM_DTYPE))
+        self.alpha_res = nn.Parameter(torch.full((1,), config.init_gating_factor, dtype=PARAM_DTYPE))
+        self.bias = nn.Parameter(torch.zeros(big_n, dtype=PARAM_DTYPE))
+        self.reset_parameters()
+        if config.sequence_parallel:
+            for p in self.parameters():
+                p.sequence_parallel = True
+        self._ops = select_ops(config.use_fused)
+
+    def reset_parameters(self) -> None:
+        """xavier-uniform projection (zero when `perform_initialization` is off), alphas, zero bias."""
+        with torch.no_grad():
+            if self.hc_config.perform_initialization:
+                nn.init.xavier_uniform_(self.mapping_proj.weight)
+            else:
+                self.mapping_proj.weight.zero_()
+            for a in (self.alpha_pre, self.alpha_post, self.alpha_res):
+                a.fill_(self.hc_config.init_gating_factor)
+            self.bias.zero_()
+
+    def _check_streams(self, x: torch.Tensor, name: str, op: str) -> tuple[int, int]:
+        check_rank(x, 3, name=name, op=op, layout="[s, b, n*C]")
+        if x.shape[-1] != self.n * self.hidden_size:
+            raise ValueError(
+                f"{op}: {name} must have shape [s, b, n*C] with n*C = {self.n}*{self.hidden_size} = "
+                f"{self.n * self.hidden_size}, got {shape_str(x)}"
+            )
+        return x.shape[0], x.shape[1]
+
+    def forward(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Coefficients and the aggregated sublayer input.
+
+        Args:
+            hidden_states: `[s, b, n*C]`.
+
+        Returns:
+            aggregated `[s, b, C]`, h_res `[s, b, n, n]`, h_post `[s, b, n]`, residual `[s, b, n*C]`
+            (the input itself, for `post_residual_bda`).
+        """
+        s, b = self._check_streams(hidden_states, "hidden_states", "HyperConnectionModule.forward")
+        n, c, cfg = self.n, self.hidden_size, self.hc_config
+        x = hidden_states.reshape(s * b, n * c)
+        h_pre, h_post, logits = self._ops.mapping(
+            x,
+            self.mapping_proj.weight,
+            self.alpha_pre,
+            self.alpha_post,
+            self.alpha_res,
+            self.bias,
+            n,
+            cfg.variant,
+            cfg.norm_eps,
+        )
+        h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, cfg.variant)
+        aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
+        return (
+            aggregated.view(s, b, c),
+            h_res.view(s, b, n, n),
+            h_post.view(s, b, n),
+            hidden_states,
+        )
+
+    def post_residual_bda(
+        self,
+        h_res: torch.Tensor,
+        residual: torch.Tensor,
+        h_post: torch.Tensor,
+        output_with_bias: tuple[torch.Tensor, torch.Tensor | None],
+        dropout_p: float = 0.0,
+        training: bool | None = None,
+    ) -> torch.Tensor:
+        """Mix the residual streams and add the gated sublayer output (bias-dropout-add).
+
+        Args:
+            h_res: `[s, b, n, n]`; residual: `[s, b, n*C]`; h_post: `[s, b, n]`;
+            output_with_bias: `(y [s, b, C], bias [C] | None)` as Megatron sublayers return them.
+            dropout_p: hidden dropout on the expanded branch; `training` defaults to `self.training`.
+
+        Returns:
+            `[s, b, n*C]`.
+        """
+        op = "HyperConnectionModule.post_residual_bda"
+        s, b = self._check_streams(residual, "residual", op)
+        n, c = self.n, self.hidden_size
+        y, bias = output_with_bias
+        check_dim(y, (s, b, c), name="y", op=op, layout="[s, b, C]")
+        check_dim(h_res, (s, b, n, n), name="h_res", op=op, layout="[s, b, n, n]")
+        check_dim(h_post, (s, b, n), name="h_post", op=op, layout="[s, b, n]")
+        out = self._ops.h_post_bda(
+            h_res.reshape(s * b, n, n),
+            residual.reshape(s * b, n, c),
+            h_post.reshape(s * b, n),
+            y.reshape(s * b, c),
+            bias,
+            dropout_p,
+            self.training if training is None else training,
+            self.hc_config.variant,
+        )
+        return out.view(s, b, n * c)
+
+    def extra_repr(self) -> str:
+        cfg = self.hc_config
+        return (
+            f"n={self.n}, hidden_size={self.hidden_size}, variant={cfg.variant.value}, "
+            f"sinkhorn_iterations={cfg.sinkhorn_iterations}, fused={cfg.use_fused}"
+        )

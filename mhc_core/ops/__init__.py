@@ -1,0 +1,21 @@
+"""Reference mHC math (eager PyTorch, any device): one small module per op."""
+
+from mhc_core.ops.aggregate import h_aggregate
+from mhc_core.ops.mapping import NORM_EPS, mapping, num_mapping_outputs
+from mhc_core.ops.post_bda import apply_h_res, h_post_bda
+from mhc_core.ops.sinkhorn import sinkhorn, sinkhorn_iterate
+from mhc_core.ops.streams import contract, expand, learned_contract
+
+__all__ = [
+    "NORM_EPS",
+    "apply_h_res",
+    "contract",
+    "expand",
+    "h_aggregate",
+    "h_post_bda",
+    "learned_contract",
+    "mapping",
+    "num_mapping_outputs",
+    "sinkhorn",
+    "sinkhorn_iterate",
+]

@@ -1,0 +1,51 @@
+"""Argument checks shared by the ops: every failure is a `ValueError` naming the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["check_rank", "check_dim", "check_streams", "check_finite", "shape_str"]
+
+
+def shape_str(t: torch.Tensor) -> str:
+    """`[2, 4, 8]` for a tensor of that shape."""
+    return "[" + ", ".join(str(d) for d in t.shape) + "]"
+
+
+def check_streams(n: int, *, op: str) -> None:
+    """`n` is an int >= 1."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{op}: n={n!r} must be an integer >= 1 (number of residual streams)")
+
+
+def check_rank(t: torch.Tensor, rank: int, *, name: str, op: str, layout: str) -> None:
+    """`t` is a tensor of exactly `rank` dims (`layout` describes them, e.g. `[T, n, C]`)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{op}: {name} must have shape {layout} ({rank} dims), got {shape_str(t)}")
+
+
+def check_dim(t: torch.Tensor, dims: Sequence[int | None], *, name: str, op: str, layout: str) -> None:
+    """`t.shape` equals `dims` where an entry is not None."""
+    check_rank(t, len(dims), name=name, op=op, layout=layout)
+    for got, want in zip(t.shape, dims, strict=True):
+        if want is not None and got != want:
+            expected = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
+            raise ValueError(f"{op}: {name} must have shape {layout} = {expected}, got {shape_str(t)}")
+
+
+def check_finite(t: torch.Tensor, *, name: str, op: str) -> None:
+    """No NaN or inf in `t` (a host sync: the reference ops are the oracle, not the fast path)."""
+    if t.numel() == 0:
+        return
+    bad = ~torch.isfinite(t.detach())
+    if bool(bad.any()):
+        count = int(bad.sum())
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{op}: {name} of shape {shape_str(t)} holds {count} non-finite value(s) (NaN/inf), "
+            f"first at index {first}: {t.detach()[first].item()}"
+        )

@@ -1,0 +1,31 @@
+"""Stream aggregation: `h_aggregate(x[T, n, C], h_pre[T, n]) -> [T, C]`, `out = sum_i h_pre_i * x_i`.
+
+Products are accumulated in fp32 (fp64 stays fp64) and rounded once to `x.dtype`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mhc_core.ops._checks import check_dim, check_rank
+
+__all__ = ["h_aggregate"]
+
+
+def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of the `n` streams.
+
+    Args:
+        x: `[T, n, C]`.
+        h_pre: `[T, n]`.
+
+    Returns:
+        `[T, C]` in `x.dtype`.
+    """
+    op = "h_aggregate"
+    check_rank(x, 3, name="x", op=op, layout="[T, n, C]")
+    t, n, _ = x.shape
+    check_dim(h_pre, (t, n), name="h_pre", op=op, layout="[T, n]")
+    acc = torch.promote_types(torch.promote_types(x.dtype, h_pre.dtype), torch.float32)
+    out = torch.einsum("tn,tnc->tc", h_pre.to(acc), x.to(acc))
+    return out.to(x.dtype)

@@ -1,0 +1,93 @@
+"""The mHC coefficient mapping: projection, RMS scaling, gates.
+
+`mapping(x[T, n*C], weight[N, n*C], alpha_pre, alpha_post, alpha_res, bias[N], n, variant)
+ -> h_pre[T, n], h_post[T, n], h_res_logits[T, n, n]`, with N = n*n + 2n.
+
+    r     = 1 / (||x||_2 / sqrt(n*C) + norm_eps)        RMS over all n*C, eps outside the sqrt
+    h     = r * (x @ weight^T) * alpha + bias           RMS applied after the projection
+    alpha = [alpha_pre x n | alpha_post x n | alpha_res x n*n]
+    h_pre = sigmoid(h[:, :n]) (+ 1e-6 in megatron_dev), h_post = 2 * sigmoid(h[:, n:2n]),
+    h_res_logits = h[:, 2n:].view(T, n, n)              row-major
+
+Precision per variant: `megatron_main` computes in the activation dtype (parameters cast to it);
+`paper` and `megatron_dev` upcast to fp32. Outputs are in the activation dtype for the two
+Megatron variants and fp32 for `paper` (the paper keeps every coefficient in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mhc_core.ops._checks import check_dim, check_rank, check_streams, shape_str
+from mhc_core.variants import Variant, VariantSpec, get_variant
+
+__all__ = ["mapping", "num_mapping_outputs", "NORM_EPS"]
+
+NORM_EPS = 1e-6
+"""eps added to the RMS (outside the square root), as upstream."""
+
+
+def num_mapping_outputs(n: int) -> int:
+    """N = n*n + 2n, the width of the projection."""
+    return n * n + 2 * n
+
+
+def mapping(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    alpha_pre: torch.Tensor,
+    alpha_post: torch.Tensor,
+    alpha_res: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
+    norm_eps: float = NORM_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Coefficients of one mHC sublayer for `T` tokens.
+
+    Args:
+        x: `[T, n*C]` flattened streams (stream-major).
+        weight: `[N, n*C]`, N = n*n + 2n, layout `[pre(n) | post(n) | res(n*n)]`.
+        alpha_pre, alpha_post, alpha_res: `[1]` gating scalars.
+        bias: `[N]`.
+        n: residual streams.
+
+    Returns:
+        `h_pre [T, n]`, `h_post [T, n]`, `h_res_logits [T, n, n]`.
+    """
+    op = "mapping"
+    spec = get_variant(variant)
+    check_streams(n, op=op)
+    check_rank(x, 2, name="x", op=op, layout="[T, n*C]")
+    width = x.shape[1]
+    if width % n != 0 or width == 0:
+        raise ValueError(f"{op}: x width n*C={width} is not a positive multiple of n={n}; x is {shape_str(x)}")
+    big_n = num_mapping_outputs(n)
+    check_dim(weight, (big_n, width), name="weight", op=op, layout="[N, n*C]")
+    for name, a in (("alpha_pre", alpha_pre), ("alpha_post", alpha_post), ("alpha_res", alpha_res)):
+        check_dim(a, (1,), name=name, op=op, layout="[1]")
+    check_dim(bias, (big_n,), name="bias", op=op, layout="[N]")
+
+    compute = torch.promote_types(x.dtype, torch.float32) if spec.mapping_fp32 else x.dtype
+    xc = x.to(compute)
+    proj = xc @ weight.to(compute).t()  # [T, N]
+    rms = torch.linalg.vector_norm(xc, dim=-1, keepdim=True) / math.sqrt(width)
+    r = 1.0 / (rms + norm_eps)  # [T, 1]
+    alpha = torch.cat(
+        [
+            alpha_pre.to(compute).expand(n),
+            alpha_post.to(compute).expand(n),
+            alpha_res.to(compute).expand(n * n),
+        ]
+    )
+    h = r * proj * alpha + bias.to(compute)
+    h_pre = torch.sigmoid(h[:, :n])
+    if spec.h_pre_eps:
+        h_pre = h_pre + spec.h_pre_eps
+    h_post = 2.0 * torch.sigmoid(h[:, n : 2 * n])
+    h_res_logits = h[:, 2 * n :].reshape(x.shape[0], n, n)
+    if spec.coefficients_in_activation_dtype:
+        h_pre, h_post, h_res_logits = (t.to(x.dtype) for t in (h_pre, h_post, h_res_logits))
+    return h_pre, h_post, h_res_logits

@@ -1,0 +1,71 @@
+"""Residual mix + expanded branch + bias-dropout-add.
+
+`h_post_bda(h_res[T, n, n], residual[T, n, C], h_post[T, n], y[T, C], bias[C] | None,
+            dropout_p, training, variant) -> [T, n, C]`
+
+    mix_i    = sum_j H[i, j] * residual_j     (paper, megatron_main: H @ x)
+    mix_i    = sum_j H[j, i] * residual_j     (megatron_dev: H^T @ x)
+    out      = mix + dropout(h_post_i * (y + bias), p)     dropout on the expanded [T, n, C] branch,
+                                                          as Megatron's bias-dropout-add does
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mhc_core.ops._checks import check_dim, check_rank
+from mhc_core.variants import Variant, VariantSpec, get_variant
+
+__all__ = ["h_post_bda", "apply_h_res"]
+
+
+def apply_h_res(h_res: torch.Tensor, residual: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`[T, n, n] x [T, n, C] -> [T, n, C]`, `H @ x` or `H^T @ x`, accumulated in fp32 at least."""
+    acc = torch.promote_types(torch.promote_types(residual.dtype, h_res.dtype), torch.float32)
+    eq = "tji,tjc->tic" if transposed else "tij,tjc->tic"
+    return torch.einsum(eq, h_res.to(acc), residual.to(acc))
+
+
+def h_post_bda(
+    h_res: torch.Tensor,
+    residual: torch.Tensor,
+    h_post: torch.Tensor,
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
+) -> torch.Tensor:
+    """New `n`-stream residual after one sublayer.
+
+    Args:
+        h_res: `[T, n, n]` residual mixing matrix.
+        residual: `[T, n, C]` the sublayer's input streams.
+        h_post: `[T, n]` output gates.
+        y: `[T, C]` the sublayer's output (without its bias).
+        bias: `[C]` or None, the sublayer's output bias.
+        dropout_p: hidden dropout probability, applied to the expanded branch when `training`.
+
+    Returns:
+        `[T, n, C]` in `residual.dtype`.
+    """
+    op = "h_post_bda"
+    spec = get_variant(variant)
+    check_rank(residual, 3, name="residual", op=op, layout="[T, n, C]")
+    t, n, c = residual.shape
+    check_dim(h_res, (t, n, n), name="h_res", op=op, layout="[T, n, n]")
+    check_dim(h_post, (t, n), name="h_post", op=op, layout="[T, n]")
+    check_dim(y, (t, c), name="y", op=op, layout="[T, C]")
+    if bias is not None:
+        check_dim(bias, (c,), name="bias", op=op, layout="[C]")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"{op}: dropout_p={dropout_p!r} must be in [0, 1)")
+
+    mix = apply_h_res(h_res, residual, spec.res_transposed)
+    acc = mix.dtype
+    branch_in = y.to(acc) if bias is None else y.to(acc) + bias.to(acc)
+    branch = h_post.to(acc).unsqueeze(-1) * branch_in.unsqueeze(-2)  # [T, n, C]
+    if training and dropout_p > 0:
+        branch = F.dropout(branch, p=float(dropout_p), training=True)
+    return (mix + branch).to(residual.dtype)

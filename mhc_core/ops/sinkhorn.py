@@ -1,0 +1,120 @@
+"""Sinkhorn-Knopp projection onto doubly stochastic matrices, in the three variants.
+
+`sinkhorn(logits[..., n, n], iterations, eps=None, variant=...) -> [..., n, n]`
+
+The autograd function saves only its input: the backward recomputes the iterations from it, so the
+bytes kept for backward do not grow with `iterations`.
+
+Per variant (see `mhc_core.variants`):
+- `paper`: `M = exp(Z)`, then `iterations` times column-normalise, row-normalise. Computed in the
+  log domain (`log M -= logsumexp`), which is the same arithmetic without overflow: the row sums
+  are exact after any iteration count, at any logit scale.
+- `megatron_main`: `M = exp(Z - rowmax(Z))`, then row / `clamp(rowsum, eps)`, column /
+  `clamp(colsum, eps)`; eps = 1e-6. Column sums are exact unless a whole column underflows
+  (every logit in it more than ~87 below its row maximum in fp32), where upstream's clamp
+  leaves that column at zero.
+- `megatron_dev`: `M = softmax(Z) + eps`, one column step, then `iterations - 1` times row /
+  `(rowsum + eps)`, column / `(colsum + eps)`; eps = 1e-6. No sum is exact: the last column sums
+  are `S / (S + eps)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mhc_core.ops._checks import check_finite, check_rank, shape_str
+from mhc_core.variants import Variant, VariantSpec, get_variant
+
+__all__ = ["sinkhorn", "sinkhorn_iterate"]
+
+
+def _normalise(m: torch.Tensor, dim: int, guard: str, eps: float) -> torch.Tensor:
+    s = m.sum(dim=dim, keepdim=True)
+    if guard == "clamp":
+        return m / s.clamp(min=eps)
+    if guard == "add":
+        return m / (s + eps)
+    return m / s
+
+
+def sinkhorn_iterate(logits: torch.Tensor, iterations: int, eps: float, spec: VariantSpec) -> torch.Tensor:
+    """The plain differentiable iteration of `spec` on `logits[..., n, n]` (no checks, no recompute)."""
+    if spec.sinkhorn_start == "exp":
+        # paper: exp(Z) then (column, row) normalisations, carried out in the log domain.
+        log_m = logits
+        for _ in range(iterations):
+            log_m = log_m - torch.logsumexp(log_m, dim=-2, keepdim=True)
+            log_m = log_m - torch.logsumexp(log_m, dim=-1, keepdim=True)
+        return torch.exp(log_m)
+    if spec.sinkhorn_start == "exp_rowmax":
+        # megatron_main: the rowmax is a per-row constant that the first row step cancels, so it
+        # is detached, as upstream's backward does.
+        m = torch.exp(logits - logits.detach().amax(dim=-1, keepdim=True))
+        for _ in range(iterations):
+            m = _normalise(m, -1, "clamp", eps)
+            m = _normalise(m, -2, "clamp", eps)
+        return m
+    # megatron_dev
+    m = torch.softmax(logits, dim=-1) + eps
+    m = _normalise(m, -2, "add", eps)
+    for _ in range(iterations - 1):
+        m = _normalise(m, -1, "add", eps)
+        m = _normalise(m, -2, "add", eps)
+    return m
+
+
+class _SinkhornRecompute(torch.autograd.Function):
+    """Forward without a graph; backward re-runs the iteration from the saved logits."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iterations: int, eps: float, spec: VariantSpec):
+        ctx.iterations, ctx.eps, ctx.spec = iterations, eps, spec
+        ctx.save_for_backward(logits)
+        with torch.no_grad():
+            return sinkhorn_iterate(logits, iterations, eps, spec)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        with torch.enable_grad():
+            z = logits.detach().requires_grad_(True)
+            out = sinkhorn_iterate(z, ctx.iterations, ctx.eps, ctx.spec)
+            (grad,) = torch.autograd.grad(out, z, grad_out)
+        return grad, None, None, None
+
+
+def sinkhorn(
+    logits: torch.Tensor,
+    iterations: int = 20,
+    eps: float | None = None,
+    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
+) -> torch.Tensor:
+    """Project `logits[..., n, n]` onto (approximately) doubly stochastic matrices `[..., n, n]`.
+
+    Args:
+        logits: `[..., n, n]`, any float dtype; the math runs in fp32 at least (fp64 stays fp64)
+            and the result is cast back to `logits.dtype`.
+        iterations: number of Sinkhorn iterations, >= 1.
+        eps: guard of the variant; None takes the variant's (1e-6 for both Megatron variants).
+        variant: `paper`, `megatron_main` or `megatron_dev`.
+
+    Returns:
+        `[..., n, n]` with non-negative entries; which sums are exact is `get_variant(v).exact_sums`.
+    """
+    spec = get_variant(variant)
+    op = "sinkhorn"
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
+        check_rank(logits, 2, name="logits", op=op, layout="[..., n, n]")
+    if logits.shape[-1] != logits.shape[-2] or logits.shape[-1] < 1:
+        raise ValueError(f"{op}: logits must have shape [..., n, n] with n >= 1, got {shape_str(logits)}")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"{op}: iterations={iterations!r} must be an integer >= 1")
+    eps = spec.sinkhorn_eps if eps is None else float(eps)
+    if eps < 0:
+        raise ValueError(f"{op}: eps={eps!r} must be >= 0")
+    if not logits.is_floating_point():
+        raise ValueError(f"{op}: logits must be a floating tensor, got dtype {logits.dtype}")
+    check_finite(logits, name="logits", op=op)
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    out = _SinkhornRecompute.apply(logits.to(compute), iterations, eps, spec)
+    return out.to(logits.dtype)
