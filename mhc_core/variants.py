@@ -21,7 +21,7 @@ from typing import Literal
 __all__ = ["Variant", "VariantSpec", "VARIANTS", "get_variant"]
 
 
-class Variant(str, enum.Enum):
+class Variant(enum.StrEnum):
     """A named numeric convention of mHC."""
 
     PAPER = "paper"

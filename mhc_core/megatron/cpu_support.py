@@ -1,0 +1,245 @@
+"""Run megatron-core on a machine without CUDA (gloo, CPU tensors): explicit, reversible patches.
+
+megatron-core assumes a GPU in a handful of places that a CPU run reaches. Each place is one
+`Workaround` below; `install()` applies them, `uninstall()` reverts them, `cpu_support()` does both
+around a block. Nothing happens at import, and on a machine where `torch.cuda.is_available()` all
+three are no-ops (the stock code is right there).
+
+| name | failure point (megatron-core 0.16.1) | patch |
+|---|---|---|
+| `rng_tracker` | `model_parallel_cuda_manual_seed` -> `CudaRNGStatesTracker.add` calls `torch.cuda.get_rng_state()`; `fork()` (embedding / attention dropout, GPU weight init) swaps CUDA generator states | `add` / `fork` keep named CPU generator states instead |
+| `memory_buffer` | `GlobalMemoryBuffer.get_tensor` (local-spec `DotProductAttention`) allocates on `torch.cuda.current_device()` | `megatron.core.utils` sees a torch whose `cuda.current_device()` is the CPU |
+| `rotary` | `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` (and `__init__` without `use_cpu_initialization`) | same shim in `...embeddings.rotary_pos_embedding` |
+| `schedules` | `forward_backward_no_pipelining` / `..._pipelining_*` create `total_num_tokens` with `device="cuda"` | same shim in `megatron.core.pipeline_parallel.schedules`: factory `device="cuda"` -> CPU |
+| `p2p` | `P2PCommunicator` allocates receive buffers on `torch.cuda.current_device()` and calls `torch.cuda.synchronize()` after batched p2p | same shim in `megatron.core.pipeline_parallel.p2p_communication`; `synchronize` is a no-op |
+
+The "shim" replaces the module-global name `torch` in that one megatron-core module by a thin
+proxy that forwards every attribute to torch except the three CUDA-only calls above; restoring the
+global undoes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+import types
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "WORKAROUNDS",
+    "Workaround",
+    "cpu_support",
+    "install",
+    "installed",
+    "needed",
+    "uninstall",
+]
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn")
+_CPU = torch.device("cpu")
+
+
+def _cpu_device(device: Any) -> Any:
+    """`device` with every CUDA device replaced by the CPU (anything else unchanged)."""
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _CPU  # a bare index means a CUDA ordinal
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+        return _CPU
+    return device
+
+
+class _CudaOnCpu:
+    """Stands in for `torch.cuda` inside one patched module: the current device is the CPU."""
+
+    def __init__(self, real: types.ModuleType):
+        self._real = real
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return _CPU
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """Stands in for `torch` inside one patched module; forwards everything else to torch."""
+
+    def __init__(self) -> None:
+        super().__init__("torch", "torch, as seen by a megatron-core module patched by mhc_core cpu_support")
+        self.cuda = _CudaOnCpu(torch.cuda)
+        for name in _FACTORIES:
+            setattr(self, name, self._factory(getattr(torch, name)))
+
+    @staticmethod
+    def _factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        factory.__name__ = factory.__qualname__ = fn.__name__
+        return factory
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _shim_module(module_name: str) -> Callable[[], None]:
+    module = importlib.import_module(module_name)
+    original = module.__dict__["torch"]
+    module.torch = _TorchOnCpu()
+
+    def undo() -> None:
+        module.torch = original
+
+    return undo
+
+
+def _patch_rng_tracker() -> Callable[[], None]:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cls = mrandom.CudaRNGStatesTracker
+    originals = {"add": cls.__dict__["add"], "fork": cls.__dict__["fork"]}
+    default_name = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME
+
+    def add(self: Any, name: str, seed: int) -> None:
+        """Track a named generator state seeded with `seed` (a CPU generator state)."""
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self: Any, name: str = default_name) -> Iterator[None]:
+        """Run the block on the named state; the default CPU stream is left where it was."""
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        outer_state, outer_name = torch.get_rng_state(), self._current_state_name
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer_state)
+            self._current_state_name = outer_name
+
+    cls.add, cls.fork = add, fork
+
+    def undo() -> None:
+        cls.add, cls.fork = originals["add"], originals["fork"]
+
+    return undo
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """One CPU patch: where megatron-core fails without CUDA, and how to apply it."""
+
+    name: str
+    failure: str
+    """What raises without the patch."""
+    apply: Callable[[], Callable[[], None]]
+    """Applies the patch; returns the function that reverts it."""
+
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround(
+        "rng_tracker",
+        "CudaRNGStatesTracker.add/fork call torch.cuda.get_rng_state / the CUDA generators",
+        _patch_rng_tracker,
+    ),
+    Workaround(
+        "memory_buffer",
+        "GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device()",
+        lambda: _shim_module("megatron.core.utils"),
+    ),
+    Workaround(
+        "rotary",
+        "RotaryEmbedding moves inv_freq to torch.cuda.current_device()",
+        lambda: _shim_module("megatron.core.models.common.embeddings.rotary_pos_embedding"),
+    ),
+    Workaround(
+        "schedules",
+        'the forward-backward schedules create total_num_tokens with device="cuda"',
+        lambda: _shim_module("megatron.core.pipeline_parallel.schedules"),
+    ),
+    Workaround(
+        "p2p",
+        "P2PCommunicator allocates on torch.cuda.current_device() and calls torch.cuda.synchronize()",
+        lambda: _shim_module("megatron.core.pipeline_parallel.p2p_communication"),
+    ),
+)
+_BY_NAME = {w.name: w for w in WORKAROUNDS}
+_UNDO: dict[str, Callable[[], None]] = {}
+_LOCK = threading.RLock()
+
+
+def needed() -> bool:
+    """True when the workarounds apply: CUDA is not available."""
+    return not torch.cuda.is_available()
+
+
+def _select(names: Iterable[str] | None) -> list[str]:
+    if names is None:
+        return [w.name for w in WORKAROUNDS]
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in _BY_NAME]
+    if unknown:
+        raise ValueError(f"cpu_support: unknown workaround(s) {unknown}; valid: {sorted(_BY_NAME)}")
+    return names
+
+
+def install(names: Iterable[str] | None = None) -> frozenset[str]:
+    """Apply the workarounds `names` (default: all) that are not applied yet.
+
+    A no-op when CUDA is available. Returns the names this call applied.
+    """
+    names = _select(names)
+    if not needed():
+        return frozenset()
+    applied = []
+    with _LOCK:
+        for name in names:
+            if name not in _UNDO:
+                _UNDO[name] = _BY_NAME[name].apply()
+                applied.append(name)
+    return frozenset(applied)
+
+
+def uninstall(names: Iterable[str] | None = None) -> None:
+    """Revert the workarounds `names` (default: all) that are applied, newest first."""
+    names = _select(names)
+    with _LOCK:
+        for name in reversed([n for n in _UNDO if n in names]):
+            _UNDO.pop(name)()
+
+
+def installed() -> frozenset[str]:
+    """Names of the workarounds applied now."""
+    return frozenset(_UNDO)
+
+
+@contextlib.contextmanager
+def cpu_support(names: Iterable[str] | None = None) -> Iterator[frozenset[str]]:
+    """Apply the workarounds for the block; revert on exit only those this block applied."""
+    applied = install(names)
+    try:
+        yield applied
+    finally:
+        uninstall(applied)
