@@ -1,0 +1,230 @@
+"""``mhc-harness``: hw, run, recalibrate, diff, import-megatron, perf-history {append,check,plot}.
+
+Exit codes: 0 success; 1 a failure (test, golden mismatch, regression, differing files for
+``diff``) or a refused input (any :class:`~harness.errors.GoldenError`: malformed or non-finite
+file, unknown hardware key, failed recalibration run); 2 bad usage (arguments, unknown suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness.errors import GoldenError
+
+__all__ = ["build_parser", "main"]
+
+
+def _cmd_hw(args: argparse.Namespace) -> int:
+    from harness.hardware import detect_hardware
+
+    hw = detect_hardware(override=args.hw)
+    print(hw.key)
+    print(f"rule: {hw.rule}")
+    print(f"known: {'yes' if hw.known else 'no (recalibration needs --allow-unknown-hw)'}")
+    return 0
+
+
+def _dirs(args: argparse.Namespace) -> tuple[Path, Path]:
+    suites_dir = Path(args.suites_dir).resolve()
+    golden_dir = Path(args.golden_dir).resolve() if args.golden_dir else suites_dir.parent / "golden"
+    return suites_dir, golden_dir
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from harness.report import format_table, summary_rows, write_report
+    from harness.runner import run_suites
+
+    suites_dir, golden_dir = _dirs(args)
+    summary = run_suites(args.suites, suites_dir=suites_dir, out_dir=args.out, golden_dir=golden_dir, hw=args.hw,
+                         pytest_args=args.pytest_args, timeout_s=args.timeout)
+    for r in summary.runs:
+        print(f"{r.suite}: pytest exit {r.returncode}, {r.tests} tests, {r.failures} failures, {r.errors} errors, "
+              f"{r.skipped} skipped")
+        if not r.ok:
+            print(r.output_tail[-2000:])
+    rows = summary_rows(summary.cases)
+    print(format_table(rows) if rows else "no golden cases were checked")
+    for o in summary.cases:
+        if o.failed:
+            print(f"\n{o.suite}/{o.case} {o.status}:\n{o.message}")
+    report = write_report(summary, args.out, plots=not args.no_plots)
+    print(f"\nreport: {report}\nJUnit: {', '.join(str(r.junit) for r in summary.runs)}")
+    print("PASS" if summary.ok else "FAIL")
+    return 0 if summary.ok else 1
+
+
+def _cmd_recalibrate(args: argparse.Namespace) -> int:
+    import shlex
+
+    from harness.hardware import detect_hardware, require_known
+    from harness.recalibrate import recalibrate
+    from harness.runner import pytest_case_runner
+    from harness.store import GoldenStore
+
+    hw = detect_hardware(override=args.hw)
+    print(f"hardware key: {hw.key} ({hw.rule})")
+    require_known(hw.key, allow_unknown=args.allow_unknown_hw)
+    suites_dir, golden_dir = _dirs(args)
+    runner = pytest_case_runner(args.suite, args.case, suites_dir=suites_dir, golden_dir=golden_dir, hw=hw.key,
+                                pytest_args=shlex.split(args.pytest_args), timeout_s=args.timeout)
+    recalibrate(store=GoldenStore(golden_dir), hw=hw, suite=args.suite, case=args.case, runner=runner,
+                repeats=args.repeats, only_failing=args.only_failing, allow_unknown_hw=args.allow_unknown_hw,
+                dry_run=args.dry_run, commit_cwd=suites_dir.parent)
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from harness.recalibrate import mean_relative_change
+    from harness.schema import load_golden
+
+    a = load_golden(args.a, allow_nan_strings=args.allow_nan_strings)
+    b = load_golden(args.b, allow_nan_strings=args.allow_nan_strings)
+    print(f"A = {args.a}\nB = {args.b}")
+    differ = False
+    for m in [*a, *(k for k in b if k not in a)]:
+        if m not in b or m not in a:
+            print(f"  {m}: only in {'A' if m in a else 'B'}")
+            differ = True
+            continue
+        mr, mx, n = mean_relative_change(a[m], b[m])
+        only_a = sorted(set(a[m].steps) - set(b[m].steps))
+        only_b = sorted(set(b[m].steps) - set(a[m].steps))
+        differ |= bool(mx or only_a or only_b)
+        mr_s = "n/a" if mr is None else f"{mr:+.6e}"
+        print(f"  {m}: mean((A-B)/A) = {mr_s}, max |A-B| = {mx:.6g} over {n} common steps; "
+              f"steps only in A: {only_a or 'none'}; only in B: {only_b or 'none'}")
+    print("files differ" if differ else "identical values")
+    return 1 if differ else 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from harness.hardware import require_known, validate_hw_key
+    from harness.schema import load_golden
+    from harness.store import GoldenStore, build_meta
+
+    key = require_known(validate_hw_key(args.hw, field="--hw"), allow_unknown=args.allow_unknown_hw)
+    golden = load_golden(args.file, allow_nan_strings=True)
+    store = GoldenStore(args.golden_dir)
+    meta = build_meta(hw=key, suite=args.suite, case=args.case, golden=golden,
+                      source=f"import-megatron {Path(args.file).name}", repeats=1)
+    f = store.write(key, args.suite, args.case, golden, meta)
+    for m, s in golden.items():
+        print(f"  {m}: {len(s.values)} steps ({s.start_step}..{s.end_step} every {s.step_interval})")
+    print(f"wrote {f.json}")
+    return 0
+
+
+def _cmd_perf(args: argparse.Namespace) -> int:
+    from harness import perf_history as ph
+
+    if args.perf_cmd == "append":
+        from harness.hardware import detect_hardware
+        from harness.schema import parse_json
+
+        src = Path(args.benchmark_json)
+        doc = parse_json(src.read_text(encoding="utf-8"), source=str(src))
+        machine = doc.get("machine_info") if isinstance(doc, dict) else None
+        hw = args.hw or (machine or {}).get("mhc_hw") or detect_hardware().key
+        versions = (machine or {}).get("mhc_versions")
+        rec = ph.record_from_benchmark_json(doc, source=str(src), hw=hw, commit=args.commit,
+                                            versions=versions if isinstance(versions, dict) else None)
+        ph.append_record(args.history, rec)
+        print(f"appended {len(rec['benchmarks'])} benchmarks ({hw}, commit {rec['commit']}) to {args.history}")
+        return 0
+    records = ph.read_history(args.history)
+    if args.perf_cmd == "check":
+        verdicts = ph.check_history(records, window=args.window, band_slow=args.band_slow, band_fast=args.band_fast)
+        print(ph.format_verdicts(verdicts))
+        bad = {"regression"} | ({"improved"} if args.fail_on_improvement else set())
+        return 1 if any(v.status in bad for v in verdicts) else 0
+    for p in ph.plot_history(records, args.out):
+        print(f"wrote {p}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``mhc-harness``."""
+    p = argparse.ArgumentParser(prog="mhc-harness", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("hw", help="print the hardware key and the rule that chose it")
+    s.add_argument("--hw", help="override (else $MHC_HW, else detection)")
+    s.set_defaults(func=_cmd_hw)
+
+    def dirs(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--suites-dir", default="suites", help="directory holding the suites (default: ./suites)")
+        s.add_argument("--golden-dir", help="golden store (default: <suites-dir>/../golden)")
+        s.add_argument("--hw", help="hardware key (else $MHC_HW, else detection)")
+        s.add_argument("--pytest-args", default="", help="extra pytest arguments, one shell-quoted string")
+        s.add_argument("--timeout", type=float, default=None, help="seconds per pytest subprocess")
+
+    s = sub.add_parser("run", help="run suites through pytest, compare, report")
+    s.add_argument("suites", nargs="*", metavar="SUITE", help="suite names (default: all under --suites-dir)")
+    dirs(s)
+    s.add_argument("--out", default="results", help="report directory (default: ./results)")
+    s.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    s.set_defaults(func=_cmd_run)
+
+    s = sub.add_parser("recalibrate", help="run a case N times and rewrite its golden values")
+    s.add_argument("suite")
+    s.add_argument("case")
+    s.add_argument("--repeats", type=int, default=5, help="runs to average (default 5)")
+    s.add_argument("--only-failing", action="store_true", help="rewrite only if the current golden file fails")
+    s.add_argument("--allow-unknown-hw", action="store_true", help="allow a hardware key outside the known list")
+    s.add_argument("--dry-run", action="store_true", help="print the changes, write nothing")
+    dirs(s)
+    s.set_defaults(func=_cmd_recalibrate)
+
+    s = sub.add_parser("diff", help="compare two golden or result files")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--allow-nan-strings", action="store_true", help="accept legacy 'nan' strings (dropped)")
+    s.set_defaults(func=_cmd_diff)
+
+    s = sub.add_parser("import-megatron", help="import a Megatron golden_values_*.json as a case")
+    s.add_argument("file")
+    s.add_argument("suite")
+    s.add_argument("case")
+    s.add_argument("--hw", required=True)
+    s.add_argument("--golden-dir", default="golden")
+    s.add_argument("--allow-unknown-hw", action="store_true")
+    s.set_defaults(func=_cmd_import)
+
+    s = sub.add_parser("perf-history", help="append / check / plot the perf history")
+    ps = s.add_subparsers(dest="perf_cmd", required=True)
+    a = ps.add_parser("append", help="append a pytest-benchmark JSON file as one record")
+    a.add_argument("benchmark_json")
+    a.add_argument("--history", required=True, help="JSONL history file")
+    a.add_argument("--hw", help="hardware key (else machine_info.mhc_hw, else detection)")
+    a.add_argument("--commit", help="commit (else commit_info.id)")
+    c = ps.add_parser("check", help="newest record against the trailing median")
+    c.add_argument("--history", required=True)
+    c.add_argument("--window", type=int, default=5, help="previous records in the baseline (default 5)")
+    c.add_argument("--band-slow", type=float, default=0.10, help="regression band (default 0.10)")
+    c.add_argument("--band-fast", type=float, default=0.20, help="improvement band (default 0.20)")
+    c.add_argument("--fail-on-improvement", action="store_true")
+    pl = ps.add_parser("plot", help="one trend PNG per hardware and benchmark group")
+    pl.add_argument("--history", required=True)
+    pl.add_argument("--out", required=True)
+    s.set_defaults(func=_cmd_perf)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mhc-harness``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except GoldenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

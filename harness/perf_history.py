@@ -1,0 +1,198 @@
+"""Perf history: one JSONL record per benchmark run, regression checks, trend plots.
+
+A record (one line of the history file) is built from a pytest-benchmark JSON file::
+
+    {"date": ..., "commit": ..., "dirty": false, "hardware": "dgx_h100", "versions": {...},
+     "source": "0001_nightly.json",
+     "benchmarks": [{"key": "sinkhorn::test_sinkhorn[T512-n4]", "group": "sinkhorn",
+                     "name": "test_sinkhorn[T512-n4]", "params": {...}, "median_s": 1.2e-4,
+                     "mean_s": ..., "stddev_s": ..., "rounds": 100, "extra_info": {"bytes_per_s": ...}}]}
+
+:func:`check_history` compares the newest record's median time per benchmark against the median
+of the previous ``window`` records of the same hardware key that have it: slower than
+``baseline * (1 + band_slow)`` is a regression; faster than ``baseline * (1 - band_fast)`` is
+flagged as an improvement (a failure only with ``fail_on_improvement``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import re
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from harness.errors import GoldenFormatError
+from harness.provenance import package_versions, utc_now
+from harness.schema import parse_json
+
+__all__ = [
+    "PerfVerdict",
+    "append_record",
+    "check_history",
+    "format_verdicts",
+    "plot_history",
+    "read_history",
+    "record_from_benchmark_json",
+]
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def record_from_benchmark_json(doc: Any, *, source: str, hw: str, commit: str | None = None,
+                               versions: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Build a history record from a parsed pytest-benchmark JSON document; errors name ``source``."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
+        raise GoldenFormatError(f"{source}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
+    if not doc["benchmarks"]:
+        raise GoldenFormatError(f"{source}: 'benchmarks' is empty")
+    commit_info = doc.get("commit_info") if isinstance(doc.get("commit_info"), dict) else {}
+    benches = []
+    for i, b in enumerate(doc["benchmarks"]):
+        stats = b.get("stats") if isinstance(b, dict) else None
+        if not isinstance(stats, dict) or not isinstance(b.get("name"), str):
+            raise GoldenFormatError(f"{source}: benchmarks[{i}] lacks 'name' or 'stats'")
+        if not _num(stats.get("median")) or stats["median"] <= 0:
+            raise GoldenFormatError(f"{source}: benchmarks[{i}] ({b['name']}): stats.median={stats.get('median')!r} "
+                                    "must be a finite number > 0")
+        group = b.get("group")
+        benches.append({
+            "key": f"{group or 'ungrouped'}::{b['name']}", "group": group, "name": b["name"],
+            "fullname": b.get("fullname"), "params": b.get("params"), "median_s": float(stats["median"]),
+            "mean_s": stats.get("mean"), "stddev_s": stats.get("stddev"), "rounds": stats.get("rounds"),
+            "extra_info": b.get("extra_info") or {},
+        })
+    return {
+        "date": doc.get("datetime") or utc_now(), "commit": commit or commit_info.get("id"),
+        "dirty": commit_info.get("dirty"), "hardware": hw,
+        "versions": dict(versions) if versions is not None else package_versions(),
+        "source": Path(source).name, "benchmarks": benches,
+    }
+
+
+def append_record(history: str | Path, record: Mapping[str, Any]) -> None:
+    """Append one record as one line, under an exclusive lock on the history file."""
+    line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
+    history = Path(history)
+    history.parent.mkdir(parents=True, exist_ok=True)
+    with open(history, "a", encoding="utf-8") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        f.write(line)
+        f.flush()
+
+
+def read_history(history: str | Path) -> list[dict[str, Any]]:
+    """All records, oldest first; a malformed line is an error naming the file and line number."""
+    history = Path(history)
+    out = []
+    for n, line in enumerate(history.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        rec = parse_json(line, source=f"{history} line {n}")
+        if not isinstance(rec, dict) or not isinstance(rec.get("benchmarks"), list) or "hardware" not in rec:
+            raise GoldenFormatError(f"{history} line {n}: not a perf-history record")
+        out.append(rec)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerfVerdict:
+    """The newest median of one benchmark against its trailing baseline."""
+
+    key: str
+    status: Literal["ok", "regression", "improved", "no_baseline"]
+    measured_s: float
+    baseline_s: float | None
+    n_baseline: int
+    band_slow: float
+    band_fast: float
+    extra_info: dict[str, Any]
+
+    @property
+    def delta(self) -> float | None:
+        return None if self.baseline_s is None else self.measured_s / self.baseline_s - 1
+
+
+def check_history(records: Sequence[Mapping[str, Any]], *, window: int = 5, band_slow: float = 0.10,
+                  band_fast: float = 0.20) -> list[PerfVerdict]:
+    """Verdicts for every benchmark of the newest record (see the module docstring)."""
+    if window < 1:
+        raise ValueError(f"window={window!r} must be >= 1")
+    for name, v in (("band_slow", band_slow), ("band_fast", band_fast)):
+        if not _num(v) or v < 0:
+            raise ValueError(f"{name}={v!r} must be a finite number >= 0")
+    if not records:
+        raise ValueError("records: the history is empty")
+    newest = records[-1]
+    prev = [r for r in records[:-1] if r.get("hardware") == newest.get("hardware")]
+    out = []
+    for b in newest["benchmarks"]:
+        hist = [x["median_s"] for r in prev for x in r["benchmarks"] if x["key"] == b["key"]][-window:]
+        base = statistics.median(hist) if hist else None
+        m = b["median_s"]
+        status: Literal["ok", "regression", "improved", "no_baseline"] = "no_baseline"
+        if base is not None:
+            status = ("regression" if m > base * (1 + band_slow)
+                      else "improved" if m < base * (1 - band_fast) else "ok")
+        out.append(PerfVerdict(key=b["key"], status=status, measured_s=m, baseline_s=base, n_baseline=len(hist),
+                               band_slow=band_slow, band_fast=band_fast, extra_info=dict(b.get("extra_info") or {})))
+    return out
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:.4g} ms" if s >= 1e-3 else f"{s * 1e6:.4g} us"
+
+
+def format_verdicts(verdicts: Sequence[PerfVerdict]) -> str:
+    """One line per benchmark: status, key, measured, baseline, delta, band (and extra_info figures)."""
+    lines = []
+    for v in verdicts:
+        band = f"band -{v.band_fast:.0%}..+{v.band_slow:.0%}"
+        if v.baseline_s is None:
+            body = f"measured {_t(v.measured_s)}, no baseline yet (no earlier record on this hardware)"
+        else:
+            body = (f"measured {_t(v.measured_s)}, baseline {_t(v.baseline_s)} (median of {v.n_baseline}), "
+                    f"delta {v.delta:+.1%}, {band}")
+            if v.status == "improved":
+                body += " -> faster than the band: check the change and refresh expectations"
+        extra = ", ".join(f"{k}={val:.4g}" if _num(val) else f"{k}={val}" for k, val in v.extra_info.items())
+        lines.append(f"{v.status.upper():<12} {v.key}: {body}" + (f" [{extra}]" if extra else ""))
+    return "\n".join(lines)
+
+
+def plot_history(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
+    """One trend PNG per (hardware, group): median time per record, one line per benchmark."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    series: dict[tuple[str, str], dict[str, list[tuple[int, float]]]] = {}
+    for i, r in enumerate(records):
+        for b in r["benchmarks"]:
+            key = (str(r.get("hardware")), str(b.get("group") or "ungrouped"))
+            series.setdefault(key, {}).setdefault(b["name"], []).append((i, b["median_s"]))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for (hw, group), lines in sorted(series.items()):
+        fig = Figure(figsize=(8, 4), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        for name, pts in sorted(lines.items()):
+            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", markersize=3, label=name)
+        idx = sorted({p[0] for pts in lines.values() for p in pts})
+        ax.set_xticks(idx, [str(records[i].get("date", i))[:10] for i in idx], rotation=45, ha="right",
+                      fontsize=7)
+        ax.set_ylabel("median time [ms]")
+        ax.set_title(f"{group} on {hw}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        path = out_dir / f"perf_{re.sub(r'[^A-Za-z0-9_.-]+', '_', hw)}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', group)}.png"
+        fig.savefig(path)
+        paths.append(path)
+    return paths

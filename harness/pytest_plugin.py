@@ -1,0 +1,163 @@
+"""pytest plugin (entry point ``pytest11``): golden options, the ``golden_case`` marker and the
+``golden_metrics`` fixture. Thin on purpose: the logic lives in :mod:`harness.case_check`.
+
+Usage in a suite::
+
+    from harness import ExactCheck, ApproximateCheck
+
+    @pytest.mark.golden_case("gpt_tp1_pp1_mhc")        # optional: lets recalibration select it
+    def test_gpt_mhc(golden_metrics):
+        losses = train(...)                             # [50] per-step losses
+        golden_metrics.check("gpt_tp1_pp1_mhc", {"lm loss": losses},
+                             {"lm loss": (ExactCheck(), ApproximateCheck(rtol=0.05))})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from harness.case_check import GoldenSettings
+    from harness.compare import Check
+    from harness.results import CaseOutcome
+
+__all__ = ["GoldenMetrics", "suite_from_path"]
+
+_SETTINGS = pytest.StashKey["GoldenSettings"]()
+_SEEN = pytest.StashKey[dict[tuple[str, str], str]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("mhc-golden", "mHC golden values (harness)")
+    g.addoption("--hw", default=None, help="hardware key (overrides $MHC_HW and detection), e.g. dgx_h100")
+    g.addoption("--golden-dir", default=None, help="golden store root (default: <rootdir>/golden)")
+    g.addoption("--update-golden", choices=("failed", "all"), default=None,
+                help="failed: rewrite failing golden files and still fail; all: rewrite every file and pass")
+    g.addoption("--mhc-results-dir", default=None,
+                help="write each case's actual values and outcome under this directory")
+    g.addoption("--mhc-record-only", action="store_true", default=False,
+                help="record actual values without failing on golden values (used by recalibrate)")
+    g.addoption("--mhc-case", action="append", default=[], metavar="CASE",
+                help="run only tests that may hand this case to golden_metrics (repeatable)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "golden_case(*names): the golden case names a test hands to golden_metrics "
+        "(lets --mhc-case select it without running the others)")
+    if config.getoption("update_golden") and config.getoption("mhc_record_only"):
+        raise pytest.UsageError("--update-golden and --mhc-record-only are exclusive")
+
+
+def _uses_fixture(item: pytest.Item) -> bool:
+    return "golden_metrics" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = set(config.getoption("mhc_case"))
+    if not wanted:
+        return
+    keep, drop = [], []
+    for item in items:
+        names = {n for m in item.iter_markers("golden_case") for n in m.args}
+        (keep if _uses_fixture(item) and (not names or names & wanted) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def suite_from_path(path: Path) -> str | None:
+    """The suite of a test file: the directory right after the last ``suites`` in its path."""
+    parts = Path(path).parts
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] == "suites":
+            return parts[i + 1]
+    return None
+
+
+def _settings(config: pytest.Config) -> GoldenSettings:
+    if _SETTINGS not in config.stash:
+        from harness.case_check import GoldenSettings
+        from harness.hardware import detect_hardware
+
+        def _path(opt: str) -> Path | None:
+            v = config.getoption(opt)
+            return None if v is None else Path(config.invocation_params.dir, v).resolve()
+
+        config.stash[_SETTINGS] = GoldenSettings(
+            golden_dir=_path("golden_dir") or Path(config.rootpath, "golden"),
+            hw=detect_hardware(override=config.getoption("hw")),
+            update=config.getoption("update_golden"),
+            results_dir=_path("mhc_results_dir"),
+            record_only=config.getoption("mhc_record_only"),
+            commit_cwd=config.rootpath,
+        )
+    return config.stash[_SETTINGS]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict[str, Any]) -> None:
+    """Add the hardware key and package versions to pytest-benchmark's machine_info (read by perf-history)."""
+    from harness.provenance import package_versions
+
+    machine_info["mhc_hw"] = _settings(config).hw.key
+    machine_info["mhc_versions"] = package_versions()
+
+
+class GoldenMetrics:
+    """The ``golden_metrics`` fixture: hand a case's metrics over with ``check``."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self._request = request
+
+    @property
+    def settings(self) -> GoldenSettings:
+        """Golden dir, hardware key and mode of this session."""
+        return _settings(self._request.config)
+
+    def check(self, case: str, metrics: Mapping[str, Any], checks: Mapping[str, Check | Sequence[Check]], *,
+              suite: str | None = None) -> CaseOutcome:
+        """Compare ``metrics`` with ``golden/<hw>/<suite>/<case>.json`` using ``checks``; fail the test on mismatch.
+
+        ``metrics``: ``{metric: [v_step1, v_step2, ...]}``, ``{metric: {step: v}}`` or golden schema.
+        ``checks``: ``{metric: check or (checks...)}``; only these metrics are compared, all are stored.
+        ``suite``: default ``suites/<suite>/...`` of the test file.
+        """
+        __tracebackhide__ = True
+        from harness.case_check import check_case
+        from harness.errors import GoldenError
+
+        node = self._request.node
+        suite = suite or suite_from_path(node.path)
+        if suite is None:
+            pytest.fail(f"{node.nodeid}: cannot derive the suite from {node.path} (not under suites/<suite>/); "
+                        "pass suite= to golden_metrics.check", pytrace=False)
+        declared = {n for m in node.iter_markers("golden_case") for n in m.args}
+        if declared and case not in declared:
+            pytest.fail(f"{node.nodeid}: case {case!r} is not among its golden_case marker names {sorted(declared)}",
+                        pytrace=False)
+        seen = self._request.config.stash.setdefault(_SEEN, {})
+        if seen.get((suite, case), node.nodeid) != node.nodeid:
+            pytest.fail(f"{node.nodeid}: case {suite}/{case} was already checked by {seen[(suite, case)]}; "
+                        "case names must be unique", pytrace=False)
+        seen[(suite, case)] = node.nodeid
+        try:
+            outcome = check_case(self.settings, suite=suite, case=case, metrics=metrics, checks=checks,
+                                 nodeid=node.nodeid)
+        except (GoldenError, ValueError) as exc:
+            pytest.fail(f"{suite}/{case}: {exc}", pytrace=False)
+        if outcome.failed:
+            pytest.fail(outcome.message, pytrace=False)
+        return outcome
+
+
+@pytest.fixture
+def golden_metrics(request: pytest.FixtureRequest) -> GoldenMetrics:
+    """Hand a case's per-step metrics to the golden store: ``golden_metrics.check(case, metrics, checks)``."""
+    return GoldenMetrics(request)
+
+

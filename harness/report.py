@@ -1,0 +1,122 @@
+"""Reports of a ``mhc-harness run``: summary table (terminal), Markdown report and plots.
+
+``write_report`` writes ``report.md`` into the output directory with the per-suite pytest
+counts, one row per golden check (suite, case, metric, status, worst delta), the failure
+messages, and PNGs under ``plots/``: golden vs actual loss curves per case, and baseline vs mHC
+overlays for case pairs named by :func:`harness.plots.mhc_pairs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness.errors import GoldenError
+from harness.plots import loss_metrics, mhc_pairs, plot_case, plot_overlay
+from harness.provenance import utc_now
+from harness.results import CaseOutcome, load_actual
+from harness.runner import RunSummary
+from harness.schema import load_golden
+
+__all__ = ["format_table", "summary_rows", "write_plots", "write_report"]
+
+_HEADER = ("suite", "case", "metric", "check", "status", "worst delta")
+
+
+def _delta(c) -> str:
+    if c.worst_rel is not None:
+        where = f" @ step {c.worst_step}" if c.worst_step is not None else " (median)"
+        return f"{c.worst_rel:+.3e} rel{where}"
+    if c.worst_delta is not None:
+        return f"{c.worst_delta:+.4g} abs"
+    return "-"
+
+
+def summary_rows(cases: Sequence[CaseOutcome]) -> list[tuple[str, ...]]:
+    """One row per check (or one per case without checks): suite, case, metric, check, status, worst delta."""
+    rows: list[tuple[str, ...]] = []
+    for o in cases:
+        status = o.status + (" (rewritten)" if o.rewritten and o.status != "written" else "")
+        if not o.checks:
+            rows.append((o.suite, o.case, "-", "-", status, "-"))
+        for c in o.checks:
+            rows.append((o.suite, o.case, c.metric, c.check, c.status, _delta(c)))
+    return rows
+
+
+def format_table(rows: Sequence[Sequence[str]], header: Sequence[str] = _HEADER) -> str:
+    """A fixed-width text table."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([line.format(*header), line.format(*("-" * w for w in widths)),
+                      *(line.format(*r) for r in rows)])
+
+
+def _slug(*parts: str) -> str:
+    return "__".join(p.replace("/", "_").replace(" ", "_") for p in parts)
+
+
+def write_plots(summary: RunSummary, plots_dir: Path) -> list[tuple[str, Path]]:
+    """Golden-vs-actual loss curves per case and baseline-vs-mHC overlays; returns ``(caption, png)``."""
+    out: list[tuple[str, Path]] = []
+    by_suite: dict[str, dict[str, object]] = {}
+    for o in summary.cases:
+        try:
+            actual = load_actual(summary.results_dir, o.suite, o.case)
+            golden = load_golden(o.golden_path) if o.golden_path and Path(o.golden_path).is_file() else None
+        except GoldenError:
+            continue
+        if actual is None:
+            continue
+        by_suite.setdefault(o.suite, {})[o.case] = actual
+        metrics = loss_metrics(actual)
+        if metrics:
+            png = plot_case(actual, golden, metrics=metrics, path=plots_dir / f"{_slug(o.suite, o.case)}.png",
+                            title=f"{o.suite}/{o.case} on {o.hw}: golden vs actual")
+            out.append((f"{o.suite}/{o.case}: golden vs actual", png))
+    for suite, cases in by_suite.items():
+        for base, mhc in mhc_pairs(cases):
+            for m in loss_metrics(cases[mhc]):
+                if m in cases[base]:
+                    png = plot_overlay({base: cases[base][m], mhc: cases[mhc][m]}, metric=m,
+                                       path=plots_dir / f"{_slug(suite, base, 'vs', mhc, m)}.png",
+                                       title=f"{suite}: {base} vs {mhc} ({m})")
+                    out.append((f"{suite}: {base} vs {mhc} ({m})", png))
+    return out
+
+
+def write_report(summary: RunSummary, out_dir: str | Path, *, plots: bool = True) -> Path:
+    """Write ``<out_dir>/report.md`` (and PNGs under ``<out_dir>/plots``); returns the report path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = ["# mHC harness report", "",
+          f"- date: {utc_now()}", f"- hardware key: {summary.hw or '(detected per run)'}",
+          f"- golden dir: `{summary.golden_dir}`", f"- result: **{'PASS' if summary.ok else 'FAIL'}**", "",
+          "## Suites", "", "| suite | pytest exit | tests | failures | errors | skipped | JUnit |",
+          "|---|---|---|---|---|---|---|"]
+    for r in summary.runs:
+        md.append(f"| {r.suite} | {r.returncode} | {r.tests} | {r.failures} | {r.errors} | {r.skipped} | "
+                  f"`{r.junit.name}` |")
+    md += ["", "## Golden checks", ""]
+    rows = summary_rows(summary.cases)
+    if rows:
+        md += ["| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]
+        md += ["| " + " | ".join(r) + " |" for r in rows]
+    else:
+        md.append("No case handed metrics to `golden_metrics`.")
+    failed = [o for o in summary.cases if o.failed]
+    bad_runs = [r for r in summary.runs if not r.ok]
+    if failed or bad_runs:
+        md += ["", "## Failures", ""]
+        for o in failed:
+            md += [f"### {o.suite}/{o.case} ({o.status})", "", "```text", o.message, "```", ""]
+        for r in bad_runs:
+            md += [f"### pytest {r.suite} (exit {r.returncode})", "", "```text", r.output_tail[-2500:], "```", ""]
+    if plots:
+        pngs = write_plots(summary, out_dir / "plots")
+        if pngs:
+            md += ["", "## Plots", ""]
+            md += [f"![{cap}]({png.relative_to(out_dir).as_posix()})\n" for cap, png in pngs]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,95 @@
+"""Compare a pipelined run's per-rank records with the single-process reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["RunRecord", "load_run", "compare_to_reference"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    """Losses (last stage), and per step `{full name: [(value, partition_dim, tp_rank, tp_size), ...]}`."""
+
+    losses: list[list[float]]
+    grads: list[dict[str, list[dict]]]
+    weights: list[dict[str, list[dict]]]
+    shapes: dict[int, list[tuple[str, tuple[int, ...]]]]
+
+
+def load_run(directory: Path) -> RunRecord:
+    """Merge the `rank<r>.pt` files of one run."""
+    files = sorted(Path(directory).glob("rank*.pt"), key=lambda f: int(f.stem[4:]))
+    if not files:
+        raise FileNotFoundError(f"no rank*.pt files in {directory}")
+    records = [torch.load(f) for f in files]
+    steps = len(records[0]["grads"])
+    losses = [r["losses"] for r in records if r["losses"] and r["losses"][0]]
+    merged_g: list[dict] = [{} for _ in range(steps)]
+    merged_w: list[dict] = [{} for _ in range(steps)]
+    for r in records:
+        for step in range(steps):
+            for src, dst in ((r["grads"][step], merged_g[step]), (r["weights"][step], merged_w[step])):
+                for name, entry in src.items():
+                    dst.setdefault(name, []).append(entry)
+    return RunRecord(
+        losses=losses[0] if losses else [],
+        grads=merged_g,
+        weights=merged_w,
+        shapes={r["rank"]: r["shapes"] for r in records},
+    )
+
+
+FLOOR = 1e-3
+"""A tensor is compared relative to max(max |ref|, FLOOR * the largest |ref| entry of the model
+at that step): fp32 rounding in a cancellation-dominated gradient (an alpha whose gradient is
+1e-9 while the model's is 0.1) is not a pipeline error, but a missing microbatch still is."""
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor, model_scale: float) -> float:
+    scale = max(float(expected.abs().max()), FLOOR * model_scale, 1e-30)
+    return float((actual - expected).abs().max()) / scale
+
+
+def compare_to_reference(run: RunRecord, ref: RunRecord, rtol: float) -> list[str]:
+    """Every mismatch as a line with the numbers; empty when the run reproduces the reference.
+
+    Losses compare per microbatch (relative); each gradient / weight tensor compares as
+    max |a - e| / max(max |e|, FLOOR * model scale) over the tensor (the TP slice a rank holds
+    against the same slice of the reference).
+    """
+    problems = []
+    if len(run.losses) != len(ref.losses):
+        problems.append(f"losses: {len(run.losses)} steps vs reference {len(ref.losses)}")
+    for step, (got, want) in enumerate(zip(run.losses, ref.losses, strict=False)):
+        for mb, (a, e) in enumerate(zip(got, want, strict=True)):
+            if abs(a - e) > rtol * abs(e):
+                problems.append(f"loss step {step} microbatch {mb}: {a:.9g} vs reference {e:.9g}")
+    for kind, mine, theirs in (("grad", run.grads, ref.grads), ("weight", run.weights, ref.weights)):
+        for step, (got, want) in enumerate(zip(mine, theirs, strict=True)):
+            model_scale = max(float(v[0]["value"].abs().max()) for v in want.values() if v[0]["value"].numel())
+            missing = sorted(set(want) - set(got))
+            if missing:
+                problems.append(f"{kind} step {step}: parameters missing from the pipelined run: {missing[:5]}")
+            for name, entries in got.items():
+                if name not in want:
+                    problems.append(f"{kind} step {step}: {name} not in the reference")
+                    continue
+                full = want[name][0]["value"]
+                for e in entries:
+                    expected = full
+                    if e["partition_dim"] is not None:
+                        expected = full.chunk(e["tp_size"], dim=e["partition_dim"])[e["tp_rank"]]
+                    if expected.shape != e["value"].shape:
+                        problems.append(f"{kind} step {step} {name}: shape {list(e['value'].shape)} vs {list(expected.shape)}")
+                        continue
+                    rel = _relative(e["value"], expected, model_scale)
+                    if not rel <= rtol:
+                        problems.append(
+                            f"{kind} step {step} {name} (tp rank {e['tp_rank']}): max rel err {rel:.3e} > {rtol:g}; "
+                            f"max |ref| {float(expected.abs().max()):.3e}"
+                        )
+    return problems

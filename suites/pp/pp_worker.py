@@ -1,0 +1,242 @@
+"""One rank of a pipeline-parallel mHC GPT training run (launched by `torchrun`; gloo on CPU).
+
+Every case (and the single-process reference) trains the same tiny mHC GPT for `--steps` steps of
+`--microbatches` microbatches with plain SGD. The reference (PP = TP = 1) also writes the initial
+full state dict, which every pipelined rank loads (layers mapped by global layer number, TP shards
+sliced), so all runs start from the same weights. Each rank writes `rank<r>.pt` with its
+microbatch losses, gradients and post-step weights (keyed by full parameter name, with the TP slice
+they hold) and every P2P shape it sent or received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab=64, seq=16, mbs=2, n=4)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--embedding-stage", action="store_true", help="account_for_embedding_in_pipeline_split")
+    p.add_argument("--loss-stage", action="store_true", help="account_for_loss_in_pipeline_split")
+    p.add_argument("--no-mhc", action="store_true")
+    p.add_argument("--init", default=None, help="state dict to start from (written by the reference)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--crash-rank", type=int, default=None, help="test hook: this rank dies mid-run")
+    p.add_argument("--hang-rank", type=int, default=None, help="test hook: this rank sleeps forever")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from mhc_core.megatron import cpu_support
+    from mhc_core.megatron.config import MHCTransformerConfig
+    from mhc_core.megatron.gpt import build_gpt_model
+    from mhc_core.megatron.pipeline import NStreamP2PCommunicator, enable_mhc_pipeline
+
+    cpu_support.install()
+    enable_mhc_pipeline()
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    class RecordingP2P(NStreamP2PCommunicator):
+        """The installed communicator, recording every shape it receives or sends."""
+
+        def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, **kw):
+            widened = self._widen(tensor_shape)
+            if recv_prev:
+                shapes.append(("recv_prev", tuple(widened)))
+            if recv_next:
+                shapes.append(("recv_next", tuple(widened)))
+            if tensor_send_next is not None:
+                shapes.append(("send_next", tuple(tensor_send_next.shape)))
+            if tensor_send_prev is not None:
+                shapes.append(("send_prev", tuple(tensor_send_prev.shape)))
+            return super()._communicate(
+                tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev, recv_prev=recv_prev,
+                recv_next=recv_next, tensor_shape=tensor_shape, **kw,
+            )
+
+    schedules.P2PCommunicator = RecordingP2P
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+    )
+    model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+
+    m = MODEL
+    config = MHCTransformerConfig(
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+        sequence_parallel=args.sp,
+        account_for_embedding_in_pipeline_split=args.embedding_stage,
+        account_for_loss_in_pipeline_split=args.loss_stage,
+        enable_mhc_connections=not args.no_mhc,
+        mhc_num_residual_streams=m["n"],
+        deallocate_pipeline_outputs=False,
+        # Unbatched P2P orders sends/receives by rank parity. Batched P2P posts them in one fixed
+        # order; gloo matches messages between a pair of ranks first-in-first-out, so with PP = 2
+        # under VPP (both neighbours are the same rank) an activation lands in a gradient buffer.
+        batch_p2p_comm=False,
+    )
+    vpp = args.vpp or 1
+    chunks = []
+    for vp in range(vpp):
+        vp_stage = vp if args.vpp else None
+        chunks.append(
+            build_gpt_model(
+                config,
+                vocab_size=m["vocab"],
+                max_sequence_length=m["seq"],
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                vp_stage=vp_stage,
+                share_embeddings_and_output_weights=False,
+            )
+        )
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), args.tp
+    names = [_full_names(c) for c in chunks]
+
+    out = Path(args.out)
+    if args.init is None:
+        assert args.pp == 1 and args.tp == 1, "only the reference run writes the initial weights"
+        torch.save({k: v.clone() for k, v in chunks[0].state_dict().items() if v is not None}, out / "init.pt")
+    else:
+        full = torch.load(args.init)
+        with torch.no_grad():
+            for chunk, nm in zip(chunks, names, strict=True):
+                for local, p in chunk.named_parameters():
+                    p.copy_(_shard(full[nm[local]], p, tp_rank, tp_size))
+
+    g = torch.Generator().manual_seed(99)
+    total = args.steps * args.microbatches
+    tokens = torch.randint(0, m["vocab"], (total, m["mbs"], m["seq"] + 1), generator=g)
+    causal = torch.triu(torch.ones(m["seq"], m["seq"], dtype=torch.bool), diagonal=1).view(1, 1, m["seq"], m["seq"])
+    position_ids = torch.arange(m["seq"]).unsqueeze(0).expand(m["mbs"], -1)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb[:, :-1], position_ids, causal, labels=mb[:, 1:])
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    params = [p for c in chunks for p in c.parameters()]
+    opt = torch.optim.SGD(params, lr=0.05)
+    fb = get_forward_backward_func()
+    record = {"losses": [], "grads": [], "weights": [], "shapes": shapes, "rank": rank}
+    for step in range(args.steps):
+        opt.zero_grad(set_to_none=False)
+        for c in chunks:
+            c.zero_grad(set_to_none=False)
+        batch = [tokens[step * args.microbatches + i] for i in range(args.microbatches)]
+        iters = [iter(batch) for _ in chunks]
+        if args.crash_rank == rank:
+            os._exit(17)
+        if args.hang_rank == rank:
+            while True:
+                time.sleep(60)
+        losses = fb(
+            forward_step_func=forward_step,
+            data_iterator=iters if args.vpp else iters[0],
+            model=chunks if args.vpp else chunks[0],
+            num_microbatches=args.microbatches,
+            seq_length=m["seq"],
+            micro_batch_size=m["mbs"],
+            forward_only=False,
+        )
+        _allreduce_sequence_parallel_grads(chunks, ps)
+        record["losses"].append([float(d["lm loss"]) for d in losses])
+        record["grads"].append(_collect(chunks, names, lambda p: p.grad))
+        opt.step()
+        record["weights"].append(_collect(chunks, names, lambda p: p))
+    torch.save(record, out / f"rank{rank}.pt")
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _full_names(chunk) -> dict[str, str]:
+    """Local parameter name -> name in the single-stage model (decoder layers by global number)."""
+    mapping = {}
+    layer_index = {}
+    for i, layer in enumerate(chunk.decoder.layers):
+        layer_index[f"decoder.layers.{i}."] = f"decoder.layers.{layer.layer_number - 1}."
+    for local, _ in chunk.named_parameters():
+        full = local
+        for prefix, global_prefix in layer_index.items():
+            if local.startswith(prefix):
+                full = global_prefix + local[len(prefix):]
+                break
+        mapping[local] = full
+    return mapping
+
+
+def _shard(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+        return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+    return full
+
+
+def _collect(chunks, names, get):
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for chunk, nm in zip(chunks, names, strict=True):
+        for local, p in chunk.named_parameters():
+            split = getattr(p, "tensor_model_parallel", False) and tp_size > 1
+            out[nm[local]] = {
+                "value": get(p).detach().clone(),
+                "partition_dim": p.partition_dim if split else None,
+                "tp_rank": tp_rank,
+                "tp_size": tp_size,
+            }
+    return out
+
+
+def _allreduce_sequence_parallel_grads(chunks, ps) -> None:
+    """What megatron's finalize_model_grads does for SP params (norms, mHC) without DDP wrappers."""
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    for c in chunks:
+        for p in c.parameters():
+            if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+
+
+if __name__ == "__main__":
+    main()

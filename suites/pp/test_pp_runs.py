@@ -1,0 +1,110 @@
+"""Real multi-process pipeline runs (torchrun, gloo): loss, gradients and weights equal the
+single-process run, and every P2P hop carries the n-stream width."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness.torchrun import LaunchError
+from suites.pp.compare_runs import compare_to_reference, load_run
+from suites.pp.launch import run_worker
+
+HIDDEN, N = 32, 4
+pytestmark = pytest.mark.distributed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One pipelined run: ranks, worker flags, the reference it must reproduce, its tolerance."""
+
+    name: str
+    nproc: int
+    args: tuple[str, ...]
+    mhc: bool = True
+    rtol: float = 1e-6
+    """TP splits every matmul's reduction, so the TP case allows fp32 reordering (documented)."""
+
+
+CASES = [
+    Case(name="pp2", nproc=2, args=("--pp", "2")),
+    Case(name="pp4", nproc=4, args=("--pp", "4")),
+    Case(name="pp2-vpp2", nproc=2, args=("--pp", "2", "--vpp", "2")),
+    Case(name="pp2-embedding-loss-stages", nproc=2, args=("--pp", "2", "--embedding-stage", "--loss-stage")),
+    Case(name="tp2-pp2", nproc=4, args=("--tp", "2", "--pp", "2"), rtol=5e-6),
+    Case(name="pp2-vpp2-no-mhc", nproc=2, args=("--pp", "2", "--vpp", "2", "--no-mhc"), mhc=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_pipelined_run_reproduces_single_process(case, reference_runs, tmp_path):
+    """Every microbatch loss, gradient and post-step weight equals the single-process run."""
+    ref_dir = reference_runs["mhc" if case.mhc else "no-mhc"]
+    run_worker(tmp_path, case.nproc, [*case.args, "--init", str(ref_dir / "init.pt")])
+    ref, run = load_run(ref_dir), load_run(tmp_path)
+    problems = compare_to_reference(run, ref, case.rtol)
+    assert not problems, f"{len(problems)} mismatches:\n" + "\n".join(problems[:20])
+    assert len(run.losses) == 2 and len(run.losses[0]) == 4
+
+    # Shapes: every send of rank r has the width the next rank receives; n*C with mHC, C without.
+    width = HIDDEN * N if case.mhc else HIDDEN
+    for rank, shapes in run.shapes.items():
+        assert shapes, f"rank {rank} recorded no P2P traffic"
+        widths = {s[-1] for _, s in shapes}
+        assert widths == {width}, f"rank {rank} P2P widths {sorted(widths)}, expected {width}"
+    sends = sorted({s for r in run.shapes.values() for kind, s in r if kind.startswith("send")})
+    recvs = sorted({s for r in run.shapes.values() for kind, s in r if kind.startswith("recv")})
+    assert sends == recvs, f"sent shapes {sends} != received shapes {recvs}"
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _worker_pids(root: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "pp_worker.py" in cmd and str(root) in cmd:
+                pids.append(int(proc.name))
+    return pids
+
+
+def test_crashed_rank_fails_with_its_stderr_and_leaves_nothing(reference_runs, tmp_path):
+    """Rank 1 dies mid-run: the launch fails fast, names the failure, and no worker survives."""
+    init = reference_runs["mhc"] / "init.pt"
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        run_worker(tmp_path, 2, ["--pp", "2", "--init", str(init), "--crash-rank", "1"], timeout=120)
+    assert time.monotonic() - start < 120
+    message = str(err.value)
+    assert "exited with code" in message and "2 ranks" in message
+    assert "exitcode" in err.value.result.output and "17" in err.value.result.output
+    assert not _alive(_worker_pids(tmp_path))
+
+
+def test_hung_rank_is_killed_at_the_timeout(reference_runs, tmp_path):
+    """A rank that never arrives: the launch is killed at the timeout with rank logs, nothing left."""
+    init = reference_runs["mhc"] / "init.pt"
+    with pytest.raises(LaunchError) as err:
+        # Rank 0 of a PP=2 run whose rank 1 hangs before the first P2P: rank 0 blocks in recv.
+        run_worker(tmp_path, 2, ["--pp", "2", "--init", str(init), "--hang-rank", "1"], timeout=25)
+    assert err.value.result.timed_out
+    assert "timed out after 25 s and was killed" in str(err.value)
+    assert "--- rank 0 stderr" in str(err.value)
+    assert not _alive(_worker_pids(tmp_path))

@@ -1,0 +1,84 @@
+"""``mhc-harness run`` end to end on a tiny suite, ``diff`` and ``import-megatron``."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+from harness.cli import main
+from harness.schema import dumps_golden, load_golden, series_from_list
+
+HW = "cpu_x86_64"
+FAST = "-p no:hypothesispytest -p no:benchmark"
+
+
+def _run(demo, *extra):
+    return main(["run", "demo", "--suites-dir", str(demo.path / "suites"), "--out", str(demo.path / "out"),
+                 "--hw", HW, *extra])
+
+
+class TestRun:
+    def test_end_to_end(self, demo, capsys):
+        """Golden written, then ``run`` passes with JUnit XML, report.md, a summary table and PNGs."""
+        assert 0 == _run(demo, "--pytest-args", f"{FAST} --update-golden=all")
+        assert 0 == _run(demo, "--pytest-args", FAST)
+        out = capsys.readouterr().out
+        assert "demo   tiny_mhc  lm loss" in out and "PASS" in out
+        junit = ET.parse(demo.path / "out" / "junit-demo.xml").getroot()
+        assert "3" == junit.find("testsuite").get("tests")
+        report = (demo.path / "out" / "report.md").read_text()
+        assert "| demo | tiny_mhc | lm loss | exact | pass |" in report
+        assert (demo.path / "out" / "plots" / "demo__tiny_mhc.png").read_bytes().startswith(b"\x89PNG")
+        assert (demo.path / "out" / "plots" / "demo__tiny__vs__tiny_mhc__lm_loss.png").is_file()
+        assert "](plots/demo__tiny__vs__tiny_mhc__lm_loss.png)" in report
+
+    def test_golden_mismatch_exits_nonzero(self, demo, monkeypatch, capsys):
+        """A perturbed case makes ``run`` exit 1 and the report carries the numbers."""
+        assert 0 == _run(demo, "--no-plots", "--pytest-args", f"{FAST} --update-golden=all")
+        monkeypatch.setenv("DEMO_SCALE", "1.5")
+        assert 1 == _run(demo, "--no-plots", "--pytest-args", FAST)
+        assert "FAIL" in capsys.readouterr().out
+        report = (demo.path / "out" / "report.md").read_text()
+        assert "| demo | tiny_mhc | lm loss | exact | fail | +5.000e-01 rel @ step 8 |" in report
+        assert "step 8: actual 14.475, golden 9.65" in report
+
+    def test_unknown_suite_lists_valid(self, demo, capsys):
+        """An unknown suite name is a usage error that lists the valid suites."""
+        assert 2 == main(["run", "nope", "--suites-dir", str(demo.path / "suites")])
+        assert "unknown suite(s) ['nope']" in capsys.readouterr().err
+
+
+class TestDiff:
+    def test_reports_change_and_one_sided_steps(self, tmp_path, capsys):
+        """diff prints the signed mean relative change, max abs diff and steps on one side only."""
+        a = tmp_path / "a.json"
+        b = tmp_path / "b.json"
+        a.write_text(dumps_golden({"lm loss": series_from_list([10.0, 10.0, 10.0])}))
+        b.write_text(dumps_golden({"lm loss": series_from_list([9.0, 9.0]), "num-zeros": series_from_list([1.0])}))
+        assert 1 == main(["diff", str(a), str(b)])
+        out = capsys.readouterr().out
+        assert "lm loss: mean((A-B)/A) = +1.000000e-01, max |A-B| = 1 over 2 common steps" in out
+        assert "steps only in A: [3]" in out and "num-zeros: only in B" in out
+
+    def test_identical(self, data_dir, capsys):
+        """A file diffed with itself is identical (exit 0)."""
+        f = str(data_dir / "golden_values_dev_dgx_h100.json")
+        assert 0 == main(["diff", f, f])
+        assert "identical values" in capsys.readouterr().out
+
+    def test_malformed_input(self, tmp_path, capsys):
+        """A malformed file is named with its position; exit 1."""
+        (tmp_path / "a.json").write_text("{\n  oops")
+        assert 1 == main(["diff", str(tmp_path / "a.json"), str(tmp_path / "a.json")])
+        assert "a.json: malformed JSON at line 2 column 3" in capsys.readouterr().err
+
+
+class TestImport:
+    def test_import_legacy_megatron_file(self, data_dir, tmp_path, capsys):
+        """import-megatron drops legacy "nan" steps and writes a clean case with meta."""
+        assert 0 == main(["import-megatron", str(data_dir / "golden_values_legacy_nan.json"), "functional",
+                          "gpt_mhc", "--hw", "dgx_h100", "--golden-dir", str(tmp_path)])
+        g = load_golden(tmp_path / "dgx_h100" / "functional" / "gpt_mhc.json")
+        assert 2 == g["iteration-time"].steps[0]
+        meta = json.loads((tmp_path / "dgx_h100" / "functional" / "gpt_mhc.meta.json").read_text())
+        assert meta["source"] == "import-megatron golden_values_legacy_nan.json"
