@@ -3,7 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/bootstrap.sh
-ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf}
+# pyenv machines: make python3.12 (the compat env) visible next to the default 3.11.
+if command -v pyenv >/dev/null 2>&1; then
+    PYENV_VERSION="$(pyenv versions --bare | grep -E '^3\.(11|12)\.' | sort -V | awk -F. '!seen[$1"."$2]++' | paste -sd: -)"
+    export PYENV_VERSION
+fi
+ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf,kernels,compat}
 start=$(date +%s)
 .ci-venv/bin/tox run -e "$ENVS"
 echo "ci/test.sh: tox envs $ENVS passed in $(( $(date +%s) - start )) s"
