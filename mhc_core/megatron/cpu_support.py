@@ -2,12 +2,13 @@
 
 megatron-core assumes a GPU in a handful of places that a CPU run reaches. Each place is one
 `Workaround` below; `install()` applies them, `uninstall()` reverts them, `cpu_support()` does both
-around a block. Nothing happens at import, and on a machine where `torch.cuda.is_available()` all
-three are no-ops (the stock code is right there).
+around a block. Nothing happens at import, and on a machine where `torch.cuda.is_available()`
+`install()` / `cpu_support()` apply nothing (the stock code is right there).
 
 | name | failure point (megatron-core 0.16.1) | patch |
 |---|---|---|
 | `rng_tracker` | `model_parallel_cuda_manual_seed` -> `CudaRNGStatesTracker.add` calls `torch.cuda.get_rng_state()`; `fork()` (embedding / attention dropout, GPU weight init) swaps CUDA generator states | `add` / `fork` keep named CPU generator states instead |
+| `checkpoint_rng` | activation recompute (`tensor_parallel.checkpoint`, `CheckpointWithoutOutput`: selective recompute of the layernorms / MLP) saves and restores the CUDA generator via `_get_cuda_rng_state` / `_set_cuda_rng_state` | there is no CUDA generator: save nothing, restore nothing (the CPU state and the tracker states are still saved and restored) |
 | `memory_buffer` | `GlobalMemoryBuffer.get_tensor` (local-spec `DotProductAttention`) allocates on `torch.cuda.current_device()` | `megatron.core.utils` sees a torch whose `cuda.current_device()` is the CPU |
 | `rotary` | `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` (and `__init__` without `use_cpu_initialization`) | same shim in `...embeddings.rotary_pos_embedding` |
 | `schedules` | `forward_backward_no_pipelining` / `..._pipelining_*` create `total_num_tokens` with `device="cuda"` | same shim in `megatron.core.pipeline_parallel.schedules`: factory `device="cuda"` -> CPU |
@@ -98,7 +99,12 @@ class _TorchOnCpu(types.ModuleType):
 
 def _shim_module(module_name: str) -> Callable[[], None]:
     module = importlib.import_module(module_name)
-    original = module.__dict__["torch"]
+    original = module.__dict__.get("torch")  # torch, or another tool's proxy: restored on undo
+    if not isinstance(original, types.ModuleType):
+        raise RuntimeError(
+            f"cpu_support: {module_name} has no module-global torch to shim; this megatron-core "
+            "version needs a new workaround"
+        )
     module.torch = _TorchOnCpu()
 
     def undo() -> None:
@@ -147,6 +153,27 @@ def _patch_rng_tracker() -> Callable[[], None]:
     return undo
 
 
+def _patch_checkpoint_rng() -> Callable[[], None]:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    originals = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
+
+    def get_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+        """No CUDA generator to save: an empty state."""
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_state(*args: Any, **kwargs: Any) -> None:
+        """No CUDA generator to restore."""
+        return None
+
+    mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = get_state, set_state
+
+    def undo() -> None:
+        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = originals
+
+    return undo
+
+
 @dataclass(frozen=True)
 class Workaround:
     """One CPU patch: where megatron-core fails without CUDA, and how to apply it."""
@@ -163,6 +190,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "rng_tracker",
         "CudaRNGStatesTracker.add/fork call torch.cuda.get_rng_state / the CUDA generators",
         _patch_rng_tracker,
+    ),
+    Workaround(
+        "checkpoint_rng",
+        "activation recompute saves/restores the CUDA generator (_get_cuda_rng_state / _set_cuda_rng_state)",
+        _patch_checkpoint_rng,
     ),
     Workaround(
         "memory_buffer",

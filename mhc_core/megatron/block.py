@@ -1,0 +1,140 @@
+"""`HyperConnectionTransformerBlock`: the block boundary of mHC, keyed on `pre_process` / `post_process`.
+
+Legend: s sequence, b micro-batch, C hidden size, n residual streams.
+
+- Entry, in the chunk with `pre_process` (first pipeline stage, first virtual stage): the embedding
+  output `[s, b, C]` is expanded to n copies `[s, b, n*C]` (`mhc_core.ops.expand`). Every other
+  chunk receives `[s, b, n*C]` through `set_input_tensor`.
+- Exit, in the chunk with `post_process` (last stage, last virtual stage): the streams are
+  contracted to `[s, b, C]` (mean, `mhc_core.ops.contract`; or, with `megatron_dev` and
+  `mhc_learned_contraction`, the learned contraction with block parameters `hc_head_fn`,
+  `hc_head_base`, `hc_head_scale`), right before the final layernorm when this chunk has one,
+  else at the end of the forward. So the output layer always receives `[s, b, C]`: also with
+  `post_layer_norm=False` (where upstream main hands it `[s, b, n*C]`) and when the chunk holds
+  zero transformer layers. Every other chunk returns `[s, b, n*C]`.
+
+The stock forward runs unchanged in between (recompute, quantization contexts, offloading); the
+contraction before the final layernorm is a forward pre-hook on `final_layernorm` that acts only
+while this block's own forward runs (a direct call `block.final_layernorm(x)` is the plain norm),
+so the state-dict keys stay the stock ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import WrappedTensor, make_viewless_tensor
+from torch import Tensor, nn
+
+from mhc_core.config import PARAM_DTYPE
+from mhc_core.megatron.layer import HyperConnectionTransformerLayer
+from mhc_core.ops import contract, expand, learned_contract
+
+__all__ = ["HyperConnectionTransformerBlock"]
+
+
+class HyperConnectionTransformerBlock(TransformerBlock):
+    """`TransformerBlock` that expands to n residual streams on entry and contracts on exit.
+
+    Same constructor as `TransformerBlock`. With `config.enable_mhc_connections` off it is the
+    stock block. With it on, every layer must be a `HyperConnectionTransformerLayer`.
+
+    Raises:
+        ValueError: mHC is on and a layer is not a `HyperConnectionTransformerLayer`.
+        NotImplementedError: the final layernorm sits in a chunk without `post_process`
+            (multi-token prediction placement).
+    """
+
+    def __init__(self, config: Any, spec: Any, *args: Any, **kwargs: Any):
+        super().__init__(config, spec, *args, **kwargs)
+        self.mhc_enabled = bool(getattr(config, "enable_mhc_connections", False))
+        self._contract_hook = None
+        self._in_forward = False
+        if not self.mhc_enabled:
+            return
+        self.num_residual_streams = int(config.mhc_num_residual_streams)
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, HyperConnectionTransformerLayer):
+                raise ValueError(
+                    f"HyperConnectionTransformerBlock: layers[{i}] is a {type(layer).__name__}, but "
+                    "config.enable_mhc_connections=True needs HyperConnectionTransformerLayer "
+                    "(build the spec with enable_mhc=True)"
+                )
+        if self.final_layernorm is not None and not self.post_process:
+            raise NotImplementedError(
+                "HyperConnectionTransformerBlock: a final layernorm outside the post_process chunk "
+                "(multi-token prediction placement) is not supported with mHC"
+            )
+        self.learned_contraction = bool(getattr(config, "mhc_learned_contraction", False))
+        if self.post_process and self.learned_contraction:
+            self._build_learned_contraction(config)
+        if self.final_layernorm is not None:
+            self._contract_hook = self.final_layernorm.register_forward_pre_hook(
+                self._contract_before_final_layernorm
+            )
+
+    def _build_learned_contraction(self, config: Any) -> None:
+        """`hc_head_fn [n, n*C]` (xavier), `hc_head_base [n]` (0), `hc_head_scale [1]` (1), fp32,
+        named as upstream's dev block (`decoder.hc_head_fn`, ...)."""
+        n, c = self.num_residual_streams, config.hidden_size
+        device = None
+        if not config.use_cpu_initialization and torch.cuda.is_available():
+            device = torch.cuda.current_device()
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * c, dtype=PARAM_DTYPE, device=device))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=PARAM_DTYPE, device=device))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=PARAM_DTYPE, device=device))
+        if getattr(config, "perform_initialization", True):
+            nn.init.xavier_uniform_(self.hc_head_fn)
+        else:
+            nn.init.zeros_(self.hc_head_fn)
+        if getattr(config, "sequence_parallel", False):
+            for p in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
+                p.sequence_parallel = True
+
+    def contract_streams(self, hidden_states: Tensor) -> Tensor:
+        """`[s, b, n*C] -> [s, b, C]`: mean of the streams, or the learned contraction."""
+        n = self.num_residual_streams
+        if self.learned_contraction:
+            return learned_contract(
+                hidden_states,
+                self.hc_head_fn,
+                self.hc_head_base,
+                self.hc_head_scale,
+                n,
+                self.config.layernorm_epsilon,
+            )
+        return contract(hidden_states, n)
+
+    def _contract_before_final_layernorm(
+        self, module: nn.Module, args: tuple[Any, ...]
+    ) -> tuple[Any, ...] | None:
+        if not self._in_forward:
+            return None  # a direct call of the norm, not the block's exit
+        return (self.contract_streams(args[0]), *args[1:])
+
+    def forward(self, hidden_states: Tensor | WrappedTensor | None, *args: Any, **kwargs: Any) -> Tensor:
+        """`[s, b, C]` (pre_process chunk) or the received `[s, b, n*C]` in; `[s, b, C]` out of the
+        post_process chunk, `[s, b, n*C]` out of every other chunk."""
+        if not self.mhc_enabled:
+            return super().forward(hidden_states, *args, **kwargs)
+        if self.pre_process:
+            if isinstance(hidden_states, WrappedTensor):
+                hidden_states = hidden_states.unwrap()
+            hidden_states = expand(hidden_states, self.num_residual_streams)
+        self._in_forward = True
+        try:
+            output = super().forward(hidden_states, *args, **kwargs)
+        finally:
+            self._in_forward = False
+        if self.post_process and self.final_layernorm is None:
+            if not isinstance(output, Tensor):
+                raise TypeError(
+                    f"HyperConnectionTransformerBlock: the stock forward returned {type(output).__name__}, "
+                    "expected the hidden states tensor; mhc_core.megatron.compat needs updating"
+                )
+            output = make_viewless_tensor(
+                inp=self.contract_streams(output), requires_grad=True, keep_graph=True
+            )
+        return output

@@ -1,0 +1,111 @@
+"""`MHCTransformerConfig`: megatron-core's `TransformerConfig` plus the mHC fields of upstream main.
+
+Field names follow upstream Megatron-LM main, so CLI flags generated from the dataclass
+(`--enable-mhc-connections`, `--mhc-num-residual-streams`, ...) and configs carry over.
+Validation follows upstream main with one deliberate difference: pipeline parallelism is allowed
+(expansion / contraction are keyed on `pre_process` / `post_process`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mhc_core.variants import Variant, get_variant
+
+__all__ = ["MHCTransformerConfig"]
+
+
+def _bad(field: str, value: Any, rule: str) -> str:
+    return f"MHCTransformerConfig.{field}={value!r}: {rule}"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class MHCTransformerConfig(TransformerConfig):
+    """`TransformerConfig` with mHC (Manifold-Constrained Hyper-Connections).
+
+    A dataclass subclass: construct it exactly like `TransformerConfig`, with the extra keywords
+    below. The field values are checked always; the compatibility rules only when
+    `enable_mhc_connections` is True. `ValueError` for a bad value, `NotImplementedError` for a
+    combination mHC does not support; every message names the field and its value.
+    """
+
+    enable_mhc_connections: bool = False
+    """Master switch: the residual stream becomes n streams `[s, b, n*C]` between the block ends."""
+    mhc_num_residual_streams: int = 4
+    """n, the number of residual streams (>= 1)."""
+    mhc_sinkhorn_iterations: int = 20
+    """Sinkhorn-Knopp iterations for H_res (>= 1)."""
+    mhc_init_gating_factor: float = 0.01
+    """Initial value of `alpha_pre`, `alpha_post`, `alpha_res` (>= 0)."""
+    mhc_variant: str = Variant.MEGATRON_MAIN.value
+    """Numeric convention: `paper`, `megatron_main` (upstream main) or `megatron_dev`."""
+    use_fused_mhc: bool = False
+    """Route the mHC ops through `mhc_core.kernels` (requires `enable_mhc_connections`)."""
+    mhc_learned_contraction: bool = False
+    """Block exit with the learned contraction (`hc_head_fn/base/scale`) instead of the mean;
+    `megatron_dev` only."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._validate_mhc_values()
+        if self.enable_mhc_connections:
+            self._validate_mhc_compatibility()
+        else:
+            for field in ("use_fused_mhc", "mhc_learned_contraction"):
+                if getattr(self, field):
+                    raise ValueError(_bad(field, True, "requires enable_mhc_connections=True"))
+
+    def _validate_mhc_values(self) -> None:
+        for field in ("mhc_num_residual_streams", "mhc_sinkhorn_iterations"):
+            v = getattr(self, field)
+            if not _is_int(v) or v < 1:
+                raise ValueError(_bad(field, v, "must be an integer >= 1"))
+        g = self.mhc_init_gating_factor
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or math.isnan(g) or g < 0:
+            raise ValueError(_bad("mhc_init_gating_factor", g, "must be a number >= 0"))
+        try:
+            self.mhc_variant = get_variant(self.mhc_variant).variant.value
+        except (ValueError, TypeError):
+            valid = ", ".join(v.value for v in Variant)
+            raise ValueError(_bad("mhc_variant", self.mhc_variant, f"valid: {valid}")) from None
+
+    def _validate_mhc_compatibility(self) -> None:
+        on = "with enable_mhc_connections=True"
+        if not _is_int(self.hidden_size) or self.hidden_size < 1:
+            raise ValueError(_bad("hidden_size", self.hidden_size, f"must be an integer >= 1 {on}"))
+        if self.fp32_residual_connection:
+            raise NotImplementedError(_bad("fp32_residual_connection", True, f"not supported {on}"))
+        if self.recompute_granularity == "full":
+            raise NotImplementedError(
+                _bad(
+                    "recompute_granularity", "full", f"full recompute is not supported {on}; use 'selective'"
+                )
+            )
+        if self.mtp_num_layers is not None:
+            raise ValueError(
+                _bad("mtp_num_layers", self.mtp_num_layers, f"multi-token prediction is not supported {on}")
+            )
+        if self.num_moe_experts is not None:
+            raise NotImplementedError(
+                _bad("num_moe_experts", self.num_moe_experts, f"MoE MLPs are not supported {on}")
+            )
+        if getattr(self, "inference_fuse_tp_communication", False):
+            raise NotImplementedError(_bad("inference_fuse_tp_communication", True, f"not supported {on}"))
+        if getattr(self, "fine_grained_activation_offloading", False):
+            raise NotImplementedError(_bad("fine_grained_activation_offloading", True, f"not supported {on}"))
+        if self.mhc_learned_contraction and self.mhc_variant != Variant.MEGATRON_DEV.value:
+            raise ValueError(
+                _bad(
+                    "mhc_learned_contraction",
+                    True,
+                    f"needs mhc_variant='megatron_dev', got {self.mhc_variant!r}",
+                )
+            )

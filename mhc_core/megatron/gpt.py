@@ -1,0 +1,100 @@
+"""`MHCGPTModel` (a `GPTModel` whose decoder is the mHC block) and `build_gpt_model` (the role of
+upstream `gpt_builders.py`: thread `config.enable_mhc_connections` into the layer spec)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec, get_module
+
+from mhc_core.megatron.block import HyperConnectionTransformerBlock
+from mhc_core.megatron.compat import gpt_decoder_block_class
+from mhc_core.megatron.layer import HyperConnectionTransformerLayer
+from mhc_core.megatron.specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+
+__all__ = ["MHCGPTModel", "build_gpt_model"]
+
+
+class MHCGPTModel(GPTModel):
+    """`GPTModel` whose `decoder` is a `HyperConnectionTransformerBlock`.
+
+    Same constructor as the installed `GPTModel` (all arguments passed through); the decoder is
+    built once, by `GPTModel.__init__` itself, as `HyperConnectionTransformerBlock` (see
+    `compat.gpt_decoder_block_class`). With `config.enable_mhc_connections` off the block is the
+    stock block, so the model equals a `GPTModel`.
+    """
+
+    def __init__(self, config: Any, transformer_layer_spec: ModuleSpec, *args: Any, **kwargs: Any):
+        with gpt_decoder_block_class(HyperConnectionTransformerBlock):
+            super().__init__(config, transformer_layer_spec, *args, **kwargs)
+        if not isinstance(self.decoder, HyperConnectionTransformerBlock):
+            raise RuntimeError(
+                f"MHCGPTModel: GPTModel built its decoder as {type(self.decoder).__name__}, not "
+                "HyperConnectionTransformerBlock; mhc_core.megatron.compat needs updating"
+            )
+
+
+def _layer_class(spec: Any) -> Any:
+    return get_module(spec) if isinstance(spec, ModuleSpec) else spec
+
+
+def build_gpt_model(
+    config: Any,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    spec: Literal["local", "te"] | ModuleSpec = "local",
+    **kwargs: Any,
+) -> GPTModel:
+    """A GPT model for `config`: `MHCGPTModel` when `config.enable_mhc_connections`, else `GPTModel`.
+
+    Args:
+        config: a `TransformerConfig` (an `MHCTransformerConfig` for mHC).
+        spec: `"local"` (megatron-core modules), `"te"` (Transformer Engine), or a layer
+            `ModuleSpec`, which must match the flag (an mHC layer spec exactly when mHC is on).
+        **kwargs: passed to the model constructor (`position_embedding_type`,
+            `share_embeddings_and_output_weights`, `parallel_output`, ...).
+
+    Raises:
+        ValueError: an unknown `spec` name, or a layer spec that does not match the flag.
+        ImportError: `spec="te"` without transformer_engine.
+    """
+    enable = bool(getattr(config, "enable_mhc_connections", False))
+    common = dict(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
+        enable_mhc=enable,
+    )
+    if isinstance(spec, ModuleSpec):
+        is_mhc = isinstance(_layer_class(spec), type) and issubclass(
+            _layer_class(spec), HyperConnectionTransformerLayer
+        )
+        if is_mhc != enable:
+            raise ValueError(
+                f"build_gpt_model: spec module {_layer_class(spec)!r} does not match "
+                f"config.enable_mhc_connections={enable} (an mHC layer spec exactly when mHC is on)"
+            )
+        layer_spec = spec
+    elif spec == "local":
+        layer_spec = get_gpt_layer_local_spec(normalization=config.normalization, **common)
+    elif spec == "te":
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(**common)
+    else:
+        raise ValueError(f"build_gpt_model: spec={spec!r}; valid: 'local', 'te' or a ModuleSpec")
+    model_cls = MHCGPTModel if enable else GPTModel
+    return model_cls(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        **kwargs,
+    )

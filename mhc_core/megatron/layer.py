@@ -1,0 +1,336 @@
+"""`HyperConnectionTransformerLayer`: a megatron-core `TransformerLayer` whose residual is n streams.
+
+Legend: s sequence, b micro-batch, C hidden size, n residual streams.
+
+The layer takes and returns `[s, b, n*C]`; the layernorms, the attention and the MLP see `[s, b, C]`.
+Per sublayer (upstream main's data flow):
+
+    aggregated, h_res, h_post, residual = hc(x)                      # x [s, b, n*C]
+    y, bias = F(norm(aggregated))                                    # [s, b, C]
+    x = hc.post_residual_bda(h_res, residual, h_post, (y, bias), hidden_dropout, training)
+
+megatron-core 0.16.1 / 0.19.2 split `TransformerLayer.forward` into `_forward_attention` and
+`_forward_mlp` (+ `_forward_pre_mlp_layernorm`, `_forward_post_mlp`); this class overrides
+`_forward_attention`, `_forward_pre_mlp_layernorm`, `_forward_mlp` and `_forward_post_mlp`, and
+keeps selective recompute of the layernorms and of the MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import CudaGraphScope
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
+from torch import Tensor
+
+from mhc_core.megatron.compat import checkpoint_without_output
+
+__all__ = ["HyperConnectionTransformerLayer", "HyperConnectionTransformerLayerSubmodules"]
+
+_HC_SLOTS = ("self_attention_hyper_connection", "cross_attention_hyper_connection", "mlp_hyper_connection")
+
+
+@dataclass
+class HyperConnectionTransformerLayerSubmodules(TransformerLayerSubmodules):
+    """`TransformerLayerSubmodules` plus the three hyper-connection slots of upstream main.
+
+    megatron-core 0.16.1 and 0.19.2 have no such fields, hence this subclass. The mHC layer needs
+    the self-attention and MLP slots set (to `mhc_core.HyperConnectionModule`); the
+    cross-attention slot must stay `IdentityOp`.
+    """
+
+    self_attention_hyper_connection: ModuleSpec | type = IdentityOp
+    cross_attention_hyper_connection: ModuleSpec | type = IdentityOp
+    mlp_hyper_connection: ModuleSpec | type = IdentityOp
+
+
+class _Streams(NamedTuple):
+    """What a sublayer's post/residual mix needs besides the sublayer output."""
+
+    residual: Tensor
+    """`[s, b, n*C]`, the sublayer input."""
+    h_res: Tensor
+    """`[s, b, n, n]`."""
+    h_post: Tensor
+    """`[s, b, n]`."""
+
+
+def _is_identity(spec: Any) -> bool:
+    module = get_module(spec) if isinstance(spec, ModuleSpec) else spec
+    return isinstance(module, type) and issubclass(module, IdentityOp)
+
+
+def _check_norm_output(out: Any, name: str) -> Tensor:
+    if isinstance(out, (tuple, list)):
+        raise ValueError(
+            f"HyperConnectionTransformerLayer: {name} returned a {type(out).__name__} of "
+            f"{len(out)} (a norm that also returns the residual); mHC needs a norm returning one "
+            "tensor [s, b, C]"
+        )
+    return out
+
+
+class HyperConnectionTransformerLayer(TransformerLayer):
+    """`TransformerLayer` with mHC on the self-attention and MLP sublayers: `[s, b, n*C]` in and out.
+
+    Built from a spec whose submodules are `HyperConnectionTransformerLayerSubmodules`; the two
+    hyper connections are built with `build_module(slot, config=config, layer_number=...)`.
+
+    Raises:
+        ValueError: `config.enable_mhc_connections` is off, a hyper-connection slot is missing or
+            `IdentityOp`, or the cross-attention slot is set.
+        NotImplementedError: an MoE MLP or a cross-attention sublayer.
+    """
+
+    def __init__(self, config: Any, submodules: TransformerLayerSubmodules, *args: Any, **kwargs: Any):
+        self._check_spec(config, submodules)
+        super().__init__(config, submodules, *args, **kwargs)
+        if self.is_moe_layer:
+            raise NotImplementedError("HyperConnectionTransformerLayer: MoE MLPs are not supported with mHC")
+        if not isinstance(self.cross_attention, IdentityOp):
+            raise NotImplementedError(
+                "HyperConnectionTransformerLayer: cross-attention is not supported with mHC"
+            )
+        self.self_attention_hyper_connection = build_module(
+            submodules.self_attention_hyper_connection, config=self.config, layer_number=self.layer_number
+        )
+        self.cross_attention_hyper_connection = build_module(submodules.cross_attention_hyper_connection)
+        self.mlp_hyper_connection = build_module(
+            submodules.mlp_hyper_connection, config=self.config, layer_number=self.layer_number
+        )
+        if not self.config.use_cpu_initialization and torch.cuda.is_available():
+            device = torch.cuda.current_device()
+            self.self_attention_hyper_connection.to(device)
+            self.mlp_hyper_connection.to(device)
+
+    @staticmethod
+    def _check_spec(config: Any, submodules: Any) -> None:
+        who = "HyperConnectionTransformerLayer"
+        if not getattr(config, "enable_mhc_connections", False):
+            raise ValueError(
+                f"{who}: config.enable_mhc_connections must be True (use TransformerLayer without mHC)"
+            )
+        missing = [s for s in _HC_SLOTS if not hasattr(submodules, s)]
+        if missing:
+            raise ValueError(
+                f"{who}: submodules {type(submodules).__name__} lack {missing}; "
+                "use HyperConnectionTransformerLayerSubmodules"
+            )
+        for slot in ("self_attention_hyper_connection", "mlp_hyper_connection"):
+            if _is_identity(getattr(submodules, slot)):
+                raise ValueError(f"{who}: submodules.{slot} must be a hyper connection, got IdentityOp")
+        if not _is_identity(submodules.cross_attention_hyper_connection):
+            raise ValueError(
+                f"{who}: submodules.cross_attention_hyper_connection must be IdentityOp, "
+                f"got {submodules.cross_attention_hyper_connection!r}"
+            )
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        mlp = submodules.mlp
+        mlp_cls = get_module(mlp) if isinstance(mlp, ModuleSpec) else mlp
+        if isinstance(mlp_cls, type) and issubclass(mlp_cls, MoELayer):
+            raise NotImplementedError(
+                f"{who}: MoE MLPs are not supported with mHC (submodules.mlp={mlp_cls.__name__})"
+            )
+
+    @property
+    def num_residual_streams(self) -> int:
+        """n."""
+        return self.self_attention_hyper_connection.n
+
+    def _forward_attention(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        rotary_pos_emb: Tensor | None = None,
+        rotary_pos_cos: Tensor | None = None,
+        rotary_pos_sin: Tensor | None = None,
+        rotary_pos_cos_sin: Tensor | None = None,
+        attention_bias: Tensor | None = None,
+        inference_context: Any | None = None,
+        packed_seq_params: Any | None = None,
+        sequence_len_offset: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+        *,
+        inference_params: Any | None = None,
+        **unknown: Any,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Self-attention sublayer: `[s, b, n*C] -> ([s, b, n*C], context)`.
+
+        Keyword arguments newer megatron-core versions may pass are accepted when None and
+        rejected (TypeError naming them) otherwise, so nothing is dropped silently.
+        """
+        _reject_unknown(unknown, "_forward_attention")
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        hc = self.self_attention_hyper_connection
+        aggregated, h_res, h_post, residual = hc(hidden_states)
+
+        if self.recompute_input_layernorm:
+            self.input_layernorm_checkpoint = checkpoint_without_output(self.config)
+            normed = self.input_layernorm_checkpoint.checkpoint(self.input_layernorm, aggregated)
+        else:
+            normed = self.input_layernorm(aggregated)
+        normed = _check_norm_output(normed, "input_layernorm")
+
+        attention_output_with_bias = self.self_attention(
+            normed,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        if self.recompute_input_layernorm:
+            self.input_layernorm_checkpoint.discard_output_and_register_recompute(
+                attention_output_with_bias[0]
+            )
+        attention_output_with_bias = self._sandwich_norm(
+            "post_self_attn_layernorm", attention_output_with_bias
+        )
+
+        with self.bias_dropout_add_exec_handler():
+            hidden_states = hc.post_residual_bda(
+                h_res, residual, h_post, attention_output_with_bias, self.hidden_dropout, self.training
+            )
+        return hidden_states, context
+
+    def _sandwich_norm(
+        self, name: str, output_with_bias: tuple[Tensor, Tensor | None]
+    ) -> tuple[Tensor, Tensor | None]:
+        """Newer megatron-core layers may carry a "sandwich" norm of the sublayer output `[s, b, C]`
+        (`post_self_attn_layernorm`, `post_mlp_layernorm`), applied before the residual add; 0.16.1
+        has neither attribute."""
+        norm = getattr(self, name, None)
+        if norm is None or isinstance(norm, IdentityOp):
+            return output_with_bias
+        return (_check_norm_output(norm(output_with_bias[0]), name), *output_with_bias[1:])
+
+    def _forward_mlp(
+        self,
+        hidden_states: Tensor,
+        inference_context: Any | None = None,
+        padding_mask: Tensor | None = None,
+        **unknown: Any,
+    ) -> Tensor:
+        """MLP sublayer: `[s, b, n*C] -> [s, b, n*C]`."""
+        _reject_unknown(unknown, "_forward_mlp")
+        aggregated, h_res, h_post, residual = self.mlp_hyper_connection(hidden_states)
+        normed = _check_norm_output(self._forward_pre_mlp_layernorm(aggregated), "pre_mlp_layernorm")
+
+        if self.recompute_mlp:
+            if self.config.fp8 or self.config.fp4:
+                from megatron.core.extensions.transformer_engine import te_checkpoint
+
+                mlp_output_with_bias = te_checkpoint(
+                    self.mlp,
+                    False,
+                    tensor_parallel.random.get_cuda_rng_tracker,
+                    self.pg_collection.tp,
+                    normed,
+                    padding_mask=padding_mask,
+                )
+            else:
+                mlp_output_with_bias = self._checkpointed_mlp(normed, padding_mask)
+        else:
+            mlp_output_with_bias = self.mlp(normed, padding_mask=padding_mask)
+        return self._forward_post_mlp(mlp_output_with_bias, _Streams(residual, h_res, h_post))
+
+    def _forward_pre_mlp_layernorm(self, hidden_states: Tensor) -> Tensor:
+        """Pre-MLP layernorm of the aggregated `[s, b, C]`, checkpointed under selective "layernorm" recompute.
+
+        Same as the stock method (activation offloading is rejected with mHC), except that the
+        checkpoint is told the real fp8 setting (`compat.checkpoint_without_output`): megatron-core
+        0.16.1's `CheckpointWithoutOutput()` default reads as fp8 on and needs TE.
+        """
+        if self.recompute_pre_mlp_layernorm:
+            self.pre_mlp_norm_checkpoint = checkpoint_without_output(self.config)
+            return self.pre_mlp_norm_checkpoint.checkpoint(self.pre_mlp_layernorm, hidden_states)
+        return self.pre_mlp_layernorm(hidden_states)
+
+    def _checkpointed_mlp(self, normed: Tensor, padding_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The MLP under `tensor_parallel.checkpoint`, with its bias returned outside the checkpoint.
+
+        The stock code checkpoints `self.mlp` whole, so the bias it returns (`linear_fc2.bias`, a
+        parameter) leaves `CheckpointFunction` as an output; with torch 2.13 that gives the
+        parameter itself the checkpoint's grad_fn, and the recompute in backward then recurses
+        without end. Only the output tensor goes through the checkpoint here; the bias reaches
+        the bias-dropout-add directly, so its gradient is the same.
+        """
+        bias: list[Tensor | None] = [None]
+
+        def run(x: Tensor) -> Tensor:
+            out, bias[0] = self.mlp(x, padding_mask=padding_mask)
+            return out
+
+        out = tensor_parallel.checkpoint(run, False, normed)
+        return out, bias[0]
+
+    def _forward_post_mlp(
+        self, mlp_output_with_bias: tuple[Tensor, Tensor | None], residual: _Streams
+    ) -> Tensor:
+        """Post/residual mix of the MLP output: `[s, b, n*C]`. `residual` carries the mHC coefficients."""
+        if not isinstance(residual, _Streams):
+            raise TypeError(
+                "HyperConnectionTransformerLayer._forward_post_mlp: residual must carry the mHC "
+                f"coefficients (from _forward_mlp), got {type(residual).__name__}"
+            )
+        if self.recompute_pre_mlp_layernorm:
+            self.pre_mlp_norm_checkpoint.discard_output_and_register_recompute(mlp_output_with_bias[0])
+        mlp_output_with_bias = self._sandwich_norm("post_mlp_layernorm", mlp_output_with_bias)
+        with self.bias_dropout_add_exec_handler():
+            hidden_states = self.mlp_hyper_connection.post_residual_bda(
+                residual.h_res,
+                residual.residual,
+                residual.h_post,
+                mlp_output_with_bias,
+                self.hidden_dropout,
+                self.training,
+            )
+        return make_viewless_tensor(
+            inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True
+        )
+
+    def get_layer_static_inputs(self, seq_length: int, micro_batch_size: int) -> dict[str, Tensor]:
+        """Static CUDA-graph inputs; `hidden_states` is `[s', b, n*C]`."""
+        static_inputs = super().get_layer_static_inputs(seq_length, micro_batch_size)
+        hs = static_inputs["hidden_states"]
+        static_inputs["hidden_states"] = torch.ones(
+            (*hs.shape[:-1], self.num_residual_streams * hs.shape[-1]),
+            dtype=hs.dtype,
+            device=hs.device,
+            requires_grad=hs.requires_grad,
+        )
+        return static_inputs
+
+    def _get_submodules_under_cudagraphs(self) -> list[torch.nn.Module]:
+        """The stock list plus the hyper connection of each captured sublayer."""
+        submodules = super()._get_submodules_under_cudagraphs()
+        scope = self.config.cuda_graph_scope
+        if not scope:
+            return submodules  # the whole layer, hyper connections included
+        if CudaGraphScope.attn in scope:
+            submodules.append(self.self_attention_hyper_connection)
+        if CudaGraphScope.mlp in scope:
+            submodules.append(self.mlp_hyper_connection)
+        return submodules
+
+
+def _reject_unknown(kwargs: dict[str, Any], where: str) -> None:
+    given = sorted(k for k, v in kwargs.items() if v is not None)
+    if given:
+        raise TypeError(
+            f"HyperConnectionTransformerLayer.{where}: unsupported arguments {given} "
+            "(a newer megatron-core? see mhc_core.megatron.compat)"
+        )

@@ -1,0 +1,125 @@
+"""`MHCTransformerConfig`: defaults, upstream field names, and every validation error with its message."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from mhc_core import HyperConnectionConfig, Variant  # noqa: E402
+from mhc_core.megatron import MHCTransformerConfig  # noqa: E402
+
+
+def test_is_a_transformer_config_dataclass(make_config):
+    """MHCTransformerConfig is a dataclass subclass of TransformerConfig."""
+    cfg = make_config()
+    assert isinstance(cfg, TransformerConfig)
+    assert dataclasses.is_dataclass(MHCTransformerConfig)
+
+
+def test_defaults_match_upstream_main(make_config):
+    """mHC is off by default; n=4, 20 Sinkhorn iterations, gating 0.01, variant megatron_main, unfused."""
+    cfg = make_config()
+    assert (cfg.enable_mhc_connections, cfg.mhc_num_residual_streams, cfg.mhc_sinkhorn_iterations) == (
+        False,
+        4,
+        20,
+    )
+    assert (cfg.mhc_init_gating_factor, cfg.mhc_variant, cfg.use_fused_mhc) == (0.01, "megatron_main", False)
+    assert cfg.mhc_learned_contraction is False
+
+
+def test_fields_feed_the_module_config(make_config):
+    """HyperConnectionConfig.from_transformer_config reads the mHC fields off the megatron config."""
+    cfg = make_config(n=3, mhc_sinkhorn_iterations=7, mhc_init_gating_factor=0.5, mhc_variant="paper")
+    hc = HyperConnectionConfig.from_transformer_config(cfg)
+    assert (hc.hidden_size, hc.num_residual_streams, hc.sinkhorn_iterations) == (32, 3, 7)
+    assert (hc.init_gating_factor, hc.variant) == (0.5, Variant.PAPER)
+
+
+def test_variant_enum_is_normalised_to_its_name(make_config):
+    """A Variant member is stored as its plain string name."""
+    assert make_config(mhc_variant=Variant.MEGATRON_DEV).mhc_variant == "megatron_dev"
+
+
+def test_pipeline_parallelism_is_allowed(make_config):
+    """Unlike upstream main, pipeline_model_parallel_size > 1 is accepted with mHC."""
+    cfg = make_config(n=4, num_layers=4, pipeline_model_parallel_size=2)
+    assert cfg.pipeline_model_parallel_size == 2
+
+
+INVALID_VALUES = [
+    pytest.param({"mhc_sinkhorn_iterations": 0}, "mhc_sinkhorn_iterations=0", id="iterations-0"),
+    pytest.param({"mhc_sinkhorn_iterations": 2.0}, "mhc_sinkhorn_iterations=2.0", id="iterations-float"),
+    pytest.param({"mhc_init_gating_factor": -0.1}, "mhc_init_gating_factor=-0.1", id="gating-negative"),
+    pytest.param({"mhc_init_gating_factor": float("nan")}, "mhc_init_gating_factor=nan", id="gating-nan"),
+    pytest.param({"mhc_num_residual_streams": 0}, "mhc_num_residual_streams=0", id="streams-0"),
+    pytest.param({"mhc_num_residual_streams": True}, "mhc_num_residual_streams=True", id="streams-bool"),
+    pytest.param({"mhc_variant": "v3"}, "mhc_variant='v3'", id="variant-unknown"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), INVALID_VALUES)
+@pytest.mark.parametrize("enabled", [False, True], ids=["mhc-off", "mhc-on"])
+def test_invalid_value_raises_value_error_naming_field(make_config, overrides, message, enabled):
+    """A bad mHC field value is a ValueError naming the field and the value, whether mHC is on or off."""
+    n = 4 if enabled else None
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_config(n=n, **overrides)
+
+
+INCOMPATIBLE = [
+    pytest.param(
+        {"fp32_residual_connection": True},
+        NotImplementedError,
+        "fp32_residual_connection=True",
+        id="fp32-residual",
+    ),
+    pytest.param(
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        NotImplementedError,
+        "recompute_granularity='full'",
+        id="full-recompute",
+    ),
+    pytest.param({"mtp_num_layers": 1}, ValueError, "mtp_num_layers=1", id="mtp"),
+    pytest.param({"num_moe_experts": 2}, NotImplementedError, "num_moe_experts=2", id="moe"),
+    pytest.param({"hidden_size": 0, "num_attention_heads": 1}, ValueError, "hidden_size=0", id="hidden-0"),
+    pytest.param(
+        {"mhc_learned_contraction": True}, ValueError, "mhc_learned_contraction=True", id="learned-needs-dev"
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), INCOMPATIBLE)
+def test_incompatible_setting_with_mhc_raises(make_config, overrides, error, message):
+    """With mHC on, an unsupported combination raises the documented error type, naming the field."""
+    with pytest.raises(error, match=re.escape(message)):
+        make_config(n=4, **overrides)
+
+
+@pytest.mark.parametrize("field", ["use_fused_mhc", "mhc_learned_contraction"])
+def test_option_without_mhc_raises(make_config, field):
+    """use_fused_mhc / mhc_learned_contraction without enable_mhc_connections is a ValueError naming the field."""
+    with pytest.raises(ValueError, match=rf"{field}=True: requires enable_mhc_connections=True"):
+        make_config(**{field: True})
+
+
+def test_learned_contraction_accepted_with_dev_variant(make_config):
+    """mhc_learned_contraction is valid with mhc_variant='megatron_dev'."""
+    cfg = make_config(n=2, mhc_variant="megatron_dev", mhc_learned_contraction=True)
+    assert cfg.mhc_learned_contraction
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"fp32_residual_connection": True}, {"num_moe_experts": 2, "moe_ffn_hidden_size": 64}],
+    ids=["fp32-residual", "moe"],
+)
+def test_compatibility_rules_apply_only_with_mhc_on(make_config, overrides):
+    """Settings rejected with mHC are accepted when mHC is off."""
+    make_config(**overrides)

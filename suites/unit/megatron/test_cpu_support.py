@@ -1,0 +1,298 @@
+"""`mhc_core.megatron.cpu_support`: every workaround is needed (the megatron-core call fails without
+it) and sufficient (the call works with it); install / uninstall are explicit, idempotent, reversible."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+
+from mhc_core.megatron import cpu_support  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("megatron_world"),
+    pytest.mark.skipif(
+        torch.cuda.is_available(), reason="CUDA is available: the CPU workarounds are no-ops here"
+    ),
+]
+NO_CUDA = (AssertionError, RuntimeError)
+"""What torch raises for a CUDA call in a CPU-only build ("Torch not compiled with CUDA enabled")."""
+
+
+@contextlib.contextmanager
+def without(name: str):
+    """The workaround `name` reverted for the block (all others unchanged), re-applied after."""
+    assert name in cpu_support.installed(), f"{name} should be installed by the megatron_world fixture"
+    cpu_support.uninstall([name])
+    try:
+        yield
+    finally:
+        cpu_support.install([name])
+
+
+class TestRngTracker:
+    """`rng_tracker`: megatron's RNG tracker keeps named CPU generator states."""
+
+    def test_needed(self):
+        """Without it, CudaRNGStatesTracker.add (model_parallel_cuda_manual_seed) asks for the CUDA RNG state."""
+        with without("rng_tracker"), pytest.raises(NO_CUDA, match="CUDA"):
+            mrandom.CudaRNGStatesTracker().add("mhc-test", 1)
+
+    def test_fork_is_reproducible_and_isolated(self):
+        """With it, fork() draws from the named state (same seed, same numbers) and leaves the default CPU stream alone."""
+        draws = []
+        for _ in range(2):
+            tracker = mrandom.CudaRNGStatesTracker()
+            tracker.add("mhc-test", 42)
+            before = torch.get_rng_state()
+            with tracker.fork("mhc-test"):
+                first = torch.rand(3)
+            with tracker.fork("mhc-test"):
+                second = torch.rand(3)
+            assert torch.equal(torch.get_rng_state(), before)
+            assert not torch.equal(first, second)
+            draws.append((first, second))
+        assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[1], strict=True))
+
+    def test_model_parallel_seed_works(self):
+        """With it, model_parallel_cuda_manual_seed registers the data-, model- and expert-parallel states."""
+        mrandom.model_parallel_cuda_manual_seed(1234)
+        assert set(mrandom.get_cuda_rng_tracker().get_states()) == {
+            mrandom._DATA_PARALLEL_RNG_TRACKER_NAME,
+            mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME,
+            mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+        }
+
+
+class TestCheckpointRng:
+    """`checkpoint_rng`: activation recompute saves no CUDA generator state."""
+
+    @staticmethod
+    def _checkpointed(x):
+        """Dropout (p=0.5) under tensor_parallel.checkpoint: `[k] -> [k]`."""
+        return tensor_parallel.checkpoint(
+            lambda t: torch.nn.functional.dropout(t, 0.5, training=True), False, x
+        )
+
+    def test_needed(self):
+        """Without it, tensor_parallel.checkpoint asks for the CUDA RNG state."""
+        with without("checkpoint_rng"), pytest.raises(NO_CUDA, match="CUDA"):
+            self._checkpointed(torch.randn(4, requires_grad=True))
+
+    def test_recompute_replays_the_forward_randomness(self):
+        """With it, the recompute in backward draws the forward's dropout mask (gradient = 2 * mask)."""
+        x = torch.randn(256, requires_grad=True)
+        out = self._checkpointed(x)
+        out.sum().backward()
+        assert torch.equal(x.grad, (out.detach() != 0).float() * 2)
+
+
+class TestMemoryBuffer:
+    """`memory_buffer`: GlobalMemoryBuffer allocates on the CPU."""
+
+    def test_needed(self):
+        """Without it, GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device()."""
+        with without("memory_buffer"), pytest.raises(NO_CUDA, match="CUDA"):
+            parallel_state.get_global_memory_buffer().get_tensor((2, 3), torch.float32, "mhc-test-needed")
+
+    def test_allocates_on_cpu(self):
+        """With it, get_tensor returns a CPU tensor of the asked shape."""
+        t = parallel_state.get_global_memory_buffer().get_tensor((2, 3), torch.float32, "mhc-test-works")
+        assert t.shape == (2, 3) and t.device.type == "cpu"
+
+
+class TestRotary:
+    """`rotary`: RoPE keeps inv_freq on the CPU."""
+
+    @staticmethod
+    def _rope():
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        return RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+
+    def test_needed(self):
+        """Without it, RotaryEmbedding moves inv_freq to torch.cuda.current_device() on the first forward."""
+        with without("rotary"), pytest.raises(NO_CUDA, match="CUDA"):
+            self._rope()(4)
+
+    def test_embedding_on_cpu(self):
+        """With it, the rotary embedding [s, 1, 1, d] is computed on the CPU."""
+        emb = self._rope()(4)
+        assert emb.shape == (4, 1, 1, 8) and emb.device.type == "cpu"
+
+
+SCHEDULES = ["forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving"]
+
+
+class TestSchedules:
+    """`schedules`: the forward-backward schedules count tokens on the CPU."""
+
+    @staticmethod
+    def _run(schedule, model, batch):
+        from megatron.core.pipeline_parallel import schedules
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            out = model(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+            return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+
+        s, b = batch["input_ids"].shape[1], batch["input_ids"].shape[0]
+        return getattr(schedules, schedule)(
+            forward_step_func=forward_step,
+            data_iterator=iter([batch, batch]),
+            model=[model],
+            num_microbatches=2,
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=False,
+        )
+
+    @pytest.mark.parametrize("schedule", SCHEDULES)
+    def test_needed(self, make_config, build_gpt, batch, schedule):
+        """Without it, the schedule creates total_num_tokens with device="cuda"."""
+        model = build_gpt(make_config(n=2))
+        with without("schedules"), pytest.raises(NO_CUDA, match="CUDA"):
+            self._run(schedule, model, batch)
+
+    @pytest.mark.parametrize("schedule", SCHEDULES)
+    def test_schedule_runs(self, make_config, build_gpt, batch, schedule):
+        """With it, the schedule (the 1F1B one at PP = 1) trains two micro-batches and returns their losses."""
+        model = build_gpt(make_config(n=2))
+        losses = self._run(schedule, model, batch)
+        assert len(losses) == 2 and all(torch.isfinite(d["loss"]) for d in losses)
+        assert all(p.grad is not None for p in model.parameters())
+
+
+class TestP2P:
+    """`p2p`: the pipeline communicator allocates on the CPU and does not synchronise CUDA."""
+
+    @staticmethod
+    def _communicator():
+        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        config = ModelParallelConfig(pipeline_dtype=torch.float32, batch_p2p_comm=True, batch_p2p_sync=True)
+        return P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=config)
+
+    @pytest.fixture
+    def loopback(self, monkeypatch):
+        """gloo cannot send to itself: a batched p2p op that copies what is sent next into the receive-previous buffer."""
+        from megatron.core.pipeline_parallel import p2p_communication
+
+        def fake_batched_p2p_ops(*, tensor_send_next, tensor_recv_prev, **_):
+            if tensor_recv_prev is not None:
+                tensor_recv_prev.data.copy_(tensor_send_next)
+            return []
+
+        monkeypatch.setattr(p2p_communication, "_batched_p2p_ops", fake_batched_p2p_ops)
+
+    def test_synchronize_needed(self):
+        """Without it, batched p2p ends with torch.cuda.synchronize()."""
+        with without("p2p"), pytest.raises(NO_CUDA, match="CUDA"):
+            self._communicator()._communicate(
+                tensor_send_next=None,
+                tensor_send_prev=None,
+                recv_prev=False,
+                recv_next=False,
+                tensor_shape=(2, 2, 4),
+            )
+
+    def test_receive_buffer_needed(self, loopback):
+        """Without it, the receive buffer is allocated on torch.cuda.current_device()."""
+        with without("p2p"), pytest.raises(NO_CUDA, match="CUDA"):
+            self._communicator()._communicate(
+                tensor_send_next=torch.ones(2, 2, 4),
+                tensor_send_prev=None,
+                recv_prev=True,
+                recv_next=False,
+                tensor_shape=(2, 2, 4),
+            )
+
+    def test_receives_on_cpu(self, loopback):
+        """With it, a received tensor [s, b, h] arrives on the CPU."""
+        sent = torch.arange(16.0).view(2, 2, 4)
+        received, _, _ = self._communicator()._communicate(
+            tensor_send_next=sent,
+            tensor_send_prev=None,
+            recv_prev=True,
+            recv_next=False,
+            tensor_shape=(2, 2, 4),
+        )
+        assert received.device.type == "cpu" and torch.equal(received, sent)
+
+
+class TestInstall:
+    """install / uninstall / cpu_support(): explicit, idempotent, reversible."""
+
+    def test_all_workarounds_installed_by_the_fixture(self):
+        """The session fixture applied every workaround (the names are the documented ones)."""
+        assert cpu_support.installed() == {w.name for w in cpu_support.WORKAROUNDS}
+
+    def test_install_is_idempotent(self):
+        """A second install applies nothing and changes nothing."""
+        from megatron.core import utils
+
+        shim = utils.torch
+        assert cpu_support.install() == frozenset()
+        assert utils.torch is shim
+
+    def test_uninstall_restores_the_originals(self):
+        """uninstall puts back the very objects it replaced; install applies them again."""
+        from megatron.core import utils
+
+        with without("memory_buffer"), without("rng_tracker"):
+            assert utils.torch is torch
+            assert mrandom.CudaRNGStatesTracker.add.__module__ == mrandom.__name__
+        assert utils.torch is not torch
+
+    def test_context_manager_reverts_only_what_it_applied(self):
+        """cpu_support() inside an installed session applies nothing, so it reverts nothing on exit."""
+        with cpu_support.cpu_support() as applied:
+            assert applied == frozenset()
+        assert cpu_support.installed() == {w.name for w in cpu_support.WORKAROUNDS}
+
+    def test_context_manager_applies_and_reverts(self):
+        """cpu_support(['rotary']) with 'rotary' reverted applies it for the block and reverts it after."""
+        from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+        with without("rotary"):
+            with cpu_support.cpu_support(["rotary"]) as applied:
+                assert applied == {"rotary"} and rotary_pos_embedding.torch is not torch
+            assert rotary_pos_embedding.torch is torch
+
+    def test_no_op_with_cuda(self, monkeypatch):
+        """Where CUDA is available, install() applies nothing."""
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        with without("p2p"):
+            assert cpu_support.install(["p2p"]) == frozenset()
+            assert "p2p" not in cpu_support.installed()
+
+    def test_unknown_name_raises(self):
+        """An unknown workaround name is a ValueError listing the valid ones."""
+        with pytest.raises(ValueError, match="unknown workaround.*'nccl'.*valid"):
+            cpu_support.install(["nccl"])
+
+    @pytest.mark.slow
+    def test_import_has_no_side_effect(self):
+        """Importing mhc_core.megatron patches nothing in megatron-core (checked in a fresh interpreter)."""
+        code = (
+            "import torch, mhc_core.megatron as m\n"
+            "from megatron.core import utils\n"
+            "from megatron.core.pipeline_parallel import schedules\n"
+            "from megatron.core.tensor_parallel import random as r\n"
+            "assert not m.cpu_support.installed()\n"
+            "assert utils.torch is torch and schedules.torch is torch\n"
+            "assert r.CudaRNGStatesTracker.add.__module__ == r.__name__\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
