@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 from torch import Tensor
 
-from mhc_core.megatron.compat import checkpoint_without_output
+from mhc_core.megatron.compat import checkpoint_without_output, spec_class
 
 __all__ = ["HyperConnectionTransformerLayer", "HyperConnectionTransformerLayerSubmodules"]
 
@@ -132,8 +132,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             )
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        mlp = submodules.mlp
-        mlp_cls = get_module(mlp) if isinstance(mlp, ModuleSpec) else mlp
+        mlp_cls = spec_class(submodules.mlp)
         if isinstance(mlp_cls, type) and issubclass(mlp_cls, MoELayer):
             raise NotImplementedError(
                 f"{who}: MoE MLPs are not supported with mHC (submodules.mlp={mlp_cls.__name__})"

@@ -37,6 +37,12 @@ def _backend(name: str):
     return BACKENDS[name]
 
 
+def _same(a, b) -> bool:
+    """Equal specs; megatron-core 0.19 builds entries as fresh `functools.partial`s, which compare
+    by identity, so fall back to their (address-free, deterministic) repr."""
+    return a == b or repr(a) == repr(b)
+
+
 @pytest.mark.parametrize("kwargs", VARIANTS)
 @pytest.mark.parametrize("backend", ["local", "te"])
 def test_flag_on_gives_mhc_layer_and_slots(backend, kwargs):
@@ -56,7 +62,7 @@ def test_flag_off_returns_the_stock_spec(backend, kwargs):
     """enable_mhc=False: exactly megatron-core's spec (TransformerLayer, no hyper-connection slots)."""
     ours, stock = _backend(backend)
     spec = ours(enable_mhc=False, **kwargs)
-    assert spec == stock(**kwargs)
+    assert _same(spec, stock(**kwargs))
     assert spec.module is TransformerLayer
     assert not hasattr(spec.submodules, "self_attention_hyper_connection")
 
@@ -67,7 +73,7 @@ def test_flag_on_keeps_every_stock_submodule(backend):
     ours, stock = _backend(backend)
     mhc, base = ours(enable_mhc=True), stock()
     for name, value in vars(base.submodules).items():
-        assert getattr(mhc.submodules, name) == value, name
+        assert _same(getattr(mhc.submodules, name), value), name
     assert mhc.params == base.params
 
 
