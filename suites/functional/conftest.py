@@ -1,0 +1,31 @@
+"""Fixtures of the functional suite: the hardware key and the session's runs (`session.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="the functional suite needs megatron-core")
+
+from typing import Any  # noqa: E402
+
+from harness.hardware import detect_hardware  # noqa: E402
+from suites.functional.session import STEP_TIME_RATIO, FunctionalRuns  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hw_key(request: pytest.FixtureRequest) -> str:
+    """This machine's hardware key (`--hw`, `$MHC_HW`, else detection)."""
+    return detect_hardware(override=request.config.getoption("hw")).key
+
+
+@pytest.fixture(scope="session")
+def functional_runs(tmp_path_factory: pytest.TempPathFactory, hw_key: str) -> FunctionalRuns:
+    return FunctionalRuns(tmp_path_factory.mktemp("functional"), hw_key)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    ratios = config.stash.get(STEP_TIME_RATIO, {})
+    if ratios:
+        terminalreporter.section("mHC step time")
+        for pair, ratio in ratios.items():
+            terminalreporter.line(f"{pair}: step-time ratio {ratio:.3f} (fastest iteration-time of each run, warm-up skipped)")

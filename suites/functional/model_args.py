@@ -1,0 +1,291 @@
+"""`MODEL_ARGS` of a recipe: megatron-style flags (`--num-layers`, `--enable-mhc-connections`, ...)
+validated into one frozen, keyword-only `TrainArgs`.
+
+Only the flags in `FLAGS` are accepted; each maps to one `TrainArgs` field (the flag name with
+dashes as underscores). Values are YAML scalars: `true` for a bare switch, ints, floats, strings;
+a list for `--recompute-modules` (upstream writes `"[mhc]"`; the brackets are accepted and stripped).
+Every error names the flag, the value and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FLAGS", "TrainArgs", "flag_of", "parse_model_args", "render_cli"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainArgs:
+    """A training run as megatron's `pretrain_gpt.py` flags describe it (only what this runner uses)."""
+
+    # model
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int | None = None
+    """None: 4 * hidden_size (megatron's default)."""
+    seq_length: int
+    max_position_embeddings: int | None = None
+    """None: seq_length."""
+    position_embedding_type: str = "learned_absolute"
+    normalization: str = "LayerNorm"
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    transformer_impl: str = "local"
+    """`local` (megatron-core modules; the only choice on CPU) or `transformer_engine`."""
+    attention_backend: str = "auto"
+    attention_softmax_in_fp32: bool = False
+    bf16: bool = False
+    recompute_granularity: str | None = None
+    recompute_modules: tuple[str, ...] | None = None
+    deterministic_mode: bool = False
+    # mHC (upstream main's TransformerConfig fields)
+    enable_mhc_connections: bool = False
+    mhc_num_residual_streams: int = 4
+    mhc_sinkhorn_iterations: int = 20
+    mhc_init_gating_factor: float = 0.01
+    mhc_variant: str = "megatron_main"
+    # parallelism
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    # batch, schedule, optimizer
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    lr: float
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_decay_iters: int | None = None
+    """None: train_iters."""
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None
+    """Overrides lr_warmup_iters: fraction of lr_decay_iters (upstream's recipe uses 0.01)."""
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    seed: int = 1234
+    log_num_zeros_in_grad: bool = False
+    # data
+    mock_data: bool = False
+    data_path: str | None = None
+    """Prefix of a megatron indexed dataset (`<prefix>.bin` / `.idx`)."""
+    split: str = "969,30,1"
+    tokenizer_type: str = "ByteTokenizer"
+    vocab_size: int | None = None
+    """NullTokenizer only: the vocabulary size."""
+    # checkpointing
+    save_interval: int | None = None
+    ckpt_format: str = "torch_dist"
+    ckpt_fully_parallel_save: bool = False
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP width: --ffn-hidden-size, else 4 * hidden_size."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP * PP: the ranks one model replica spans."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def warmup_iters(self) -> int:
+        """Warm-up iterations: --lr-warmup-fraction of the decay iterations, else --lr-warmup-iters."""
+        decay = self.lr_decay_iters or self.train_iters
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * decay)
+        return self.lr_warmup_iters
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Flag:
+    kind: type
+    choices: tuple[Any, ...] | None = None
+    minimum: float | None = None
+    """Inclusive lower bound for numbers."""
+
+
+def _f(kind: type, *, choices: tuple[Any, ...] | None = None, minimum: float | None = None) -> _Flag:
+    return _Flag(kind=kind, choices=choices, minimum=minimum)
+
+
+FLAGS: dict[str, _Flag] = {
+    "--num-layers": _f(int, minimum=1),
+    "--hidden-size": _f(int, minimum=1),
+    "--num-attention-heads": _f(int, minimum=1),
+    "--ffn-hidden-size": _f(int, minimum=1),
+    "--seq-length": _f(int, minimum=1),
+    "--max-position-embeddings": _f(int, minimum=1),
+    "--position-embedding-type": _f(str, choices=("learned_absolute", "rope")),
+    "--normalization": _f(str, choices=("LayerNorm", "RMSNorm")),
+    "--untie-embeddings-and-output-weights": _f(bool),
+    "--hidden-dropout": _f(float, minimum=0.0),
+    "--attention-dropout": _f(float, minimum=0.0),
+    "--init-method-std": _f(float, minimum=0.0),
+    "--make-vocab-size-divisible-by": _f(int, minimum=1),
+    "--transformer-impl": _f(str, choices=("local", "transformer_engine")),
+    "--attention-backend": _f(str, choices=("auto", "unfused", "local", "flash", "fused")),
+    "--attention-softmax-in-fp32": _f(bool),
+    "--bf16": _f(bool),
+    "--recompute-granularity": _f(str, choices=("selective",)),
+    "--recompute-modules": _f(tuple),
+    "--deterministic-mode": _f(bool),
+    "--enable-mhc-connections": _f(bool),
+    "--mhc-num-residual-streams": _f(int, minimum=1),
+    "--mhc-sinkhorn-iterations": _f(int, minimum=1),
+    "--mhc-init-gating-factor": _f(float, minimum=0.0),
+    "--mhc-variant": _f(str, choices=("paper", "megatron_main", "megatron_dev")),
+    "--tensor-model-parallel-size": _f(int, minimum=1),
+    "--pipeline-model-parallel-size": _f(int, minimum=1),
+    "--sequence-parallel": _f(bool),
+    "--micro-batch-size": _f(int, minimum=1),
+    "--global-batch-size": _f(int, minimum=1),
+    "--train-iters": _f(int, minimum=1),
+    "--lr": _f(float, minimum=0.0),
+    "--min-lr": _f(float, minimum=0.0),
+    "--lr-decay-style": _f(str, choices=("constant", "linear", "cosine", "inverse-square-root")),
+    "--lr-decay-iters": _f(int, minimum=1),
+    "--lr-warmup-iters": _f(int, minimum=0),
+    "--lr-warmup-fraction": _f(float, minimum=0.0),
+    "--weight-decay": _f(float, minimum=0.0),
+    "--clip-grad": _f(float, minimum=0.0),
+    "--adam-beta1": _f(float, minimum=0.0),
+    "--adam-beta2": _f(float, minimum=0.0),
+    "--adam-eps": _f(float, minimum=0.0),
+    "--seed": _f(int, minimum=0),
+    "--log-num-zeros-in-grad": _f(bool),
+    "--mock-data": _f(bool),
+    "--data-path": _f(str),
+    "--split": _f(str),
+    "--tokenizer-type": _f(str, choices=("ByteTokenizer", "NullTokenizer")),
+    "--vocab-size": _f(int, minimum=2),
+    "--save-interval": _f(int, minimum=1),
+    "--ckpt-format": _f(str, choices=("torch_dist",)),
+    "--ckpt-fully-parallel-save": _f(bool),
+}
+"""Every accepted flag, its type and its allowed values."""
+
+
+def flag_of(field: str) -> str:
+    """`num_layers` -> `--num-layers`."""
+    return "--" + field.replace("_", "-")
+
+
+def _field(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+_FIELDS = {f.name for f in dataclasses.fields(TrainArgs)}
+assert {_field(f) for f in FLAGS} == _FIELDS, sorted(_FIELDS ^ {_field(f) for f in FLAGS})
+_REQUIRED = sorted(
+    flag_of(f.name) for f in dataclasses.fields(TrainArgs)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+)
+
+
+def _bad(source: str, flag: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{source}: MODEL_ARGS {flag}={value!r}: {rule}")
+
+
+def _convert(flag: str, value: Any, spec: _Flag, source: str) -> Any:
+    kind = spec.kind
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise _bad(source, flag, value, "must be true or false")
+        return value
+    if kind is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip().strip("[]").split(",") if v.strip()]
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+            raise _bad(source, flag, value, "must be a list of names")
+        return tuple(value)
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(source, flag, value, "must be an integer")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise _bad(source, flag, value, "must be a finite number")
+        value = float(value)
+    elif kind is str and not isinstance(value, str):
+        raise _bad(source, flag, value, "must be a string")
+    if spec.choices is not None and value not in spec.choices:
+        raise _bad(source, flag, value, f"valid: {', '.join(map(str, spec.choices))}")
+    if spec.minimum is not None and value < spec.minimum:
+        raise _bad(source, flag, value, f"must be >= {spec.minimum:g}")
+    return value
+
+
+def parse_model_args(raw: Mapping[str, Any], *, source: str) -> TrainArgs:
+    """Validate a `MODEL_ARGS` mapping into `TrainArgs`; `ValueError` naming flag, value and `source`."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{source}: MODEL_ARGS must be a mapping of --flags to values, got {type(raw).__name__}")
+    kwargs: dict[str, Any] = {}
+    for flag, value in raw.items():
+        if flag not in FLAGS:
+            hint = "" if str(flag).startswith("--") else " (flags start with --)"
+            raise ValueError(f"{source}: MODEL_ARGS: unknown flag {flag!r}{hint}; valid: {', '.join(sorted(FLAGS))}")
+        kwargs[_field(flag)] = _convert(flag, value, FLAGS[flag], source)
+    missing = [f for f in _REQUIRED if _field(f) not in kwargs]
+    if missing:
+        raise ValueError(f"{source}: MODEL_ARGS is missing required flag(s) {', '.join(missing)}")
+    args = TrainArgs(**kwargs)
+    _cross_check(args, source)
+    return args
+
+
+def _cross_check(a: TrainArgs, source: str) -> None:
+    def bad(flag: str, value: Any, rule: str) -> ValueError:
+        return _bad(source, flag, value, rule)
+
+    if a.hidden_size % a.num_attention_heads:
+        raise bad("--hidden-size", a.hidden_size, f"must be divisible by --num-attention-heads={a.num_attention_heads}")
+    if a.num_attention_heads % a.tensor_model_parallel_size:
+        raise bad("--num-attention-heads", a.num_attention_heads,
+                  f"must be divisible by --tensor-model-parallel-size={a.tensor_model_parallel_size}")
+    if a.num_layers % a.pipeline_model_parallel_size:
+        raise bad("--num-layers", a.num_layers,
+                  f"must be divisible by --pipeline-model-parallel-size={a.pipeline_model_parallel_size}")
+    if a.max_position_embeddings is not None and a.max_position_embeddings < a.seq_length:
+        raise bad("--max-position-embeddings", a.max_position_embeddings, f"must be >= --seq-length={a.seq_length}")
+    if a.global_batch_size % a.micro_batch_size:
+        raise bad("--global-batch-size", a.global_batch_size,
+                  f"must be a multiple of --micro-batch-size={a.micro_batch_size}")
+    if a.min_lr > a.lr:
+        raise bad("--min-lr", a.min_lr, f"must be <= --lr={a.lr}")
+    if a.mock_data == (a.data_path is not None):
+        raise bad("--mock-data", a.mock_data, "give exactly one of --mock-data: true and --data-path")
+    if a.tokenizer_type == "NullTokenizer" and a.vocab_size is None:
+        raise bad("--tokenizer-type", a.tokenizer_type, "NullTokenizer needs --vocab-size")
+    if a.tokenizer_type == "ByteTokenizer" and a.vocab_size not in (None, 256):
+        raise bad("--vocab-size", a.vocab_size, "ByteTokenizer has a fixed vocabulary of 256")
+    if a.sequence_parallel and a.tensor_model_parallel_size == 1:
+        raise bad("--sequence-parallel", True, "needs --tensor-model-parallel-size > 1")
+    if a.save_interval is not None and a.save_interval > a.train_iters:
+        raise bad("--save-interval", a.save_interval, f"must be <= --train-iters={a.train_iters}")
+    if a.recompute_modules is not None and a.recompute_granularity is None:
+        raise bad("--recompute-modules", list(a.recompute_modules), "needs --recompute-granularity selective")
+
+
+def render_cli(raw: Mapping[str, Any]) -> list[str]:
+    """`MODEL_ARGS` as upstream's runner renders them: `true` -> bare flag, `false` -> dropped,
+    lists -> comma-joined without brackets, everything else `str(value)`."""
+    out: list[str] = []
+    for flag, value in raw.items():
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list | tuple):
+            out += [flag, ",".join(map(str, value))]
+        else:
+            out += [flag, str(value)]
+    return out

@@ -1,0 +1,129 @@
+"""Launch a functional case under `torchrun` and collect its metrics.
+
+`run_case` resolves a recipe for a hardware key, builds the indexed dataset it names (a setup
+step, from the text the repository ships), writes the run plan, starts `worker.py` with
+`harness.torchrun.launch` (gloo on CPU, NCCL on GPU; a timeout kills the whole launch), echoes
+the progress lines of the rank that holds the loss while it runs, and returns the metrics that
+rank wrote (Megatron's golden schema). `run_ckpt_resume` is upstream's ckpt-resume flow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.torchrun import launch
+from suites.functional.checkpoint import rewind_tracker
+from suites.functional.data import ensure_indexed_dataset
+from suites.functional.metrics import read_metrics
+from suites.functional.recipe import RECIPE_DIR, RunPlan, dump_plan, load_recipe, resolve
+
+__all__ = ["REPO_ROOT", "WORKER", "RunResult", "plan_case", "run_case", "run_ckpt_resume", "run_plan"]
+
+WORKER = Path(__file__).with_name("worker.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DATA_VARIABLE = "FUNCTIONAL_DATA"
+"""`${FUNCTIONAL_DATA}` in MODEL_ARGS: where the runner builds the indexed datasets."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """One launch: its plan, the metrics `{metric: {step: value}}`, wall seconds, output dir."""
+
+    plan: RunPlan
+    metrics: dict[str, dict[int, float]]
+    seconds: float
+    out_dir: Path
+
+
+def plan_case(case: str, hw: str, *, data_dir: Path, overrides: Mapping[str, Any] | None = None,
+              recipe_dir: Path = RECIPE_DIR) -> RunPlan:
+    """The resolved plan of `recipes/<case>.yaml` on `hw`."""
+    recipe = load_recipe(recipe_dir / f"{case}.yaml")
+    return resolve(recipe, hw, variables={DATA_VARIABLE: str(data_dir)}, overrides=overrides)
+
+
+def _tail(log_dir: Path, rank: int, stop: threading.Event, echo: Callable[[str], None]) -> None:
+    """Echo the progress lines of `rank` from torchrun's per-rank stdout log while it grows."""
+    offset, path = 0, None
+    while True:
+        done = stop.is_set()
+        if path is None:
+            found = sorted(log_dir.glob(f"*/attempt_*/{rank}/stdout.log"))
+            path = found[-1] if found else None
+        if path is not None:
+            with path.open(encoding="utf-8", errors="replace") as f:
+                f.seek(offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            offset += len(complete.encode("utf-8"))
+            for line in complete.splitlines():
+                if " iteration " in line:
+                    echo(line)
+        if done:
+            return
+        stop.wait(0.25)
+
+
+def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None = None, load: Path | None = None,
+             echo: Callable[[str], None] | None = None, timeout: float | None = None) -> RunResult:
+    """Launch `plan` into `out_dir`; raises `LaunchError` (with the failing ranks' stderr) on failure."""
+    if save is not None and importlib.util.find_spec("psutil") is None:
+        raise RuntimeError(f"{plan.case}: saving a torch_dist checkpoint needs psutil (megatron-core 0.16.1's "
+                           "filesystem_async writer imports it without declaring it); install the test extra")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not plan.args.mock_data:
+        ensure_indexed_dataset(plan.args.data_path)
+    plan_file = dump_plan(plan, out_dir / "plan.json")
+    args = ["--plan", plan_file, "--out", out_dir, "--data-cache", data_dir / "cache"]
+    if save is not None:
+        args += ["--save", save]
+    if load is not None:
+        args += ["--load", load]
+    env = {**plan.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    echo = echo or (lambda line: print(line, file=sys.stdout, flush=True))
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    tail = threading.Thread(target=_tail, args=(log_dir, plan.nproc - 1, stop, echo), daemon=True)
+    echo(f"[functional] {plan.case} on {plan.hw}: {plan.nproc} rank(s), {plan.backend}, "
+         f"TP{plan.args.tensor_model_parallel_size} PP{plan.args.pipeline_model_parallel_size} "
+         f"DP{plan.data_parallel_size}, {plan.args.train_iters} iterations"
+         + (f", resuming from {load}" if load else ""))
+    start = time.monotonic()
+    tail.start()
+    try:
+        launch(WORKER, [str(x) for x in args], nproc=plan.nproc, timeout=timeout or plan.timeout,
+               log_dir=log_dir, env=env)
+    finally:
+        stop.set()
+        tail.join(timeout=5)
+    seconds = time.monotonic() - start
+    echo(f"[functional] {plan.case}: done in {seconds:.1f} s")
+    return RunResult(plan=plan, metrics=read_metrics(out_dir / "metrics.json"), seconds=seconds, out_dir=out_dir)
+
+
+def run_case(case: str, hw: str, *, work_dir: Path, data_dir: Path, overrides: Mapping[str, Any] | None = None,
+             save: Path | None = None, echo: Callable[[str], None] | None = None) -> RunResult:
+    """Resolve and run `case` on `hw` into `work_dir`."""
+    plan = plan_case(case, hw, data_dir=data_dir, overrides=overrides)
+    return run_plan(plan, work_dir, data_dir=data_dir, save=save, echo=echo)
+
+
+def run_ckpt_resume(first: RunResult, checkpoints: Path, work_dir: Path, *, data_dir: Path,
+                    echo: Callable[[str], None] | None = None) -> RunResult:
+    """Upstream's second ckpt-resume launch: rewind the tracker of `first`'s checkpoints to
+    `--save-interval` (N/2), drop later checkpoints, and train from there to N."""
+    resume_at = first.plan.args.save_interval
+    if resume_at is None or resume_at >= first.plan.args.train_iters:
+        raise ValueError(f"{first.plan.case}: --save-interval={resume_at} leaves nothing to resume "
+                         f"(--train-iters={first.plan.args.train_iters})")
+    rewind_tracker(checkpoints, resume_at)
+    return run_plan(first.plan, work_dir, data_dir=data_dir, load=checkpoints, echo=echo)

@@ -1,0 +1,200 @@
+"""The training loop of one rank, built from a `RunPlan` with megatron-core's own pieces.
+
+Model: `MHCTransformerConfig` + `build_gpt_model` (`Float16Module` for bf16), wrapped in
+megatron-core's `DistributedDataParallel`. Optimizer: `get_megatron_optimizer` (Adam; torch's
+AdamW where Transformer Engine / apex are absent) with `OptimizerParamScheduler` (iteration-based
+steps). Step: `get_forward_backward_func()` over the microbatches, which calls
+`finalize_model_grads` (DP all-reduce, embedding / SP grads), then `optimizer.step()` (grad norm,
+clipping, num-zeros). Loss: Megatron's per-token loss (sum over unmasked tokens, reported as
+`[sum, count]`, summed over microbatches and all-reduced over DP).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from suites.functional.checkpoint import load_checkpoint, save_checkpoint
+from suites.functional.data import build_train_dataset, make_tokenizer, microbatches
+from suites.functional.metrics import StepRecord, memory_metrics, progress_line
+from suites.functional.model_args import TrainArgs
+from suites.functional.recipe import RunPlan
+
+__all__ = ["Trainer", "padded_vocab_size"]
+
+
+def padded_vocab_size(vocab: int, args: TrainArgs) -> int:
+    """Megatron's `_vocab_size_with_padding`: up to a multiple of make_vocab_size_divisible_by * TP."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def _seed(seed: int) -> None:
+    """Megatron's `_set_random_seed`: seed + 100 * pp_rank for python, numpy, torch and the TP tracker."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _config(a: TrainArgs, backend: str) -> Any:
+    from megatron.core.transformer.enums import AttnBackend
+
+    from mhc_core.megatron.config import MHCTransformerConfig
+
+    dtype = torch.bfloat16 if a.bf16 else torch.float32
+    return MHCTransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        ffn_hidden_size=a.ffn_size, init_method_std=a.init_method_std, hidden_dropout=a.hidden_dropout,
+        attention_dropout=a.attention_dropout, normalization=a.normalization,
+        attention_softmax_in_fp32=a.attention_softmax_in_fp32, attention_backend=AttnBackend[a.attention_backend],
+        use_cpu_initialization=not torch.cuda.is_available(), params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=a.bf16, tensor_model_parallel_size=a.tensor_model_parallel_size,
+        pipeline_model_parallel_size=a.pipeline_model_parallel_size, sequence_parallel=a.sequence_parallel,
+        recompute_granularity=a.recompute_granularity,
+        recompute_modules=list(a.recompute_modules) if a.recompute_modules else None,
+        deterministic_mode=a.deterministic_mode, gradient_accumulation_fusion=False,
+        enable_mhc_connections=a.enable_mhc_connections, mhc_num_residual_streams=a.mhc_num_residual_streams,
+        mhc_sinkhorn_iterations=a.mhc_sinkhorn_iterations, mhc_init_gating_factor=a.mhc_init_gating_factor,
+        mhc_variant=a.mhc_variant,
+        deallocate_pipeline_outputs=False,
+        # gloo matches messages between a pair of ranks first-in-first-out; batched P2P posts sends and
+        # receives in one fixed order, which gloo cannot match for PP = 2 (see suites/pp/pp_worker.py).
+        batch_p2p_comm=backend == "nccl",
+    )
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's `pretrain_gpt.loss_func`: (sum of unmasked token losses, token count, report)."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+class Trainer:
+    """Model chunks, optimizer, scheduler and data of one rank; `train` runs the steps."""
+
+    def __init__(self, plan: RunPlan, *, data_cache: Path):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.transformer.module import Float16Module
+
+        from mhc_core.megatron.gpt import build_gpt_model
+
+        self.plan, a = plan, plan.args
+        _seed(a.seed)
+        self.config = _config(a, plan.backend)
+        self.holds_loss = ps.is_pipeline_last_stage()
+        model = build_gpt_model(
+            self.config, vocab_size=padded_vocab_size(make_tokenizer(a).vocab_size, a),
+            max_sequence_length=a.max_position_embeddings or a.seq_length,
+            pre_process=ps.is_pipeline_first_stage(), post_process=self.holds_loss,
+            spec="te" if a.transformer_impl == "transformer_engine" else "local",
+            share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+            position_embedding_type=a.position_embedding_type,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        if a.bf16:
+            model = Float16Module(self.config, model)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        self.chunks = [DistributedDataParallel(self.config, ddp_config, model)]
+        for chunk in self.chunks:
+            chunk.broadcast_params()
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
+                            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
+                            clip_grad=a.clip_grad, bf16=a.bf16, params_dtype=self.config.params_dtype,
+                            log_num_zeros_in_grad=a.log_num_zeros_in_grad),
+            self.chunks,
+        )
+        decay = a.lr_decay_iters or a.train_iters
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.warmup_iters(),
+            lr_decay_steps=decay, lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay,
+            end_wd=a.weight_decay, wd_incr_steps=a.train_iters, wd_incr_style="constant",
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.chunks[0].no_sync
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.dataset = build_train_dataset(a, num_samples=a.train_iters * a.global_batch_size, cache_dir=data_cache)
+
+    def load(self, root: Path) -> int:
+        """Resume from the checkpoint the tracker in `root` names; returns its iteration."""
+        return load_checkpoint(root, self.chunks, self.optimizer, self.scheduler)
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        if torch.cuda.is_available():
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        return output, partial(_loss_func, batch["loss_mask"])
+
+    def step(self, step: int) -> StepRecord:
+        """One optimizer step over the global batch of `step` (1-based)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        a, plan = self.plan.args, self.plan
+        start = time.perf_counter()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        data = microbatches(self.dataset, step=step, args=a, dp_rank=ps.get_data_parallel_rank(),
+                            dp_size=plan.data_parallel_size, num_microbatches=plan.num_microbatches)
+        reports = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=data, model=self.chunks[0],
+            num_microbatches=plan.num_microbatches, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
+            forward_only=False,
+        )
+        ok, grad_norm, num_zeros = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        loss = float("nan")
+        if self.holds_loss:
+            total = torch.vstack([r["lm loss"].view(-1) for r in reports]).sum(dim=0)
+            dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+            loss = float(total[0] / total[1])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return StepRecord(step=step, loss=loss, grad_norm=None if grad_norm is None else float(grad_norm),
+                          num_zeros=None if num_zeros is None else float(num_zeros),
+                          seconds=time.perf_counter() - start,
+                          learning_rate=self.optimizer.param_groups[0]["lr"], memory=memory_metrics())
+
+    def train(self, *, start: int = 0, save: Path | None = None) -> list[StepRecord]:
+        """Steps start+1 .. train_iters; saves every --save-interval steps into `save` (when given)."""
+        a = self.plan.args
+        last_rank = dist.get_rank() == dist.get_world_size() - 1
+        records = []
+        for step in range(start + 1, a.train_iters + 1):
+            rec = self.step(step)
+            records.append(rec)
+            if self.holds_loss and last_rank:
+                print(progress_line(rec, a.train_iters), flush=True)
+            if save is not None and a.save_interval and step % a.save_interval == 0:
+                save_checkpoint(save, step, self.chunks, self.optimizer, self.scheduler,
+                                fully_parallel=a.ckpt_fully_parallel_save)
+        return records

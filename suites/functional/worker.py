@@ -1,0 +1,77 @@
+"""One rank of a functional mini-training (the `torchrun` entry point; gloo on CPU, NCCL on GPU).
+
+Trains the GPT of a resolved recipe (`--plan`, written by `runner.py`) with megatron-core end to
+end: `MHCTransformerConfig` + `build_gpt_model`, megatron-core's `DistributedDataParallel`, its
+optimizer (`get_megatron_optimizer`, Adam) and `OptimizerParamScheduler`, the forward-backward
+schedule of `get_forward_backward_func` with `finalize_model_grads`, the dataset pipeline of
+`megatron.core.datasets`, and `megatron.core.dist_checkpointing` for `--save` / `--load`.
+
+The rank that holds the loss (the last one: last pipeline stage) prints one progress line per step
+and writes `<out>/metrics.json` (golden schema) at the end. Top-level imports stay light: the
+torch_dist checkpoint writer spawns a helper process that imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--plan", required=True, type=Path, help="run plan JSON (runner.py)")
+    p.add_argument("--out", required=True, type=Path, help="metrics.json goes here")
+    p.add_argument("--data-cache", required=True, type=Path, help="dataset index cache directory")
+    p.add_argument("--save", type=Path, default=None, help="checkpoint root: save every --save-interval steps")
+    p.add_argument("--load", type=Path, default=None, help="checkpoint root: resume from its tracker's iteration")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    from suites.functional.recipe import load_plan
+
+    plan = load_plan(cli.plan)
+    a = plan.args
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(plan.backend)
+
+    from megatron.core import parallel_state as ps
+
+    from mhc_core.megatron import cpu_support
+    from mhc_core.megatron.pipeline import enable_mhc_pipeline
+    from suites.functional import cpu_extras
+    from suites.functional.training import Trainer
+
+    cpu_support.install()
+    cpu_extras.install()
+    enable_mhc_pipeline()
+    if a.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
+    ps.initialize_model_parallel(tensor_model_parallel_size=a.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=a.pipeline_model_parallel_size)
+    try:
+        trainer = Trainer(plan, data_cache=cli.data_cache)
+        start = trainer.load(cli.load) if cli.load else 0
+        records = trainer.train(start=start, save=cli.save)
+        if trainer.holds_loss and dist.get_rank() == dist.get_world_size() - 1:
+            from suites.functional.metrics import write_metrics
+
+            cli.out.mkdir(parents=True, exist_ok=True)
+            write_metrics(cli.out / "metrics.json", records)
+        dist.barrier()
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
