@@ -18,7 +18,11 @@ from harness.results import CaseOutcome, load_actual
 from harness.runner import RunSummary
 from harness.schema import load_golden
 
-__all__ = ["format_table", "summary_rows", "write_plots", "write_report"]
+__all__ = ["format_table", "step_time_ratios", "summary_rows", "write_plots", "write_report"]
+
+STEP_TIME_METRIC = "iteration-time"
+WARMUP_STEPS = 3
+"""Steps skipped before the step-time median (compilation, allocator and cache warm-up)."""
 
 _HEADER = ("suite", "case", "metric", "check", "status", "worst delta")
 
@@ -54,6 +58,43 @@ def format_table(rows: Sequence[Sequence[str]], header: Sequence[str] = _HEADER)
 
 def _slug(*parts: str) -> str:
     return "__".join(p.replace("/", "_").replace(" ", "_") for p in parts)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def step_time_ratios(actuals: dict[str, dict[str, object]]) -> list[tuple[str, str, str, float, float, float]]:
+    """``(suite, baseline, mhc, baseline median s, mhc median s, ratio)`` for every baseline / mHC pair
+    whose results both carry ``iteration-time`` (median after ``WARMUP_STEPS`` steps)."""
+    rows = []
+    for suite, cases in actuals.items():
+        for base, mhc in mhc_pairs(cases):
+            series = [cases[c].get(STEP_TIME_METRIC) for c in (base, mhc)]
+            if any(s is None for s in series):
+                continue
+            meds = []
+            for s in series:
+                steps = sorted(s.values)
+                kept = [s.values[k] for k in steps[WARMUP_STEPS:]] or [s.values[k] for k in steps]
+                meds.append(_median(kept))
+            if meds[0] > 0:
+                rows.append((suite, base, mhc, meds[0], meds[1], meds[1] / meds[0]))
+    return rows
+
+
+def _actuals(summary: RunSummary) -> dict[str, dict[str, object]]:
+    by_suite: dict[str, dict[str, object]] = {}
+    for o in summary.cases:
+        try:
+            actual = load_actual(summary.results_dir, o.suite, o.case)
+        except GoldenError:
+            continue
+        if actual is not None:
+            by_suite.setdefault(o.suite, {})[o.case] = actual
+    return by_suite
 
 
 def write_plots(summary: RunSummary, plots_dir: Path) -> list[tuple[str, Path]]:
@@ -112,6 +153,12 @@ def write_report(summary: RunSummary, out_dir: str | Path, *, plots: bool = True
             md += [f"### {o.suite}/{o.case} ({o.status})", "", "```text", o.message, "```", ""]
         for r in bad_runs:
             md += [f"### pytest {r.suite} (exit {r.returncode})", "", "```text", r.output_tail[-2500:], "```", ""]
+    ratios = step_time_ratios(_actuals(summary))
+    if ratios:
+        md += ["", "## mHC step time vs baseline", "",
+               f"Median `{STEP_TIME_METRIC}` after {WARMUP_STEPS} warm-up steps, measured in this run.", "",
+               "| suite | baseline | mHC | baseline s | mHC s | mHC / baseline |", "|---|---|---|---|---|---|"]
+        md += [f"| {su} | {b} | {m} | {tb:.4g} | {tm:.4g} | {r:.3f} |" for su, b, m, tb, tm, r in ratios]
     if plots:
         pngs = write_plots(summary, out_dir / "plots")
         if pngs:
