@@ -1,0 +1,114 @@
+"""cuTile (NVIDIA `cuda-tile`) kernels for the four mHC ops, forward and backward.
+
+Importing this package needs neither `cuda.tile` nor a GPU: the kernel modules
+(`sinkhorn_kernels`, `stream_kernels`, `mapping_kernels`) are imported on first launch.
+
+- `availability() -> (bool, reason)`: a CUDA GPU of compute capability >= 8.0, `cuda.tile`
+  importable and a `tileiras` compiler found (see `toolchain.py`).
+- `sinkhorn`, `mapping`, `h_aggregate`, `h_post_bda`: the reference signatures, autograd-capable;
+  uncovered cases raise `NotImplementedError` naming the case (see `ops.py`).
+- `iter_signatures()` / `KERNEL_SIGNATURES`: every launch signature, for export / compile checks.
+
+Details, tiling and the CI checks: `docs/cutile.md`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.ops import CuTileOps, make_ops
+from mhc_core.kernels.cutile.toolchain import find_toolchain
+
+__all__ = [
+    "availability",
+    "sinkhorn",
+    "mapping",
+    "h_aggregate",
+    "h_post_bda",
+    "OPS",
+    "SUPPORTED_N",
+    "iter_signatures",
+    "KERNEL_SIGNATURES",
+]
+
+SUPPORTED_N = tiling.SUPPORTED_N
+MIN_COMPUTE_CAPABILITY = (8, 0)
+HOPPER_MIN_TILEIRAS = (13, 3)
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in v.split(".")[:2])
+    except ValueError:
+        return (0,)
+
+
+@functools.cache
+def availability() -> tuple[bool, str]:
+    """`(True, "...")` when the kernels can run here, else `(False, why not)` (cached)."""
+    reasons = []
+    import torch
+
+    cc = None
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA GPU (torch.cuda.is_available() is False)")
+    else:
+        cc = torch.cuda.get_device_capability()
+        if cc < MIN_COMPUTE_CAPABILITY:
+            reasons.append(f"GPU compute capability {cc[0]}.{cc[1]} < 8.0 (cuTile needs Ampere or newer)")
+    try:
+        has_ct = importlib.util.find_spec("cuda.tile") is not None
+    except (ImportError, ValueError):
+        has_ct = False
+    if has_ct:
+        try:
+            import cuda.tile  # noqa: F401
+        except Exception as exc:  # a broken install must not break the dispatch
+            reasons.append(f"`import cuda.tile` failed: {exc}")
+    else:
+        reasons.append("cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+    tc = find_toolchain()
+    if tc is None:
+        reasons.append("no tileiras compiler (pip wheels, PATH or $CUDA_HOME/bin)")
+    elif cc is not None and cc[0] == 9 and _version_tuple(tc.version) < HOPPER_MIN_TILEIRAS:
+        reasons.append(f"tileiras {tc.version} cannot target sm_90 (Hopper needs >= 13.3)")
+    if reasons:
+        return False, "; ".join(reasons)
+    return True, f"cuTile on sm_{cc[0]}{cc[1]} with tileiras {tc.version} ({tc.source})"
+
+
+@functools.cache
+def _default_runtime():
+    ok, why = availability()
+    if not ok:
+        raise RuntimeError(f"cutile backend unavailable: {why}")
+    from mhc_core.kernels.cutile.runtime import CuTileRuntime
+
+    return CuTileRuntime()
+
+
+OPS: CuTileOps = make_ops(_default_runtime)
+"""The four ops on the GPU runtime (created on first call)."""
+
+sinkhorn = OPS.sinkhorn
+mapping = OPS.mapping
+h_aggregate = OPS.h_aggregate
+h_post_bda = OPS.h_post_bda
+
+
+def iter_signatures(ns: tuple[int, ...] = SUPPORTED_N):
+    """`(id, kernel object, [KernelSignature])` for every launch the dispatch can produce (imports cuda.tile)."""
+    from mhc_core.kernels.cutile.signatures import iter_signatures as _iter
+
+    return _iter(ns)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KERNEL_SIGNATURES":
+        from mhc_core.kernels.cutile.signatures import kernel_cases
+
+        return kernel_cases()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,122 @@
+"""Quick CUDA-event timing of the cuTile ops against the reference ops (GPU only).
+
+    python -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 --out out.json
+
+For each op and direction (fwd; bwd alone, replayed on a retained graph) and each backend
+(cutile, reference): median milliseconds over `--iters` timed calls after `--warmup` untimed ones
+(the first call JIT-compiles the kernels), and GB/s against `mhc_core.analysis.bytes_moved`.
+Benchmarks measure; nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+from mhc_core import ops as ref
+from mhc_core.analysis import bytes_moved
+from mhc_core.variants import get_variant
+
+__all__ = ["main"]
+
+
+def _time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _inputs(op: str, t: int, n: int, c: int, act: torch.dtype, variant: str) -> list[torch.Tensor | None]:
+    dev = "cuda"
+    coef = act if get_variant(variant).coefficients_in_activation_dtype else torch.float32
+    big_n = ref.num_mapping_outputs(n)
+    if op == "mapping":
+        return [torch.randn(t, n * c, device=dev, dtype=act), torch.randn(big_n, n * c, device=dev) * 0.01,
+                *(torch.full((1,), 0.01, device=dev) for _ in range(3)), torch.zeros(big_n, device=dev)]
+    if op == "sinkhorn":
+        return [torch.randn(t, n, n, device=dev, dtype=coef)]
+    if op == "h_aggregate":
+        return [torch.randn(t, n, c, device=dev, dtype=act), torch.rand(t, n, device=dev, dtype=coef)]
+    return [torch.rand(t, n, n, device=dev, dtype=coef), torch.randn(t, n, c, device=dev, dtype=act),
+            torch.rand(t, n, device=dev, dtype=coef), torch.randn(t, c, device=dev, dtype=act),
+            torch.randn(c, device=dev, dtype=act)]
+
+
+def _call(ops, op: str, n: int, variant: str, iterations: int) -> Callable:
+    if op == "mapping":
+        return lambda *a: ops.mapping(*a, n, variant)
+    if op == "sinkhorn":
+        return lambda z: ops.sinkhorn(z, iterations, None, variant)
+    if op == "h_aggregate":
+        return ops.h_aggregate
+    return lambda *a: ops.h_post_bda(*a, 0.0, False, variant)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--variant", default="megatron_dev")
+    p.add_argument("--iterations", type=int, default=20, help="Sinkhorn iterations")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ops", default="sinkhorn,mapping,h_aggregate,h_post_bda")
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+
+    import mhc_core.kernels.cutile as cutile
+
+    ok, why = cutile.availability()
+    if not ok:
+        print(f"bench: cuTile unavailable: {why}", file=sys.stderr)
+        return 2
+    act = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    t, n, c = args.tokens, args.n, args.hidden
+    rows = []
+    for op in args.ops.split(","):
+        for backend, ops in (("cutile", cutile.OPS), ("reference", ref)):
+            fn = _call(ops, op, n, args.variant, args.iterations)
+            inputs = [x.requires_grad_(True) if x is not None else None for x in _inputs(op, t, n, c, act, args.variant)]
+            fwd_ms = _time_ms(lambda fn=fn, inputs=inputs: fn(*inputs), args.warmup, args.iters)
+            out = fn(*inputs)
+            outs = out if isinstance(out, tuple) else (out,)
+            grads = [torch.randn_like(o) for o in outs]
+            leaves = [x for x in inputs if x is not None]
+            bwd_ms = _time_ms(
+                lambda outs=outs, grads=grads, leaves=leaves: torch.autograd.grad(outs, leaves, grads, retain_graph=True),
+                args.warmup, args.iters,
+            )
+            for direction, ms in (("fwd", fwd_ms), ("bwd", bwd_ms)):
+                model = bytes_moved(op, direction, tokens=t, n=n, hidden=c, act_bytes=act.itemsize,
+                                    with_bias=op == "h_post_bda")
+                rows.append({"op": op, "direction": direction, "backend": backend, "median_ms": round(ms, 4),
+                             "model_bytes": model.total, "gb_per_s": round(model.total / (ms * 1e6), 1)})
+                print(f"{op:12s} {direction} {backend:9s} {ms:9.4f} ms {model.total / (ms * 1e6):8.1f} GB/s", flush=True)
+            del out, outs, grads, inputs, leaves
+            torch.cuda.empty_cache()
+    result = {"tokens": t, "n": n, "hidden": c, "dtype": args.dtype, "variant": args.variant,
+              "device": torch.cuda.get_device_name(), "availability": why, "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

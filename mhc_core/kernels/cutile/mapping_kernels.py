@@ -1,0 +1,211 @@
+"""cuTile kernels for the mHC coefficient mapping, forward and backward.
+
+The projection weight `[N, K]` (N = n*n + 2n, K = n*C) is read through two row views,
+`w_pp = weight[:2n]` (pre | post) and `w_res = weight[2n:]` (res), so every tile has a power-of-two
+width (2n and n*n) without copying or padding the weight. Biases and projections are split the
+same way.
+
+Forward (two launches):
+1. `mapping_fwd_partial_kernel`, grid `(cdiv(T, TILE_M), S)`: split `s` of K; one pass over `x`
+   computes both projections with `ct.mma` (fp32 accumulators) and the sum of squares of `x`;
+   writes fp32 partials `part_pp [S, T, 2n]`, `part_res [S, T, n*n]`, `part_sq [S, T]`.
+2. `mapping_fwd_epilogue_kernel`, grid `(cdiv(T, TILE_M),)`: sums the S partials,
+   `rms = sqrt(sumsq / K)`, `r = 1 / (rms + norm_eps)`, `h = r * proj * alpha + bias`,
+   `h_pre = sigmoid(h) + h_pre_eps`, `h_post = 2 sigmoid(h)`, `h_res = h`; also keeps the fp32
+   `proj` and `rms` for the backward.
+
+Backward (two launches):
+1. `mapping_bwd_coef_kernel`, grid `(cdiv(T, TILE_M),)`: gate derivatives, `gp = dL/dproj`
+   (fp32), the per-token RMS coefficient `cx = dL/dr * dr/dx / x`, and per-block partial sums
+   for the gradients of `bias` and the three alphas.
+2. `mapping_bwd_dx_dw_kernel`, grid `(cdiv(K, TILE_K), S)`: `grad_x = gp @ W + cx * x`
+   (stored per tile) and `grad_W = gp^T @ x`, accumulated over this split's token tiles into
+   fp32 partials `[S, N, K]`.
+
+`MMA` selects the tensor-core precision: 0 = bf16 operands (forward of the `megatron_main` bf16
+path, whose reference rounds the weight to bf16), 1 = TF32, 2 = 3xTF32 (hi/lo split, about fp32
+accuracy: the default for fp32 activations unless `torch.backends.cuda.matmul.allow_tf32` is
+set). The backward never uses 0. Accumulation is always fp32.
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+ConstInt = ct.Constant[int]
+PAD_ZERO = ct.PaddingMode.ZERO
+F32 = ct.float32
+
+MMA_BF16, MMA_TF32, MMA_3XTF32 = 0, 1, 2
+
+
+def _split_tf32(v):
+    hi = ct.astype(v, ct.tfloat32)
+    lo = ct.astype(v - ct.astype(hi, F32), ct.tfloat32)
+    return hi, lo
+
+
+def _mma(a, b, acc, MMA):
+    """`acc + a @ b` with fp32 accumulation at the precision `MMA`."""
+    if MMA == MMA_BF16:
+        out = ct.mma(ct.astype(a, ct.bfloat16), ct.astype(b, ct.bfloat16), acc)
+    elif MMA == MMA_TF32:
+        out = ct.mma(ct.astype(ct.astype(a, F32), ct.tfloat32), ct.astype(ct.astype(b, F32), ct.tfloat32), acc)
+    else:
+        a_hi, a_lo = _split_tf32(ct.astype(a, F32))
+        b_hi, b_lo = _split_tf32(ct.astype(b, F32))
+        out = ct.mma(a_lo, b_hi, acc)
+        out = ct.mma(a_hi, b_lo, out)
+        out = ct.mma(a_hi, b_hi, out)
+    return out
+
+
+def _load_f32(arr, index, shape):
+    return ct.astype(ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO), F32)
+
+
+def _scalar_f32(arr):
+    """A `[1]` parameter as a `(1, 1)` fp32 tile."""
+    return ct.reshape(_load_f32(arr, (0,), (1,)), (1, 1))
+
+
+def _alpha_pp(alpha_pre, alpha_post, N):
+    """`[alpha_pre x n | alpha_post x n]` as a `(1, 2n)` fp32 tile."""
+    lanes = ct.reshape(ct.arange(2 * N, dtype=ct.int32), (1, 2 * N))
+    a_pre = ct.broadcast_to(_scalar_f32(alpha_pre), (1, 2 * N))
+    a_post = ct.broadcast_to(_scalar_f32(alpha_post), (1, 2 * N))
+    return ct.where(lanes < N, a_pre, a_post)
+
+
+def _sigmoid(v):
+    return 1.0 / (1.0 + ct.exp(-v))
+
+
+@ct.kernel
+def mapping_fwd_partial_kernel(x, w_pp, w_res, part_pp, part_res, part_sq, k_tiles_per_split: int,
+                               N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
+    """Partial projections and sum of squares of one K split; grid `(cdiv(T, TILE_M), S)`."""
+    pm = ct.bid(0)
+    ps = ct.bid(1)
+    k_tiles = ct.num_tiles(x, axis=1, shape=(TILE_M, TILE_K))
+    k_begin = ps * k_tiles_per_split
+    k_end = ct.minimum(k_begin + k_tiles_per_split, k_tiles)
+    acc_pp = ct.zeros((TILE_M, 2 * N), dtype=F32)
+    acc_res = ct.zeros((TILE_M, N * N), dtype=F32)
+    sq = ct.zeros((TILE_M, 1), dtype=F32)
+    for kt in range(k_begin, k_end):
+        a = ct.load(x, index=(pm, kt), shape=(TILE_M, TILE_K), padding_mode=PAD_ZERO)
+        b_pp = ct.load(w_pp, index=(kt, 0), shape=(TILE_K, 2 * N), order=(1, 0), padding_mode=PAD_ZERO)
+        b_res = ct.load(w_res, index=(kt, 0), shape=(TILE_K, N * N), order=(1, 0), padding_mode=PAD_ZERO)
+        af = ct.astype(a, F32)
+        sq = sq + ct.sum(af * af, axis=1, keepdims=True)
+        acc_pp = _mma(a, b_pp, acc_pp, MMA)
+        acc_res = _mma(a, b_res, acc_res, MMA)
+    ct.store(part_pp, index=(ps, pm, 0), tile=ct.reshape(acc_pp, (1, TILE_M, 2 * N)))
+    ct.store(part_res, index=(ps, pm, 0), tile=ct.reshape(acc_res, (1, TILE_M, N * N)))
+    ct.store(part_sq, index=(ps, pm), tile=ct.reshape(sq, (1, TILE_M)))
+
+
+@ct.kernel
+def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
+                                bias_pp, bias_res, h_pre, h_post, h_res, proj_pp, proj_res, rms_out,
+                                inv_k: float, norm_eps: float, h_pre_eps: float,
+                                N: ConstInt, TILE_M: ConstInt):
+    """Reduce the K splits and apply RMS, alphas, bias and gates; grid `(cdiv(T, TILE_M),)`."""
+    pm = ct.bid(0)
+    p_pp = ct.zeros((TILE_M, 2 * N), dtype=F32)
+    p_res = ct.zeros((TILE_M, N * N), dtype=F32)
+    sq = ct.zeros((TILE_M,), dtype=F32)
+    for s in range(part_sq.shape[0]):
+        p_pp = p_pp + ct.reshape(_load_f32(part_pp, (s, pm, 0), (1, TILE_M, 2 * N)), (TILE_M, 2 * N))
+        p_res = p_res + ct.reshape(_load_f32(part_res, (s, pm, 0), (1, TILE_M, N * N)), (TILE_M, N * N))
+        sq = sq + ct.reshape(_load_f32(part_sq, (s, pm), (1, TILE_M)), (TILE_M,))
+    rms = ct.sqrt(sq * inv_k)
+    r = ct.reshape(1.0 / (rms + norm_eps), (TILE_M, 1))
+    b_pp = ct.reshape(_load_f32(bias_pp, (0,), (2 * N,)), (1, 2 * N))
+    b_res = ct.reshape(_load_f32(bias_res, (0,), (N * N,)), (1, N * N))
+    gates = _sigmoid(r * p_pp * _alpha_pp(alpha_pre, alpha_post, N) + b_pp)
+    logits = r * p_res * _scalar_f32(alpha_res) + b_res
+    pre = ct.extract(gates, (0, 0), shape=(TILE_M, N)) + h_pre_eps
+    post = 2.0 * ct.extract(gates, (0, 1), shape=(TILE_M, N))
+    ct.store(h_pre, index=(pm, 0), tile=ct.astype(pre, h_pre.dtype))
+    ct.store(h_post, index=(pm, 0), tile=ct.astype(post, h_post.dtype))
+    ct.store(h_res, index=(pm, 0, 0), tile=ct.astype(ct.reshape(logits, (TILE_M, N, N)), h_res.dtype))
+    ct.store(proj_pp, index=(pm, 0), tile=p_pp)
+    ct.store(proj_res, index=(pm, 0), tile=p_res)
+    ct.store(rms_out, index=(pm,), tile=rms)
+
+
+@ct.kernel
+def mapping_bwd_coef_kernel(grad_pre, grad_post, grad_res, proj_pp, proj_res, rms_in,
+                            alpha_pre, alpha_post, alpha_res, bias_pp, bias_res,
+                            gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part,
+                            inv_k: float, norm_eps: float,
+                            N: ConstInt, TILE_M: ConstInt):
+    """Per-token gradients of the epilogue; grid `(cdiv(T, TILE_M),)`.
+
+    Writes `gp = dL/dproj` (fp32 `[T, 2n]`, `[T, n*n]`), `cx [T]` with
+    `dL/dx (RMS term) = cx * x`, and this block's partial sums: `gbias_pp_part [B, 2n]`,
+    `gbias_res_part [B, n*n]`, `galpha_part [B, 4]` (pre, post, res, 0).
+    """
+    pm = ct.bid(0)
+    p_pp = _load_f32(proj_pp, (pm, 0), (TILE_M, 2 * N))
+    p_res = _load_f32(proj_res, (pm, 0), (TILE_M, N * N))
+    rms = ct.reshape(_load_f32(rms_in, (pm,), (TILE_M,)), (TILE_M, 1))
+    r = 1.0 / (rms + norm_eps)
+    a_pp = _alpha_pp(alpha_pre, alpha_post, N)
+    a_res = _scalar_f32(alpha_res)
+    b_pp = ct.reshape(_load_f32(bias_pp, (0,), (2 * N,)), (1, 2 * N))
+    gates = _sigmoid(r * p_pp * a_pp + b_pp)
+    g_gates = ct.cat((_load_f32(grad_pre, (pm, 0), (TILE_M, N)),
+                      2.0 * _load_f32(grad_post, (pm, 0), (TILE_M, N))), axis=1)
+    gh_pp = g_gates * gates * (1.0 - gates)
+    gh_res = ct.reshape(_load_f32(grad_res, (pm, 0, 0), (TILE_M, N, N)), (TILE_M, N * N))
+    # Rows past T load as zeros, so they add nothing below.
+    ct.store(gbias_pp_part, index=(pm, 0), tile=ct.sum(gh_pp, axis=0, keepdims=True))
+    ct.store(gbias_res_part, index=(pm, 0), tile=ct.sum(gh_res, axis=0, keepdims=True))
+    t_pp = gh_pp * r * p_pp
+    lanes_pp = ct.reshape(ct.arange(2 * N, dtype=ct.int32), (1, 2 * N))
+    ga_pre = ct.sum(ct.where(lanes_pp < N, t_pp, 0.0))
+    ga_post = ct.sum(ct.where(lanes_pp < N, 0.0, t_pp))
+    ga_res = ct.sum(gh_res * r * p_res)
+    slot = ct.reshape(ct.arange(4, dtype=ct.int32), (1, 4))
+    ga = ct.where(slot == 0, ga_pre, ct.where(slot == 1, ga_post, ct.where(slot == 2, ga_res, 0.0)))
+    ct.store(galpha_part, index=(pm, 0), tile=ga)
+    ct.store(gp_pp, index=(pm, 0), tile=gh_pp * r * a_pp)
+    ct.store(gp_res, index=(pm, 0), tile=gh_res * r * a_res)
+    g_r = ct.sum(gh_pp * p_pp * a_pp, axis=1, keepdims=True) + ct.sum(gh_res * p_res * a_res, axis=1,
+                                                                      keepdims=True)
+    # r = 1 / (rms + eps), rms = ||x|| / sqrt(K): dr/dx = -r^2 x / (K rms); zero where rms == 0.
+    safe = ct.where(rms > 0.0, rms, 1.0)
+    c = ct.where(rms > 0.0, -g_r * r * r * inv_k / safe, 0.0)
+    ct.store(cx, index=(pm,), tile=ct.reshape(c, (TILE_M,)))
+
+
+@ct.kernel
+def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_part, gw_res_part,
+                             m_tiles_per_split: int,
+                             N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
+    """`grad_x = gp @ W + cx * x` and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
+    pk = ct.bid(0)
+    ps = ct.bid(1)
+    m_tiles = ct.num_tiles(x, axis=0, shape=(TILE_M, TILE_K))
+    m_begin = ps * m_tiles_per_split
+    m_end = ct.minimum(m_begin + m_tiles_per_split, m_tiles)
+    wt_pp = ct.load(w_pp, index=(0, pk), shape=(2 * N, TILE_K), padding_mode=PAD_ZERO)
+    wt_res = ct.load(w_res, index=(0, pk), shape=(N * N, TILE_K), padding_mode=PAD_ZERO)
+    acc_pp = ct.zeros((2 * N, TILE_K), dtype=F32)
+    acc_res = ct.zeros((N * N, TILE_K), dtype=F32)
+    for mt in range(m_begin, m_end):
+        a = ct.load(x, index=(mt, pk), shape=(TILE_M, TILE_K), padding_mode=PAD_ZERO)
+        g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
+        g_res = _load_f32(gp_res, (mt, 0), (TILE_M, N * N))
+        c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
+        gx = ct.astype(a, F32) * c
+        gx = _mma(g_pp, wt_pp, gx, MMA)
+        gx = _mma(g_res, wt_res, gx, MMA)
+        ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
+        acc_pp = _mma(ct.transpose(g_pp), a, acc_pp, MMA)
+        acc_res = _mma(ct.transpose(g_res), a, acc_res, MMA)
+    ct.store(gw_pp_part, index=(ps, 0, pk), tile=ct.reshape(acc_pp, (1, 2 * N, TILE_K)))
+    ct.store(gw_res_part, index=(ps, 0, pk), tile=ct.reshape(acc_res, (1, N * N, TILE_K)))

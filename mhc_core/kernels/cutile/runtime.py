@@ -1,0 +1,200 @@
+"""Where the cuTile launches go: the GPU, the CPU emulator, or a recorder.
+
+The launch wrappers in `ops.py` call `runtime.launch(grid, kernel_name, args)` and never touch
+`cuda.tile` themselves, so the same wrapper code
+- runs on a GPU (`CuTileRuntime`: `ct.launch` on the current torch stream),
+- runs on CPU through the kernel interpreter (`EmulatedRuntime`, tests without a GPU),
+- or only records which kernels it would launch with which argument kinds
+  (`RecordingRuntime`, the source of the CI signature list in `signatures.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "KERNEL_MODULES",
+    "ArrayArg",
+    "ScalarArg",
+    "ConstArg",
+    "Launch",
+    "CuTileRuntime",
+    "EmulatedRuntime",
+    "RecordingRuntime",
+]
+
+KERNEL_MODULES: dict[str, str] = {
+    "sinkhorn_fwd_kernel": "sinkhorn_kernels",
+    "sinkhorn_bwd_kernel": "sinkhorn_kernels",
+    "h_aggregate_fwd_kernel": "stream_kernels",
+    "h_aggregate_bwd_kernel": "stream_kernels",
+    "h_post_bda_fwd_kernel": "stream_kernels",
+    "h_post_bda_bwd_kernel": "stream_kernels",
+    "mapping_fwd_partial_kernel": "mapping_kernels",
+    "mapping_fwd_epilogue_kernel": "mapping_kernels",
+    "mapping_bwd_coef_kernel": "mapping_kernels",
+    "mapping_bwd_dx_dw_kernel": "mapping_kernels",
+}
+"""Every kernel of the package and the module (in this package) that defines it."""
+
+
+class CuTileRuntime:
+    """Launches on the current CUDA stream with `cuda.tile.launch` (JIT-compiled per signature)."""
+
+    emulated = False
+
+    def __init__(self) -> None:
+        import cuda.tile as ct
+
+        self._ct = ct
+        self._kernels = {
+            name: getattr(importlib.import_module(f"mhc_core.kernels.cutile.{mod}"), name)
+            for name, mod in KERNEL_MODULES.items()
+        }
+
+    def launch(self, grid: tuple[int, ...], kernel_name: str, args: tuple[Any, ...]) -> None:
+        """Launch on the current stream of the device of the first tensor argument."""
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        kernel = self._kernels[kernel_name]
+        if device.index is None or device.index == torch.cuda.current_device():
+            self._ct.launch(torch.cuda.current_stream(device), grid, kernel, args)
+        else:
+            with torch.cuda.device(device):
+                self._ct.launch(torch.cuda.current_stream(device), grid, kernel, args)
+
+    @staticmethod
+    def num_sms(device: torch.device) -> int:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+
+    @staticmethod
+    def check_tensor(t: torch.Tensor, name: str, op: str) -> None:
+        if not t.is_cuda:
+            raise NotImplementedError(
+                f"cutile {op}: {name} is on {t.device}; the cuTile kernels run on CUDA tensors only"
+            )
+
+
+class EmulatedRuntime:
+    """Runs the kernel source on the CPU interpreter in `emulator.py` (any device, slow)."""
+
+    emulated = True
+
+    def __init__(self, num_sms: int = 4) -> None:
+        from mhc_core.kernels.cutile import emulator
+
+        self._emulator = emulator
+        self._sms = num_sms
+        self._kernels = {}
+        for name, mod in KERNEL_MODULES.items():
+            module, shim = emulator.load_kernel_module(mod)
+            self._kernels[name] = (getattr(module, name), shim)
+
+    def launch(self, grid: tuple[int, ...], kernel_name: str, args: tuple[Any, ...]) -> None:
+        kernel, shim = self._kernels[kernel_name]
+        self._emulator.emulate_launch(shim, grid, kernel, args)
+
+    def num_sms(self, device: torch.device) -> int:
+        return self._sms
+
+    @staticmethod
+    def check_tensor(t: torch.Tensor, name: str, op: str) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class ArrayArg:
+    """An array argument as the cuTile JIT specialises it (see `ArrayConstraint`)."""
+
+    dtype: torch.dtype
+    ndim: int
+    base_16: bool
+    stride_one: tuple[bool, ...]
+    stride_div: tuple[int, ...]
+    shape_16: tuple[bool, ...]
+
+    @property
+    def layout(self) -> tuple:
+        """What selects the kernel's code path: dtype, rank, unit strides (not the divisibility hints)."""
+        return (self.dtype, self.ndim, self.stride_one)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> ArrayArg:
+        item = t.element_size()
+        return cls(
+            dtype=t.dtype,
+            ndim=t.dim(),
+            base_16=t.data_ptr() % 16 == 0,
+            stride_one=tuple(s == 1 for s in t.stride()),
+            stride_div=tuple(16 // item if (s * item) % 16 == 0 and s != 1 else 1 for s in t.stride()),
+            shape_16=tuple(d % 16 == 0 for d in t.shape),
+        )
+
+
+@dataclass(frozen=True)
+class ScalarArg:
+    """A runtime scalar: `int` -> int32, `float` -> float32 (cuTile's defaults)."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class ConstArg:
+    """A `ct.Constant` parameter and its value."""
+
+    value: int | float | bool
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded launch: the context label, the kernel and its abstract arguments."""
+
+    label: str
+    kernel_name: str
+    args: tuple[ArrayArg | ScalarArg | ConstArg, ...]
+
+
+class RecordingRuntime:
+    """Records launches (kernel, argument kinds) instead of running them; outputs stay empty."""
+
+    emulated = True
+
+    def __init__(self, num_sms: int = 132) -> None:
+        from mhc_core.kernels.cutile import emulator
+
+        self._sms = num_sms
+        self._params: dict[str, list[inspect.Parameter]] = {}
+        for name, mod in KERNEL_MODULES.items():
+            module, _ = emulator.load_kernel_module(mod)
+            self._params[name] = list(inspect.signature(getattr(module, name), eval_str=True).parameters.values())
+        self.label = ""
+        self.launches: list[Launch] = []
+
+    def launch(self, grid: tuple[int, ...], kernel_name: str, args: tuple[Any, ...]) -> None:
+        params = self._params[kernel_name]
+        if len(params) != len(args):
+            raise TypeError(f"{kernel_name}: {len(args)} arguments for {len(params)} parameters")
+        abstract = []
+        for p, a in zip(params, args, strict=True):
+            if getattr(p.annotation, "__name__", "") == "_ConstantAnnotation":
+                abstract.append(ConstArg(a))
+            elif isinstance(a, torch.Tensor):
+                abstract.append(ArrayArg.of(a))
+            elif isinstance(a, bool | int):
+                abstract.append(ScalarArg("int32"))
+            elif isinstance(a, float):
+                abstract.append(ScalarArg("float32"))
+            else:
+                raise TypeError(f"{kernel_name}: unsupported argument {p.name}={a!r}")
+        self.launches.append(Launch(self.label, kernel_name, tuple(abstract)))
+
+    def num_sms(self, device: torch.device) -> int:
+        return self._sms
+
+    @staticmethod
+    def check_tensor(t: torch.Tensor, name: str, op: str) -> None:
+        return None

@@ -1,0 +1,192 @@
+"""Every kernel signature the cuTile backend launches, for export / compile checks in CI.
+
+The list is not written by hand: `signature_plan()` runs the real launch wrappers (`ops.py`)
+forward and backward on small CPU tensors through `RecordingRuntime`, for every supported
+`n`, activation dtype (bf16, fp32), variant, parameter dtype and bias / no bias, and keeps each
+distinct (kernel, argument kinds) pair once, under the first readable id that produced it
+(`h_post_bda-fwd-n4-bf16-main-bias`, `mapping-bwd-n4-fp32-dev-dx_dw`). A launch the dispatch
+can produce is therefore in the list by construction, for the tile classes of the representative
+sizes: T = 64 (a multiple of 16, like real token counts) with C = 512 (at or above every `TILE_C`
+cap in `tiling.py`: every hidden size >= 512) and C = 64 (the functional recipes' toy models; ids
+end in `-c64`, and only the stream kernels differ). Other small hidden sizes get other `TILE_C`
+values, compiled by the JIT on first use but not listed here.
+
+Array arguments are described the way the cuTile JIT specialises them (base address 16-byte
+aligned, unit / 16-byte-divisible strides, dims divisible by 16); `to_signature` turns one
+into a `cuda.tile.compilation.KernelSignature` (needs `cuda.tile`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, RecordingRuntime, ScalarArg
+from mhc_core.ops.mapping import num_mapping_outputs
+from mhc_core.variants import Variant, get_variant
+
+__all__ = ["PlannedLaunch", "KernelCase", "signature_plan", "kernel_cases", "to_signature", "REPRESENTATIVE_T",
+           "REPRESENTATIVE_C"]
+
+REPRESENTATIVE_T = 64
+REPRESENTATIVE_C = (512, 64)
+"""Hidden sizes of the plan: the production tile class first, then the toy-model one."""
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+_VARIANT_NAMES = {Variant.MEGATRON_MAIN: "main", Variant.MEGATRON_DEV: "dev", Variant.PAPER: "paper"}
+_ROLE = {
+    "mapping_fwd_partial_kernel": "partial",
+    "mapping_fwd_epilogue_kernel": "epilogue",
+    "mapping_bwd_coef_kernel": "coef",
+    "mapping_bwd_dx_dw_kernel": "dx_dw",
+}
+
+
+@dataclass(frozen=True)
+class PlannedLaunch:
+    """One distinct launch: readable id, kernel name, abstract arguments."""
+
+    id: str
+    kernel_name: str
+    args: tuple[ArrayArg | ScalarArg | ConstArg, ...]
+
+
+def _record(rec: RecordingRuntime, label: str, fwd, *inputs: torch.Tensor) -> None:
+    """Run `fwd(*inputs)` then a backward through all its outputs, labelling the launches."""
+    rec.label = f"{label}|fwd"
+    out = fwd(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    rec.label = f"{label}|bwd"
+    torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
+
+
+def _leaf(shape, dtype) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype).requires_grad_(True)
+
+
+def _record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, ...]) -> None:
+    ops = make_ops(rec)
+    for c, n in ((c, n) for c in cs for n in ns):
+        c_tag = "" if c == cs[0] else f"-c{c}"
+        big_n = num_mapping_outputs(n)
+        for act in (torch.bfloat16, torch.float32):
+            for variant in (Variant.MEGATRON_MAIN, Variant.MEGATRON_DEV, Variant.PAPER):
+                spec = get_variant(variant)
+                coef = act if spec.coefficients_in_activation_dtype else torch.float32
+                tag = f"n{n}-{_DTYPE_NAMES[act]}-{_VARIANT_NAMES[variant]}{c_tag}"
+                param_dtypes = [torch.float32]
+                if variant == Variant.MEGATRON_MAIN and act != torch.float32:
+                    param_dtypes.append(act)  # Megatron's Float16Module casts main's params to bf16
+                for pdt in param_dtypes:
+                    suffix = "" if pdt == torch.float32 else f"-params_{_DTYPE_NAMES[pdt]}"
+                    _record(
+                        rec,
+                        f"mapping|{tag}{suffix}",
+                        lambda x, w, a, b, d, bias, n=n, v=variant: ops.mapping(x, w, a, b, d, bias, n, v),
+                        _leaf((t, n * c), act), _leaf((big_n, n * c), pdt), _leaf((1,), pdt), _leaf((1,), pdt),
+                        _leaf((1,), pdt), _leaf((big_n,), pdt),
+                    )
+                _record(rec, f"sinkhorn|{tag}", lambda z, v=variant: ops.sinkhorn(z, 3, None, v),
+                        _leaf((t, n, n), coef))
+                _record(rec, f"h_aggregate|{tag}", ops.h_aggregate, _leaf((t, n, c), act), _leaf((t, n), coef))
+                for with_bias in (False, True):
+                    bias = _leaf((c,), act) if with_bias else None
+                    _record(
+                        rec,
+                        f"h_post_bda|{tag}" + ("-bias" if with_bias else ""),
+                        lambda hr, r, hp, y, b=bias, v=variant: ops.h_post_bda(hr, r, hp, y, b, 0.0, True, v),
+                        _leaf((t, n, n), coef), _leaf((t, n, c), act), _leaf((t, n), coef), _leaf((t, c), act),
+                    )
+
+
+@functools.cache
+def signature_plan(ns: tuple[int, ...] = tiling.SUPPORTED_N, t: int = REPRESENTATIVE_T,
+                   cs: tuple[int, ...] = REPRESENTATIVE_C) -> tuple[PlannedLaunch, ...]:
+    """Distinct launches of all four ops, forward and backward (CPU only, no `cuda.tile`)."""
+    rec = RecordingRuntime()
+    _record_all(rec, ns, t, cs)
+    seen: dict[tuple, PlannedLaunch] = {}
+    for launch in rec.launches:
+        key = (launch.kernel_name, launch.args)
+        if key in seen:
+            continue
+        op, tag, direction = launch.label.split("|")
+        role = _ROLE.get(launch.kernel_name)
+        ident = f"{op}-{direction}-{tag}" + (f"-{role}" if role else "")
+        seen[key] = PlannedLaunch(id=ident, kernel_name=launch.kernel_name, args=launch.args)
+    return tuple(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# conversion to cuda.tile signatures (imports cuda.tile)
+# ---------------------------------------------------------------------------------------------
+
+
+def _ct_dtype(ct, dtype: torch.dtype):
+    return {torch.bfloat16: ct.bfloat16, torch.float32: ct.float32, torch.float16: ct.float16}[dtype]
+
+
+def to_signature(launch: PlannedLaunch):
+    """The `KernelSignature` (calling convention `cutile_python_v1`) of one planned launch."""
+    import cuda.tile as ct
+    from cuda.tile import compilation as ctc
+
+    params = []
+    for a in launch.args:
+        if isinstance(a, ArrayArg):
+            params.append(
+                ctc.ArrayConstraint(
+                    _ct_dtype(ct, a.dtype),
+                    a.ndim,
+                    index_dtype=ct.int32,
+                    stride_lower_bound_incl=0,
+                    alias_groups=(),
+                    may_alias_internally=False,
+                    stride_constant=tuple(1 if one else None for one in a.stride_one),
+                    stride_divisible_by=a.stride_div,
+                    shape_divisible_by=tuple(16 if d else 1 for d in a.shape_16),
+                    base_addr_divisible_by=16 if a.base_16 else 1,
+                )
+            )
+        elif isinstance(a, ScalarArg):
+            params.append(ctc.ScalarConstraint(ct.int32 if a.kind == "int32" else ct.float32))
+        else:
+            params.append(ctc.ConstantConstraint(a.value))
+    return ctc.KernelSignature(params, ctc.CallingConvention.cutile_python_v1())
+
+
+def kernel_object(kernel_name: str):
+    """The `@ct.kernel` object (imports `cuda.tile`)."""
+    module = importlib.import_module(f"mhc_core.kernels.cutile.{KERNEL_MODULES[kernel_name]}")
+    return getattr(module, kernel_name)
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """One registry entry: id, kernel name and object, and its signatures (one here)."""
+
+    id: str
+    kernel_name: str
+    kernel: object
+    signatures: tuple
+
+
+def kernel_cases(ns: tuple[int, ...] = tiling.SUPPORTED_N) -> tuple[KernelCase, ...]:
+    """The registry as `KernelCase`s (imports `cuda.tile`)."""
+    return tuple(
+        KernelCase(id=p.id, kernel_name=p.kernel_name, kernel=kernel_object(p.kernel_name),
+                   signatures=(to_signature(p),))
+        for p in signature_plan(tuple(ns))
+    )
+
+
+def iter_signatures(ns: tuple[int, ...] = tiling.SUPPORTED_N) -> Iterator[tuple[str, object, list]]:
+    """`(id, kernel object, [KernelSignature])` for every launch the dispatch can produce."""
+    for case in kernel_cases(ns):
+        yield case.id, case.kernel, list(case.signatures)

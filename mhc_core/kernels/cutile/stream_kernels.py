@@ -1,0 +1,132 @@
+"""cuTile kernels for the stream ops: `h_aggregate` and `h_post_bda`, forward and backward.
+
+All arithmetic is fp32; each output is rounded once to its array's dtype. `N` is the number of
+streams, `TILE_T` tokens and `TILE_C` channels form one tile; arrays are token-major
+(`x [T, n, C]`, `y [T, C]`, `h_pre [T, n]`, `h_res [T, n, n]`).
+
+The residual mix uses `M = H` (`paper`, `megatron_main`) or `M = H^T` (`megatron_dev`,
+`TRANSPOSED=1`): `mix_i = sum_j M[i, j] x_j`. The transpose is a load / store with axis order
+`(0, 2, 1)`, so both orientations read the same contiguous `[T, n, n]` array.
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+ConstInt = ct.Constant[int]
+PAD_ZERO = ct.PaddingMode.ZERO
+F32 = ct.float32
+
+
+def _load_f32(arr, index, shape):
+    return ct.astype(ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO), F32)
+
+
+def _load_mix(h_res, pt, N, TILE_T, TRANSPOSED):
+    """`M [TILE_T, n, n]` with `mix_i = sum_j M[i, j] x_j`."""
+    if TRANSPOSED:
+        m = ct.load(h_res, index=(pt, 0, 0), shape=(TILE_T, N, N), order=(0, 2, 1), padding_mode=PAD_ZERO)
+    else:
+        m = ct.load(h_res, index=(pt, 0, 0), shape=(TILE_T, N, N), padding_mode=PAD_ZERO)
+    return ct.astype(m, F32)
+
+
+def _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS):
+    """`y + bias` as `[TILE_T, 1, TILE_C]` fp32."""
+    yb = _load_f32(y, (pt, pc), (TILE_T, TILE_C))
+    if HAS_BIAS:
+        yb = yb + ct.reshape(_load_f32(bias, (pc,), (TILE_C,)), (1, TILE_C))
+    return ct.reshape(yb, (TILE_T, 1, TILE_C))
+
+
+@ct.kernel
+def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt):
+    """`out[t, c] = sum_i h_pre[t, i] x[t, i, c]`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`."""
+    pt = ct.bid(0)
+    pc = ct.bid(1)
+    xt = _load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
+    h = ct.reshape(_load_f32(h_pre, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+    acc = ct.sum(xt * h, axis=1)
+    ct.store(out, index=(pt, pc), tile=ct.astype(acc, out.dtype))
+
+
+@ct.kernel
+def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
+                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt):
+    """`grad_x[t, i, c] = h[t, i] go[t, c]`, `grad_h[t, i] = sum_c go[t, c] x[t, i, c]`.
+
+    Grid `(cdiv(T, TILE_T),)`; each block walks all of `C`, so `grad_h` needs no second pass.
+    """
+    pt = ct.bid(0)
+    h = ct.reshape(_load_f32(h_pre, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+    gh = ct.zeros((TILE_T, N), dtype=F32)
+    for pc in range(ct.num_tiles(grad_out, axis=1, shape=(TILE_T, TILE_C))):
+        go = ct.reshape(_load_f32(grad_out, (pt, pc), (TILE_T, TILE_C)), (TILE_T, 1, TILE_C))
+        xt = _load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
+        ct.store(grad_x, index=(pt, 0, pc), tile=ct.astype(go * h, grad_x.dtype))
+        gh = gh + ct.sum(go * xt, axis=2)
+    ct.store(grad_h, index=(pt, 0), tile=ct.astype(gh, grad_h.dtype))
+
+
+@ct.kernel
+def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
+                          N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
+                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt):
+    """`out_i = sum_j M[i, j] residual_j + h_post_i (y + bias)`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`.
+
+    `bias [C]` is read only when `HAS_BIAS` (pass any 1-D array otherwise).
+    """
+    pt = ct.bid(0)
+    pc = ct.bid(1)
+    m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
+    res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
+    hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+    mix = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
+    for j in ct.static_iter(range(N)):
+        mix = mix + ct.extract(m, (0, 0, j), shape=(TILE_T, N, 1)) * ct.extract(
+            res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
+    acc = mix + hp * _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
+    ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
+
+
+@ct.kernel
+def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
+                          grad_h_res, grad_residual, grad_h_post, grad_y, grad_bias_part,
+                          N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
+                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt):
+    """All input gradients of `h_post_bda` in one pass over `grad_out`; grid `(cdiv(T, TILE_T),)`.
+
+    - `grad_residual_j = sum_i M[i, j] go_i`, `grad_M[i, j] = sum_c go_i residual_j`
+      (stored transposed back into `grad_h_res` when `TRANSPOSED`);
+    - `grad_h_post_i = sum_c go_i (y + bias)`, `grad_y = sum_i h_post_i go_i`;
+    - `grad_bias_part [cdiv(T, TILE_T), C]` (fp32, only when `HAS_BIAS`): this block's sum of
+      `grad_y` over its tokens, before rounding; the caller sums the rows.
+    """
+    pt = ct.bid(0)
+    m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
+    hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+    lanes = ct.arange(N, dtype=ct.int32)
+    g_m = ct.zeros((TILE_T, N, N), dtype=F32)
+    g_hp = ct.zeros((TILE_T, N), dtype=F32)
+    for pc in range(ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))):
+        go = _load_f32(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C))
+        res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
+        g_res = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
+        for i in ct.static_iter(range(N)):
+            m_row = ct.reshape(ct.extract(m, (0, i, 0), shape=(TILE_T, 1, N)), (TILE_T, N, 1))
+            g_res = g_res + m_row * ct.extract(go, (0, i, 0), shape=(TILE_T, 1, TILE_C))
+        for j in ct.static_iter(range(N)):
+            col = ct.sum(go * ct.extract(res, (0, j, 0), shape=(TILE_T, 1, TILE_C)), axis=2, keepdims=True)
+            onehot = ct.reshape(ct.where(lanes == j, 1.0, 0.0), (1, 1, N))
+            g_m = g_m + col * onehot
+        ct.store(grad_residual, index=(pt, 0, pc), tile=ct.astype(g_res, grad_residual.dtype))
+        g_hp = g_hp + ct.sum(go * _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), axis=2)
+        g_y = ct.sum(go * hp, axis=1)
+        ct.store(grad_y, index=(pt, pc), tile=ct.astype(g_y, grad_y.dtype))
+        if HAS_BIAS:
+            ct.store(grad_bias_part, index=(pt, pc), tile=ct.sum(g_y, axis=0, keepdims=True))
+    if TRANSPOSED:
+        ct.store(grad_h_res, index=(pt, 0, 0), tile=ct.astype(g_m, grad_h_res.dtype), order=(0, 2, 1))
+    else:
+        ct.store(grad_h_res, index=(pt, 0, 0), tile=ct.astype(g_m, grad_h_res.dtype))
+    ct.store(grad_h_post, index=(pt, 0), tile=ct.astype(g_hp, grad_h_post.dtype))

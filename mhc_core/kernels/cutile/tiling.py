@@ -1,0 +1,101 @@
+"""Tile sizes of the cuTile kernels: one small, documented heuristic per kernel family.
+
+cuTile tile dimensions are compile-time constants and must be powers of two. The heuristics
+below depend only on `n` and on `C` / `K` through a cap, so every hidden size from 256 up
+(all real models) gets the same constants, the JIT compiles each kernel once per
+(n, dtypes, variant), and `signatures.py` can list the whole set for CI.
+
+| kernel | constants | rule |
+|---|---|---|
+| sinkhorn fwd / bwd | `TILE_B` matrices per block | `1024 // (n*n)` capped at 64: n=2,4 -> 64, n=8 -> 16 (about 1k fp32 values per live tile) |
+| h_aggregate fwd | `TILE_T x n x TILE_C` | `TILE_C = min(512, pow2(C))`, `TILE_T = 4096 // (n * TILE_C)` clamped to [1, 16] |
+| h_aggregate bwd | same, `TILE_C` capped at 256 | one block per token tile walks all of C (grad_h needs no second pass) |
+| h_post_bda fwd | `TILE_C = min(256, pow2(C))`, `TILE_T = 4096 // (n * TILE_C)` | |
+| h_post_bda bwd | `TILE_C = min(128, pow2(C))`, `TILE_T = 4096 // (n * TILE_C)` | 8 tokens per block at n=4: the fp32 bias partials are `T/8 x C` |
+| mapping (all four) | `TILE_M = 64`, `TILE_K = 128` | K splits / token splits are runtime values (`split_count`) |
+
+Split counts (mapping only) are runtime arguments, not constants: enough blocks to cover about
+two waves of the GPU's SMs, while each split keeps at least four K (or token) tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "SUPPORTED_N",
+    "next_pow2",
+    "sinkhorn_tile",
+    "StreamTiles",
+    "aggregate_tiles",
+    "post_bda_tiles",
+    "MappingTiles",
+    "mapping_tiles",
+    "split_count",
+]
+
+SUPPORTED_N = (2, 4, 8)
+"""Residual-stream counts with kernels: powers of two (tile shapes must be powers of two)."""
+
+_TILE_ELEMS = 4096
+"""Target elements of one `[TILE_T, n, TILE_C]` activation tile."""
+
+
+def next_pow2(v: int) -> int:
+    """Smallest power of two >= max(v, 1)."""
+    return 1 << max(int(v) - 1, 0).bit_length()
+
+
+def sinkhorn_tile(n: int) -> int:
+    """Matrices per block for the Sinkhorn kernels."""
+    return max(1, min(64, 1024 // (n * n)))
+
+
+@dataclass(frozen=True)
+class StreamTiles:
+    """Tile of the stream kernels: `TILE_T` tokens x `TILE_C` channels (x all n streams)."""
+
+    tile_t: int
+    tile_c: int
+
+
+def _stream_tiles(n: int, c: int, cap_c: int) -> StreamTiles:
+    tile_c = min(cap_c, next_pow2(c))
+    tile_t = max(1, min(16, _TILE_ELEMS // (n * tile_c)))  # powers of two throughout
+    return StreamTiles(tile_t=tile_t, tile_c=tile_c)
+
+
+def aggregate_tiles(n: int, c: int, direction: str) -> StreamTiles:
+    """`h_aggregate` tiles; `direction` is `fwd` or `bwd`."""
+    return _stream_tiles(n, c, 512 if direction == "fwd" else 256)
+
+
+def post_bda_tiles(n: int, c: int, direction: str) -> StreamTiles:
+    """`h_post_bda` tiles; `direction` is `fwd` or `bwd`."""
+    return _stream_tiles(n, c, 256 if direction == "fwd" else 128)
+
+
+@dataclass(frozen=True)
+class MappingTiles:
+    """Tiles of the mapping kernels: `TILE_M` tokens x `TILE_K` of the n*C reduction."""
+
+    tile_m: int = 64
+    tile_k: int = 128
+
+
+def mapping_tiles(n: int, k: int) -> MappingTiles:
+    """The mapping tiles (fixed: the reduction length K = n*C is split at run time)."""
+    return MappingTiles()
+
+
+def split_count(blocks: int, tiles: int, num_sms: int, *, min_tiles_per_split: int = 4) -> int:
+    """Splits of a `tiles`-long reduction so that `blocks * splits` covers ~2 waves of `num_sms`.
+
+    Returns a power of two in [1, max(1, tiles // min_tiles_per_split)].
+    """
+    want = max(1, -(-2 * num_sms // max(blocks, 1)))
+    cap = max(1, tiles // min_tiles_per_split)
+    s = 1
+    while s < want and s * 2 <= cap:
+        s *= 2
+    return s

@@ -1,0 +1,108 @@
+"""The contract the dispatch relies on: import without cuda.tile, availability, clear refusals."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+import mhc_core.kernels.cutile as cutile
+from mhc_core import ops as ref
+from mhc_core.kernels.cutile import toolchain
+from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile.runtime import CuTileRuntime, EmulatedRuntime
+
+
+def _has_cuda_tile() -> bool:
+    try:
+        return importlib.util.find_spec("cuda.tile") is not None
+    except ImportError:
+        return False
+
+
+def test_availability_is_a_bool_and_a_reason():
+    """availability() returns (bool, non-empty str) on any machine."""
+    ok, why = cutile.availability()
+    assert isinstance(ok, bool) and isinstance(why, str) and why
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_unavailable_without_gpu_names_the_gpu():
+    """Without a GPU, availability() is False and says so."""
+    ok, why = cutile.availability()
+    assert not ok and "GPU" in why
+
+
+@pytest.mark.skipif(_has_cuda_tile(), reason="cuda.tile is installed")
+def test_import_works_without_cuda_tile():
+    """The package imports and reports the missing cuda.tile instead of failing."""
+    ok, why = cutile.availability()
+    assert not ok and "cuda.tile" in why
+
+
+@pytest.mark.parametrize("name", ["sinkhorn", "mapping", "h_aggregate", "h_post_bda"])
+def test_signatures_match_the_reference(name):
+    """Each op has exactly the reference op's parameters and defaults."""
+    ours = inspect.signature(getattr(cutile, name)).parameters
+    theirs = inspect.signature(getattr(ref, name)).parameters
+    assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in theirs.values()]
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return make_ops(EmulatedRuntime())
+
+
+def test_unsupported_n_is_not_implemented(emu):
+    """n = 3 has no kernel: NotImplementedError naming n."""
+    with pytest.raises(NotImplementedError, match="n=3"):
+        emu.sinkhorn(torch.zeros(2, 3, 3), 2)
+    with pytest.raises(NotImplementedError, match="n=3"):
+        emu.h_aggregate(torch.zeros(2, 3, 8), torch.zeros(2, 3))
+
+
+def test_fp64_is_not_implemented(emu):
+    """fp64 inputs: NotImplementedError naming the dtype."""
+    with pytest.raises(NotImplementedError, match="float64"):
+        emu.h_aggregate(torch.zeros(2, 4, 8, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64))
+
+
+def test_dropout_in_training_is_not_implemented(emu):
+    """dropout_p > 0 while training: NotImplementedError naming dropout."""
+    t, n, c = 2, 4, 8
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+        emu.h_post_bda(torch.zeros(t, n, n), torch.zeros(t, n, c), torch.zeros(t, n), torch.zeros(t, c), None,
+                       0.1, True, "megatron_main")
+
+
+def test_bad_shapes_raise_the_reference_value_error(emu):
+    """Shape errors are the reference's ValueError, before any coverage check."""
+    with pytest.raises(ValueError, match="h_pre"):
+        emu.h_aggregate(torch.zeros(2, 4, 8), torch.zeros(3, 4))
+
+
+def test_cpu_tensors_are_not_implemented_on_the_gpu_runtime():
+    """The GPU runtime refuses CPU tensors with NotImplementedError naming the device."""
+    with pytest.raises(NotImplementedError, match="cpu"):
+        CuTileRuntime.check_tensor(torch.zeros(1), "x", "h_aggregate")
+
+
+@pytest.mark.skipif(cutile.availability()[0], reason="the cuTile backend is available here")
+def test_forced_call_without_backend_is_an_error():
+    """Calling an op where the backend is unavailable raises RuntimeError with the reason."""
+    with pytest.raises(RuntimeError, match="cutile backend unavailable"):
+        cutile.h_aggregate(torch.zeros(2, 4, 8), torch.zeros(2, 4))
+
+
+def test_toolchain_env_puts_its_bin_first(tmp_path):
+    """Toolchain.env() prepends bin to PATH, sets CUDA_HOME and the libnvvm directory."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    tc = toolchain.Toolchain(tileiras=tmp_path / "bin" / "tileiras", ptxas=None,
+                             libnvvm=tmp_path / "lib" / "libnvvm.so.4", cuda_home=tmp_path, source="test")
+    env = tc.env({"PATH": "/usr/bin"})
+    assert env["PATH"].split(":")[0] == str(tmp_path / "bin")
+    assert env["CUDA_HOME"] == str(tmp_path)
+    assert env["LD_LIBRARY_PATH"] == str(tmp_path / "lib")

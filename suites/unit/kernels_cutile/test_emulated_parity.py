@@ -1,0 +1,160 @@
+"""cuTile kernels run on the CPU kernel interpreter, forward and backward, against the reference ops.
+
+No GPU and no `cuda.tile` needed: `EmulatedRuntime` executes the kernel source block by block
+with torch ops (see `mhc_core/kernels/cutile/emulator.py`). This checks the kernels' algorithm
+and indexing on every machine; the GPU parity tests (`test_gpu_parity.py`) check the compiled
+kernels where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhc_core import ops as ref
+from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile.runtime import EmulatedRuntime
+from mhc_core.variants import Variant
+from suites.unit.kernels_cutile.cutile_cases import (
+    DTYPE_NAMES,
+    MAPPING_COSINE,
+    MAPPING_INPUT_NAMES,
+    POST_BDA_INPUT_NAMES,
+    VARIANT_NAMES,
+    aggregate_inputs,
+    compare,
+    mapping_inputs,
+    mapping_oracle,
+    post_bda_inputs,
+    sinkhorn_inputs,
+)
+
+VARIANTS = [pytest.param(v, id=VARIANT_NAMES[v]) for v in Variant]
+DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (torch.float32, torch.bfloat16)]
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return make_ops(EmulatedRuntime(num_sms=4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
+def test_sinkhorn(emu, n, variant, dtype):
+    """Sinkhorn fwd + bwd (on-chip recompute) matches the reference, 5 iterations, 37 matrices."""
+    compare(
+        f"sinkhorn n{n} {variant} {dtype}",
+        lambda z: emu.sinkhorn(z, 5, None, variant),
+        lambda z: ref.sinkhorn(z, 5, None, variant),
+        sinkhorn_inputs(n, dtype, "cpu"),
+        dtype,
+        input_names=("logits",),
+    )
+
+
+@pytest.mark.parametrize("iterations", [1, 20])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sinkhorn_iterations(emu, variant, iterations):
+    """Iteration counts at the edges (1: no pair loop for megatron_dev; 20: the default), 3 blocks."""
+    compare(
+        f"sinkhorn it{iterations} {variant}",
+        lambda z: emu.sinkhorn(z, iterations, None, variant),
+        lambda z: ref.sinkhorn(z, iterations, None, variant),
+        sinkhorn_inputs(4, torch.float32, "cpu", batch=150),
+        torch.float32,
+        input_names=("logits",),
+    )
+
+
+AGG_DTYPES = [
+    pytest.param(torch.float32, torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
+    pytest.param(torch.bfloat16, torch.float32, id="bf16-coef_fp32"),
+]
+SHAPES = [pytest.param(13, 48, id="T13-C48"), pytest.param(21, 300, id="T21-C300")]
+
+
+@pytest.mark.parametrize(("t", "c"), SHAPES)
+@pytest.mark.parametrize(("x_dtype", "h_dtype"), AGG_DTYPES)
+@pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
+def test_h_aggregate(emu, n, x_dtype, h_dtype, t, c):
+    """h_aggregate fwd + bwd matches the reference (partial token and channel tiles)."""
+    compare(
+        f"h_aggregate n{n} T{t} C{c}",
+        emu.h_aggregate,
+        ref.h_aggregate,
+        aggregate_inputs(t, n, c, x_dtype, h_dtype, "cpu"),
+        x_dtype,
+        input_names=("x", "h_pre"),
+    )
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("t", "c"), SHAPES)
+@pytest.mark.parametrize(("x_dtype", "h_dtype"), AGG_DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
+def test_h_post_bda(emu, n, variant, x_dtype, h_dtype, t, c, with_bias):
+    """h_post_bda fwd + bwd (both mix orientations, with and without bias) matches the reference."""
+    compare(
+        f"h_post_bda n{n} {variant} T{t} C{c} bias={with_bias}",
+        lambda *a: emu.h_post_bda(*a, 0.0, False, variant),
+        lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+        post_bda_inputs(t, n, c, x_dtype, h_dtype, with_bias, "cpu"),
+        x_dtype,
+        input_names=POST_BDA_INPUT_NAMES,
+        cosine_inputs=("bias",),
+    )
+
+
+def test_h_post_bda_n8(emu):
+    """n = 8 through the transposed (megatron_dev) path with bias."""
+    variant = Variant.MEGATRON_DEV
+    compare(
+        "h_post_bda n8 dev",
+        lambda *a: emu.h_post_bda(*a, 0.0, False, variant),
+        lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+        post_bda_inputs(21, 8, 300, torch.float32, torch.float32, True, "cpu"),
+        torch.float32,
+        input_names=POST_BDA_INPUT_NAMES,
+    )
+
+
+MAPPING_SHAPES = [
+    pytest.param(20, 300, id="T20-C300"),  # 2 K splits in the forward
+    pytest.param(520, 48, id="T520-C48"),  # 2 token splits in the backward
+]
+
+
+@pytest.mark.parametrize(("t", "c"), MAPPING_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
+def test_mapping(emu, n, variant, dtype, t, c):
+    """mapping fwd + bwd (split-K forward, split-token backward) matches the reference."""
+    oracle = None
+    if variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16:
+        oracle = mapping_oracle(n, variant)
+    compare(
+        f"mapping n{n} {variant} {dtype} T{t} C{c}",
+        lambda *a: emu.mapping(*a, n, variant),
+        lambda *a: ref.mapping(*a, n, variant),
+        mapping_inputs(t, n, c, dtype, "cpu"),
+        dtype,
+        input_names=MAPPING_INPUT_NAMES,
+        cosine_inputs=MAPPING_COSINE,
+        oracle_fn=oracle,
+    )
+
+
+def test_mapping_n8(emu):
+    """n = 8 (N = 80: pre/post tile 16, res tile 64)."""
+    compare(
+        "mapping n8",
+        lambda *a: emu.mapping(*a, 8, Variant.MEGATRON_DEV),
+        lambda *a: ref.mapping(*a, 8, Variant.MEGATRON_DEV),
+        mapping_inputs(20, 8, 300, torch.float32, "cpu"),
+        torch.float32,
+        input_names=MAPPING_INPUT_NAMES,
+    )

@@ -1,0 +1,81 @@
+"""Every cuTile launch signature exports to TileIR bytecode; with tileiras, compiles for sm_90 / sm_100.
+
+Needs `cuda.tile` (the tox env `kernels` installs `cuda-tile[tileiras]`), no GPU. The signature
+list is the dispatch's own (`signatures.signature_plan`). Cubin tests run for the default n = 4 at
+hidden >= 512 here (about a second per kernel and arch); `ci/check_cutile.py --full` compiles all.
+cuTile's cubin disk cache applies (`CUDA_TILE_CACHE_DIR=off` before the run disables it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+
+ct = pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+
+from cuda.tile.compilation import export_kernel  # noqa: E402
+
+from mhc_core.kernels.cutile import toolchain  # noqa: E402
+from mhc_core.kernels.cutile.runtime import ArrayArg  # noqa: E402
+from mhc_core.kernels.cutile.signatures import kernel_object, signature_plan, to_signature  # noqa: E402
+
+BYTECODE_VERSION = "13.3"
+PLAN = signature_plan()
+CUBIN_N = "-n4-"
+
+
+def _bytecode(launch) -> bytes:
+    buf = io.BytesIO()
+    export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf,
+                  output_format="tileir_bytecode", bytecode_version=BYTECODE_VERSION)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("launch", PLAN, ids=[p.id for p in PLAN])
+def test_export_bytecode(launch):
+    """The kernel type- and shape-checks for this signature and exports TileIR bytecode."""
+    assert len(_bytecode(launch)) > 0
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    tc = toolchain.apply_env()
+    if tc is None:
+        pytest.skip("no tileiras compiler found (pip wheels of cuda-tile[tileiras], PATH or $CUDA_HOME/bin)")
+    return tc
+
+
+CUBIN_PLAN = [p for p in PLAN if CUBIN_N in p.id and "-c64" not in p.id]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("launch", CUBIN_PLAN, ids=[p.id for p in CUBIN_PLAN])
+def test_compile_cubin(compiler, launch, arch):
+    """tileiras compiles this signature to a cubin for `arch` (Hopper, Blackwell)."""
+    buf = io.BytesIO()
+    export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf, output_format="cubin", gpu_code=arch)
+    assert len(buf.getvalue()) > 0
+
+
+def test_misshaped_signature_fails():
+    """A signature whose `x` has the wrong rank (2 instead of 3) is rejected: the export check has teeth."""
+    launch = next(p for p in PLAN if p.kernel_name == "h_aggregate_fwd_kernel")
+    x = launch.args[0]
+    assert isinstance(x, ArrayArg) and x.ndim == 3
+    bad_x = dataclasses.replace(x, ndim=2, stride_one=x.stride_one[1:], stride_div=x.stride_div[1:],
+                                shape_16=x.shape_16[1:])
+    bad = dataclasses.replace(launch, args=(bad_x, *launch.args[1:]))
+    with pytest.raises(Exception, match="does not match the array rank"):
+        _bytecode(bad)
+
+
+def test_wrong_constant_fails():
+    """A tile constant that is not a power of two (TILE_C = 96) is rejected at export."""
+    launch = next(p for p in PLAN if p.kernel_name == "h_aggregate_fwd_kernel")
+    args = list(launch.args)
+    args[-1] = dataclasses.replace(args[-1], value=96)
+    with pytest.raises(Exception, match="not a power of two"):
+        _bytecode(dataclasses.replace(launch, args=tuple(args)))

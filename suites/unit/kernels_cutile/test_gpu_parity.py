@@ -1,0 +1,121 @@
+"""Compiled cuTile kernels on the GPU, forward and backward, against the reference ops.
+
+Skipped with the reason from `availability()` where there is no GPU (cc >= 8.0), no `cuda.tile`
+or no `tileiras`. Tolerances: `mhc_core.testing` (fp32 tight; bf16 2e-2 fwd, 5e-2 bwd, and
+cosine >= 0.999 for the alpha / bias gradients). Two sizes per op: a small odd one (partial
+tiles everywhere) and one at production tile sizes (C >= 512, all tile caps reached).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mhc_core.kernels.cutile as cutile
+from mhc_core import ops as ref
+from mhc_core.variants import Variant, get_variant
+from suites.unit.kernels_cutile.cutile_cases import (
+    DTYPE_NAMES,
+    MAPPING_COSINE,
+    MAPPING_INPUT_NAMES,
+    POST_BDA_INPUT_NAMES,
+    VARIANT_NAMES,
+    aggregate_inputs,
+    compare,
+    mapping_inputs,
+    mapping_oracle,
+    post_bda_inputs,
+    sinkhorn_inputs,
+)
+
+_OK, _WHY = cutile.availability()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"cuTile backend unavailable: {_WHY}")]
+
+DEV = "cuda"
+NS = [pytest.param(n, id=f"n{n}") for n in (2, 4, 8)]
+VARIANTS = [pytest.param(v, id=VARIANT_NAMES[v]) for v in Variant]
+DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (torch.float32, torch.bfloat16)]
+SIZES = [pytest.param(37, 96, id="T37-C96"), pytest.param(300, 1024, id="T300-C1024")]
+
+
+def _coef_dtype(variant, act):
+    return act if get_variant(variant).coefficients_in_activation_dtype else torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", NS)
+def test_sinkhorn(n, variant, dtype):
+    """Sinkhorn fwd + bwd, 20 iterations, 300 matrices (several blocks, a partial one)."""
+    compare(
+        f"sinkhorn n{n} {variant}",
+        lambda z: cutile.sinkhorn(z, 20, None, variant),
+        lambda z: ref.sinkhorn(z, 20, None, variant),
+        sinkhorn_inputs(n, _coef_dtype(variant, dtype), DEV, batch=300),
+        dtype,
+        input_names=("logits",),
+    )
+
+
+@pytest.mark.parametrize(("t", "c"), SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", NS)
+def test_h_aggregate(n, variant, dtype, t, c):
+    """h_aggregate fwd + bwd with the coefficient dtype the variant produces."""
+    compare(
+        f"h_aggregate n{n} {variant} T{t} C{c}",
+        cutile.h_aggregate,
+        ref.h_aggregate,
+        aggregate_inputs(t, n, c, dtype, _coef_dtype(variant, dtype), DEV),
+        dtype,
+        input_names=("x", "h_pre"),
+    )
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("t", "c"), SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", NS)
+def test_h_post_bda(n, variant, dtype, t, c, with_bias):
+    """h_post_bda fwd + bwd, both mix orientations, with and without bias."""
+    compare(
+        f"h_post_bda n{n} {variant} T{t} C{c} bias={with_bias}",
+        lambda *a: cutile.h_post_bda(*a, 0.0, False, variant),
+        lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+        post_bda_inputs(t, n, c, dtype, _coef_dtype(variant, dtype), with_bias, DEV),
+        dtype,
+        input_names=POST_BDA_INPUT_NAMES,
+        cosine_inputs=("bias",),
+    )
+
+
+@pytest.mark.parametrize(("t", "c"), [pytest.param(37, 96, id="T37-C96"), pytest.param(1100, 1024, id="T1100-C1024")])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", NS)
+def test_mapping(n, variant, dtype, t, c):
+    """mapping fwd + bwd (split-K forward, split-token backward at the larger size)."""
+    oracle = mapping_oracle(n, variant) if (variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16) else None
+    compare(
+        f"mapping n{n} {variant} T{t} C{c}",
+        lambda *a: cutile.mapping(*a, n, variant),
+        lambda *a: ref.mapping(*a, n, variant),
+        mapping_inputs(t, n, c, dtype, DEV),
+        dtype,
+        input_names=MAPPING_INPUT_NAMES,
+        cosine_inputs=MAPPING_COSINE,
+        oracle_fn=oracle,
+    )
+
+
+def test_runs_on_the_current_stream():
+    """Launches go to the current stream: a result computed on a side stream is complete after its sync."""
+    x, h = aggregate_inputs(64, 4, 1024, torch.bfloat16, torch.bfloat16, DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = cutile.h_aggregate(x, h)
+    side.synchronize()
+    torch.testing.assert_close(out.float(), ref.h_aggregate(x, h).float(), atol=2e-2, rtol=2e-2)

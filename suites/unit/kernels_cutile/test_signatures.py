@@ -1,0 +1,68 @@
+"""The signature registry is the dispatch's own list of launches: complete, distinct, readable."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, RecordingRuntime
+from mhc_core.kernels.cutile.signatures import signature_plan
+from mhc_core.variants import Variant
+
+ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
+
+
+def test_plan_covers_every_kernel_and_n():
+    """Every kernel appears, for every supported n."""
+    plan = signature_plan()
+    for n in tiling.SUPPORTED_N:
+        kernels = {p.kernel_name for p in plan if f"-n{n}-" in p.id}
+        assert kernels == set(KERNEL_MODULES), f"n={n}: missing {set(KERNEL_MODULES) - kernels}"
+
+
+def test_plan_ids_are_unique_and_readable():
+    """Ids are unique and read `op-direction-nN-dtype-variant[-detail]`."""
+    ids = [p.id for p in signature_plan()]
+    assert len(ids) == len(set(ids))
+    bad = [i for i in ids if not ID_RE.match(i)]
+    assert not bad, f"unreadable ids: {bad[:5]}"
+
+
+@pytest.mark.parametrize(("t", "c"), [(32, 1024), (4096, 4096)], ids=["T32-C1024", "T4096-C4096"])
+def test_plan_covers_other_production_shapes(t, c):
+    """Launches at other production-like sizes (C >= 512) are all in the plan.
+
+    Compared by layout (dtype, rank, unit strides, constants, scalar kinds): the alignment and
+    divisibility hints of the JIT depend on the sizes (e.g. the K-split count), not the code path.
+    """
+
+    def key(kernel_name, args):
+        return kernel_name, tuple(a.layout if isinstance(a, ArrayArg) else a for a in args)
+
+    planned = {key(p.kernel_name, p.args) for p in signature_plan()}
+    rec = RecordingRuntime()
+    ops = make_ops(rec)
+    n = 4
+    small_t = min(t, 64)  # the token count only sets divisibility flags; keep the CPU tensors small
+    for dtype in (torch.bfloat16, torch.float32):
+        for variant in Variant:
+            x = torch.zeros(small_t, n * c, dtype=dtype, requires_grad=True)
+            w = torch.zeros(24, n * c, requires_grad=True)
+            a = [torch.zeros(1, requires_grad=True) for _ in range(3)]
+            b = torch.zeros(24, requires_grad=True)
+            outs = ops.mapping(x, w, *a, b, n, variant)
+            torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
+            z = torch.zeros(small_t, n, n, dtype=outs[2].dtype, requires_grad=True)
+            ops.sinkhorn(z, 4, None, variant).sum().backward()
+            xs = torch.zeros(small_t, n, c, dtype=dtype, requires_grad=True)
+            ops.h_aggregate(xs, outs[0].detach().requires_grad_(True)).sum().backward()
+            y = torch.zeros(small_t, c, dtype=dtype, requires_grad=True)
+            out = ops.h_post_bda(z.detach().requires_grad_(True), xs, outs[1].detach().requires_grad_(True), y,
+                                 torch.zeros(c, dtype=dtype, requires_grad=True), 0.0, False, variant)
+            out.sum().backward()
+    missing = [key(la.kernel_name, la.args) for la in rec.launches if key(la.kernel_name, la.args) not in planned]
+    assert not missing, f"{len(missing)} launches not in the signature plan, first: {missing[0]}"
