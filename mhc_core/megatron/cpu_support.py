@@ -13,9 +13,16 @@ around a block. Nothing happens at import, and on a machine where `torch.cuda.is
 | `rotary` | `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` (and `__init__` without `use_cpu_initialization`) | same shim in `...embeddings.rotary_pos_embedding` |
 | `schedules` | `forward_backward_no_pipelining` / `..._pipelining_*` create `total_num_tokens` with `device="cuda"` | same shim in `megatron.core.pipeline_parallel.schedules`: factory `device="cuda"` -> CPU |
 | `p2p` | `P2PCommunicator` allocates receive buffers on `torch.cuda.current_device()` and calls `torch.cuda.synchronize()` after batched p2p | same shim in `megatron.core.pipeline_parallel.p2p_communication`; `synchronize` is a no-op |
+| `ddp_buffers` | `DistributedDataParallel` -> `_ParamAndGradBuffer` allocates the grad buffer (and, with the distributed optimizer, the param buffer) on `torch.cuda.current_device()`; 0.19 also waits on `torch.cuda.current_stream()` in `start_grad_sync` | same shim in `megatron.core.distributed.param_and_grad_buffer` |
+| `optimizer` | `get_megatron_optimizer` -> `FP32Optimizer` / `MixedPrecisionOptimizer` create their scale, found-inf and overflow scalars with `device='cuda'` | same shim in `megatron.core.optimizer.optimizer` |
+| `clip_grads` | `optimizer.step()` -> `get_grad_norm_fp32` / `count_zeros_fp32` create their buffers with `device='cuda'` | same shim in `megatron.core.optimizer.clip_grads` |
+| `clip_assert` | `optimizer.step()` with `clip_grad > 0` -> `clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'` | `megatron.core.optimizer.optimizer` calls a copy that asserts fp32 grads on any device and scales them the same way |
+| `dist_ckpt` | `dist_checkpointing.save` (torch_dist) calls `torch.cuda.synchronize()` after staging the tensors (`...strategies.filesystem_async`) and reduces / broadcasts its flags on the CUDA device (`...strategies.state_dict_saver`) | same shim in both modules |
 
 The "shim" replaces the module-global name `torch` in that one megatron-core module by a thin
-proxy that forwards every attribute to torch except the three CUDA-only calls above; restoring the
+proxy that forwards every attribute to torch except the CUDA-only calls above
+(`cuda.current_device()` is the CPU, `cuda.synchronize()` is a no-op, `cuda.current_stream()` is
+a stream whose waits are no-ops, tensor factories map a CUDA `device=` to the CPU); restoring the
 global undoes it.
 """
 
@@ -56,6 +63,22 @@ def _cpu_device(device: Any) -> Any:
     return device
 
 
+class _NoStream:
+    """The CPU's one stream, in program order: waiting on an event or another stream is a no-op."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+_NO_STREAM = _NoStream()
+
+
 class _CudaOnCpu:
     """Stands in for `torch.cuda` inside one patched module: the current device is the CPU."""
 
@@ -65,6 +88,10 @@ class _CudaOnCpu:
     @staticmethod
     def current_device() -> torch.device:
         return _CPU
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _NoStream:
+        return _NO_STREAM
 
     @staticmethod
     def synchronize(device: Any = None) -> None:
@@ -111,6 +138,24 @@ def _shim_module(module_name: str) -> Callable[[], None]:
         module.torch = original
 
     return undo
+
+
+def _shim_modules(*module_names: str) -> Callable[[], None]:
+    """`_shim_module` for several modules as one patch (all or none); undo reverts them newest first."""
+    undos: list[Callable[[], None]] = []
+    try:
+        for name in module_names:
+            undos.append(_shim_module(name))
+    except BaseException:
+        for undo in reversed(undos):
+            undo()
+        raise
+
+    def undo_all() -> None:
+        for undo in reversed(undos):
+            undo()
+
+    return undo_all
 
 
 def _patch_rng_tracker() -> Callable[[], None]:
@@ -174,6 +219,54 @@ def _patch_checkpoint_rng() -> Callable[[], None]:
     return undo
 
 
+def _patch_clip_assert() -> Callable[[], None]:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptimizer
+    from megatron.core.utils import to_local_if_dtensor
+
+    original = moptimizer.__dict__.get("clip_grad_by_total_norm_fp32")
+    if original is None:
+        raise RuntimeError(
+            "cpu_support: megatron.core.optimizer.optimizer does not call clip_grad_by_total_norm_fp32; "
+            "this megatron-core version needs a new workaround"
+        )
+
+    def clip_grad_by_total_norm_fp32(
+        parameters: Any, max_norm: float, total_norm: float | torch.Tensor, use_decoupled_grad: bool = False
+    ) -> None:
+        """megatron-core's `clip_grad_by_total_norm_fp32` on any device: every grad (fp32; with
+        `use_decoupled_grad`, fp32 or bf16 `decoupled_grad`) is scaled in place by
+        `max_norm / (total_norm + 1e-6)` when that is below 1 (the stock function also asserts that
+        the grads are `torch.cuda.FloatTensor`s and allocates a "cuda" overflow buffer)."""
+        grads = []
+        for param in parameters:
+            if use_decoupled_grad:
+                grad = getattr(param, "decoupled_grad", None)
+                if grad is not None:
+                    assert grad.dtype in (torch.float32, torch.bfloat16), grad.dtype
+                    grads.append(to_local_if_dtensor(grad).detach())
+            elif param.grad is not None:
+                assert param.grad.dtype == torch.float32, f"expected fp32 grads, got {param.grad.dtype}"
+                grads.append(to_local_if_dtensor(param.grad).detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if isinstance(clip_coeff, torch.Tensor):  # newer megatron-core: a tensor norm, clamped at 1
+            clip_coeff = clip_coeff.clamp_max(1.0)
+            for grad in grads:
+                grad.mul_(clip_coeff)  # what multi_tensor_scale_tensor does
+        elif clip_coeff < 1.0:
+            overflow_buf = torch.zeros(1, dtype=torch.int)  # the stock one is on "cuda"; unused on CPU
+            clip_grads.multi_tensor_applier(
+                clip_grads.multi_tensor_scale_impl, overflow_buf, [grads, grads], clip_coeff
+            )
+
+    moptimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+    def undo() -> None:
+        moptimizer.clip_grad_by_total_norm_fp32 = original
+
+    return undo
+
+
 @dataclass(frozen=True)
 class Workaround:
     """One CPU patch: where megatron-core fails without CUDA, and how to apply it."""
@@ -215,6 +308,34 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "p2p",
         "P2PCommunicator allocates on torch.cuda.current_device() and calls torch.cuda.synchronize()",
         lambda: _shim_module("megatron.core.pipeline_parallel.p2p_communication"),
+    ),
+    Workaround(
+        "ddp_buffers",
+        "DistributedDataParallel's _ParamAndGradBuffer allocates on torch.cuda.current_device()",
+        lambda: _shim_module("megatron.core.distributed.param_and_grad_buffer"),
+    ),
+    Workaround(
+        "optimizer",
+        "FP32Optimizer / MixedPrecisionOptimizer create device='cuda' scalars",
+        lambda: _shim_module("megatron.core.optimizer.optimizer"),
+    ),
+    Workaround(
+        "clip_grads",
+        "get_grad_norm_fp32 / count_zeros_fp32 create device='cuda' buffers",
+        lambda: _shim_module("megatron.core.optimizer.clip_grads"),
+    ),
+    Workaround(
+        "clip_assert",
+        "clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor'",
+        _patch_clip_assert,
+    ),
+    Workaround(
+        "dist_ckpt",
+        "torch_dist saving calls torch.cuda.synchronize() and reduces flags on the CUDA device",
+        lambda: _shim_modules(
+            "megatron.core.dist_checkpointing.strategies.filesystem_async",
+            "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+        ),
     ),
 )
 _BY_NAME = {w.name: w for w in WORKAROUNDS}

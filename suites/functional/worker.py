@@ -48,11 +48,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from mhc_core.megatron import cpu_support
     from mhc_core.megatron.pipeline import enable_mhc_pipeline
-    from suites.functional import cpu_extras
     from suites.functional.training import Trainer
 
     cpu_support.install()
-    cpu_extras.install()
     enable_mhc_pipeline()
     if a.deterministic_mode:
         torch.use_deterministic_algorithms(True)

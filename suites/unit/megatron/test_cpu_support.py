@@ -4,6 +4,7 @@ it) and sufficient (the call works with it); install / uninstall are explicit, i
 from __future__ import annotations
 
 import contextlib
+import math
 import subprocess
 import sys
 
@@ -230,6 +231,226 @@ class TestP2P:
         assert received.device.type == "cpu" and torch.equal(received, sent)
 
 
+def _ddp(config, model):
+    """megatron-core's DistributedDataParallel around `model`, as the functional runner builds it."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
+    return DistributedDataParallel(config, ddp_config, model)
+
+
+def _optimizer(ddp_model, clip_grad=1.0):
+    """get_megatron_optimizer (Adam, fp32; torch's AdamW without TE / apex) that clips at `clip_grad`
+    and counts zero grads."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=1e-3, clip_grad=clip_grad, params_dtype=torch.float32, log_num_zeros_in_grad=True
+    )
+    return get_megatron_optimizer(config, [ddp_model])
+
+
+def _forward_backward(config, ddp_model, batch):
+    """One micro-batch through get_forward_backward_func() with finalize_model_grads (as
+    suites/functional/training.py steps): the gradients land in the DDP grad buffer (`main_grad`)."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp_model.no_sync
+    ddp_model.zero_grad_buffer()
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        out = model(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+        return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+
+    s, b = batch["input_ids"].shape[1], batch["input_ids"].shape[0]
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([batch]),
+        model=ddp_model,
+        num_microbatches=1,
+        seq_length=s,
+        micro_batch_size=b,
+        forward_only=False,
+    )
+
+
+def _main_grads(ddp_model):
+    return [p.main_grad for p in ddp_model.parameters()]
+
+
+@pytest.fixture
+def tiny(make_config, build_gpt):
+    """A tiny mHC GPT (n = 2) and its config: `(config, model)`."""
+    config = make_config(n=2)
+    return config, build_gpt(config)
+
+
+@pytest.fixture
+def tiny_ddp(tiny):
+    """The tiny GPT wrapped in megatron-core's DDP: `(config, ddp_model)`."""
+    config, model = tiny
+    return config, _ddp(config, model)
+
+
+class TestDdpBuffers:
+    """`ddp_buffers`: megatron-core's DDP keeps its grad buffer on the CPU."""
+
+    def test_needed(self, tiny):
+        """Without it, DistributedDataParallel allocates the grad buffer on torch.cuda.current_device()."""
+        with without("ddp_buffers"), pytest.raises(NO_CUDA, match="CUDA|NVIDIA driver"):
+            _ddp(*tiny)
+
+    def test_grad_buffer_holds_the_gradients(self, make_config, build_gpt, batch):
+        """With it, DDP's CPU grad buffer (main_grad) receives the plain autograd gradients of one micro-batch."""
+        config = make_config(n=2)
+        ddp_model = _ddp(config, build_gpt(config, seed=0))
+        reference = build_gpt(config, seed=0)
+        loss = reference(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        loss.float().mean().backward()
+        _forward_backward(config, ddp_model, batch)
+        ref = dict(reference.named_parameters())
+        for name, param in ddp_model.module.named_parameters():
+            assert param.main_grad.device.type == "cpu", name
+            torch.testing.assert_close(param.main_grad, ref[name].grad, msg=name)
+
+
+class TestOptimizer:
+    """`optimizer`: megatron-core's optimizer keeps its scalars on the CPU."""
+
+    def test_needed(self, tiny_ddp):
+        """Without it, get_megatron_optimizer (FP32Optimizer) creates a device='cuda' scalar."""
+        with without("optimizer"), pytest.raises(NO_CUDA, match="CUDA|NVIDIA driver"):
+            _optimizer(tiny_ddp[1])
+
+    def test_step_updates_the_parameters(self, tiny_ddp, batch):
+        """With it, one step succeeds, reports a finite grad norm and moves every parameter with a non-zero grad."""
+        config, ddp_model = tiny_ddp
+        optimizer = _optimizer(ddp_model)
+        before = [p.detach().clone() for p in ddp_model.parameters()]
+        _forward_backward(config, ddp_model, batch)
+        moved = [bool(g.any()) for g in _main_grads(ddp_model)]
+        ok, grad_norm, _ = optimizer.step()
+        assert ok and math.isfinite(grad_norm) and any(moved)
+        for p, p0, m in zip(ddp_model.parameters(), before, moved, strict=True):
+            assert not m or not torch.equal(p.detach(), p0)
+
+
+class TestClipGrads:
+    """`clip_grads`: the grad norm and the zero count are computed on the CPU."""
+
+    def test_needed(self, tiny_ddp, batch):
+        """Without it, optimizer.step() -> get_grad_norm_fp32 creates a device='cuda' buffer."""
+        config, ddp_model = tiny_ddp
+        optimizer = _optimizer(ddp_model)
+        _forward_backward(config, ddp_model, batch)
+        with without("clip_grads"), pytest.raises(NO_CUDA, match="CUDA|NVIDIA driver"):
+            optimizer.step()
+
+    def test_grad_norm_and_zero_count(self, tiny_ddp, batch):
+        """With it, step() reports the L2 norm of all grads and the number of zero grad entries."""
+        config, ddp_model = tiny_ddp
+        optimizer = _optimizer(ddp_model, clip_grad=1e9)
+        _forward_backward(config, ddp_model, batch)
+        grads = torch.cat([g.flatten() for g in _main_grads(ddp_model)])
+        ok, grad_norm, num_zeros = optimizer.step()
+        assert ok
+        assert grad_norm == pytest.approx(float(torch.linalg.vector_norm(grads)), rel=1e-5)
+        assert num_zeros == int((grads == 0).sum())
+
+
+class TestClipAssert:
+    """`clip_assert`: gradient clipping accepts fp32 grads on the CPU and scales them as megatron-core does."""
+
+    def test_needed(self, tiny_ddp, batch):
+        """Without it, optimizer.step() -> clip_grad_by_total_norm_fp32 asserts torch.cuda.FloatTensor grads."""
+        config, ddp_model = tiny_ddp
+        optimizer = _optimizer(ddp_model)
+        _forward_backward(config, ddp_model, batch)
+        with without("clip_assert"), pytest.raises(AssertionError) as failure:
+            optimizer.step()
+        assert "torch.cuda.FloatTensor" in str(failure.traceback[-1].statement)
+
+    def test_step_clips_to_max_norm(self, tiny_ddp, batch):
+        """With it, a step with clip_grad below the grad norm leaves grads of total norm clip_grad."""
+        config, ddp_model = tiny_ddp
+        optimizer = _optimizer(ddp_model, clip_grad=1e-3)
+        _forward_backward(config, ddp_model, batch)
+        ok, grad_norm, _ = optimizer.step()
+        clipped = torch.linalg.vector_norm(torch.cat([g.flatten() for g in _main_grads(ddp_model)]))
+        assert ok and grad_norm > 1e-2
+        assert float(clipped) == pytest.approx(1e-3, rel=1e-4)
+
+    @pytest.mark.parametrize(("max_norm", "norm_as_tensor"), [(0.5, False), (100.0, False), (0.5, True)])
+    def test_scales_like_torch_clip_grad_norm(self, max_norm, norm_as_tensor):
+        """The patched function scales by max_norm / (total_norm + 1e-6) when below 1, as
+        torch.nn.utils.clip_grad_norm_ does (clipping at 0.5, untouched at 100; a tensor total_norm,
+        as newer megatron-core passes, is clamped the same way)."""
+        from megatron.core.optimizer import optimizer as moptimizer
+
+        g = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.zeros(5, 3)) for _ in range(3)]
+        for p in params:
+            p.grad = torch.randn(5, 3, generator=g)
+        expected = [p.grad.clone() for p in params]
+        reference = [torch.nn.Parameter(torch.zeros(5, 3)) for _ in params]
+        for r, e in zip(reference, expected, strict=True):
+            r.grad = e.clone()
+        total_norm = torch.nn.utils.clip_grad_norm_(reference, max_norm)
+        total_norm = total_norm if norm_as_tensor else float(total_norm)
+        moptimizer.clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
+        for p, r in zip(params, reference, strict=True):
+            torch.testing.assert_close(p.grad, r.grad)
+
+
+DIST_CKPT_MODULES = [
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+]
+
+
+class TestDistCkpt:
+    """`dist_ckpt`: torch_dist checkpoint saving does not synchronise CUDA or reduce on a CUDA device."""
+
+    @staticmethod
+    def _save(model, path):
+        from megatron.core import dist_checkpointing
+
+        path.mkdir()
+        dist_checkpointing.save(model.sharded_state_dict(), str(path))
+
+    def test_needed(self, tiny, tmp_path):
+        """Without it, dist_checkpointing.save (torch_dist) calls torch.cuda.synchronize()."""
+        with without("dist_ckpt"), pytest.raises(NO_CUDA, match="CUDA|NVIDIA driver"):
+            self._save(tiny[1], tmp_path / "ckpt")
+
+    @pytest.mark.parametrize("module", DIST_CKPT_MODULES, ids=lambda m: m.rsplit(".", 1)[1])
+    def test_each_module_needed(self, tiny, tmp_path, monkeypatch, module):
+        """Both shims are needed: with either module on the real torch, saving still fails."""
+        import importlib
+
+        monkeypatch.setattr(importlib.import_module(module), "torch", torch)
+        with pytest.raises(NO_CUDA, match="CUDA|NVIDIA driver"):
+            self._save(tiny[1], tmp_path / "ckpt")
+
+    def test_save_and_load_round_trip(self, make_config, build_gpt, tmp_path):
+        """With it, a saved model loads back (dist_checkpointing.load) into a differently initialised one."""
+        from megatron.core import dist_checkpointing
+
+        config = make_config(n=2)
+        saved, restored = build_gpt(config, seed=0), build_gpt(config, seed=1)
+        self._save(saved, tmp_path / "ckpt")
+        restored.load_state_dict(dist_checkpointing.load(restored.sharded_state_dict(), str(tmp_path / "ckpt")))
+        expected = saved.state_dict()
+        for name, value in restored.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, expected[name]), name
+
+
 class TestInstall:
     """install / uninstall / cpu_support(): explicit, idempotent, reversible."""
 
@@ -253,6 +474,20 @@ class TestInstall:
             assert utils.torch is torch
             assert mrandom.CudaRNGStatesTracker.add.__module__ == mrandom.__name__
         assert utils.torch is not torch
+
+    def test_uninstall_restores_a_function_and_several_modules(self):
+        """clip_assert puts back megatron-core's clip function; dist_ckpt restores both of its modules."""
+        import importlib
+
+        from megatron.core.optimizer import clip_grads
+        from megatron.core.optimizer import optimizer as moptimizer
+
+        modules = [importlib.import_module(m) for m in DIST_CKPT_MODULES]
+        with without("clip_assert"), without("dist_ckpt"):
+            assert moptimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
+            assert all(m.torch is torch for m in modules)
+        assert moptimizer.clip_grad_by_total_norm_fp32 is not clip_grads.clip_grad_by_total_norm_fp32
+        assert all(m.torch is not torch for m in modules)
 
     def test_context_manager_reverts_only_what_it_applied(self):
         """cpu_support() inside an installed session applies nothing, so it reverts nothing on exit."""
@@ -289,8 +524,10 @@ class TestInstall:
             "from megatron.core import utils\n"
             "from megatron.core.pipeline_parallel import schedules\n"
             "from megatron.core.tensor_parallel import random as r\n"
+            "from megatron.core.optimizer import clip_grads, optimizer as o\n"
             "assert not m.cpu_support.installed()\n"
-            "assert utils.torch is torch and schedules.torch is torch\n"
+            "assert utils.torch is torch and schedules.torch is torch and o.torch is torch\n"
+            "assert o.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32\n"
             "assert r.CudaRNGStatesTracker.add.__module__ == r.__name__\n"
         )
         result = subprocess.run(
