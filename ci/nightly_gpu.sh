@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Nightly GPU job (H100 / H200 node): the perf suite against golden/<hw>/perf/ (two-sided band on
+# each kernel's median time), then the perf history for this hardware: append, regression check
+# against the trailing median, trend plots. Usage: bash ci/nightly_gpu.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${MHC_PYTHON:-python3}
+HW=$("$PY" -m harness hw | head -n 1)
+OUT=${MHC_NIGHTLY_OUT:-results/nightly}
+HISTORY=${MHC_PERF_HISTORY:-perf-history/${HW}.jsonl}
+mkdir -p "$OUT" "$(dirname "$HISTORY")"
+
+# 1. Benchmarks (never under xdist). MHC_PERF_GOLDEN=1 compares each kernel with its golden band;
+#    a first run on new hardware records them: MHC_PERF_GOLDEN=1 ... --update-golden=all
+MHC_PERF_GOLDEN=${MHC_PERF_GOLDEN:-1} MHC_PERF_CUDA_GRAPH=${MHC_PERF_CUDA_GRAPH:-0} \
+    "$PY" -m pytest -p no:xdist suites/perf --hw "$HW" --benchmark-json="$OUT/perf.json" "$@" || status=$?
+
+# 2. History, regression check, trend plots, and the table for the README.
+"$PY" -m harness perf-history append "$OUT/perf.json" --history "$HISTORY" --hw "$HW"
+"$PY" -m harness perf-history check --history "$HISTORY" || status=${status:-$?}
+"$PY" -m harness perf-history plot --history "$HISTORY" --out "$OUT/trends"
+"$PY" -m suites.perf.table "$OUT/perf.json" > "$OUT/perf-table.md"
+echo "nightly: hardware $HW, table in $OUT/perf-table.md, history $HISTORY"
+exit "${status:-0}"

@@ -1,0 +1,77 @@
+"""The perf cases: op x shape x dtype, each with its inputs and its bytes-moved model.
+
+GPU: T = 8192 tokens, C in {4096, 7168}, n = 4, bf16 (the paper / Megatron sizes).
+CPU: T = 4096, C in {256, 1024}, n = 4, fp32 (C = 1024 puts the n-stream tensors at 64 MiB,
+far out of any CPU cache, on a 2-core CI machine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mhc_core.analysis import bytes_moved
+
+__all__ = ["PerfCase", "cases_for", "OPS"]
+
+OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda")
+_DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerfCase:
+    """One op at one size; `inputs()` builds its arguments, `bytes()` its ideal traffic."""
+
+    op: str
+    tokens: int
+    n: int
+    hidden: int
+    dtype: torch.dtype
+    device: str
+
+    @property
+    def id(self) -> str:
+        size = f"T{self.tokens}-n{self.n}" if self.op == "sinkhorn" else f"T{self.tokens}-n{self.n}-C{self.hidden}"
+        return f"{self.op}-{size}-{_DTYPE_NAME[self.dtype]}"
+
+    def bytes(self, direction: str) -> int:
+        """Bytes moved by an ideal kernel (`mhc_core.analysis.bytes_moved`)."""
+        act = torch.empty((), dtype=self.dtype).element_size()
+        return bytes_moved(self.op, direction, tokens=self.tokens, n=self.n, hidden=self.hidden,
+                           act_bytes=act, with_bias=True).total
+
+    def inputs(self, requires_grad: bool) -> tuple:
+        """Positional arguments of the op (reference signature), seeded."""
+        g = torch.Generator().manual_seed(0)
+        t, n, c, dt, dev = self.tokens, self.n, self.hidden, self.dtype, self.device
+
+        def rnd(*shape, dtype=dt, scale=1.0, grad=True):
+            x = (torch.randn(*shape, generator=g) * scale).to(device=dev, dtype=dtype)
+            return x.requires_grad_(requires_grad and grad)
+
+        if self.op == "sinkhorn":
+            return (rnd(t, n, n, dtype=torch.float32), 20, None, "megatron_main")
+        if self.op == "mapping":
+            big_n = n * n + 2 * n
+            return (rnd(t, n * c), rnd(big_n, n * c, dtype=torch.float32, scale=0.02),
+                    *(rnd(1, dtype=torch.float32, scale=0.01) for _ in range(3)),
+                    rnd(big_n, dtype=torch.float32, scale=0.01), n, "megatron_main")
+        if self.op == "h_aggregate":
+            return (rnd(t, n, c), rnd(t, n, dtype=torch.float32))
+        if self.op == "h_post_bda":
+            return (rnd(t, n, n, dtype=torch.float32), rnd(t, n, c), rnd(t, n, dtype=torch.float32), rnd(t, c),
+                    rnd(c), 0.0, False, "megatron_main")
+        raise ValueError(f"PerfCase.op={self.op!r}; valid: {', '.join(OPS)}")
+
+
+def cases_for(device: str) -> list[PerfCase]:
+    """The registry for `device` ("cpu" or "cuda")."""
+    if device == "cuda":
+        tokens, hiddens, dtype = 8192, (4096, 7168), torch.bfloat16
+    else:
+        tokens, hiddens, dtype = 4096, (256, 1024), torch.float32
+    out = [PerfCase(op="sinkhorn", tokens=tokens, n=4, hidden=hiddens[0], dtype=dtype, device=device)]
+    for op in OPS[1:]:
+        out += [PerfCase(op=op, tokens=tokens, n=4, hidden=c, dtype=dtype, device=device) for c in hiddens]
+    return out

@@ -1,0 +1,44 @@
+"""Print the perf table (Markdown) from a pytest-benchmark JSON file.
+
+    python -m suites.perf.table results/perf.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def rows(path: str | Path) -> list[str]:
+    """One Markdown row per benchmark: op, direction, backend, shape, median, GB/s, roofline, speed-up."""
+    data = json.loads(Path(path).read_text())
+    out = ["| op | dir | backend | shape | median | GB/s | copy GB/s | roofline | vs reference | layer overhead |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for b in sorted(data["benchmarks"], key=lambda b: (b["extra_info"].get("op", ""), b["name"])):
+        e = b["extra_info"]
+        med = e.get("median_s", b["stats"]["median"])
+
+        def f(key, scale=1.0, fmt="{:.2f}", e=e):
+            return fmt.format(e[key] * scale) if key in e else "-"
+
+        out.append(
+            f"| {e.get('op', b['name'])} | {e.get('direction', '-')} | {e.get('backend', '-')} | {e.get('shape', '-')} | "
+            f"{med * 1e3:.3f} ms | {f('bytes_per_s', 1e-9)} | {f('copy_bytes_per_s', 1e-9)} | "
+            f"{f('roofline_ratio', 100, '{:.0f} %')} | {f('speedup_vs_reference', 1, '{:.2f}x')} | "
+            f"{f('overhead_ratio', 100, '{:+.0f} %')} |"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m suites.perf.table <pytest-benchmark.json>", file=sys.stderr)
+        return 2
+    print("\n".join(rows(args[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""Kernel benchmarks: every op x shape x backend, forward and forward+backward.
+
+Per benchmark, `extra_info` holds the bytes-moved model, achieved bytes/s, the bandwidth of a
+plain copy of the same bytes measured in the same run, their ratio (the roofline ratio) and, for
+fused backends, the speed-up over `reference` in the same run. Nothing here asserts a speed.
+Perf goldens (two-sided band on the median time) are compared only with MHC_PERF_GOLDEN=1 (the
+nightly GPU job), never in CPU CI.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import pytest
+import torch
+
+from harness import TimingCheck
+from mhc_core.kernels import dispatch
+from suites.perf.registry import PerfCase, cases_for
+from suites.perf.timing import copy_fn, paired_samples
+
+pytestmark = pytest.mark.perf
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ("reference", "compiled", "cutile")
+
+
+def _runner(case: PerfCase, backend: str, direction: str):
+    impl = dispatch.get_impl(case.op, backend)
+    args = case.inputs(requires_grad=direction == "fwdbwd")
+    if direction == "fwd":
+        def fwd():
+            with torch.no_grad():
+                return impl(*args)
+        return fwd
+    outs = impl(*args)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = [torch.randn_like(o) for o in outs]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def fwdbwd():
+        o = impl(*args)
+        o = o if isinstance(o, tuple) else (o,)
+        torch.autograd.grad(o, leaves, grads)
+    return fwdbwd
+
+
+def _bytes(case: PerfCase, direction: str) -> int:
+    return case.bytes("fwd") + (case.bytes("bwd") if direction == "fwdbwd" else 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direction", ["fwd", "fwdbwd"])
+@pytest.mark.parametrize("case", cases_for(DEVICE), ids=lambda c: c.id)
+def test_kernel(benchmark, golden_metrics, case, direction, backend, reps):
+    """Time one op; record bytes/s, roofline ratio against a same-run copy, speed-up over reference."""
+    ok, why = dispatch.availability(backend, DEVICE)
+    if not ok:
+        pytest.skip(f"backend {backend} unavailable: {why}")
+    fn = _runner(case, backend, direction)
+    nbytes = _bytes(case, direction)
+    cuda_graph = DEVICE == "cuda" and os.environ.get("MHC_PERF_CUDA_GRAPH") == "1"
+    # The op, the same-bytes copy and (for fused backends) the reference, alternated rep by rep.
+    fns = [fn, copy_fn(nbytes, device=DEVICE)]
+    if backend != "reference":
+        fns.append(_runner(case, "reference", direction))
+    timed = paired_samples(fns, device=DEVICE, reps=reps, warmup=3, cuda_graph=cuda_graph)
+    samples = timed[0]
+    seconds, copy_s = statistics.median(timed[0]), statistics.median(timed[1])
+    benchmark.group = f"{case.op}-{direction}"
+    benchmark.pedantic(fn, rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
+
+    info = {
+        "op": case.op, "direction": direction, "backend": backend, "shape": case.id, "device": DEVICE,
+        "median_s": seconds, "bytes": nbytes, "bytes_per_s": nbytes / seconds,
+        "copy_bytes_per_s": nbytes / copy_s, "roofline_ratio": copy_s / seconds,
+    }
+    if backend != "reference":
+        info["speedup_vs_reference"] = statistics.median(timed[2]) / seconds
+    benchmark.extra_info.update(info)
+    assert seconds > 0 and nbytes > 0 and info["roofline_ratio"] > 0
+
+    if os.environ.get("MHC_PERF_GOLDEN") == "1":
+        golden_metrics.check(
+            f"{case.id}-{direction}-{backend}",
+            {"iteration-time": samples},
+            {"iteration-time": TimingCheck(rel_band_slow=0.15, rel_band_fast=0.30, window=(1, len(samples)))},
+        )

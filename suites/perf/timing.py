@@ -1,0 +1,88 @@
+"""Timers: host clock on CPU, CUDA events (L2 flushed, optional CUDA graph) on GPU; copy bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["sample_seconds", "median_seconds", "copy_seconds", "paired_samples", "copy_fn"]
+
+_L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], object], *, device: str, reps: int, warmup: int = 2,
+                   cuda_graph: bool = False) -> float:
+    """Median of `sample_seconds`."""
+    return statistics.median(sample_seconds(fn, device=device, reps=reps, warmup=warmup, cuda_graph=cuda_graph))
+
+
+def sample_seconds(fn: Callable[[], object], *, device: str, reps: int, warmup: int = 2,
+                   cuda_graph: bool = False) -> list[float]:
+    """Seconds of each of `reps` runs of `fn()` after `warmup` runs.
+
+    On CUDA each rep is timed with a pair of CUDA events around the launch, after writing a
+    256 MiB buffer so L2 starts cold; with `cuda_graph`, `fn` is captured once and replayed.
+    """
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    if device != "cuda":
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return times
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    run = fn
+    if cuda_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def copy_seconds(nbytes: int, *, device: str, reps: int) -> float:
+    """Median seconds of `dst.copy_(src)` moving `nbytes` in total (nbytes / 2 read, nbytes / 2 written)."""
+    half = max(nbytes // 2, 1)
+    src = torch.ones(half, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return median_seconds(lambda: dst.copy_(src), device=device, reps=reps)
+
+
+def copy_fn(nbytes: int, *, device: str) -> Callable[[], object]:
+    """`dst.copy_(src)` moving `nbytes` in total (nbytes / 2 read, nbytes / 2 written)."""
+    half = max(nbytes // 2, 1)
+    src = torch.ones(half, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def paired_samples(fns: list[Callable[[], object]], *, device: str, reps: int, warmup: int = 2,
+                   cuda_graph: bool = False) -> list[list[float]]:
+    """Seconds of each fn, measured rep by rep in alternation, so that every ratio between them
+    is taken under the same machine load (a shared CI box changes speed minute to minute)."""
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            out[i] += sample_seconds(fn, device=device, reps=1, warmup=warmup if not out[i] else 0,
+                                     cuda_graph=cuda_graph)
+    return out
