@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from mhc_core import ops
 
-__all__ = ["MHCOps", "REFERENCE_OPS", "select_ops"]
+__all__ = ["MHCOps", "REFERENCE_OPS", "FUSED_OPS", "select_ops"]
 
 
 class MHCOps(NamedTuple):
@@ -27,8 +27,31 @@ REFERENCE_OPS = MHCOps(
 )
 
 
+def _fused_ops() -> MHCOps:
+    from mhc_core.kernels import dispatch
+
+    return MHCOps(
+        sinkhorn=dispatch.sinkhorn,
+        mapping=dispatch.mapping,
+        h_aggregate=dispatch.h_aggregate,
+        h_post_bda=dispatch.h_post_bda,
+    )
+
+
+FUSED_OPS = _fused_ops()
+"""The dispatched ops: each call picks its backend per op (`mhc_core.kernels.dispatch`)."""
+
+
 def select_ops(use_fused: bool) -> MHCOps:
-    """`REFERENCE_OPS`, or the fused dispatch when `use_fused`."""
+    """`REFERENCE_OPS`, or the per-op dispatch (`FUSED_OPS`) when `use_fused`.
+
+    With `use_fused`, the selection is checked once here for the default device, so a bad
+    `MHC_BACKEND*` value or a forced unavailable backend fails at construction, not mid-step.
+    """
     if not use_fused:
         return REFERENCE_OPS
-    raise NotImplementedError("use_fused=True: the fused mHC kernels are not available in this build")
+    from mhc_core.kernels import dispatch
+
+    for op in dispatch.OPS:
+        dispatch.resolve(op)
+    return FUSED_OPS

@@ -1,0 +1,165 @@
+"""`mapping` for the compiled backend: projection + RMS + coefficients, with a fused backward.
+
+Forward (x `[T, K]`, K = n*C, weight `[N, K]`, N = n*n + 2n):
+
+    proj = x @ W^T                                  [T, N]    (compute dtype of the variant)
+    rms  = ||x||_2 / sqrt(K);  r = 1 / (rms + eps)  [T, 1]    (sum of squares in fp32)
+    h    = r * proj * alpha + bias                  [T, N]    epilogue: gates, sigmoid, split
+
+`proj` and `rms` (`T * (N + 1)` values) are saved for the backward, so it never recomputes the
+projection. Backward, with `gh` the gradient w.r.t. `h` (sigmoid derivatives applied):
+
+    g_bias  = sum_t gh                 g_alpha_k = sum_t gh_k * r * proj_k (summed per gate)
+    g_proj  = gh * r * alpha           g_r = sum_k gh_k * proj_k * alpha_k
+    g_x     = g_proj @ W - g_r * r^2 * x / (rms * K)    (0 where rms = 0, as autograd's norm)
+    g_W     = g_proj^T @ x
+
+Precision per variant as the reference: parameters are rounded to the compute dtype
+(`megatron_main`: the activation dtype; `paper`, `megatron_dev`: fp32), the two matmuls run in the
+compute dtype, everything else accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mhc_core import ops
+from mhc_core.kernels.compiled_common import acc_dtype, compile_for, mark_dynamic
+from mhc_core.ops._checks import check_dim, check_rank, check_streams, shape_str
+from mhc_core.ops.mapping import NORM_EPS, num_mapping_outputs
+from mhc_core.variants import Variant, VariantSpec, get_variant
+
+__all__ = ["mapping"]
+
+
+def _alpha(a_pre, a_post, a_res, n: int, compute, acc):
+    return torch.cat(
+        [
+            a_pre.to(compute).expand(n),
+            a_post.to(compute).expand(n),
+            a_res.to(compute).expand(n * n),
+        ]
+    ).to(acc)
+
+
+def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pre_eps: float, norm_eps: float):
+    acc = acc_dtype(compute)
+    k = x.shape[1]
+    xc = x.to(compute)
+    proj = xc @ weight.to(compute).t()  # [T, N]
+    xa = xc.to(acc)
+    rms = torch.sqrt((xa * xa).sum(-1, keepdim=True)) / math.sqrt(k)  # [T, 1]
+    r = 1.0 / (rms + norm_eps)
+    h = r * proj.to(acc) * _alpha(a_pre, a_post, a_res, n, compute, acc) + bias.to(compute).to(acc)
+    h_pre = torch.sigmoid(h[:, :n]) + h_pre_eps
+    h_post = 2.0 * torch.sigmoid(h[:, n : 2 * n])
+    logits = h[:, 2 * n :].reshape(x.shape[0], n, n)
+    return h_pre.to(out_dtype), h_post.to(out_dtype), logits.to(out_dtype), proj, rms
+
+
+def _bwd(g_pre, g_post, g_logits, x, weight, a_pre, a_post, a_res, bias, proj, rms,
+         n: int, compute, norm_eps: float, need_x: bool, need_w: bool):
+    acc = acc_dtype(compute)
+    t, k = x.shape
+    alpha = _alpha(a_pre, a_post, a_res, n, compute, acc)
+    projf = proj.to(acc)
+    r = 1.0 / (rms + norm_eps)
+    h = r * projf * alpha + bias.to(compute).to(acc)
+    s_pre = torch.sigmoid(h[:, :n])
+    s_post = torch.sigmoid(h[:, n : 2 * n])
+    gh = torch.cat(
+        [
+            g_pre.to(acc) * s_pre * (1.0 - s_pre),
+            g_post.to(acc) * 2.0 * s_post * (1.0 - s_post),
+            g_logits.reshape(t, n * n).to(acc),
+        ],
+        dim=1,
+    )  # [T, N]
+    g_bias = gh.sum(0).to(bias.dtype)
+    g_alpha = (gh * r * projf).sum(0)  # [N]
+    g_a_pre = g_alpha[:n].sum().reshape(1).to(a_pre.dtype)
+    g_a_post = g_alpha[n : 2 * n].sum().reshape(1).to(a_post.dtype)
+    g_a_res = g_alpha[2 * n :].sum().reshape(1).to(a_res.dtype)
+    g_proj = gh * r * alpha  # [T, N]
+    g_x = g_w = None
+    if need_x:
+        g_r = (gh * projf * alpha).sum(-1, keepdim=True)  # [T, 1]
+        coef = torch.where(rms > 0, -g_r * r * r / (rms * k), torch.zeros_like(rms))
+        g_x = ((g_proj.to(compute) @ weight.to(compute)).to(acc) + coef * x.to(compute).to(acc)).to(x.dtype)
+    if need_w:
+        g_w = (g_proj.to(compute).t() @ x.to(compute)).to(weight.dtype)
+    return g_x, g_w, g_a_pre, g_a_post, g_a_res, g_bias
+
+
+class _Mapping(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, a_pre, a_post, a_res, bias, n: int, spec: VariantSpec, norm_eps: float):
+        compute = acc_dtype(x.dtype) if spec.mapping_fp32 else x.dtype
+        out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
+        params = (weight, a_pre, a_post, a_res, bias)
+        key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps, x.device.type)
+        fwd = compile_for(_fwd, key)
+        h_pre, h_post, logits, proj, rms = fwd(
+            mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps
+        )
+        ctx.save_for_backward(x, *params, proj, rms)
+        ctx.n, ctx.compute, ctx.norm_eps = n, compute, norm_eps
+        return h_pre, h_post, logits
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_pre, g_post, g_logits):
+        x, weight, a_pre, a_post, a_res, bias, proj, rms = ctx.saved_tensors
+        n, compute, norm_eps = ctx.n, ctx.compute, ctx.norm_eps
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads_out = []
+        for g, like in ((g_pre, (x.shape[0], n)), (g_post, (x.shape[0], n)), (g_logits, (x.shape[0], n, n))):
+            grads_out.append(proj.new_zeros(like) if g is None else g.contiguous())
+        grads_out = [mark_dynamic(g, 0) for g in grads_out]
+        x, proj, rms = (mark_dynamic(t, 0) for t in (x, proj, rms))
+        params = (weight, a_pre, a_post, a_res, bias)
+        key = (x.dtype, *(p.dtype for p in params), *(g.dtype for g in grads_out), n, compute, norm_eps,
+               need_x, need_w, x.device.type)
+        grads = compile_for(_bwd, key)(*grads_out, x, *params, proj, rms, n, compute, norm_eps, need_x, need_w)
+        return (*grads, None, None, None)
+
+
+def mapping(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    alpha_pre: torch.Tensor,
+    alpha_post: torch.Tensor,
+    alpha_res: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
+    norm_eps: float = NORM_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Coefficients of one mHC sublayer (compiled backend), same contract as `mhc_core.ops.mapping`.
+
+    Args:
+        x: `[T, n*C]`; weight: `[N, n*C]`; alpha_pre, alpha_post, alpha_res: `[1]`; bias: `[N]`.
+
+    Returns:
+        `h_pre [T, n]`, `h_post [T, n]`, `h_res_logits [T, n, n]`.
+    """
+    op = "mapping"
+    spec = get_variant(variant)
+    check_streams(n, op=op)
+    check_rank(x, 2, name="x", op=op, layout="[T, n*C]")
+    width = x.shape[1]
+    if width % n != 0 or width == 0:
+        raise ValueError(f"{op}: x width n*C={width} is not a positive multiple of n={n}; x is {shape_str(x)}")
+    big_n = num_mapping_outputs(n)
+    check_dim(weight, (big_n, width), name="weight", op=op, layout="[N, n*C]")
+    for name, a in (("alpha_pre", alpha_pre), ("alpha_post", alpha_post), ("alpha_res", alpha_res)):
+        check_dim(a, (1,), name=name, op=op, layout="[1]")
+    check_dim(bias, (big_n,), name="bias", op=op, layout="[N]")
+    if x.shape[0] == 0:
+        return ops.mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, spec, norm_eps)
+    return _Mapping.apply(
+        x.contiguous(), weight.contiguous(), alpha_pre, alpha_post, alpha_res, bias.contiguous(), n, spec,
+        float(norm_eps),
+    )

@@ -1,0 +1,142 @@
+"""`h_post_bda` for the compiled backend: residual mix + gated branch + bias in one pass.
+
+    forward   out_i = sum_j M[i, j] r_j + h_post_i (y + bias)          M = H (paper, megatron_main)
+                                                                     or H^T (megatron_dev)
+    backward  g_r_j    = sum_i M[i, j] g_i                              [T, n, C]
+              g_M[i,j] = sum_c g_i r_j      (g_H = g_M, or g_M^T)        [T, n, n]
+              g_hp_i   = sum_c g_i (y + bias)                           [T, n]
+              g_y      = sum_i h_post_i g_i                             [T, C]
+              g_bias   = sum_t g_y                                      [C]
+
+Shapes: h_res `[T, n, n]`, residual `[T, n, C]`, h_post `[T, n]`, y `[T, C]`, bias `[C]` or None.
+Products and sums in fp32 at least (the reference's accumulation dtype), unrolled over the static
+`n` so that the forward is one pointwise kernel over `[T, n, C]`.
+
+Dropout: with `training and dropout_p > 0` the compiled backend runs the reference formulation
+(`mhc_core.ops.h_post_bda`, eager), because the dropout mask is drawn from the eager RNG stream;
+every other call is fused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mhc_core import ops
+from mhc_core.kernels.compiled_common import acc_dtype, compile_for, mark_dynamic
+from mhc_core.ops._checks import check_dim, check_rank
+from mhc_core.variants import Variant, VariantSpec, get_variant
+
+__all__ = ["h_post_bda"]
+
+
+def _acc(h_res: torch.Tensor, res: torch.Tensor) -> torch.dtype:
+    return acc_dtype(res.dtype, h_res.dtype)
+
+
+def _fwd(h_res, res, h_post, y, bias, transposed: bool):
+    acc = _acc(h_res, res)
+    m = h_res.to(acc)
+    if transposed:
+        m = m.transpose(1, 2)
+    branch_in = y.to(acc) if bias is None else y.to(acc) + bias.to(acc)
+    out = h_post.to(acc)[:, :, None] * branch_in[:, None, :]  # [T, n, C]
+    for j in range(res.shape[1]):
+        out = out + m[:, :, j, None] * res[:, None, j, :].to(acc)
+    return out.to(res.dtype)
+
+
+def _bwd(g, h_res, res, h_post, y, bias, transposed: bool, needs: tuple[bool, ...]):
+    acc = _acc(h_res, res)
+    need_hres, need_res, need_hpost, need_y, need_bias = needs
+    n = res.shape[1]
+    gf = g.to(acc)
+    m = h_res.to(acc)
+    if transposed:
+        m = m.transpose(1, 2)
+    g_res = g_hres = g_hpost = g_y = g_bias = None
+    if need_res:
+        out = m[:, 0, :, None] * gf[:, 0, None, :]
+        for i in range(1, n):
+            out = out + m[:, i, :, None] * gf[:, i, None, :]
+        g_res = out.to(res.dtype)
+    if need_hres:
+        g_m = (gf[:, :, None, :] * res.to(acc)[:, None, :, :]).sum(-1)  # [T, n(i), n(j)]
+        g_hres = (g_m.transpose(1, 2) if transposed else g_m).to(h_res.dtype)
+    if need_hpost:
+        branch_in = y.to(acc) if bias is None else y.to(acc) + bias.to(acc)
+        g_hpost = (gf * branch_in[:, None, :]).sum(-1).to(h_post.dtype)
+    if need_y or need_bias:
+        hp = h_post.to(acc)
+        g_branch = hp[:, 0:1] * gf[:, 0]
+        for i in range(1, n):
+            g_branch = g_branch + hp[:, i : i + 1] * gf[:, i]  # [T, C]
+        if need_y:
+            g_y = g_branch.to(y.dtype)
+        if need_bias:
+            g_bias = g_branch.sum(0).to(bias.dtype)
+    return g_hres, g_res, g_hpost, g_y, g_bias
+
+
+class _HPostBDA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_res, res, h_post, y, bias, transposed: bool):
+        ctx.transposed = transposed
+        ctx.save_for_backward(h_res, res, h_post, y, bias)
+        dtypes = tuple(None if t is None else t.dtype for t in (h_res, res, h_post, y, bias))
+        key = (*dtypes, res.shape[1], transposed, res.device.type)
+        h_res, res, h_post, y = (mark_dynamic(t, 0) for t in (h_res, res, h_post, y))
+        return compile_for(_fwd, key)(h_res, res, h_post, y, bias, transposed)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        h_res, res, h_post, y, bias = ctx.saved_tensors
+        needs = tuple(bool(v) for v in ctx.needs_input_grad[:5])
+        needs = needs[:4] + (needs[4] and bias is not None,)
+        dtypes = tuple(None if t is None else t.dtype for t in (g, h_res, res, h_post, y, bias))
+        key = (*dtypes, res.shape[1], ctx.transposed, needs, res.device.type)
+        g, h_res, res, h_post, y = (mark_dynamic(t, 0) for t in (g.contiguous(), h_res, res, h_post, y))
+        grads = compile_for(_bwd, key)(g, h_res, res, h_post, y, bias, ctx.transposed, needs)
+        return (*grads, None)
+
+
+def h_post_bda(
+    h_res: torch.Tensor,
+    residual: torch.Tensor,
+    h_post: torch.Tensor,
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
+) -> torch.Tensor:
+    """New `n`-stream residual (compiled backend), same contract as `mhc_core.ops.h_post_bda`.
+
+    Args:
+        h_res: `[T, n, n]`; residual: `[T, n, C]`; h_post: `[T, n]`; y: `[T, C]`; bias: `[C]` or None.
+        dropout_p: hidden dropout on the expanded branch when `training` (then the reference runs).
+
+    Returns:
+        `[T, n, C]` in `residual.dtype`.
+    """
+    op = "h_post_bda"
+    spec = get_variant(variant)
+    check_rank(residual, 3, name="residual", op=op, layout="[T, n, C]")
+    t, n, c = residual.shape
+    check_dim(h_res, (t, n, n), name="h_res", op=op, layout="[T, n, n]")
+    check_dim(h_post, (t, n), name="h_post", op=op, layout="[T, n]")
+    check_dim(y, (t, c), name="y", op=op, layout="[T, C]")
+    if bias is not None:
+        check_dim(bias, (c,), name="bias", op=op, layout="[C]")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"{op}: dropout_p={dropout_p!r} must be in [0, 1)")
+    if residual.numel() == 0 or (training and dropout_p > 0):
+        return ops.h_post_bda(h_res, residual, h_post, y, bias, dropout_p, training, spec)
+    return _HPostBDA.apply(
+        h_res.contiguous(),
+        residual.contiguous(),
+        h_post.contiguous(),
+        y.contiguous(),
+        None if bias is None else bias.contiguous(),
+        spec.res_transposed,
+    )

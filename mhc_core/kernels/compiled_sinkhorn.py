@@ -1,0 +1,157 @@
+"""`sinkhorn` for the compiled backend: compiled iteration, compiled recompute backward.
+
+The forward saves only the logits `[B, n, n]`; the backward is one compiled function that replays
+the iteration (keeping the iterates inside the graph) and applies the per-step VJPs in reverse,
+so the bytes kept between forward and backward do not depend on `iterations`.
+
+Per-step VJPs (g' the gradient of the step output m' = m / d, d = guard(S), S = sum_dim m):
+
+    g_m = (g' - guard'(S) * sum_dim(g' * m')) / d        guard' = 1 ("add", "none"), [S >= eps] ("clamp")
+    paper, log domain, l' = l - logsumexp_dim(l):   g_l = g' - exp(l') * sum_dim(g')
+    starts:  exp(z - rowmax) -> g_z = g_m0 * m0;  softmax(z) + eps -> g_z = p * (g - sum_-1(g * p));
+             paper -> g_l(final) = g_out * out
+
+All math in fp32 (fp64 stays fp64), as the reference. The iterations are unrolled into one graph
+per direction (one kernel launch on GPU); n is static (a dynamic n makes Inductor's C++ build of
+the unrolled graph pathologically slow), the token dim is dynamic. T = 0 and n = 1 run the
+reference (for n = 1 the output does not depend on the logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mhc_core import ops
+from mhc_core.kernels.compiled_common import acc_dtype, compile_for, mark_dynamic
+from mhc_core.ops._checks import check_rank, shape_str
+from mhc_core.variants import Variant, VariantSpec, get_variant
+
+__all__ = ["sinkhorn"]
+
+
+def _divide(m, dim: int, guard: str, eps: float):
+    s = m.sum(dim, keepdim=True)
+    if guard == "clamp":
+        d = s.clamp(min=eps)
+    elif guard == "add":
+        d = s + eps
+    else:
+        d = s
+    return m / d, d, s
+
+
+def _steps(start: str, iterations: int) -> list[int]:
+    """The normalisation dims in forward order (after the start)."""
+    if start == "exp":
+        return [-2, -1] * iterations
+    if start == "exp_rowmax":
+        return [-1, -2] * iterations
+    return [-2] + [-1, -2] * (iterations - 1)
+
+
+def _fwd(z, start: str, guard: str, iterations: int, eps: float):
+    if start == "exp":
+        log_m = z
+        for dim in _steps(start, iterations):
+            log_m = log_m - torch.logsumexp(log_m, dim=dim, keepdim=True)
+        return torch.exp(log_m)
+    if start == "exp_rowmax":
+        m = torch.exp(z - z.amax(dim=-1, keepdim=True))
+    else:
+        m = torch.softmax(z, dim=-1) + eps
+    for dim in _steps(start, iterations):
+        m, _, _ = _divide(m, dim, guard, eps)
+    return m
+
+
+def _bwd(z, g, start: str, guard: str, iterations: int, eps: float):
+    dims = _steps(start, iterations)
+    if start == "exp":
+        logs = []
+        log_m = z
+        for dim in dims:
+            log_m = log_m - torch.logsumexp(log_m, dim=dim, keepdim=True)
+            logs.append(log_m)
+        g = g * torch.exp(log_m)
+        for dim, l_out in zip(reversed(dims), reversed(logs), strict=True):
+            g = g - torch.exp(l_out) * g.sum(dim, keepdim=True)
+        return g
+    if start == "exp_rowmax":
+        m0 = torch.exp(z - z.amax(dim=-1, keepdim=True))
+    else:
+        p = torch.softmax(z, dim=-1)
+        m0 = p + eps
+    m = m0
+    saved = []
+    for dim in dims:
+        m, d, s = _divide(m, dim, guard, eps)
+        saved.append((m, d, s))
+    for dim, (m_out, d, s) in zip(reversed(dims), reversed(saved), strict=True):
+        inner = (g * m_out).sum(dim, keepdim=True)
+        if guard == "clamp":
+            inner = torch.where(s >= eps, inner, torch.zeros_like(inner))
+        g = (g - inner) / d
+    if start == "exp_rowmax":
+        return g * m0
+    return p * (g - (g * p).sum(-1, keepdim=True))
+
+
+def _key(z: torch.Tensor, spec: VariantSpec, iterations: int, eps: float):
+    return (z.dtype, spec.sinkhorn_start, spec.sinkhorn_guard, iterations, eps, z.shape[-1], z.device.type)
+
+
+class _Sinkhorn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, iterations: int, eps: float, spec: VariantSpec):
+        ctx.iterations, ctx.eps, ctx.spec = iterations, eps, spec
+        ctx.save_for_backward(z)
+        fwd = compile_for(_fwd, _key(z, spec, iterations, eps))
+        return fwd(mark_dynamic(z, 0), spec.sinkhorn_start, spec.sinkhorn_guard, iterations, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        spec = ctx.spec
+        bwd = compile_for(_bwd, _key(z, spec, ctx.iterations, ctx.eps))
+        z, g = mark_dynamic(z, 0), mark_dynamic(g.contiguous(), 0)
+        return bwd(z, g, spec.sinkhorn_start, spec.sinkhorn_guard, ctx.iterations, ctx.eps), None, None, None
+
+
+def sinkhorn(
+    logits: torch.Tensor,
+    iterations: int = 20,
+    eps: float | None = None,
+    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
+) -> torch.Tensor:
+    """Sinkhorn-Knopp projection (compiled backend), same contract as `mhc_core.ops.sinkhorn`.
+
+    Unlike the reference oracle it does not scan the logits for NaN/inf (no host sync).
+
+    Args:
+        logits: `[..., n, n]`; iterations >= 1; eps: None for the variant's.
+
+    Returns:
+        `[..., n, n]` in `logits.dtype`.
+    """
+    spec = get_variant(variant)
+    op = "sinkhorn"
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
+        check_rank(logits, 2, name="logits", op=op, layout="[..., n, n]")
+    n = logits.shape[-1]
+    if logits.shape[-2] != n or n < 1:
+        raise ValueError(f"{op}: logits must have shape [..., n, n] with n >= 1, got {shape_str(logits)}")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"{op}: iterations={iterations!r} must be an integer >= 1")
+    eps = spec.sinkhorn_eps if eps is None else float(eps)
+    if eps < 0:
+        raise ValueError(f"{op}: eps={eps!r} must be >= 0")
+    if not logits.is_floating_point():
+        raise ValueError(f"{op}: logits must be a floating tensor, got dtype {logits.dtype}")
+    if logits.numel() == 0 or n == 1:
+        # n = 1: the result does not depend on the logits, and Inductor would inline the
+        # reduction-free chain into an expression that doubles with every step.
+        return ops.sinkhorn(logits, iterations, eps, spec)
+    z = logits.reshape(-1, n, n).to(acc_dtype(logits.dtype)).contiguous()
+    out = _Sinkhorn.apply(z, iterations, eps, spec)
+    return out.reshape(logits.shape).to(logits.dtype)
