@@ -17,6 +17,7 @@ import torch
 
 from harness import TimingCheck
 from mhc_core.kernels import dispatch
+from suites.perf.nsys import RANGE_PREFIX
 from suites.perf.registry import PerfCase, cases_for
 from suites.perf.timing import copy_fn, paired_samples
 
@@ -41,8 +42,24 @@ def _runner(case: PerfCase, backend: str, direction: str):
     def fwdbwd():
         o = impl(*args)
         o = o if isinstance(o, tuple) else (o,)
-        torch.autograd.grad(o, leaves, grads)
+        return torch.autograd.grad(o, leaves, grads)
     return fwdbwd
+
+
+def _nvtx(fn, label: str):
+    """`fn` inside an NVTX range (GPU only), so an nsys export can attribute its kernels."""
+    if DEVICE != "cuda":
+        return fn
+
+    def wrapped():
+        with torch.cuda.nvtx.range(label):
+            return fn()
+    return wrapped
+
+
+def _all_finite(result) -> bool:
+    tensors = result if isinstance(result, tuple) else (result,)
+    return all(bool(torch.isfinite(t.float()).all()) for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _bytes(case: PerfCase, direction: str) -> int:
@@ -52,7 +69,7 @@ def _bytes(case: PerfCase, direction: str) -> int:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", ["fwd", "fwdbwd"])
 @pytest.mark.parametrize("case", cases_for(DEVICE), ids=lambda c: c.id)
-def test_kernel(benchmark, golden_metrics, case, direction, backend, reps):
+def test_kernel(benchmark, golden_metrics, nsys_ranges, case, direction, backend, reps):
     """Time one op; record bytes/s, roofline ratio against a same-run copy, speed-up over reference."""
     ok, why = dispatch.availability(backend, DEVICE)
     if not ok:
@@ -68,7 +85,8 @@ def test_kernel(benchmark, golden_metrics, case, direction, backend, reps):
     samples = timed[0]
     seconds, copy_s = statistics.median(timed[0]), statistics.median(timed[1])
     benchmark.group = f"{case.op}-{direction}"
-    benchmark.pedantic(fn, rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
+    label = f"{RANGE_PREFIX}{case.id}-{direction}-{backend}"
+    result = benchmark.pedantic(_nvtx(fn, label), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
 
     info = {
         "op": case.op, "direction": direction, "backend": backend, "shape": case.id, "device": DEVICE,
@@ -77,8 +95,11 @@ def test_kernel(benchmark, golden_metrics, case, direction, backend, reps):
     }
     if backend != "reference":
         info["speedup_vs_reference"] = statistics.median(timed[2]) / seconds
+    if label in nsys_ranges:
+        info["nsys_kernel_s"] = nsys_ranges[label].per_instance_s
     benchmark.extra_info.update(info)
     assert seconds > 0 and nbytes > 0 and info["roofline_ratio"] > 0
+    assert _all_finite(result), f"{case.id} {direction} {backend}: non-finite output"
 
     if os.environ.get("MHC_PERF_GOLDEN") == "1":
         golden_metrics.check(

@@ -67,13 +67,14 @@ def _step(layer: Layer, width: int):
     return run
 
 
-@pytest.mark.parametrize("backend", ["reference", "compiled"])
-def test_layer_overhead(benchmark, backend, reps):
+@pytest.mark.parametrize("backend", ["reference", "compiled", "cutile"])
+def test_layer_overhead(benchmark, backend, reps, monkeypatch):
     """mHC layer fwd+bwd time and its overhead over the plain layer, both measured in this run."""
     if backend != "reference":
         ok, why = dispatch.availability(backend, DEVICE)
         if not ok:
             pytest.skip(f"backend {backend} unavailable: {why}")
+        monkeypatch.setenv("MHC_BACKEND", backend)  # use_fused=True would pick cutile on a GPU
     torch.manual_seed(0)
     plain = Layer(None).to(DEVICE, DTYPE)
     mhc = Layer(N, use_fused=backend != "reference").to(DEVICE, DTYPE)

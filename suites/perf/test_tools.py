@@ -1,0 +1,143 @@
+"""The perf suite's own tools: registry sanity, the nsys SQLite reader, the table, the xdist guard."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from suites.perf import nsys, table
+from suites.perf.registry import OPS, cases_for
+
+DEVICES = ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_registry_bytes_are_positive_and_ids_unique(device):
+    """Every case has a positive bytes model in both directions and a unique id."""
+    cases = cases_for(device)
+    assert {c.op for c in cases} == set(OPS)
+    assert len({c.id for c in cases}) == len(cases)
+    for c in cases:
+        assert c.bytes("fwd") > 0 and c.bytes("bwd") > 0, c.id
+
+
+def _cache_bytes(level: int) -> int | None:
+    """Per-instance size of the level-`level` data/unified cache from sysfs (Linux), else None."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(root.glob("index*")) if root.exists() else []:
+        try:
+            if int((index / "level").read_text()) != level or (index / "type").read_text().strip() == "Instruction":
+                continue
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 1024, "M": 1024**2}.get(size[-1], 1)
+        return int(size.rstrip("KM")) * mult
+    return None
+
+
+def test_largest_cpu_case_is_out_of_l2():
+    """The largest CPU h_aggregate forward moves at least 8x the L2 of a core (so DRAM, not cache, is timed)."""
+    l2 = _cache_bytes(2)
+    if l2 is None:
+        pytest.skip("no L2 size in /sys/devices/system/cpu/cpu0/cache")
+    largest = max((c for c in cases_for("cpu") if c.op == "h_aggregate"), key=lambda c: c.bytes("fwd"))
+    assert largest.bytes("fwd") >= 8 * l2, (largest.id, largest.bytes("fwd"), l2)
+
+
+def test_case_inputs_match_the_reference_signature():
+    """Every CPU case's inputs run through the reference op (shapes as the registry says)."""
+    from mhc_core import ops
+
+    for case in cases_for("cpu"):
+        small = type(case)(op=case.op, tokens=8, n=case.n, hidden=16, dtype=case.dtype, device="cpu")
+        out = getattr(ops, case.op)(*small.inputs(requires_grad=False))
+        outs = out if isinstance(out, tuple) else (out,)
+        assert all(torch.isfinite(o).all() for o in outs), case.id
+
+
+def _synthetic_nsys(path: Path) -> None:
+    """A minimal nsys export: 2 kernels names, 2 NVTX ranges (one via textId), a launch outside any range."""
+    con = sqlite3.connect(path)
+    con.executescript(
+        """
+        CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INT, end INT, deviceId INT, streamId INT,
+            correlationId INT, globalPid INT, demangledName INT, shortName INT);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INT, end INT, correlationId INT, globalTid INT, nameId INT);
+        CREATE TABLE NVTX_EVENTS (start INT, end INT, text TEXT, textId INT, eventType INT, globalTid INT);
+        INSERT INTO StringIds VALUES (1, 'agg_kernel'), (2, 'bda_kernel'), (3, 'mhc-perf:bda-fwd-cutile'), (4, 'cudaLaunchKernel');
+        INSERT INTO NVTX_EVENTS VALUES (1000, 2000, 'mhc-perf:agg-fwd-cutile', NULL, 59, 7);
+        INSERT INTO NVTX_EVENTS VALUES (3000, 4000, 'mhc-perf:agg-fwd-cutile', NULL, 59, 7);
+        INSERT INTO NVTX_EVENTS VALUES (5000, 6000, NULL, 3, 59, 7);
+        INSERT INTO NVTX_EVENTS VALUES (5000, 6000, 'a mark', NULL, 34, 7);
+        INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (1100, 1150, 10, 7, 4), (3100, 3150, 11, 7, 4),
+            (5100, 5150, 12, 7, 4), (5200, 5250, 13, 7, 4), (8000, 8050, 14, 7, 4), (1200, 1250, 15, 99, 4);
+        INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES
+            (1200, 1300, 0, 7, 10, 1, 1, 1), (3200, 3400, 0, 7, 11, 1, 1, 1),
+            (5300, 5310, 0, 7, 12, 1, 2, 2), (5400, 5430, 0, 7, 13, 1, 2, 2),
+            (8100, 8600, 0, 7, 14, 1, 1, 1), (1300, 1900, 0, 7, 15, 1, 2, 2);
+        """
+    )
+    con.commit()
+    con.close()
+
+
+def test_nsys_kernel_summary(tmp_path):
+    """kernel_summary groups CUPTI kernels by name with counts and GPU seconds."""
+    db = tmp_path / "report.sqlite"
+    _synthetic_nsys(db)
+    stats = {k.name: k for k in nsys.kernel_summary(db)}
+    assert stats["agg_kernel"].count == 3 and stats["agg_kernel"].total_s == pytest.approx(800e-9)
+    assert stats["bda_kernel"].count == 3 and stats["bda_kernel"].max_s == pytest.approx(600e-9)
+
+
+def test_nsys_nvtx_ranges_attribute_kernels_by_launch(tmp_path):
+    """Kernels count for a range when launched on its thread inside it; text may come via textId."""
+    db = tmp_path / "report.sqlite"
+    _synthetic_nsys(db)
+    ranges = nsys.nvtx_kernel_seconds(db, prefix=nsys.RANGE_PREFIX)
+    assert set(ranges) == {"mhc-perf:agg-fwd-cutile", "mhc-perf:bda-fwd-cutile"}
+    agg = ranges["mhc-perf:agg-fwd-cutile"]
+    assert (agg.instances, agg.kernels) == (2, 2) and agg.per_instance_s == pytest.approx(150e-9)
+    bda = ranges["mhc-perf:bda-fwd-cutile"]
+    assert (bda.instances, bda.kernels) == (1, 2) and bda.kernel_s == pytest.approx(40e-9)
+
+
+def test_nsys_rejects_a_non_export(tmp_path):
+    """A file without the nsys tables is a ValueError naming the missing tables."""
+    db = tmp_path / "other.sqlite"
+    sqlite3.connect(db).close()
+    with pytest.raises(ValueError, match="CUPTI_ACTIVITY_KIND_KERNEL"):
+        nsys.kernel_summary(db)
+
+
+def test_table_renders_rows(tmp_path, capsys):
+    """The table prints one Markdown row per benchmark with GB/s, roofline and speed-up."""
+    doc = {"benchmarks": [
+        {"name": "test_kernel[x]", "stats": {"median": 0.002},
+         "extra_info": {"op": "h_aggregate", "direction": "fwd", "backend": "compiled", "shape": "T4-n4-C8",
+                        "median_s": 0.001, "bytes_per_s": 4e10, "copy_bytes_per_s": 5e10,
+                        "roofline_ratio": 0.8, "speedup_vs_reference": 2.5}},
+        {"name": "test_layer[reference]", "stats": {"median": 0.03}, "extra_info": {"op": "layer"}},
+    ]}
+    path = tmp_path / "perf.json"
+    path.write_text(json.dumps(doc))
+    assert table.main([str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4
+    assert "| h_aggregate | fwd | compiled | T4-n4-C8 | 1.000 ms | 40.00 |" in out[2] and "80 %" in out[2] and "2.50x" in out[2]
+
+
+def test_xdist_is_refused():
+    """The perf conftest raises a UsageError under xdist (`-n 2`)."""
+    from suites.perf.conftest import check_not_xdist
+
+    with pytest.raises(pytest.UsageError, match="xdist"):
+        check_not_xdist(SimpleNamespace(option=SimpleNamespace(numprocesses=2)))
+    check_not_xdist(SimpleNamespace(option=SimpleNamespace(numprocesses=None)))
