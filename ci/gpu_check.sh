@@ -9,8 +9,8 @@
 #   .whl/cuda_tile-1.7.0-cp312-*.whl            (0.4 MB, the Python package)
 #   .whl/cutile-toolchain-<ver>.tar.xz           (~61 MB: bin/tileiras, bin/ptxas, lib/libnvvm.so.4,
 #                                                 the only pieces tileiras needs, from the pip wheels)
-# and the run installs the wheel into /tmp/site (--no-deps: typing-extensions is in the image),
-# unpacks the toolchain into /tmp/cutile-ctk and puts it on PATH / CUDA_HOME, where cuda.tile
+# and the run installs the wheel into $TMPDIR/mhc-site (--no-deps: typing-extensions is in the image),
+# unpacks the toolchain into $TMPDIR/cutile-ctk and puts it on PATH / CUDA_HOME, where cuda.tile
 # finds it (its pip-wheel lookup needs all three nvidia packages; PATH comes next).
 #
 # Output ($OUT, default ./gpu_check_out): env.txt, parity.txt (pytest), parity.xml (junit),
@@ -44,8 +44,9 @@ OUT="${OUT:-$ROOT/gpu_check_out}"
 mkdir -p "$OUT"
 cd "$ROOT"
 status=0
-SITE=/tmp/site
-CTK=/tmp/cutile-ctk
+SCRATCH="${TMPDIR:-/tmp}"
+SITE="$SCRATCH/mhc-site"
+CTK="$SCRATCH/cutile-ctk"
 
 {
     echo "== $(date -u +%FT%TZ) gpu_check"
