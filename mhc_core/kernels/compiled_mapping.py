@@ -27,8 +27,7 @@ import torch
 
 from mhc_core import ops
 from mhc_core.kernels.compiled_common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops._checks import check_dim, check_rank, check_streams, shape_str
-from mhc_core.ops.mapping import NORM_EPS, num_mapping_outputs
+from mhc_core.ops.mapping import NORM_EPS, check_mapping_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["mapping"]
@@ -147,16 +146,7 @@ def mapping(
     """
     op = "mapping"
     spec = get_variant(variant)
-    check_streams(n, op=op)
-    check_rank(x, 2, name="x", op=op, layout="[T, n*C]")
-    width = x.shape[1]
-    if width % n != 0 or width == 0:
-        raise ValueError(f"{op}: x width n*C={width} is not a positive multiple of n={n}; x is {shape_str(x)}")
-    big_n = num_mapping_outputs(n)
-    check_dim(weight, (big_n, width), name="weight", op=op, layout="[N, n*C]")
-    for name, a in (("alpha_pre", alpha_pre), ("alpha_post", alpha_post), ("alpha_res", alpha_res)):
-        check_dim(a, (1,), name=name, op=op, layout="[1]")
-    check_dim(bias, (big_n,), name="bias", op=op, layout="[N]")
+    check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op)
     if x.shape[0] == 0:
         return ops.mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, spec, norm_eps)
     return _Mapping.apply(

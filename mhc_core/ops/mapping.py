@@ -23,7 +23,7 @@ import torch
 from mhc_core.ops._checks import check_dim, check_rank, check_streams, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["mapping", "num_mapping_outputs", "NORM_EPS"]
+__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "NORM_EPS"]
 
 NORM_EPS = 1e-6
 """eps added to the RMS (outside the square root), as upstream."""
@@ -32,6 +32,21 @@ NORM_EPS = 1e-6
 def num_mapping_outputs(n: int) -> int:
     """N = n*n + 2n, the width of the projection."""
     return n * n + 2 * n
+
+
+def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, op: str = "mapping") -> int:
+    """The argument checks of `mapping`, shared by every backend; returns N = n*n + 2n."""
+    check_streams(n, op=op)
+    check_rank(x, 2, name="x", op=op, layout="[T, n*C]")
+    width = x.shape[1]
+    if width % n != 0 or width == 0:
+        raise ValueError(f"{op}: x width n*C={width} is not a positive multiple of n={n}; x is {shape_str(x)}")
+    big_n = num_mapping_outputs(n)
+    check_dim(weight, (big_n, width), name="weight", op=op, layout="[N, n*C]")
+    for name, a in (("alpha_pre", alpha_pre), ("alpha_post", alpha_post), ("alpha_res", alpha_res)):
+        check_dim(a, (1,), name=name, op=op, layout="[1]")
+    check_dim(bias, (big_n,), name="bias", op=op, layout="[N]")
+    return big_n
 
 
 def mapping(
@@ -59,16 +74,8 @@ def mapping(
     """
     op = "mapping"
     spec = get_variant(variant)
-    check_streams(n, op=op)
-    check_rank(x, 2, name="x", op=op, layout="[T, n*C]")
+    check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op)
     width = x.shape[1]
-    if width % n != 0 or width == 0:
-        raise ValueError(f"{op}: x width n*C={width} is not a positive multiple of n={n}; x is {shape_str(x)}")
-    big_n = num_mapping_outputs(n)
-    check_dim(weight, (big_n, width), name="weight", op=op, layout="[N, n*C]")
-    for name, a in (("alpha_pre", alpha_pre), ("alpha_post", alpha_post), ("alpha_res", alpha_res)):
-        check_dim(a, (1,), name=name, op=op, layout="[1]")
-    check_dim(bias, (big_n,), name="bias", op=op, layout="[N]")
 
     compute = torch.promote_types(x.dtype, torch.float32) if spec.mapping_fp32 else x.dtype
     xc = x.to(compute)

@@ -17,7 +17,20 @@ import torch.nn.functional as F
 from mhc_core.ops._checks import check_dim, check_rank
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["h_post_bda", "apply_h_res"]
+__all__ = ["h_post_bda", "apply_h_res", "check_h_post_bda_args"]
+
+
+def check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, *, op: str = "h_post_bda") -> None:
+    """The argument checks of `h_post_bda`, shared by every backend: `ValueError` naming the argument."""
+    check_rank(residual, 3, name="residual", op=op, layout="[T, n, C]")
+    t, n, c = residual.shape
+    check_dim(h_res, (t, n, n), name="h_res", op=op, layout="[T, n, n]")
+    check_dim(h_post, (t, n), name="h_post", op=op, layout="[T, n]")
+    check_dim(y, (t, c), name="y", op=op, layout="[T, C]")
+    if bias is not None:
+        check_dim(bias, (c,), name="bias", op=op, layout="[C]")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"{op}: dropout_p={dropout_p!r} must be in [0, 1)")
 
 
 def apply_h_res(h_res: torch.Tensor, residual: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -52,15 +65,7 @@ def h_post_bda(
     """
     op = "h_post_bda"
     spec = get_variant(variant)
-    check_rank(residual, 3, name="residual", op=op, layout="[T, n, C]")
-    t, n, c = residual.shape
-    check_dim(h_res, (t, n, n), name="h_res", op=op, layout="[T, n, n]")
-    check_dim(h_post, (t, n), name="h_post", op=op, layout="[T, n]")
-    check_dim(y, (t, c), name="y", op=op, layout="[T, C]")
-    if bias is not None:
-        check_dim(bias, (c,), name="bias", op=op, layout="[C]")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"{op}: dropout_p={dropout_p!r} must be in [0, 1)")
+    check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, op=op)
 
     mix = apply_h_res(h_res, residual, spec.res_transposed)
     acc = mix.dtype

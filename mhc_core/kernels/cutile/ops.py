@@ -20,6 +20,7 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.ops._checks import check_dim, check_rank, check_streams, shape_str
 from mhc_core.ops.mapping import NORM_EPS, num_mapping_outputs
+from mhc_core.ops.post_bda import check_h_post_bda_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["CuTileOps", "make_ops", "mma_mode", "VARIANT_CODE", "SUPPORTED_DTYPES"]
@@ -246,15 +247,8 @@ def _h_post_bda(
 ):
     op = "h_post_bda"
     spec = get_variant(variant)
-    check_rank(residual, 3, name="residual", op=op, layout="[T, n, C]")
+    check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, op=op)
     t, n, c = residual.shape
-    check_dim(h_res, (t, n, n), name="h_res", op=op, layout="[T, n, n]")
-    check_dim(h_post, (t, n), name="h_post", op=op, layout="[T, n]")
-    check_dim(y, (t, c), name="y", op=op, layout="[T, C]")
-    if bias is not None:
-        check_dim(bias, (c,), name="bias", op=op, layout="[C]")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"{op}: dropout_p={dropout_p!r} must be in [0, 1)")
     if training and dropout_p > 0:
         raise NotImplementedError(
             f"cutile {op}: dropout_p={dropout_p} in training has no kernel (the fused bias-dropout-add "
