@@ -13,9 +13,17 @@
 # unpacks the toolchain into $TMPDIR/cutile-ctk and puts it on PATH / CUDA_HOME, where cuda.tile
 # finds it (its pip-wheel lookup needs all three nvidia packages; PATH comes next).
 #
-# Output ($OUT, default ./gpu_check_out): env.txt, parity.txt (pytest), parity.xml (junit),
-# bench.txt + bench.json (T=8192, C=4096, n=4, bf16), summary.txt. Budget: under 5 minutes
-# (parity tests run on 8 xdist workers: most of their time is the first-launch JIT compiles).
+# Steps (MHC_GPU_STEPS, default "parity bench perf"; each has its own timeout, the sum < 10 min):
+#   parity  suites/unit/kernels_cutile on 8 xdist workers (GPU parity; mostly first-launch JIT), 200 s
+#   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 60 s
+#   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all:
+#           first reference + cutile (180 s), then compiled (Inductor/Triton compiles, 120 s), each to
+#           its own pytest-benchmark JSON; records golden/<hw>/perf/*.json, one perf-history record
+#           per JSON, and the Markdown table.
+# Output ($OUT, default ./gpu_check_out, at most 8 files come back): summary.txt, env.txt,
+# perf-table.md, bench.json and gpu_check.tgz (everything else: parity.txt/.xml, bench.txt,
+# perf*.json, perf*.txt, golden/<hw>/perf/, perf-history.jsonl). To land the figures:
+# `tar -xzf gpu_check.tgz` and copy golden/<hw>/perf/ into golden/.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -77,22 +85,65 @@ print("availability", c.availability())
 EOF
 cat "$OUT/env.txt"
 
+STEPS="${MHC_GPU_STEPS:-parity bench perf}"
+has_step() { [[ " $STEPS " == *" $1 "* ]]; }
+
 # 2. parity tests (GPU parity + the CPU-side suites of the same directory)
-timeout 210 "$PY" -m pytest -p no:cacheprovider -q -n 8 --junitxml="$OUT/parity.xml" \
+if has_step parity; then
+timeout 200 "$PY" -m pytest -p no:cacheprovider -q -n 8 --junitxml="$OUT/parity.xml" \
     suites/unit/kernels_cutile -k "not test_compile_cubin" > "$OUT/parity.txt" 2>&1
 rc=$?
 tail -5 "$OUT/parity.txt"
 echo "parity: pytest exit $rc" >> "$OUT/summary.txt"
 [[ $rc -ne 0 ]] && status=1
+fi
 
 # 3. timing at T=8192, C=4096, n=4, bf16
-timeout 75 "$PY" -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 \
+if has_step bench; then
+timeout 60 "$PY" -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 \
     --iters 10 --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
 rc=$?
 cat "$OUT/bench.txt"
 echo "bench: exit $rc" >> "$OUT/summary.txt"
 [[ $rc -ne 0 ]] && status=1
+fi
+
+# 4. the perf suite: roofline ratios, speed-ups, first perf goldens, history record, table
+if has_step perf; then
+HW="$("$PY" -m harness hw | sed -n 1p)"
+# The harness plugin comes in through the package's pytest11 entry point when the project is
+# installed; here it usually is not (PYTHONPATH only), so load it by name.
+PLUGIN=(-p harness.pytest_plugin)
+"$PY" -c 'import importlib.metadata as m, sys; sys.exit(any(e.value.startswith("harness.pytest_plugin") for e in m.entry_points(group="pytest11")))' \
+    || PLUGIN=()
+perf_run() {  # perf_run <name> <seconds> <-k expression>
+    MHC_PERF_GOLDEN=1 timeout "$2" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" \
+        suites/perf/test_kernels.py suites/perf/test_layer.py -q -k "$3" --hw "$HW" --golden-dir "$OUT/golden" \
+        --update-golden=all --benchmark-json="$OUT/$1.json" > "$OUT/$1.txt" 2>&1
+    local rc=$?
+    tail -3 "$OUT/$1.txt"
+    echo "$1: pytest exit $rc" >> "$OUT/summary.txt"
+    [[ $rc -ne 0 ]] && status=1
+    if [[ -s "$OUT/$1.json" ]]; then
+        "$PY" -m harness perf-history append "$OUT/$1.json" --history "$OUT/perf-history.jsonl" --hw "$HW" \
+            >> "$OUT/$1.txt" 2>&1
+        "$PY" -m suites.perf.table "$OUT/$1.json" >> "$OUT/perf-table.md"
+    fi
+}
+perf_run perf 180 "not compiled"
+perf_run perf-compiled 120 "compiled"
+cat "$OUT/perf-table.md" 2>/dev/null
+fi
 
 rm -rf "$OUT/.cutile-cache-not-returned"
+(
+    cd "$OUT" || exit 1
+    files=()
+    for f in parity.txt parity.xml bench.txt perf.json perf.txt perf-compiled.json perf-compiled.txt \
+             perf-history.jsonl golden; do
+        [[ -e "$f" ]] && files+=("$f")
+    done
+    if [[ ${#files[@]} -gt 0 ]]; then tar -czf gpu_check.tgz "${files[@]}" && rm -rf "${files[@]}"; fi
+)
 cat "$OUT/summary.txt"
 exit $status

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${MHC_PYTHON:-python3}
-HW=$("$PY" -m harness hw | head -n 1)
+HW=$("$PY" -m harness hw | sed -n 1p)
 OUT=${MHC_NIGHTLY_OUT:-results/nightly}
 HISTORY=${MHC_PERF_HISTORY:-perf-history/${HW}.jsonl}
 mkdir -p "$OUT" "$(dirname "$HISTORY")"

@@ -17,13 +17,15 @@ def rows(path: str | Path) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|---|"]
     for b in sorted(data["benchmarks"], key=lambda b: (b["extra_info"].get("op", ""), b["name"])):
         e = b["extra_info"]
+        op = e.get("op", b["name"])
+        shape = e.get("shape", "-").removeprefix(f"{op}-")
         med = e.get("median_s", b["stats"]["median"])
 
         def f(key, scale=1.0, fmt="{:.2f}", e=e):
             return fmt.format(e[key] * scale) if key in e else "-"
 
         out.append(
-            f"| {e.get('op', b['name'])} | {e.get('direction', '-')} | {e.get('backend', '-')} | {e.get('shape', '-')} | "
+            f"| {op} | {e.get('direction', '-')} | {e.get('backend', '-')} | {shape} | "
             f"{med * 1e3:.3f} ms | {f('bytes_per_s', 1e-9)} | {f('copy_bytes_per_s', 1e-9)} | "
             f"{f('roofline_ratio', 100, '{:.0f} %')} | {f('speedup_vs_reference', 1, '{:.2f}x')} | "
             f"{f('overhead_ratio', 100, '{:+.0f} %')} |"

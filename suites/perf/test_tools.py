@@ -118,10 +118,10 @@ def test_nsys_rejects_a_non_export(tmp_path):
 
 
 def test_table_renders_rows(tmp_path, capsys):
-    """The table prints one Markdown row per benchmark with GB/s, roofline and speed-up."""
+    """The table prints one Markdown row per benchmark (shape without the op prefix) with GB/s, roofline, speed-up."""
     doc = {"benchmarks": [
         {"name": "test_kernel[x]", "stats": {"median": 0.002},
-         "extra_info": {"op": "h_aggregate", "direction": "fwd", "backend": "compiled", "shape": "T4-n4-C8",
+         "extra_info": {"op": "h_aggregate", "direction": "fwd", "backend": "compiled", "shape": "h_aggregate-T4-n4-C8",
                         "median_s": 0.001, "bytes_per_s": 4e10, "copy_bytes_per_s": 5e10,
                         "roofline_ratio": 0.8, "speedup_vs_reference": 2.5}},
         {"name": "test_layer[reference]", "stats": {"median": 0.03}, "extra_info": {"op": "layer"}},
