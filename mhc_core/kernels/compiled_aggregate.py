@@ -14,7 +14,7 @@ import torch
 
 from mhc_core import ops
 from mhc_core.kernels.compiled_common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops._checks import check_dim, check_rank
+from mhc_core.ops.aggregate import check_h_aggregate_args
 
 __all__ = ["h_aggregate"]
 
@@ -63,10 +63,7 @@ def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     Returns:
         `[T, C]` in `x.dtype`.
     """
-    op = "h_aggregate"
-    check_rank(x, 3, name="x", op=op, layout="[T, n, C]")
-    t, n, _ = x.shape
-    check_dim(h_pre, (t, n), name="h_pre", op=op, layout="[T, n]")
+    check_h_aggregate_args(x, h_pre, op="h_aggregate")
     if x.numel() == 0:
         return ops.h_aggregate(x, h_pre)
     return _HAggregate.apply(x.contiguous(), h_pre.contiguous())

@@ -23,7 +23,7 @@ import torch
 
 from mhc_core import ops
 from mhc_core.kernels.compiled_common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops._checks import check_rank, shape_str
+from mhc_core.ops.sinkhorn import check_sinkhorn_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["sinkhorn"]
@@ -135,19 +135,8 @@ def sinkhorn(
         `[..., n, n]` in `logits.dtype`.
     """
     spec = get_variant(variant)
-    op = "sinkhorn"
-    if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
-        check_rank(logits, 2, name="logits", op=op, layout="[..., n, n]")
+    eps = check_sinkhorn_args(logits, iterations, eps, spec, op="sinkhorn")
     n = logits.shape[-1]
-    if logits.shape[-2] != n or n < 1:
-        raise ValueError(f"{op}: logits must have shape [..., n, n] with n >= 1, got {shape_str(logits)}")
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"{op}: iterations={iterations!r} must be an integer >= 1")
-    eps = spec.sinkhorn_eps if eps is None else float(eps)
-    if eps < 0:
-        raise ValueError(f"{op}: eps={eps!r} must be >= 0")
-    if not logits.is_floating_point():
-        raise ValueError(f"{op}: logits must be a floating tensor, got dtype {logits.dtype}")
     if logits.numel() == 0 or n == 1:
         # n = 1: the result does not depend on the logits, and Inductor would inline the
         # reduction-free chain into an expression that doubles with every step.

@@ -9,7 +9,18 @@ import torch
 
 from mhc_core.ops._checks import check_dim, check_rank
 
-__all__ = ["h_aggregate"]
+__all__ = ["h_aggregate", "check_h_aggregate_args"]
+
+
+def check_h_aggregate_args(x, h_pre, *, op: str = "h_aggregate") -> tuple[int, int]:
+    """The argument checks of `h_aggregate`, shared by every backend; returns `(T, n)`.
+
+    `x` must be `[T, n, C]` and `h_pre` `[T, n]`; a `ValueError` names the argument.
+    """
+    check_rank(x, 3, name="x", op=op, layout="[T, n, C]")
+    t, n, _ = x.shape
+    check_dim(h_pre, (t, n), name="h_pre", op=op, layout="[T, n]")
+    return t, n
 
 
 def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
@@ -22,10 +33,7 @@ def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     Returns:
         `[T, C]` in `x.dtype`.
     """
-    op = "h_aggregate"
-    check_rank(x, 3, name="x", op=op, layout="[T, n, C]")
-    t, n, _ = x.shape
-    check_dim(h_pre, (t, n), name="h_pre", op=op, layout="[T, n]")
+    check_h_aggregate_args(x, h_pre, op="h_aggregate")
     acc = torch.promote_types(torch.promote_types(x.dtype, h_pre.dtype), torch.float32)
     out = torch.einsum("tn,tnc->tc", h_pre.to(acc), x.to(acc))
     return out.to(x.dtype)

@@ -25,7 +25,30 @@ import torch
 from mhc_core.ops._checks import check_finite, check_rank, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["sinkhorn", "sinkhorn_iterate"]
+__all__ = ["sinkhorn", "sinkhorn_iterate", "check_sinkhorn_args"]
+
+
+def check_sinkhorn_args(
+    logits: torch.Tensor, iterations: int, eps: float | None, spec: VariantSpec, *, op: str = "sinkhorn"
+) -> float:
+    """The argument checks of `sinkhorn`, shared by every backend; returns the eps to use.
+
+    `logits` must be a floating `[..., n, n]` tensor with n >= 1, `iterations` an int >= 1 and
+    `eps` None (the variant's `spec.sinkhorn_eps`) or >= 0. No NaN / inf scan: that is the
+    reference's own `check_finite` call.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
+        check_rank(logits, 2, name="logits", op=op, layout="[..., n, n]")
+    if logits.shape[-1] != logits.shape[-2] or logits.shape[-1] < 1:
+        raise ValueError(f"{op}: logits must have shape [..., n, n] with n >= 1, got {shape_str(logits)}")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"{op}: iterations={iterations!r} must be an integer >= 1")
+    eps = spec.sinkhorn_eps if eps is None else float(eps)
+    if eps < 0:
+        raise ValueError(f"{op}: eps={eps!r} must be >= 0")
+    if not logits.is_floating_point():
+        raise ValueError(f"{op}: logits must be a floating tensor, got dtype {logits.dtype}")
+    return eps
 
 
 def _normalise(m: torch.Tensor, dim: int, guard: str, eps: float) -> torch.Tensor:
@@ -103,17 +126,7 @@ def sinkhorn(
     """
     spec = get_variant(variant)
     op = "sinkhorn"
-    if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
-        check_rank(logits, 2, name="logits", op=op, layout="[..., n, n]")
-    if logits.shape[-1] != logits.shape[-2] or logits.shape[-1] < 1:
-        raise ValueError(f"{op}: logits must have shape [..., n, n] with n >= 1, got {shape_str(logits)}")
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"{op}: iterations={iterations!r} must be an integer >= 1")
-    eps = spec.sinkhorn_eps if eps is None else float(eps)
-    if eps < 0:
-        raise ValueError(f"{op}: eps={eps!r} must be >= 0")
-    if not logits.is_floating_point():
-        raise ValueError(f"{op}: logits must be a floating tensor, got dtype {logits.dtype}")
+    eps = check_sinkhorn_args(logits, iterations, eps, spec, op=op)
     check_finite(logits, name="logits", op=op)
     compute = torch.promote_types(logits.dtype, torch.float32)
     out = _SinkhornRecompute.apply(logits.to(compute), iterations, eps, spec)

@@ -1,6 +1,6 @@
 """Where the cuTile launches go: the GPU, the CPU emulator, or a recorder.
 
-The launch wrappers in `ops.py` call `runtime.launch(grid, kernel_name, args)` and never touch
+The launch wrappers in `ops_*.py` call `runtime.launch(grid, kernel_name, args)` and never touch
 `cuda.tile` themselves, so the same wrapper code
 - runs on a GPU (`CuTileRuntime`: `ct.launch` on the current torch stream),
 - runs on CPU through the kernel interpreter (`EmulatedRuntime`, tests without a GPU),

@@ -1,6 +1,6 @@
 """Every kernel signature the cuTile backend launches, for export / compile checks in CI.
 
-The list is not written by hand: `signature_plan()` runs the real launch wrappers (`ops.py`)
+The list is not written by hand: `signature_plan()` runs the real launch wrappers (`ops_*.py`)
 forward and backward on small CPU tensors through `RecordingRuntime`, for every supported
 `n`, activation dtype (bf16, fp32), variant, parameter dtype and bias / no bias, and keeps each
 distinct (kernel, argument kinds) pair once, under the first readable id that produced it

@@ -1,0 +1,151 @@
+"""cuTile `mapping`: autograd function and wrapper.
+
+`x[T, n*C] -> h_pre[T, n], h_post[T, n], h_res_logits[T, n, n]`. Forward: split-K partial
+projection, then the epilogue (RMS, gates); backward: the coefficient gradients, then dx / dW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.ops_common import (
+    MMA_TF32,
+    cdiv,
+    mma_mode,
+    require_device,
+    require_dtypes,
+    require_n,
+)
+from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, num_mapping_outputs
+from mhc_core.variants import Variant, get_variant
+
+__all__ = ["mapping"]
+
+
+class _MappingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, alpha_pre, alpha_post, alpha_res, bias, n: int, out_dtype: torch.dtype,
+                mma: int, h_pre_eps: float, norm_eps: float, rt: Any):
+        x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+        alphas = tuple(a.contiguous() for a in (alpha_pre, alpha_post, alpha_res))
+        t, k = x.shape
+        dev = x.device
+        f32 = torch.float32
+        tl = tiling.mapping_tiles(n, k)
+        m_blocks, k_tiles = cdiv(t, tl.tile_m), cdiv(k, tl.tile_k)
+        splits = tiling.split_count(m_blocks, k_tiles, rt.num_sms(dev))
+        per_split = cdiv(k_tiles, splits)
+        splits = cdiv(k_tiles, per_split)  # no empty split
+        part_pp = torch.empty((splits, t, 2 * n), dtype=f32, device=dev)
+        part_res = torch.empty((splits, t, n * n), dtype=f32, device=dev)
+        part_sq = torch.empty((splits, t), dtype=f32, device=dev)
+        h_pre = torch.empty((t, n), dtype=out_dtype, device=dev)
+        h_post = torch.empty((t, n), dtype=out_dtype, device=dev)
+        h_res = torch.empty((t, n, n), dtype=out_dtype, device=dev)
+        proj_pp = torch.empty((t, 2 * n), dtype=f32, device=dev)
+        proj_res = torch.empty((t, n * n), dtype=f32, device=dev)
+        rms = torch.empty((t,), dtype=f32, device=dev)
+        if t:
+            rt.launch(
+                (m_blocks, splits),
+                "mapping_fwd_partial_kernel",
+                (x, weight[: 2 * n], weight[2 * n :], part_pp, part_res, part_sq, per_split,
+                 n, tl.tile_m, tl.tile_k, mma),
+            )
+            rt.launch(
+                (m_blocks,),
+                "mapping_fwd_epilogue_kernel",
+                (part_pp, part_res, part_sq, *alphas, bias[: 2 * n], bias[2 * n :], h_pre, h_post, h_res,
+                 proj_pp, proj_res, rms, 1.0 / k, float(norm_eps), float(h_pre_eps), n, tl.tile_m),
+            )
+        ctx.save_for_backward(x, weight, *alphas, bias, proj_pp, proj_res, rms)
+        ctx.args = (n, mma, float(norm_eps), rt)
+        return h_pre, h_post, h_res
+
+    @staticmethod
+    def backward(ctx, grad_pre, grad_post, grad_res):
+        x, weight, alpha_pre, alpha_post, alpha_res, bias, proj_pp, proj_res, rms = ctx.saved_tensors
+        n, mma, norm_eps, rt = ctx.args
+        # gp is an fp32 intermediate: rounding it to bf16 would add error the reference math does
+        # not have, so the backward MMAs use TF32 at least (x in bf16 is exact in TF32).
+        mma = max(mma, MMA_TF32)
+        t, k = x.shape
+        dev = x.device
+        f32 = torch.float32
+        grads = (g.contiguous() for g in (grad_pre, grad_post, grad_res))
+        tl = tiling.mapping_tiles(n, k)
+        m_blocks, k_tiles = cdiv(t, tl.tile_m), cdiv(k, tl.tile_k)
+        gp_pp = torch.empty((t, 2 * n), dtype=f32, device=dev)
+        gp_res = torch.empty((t, n * n), dtype=f32, device=dev)
+        cx = torch.empty((t,), dtype=f32, device=dev)
+        # Every element of the partial buffers is written by the kernels when t > 0.
+        alloc = torch.empty if t else torch.zeros
+        gbias_pp = alloc((max(m_blocks, 1), 2 * n), dtype=f32, device=dev)
+        gbias_res = alloc((max(m_blocks, 1), n * n), dtype=f32, device=dev)
+        galpha = alloc((max(m_blocks, 1), 4), dtype=f32, device=dev)
+        splits = tiling.split_count(k_tiles, m_blocks, rt.num_sms(dev)) if t else 1
+        per_split = cdiv(m_blocks, splits) if t else 1
+        splits = cdiv(m_blocks, per_split) if t else 1
+        gw_part = alloc((splits, num_mapping_outputs(n), k), dtype=f32, device=dev)
+        grad_x = torch.empty_like(x)
+        if t:
+            rt.launch(
+                (m_blocks,),
+                "mapping_bwd_coef_kernel",
+                (*grads, proj_pp, proj_res, rms, alpha_pre, alpha_post, alpha_res, bias[: 2 * n], bias[2 * n :],
+                 gp_pp, gp_res, cx, gbias_pp, gbias_res, galpha, 1.0 / k, norm_eps, n, tl.tile_m),
+            )
+            rt.launch(
+                (k_tiles, splits),
+                "mapping_bwd_dx_dw_kernel",
+                (x, weight[: 2 * n], weight[2 * n :], gp_pp, gp_res, cx, grad_x, gw_part[:, : 2 * n],
+                 gw_part[:, 2 * n :], per_split, n, tl.tile_m, tl.tile_k, mma),
+            )
+        grad_w = (gw_part.sum(dim=0) if splits > 1 else gw_part[0]).to(weight.dtype)
+        grad_bias = torch.cat((gbias_pp.sum(dim=0), gbias_res.sum(dim=0))).to(bias.dtype)
+        ga = galpha.sum(dim=0)
+        return (
+            grad_x,
+            grad_w,
+            ga[0:1].to(alpha_pre.dtype),
+            ga[1:2].to(alpha_post.dtype),
+            ga[2:3].to(alpha_res.dtype),
+            grad_bias,
+            None, None, None, None, None, None,
+        )
+
+
+def mapping(
+    rt: Callable[[], Any],
+    x,
+    weight,
+    alpha_pre,
+    alpha_post,
+    alpha_res,
+    bias,
+    n,
+    variant=Variant.MEGATRON_MAIN,
+    norm_eps=NORM_EPS,
+):
+    """`mhc_core.ops.mapping` on the runtime `rt()`.
+
+    `x [T, n*C] -> h_pre [T, n], h_post [T, n], h_res_logits [T, n, n]`.
+    """
+    op = "mapping"
+    spec = get_variant(variant)
+    check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op)
+    require_n(n, op)
+    tensors = dict(x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias)
+    require_dtypes(op, **tensors)
+    runtime = rt()
+    require_device(runtime, op, **tensors)
+    compute = torch.float32 if spec.mapping_fp32 else x.dtype
+    out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
+    return _MappingFn.apply(
+        x, weight, alpha_pre, alpha_post, alpha_res, bias, n, out_dtype, mma_mode(x.dtype, spec),
+        float(spec.h_pre_eps), float(norm_eps), runtime,
+    )

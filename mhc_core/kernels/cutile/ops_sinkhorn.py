@@ -1,0 +1,60 @@
+"""cuTile `sinkhorn`: `logits[..., n, n] -> [..., n, n]`, autograd function and wrapper.
+
+Forward and backward are one launch each (`sinkhorn_fwd_kernel`, `sinkhorn_bwd_kernel`); only the
+logits are saved, the backward kernel recomputes the iterations from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.ops_common import VARIANT_CODE, cdiv, require_device, require_dtypes, require_n
+from mhc_core.ops.sinkhorn import check_sinkhorn_args
+from mhc_core.variants import Variant, get_variant
+
+__all__ = ["sinkhorn"]
+
+
+class _SinkhornFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iterations: int, eps: float, code: int, rt: Any):
+        n = logits.shape[-1]
+        z = logits.reshape(-1, n, n).contiguous()
+        out = torch.empty_like(z)
+        tile = tiling.sinkhorn_tile(n)
+        if z.shape[0]:
+            rt.launch((cdiv(z.shape[0], tile),), "sinkhorn_fwd_kernel", (z, out, iterations, eps, n, tile, code))
+        ctx.save_for_backward(logits)
+        ctx.args = (iterations, eps, code, rt)
+        return out.view(logits.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        iterations, eps, code, rt = ctx.args
+        n = logits.shape[-1]
+        z = logits.reshape(-1, n, n).contiguous()
+        g = grad_out.to(logits.dtype).reshape(-1, n, n).contiguous()
+        grad = torch.empty_like(z)
+        tile = tiling.sinkhorn_tile(n)
+        if z.shape[0]:
+            rt.launch(
+                (cdiv(z.shape[0], tile),), "sinkhorn_bwd_kernel", (z, g, grad, iterations, eps, n, tile, code)
+            )
+        return grad.view(logits.shape), None, None, None, None
+
+
+def sinkhorn(rt: Callable[[], Any], logits, iterations=20, eps=None, variant=Variant.MEGATRON_MAIN):
+    """`mhc_core.ops.sinkhorn` on the runtime `rt()`: `logits[..., n, n] -> [..., n, n]`."""
+    op = "sinkhorn"
+    spec = get_variant(variant)
+    eps = check_sinkhorn_args(logits, iterations, eps, spec, op=op)
+    require_n(logits.shape[-1], op)
+    require_dtypes(op, logits=logits)
+    runtime = rt()
+    require_device(runtime, op, logits=logits)
+    return _SinkhornFn.apply(logits, iterations, eps, VARIANT_CODE[spec.variant], runtime)

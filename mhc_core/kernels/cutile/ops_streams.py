@@ -1,0 +1,143 @@
+"""cuTile `h_aggregate` and `h_post_bda`, the ops on the `n` streams: autograd functions and wrappers.
+
+    h_aggregate  x[T, n, C], h_pre[T, n] -> [T, C]
+    h_post_bda   h_res[T, n, n], residual[T, n, C], h_post[T, n], y[T, C], bias[C] | None -> [T, n, C]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.ops_common import cdiv, require_device, require_dtypes, require_n
+from mhc_core.ops.aggregate import check_h_aggregate_args
+from mhc_core.ops.post_bda import check_h_post_bda_args
+from mhc_core.variants import Variant, get_variant
+
+__all__ = ["h_aggregate", "h_post_bda"]
+
+
+class _AggregateFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, h_pre: torch.Tensor, rt: Any):
+        x, h_pre = x.contiguous(), h_pre.contiguous()
+        t, n, c = x.shape
+        out = torch.empty((t, c), dtype=x.dtype, device=x.device)
+        tl = tiling.aggregate_tiles(n, c, "fwd")
+        if t and c:
+            rt.launch(
+                (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c)),
+                "h_aggregate_fwd_kernel",
+                (x, h_pre, out, n, tl.tile_t, tl.tile_c),
+            )
+        ctx.save_for_backward(x, h_pre)
+        ctx.rt = rt
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, h_pre = ctx.saved_tensors
+        t, n, c = x.shape
+        go = grad_out.to(x.dtype).contiguous()
+        grad_x = torch.empty_like(x)
+        grad_h = torch.empty_like(h_pre)
+        tl = tiling.aggregate_tiles(n, c, "bwd")
+        if t and c:
+            ctx.rt.launch(
+                (cdiv(t, tl.tile_t),),
+                "h_aggregate_bwd_kernel",
+                (go, x, h_pre, grad_x, grad_h, n, tl.tile_t, tl.tile_c),
+            )
+        else:
+            grad_h.zero_()
+        return grad_x, grad_h, None
+
+
+def h_aggregate(rt: Callable[[], Any], x, h_pre):
+    """`mhc_core.ops.h_aggregate` on the runtime `rt()`: `x [T, n, C], h_pre [T, n] -> [T, C]`."""
+    op = "h_aggregate"
+    _, n = check_h_aggregate_args(x, h_pre, op=op)
+    require_n(n, op)
+    require_dtypes(op, x=x, h_pre=h_pre)
+    runtime = rt()
+    require_device(runtime, op, x=x, h_pre=h_pre)
+    return _AggregateFn.apply(x, h_pre, runtime)
+
+
+class _PostBdaFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_res, residual, h_post, y, bias, transposed: bool, rt: Any):
+        h_res, residual, h_post, y = (a.contiguous() for a in (h_res, residual, h_post, y))
+        has_bias = bias is not None
+        bias_arg = bias.contiguous() if has_bias else y.new_empty(1)  # never read when HAS_BIAS=0
+        t, n, c = residual.shape
+        out = torch.empty_like(residual)
+        tl = tiling.post_bda_tiles(n, c, "fwd")
+        if t and c:
+            rt.launch(
+                (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c)),
+                "h_post_bda_fwd_kernel",
+                (h_res, residual, h_post, y, bias_arg, out, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias)),
+            )
+        ctx.save_for_backward(h_res, residual, h_post, y, bias_arg)
+        ctx.args = (has_bias, transposed, rt)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        h_res, residual, h_post, y, bias_arg = ctx.saved_tensors
+        has_bias, transposed, rt = ctx.args
+        t, n, c = residual.shape
+        go = grad_out.to(residual.dtype).contiguous()
+        grad_h_res = torch.empty_like(h_res)
+        grad_residual = torch.empty_like(residual)
+        grad_h_post = torch.empty_like(h_post)
+        grad_y = torch.empty_like(y)
+        tl = tiling.post_bda_tiles(n, c, "bwd")
+        blocks = cdiv(t, tl.tile_t)
+        part_shape = (blocks, c) if has_bias else (1, 1)
+        bias_part = torch.empty(part_shape, dtype=torch.float32, device=residual.device)
+        if t and c:
+            rt.launch(
+                (blocks,),
+                "h_post_bda_bwd_kernel",
+                (go, h_res, residual, h_post, y, bias_arg, grad_h_res, grad_residual, grad_h_post, grad_y,
+                 bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias)),
+            )
+        else:
+            grad_h_res.zero_()
+            grad_h_post.zero_()
+            bias_part.zero_()
+        grad_bias = bias_part.sum(dim=0).to(bias_arg.dtype) if has_bias else None
+        return grad_h_res, grad_residual, grad_h_post, grad_y, grad_bias, None, None
+
+
+def h_post_bda(
+    rt: Callable[[], Any],
+    h_res,
+    residual,
+    h_post,
+    y,
+    bias,
+    dropout_p=0.0,
+    training=False,
+    variant=Variant.MEGATRON_MAIN,
+):
+    """`mhc_core.ops.h_post_bda` on the runtime `rt()`: `-> [T, n, C]` (no dropout in training)."""
+    op = "h_post_bda"
+    spec = get_variant(variant)
+    check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, op=op)
+    t, n, c = residual.shape
+    if training and dropout_p > 0:
+        raise NotImplementedError(
+            f"cutile {op}: dropout_p={dropout_p} in training has no kernel (the fused bias-dropout-add "
+            "covers dropout_p == 0 or eval only)"
+        )
+    require_n(n, op)
+    require_dtypes(op, h_res=h_res, residual=residual, h_post=h_post, y=y, bias=bias)
+    runtime = rt()
+    require_device(runtime, op, h_res=h_res, residual=residual, h_post=h_post, y=y, bias=bias)
+    return _PostBdaFn.apply(h_res, residual, h_post, y, bias, spec.res_transposed, runtime)
