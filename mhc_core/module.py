@@ -20,17 +20,22 @@ from torch import nn
 from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
 from mhc_core.kernels import select_ops
 from mhc_core.ops._checks import check_dim, check_rank, shape_str
+from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
+from mhc_core.variants import get_variant
 
 __all__ = ["HyperConnectionModule"]
 
 
-class HyperConnectionModule(nn.Module):
+class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
     """Coefficients, aggregation and post/residual mixing of one mHC sublayer.
 
     Parameters (names and shapes as upstream Megatron-LM, all fp32):
         mapping_proj.weight `[N, n*C]` xavier-uniform, no bias;
         alpha_pre, alpha_post, alpha_res `[1]` = `init_gating_factor`;
         bias `[N]` zeros, laid out `[pre(n) | post(n) | res(n*n row-major)]`.
+    Under `paper` and `megatron_dev` they stay fp32 when the module is cast to bf16 / fp16
+    (megatron's `Float16Module`), as upstream dev's `mark_keep_in_fp32`; under `megatron_main`
+    they are cast with the model, as upstream main (`mhc_core.precision`).
 
     Args:
         config: a `HyperConnectionConfig`, or a megatron-core `TransformerConfig` carrying the
@@ -53,6 +58,9 @@ class HyperConnectionModule(nn.Module):
         self.alpha_res = nn.Parameter(torch.full((1,), config.init_gating_factor, dtype=PARAM_DTYPE))
         self.bias = nn.Parameter(torch.zeros(big_n, dtype=PARAM_DTYPE))
         self.reset_parameters()
+        if get_variant(config.variant).params_fp32:
+            for p in self.parameters():
+                mark_keep_in_fp32(p)
         if config.sequence_parallel:
             for p in self.parameters():
                 p.sequence_parallel = True

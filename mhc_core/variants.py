@@ -6,7 +6,8 @@
 | Sinkhorn step | column then row | row then column, `/ clamp(sum, 1e-6)` | row then column, `/ (sum + eps)` |
 | residual mix | `H_res @ x` | `H_res @ x` | `H_res^T @ x` |
 | H_pre | `sigmoid` | `sigmoid` | `sigmoid + 1e-6` |
-| mapping precision | fp32 | activation dtype | fp32 (params kept fp32) |
+| mapping precision | fp32 | activation dtype | fp32 |
+| params under a bf16 / fp16 cast | kept fp32 | cast with the model | kept fp32 |
 | block exit | mean | mean | mean, or learned contraction |
 
 The full list of differences is in `docs/variants.md`.
@@ -57,6 +58,8 @@ class VariantSpec:
     """Mapping outputs cast back to the activation dtype (True) or kept in the compute dtype."""
     learned_contract: bool
     """The block exit may use the learned contraction (`megatron_dev` only)."""
+    params_fp32: bool
+    """mHC parameters stay fp32 when the model is cast to fp16 / bf16 (`mhc_core.precision`)."""
 
 
 VARIANTS: dict[Variant, VariantSpec] = {
@@ -72,6 +75,7 @@ VARIANTS: dict[Variant, VariantSpec] = {
         mapping_fp32=True,
         coefficients_in_activation_dtype=False,
         learned_contract=False,
+        params_fp32=True,
     ),
     Variant.MEGATRON_MAIN: VariantSpec(
         variant=Variant.MEGATRON_MAIN,
@@ -85,6 +89,7 @@ VARIANTS: dict[Variant, VariantSpec] = {
         mapping_fp32=False,
         coefficients_in_activation_dtype=True,
         learned_contract=False,
+        params_fp32=False,
     ),
     Variant.MEGATRON_DEV: VariantSpec(
         variant=Variant.MEGATRON_DEV,
@@ -98,6 +103,7 @@ VARIANTS: dict[Variant, VariantSpec] = {
         mapping_fp32=True,
         coefficients_in_activation_dtype=True,
         learned_contract=True,
+        params_fp32=True,
     ),
 }
 

@@ -31,11 +31,12 @@ from torch import Tensor, nn
 from mhc_core.config import PARAM_DTYPE
 from mhc_core.megatron.layer import HyperConnectionTransformerLayer
 from mhc_core.ops import contract, expand, learned_contract
+from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
 
 __all__ = ["HyperConnectionTransformerBlock"]
 
 
-class HyperConnectionTransformerBlock(TransformerBlock):
+class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
     """`TransformerBlock` that expands to n residual streams on entry and contracts on exit.
 
     Same constructor as `TransformerBlock`. With `config.enable_mhc_connections` off it is the
@@ -76,8 +77,8 @@ class HyperConnectionTransformerBlock(TransformerBlock):
             )
 
     def _build_learned_contraction(self, config: Any) -> None:
-        """`hc_head_fn [n, n*C]` (xavier), `hc_head_base [n]` (0), `hc_head_scale [1]` (1), fp32,
-        named as upstream's dev block (`decoder.hc_head_fn`, ...)."""
+        """`hc_head_fn [n, n*C]` (xavier), `hc_head_base [n]` (0), `hc_head_scale [1]` (1), fp32 and
+        kept fp32 under `Float16Module` as upstream's dev block, named as there (`decoder.hc_head_fn`, ...)."""
         n, c = self.num_residual_streams, config.hidden_size
         device = None
         if not config.use_cpu_initialization and torch.cuda.is_available():
@@ -89,8 +90,9 @@ class HyperConnectionTransformerBlock(TransformerBlock):
             nn.init.xavier_uniform_(self.hc_head_fn)
         else:
             nn.init.zeros_(self.hc_head_fn)
-        if getattr(config, "sequence_parallel", False):
-            for p in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
+        for p in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
+            mark_keep_in_fp32(p)
+            if getattr(config, "sequence_parallel", False):
                 p.sequence_parallel = True
 
     def contract_streams(self, hidden_states: Tensor) -> Tensor:

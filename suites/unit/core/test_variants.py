@@ -18,6 +18,7 @@ def test_table_matches_the_design_table():
     assert (p.mapping_fp32, m.mapping_fp32, d.mapping_fp32) == (True, False, True)
     assert (p.exact_sums, m.exact_sums, d.exact_sums) == ("rows", "cols", "none")
     assert (p.learned_contract, m.learned_contract, d.learned_contract) == (False, False, True)
+    assert (p.params_fp32, m.params_fp32, d.params_fp32) == (True, False, True)
 
 
 @pytest.mark.parametrize("name", ["paper", "megatron_main", "megatron_dev"])

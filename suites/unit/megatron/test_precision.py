@@ -1,0 +1,90 @@
+"""mHC parameters under megatron-core's `Float16Module` (bf16): kept fp32 for `megatron_dev`, cast for `megatron_main`.
+
+The chain is the real one the functional runner uses: `Float16Module` -> `DistributedDataParallel`
+-> megatron's schedule (CPU and GPU) -> `get_megatron_optimizer(bf16=True)` (GPU only: megatron's
+bf16 optimizer accepts only `torch.cuda.*` parameters).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+MHC_NAMES = ("hyper_connection", "hc_head_")
+
+
+def _is_mhc(name: str) -> bool:
+    return any(k in name for k in MHC_NAMES)
+
+
+def _bf16_model(make_config, build_gpt, variant: str, learned: bool):
+    """`(config, Float16Module(MHCGPTModel))` with bf16 params / pipeline dtype, n = 2."""
+    from megatron.core.transformer.module import Float16Module
+
+    extra = {"mhc_learned_contraction": True} if learned else {}
+    config = make_config(n=2, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                         mhc_variant=variant, **extra)
+    return config, Float16Module(config, build_gpt(config))
+
+
+def _ddp_forward_backward(config, model, batch):
+    """megatron DDP around `model`, one micro-batch through megatron's schedule; returns the DDP model."""
+    from suites.unit.megatron.test_cpu_support import _ddp, _forward_backward
+
+    ddp = _ddp(config, model)
+    _forward_backward(config, ddp, batch)
+    return ddp
+
+
+@pytest.mark.parametrize("learned", [False, True], ids=["mean-exit", "learned-exit"])
+def test_dev_keeps_mhc_params_fp32_through_float16module(make_config, build_gpt, learned):
+    """megatron_dev: every mHC parameter (and the learned-exit head) is fp32 after Float16Module; the rest bf16."""
+    _, model = _bf16_model(make_config, build_gpt, "megatron_dev", learned)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    mhc = {n: d for n, d in dtypes.items() if _is_mhc(n)}
+    rest = {n: d for n, d in dtypes.items() if not _is_mhc(n)}
+    assert mhc and set(mhc.values()) == {torch.float32}, mhc
+    assert rest and set(rest.values()) == {torch.bfloat16}, rest
+    assert any("hc_head_fn" in n for n in mhc) == learned
+
+
+def test_main_casts_mhc_params_with_the_model(make_config, build_gpt):
+    """megatron_main (upstream main): Float16Module casts the mHC parameters to bf16 like every other."""
+    _, model = _bf16_model(make_config, build_gpt, "megatron_main", False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_dev_bf16_backward_through_ddp_fills_fp32_mhc_grads(make_config, build_gpt, batch):
+    """megatron_dev in bf16 under DDP: one schedule step gives every fp32 mHC param a finite, non-zero main_grad."""
+    config, model = _bf16_model(make_config, build_gpt, "megatron_dev", True)
+    ddp = _ddp_forward_backward(config, model, batch)
+    mhc = {n: p for n, p in ddp.named_parameters() if _is_mhc(n)}
+    assert mhc and all(p.dtype == torch.float32 for p in mhc.values())
+    for name, p in mhc.items():
+        g = p.main_grad
+        assert torch.isfinite(g).all(), name
+        if "mapping_proj" in name or "hc_head_fn" in name:
+            assert g.abs().sum() > 0, f"{name}: zero gradient"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="megatron-core's bf16 optimizer (Float16OptimizerWithFloat16Params) accepts only "
+                           "torch.cuda.* parameters; the CPU test above covers the model side up to the grad buffer")
+def test_dev_bf16_optimizer_routes_mhc_params_as_fp32(make_config, build_gpt, batch):
+    """megatron_dev in bf16: the bf16 optimizer keeps the mHC params in its fp32 group, steps them, and they stay fp32."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config, model = _bf16_model(make_config, build_gpt, "megatron_dev", True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if _is_mhc(n)}
+    ddp = _ddp_forward_backward(config, model, batch)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16,
+                                                 clip_grad=1.0), [ddp])
+    ok, _, _ = opt.step()
+    assert ok, "optimizer step reported failure (non-finite gradients)"
+    params = {n: p for n, p in ddp.named_parameters() if _is_mhc(n)}
+    routed = {id(p) for g in opt.fp32_from_fp32_groups for p in g}
+    assert all(id(p) in routed and p.dtype == torch.float32 for p in params.values())
+    moved = [n for n, p in params.items() if not torch.equal(p, before[n.removeprefix("module.")])]
+    assert any("mapping_proj" in n for n in moved), moved
