@@ -3,6 +3,11 @@
 The layer is plain torch (pre-norm causal attention + GELU MLP), so the overhead is measured
 without megatron-core. The paper reports 6.7 % for a full training step at n = 4 (large model,
 fused kernels, recompute); this is one layer at a small CPU size, so expect a larger number.
+
+Memory, measured in the same test: the activation bytes autograd saves for backward in one
+forward (`suites/perf/memory.py`, exact on any device) for both layers and their ratio, and on
+CUDA the allocator's peak over one forward+backward. The mHC layer carries an `n*C`-wide residual,
+so its saved activations grow with n; upstream answers that with mHC recompute.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import nn
 
 from mhc_core import HyperConnectionConfig, HyperConnectionModule
 from mhc_core.kernels import dispatch
+from suites.perf.memory import peak_bytes, saved_activation_bytes
 from suites.perf.timing import paired_samples
 
 pytestmark = pytest.mark.perf
@@ -64,7 +70,13 @@ def _step(layer: Layer, width: int):
     def run():
         layer.zero_grad(set_to_none=True)
         torch.autograd.backward(layer(x), g)
+    run.forward = lambda: layer(x)
     return run
+
+
+def _memory(layer: Layer, run) -> dict[str, int | None]:
+    """Saved activation bytes of one forward (params excluded) and, on CUDA, the fwd+bwd peak."""
+    return {"saved": saved_activation_bytes(run.forward, layer.parameters()), "peak": peak_bytes(run, DEVICE)}
 
 
 @pytest.mark.parametrize("backend", ["reference", "compiled", "cutile"])
@@ -78,8 +90,9 @@ def test_layer_overhead(benchmark, backend, reps, monkeypatch):
     torch.manual_seed(0)
     plain = Layer(None).to(DEVICE, DTYPE)
     mhc = Layer(N, use_fused=backend != "reference").to(DEVICE, DTYPE)
-    run = _step(mhc, N * HIDDEN)
-    mhc_t, plain_t = paired_samples([run, _step(plain, HIDDEN)], device=DEVICE, reps=reps, warmup=3)
+    run, plain_run = _step(mhc, N * HIDDEN), _step(plain, HIDDEN)
+    mhc_t, plain_t = paired_samples([run, plain_run], device=DEVICE, reps=reps, warmup=3)
+    mem, plain_mem = _memory(mhc, run), _memory(plain, plain_run)
     mhc_s, plain_s = statistics.median(mhc_t), statistics.median(plain_t)
     benchmark.group = "layer-fwdbwd"
     benchmark.pedantic(run, rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
@@ -87,5 +100,12 @@ def test_layer_overhead(benchmark, backend, reps, monkeypatch):
         "op": "layer", "direction": "fwdbwd", "backend": backend, "device": DEVICE,
         "shape": f"s{SEQ}-b{BATCH}-C{HIDDEN}-n{N}", "median_s": mhc_s, "plain_median_s": plain_s,
         "overhead_ratio": mhc_s / plain_s - 1.0,
+        "saved_bytes": mem["saved"], "plain_saved_bytes": plain_mem["saved"],
+        "saved_bytes_ratio": mem["saved"] / plain_mem["saved"],
     })
+    if mem["peak"] is not None:
+        benchmark.extra_info.update({"peak_bytes": mem["peak"], "plain_peak_bytes": plain_mem["peak"],
+                                     "peak_bytes_ratio": mem["peak"] / plain_mem["peak"]})
     assert mhc_s > 0 and plain_s > 0
+    # The mHC layer saves at least what the plain one does (same sublayers) plus its n*C residual.
+    assert mem["saved"] > plain_mem["saved"] > 0, (mem, plain_mem)

@@ -124,7 +124,8 @@ def test_table_renders_rows(tmp_path, capsys):
          "extra_info": {"op": "h_aggregate", "direction": "fwd", "backend": "compiled", "shape": "h_aggregate-T4-n4-C8",
                         "median_s": 0.001, "bytes_per_s": 4e10, "copy_bytes_per_s": 5e10,
                         "roofline_ratio": 0.8, "speedup_vs_reference": 2.5}},
-        {"name": "test_layer[reference]", "stats": {"median": 0.03}, "extra_info": {"op": "layer"}},
+        {"name": "test_layer[reference]", "stats": {"median": 0.03},
+         "extra_info": {"op": "layer", "overhead_ratio": 0.5, "saved_bytes_ratio": 1.6}},
     ]}
     path = tmp_path / "perf.json"
     path.write_text(json.dumps(doc))
@@ -132,6 +133,7 @@ def test_table_renders_rows(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 4
     assert "| h_aggregate | fwd | compiled | T4-n4-C8 | 1.000 ms | 40.00 |" in out[2] and "80 %" in out[2] and "2.50x" in out[2]
+    assert out[3].endswith("| +50 % | 1.60x |"), out[3]
 
 
 def test_xdist_is_refused():
@@ -141,3 +143,16 @@ def test_xdist_is_refused():
     with pytest.raises(pytest.UsageError, match="xdist"):
         check_not_xdist(SimpleNamespace(option=SimpleNamespace(numprocesses=2)))
     check_not_xdist(SimpleNamespace(option=SimpleNamespace(numprocesses=None)))
+
+
+def test_saved_activation_bytes_counts_distinct_storages_without_params():
+    """The memory probe counts each saved storage once and leaves parameters out."""
+    from suites.perf.memory import peak_bytes, saved_activation_bytes
+
+    x = torch.randn(64, 32, requires_grad=True)
+    assert saved_activation_bytes(lambda: (x * 2.0).sin()) == 64 * 32 * 4  # sin saves its input once
+    assert saved_activation_bytes(lambda: x * x) == 64 * 32 * 4  # x saved twice, one storage
+    lin = torch.nn.Linear(32, 16)
+    assert saved_activation_bytes(lambda: lin(x), lin.parameters()) == 64 * 32 * 4  # input only
+    assert saved_activation_bytes(lambda: lin(x)) == 64 * 32 * 4 + 16 * 32 * 4  # weight counted when not excluded
+    assert peak_bytes(lambda: None, "cpu") is None
