@@ -81,8 +81,8 @@ def _record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int,
                 coef = act if spec.coefficients_in_activation_dtype else torch.float32
                 tag = f"n{n}-{_DTYPE_NAMES[act]}-{_VARIANT_NAMES[variant]}{c_tag}"
                 param_dtypes = [torch.float32]
-                if variant == Variant.MEGATRON_MAIN and act != torch.float32:
-                    param_dtypes.append(act)  # Megatron's Float16Module casts main's params to bf16
+                if not spec.params_fp32 and act != torch.float32:
+                    param_dtypes.append(act)  # Float16Module casts main's params to bf16 (mhc_core.precision)
                 for pdt in param_dtypes:
                     suffix = "" if pdt == torch.float32 else f"-params_{_DTYPE_NAMES[pdt]}"
                     _record(
