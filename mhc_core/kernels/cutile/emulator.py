@@ -6,20 +6,34 @@ block, on torch tensors of any device. It checks the kernels' algorithm and inde
 loads and stores, padding, the variants' recompute order, the split reductions) against the
 reference ops on a machine without a GPU; what it cannot check is the compiler and the hardware.
 
-Emulated semantics (from the cuTile 1.7 documentation):
+Emulated semantics (cuda-tile 1.7.0: the `cuda/tile/_stub.py` docstrings and the `_ir` sources
+named below; the kernels' exported TileIR was checked against the same points):
 - `load(array, index, shape, order, padding_mode)`: tile `index` of the tile space of
-  `array.permute(order)`; out-of-bounds elements read as zero; a tile entirely out of bounds
-  or a tile dimension that is not a power of two raises.
-- `store`: out-of-bounds elements are dropped; the tile dtype must equal the array dtype.
-- `astype(x, tfloat32)`: fp32 rounded to 10 mantissa bits (round to nearest even);
-  `mma(a, b, acc)`: exact products of the (already rounded) operands, fp32 accumulation.
+  `array.permute(order)`; out-of-bounds elements read as the `padding_mode` value. The default,
+  `PaddingMode.UNDETERMINED`, is "undetermined" in cuTile (`_stub.py` `load`): the emulator reads
+  NaN there (a poison value) so a kernel relying on it fails here too. A tile entirely out of
+  bounds (undefined in cuTile) or a tile dimension that is not a power of two raises.
+- `store`: out-of-bounds elements are dropped; the tile is cast to the array dtype only where
+  cuTile's implicit cast allows it (`_ir/ops.py` `tile_store_impl` -> `implicit_cast`: the
+  promotion of the two dtypes must be the array dtype, e.g. bf16 -> fp32 yes, fp32 -> bf16 no).
+- `astype(x, tfloat32)`: fp32 rounded to 10 mantissa bits (round to nearest even, the default
+  `RoundingMode.RN`); `mma(a, b, acc)`: exact products of the (already rounded) operands,
+  accumulated exactly and rounded once to fp32 per call (the tensor cores round their fp32
+  accumulation more often, in an order the emulator does not know; only a GPU run measures it).
+- `max` / `maximum` / `minimum`: NaN inputs are ignored (`propagate_nan=False` is the cuTile
+  default, `_stub.py` `_math_op_extra_block`), unlike torch's NaN-propagating `amax`/`maximum`.
+- Runtime scalar arguments (not `ct.Constant`) are int32 / float32 on the device: floats are
+  rounded to fp32 and ints must fit in int32 (`ct.ScalarInt64` would be needed otherwise).
+- Grid: at most 3 dimensions of at most 2**24 - 1 blocks each (`_cext` launch check).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 import math
+import struct
 import sys
 import types
 from pathlib import Path
@@ -38,8 +52,35 @@ class _ConstantAnnotation:
 
 
 class _PaddingMode:
-    ZERO = "zero"
+    """`ct.PaddingMode` (`cuda/tile/_numeric_semantics.py`)."""
+
     UNDETERMINED = "undetermined"
+    ZERO = "zero"
+    NEG_ZERO = "neg_zero"
+    NAN = "nan"
+    POS_INF = "pos_inf"
+    NEG_INF = "neg_inf"
+
+
+_PAD_VALUE = {
+    _PaddingMode.ZERO: 0.0,
+    _PaddingMode.NEG_ZERO: -0.0,
+    _PaddingMode.NAN: math.nan,
+    _PaddingMode.POS_INF: math.inf,
+    _PaddingMode.NEG_INF: -math.inf,
+}
+
+_MAX_GRID = 2**24 - 1
+"""cuTile's launch rejects a grid dimension above 2**24 - 1 ("Grid[i] exceeds 24-bit limit")."""
+
+
+def _pad_fill(padding_mode, dtype: torch.dtype):
+    """The value out-of-bounds elements of a load read as; `UNDETERMINED` (the default) is poison."""
+    if padding_mode is None or padding_mode == _PaddingMode.UNDETERMINED:
+        if dtype == torch.bool:
+            return True
+        return math.nan if dtype.is_floating_point else torch.iinfo(dtype).max
+    return _PAD_VALUE[padding_mode]
 
 
 class _TF32:
@@ -54,11 +95,34 @@ def _is_pow2(v: int) -> bool:
 
 
 def _round_tf32(t: torch.Tensor) -> torch.Tensor:
-    bits = t.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    t = t.to(torch.float32).contiguous()
+    bits = t.view(torch.int32).to(torch.int64)
     lsb = (bits >> 13) & 1
     bits = ((bits + 0xFFF + lsb) >> 13) << 13
     bits = torch.where(bits >= 2**31, bits - 2**32, bits)
-    return bits.to(torch.int32).view(torch.float32)
+    out = bits.to(torch.int32).view(torch.float32)
+    return torch.where(torch.isnan(t), t, out)  # the bit trick would turn some NaNs into inf
+
+
+def _scalar_dtype(v) -> torch.dtype:
+    """cuTile's dtype of a Python constant (`_ir/typing_support.py` `dtype_of_constant_scalar`)."""
+    if isinstance(v, bool):
+        return torch.bool
+    if isinstance(v, int):
+        return torch.int32 if -(2**31) <= v < 2**31 else torch.int64
+    return torch.float32
+
+
+def _nan_ignoring(x: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`x` with NaN replaced by `fill`, and the NaN mask (None for a non-float `x`)."""
+    if not x.is_floating_point():
+        return x, None
+    nan = torch.isnan(x)
+    return torch.where(nan, torch.full_like(x, fill), x), nan
+
+
+def _fp32_scalar(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", v))[0]
 
 
 def _perm(order, ndim: int) -> tuple[int, ...]:
@@ -121,18 +185,30 @@ class EmulatedTile(types.ModuleType):
 
     # -- memory -------------------------------------------------------------------------------
     @staticmethod
-    def load(array, index, shape, *, order="C", padding_mode=None, **_):
+    def load(array, index, shape, *, order="C", padding_mode=_PaddingMode.UNDETERMINED, **_):
         view = array.permute(_perm(order, array.dim()))
         src, dst = _region(view, index, shape)
-        out = torch.zeros(tuple(int(s) for s in shape), dtype=array.dtype, device=array.device)
+        fill = _pad_fill(padding_mode, array.dtype)
+        out = torch.full(tuple(int(s) for s in shape), fill, dtype=array.dtype, device=array.device)
         out[dst] = view[src]
         return out
 
     @staticmethod
     def store(array, index, tile, *, order="C", **_):
-        tile = torch.as_tensor(tile)
-        if tile.dtype != array.dtype:
+        if not isinstance(tile, torch.Tensor):  # a Python scalar: a loosely typed constant
+            src_dtype = _scalar_dtype(tile)
+            tile = torch.tensor(tile, dtype=src_dtype)
+        # cuTile casts the tile implicitly where promote(tile dtype, array dtype) is the array
+        # dtype (`implicit_cast` in `_ir/cast_ops.py`); bf16 / fp16 do not promote to each other.
+        ok = tile.dtype == array.dtype or (
+            torch.promote_types(tile.dtype, array.dtype) == array.dtype
+            and {tile.dtype, array.dtype} != {torch.bfloat16, torch.float16}
+        )
+        if not ok:
             raise TypeError(f"emulator: storing a {tile.dtype} tile into a {array.dtype} array")
+        tile = tile.to(array.dtype)
+        if tile.dim() == 0:  # a 0-d tile is stored as a tile of ones in every dimension
+            tile = tile.reshape((1,) * array.dim())
         view = array.permute(_perm(order, array.dim()))
         src, dst = _region(view, index, tile.shape)
         view[src] = tile[dst]
@@ -175,22 +251,32 @@ class EmulatedTile(types.ModuleType):
     def sqrt(x):
         return torch.sqrt(torch.as_tensor(x))
 
+    # `maximum` / `minimum`: NaN-ignoring (cuTile's default `propagate_nan=False`), i.e. fmax/fmin.
+    @staticmethod
+    def _binary_minmax(x, y, fn, py):
+        if isinstance(x, int | float) and isinstance(y, int | float):
+            return py(x, y)
+        if not isinstance(x, torch.Tensor):
+            x, y = y, x
+        if not isinstance(y, torch.Tensor):  # a loosely typed constant takes the tile's dtype
+            y = torch.tensor(y, dtype=torch.result_type(x, y))
+            x = x.to(y.dtype)
+        return fn(x, y)
+
     @staticmethod
     def maximum(x, y):
-        if isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
-            return torch.clamp_min(x, y)
-        if isinstance(x, int | float) and isinstance(y, int | float):
-            return max(x, y)
-        return torch.maximum(torch.as_tensor(x), torch.as_tensor(y))
+        return EmulatedTile._binary_minmax(x, y, torch.fmax, max)
 
     @staticmethod
     def minimum(x, y):
-        if isinstance(x, int | float) and isinstance(y, int | float):
-            return min(x, y)
-        return torch.minimum(torch.as_tensor(x), torch.as_tensor(y))
+        return EmulatedTile._binary_minmax(x, y, torch.fmin, min)
 
     @staticmethod
     def where(cond, x, y):
+        if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+            # Two Python constants: cuTile's default types (fp32 / int32), not torch's default dtype.
+            dtype = torch.promote_types(_scalar_dtype(x), _scalar_dtype(y))
+            x = torch.tensor(x, dtype=dtype)
         return torch.where(cond, x, y)
 
     @staticmethod
@@ -200,11 +286,18 @@ class EmulatedTile(types.ModuleType):
     # -- reductions ---------------------------------------------------------------------------
     @staticmethod
     def sum(x, axis=None, *, keepdims=False):
-        return x.sum() if axis is None else x.sum(dim=axis, keepdim=keepdims)
+        dims = tuple(range(x.dim())) if axis is None else axis
+        return x.sum(dim=dims, keepdim=keepdims)
 
     @staticmethod
     def max(x, axis=None, *, keepdims=False):
-        return x.amax() if axis is None else x.amax(dim=axis, keepdim=keepdims)
+        # NaN-ignoring (cuTile's default `propagate_nan=False`); all-NaN reduces to NaN.
+        dims = tuple(range(x.dim())) if axis is None else axis
+        filled, nan = _nan_ignoring(x, -math.inf)
+        out = filled.amax(dim=dims, keepdim=keepdims)
+        if nan is not None:
+            out = torch.where(nan.all(dim=dims, keepdim=keepdims), math.nan, out)
+        return out
 
     # -- shape ----------------------------------------------------------------------------------
     @staticmethod
@@ -231,7 +324,11 @@ class EmulatedTile(types.ModuleType):
 
     @staticmethod
     def cat(tiles, axis):
-        out = torch.cat(tuple(tiles), dim=axis)
+        tiles = tuple(tiles)
+        # `_ir/ops.py` `cat`: at most two tiles, same dtype and shape off the axis.
+        if len(tiles) > 2 or len({t.dtype for t in tiles}) > 1:
+            raise ValueError("emulator: cat takes at most two tiles of one dtype")
+        out = torch.cat(tiles, dim=axis)
         if not all(_is_pow2(d) for d in out.shape):
             raise ValueError(f"emulator: cat result shape {tuple(out.shape)} is not a power of two")
         return out
@@ -286,8 +383,29 @@ def load_kernel_module(name: str) -> tuple[types.ModuleType, EmulatedTile]:
     return module, shim
 
 
+_CONST_PARAMS: dict[Any, tuple[bool, ...]] = {}
+
+
+def _device_args(kernel, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`args` as the device sees them: runtime floats rounded to fp32, runtime ints in int32."""
+    if kernel not in _CONST_PARAMS:
+        params = inspect.signature(kernel, eval_str=True).parameters.values()
+        _CONST_PARAMS[kernel] = tuple(p.annotation is _ConstantAnnotation for p in params)
+    out = []
+    for is_const, a in zip(_CONST_PARAMS[kernel], args, strict=True):
+        if not is_const and isinstance(a, float):
+            a = _fp32_scalar(a)
+        elif not is_const and isinstance(a, int) and not isinstance(a, bool) and not -(2**31) <= a < 2**31:
+            raise OverflowError(f"emulator: scalar argument {a} does not fit in int32 (ct.ScalarInt64 needed)")
+        out.append(a)
+    return tuple(out)
+
+
 def emulate_launch(shim: EmulatedTile, grid: tuple[int, ...], kernel, args: tuple[Any, ...]) -> None:
-    """Run `kernel(*args)` once per block of `grid`, in order."""
+    """Run `kernel(*args)` once per block of `grid`, in order (blocks never overlap in these kernels)."""
+    if not 1 <= len(grid) <= 3 or any(not 0 <= int(g) <= _MAX_GRID for g in grid):
+        raise ValueError(f"emulator: grid {tuple(grid)} (cuTile: 1 to 3 dimensions of at most {_MAX_GRID})")
+    args = _device_args(kernel, args)
     grid3 = tuple(grid) + (1,) * (3 - len(grid))
     shim._grid = grid3
     for bid in itertools.product(*(range(g) for g in grid3)):
