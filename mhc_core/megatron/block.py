@@ -29,7 +29,7 @@ from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from torch import Tensor, nn
 
 from mhc_core.config import PARAM_DTYPE
-from mhc_core.megatron.layer import HyperConnectionTransformerLayer
+from mhc_core.megatron.layer import HyperConnectionTransformerLayer, RecomputePlan, RecomputeSlot
 from mhc_core.ops import contract, expand, learned_contract
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
 
@@ -68,12 +68,25 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
                 "HyperConnectionTransformerBlock: a final layernorm outside the post_process chunk "
                 "(multi-token prediction placement) is not supported with mHC"
             )
+        if getattr(config, "mhc_recompute", False):
+            self._plan_mhc_recompute(config)
         self.learned_contraction = bool(getattr(config, "mhc_learned_contraction", False))
         if self.post_process and self.learned_contraction:
             self._build_learned_contraction(config)
         if self.final_layernorm is not None:
             self._contract_hook = self.final_layernorm.register_forward_pre_hook(
                 self._contract_before_final_layernorm
+            )
+
+    def _plan_mhc_recompute(self, config: Any) -> None:
+        """Group this chunk's layers for mHC recompute: `mhc_recompute_layer_num` per group (None:
+        all), the chunk's last layer always ends a group (`mhc_core.recompute`)."""
+        count = len(self.layers)
+        per_group = config.mhc_recompute_layer_num or max(count, 1)
+        slot = RecomputeSlot()
+        for i, layer in enumerate(self.layers):
+            layer.mhc_recompute_plan = RecomputePlan(
+                start=i % per_group == 0, end=(i + 1) % per_group == 0 or i == count - 1, slot=slot
             )
 
     def _build_learned_contraction(self, config: Any) -> None:

@@ -52,9 +52,19 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_learned_contraction: bool = False
     """Block exit with the learned contraction (`hc_head_fn/base/scale`) instead of the mean;
     `megatron_dev` only."""
+    mhc_recompute_layer_num: int | None = None
+    """With `"mhc"` in `recompute_modules`: layers per recompute group (None: the whole chunk)."""
 
     def __post_init__(self) -> None:
+        # megatron-core 0.16.1 / 0.19.2 validate recompute_modules against their own list, which
+        # lacks upstream main's "mhc": take it out for the base validation, put it back after.
+        modules = self.recompute_modules
+        mhc_recompute = modules is not None and "mhc" in modules
+        if mhc_recompute:
+            self.recompute_modules = [m for m in modules if m != "mhc"]
         super().__post_init__()
+        if mhc_recompute:
+            self.recompute_modules = [*self.recompute_modules, "mhc"]
         self._validate_mhc_values()
         if self.enable_mhc_connections:
             self._validate_mhc_compatibility()
@@ -62,6 +72,17 @@ class MHCTransformerConfig(TransformerConfig):
             for field in ("use_fused_mhc", "mhc_learned_contraction"):
                 if getattr(self, field):
                     raise ValueError(_bad(field, True, "requires enable_mhc_connections=True"))
+            if "mhc" in (self.recompute_modules or []):
+                raise ValueError(_bad("recompute_modules", self.recompute_modules,
+                                      "'mhc' requires enable_mhc_connections=True"))
+        if self.mhc_recompute_layer_num is not None and not self.mhc_recompute:
+            raise ValueError(_bad("mhc_recompute_layer_num", self.mhc_recompute_layer_num,
+                                  "needs 'mhc' in recompute_modules with recompute_granularity='selective'"))
+
+    @property
+    def mhc_recompute(self) -> bool:
+        """Whether mHC recompute is on: `"mhc"` in `recompute_modules` under selective recompute."""
+        return self.recompute_granularity == "selective" and "mhc" in (self.recompute_modules or [])
 
     def _validate_mhc_values(self) -> None:
         for field in ("mhc_num_residual_streams", "mhc_sinkhorn_iterations"):
@@ -71,6 +92,9 @@ class MHCTransformerConfig(TransformerConfig):
         g = self.mhc_init_gating_factor
         if isinstance(g, bool) or not isinstance(g, (int, float)) or math.isnan(g) or g < 0:
             raise ValueError(_bad("mhc_init_gating_factor", g, "must be a number >= 0"))
+        k = self.mhc_recompute_layer_num
+        if k is not None and (not _is_int(k) or k < 1):
+            raise ValueError(_bad("mhc_recompute_layer_num", k, "must be None or an integer >= 1"))
         try:
             self.mhc_variant = get_variant(self.mhc_variant).variant.value
         except (ValueError, TypeError):
@@ -101,6 +125,13 @@ class MHCTransformerConfig(TransformerConfig):
             raise NotImplementedError(_bad("inference_fuse_tp_communication", True, f"not supported {on}"))
         if getattr(self, "fine_grained_activation_offloading", False):
             raise NotImplementedError(_bad("fine_grained_activation_offloading", True, f"not supported {on}"))
+        if "mhc" in (self.recompute_modules or []):
+            if self.recompute_granularity != "selective":
+                raise ValueError(_bad("recompute_modules", self.recompute_modules,
+                                      f"'mhc' needs recompute_granularity='selective', got {self.recompute_granularity!r}"))
+            if "mlp" in self.recompute_modules:
+                raise ValueError(_bad("recompute_modules", self.recompute_modules,
+                                      "'mhc' cannot be combined with 'mlp' (as upstream main)"))
         if self.mhc_learned_contraction and self.mhc_variant != Variant.MEGATRON_DEV.value:
             raise ValueError(
                 _bad(

@@ -30,8 +30,10 @@ from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 from torch import Tensor
 
 from mhc_core.megatron.compat import checkpoint_without_output, spec_class
+from mhc_core.recompute import StreamRecompute
 
-__all__ = ["HyperConnectionTransformerLayer", "HyperConnectionTransformerLayerSubmodules"]
+__all__ = ["HyperConnectionTransformerLayer", "HyperConnectionTransformerLayerSubmodules", "RecomputePlan",
+           "RecomputeSlot"]
 
 _HC_SLOTS = ("self_attention_hyper_connection", "cross_attention_hyper_connection", "mlp_hyper_connection")
 
@@ -48,6 +50,24 @@ class HyperConnectionTransformerLayerSubmodules(TransformerLayerSubmodules):
     self_attention_hyper_connection: ModuleSpec | type = IdentityOp
     cross_attention_hyper_connection: ModuleSpec | type = IdentityOp
     mlp_hyper_connection: ModuleSpec | type = IdentityOp
+
+
+class RecomputeSlot:
+    """The open mHC recompute group of one chunk, handed from layer to layer during its forward."""
+
+    def __init__(self) -> None:
+        self.group: StreamRecompute | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputePlan:
+    """A layer's place in its chunk's mHC recompute groups (set by the block)."""
+
+    start: bool
+    """The layer's input anchors a new group."""
+    end: bool
+    """The group closes after this layer."""
+    slot: RecomputeSlot
 
 
 class _Streams(NamedTuple):
@@ -143,6 +163,45 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         """n."""
         return self.self_attention_hyper_connection.n
 
+    mhc_recompute_plan: RecomputePlan | None = None
+    """Set by `HyperConnectionTransformerBlock` when `"mhc"` is in `recompute_modules`; a layer
+    used on its own with mHC recompute on is a group by itself."""
+    _mhc_group: StreamRecompute | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock forward; with mHC recompute on, run inside this layer's recompute group.
+
+        The n-stream states the group produces are dropped from autograd's saved tensors and
+        rebuilt in backward (`mhc_core.recompute`); the group closes at the plan's `end`.
+        """
+        plan = self.mhc_recompute_plan
+        if plan is None and getattr(self.config, "mhc_recompute", False):
+            plan = RecomputePlan(start=True, end=True, slot=RecomputeSlot())
+        if plan is None or not torch.is_grad_enabled():
+            return super().forward(*args, **kwargs)
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        group = plan.slot.group
+        if plan.start or group is None or not group.continues_from(hidden_states):
+            group = plan.slot.group = StreamRecompute(hidden_states)
+        self._mhc_group = group
+        try:
+            with group.saving():
+                return super().forward(*args, **kwargs)
+        finally:
+            self._mhc_group = None
+            if plan.end:
+                group.close()
+                plan.slot.group = None
+
+    def _post_bda(self, hc: Any, h_res: Tensor, residual: Tensor, h_post: Tensor,
+                  output_with_bias: tuple[Tensor, Tensor | None]) -> Tensor:
+        """`hc.post_residual_bda` with the layer's hidden dropout, as a recompute step when a group is open."""
+        if self._mhc_group is None:
+            return hc.post_residual_bda(h_res, residual, h_post, output_with_bias, self.hidden_dropout, self.training)
+        return self._mhc_group.post_residual_bda(
+            hc, h_res, residual, h_post, output_with_bias, self.hidden_dropout, self.training
+        )
+
     def _forward_attention(
         self,
         hidden_states: Tensor,
@@ -200,9 +259,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         )
 
         with self.bias_dropout_add_exec_handler():
-            hidden_states = hc.post_residual_bda(
-                h_res, residual, h_post, attention_output_with_bias, self.hidden_dropout, self.training
-            )
+            hidden_states = self._post_bda(hc, h_res, residual, h_post, attention_output_with_bias)
         return hidden_states, context
 
     def _sandwich_norm(
@@ -289,13 +346,8 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             self.pre_mlp_norm_checkpoint.discard_output_and_register_recompute(mlp_output_with_bias[0])
         mlp_output_with_bias = self._sandwich_norm("post_mlp_layernorm", mlp_output_with_bias)
         with self.bias_dropout_add_exec_handler():
-            hidden_states = self.mlp_hyper_connection.post_residual_bda(
-                residual.h_res,
-                residual.residual,
-                residual.h_post,
-                mlp_output_with_bias,
-                self.hidden_dropout,
-                self.training,
+            hidden_states = self._post_bda(
+                self.mlp_hyper_connection, residual.h_res, residual.residual, residual.h_post, mlp_output_with_bias
             )
         return make_viewless_tensor(
             inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True

@@ -21,6 +21,13 @@ import torch.distributed as dist
 MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab=64, seq=16, mbs=2, n=4)
 
 
+def _recompute_kwargs(value: str | None) -> dict:
+    """Config keywords for `--mhc-recompute` (none when unset)."""
+    if value is None:
+        return {}
+    return {"recompute_granularity": "selective", "recompute_modules": ["mhc"],
+            "mhc_recompute_layer_num": None if value == "chunk" else int(value)}
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -31,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--embedding-stage", action="store_true", help="account_for_embedding_in_pipeline_split")
     p.add_argument("--loss-stage", action="store_true", help="account_for_loss_in_pipeline_split")
     p.add_argument("--no-mhc", action="store_true")
+    p.add_argument("--mhc-recompute", default=None, metavar="LAYERS|chunk",
+                   help='"mhc" in recompute_modules, LAYERS per recompute group or the whole chunk')
     p.add_argument("--init", default=None, help="state dict to start from (written by the reference)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
@@ -103,6 +112,7 @@ def main() -> None:
         account_for_loss_in_pipeline_split=args.loss_stage,
         enable_mhc_connections=not args.no_mhc,
         mhc_num_residual_streams=m["n"],
+        **_recompute_kwargs(args.mhc_recompute),
         deallocate_pipeline_outputs=False,
         # Unbatched P2P orders sends/receives by rank parity. Batched P2P posts them in one fixed
         # order; gloo matches messages between a pair of ranks first-in-first-out, so with PP = 2

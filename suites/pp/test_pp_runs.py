@@ -37,6 +37,8 @@ CASES = [
     Case(name="pp2-embedding-loss-stages", nproc=2, args=("--pp", "2", "--embedding-stage", "--loss-stage")),
     Case(name="tp2-pp2", nproc=4, args=("--tp", "2", "--pp", "2"), rtol=5e-6),
     Case(name="pp2-vpp2-no-mhc", nproc=2, args=("--pp", "2", "--vpp", "2", "--no-mhc"), mhc=False),
+    # mHC recompute: the chunk-spanning groups are rebuilt in backward under the interleaved schedule.
+    Case(name="pp2-vpp2-mhc-recompute", nproc=2, args=("--pp", "2", "--vpp", "2", "--mhc-recompute", "chunk")),
 ]
 
 
