@@ -184,12 +184,16 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         if plan.start or group is None or not group.continues_from(hidden_states):
             group = plan.slot.group = StreamRecompute(hidden_states)
         self._mhc_group = group
+        ended = plan.end
         try:
             with group.saving():
                 return super().forward(*args, **kwargs)
+        except BaseException:
+            ended = True  # a failed forward leaves no open group holding its states
+            raise
         finally:
             self._mhc_group = None
-            if plan.end:
+            if ended:
                 group.close()
                 plan.slot.group = None
 

@@ -17,10 +17,10 @@ pytestmark = pytest.mark.usefixtures("megatron_world")
 N = 2
 
 
-def _config(make_config, *, layers=4, recompute=True, per_group=None, **extra):
+def _config(make_config, *, layers=4, recompute=True, per_group=None, modules=("mhc",), **extra):
     kw = dict(num_layers=layers, **extra)
     if recompute:
-        kw.update(recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=per_group)
+        kw.update(recompute_granularity="selective", recompute_modules=list(modules), mhc_recompute_layer_num=per_group)
     return make_config(n=N, **kw)
 
 
@@ -45,6 +45,32 @@ def test_loss_and_gradients_equal_the_plain_run(make_config, build_gpt, batch, p
     assert g1.keys() == g2.keys() and any("hyper_connection" in n for n in g1)
     for name in g1:
         assert torch.equal(g1[name], g2[name]), f"{name}: max abs diff {(g1[name] - g2[name]).abs().max().item():.3e}"
+
+
+def test_combines_with_layernorm_and_core_attention_recompute(make_config, build_gpt, batch):
+    """"mhc" with "layernorm" and "core_attn" selective recompute: loss and gradients still equal the plain run."""
+    plain = build_gpt(_config(make_config, recompute=False), seed=1)
+    both = build_gpt(_config(make_config, per_group=2, modules=("mhc", "layernorm", "core_attn")), seed=1)
+    both.load_state_dict(plain.state_dict())
+    assert both.decoder.layers[0].recompute_input_layernorm
+    (l1, g1), (l2, g2) = _loss_and_grads(plain, batch), _loss_and_grads(both, batch)
+    assert torch.equal(l1, l2)
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_failed_forward_leaves_no_open_group(make_config, build_gpt, batch, monkeypatch):
+    """A forward that raises inside a group closes it, so the next forward starts clean and still matches."""
+    model = build_gpt(_config(make_config, per_group=None), seed=1)
+    layer = model.decoder.layers[1]
+    original = layer.mlp.forward
+    monkeypatch.setattr(layer.mlp, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    assert layer.mhc_recompute_plan.slot.group is None
+    monkeypatch.setattr(layer.mlp, "forward", original)
+    loss, grads = _loss_and_grads(model, batch)
+    assert torch.isfinite(loss) and grads
 
 
 @pytest.mark.parametrize(("per_group", "kept"), [(None, [False] * 7), (1, [False, True] * 3 + [False]),
