@@ -44,6 +44,17 @@ class FunctionalRuns:
             return f"{case}: needs {spec.nproc} GPUs on {self.hw}, {torch.cuda.device_count()} visible"
         return None
 
+    def deterministic_run(self, case: str) -> RunResult:
+        """The session's run of `case`; skips the calling test when the case cannot run here or its
+        recipe does not promise bitwise-reproducible runs on this hardware."""
+        reason = self.skip_reason(case)
+        if reason:
+            pytest.skip(reason)
+        run = self.run(case)
+        if not run.plan.deterministic:
+            pytest.skip(f"{case} is not deterministic on {self.hw} (recipe HARDWARE entry)")
+        return run
+
     def run(self, case: str) -> RunResult:
         """The session's run of `case` (a ckpt-resume case saves its checkpoints on the way)."""
         if case not in self._runs:

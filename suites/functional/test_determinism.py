@@ -15,12 +15,7 @@ CASE = "gpt_tp1_pp1_mhc"
 
 def test_second_launch_is_bitwise_identical(functional_runs):
     """A second launch of the mHC case reproduces lm loss, grad norm and num-zeros bit for bit."""
-    reason = functional_runs.skip_reason(CASE)
-    if reason:
-        pytest.skip(reason)
-    first = functional_runs.run(CASE)
-    if not first.plan.deterministic:
-        pytest.skip(f"{CASE} is not deterministic on {functional_runs.hw} (recipe HARDWARE entry)")
+    first = functional_runs.deterministic_run(CASE)
     second = functional_runs.fresh(CASE, "second")
     names = (LM_LOSS, GRAD_NORM, NUM_ZEROS)
     results = compare(to_golden({n: second.metrics[n] for n in names}), to_golden({n: first.metrics[n] for n in names}),

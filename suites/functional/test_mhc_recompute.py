@@ -17,12 +17,7 @@ RECOMPUTE = {"--recompute-granularity": "selective", "--recompute-modules": "[mh
 
 def test_mhc_recompute_run_equals_the_plain_run(functional_runs):
     """With `--recompute-modules [mhc]` lm loss, grad norm and num-zeros equal the plain mHC run at every step."""
-    reason = functional_runs.skip_reason(CASE)
-    if reason:
-        pytest.skip(reason)
-    plain = functional_runs.run(CASE)
-    if not plain.plan.deterministic:
-        pytest.skip(f"{CASE} is not deterministic on {functional_runs.hw} (recipe HARDWARE entry)")
+    plain = functional_runs.deterministic_run(CASE)
     recomputed = functional_runs.fresh(CASE, "mhc-recompute", overrides=RECOMPUTE)
     assert recomputed.plan.args.recompute_modules == ("mhc",)
     names = (LM_LOSS, GRAD_NORM, NUM_ZEROS)
