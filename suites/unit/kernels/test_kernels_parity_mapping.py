@@ -76,3 +76,22 @@ def test_mapping_zero_token_row(backend):
         n=case.n,
         variant=case.variant,
     )
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_mapping_bf16_parameters_of_megatron_main(backend):
+    """megatron_main under Float16Module: bf16 x and bf16 parameters (cast with the model) match the reference."""
+    case = Case(tokens=48, n=4, dtype=BF16, variant=Variant.MEGATRON_MAIN)
+    device = device_for(backend)
+    inputs = {k: v.to(BF16) for k, v in _inputs(case, device).items()}
+    check_parity(
+        f"mapping[{backend}, {case}, bf16 params]",
+        ops.mapping,
+        dispatch.get_impl("mapping", backend),
+        inputs,
+        GRADS,
+        BF16,
+        cosine_groups=COSINE,
+        n=case.n,
+        variant=case.variant,
+    )
