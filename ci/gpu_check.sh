@@ -7,6 +7,7 @@
 # What the GPU machine lacks is cuda-tile and a tileiras >= 13.3 (its CUDA is 13.0). The pip
 # wheels of cuda-tile[tileiras] are ~200 MB, over a 64 MiB carry, so `prepare` carries:
 #   .whl/cuda_tile-1.7.0-cp312-*.whl            (0.4 MB, the Python package)
+#   .whl/megatron_core-0.19.2-cp312-*.whl        (2.4 MB; its needs torch, numpy, packaging are in the image)
 #   .whl/cutile-toolchain-<ver>.tar.xz           (~61 MB: bin/tileiras, bin/ptxas, lib/libnvvm.so.4,
 #                                                 the only pieces tileiras needs, from the pip wheels)
 # and the run installs the wheel into $TMPDIR/mhc-site (--no-deps: typing-extensions is in the image),
@@ -16,6 +17,8 @@
 # Steps (MHC_GPU_STEPS, default "parity bench perf"; each has its own timeout, the sum < 10 min):
 #   parity  suites/unit/kernels_cutile on 8 xdist workers (GPU parity; mostly first-launch JIT), 200 s
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 60 s
+#   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
+#           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all:
 #           first reference + cutile (180 s), then compiled (Inductor/Triton compiles, 120 s), each to
 #           its own pytest-benchmark JSON; records golden/<hw>/perf/*.json, one perf-history record
@@ -35,6 +38,8 @@ if [[ "${1:-run}" == "prepare" ]]; then
     mkdir -p "$WHL"
     pip download --no-deps -d "$WHL" --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 "cuda-tile==1.7.0"
+    pip download --no-deps -d "$WHL" --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "megatron-core==0.19.2"
     CU13="$("$PY" -c 'import nvidia, pathlib; print(next(p for p in (pathlib.Path(x) / "cu13" for x in nvidia.__path__) if (p / "bin" / "tileiras").is_file()))')"
     VER="$("$CU13/bin/tileiras" --version | sed -n 's/.*V\([0-9][0-9.]*\).*/\1/p' | head -1)"
     STAGE="$(mktemp -d)"
@@ -67,6 +72,11 @@ mkdir -p "$SITE" "$CTK"
 if ! "$PY" -m pip install --no-deps --no-index --target "$SITE" "$WHL"/cuda_tile-*cp312*.whl >> "$OUT/env.txt" 2>&1; then
     echo "gpu_check: installing the cuda_tile wheel from $WHL failed" | tee -a "$OUT/summary.txt"
     exit 1
+fi
+MCORE_WHL="$(ls "$WHL"/megatron_core-*cp312*.whl 2>/dev/null | head -1)"
+if [[ -n "$MCORE_WHL" ]] && ! "$PY" -c 'import megatron.core' 2>/dev/null; then
+    "$PY" -m pip install --no-deps --no-index --target "$SITE" "$MCORE_WHL" >> "$OUT/env.txt" 2>&1 \
+        || echo "gpu_check: installing $MCORE_WHL failed" | tee -a "$OUT/summary.txt"
 fi
 TARBALL="$(ls "$WHL"/cutile-toolchain-*.tar.xz 2>/dev/null | head -1)"
 if [[ -n "$TARBALL" ]]; then
@@ -108,6 +118,16 @@ echo "bench: exit $rc" >> "$OUT/summary.txt"
 [[ $rc -ne 0 ]] && status=1
 fi
 
+# 3b. the reference core and the megatron integration on the GPU (single process, gloo world of one)
+if has_step megatron; then
+timeout 150 "$PY" -m pytest -p no:cacheprovider -q -n 4 --junitxml="$OUT/megatron.xml" \
+    suites/unit/core suites/unit/megatron > "$OUT/megatron.txt" 2>&1
+rc=$?
+tail -5 "$OUT/megatron.txt"
+echo "megatron: pytest exit $rc" >> "$OUT/summary.txt"
+[[ $rc -ne 0 ]] && status=1
+fi
+
 # 4. the perf suite: roofline ratios, speed-ups, first perf goldens, history record, table
 if has_step perf; then
 HW="$("$PY" -m harness hw | sed -n 1p)"
@@ -139,7 +159,7 @@ rm -rf "$OUT/.cutile-cache-not-returned"
 (
     cd "$OUT" || exit 1
     files=()
-    for f in parity.txt parity.xml bench.txt perf.json perf.txt perf-compiled.json perf-compiled.txt \
+    for f in parity.txt parity.xml bench.txt megatron.txt megatron.xml perf.json perf.txt perf-compiled.json perf-compiled.txt \
              perf-history.jsonl golden; do
         [[ -e "$f" ]] && files+=("$f")
     done
