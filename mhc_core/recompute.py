@@ -88,14 +88,6 @@ class StreamRecompute:
         """States produced in this group so far (the anchor not counted)."""
         return len(self._steps) - 1
 
-    @property
-    def last_state_key(self) -> tuple[torch.device, int]:
-        """Storage key of the newest state (the anchor before any step)."""
-        last = self._states[-1]
-        if last is None:
-            raise RuntimeError("StreamRecompute: the group is closed; its states are no longer held")
-        return _key(last)
-
     def continues_from(self, x: torch.Tensor) -> bool:
         """Whether `x` is this open group's newest state (the next sublayer may extend the group)."""
         return self._open and self._states[-1] is not None and _key(x) == _key(self._states[-1])
