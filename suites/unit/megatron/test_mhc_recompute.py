@@ -47,6 +47,17 @@ def test_loss_and_gradients_equal_the_plain_run(make_config, build_gpt, batch, p
         assert torch.equal(g1[name], g2[name]), f"{name}: max abs diff {(g1[name] - g2[name]).abs().max().item():.3e}"
 
 
+def test_fused_ops_rebuild_bitwise(make_config, build_gpt, batch, monkeypatch):
+    """With use_fused_mhc (the compiled backend on CPU) the rebuilt states still give bitwise the plain gradients."""
+    monkeypatch.setenv("MHC_BACKEND", "compiled")
+    plain = build_gpt(_config(make_config, recompute=False, use_fused_mhc=True), seed=1)
+    fused = build_gpt(_config(make_config, per_group=2, use_fused_mhc=True), seed=1)
+    fused.load_state_dict(plain.state_dict())
+    (l1, g1), (l2, g2) = _loss_and_grads(plain, batch), _loss_and_grads(fused, batch)
+    assert torch.equal(l1, l2)
+    assert all(torch.equal(g1[n], g2[n]) for n in g1)
+
+
 def test_combines_with_layernorm_and_core_attention_recompute(make_config, build_gpt, batch):
     """"mhc" with "layernorm" and "core_attn" selective recompute: loss and gradients still equal the plain run."""
     plain = build_gpt(_config(make_config, recompute=False), seed=1)
