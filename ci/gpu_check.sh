@@ -137,7 +137,7 @@ PLUGIN=(-p harness.pytest_plugin)
 "$PY" -c 'import importlib.metadata as m, sys; sys.exit(any(e.value.startswith("harness.pytest_plugin") for e in m.entry_points(group="pytest11")))' \
     || PLUGIN=()
 perf_run() {  # perf_run <name> <seconds> <-k expression>
-    MHC_PERF_GOLDEN=1 timeout "$2" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" \
+    MHC_PERF_GOLDEN=1 TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-8}" timeout "$2" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" \
         suites/perf/test_kernels.py suites/perf/test_layer.py -q -k "$3" --hw "$HW" --golden-dir "$OUT/golden" \
         --update-golden=all --benchmark-json="$OUT/$1.json" > "$OUT/$1.txt" 2>&1
     local rc=$?

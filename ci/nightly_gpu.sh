@@ -12,7 +12,10 @@ mkdir -p "$OUT" "$(dirname "$HISTORY")"
 
 # 1. Benchmarks (never under xdist). MHC_PERF_GOLDEN=1 compares each kernel with its golden band;
 #    a first run on new hardware records them: MHC_PERF_GOLDEN=1 ... --update-golden=all
+# Inductor compiles in a worker pool here (a GPU node has the cores; the perf conftest's default of
+# one in-process compile thread is for 2-core CI boxes).
 MHC_PERF_GOLDEN=${MHC_PERF_GOLDEN:-1} MHC_PERF_CUDA_GRAPH=${MHC_PERF_CUDA_GRAPH:-0} \
+TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8} \
     "$PY" -m pytest -p no:xdist suites/perf --hw "$HW" --benchmark-json="$OUT/perf.json" "$@" || status=$?
 
 # 2. History, regression check, trend plots, and the table for the README.
