@@ -12,7 +12,8 @@ Per sublayer (upstream main's data flow):
 megatron-core 0.16.1 / 0.19.2 split `TransformerLayer.forward` into `_forward_attention` and
 `_forward_mlp` (+ `_forward_pre_mlp_layernorm`, `_forward_post_mlp`); this class overrides
 `_forward_attention`, `_forward_pre_mlp_layernorm`, `_forward_mlp` and `_forward_post_mlp`, and
-keeps selective recompute of the layernorms and of the MLP.
+keeps selective recompute of the layernorms and of the MLP. With `"mhc"` in `recompute_modules`
+`forward` runs inside an mHC recompute group (`mhc_core.recompute`, planned by the block).
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         group = plan.slot.group
         if plan.start or group is None or not group.continues_from(hidden_states):
+            if group is not None:
+                group.close()  # a group that should have ended: let go of its states
             group = plan.slot.group = StreamRecompute(hidden_states)
         self._mhc_group = group
         ended = plan.end
