@@ -25,7 +25,7 @@
 #           per JSON, and the Markdown table.
 # Output ($OUT, default ./gpu_check_out, at most 8 files come back): summary.txt, env.txt,
 # perf-table.md, bench.json and gpu_check.tgz (everything else: parity.txt/.xml, bench.txt,
-# perf*.json, perf*.txt, golden/<hw>/perf/, perf-history.jsonl). To land the figures:
+# megatron.txt/.xml, perf*.json, perf*.txt, golden/<hw>/perf/, perf-history.jsonl). To land the figures:
 # `tar -xzf gpu_check.tgz` and copy golden/<hw>/perf/ into golden/.
 set -uo pipefail
 
@@ -97,6 +97,10 @@ cat "$OUT/env.txt"
 
 STEPS="${MHC_GPU_STEPS:-parity bench perf}"
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
+record() {  # record <step> <exit code>: one line in summary.txt; a failed step fails the script
+    echo "$1: exit $2" >> "$OUT/summary.txt"
+    [[ $2 -ne 0 ]] && status=1
+}
 
 # 2. parity tests (GPU parity + the CPU-side suites of the same directory)
 if has_step parity; then
@@ -104,8 +108,7 @@ timeout 200 "$PY" -m pytest -p no:cacheprovider -q -n 8 --junitxml="$OUT/parity.
     suites/unit/kernels_cutile -k "not test_compile_cubin" > "$OUT/parity.txt" 2>&1
 rc=$?
 tail -5 "$OUT/parity.txt"
-echo "parity: pytest exit $rc" >> "$OUT/summary.txt"
-[[ $rc -ne 0 ]] && status=1
+record parity $rc
 fi
 
 # 3. timing at T=8192, C=4096, n=4, bf16
@@ -114,8 +117,7 @@ timeout 60 "$PY" -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --
     --iters 10 --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
 rc=$?
 cat "$OUT/bench.txt"
-echo "bench: exit $rc" >> "$OUT/summary.txt"
-[[ $rc -ne 0 ]] && status=1
+record bench $rc
 fi
 
 # 3b. the reference core and the megatron integration on the GPU (single process, gloo world of one)
@@ -124,8 +126,7 @@ timeout 150 "$PY" -m pytest -p no:cacheprovider -q -n 4 --junitxml="$OUT/megatro
     suites/unit/core suites/unit/megatron > "$OUT/megatron.txt" 2>&1
 rc=$?
 tail -5 "$OUT/megatron.txt"
-echo "megatron: pytest exit $rc" >> "$OUT/summary.txt"
-[[ $rc -ne 0 ]] && status=1
+record megatron $rc
 fi
 
 # 4. the perf suite: roofline ratios, speed-ups, first perf goldens, history record, table
@@ -142,8 +143,7 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
         --update-golden=all --benchmark-json="$OUT/$1.json" > "$OUT/$1.txt" 2>&1
     local rc=$?
     tail -3 "$OUT/$1.txt"
-    echo "$1: pytest exit $rc" >> "$OUT/summary.txt"
-    [[ $rc -ne 0 ]] && status=1
+    record "$1" $rc
     if [[ -s "$OUT/$1.json" ]]; then
         "$PY" -m harness perf-history append "$OUT/$1.json" --history "$OUT/perf-history.jsonl" --hw "$HW" \
             >> "$OUT/$1.txt" 2>&1
@@ -159,9 +159,8 @@ rm -rf "$OUT/.cutile-cache-not-returned"
 (
     cd "$OUT" || exit 1
     files=()
-    for f in parity.txt parity.xml bench.txt megatron.txt megatron.xml perf.json perf.txt perf-compiled.json perf-compiled.txt \
-             perf-history.jsonl golden; do
-        [[ -e "$f" ]] && files+=("$f")
+    for f in *; do  # everything but the files that come back on their own
+        case "$f" in summary.txt | env.txt | perf-table.md | bench.json | '*') ;; *) files+=("$f") ;; esac
     done
     if [[ ${#files[@]} -gt 0 ]]; then tar -czf gpu_check.tgz "${files[@]}" && rm -rf "${files[@]}"; fi
 )

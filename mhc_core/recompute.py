@@ -27,7 +27,7 @@ the last reference to them has been unpacked.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -113,9 +113,7 @@ class StreamRecompute:
 
         def rebuild(prev: torch.Tensor, saved=saved, rng=rng) -> torch.Tensor:
             h_res_d, h_post_d, y_d, bias_d = saved
-            if rng is None:
-                return hc.post_residual_bda(h_res_d, prev, h_post_d, (y_d, bias_d), dropout_p, training)
-            with rng.replay():
+            with nullcontext() if rng is None else rng.replay():
                 return hc.post_residual_bda(h_res_d, prev, h_post_d, (y_d, bias_d), dropout_p, training)
 
         whole = out.untyped_storage().nbytes() == out.numel() * out.element_size()

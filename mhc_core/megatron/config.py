@@ -58,12 +58,11 @@ class MHCTransformerConfig(TransformerConfig):
     def __post_init__(self) -> None:
         # megatron-core 0.16.1 / 0.19.2 validate recompute_modules against their own list, which
         # lacks upstream main's "mhc": take it out for the base validation, put it back after.
-        modules = self.recompute_modules
-        mhc_recompute = modules is not None and "mhc" in modules
-        if mhc_recompute:
-            self.recompute_modules = [m for m in modules if m != "mhc"]
+        lists_mhc = self._lists_mhc
+        if lists_mhc:
+            self.recompute_modules = [m for m in self.recompute_modules if m != "mhc"]
         super().__post_init__()
-        if mhc_recompute:
+        if lists_mhc:
             self.recompute_modules = [*self.recompute_modules, "mhc"]
         self._validate_mhc_values()
         if self.enable_mhc_connections:
@@ -72,7 +71,7 @@ class MHCTransformerConfig(TransformerConfig):
             for field in ("use_fused_mhc", "mhc_learned_contraction"):
                 if getattr(self, field):
                     raise ValueError(_bad(field, True, "requires enable_mhc_connections=True"))
-            if "mhc" in (self.recompute_modules or []):
+            if self._lists_mhc:
                 raise ValueError(_bad("recompute_modules", self.recompute_modules,
                                       "'mhc' requires enable_mhc_connections=True"))
         if self.mhc_recompute_layer_num is not None and not self.mhc_recompute:
@@ -80,9 +79,14 @@ class MHCTransformerConfig(TransformerConfig):
                                   "needs 'mhc' in recompute_modules with recompute_granularity='selective'"))
 
     @property
+    def _lists_mhc(self) -> bool:
+        """`"mhc"` is in `recompute_modules` (whatever the granularity)."""
+        return "mhc" in (self.recompute_modules or [])
+
+    @property
     def mhc_recompute(self) -> bool:
         """Whether mHC recompute is on: `"mhc"` in `recompute_modules` under selective recompute."""
-        return self.recompute_granularity == "selective" and "mhc" in (self.recompute_modules or [])
+        return self.recompute_granularity == "selective" and self._lists_mhc
 
     def _validate_mhc_values(self) -> None:
         for field in ("mhc_num_residual_streams", "mhc_sinkhorn_iterations"):
@@ -125,7 +129,7 @@ class MHCTransformerConfig(TransformerConfig):
             raise NotImplementedError(_bad("inference_fuse_tp_communication", True, f"not supported {on}"))
         if getattr(self, "fine_grained_activation_offloading", False):
             raise NotImplementedError(_bad("fine_grained_activation_offloading", True, f"not supported {on}"))
-        if "mhc" in (self.recompute_modules or []):
+        if self._lists_mhc:
             if self.recompute_granularity != "selective":
                 raise ValueError(_bad("recompute_modules", self.recompute_modules,
                                       f"'mhc' needs recompute_granularity='selective', got {self.recompute_granularity!r}"))

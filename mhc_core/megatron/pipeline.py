@@ -169,22 +169,23 @@ def _mhc_1f1b(*, model, seq_length, micro_batch_size, decoder_seq_length=None, a
     )
 
 
-def enable_mhc_pipeline() -> None:
-    """Install the n-stream shapes into megatron-core's schedules (idempotent)."""
+def _install(enabled: bool) -> None:
+    """Point megatron-core's schedules at the n-stream (True) or the stock (False) 1F1B and P2P."""
     global _ENABLED
     with _LOCK:
-        schedules.forward_backward_pipelining_without_interleaving = _mhc_1f1b
-        schedules.P2PCommunicator = NStreamP2PCommunicator
-        _ENABLED = True
+        schedules.forward_backward_pipelining_without_interleaving = _mhc_1f1b if enabled else _STOCK_1F1B
+        schedules.P2PCommunicator = NStreamP2PCommunicator if enabled else _STOCK_P2P
+        _ENABLED = enabled
+
+
+def enable_mhc_pipeline() -> None:
+    """Install the n-stream shapes into megatron-core's schedules (idempotent)."""
+    _install(True)
 
 
 def disable_mhc_pipeline() -> None:
     """Restore megatron-core's stock schedules (idempotent)."""
-    global _ENABLED
-    with _LOCK:
-        schedules.forward_backward_pipelining_without_interleaving = _STOCK_1F1B
-        schedules.P2PCommunicator = _STOCK_P2P
-        _ENABLED = False
+    _install(False)
 
 
 def is_mhc_pipeline_enabled() -> bool:

@@ -97,14 +97,15 @@ def _memory(layer: Layer, run) -> dict[str, int | None]:
 def test_layer_overhead(benchmark, backend, reps, monkeypatch):
     """mHC layer fwd+bwd time and its overhead over the plain layer, both measured in this run."""
     recompute = backend.endswith("+recompute")
-    if backend not in ("reference", "reference+recompute"):
+    fused = backend in ("compiled", "cutile")
+    if fused:
         ok, why = dispatch.availability(backend, DEVICE)
         if not ok:
             pytest.skip(f"backend {backend} unavailable: {why}")
         monkeypatch.setenv("MHC_BACKEND", backend)  # use_fused=True would pick cutile on a GPU
     torch.manual_seed(0)
     plain = Layer(None).to(DEVICE, DTYPE)
-    mhc = Layer(N, use_fused=backend not in ("reference", "reference+recompute"), recompute=recompute).to(DEVICE, DTYPE)
+    mhc = Layer(N, use_fused=fused, recompute=recompute).to(DEVICE, DTYPE)
     run, plain_run = _step(mhc, N * HIDDEN), _step(plain, HIDDEN)
     mhc_t, plain_t = paired_samples([run, plain_run], device=DEVICE, reps=reps, warmup=3)
     mem, plain_mem = _memory(mhc, run), _memory(plain, plain_run)
