@@ -19,6 +19,8 @@
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
 #           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 200 s
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 60 s
+#   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
+#           keys from MHC_SWEEP_KEYS) + precision_probe (fp32 mapping error per MMA mode); not default
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
 #           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all:
@@ -128,6 +130,26 @@ cat "$OUT/bench.txt"
 record bench $rc
 fi
 
+# 3a. tile sweep (JIT-compile every candidate in parallel processes, then time them in one) and
+#     the fp32 tensor-core precision probe
+if has_step sweep; then
+SWEEP=(-m mhc_core.kernels.cutile.sweep --tokens 8192 --hidden 4096 --n 4 --dtype bf16)
+SWEEP_KEYS="${MHC_SWEEP_KEYS:-sinkhorn h_aggregate_fwd h_aggregate_bwd h_post_bda_fwd h_post_bda_bwd mapping}"
+for key in $SWEEP_KEYS; do
+    timeout "$(limit sweep-warm 120)" "$PY" "${SWEEP[@]}" --keys "$key" --warm-only > "$OUT/sweep-warm-$key.txt" 2>&1 &
+done
+wait
+timeout "$(limit sweep 150)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr ' ' ,)" --out "$OUT/sweep.json" \
+    > "$OUT/sweep.txt" 2>&1
+rc=$?
+cat "$OUT/sweep.txt"
+record sweep $rc
+timeout "$(limit probe 60)" "$PY" -m mhc_core.kernels.cutile.precision_probe --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
+rc=$?
+cat "$OUT/probe.txt"
+record probe $rc
+fi
+
 # 3b. the reference core and the megatron integration on the GPU (single process, gloo world of one)
 if has_step megatron; then
 timeout "$(limit megatron 150)" "$PY" -m pytest -p no:cacheprovider -q -n 4 --junitxml="$OUT/megatron.xml" \
@@ -168,7 +190,7 @@ rm -rf "$OUT/.cutile-cache-not-returned"
     cd "$OUT" || exit 1
     files=()
     for f in *; do  # everything but the files that come back on their own
-        case "$f" in summary.txt | env.txt | perf-table.md | bench.json | '*') ;; *) files+=("$f") ;; esac
+        case "$f" in summary.txt | env.txt | perf-table.md | bench.json | sweep.json | '*') ;; *) files+=("$f") ;; esac
     done
     if [[ ${#files[@]} -gt 0 ]]; then tar -czf gpu_check.tgz "${files[@]}" && rm -rf "${files[@]}"; fi
 )

@@ -22,10 +22,10 @@ from mhc_core import ops as ref
 from mhc_core.analysis import bytes_moved
 from mhc_core.variants import get_variant
 
-__all__ = ["main"]
+__all__ = ["main", "time_ms", "make_inputs", "op_call"]
 
 
-def _time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -40,8 +40,10 @@ def _time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def _inputs(op: str, t: int, n: int, c: int, act: torch.dtype, variant: str) -> list[torch.Tensor | None]:
-    dev = "cuda"
+def make_inputs(op: str, t: int, n: int, c: int, act: torch.dtype, variant: str,
+                device: str = "cuda") -> list[torch.Tensor | None]:
+    """Random arguments of `op` (reference signature) on `device`."""
+    dev = device
     coef = act if get_variant(variant).coefficients_in_activation_dtype else torch.float32
     big_n = ref.num_mapping_outputs(n)
     if op == "mapping":
@@ -56,7 +58,7 @@ def _inputs(op: str, t: int, n: int, c: int, act: torch.dtype, variant: str) -> 
             torch.randn(c, device=dev, dtype=act)]
 
 
-def _call(ops, op: str, n: int, variant: str, iterations: int) -> Callable:
+def op_call(ops, op: str, n: int, variant: str, iterations: int) -> Callable:
     if op == "mapping":
         return lambda *a: ops.mapping(*a, n, variant)
     if op == "sinkhorn":
@@ -91,14 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for op in args.ops.split(","):
         for backend, ops in (("cutile", cutile.OPS), ("reference", ref)):
-            fn = _call(ops, op, n, args.variant, args.iterations)
-            inputs = [x.requires_grad_(True) if x is not None else None for x in _inputs(op, t, n, c, act, args.variant)]
-            fwd_ms = _time_ms(lambda fn=fn, inputs=inputs: fn(*inputs), args.warmup, args.iters)
+            fn = op_call(ops, op, n, args.variant, args.iterations)
+            inputs = [x.requires_grad_(True) if x is not None else None for x in make_inputs(op, t, n, c, act, args.variant)]
+            fwd_ms = time_ms(lambda fn=fn, inputs=inputs: fn(*inputs), args.warmup, args.iters)
             out = fn(*inputs)
             outs = out if isinstance(out, tuple) else (out,)
             grads = [torch.randn_like(o) for o in outs]
             leaves = [x for x in inputs if x is not None]
-            bwd_ms = _time_ms(
+            bwd_ms = time_ms(
                 lambda outs=outs, grads=grads, leaves=leaves: torch.autograd.grad(outs, leaves, grads, retain_graph=True),
                 args.warmup, args.iters,
             )

@@ -52,11 +52,13 @@ def _mma(a, b, acc, MMA):
     elif MMA == MMA_TF32:
         out = ct.mma(ct.astype(ct.astype(a, F32), ct.tfloat32), ct.astype(ct.astype(b, F32), ct.tfloat32), acc)
     else:
+        # Each product gets its own zero accumulator and joins `acc` with a plain fp32 add: the
+        # tensor cores accumulate with truncation, so chaining `acc` through them loses bits.
         a_hi, a_lo = _split_tf32(ct.astype(a, F32))
         b_hi, b_lo = _split_tf32(ct.astype(b, F32))
-        out = ct.mma(a_lo, b_hi, acc)
-        out = ct.mma(a_hi, b_lo, out)
-        out = ct.mma(a_hi, b_hi, out)
+        small = ct.mma(a_lo, b_hi, ct.zeros(acc.shape, dtype=F32))
+        small = ct.mma(a_hi, b_lo, small)
+        out = acc + (ct.mma(a_hi, b_hi, ct.zeros(acc.shape, dtype=F32)) + small)
     return out
 
 
@@ -194,18 +196,33 @@ def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_pa
     m_end = ct.minimum(m_begin + m_tiles_per_split, m_tiles)
     wt_pp = ct.load(w_pp, index=(0, pk), shape=(2 * N, TILE_K), padding_mode=PAD_ZERO)
     wt_res = ct.load(w_res, index=(0, pk), shape=(N * N, TILE_K), padding_mode=PAD_ZERO)
+    # At n = 2 both heads are 4 wide, under the MMA's k = 8 (grad_x came out wrong on sm_90 with
+    # K = 4 operands): join them into one 8-wide head, the shape n = 4 uses.
+    if N == 2:
+        wt_all = ct.cat((wt_pp, wt_res), axis=0)
+    else:
+        wt_all = wt_pp  # unused
     acc_pp = ct.zeros((2 * N, TILE_K), dtype=F32)
     acc_res = ct.zeros((N * N, TILE_K), dtype=F32)
+    acc_all = ct.zeros((4 * N, TILE_K), dtype=F32)  # 2n + n*n rows at n = 2; unused otherwise
     for mt in range(m_begin, m_end):
         a = ct.load(x, index=(mt, pk), shape=(TILE_M, TILE_K), padding_mode=PAD_ZERO)
         g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
         g_res = _load_f32(gp_res, (mt, 0), (TILE_M, N * N))
         c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
         gx = ct.astype(a, F32) * c
-        gx = _mma(g_pp, wt_pp, gx, MMA)
-        gx = _mma(g_res, wt_res, gx, MMA)
+        if N == 2:
+            g_all = ct.cat((g_pp, g_res), axis=1)
+            gx = _mma(g_all, wt_all, gx, MMA)
+            acc_all = _mma(ct.transpose(g_all), a, acc_all, MMA)
+        else:
+            gx = _mma(g_pp, wt_pp, gx, MMA)
+            gx = _mma(g_res, wt_res, gx, MMA)
+            acc_pp = _mma(ct.transpose(g_pp), a, acc_pp, MMA)
+            acc_res = _mma(ct.transpose(g_res), a, acc_res, MMA)
         ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
-        acc_pp = _mma(ct.transpose(g_pp), a, acc_pp, MMA)
-        acc_res = _mma(ct.transpose(g_res), a, acc_res, MMA)
+    if N == 2:
+        acc_pp = ct.extract(acc_all, (0, 0), shape=(2 * N, TILE_K))
+        acc_res = ct.extract(acc_all, (1, 0), shape=(N * N, TILE_K))
     ct.store(gw_pp_part, index=(ps, 0, pk), tile=ct.reshape(acc_pp, (1, 2 * N, TILE_K)))
     ct.store(gw_res_part, index=(ps, 0, pk), tile=ct.reshape(acc_res, (1, N * N, TILE_K)))

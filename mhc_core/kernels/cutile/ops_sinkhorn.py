@@ -1,7 +1,8 @@
 """cuTile `sinkhorn`: `logits[..., n, n] -> [..., n, n]`, autograd function and wrapper.
 
 Forward and backward are one launch each (`sinkhorn_fwd_kernel`, `sinkhorn_bwd_kernel`); only the
-logits are saved, the backward kernel recomputes the iterations from them.
+logits are saved, the backward kernel replays the iterations from them into an fp32 workspace
+(`[P, B, n, n]`, allocated per call) and walks them backwards.
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ class _SinkhornFn(torch.autograd.Function):
         g = grad_out.to(logits.dtype).reshape(-1, n, n).contiguous()
         grad = torch.empty_like(z)
         tile = tiling.sinkhorn_tile(n)
+        # The kernel's scratch: the input of every normalisation pair, [max(P, 1), B, n, n] fp32.
+        pairs = max(iterations - 1 if code == VARIANT_CODE[Variant.MEGATRON_DEV] else iterations, 1)
+        work = torch.empty((pairs, *z.shape), dtype=torch.float32, device=z.device)
         if z.shape[0]:
             rt.launch(
-                (cdiv(z.shape[0], tile),), "sinkhorn_bwd_kernel", (z, g, grad, iterations, eps, n, tile, code)
+                (cdiv(z.shape[0], tile),), "sinkhorn_bwd_kernel", (z, g, grad, work, iterations, eps, n, tile, code)
             )
         return grad.view(logits.shape), None, None, None, None
 

@@ -31,7 +31,7 @@ class _AggregateFn(torch.autograd.Function):
             rt.launch(
                 (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c)),
                 "h_aggregate_fwd_kernel",
-                (x, h_pre, out, n, tl.tile_t, tl.tile_c),
+                (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.per_stream)),
             )
         ctx.save_for_backward(x, h_pre)
         ctx.rt = rt
@@ -80,7 +80,8 @@ class _PostBdaFn(torch.autograd.Function):
             rt.launch(
                 (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c)),
                 "h_post_bda_fwd_kernel",
-                (h_res, residual, h_post, y, bias_arg, out, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias)),
+                (h_res, residual, h_post, y, bias_arg, out, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias),
+                 int(tl.per_stream)),
             )
         ctx.save_for_backward(h_res, residual, h_post, y, bias_arg)
         ctx.args = (has_bias, transposed, rt)

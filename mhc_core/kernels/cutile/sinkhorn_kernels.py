@@ -10,9 +10,11 @@ Every variant is "a start map, then `P` pairs of normalisations":
 | `megatron_main` (1) | `exp(Z - rowmax)` | row then column, `/ max(sum, eps)` | `iterations` |
 | `megatron_dev` (2) | `softmax(Z) + eps`, then a column step `/ (sum + eps)` | row then column, `/ (sum + eps)` | `iterations - 1` |
 
-The backward kernel gets only the logits (what the autograd function saves) and recomputes on
-chip: for pair `q = P-1 .. 0` it replays the start and `q` pairs, then applies the two step VJPs.
-That is `P (P + 1) / 2` pair evaluations (210 for 20 iterations) on registers, no workspace.
+The backward kernel gets only the logits (what the autograd function saves). It replays the
+forward once, storing the input of every pair into a global workspace `work [P, B, n, n]` (fp32,
+10.5 MB at B = 8192, n = 4, P = 20; it stays in L2), then walks the pairs backwards applying the
+two step VJPs to each stored state: `2P` pair evaluations. (The first version recomputed pair `q`
+from the start for every `q`, `P (P + 1) / 2` = 210 evaluations: 0.25 ms on an H200 at B = 8192.)
 
 Step VJPs (`y = x / d`, `d = guard(sum_a x)`): `g_x = (g - sum_a(g * y) * [guard passes]) / d`,
 where the clamp guard passes where `sum >= eps` (torch's `clamp_min` gradient). Log-domain step
@@ -132,33 +134,29 @@ def sinkhorn_fwd_kernel(logits, out, iterations: int, eps: float,
 
 
 @ct.kernel
-def sinkhorn_bwd_kernel(logits, grad_out, grad_logits, iterations: int, eps: float,
+def sinkhorn_bwd_kernel(logits, grad_out, grad_logits, work, iterations: int, eps: float,
                         N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt):
-    """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]` (recomputes the forward on chip)."""
+    """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]`; `work [max(P, 1), B, n, n]` fp32 scratch."""
     pid = ct.bid(0)
     z = ct.astype(ct.load(logits, index=(pid, 0, 0), shape=(TILE_B, N, N), padding_mode=PAD_ZERO),
                   ct.float32)
     g = ct.astype(ct.load(grad_out, index=(pid, 0, 0), shape=(TILE_B, N, N), padding_mode=PAD_ZERO),
                   ct.float32)
     num_pairs = _num_pairs(iterations, VARIANT)
+    st = _start(z, eps, VARIANT)
+    for q in range(num_pairs):
+        ct.store(work, index=(q, pid, 0, 0), tile=ct.reshape(st, (1, TILE_B, N, N)))
+        st = _pair(st, eps, VARIANT)
     if VARIANT == PAPER:
         # out = exp(L_P): the gradient enters the log domain through the output.
-        fin = z
-        for _ in range(num_pairs):
-            fin = _pair(fin, eps, VARIANT)
-        g = g * ct.exp(fin)
+        g = g * ct.exp(st)
     for qq in range(num_pairs):
         q = num_pairs - 1 - qq
-        st = _start(z, eps, VARIANT)
-        # A `while` loop: cuTile 1.7 fails on `range(q)` whose bound depends on an outer loop
-        # variable (internal error in bytecode generation).
-        done = 0
-        while done < q:
-            st = _pair(st, eps, VARIANT)
-            done = done + 1
-        mid = _norm(st, _first_axis(VARIANT), eps, VARIANT)
+        prev = ct.reshape(ct.load(work, index=(q, pid, 0, 0), shape=(1, TILE_B, N, N), padding_mode=PAD_ZERO),
+                          (TILE_B, N, N))
+        mid = _norm(prev, _first_axis(VARIANT), eps, VARIANT)
         g = _norm_vjp(mid, g, _second_axis(VARIANT), eps, VARIANT)
-        g = _norm_vjp(st, g, _first_axis(VARIANT), eps, VARIANT)
+        g = _norm_vjp(prev, g, _first_axis(VARIANT), eps, VARIANT)
     if VARIANT == MAIN:
         # exp(Z - rowmax), rowmax treated as a constant (the first row step cancels it).
         g = g * ct.exp(z - ct.max(z, axis=ROW, keepdims=True))

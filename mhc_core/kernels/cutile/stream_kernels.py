@@ -39,14 +39,30 @@ def _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS):
     return ct.reshape(yb, (TILE_T, 1, TILE_C))
 
 
+def _load_stream(arr, pt, i, pc, TILE_T, TILE_C):
+    """Stream `i` of `arr [T, n, C]` at tile `(pt, pc)` as `[TILE_T, TILE_C]` fp32."""
+    return ct.reshape(_load_f32(arr, (pt, i, pc), (TILE_T, 1, TILE_C)), (TILE_T, TILE_C))
+
+
 @ct.kernel
-def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt):
-    """`out[t, c] = sum_i h_pre[t, i] x[t, i, c]`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`."""
+def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
+                           PER_STREAM: ConstInt):
+    """`out[t, c] = sum_i h_pre[t, i] x[t, i, c]`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`.
+
+    `PER_STREAM`: one `[TILE_T, TILE_C]` load per stream, summed in registers; else one
+    `[TILE_T, n, TILE_C]` load reduced over its middle axis.
+    """
     pt = ct.bid(0)
     pc = ct.bid(1)
-    xt = _load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
-    h = ct.reshape(_load_f32(h_pre, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
-    acc = ct.sum(xt * h, axis=1)
+    if PER_STREAM:
+        h = _load_f32(h_pre, (pt, 0), (TILE_T, N))
+        acc = ct.zeros((TILE_T, TILE_C), dtype=F32)
+        for i in ct.static_iter(range(N)):
+            acc = acc + ct.extract(h, (0, i), shape=(TILE_T, 1)) * _load_stream(x, pt, i, pc, TILE_T, TILE_C)
+    else:
+        xt = _load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
+        h = ct.reshape(_load_f32(h_pre, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+        acc = ct.sum(xt * h, axis=1)
     ct.store(out, index=(pt, pc), tile=ct.astype(acc, out.dtype))
 
 
@@ -71,22 +87,33 @@ def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
 @ct.kernel
 def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt):
+                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt):
     """`out_i = sum_j M[i, j] residual_j + h_post_i (y + bias)`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`.
 
-    `bias [C]` is read only when `HAS_BIAS` (pass any 1-D array otherwise).
+    `bias [C]` is read only when `HAS_BIAS` (pass any 1-D array otherwise). `PER_STREAM`: each
+    output stream is computed and stored as its own `[TILE_T, TILE_C]` tile.
     """
     pt = ct.bid(0)
     pc = ct.bid(1)
     m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
     res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
-    hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
-    mix = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
-    for j in ct.static_iter(range(N)):
-        mix = mix + ct.extract(m, (0, 0, j), shape=(TILE_T, N, 1)) * ct.extract(
-            res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
-    acc = mix + hp * _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
-    ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
+    yb = _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
+    if PER_STREAM:
+        hp = _load_f32(h_post, (pt, 0), (TILE_T, N))
+        for i in ct.static_iter(range(N)):
+            acc = ct.reshape(ct.extract(hp, (0, i), shape=(TILE_T, 1)), (TILE_T, 1, 1)) * yb
+            for j in ct.static_iter(range(N)):
+                acc = acc + ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)) * ct.extract(
+                    res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
+            ct.store(out, index=(pt, i, pc), tile=ct.astype(acc, out.dtype))
+    else:
+        hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+        mix = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
+        for j in ct.static_iter(range(N)):
+            mix = mix + ct.extract(m, (0, 0, j), shape=(TILE_T, N, 1)) * ct.extract(
+                res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
+        acc = mix + hp * yb
+        ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
 
 
 @ct.kernel

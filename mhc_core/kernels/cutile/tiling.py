@@ -16,10 +16,15 @@ below depend only on `n` and on `C` / `K` through a cap, so every hidden size fr
 
 Split counts (mapping only) are runtime arguments, not constants: enough blocks to cover about
 two waves of the GPU's SMs, while each split keeps at least four K (or token) tiles.
+
+`overridden(...)` replaces any of these choices inside a `with` block (the tile sweep,
+`mhc_core.kernels.cutile.sweep`, uses it to time candidates through the real wrappers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 __all__ = [
@@ -32,6 +37,8 @@ __all__ = [
     "MappingTiles",
     "mapping_tiles",
     "split_count",
+    "TILE_KEYS",
+    "overridden",
 ]
 
 SUPPORTED_N = (2, 4, 8)
@@ -41,6 +48,36 @@ _TILE_ELEMS = 4096
 """Target elements of one `[TILE_T, n, TILE_C]` activation tile."""
 
 
+TILE_KEYS = ("sinkhorn", "h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd", "mapping")
+"""What `overridden` can replace: `sinkhorn` takes an int (`TILE_B`), `mapping` a `MappingTiles`,
+the others a `StreamTiles`."""
+
+_OVERRIDES: dict[str, object] = {}
+
+
+def _is_pow2(v: int) -> bool:
+    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+
+
+@contextmanager
+def overridden(**tiles: object) -> Iterator[None]:
+    """Use the given tiles (keys from `TILE_KEYS`) instead of the heuristics inside the block."""
+    for key, value in tiles.items():
+        if key not in TILE_KEYS:
+            raise ValueError(f"tiling.overridden: unknown key {key!r}; valid: {', '.join(TILE_KEYS)}")
+        dims = (value,) if key == "sinkhorn" else (
+            (value.tile_m, value.tile_k) if key == "mapping" else (value.tile_t, value.tile_c))
+        if not all(_is_pow2(d) for d in dims):
+            raise ValueError(f"tiling.overridden: {key}={value!r}: tile sizes must be powers of two")
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(tiles)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
 def next_pow2(v: int) -> int:
     """Smallest power of two >= max(v, 1)."""
     return 1 << max(int(v) - 1, 0).bit_length()
@@ -48,15 +85,22 @@ def next_pow2(v: int) -> int:
 
 def sinkhorn_tile(n: int) -> int:
     """Matrices per block for the Sinkhorn kernels."""
+    if "sinkhorn" in _OVERRIDES:
+        return _OVERRIDES["sinkhorn"]
     return max(1, min(64, 1024 // (n * n)))
 
 
 @dataclass(frozen=True)
 class StreamTiles:
-    """Tile of the stream kernels: `TILE_T` tokens x `TILE_C` channels (x all n streams)."""
+    """Tile of the stream kernels: `TILE_T` tokens x `TILE_C` channels (x all n streams).
+
+    `per_stream` (forward kernels only): load and store one `[TILE_T, TILE_C]` tile per stream
+    instead of one `[TILE_T, n, TILE_C]` tile (same bytes, no reduction across the middle axis).
+    """
 
     tile_t: int
     tile_c: int
+    per_stream: bool = False
 
 
 def _stream_tiles(n: int, c: int, cap_c: int) -> StreamTiles:
@@ -67,11 +111,15 @@ def _stream_tiles(n: int, c: int, cap_c: int) -> StreamTiles:
 
 def aggregate_tiles(n: int, c: int, direction: str) -> StreamTiles:
     """`h_aggregate` tiles; `direction` is `fwd` or `bwd`."""
+    if f"h_aggregate_{direction}" in _OVERRIDES:
+        return _OVERRIDES[f"h_aggregate_{direction}"]
     return _stream_tiles(n, c, 512 if direction == "fwd" else 256)
 
 
 def post_bda_tiles(n: int, c: int, direction: str) -> StreamTiles:
     """`h_post_bda` tiles; `direction` is `fwd` or `bwd`."""
+    if f"h_post_bda_{direction}" in _OVERRIDES:
+        return _OVERRIDES[f"h_post_bda_{direction}"]
     return _stream_tiles(n, c, 256 if direction == "fwd" else 128)
 
 
@@ -85,7 +133,7 @@ class MappingTiles:
 
 def mapping_tiles(n: int, k: int) -> MappingTiles:
     """The mapping tiles (fixed: the reduction length K = n*C is split at run time)."""
-    return MappingTiles()
+    return _OVERRIDES.get("mapping", MappingTiles())
 
 
 def split_count(blocks: int, tiles: int, num_sms: int, *, min_tiles_per_split: int = 4) -> int:

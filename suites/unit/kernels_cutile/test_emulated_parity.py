@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mhc_core import ops as ref
+from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import EmulatedRuntime
 from mhc_core.variants import Variant
@@ -119,6 +120,38 @@ def test_h_post_bda_n8(emu):
         torch.float32,
         input_names=POST_BDA_INPUT_NAMES,
     )
+
+
+@pytest.mark.parametrize("op", ["h_aggregate", "h_post_bda"])
+def test_per_stream_forward(emu, op):
+    """The per-stream forward formulation (`StreamTiles.per_stream`) matches the reference too."""
+    t, n, c = 21, 4, 300
+    tiles = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=True)
+    if op == "h_aggregate":
+        kernel, oracle, inputs, names = emu.h_aggregate, ref.h_aggregate, aggregate_inputs(
+            t, n, c, torch.bfloat16, torch.float32, "cpu"), ("x", "h_pre")
+    else:
+        kernel = lambda *a: emu.h_post_bda(*a, 0.0, False, Variant.MEGATRON_DEV)  # noqa: E731
+        oracle = lambda *a: ref.h_post_bda(*a, 0.0, False, Variant.MEGATRON_DEV)  # noqa: E731
+        inputs = post_bda_inputs(t, n, c, torch.bfloat16, torch.float32, True, "cpu")
+        names = POST_BDA_INPUT_NAMES
+    with tiling.overridden(**{f"{op}_fwd": tiles}):
+        compare(f"{op} per-stream", kernel, oracle, inputs, torch.bfloat16, input_names=names)
+
+
+def test_tile_override_is_scoped_and_checked():
+    """`tiling.overridden` applies inside its block only and refuses tiles that are not powers of two."""
+    default = tiling.aggregate_tiles(4, 4096, "fwd")
+    with tiling.overridden(h_aggregate_fwd=tiling.StreamTiles(tile_t=16, tile_c=256), sinkhorn=8):
+        assert tiling.aggregate_tiles(4, 4096, "fwd") == tiling.StreamTiles(tile_t=16, tile_c=256)
+        assert tiling.sinkhorn_tile(4) == 8
+    assert tiling.aggregate_tiles(4, 4096, "fwd") == default
+    with pytest.raises(ValueError, match="powers of two"):
+        with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(tile_t=3, tile_c=128)):
+            pass
+    with pytest.raises(ValueError, match="unknown key"):
+        with tiling.overridden(h_aggregate=8):
+            pass
 
 
 MAPPING_SHAPES = [

@@ -1,0 +1,166 @@
+"""Tile-size sweep of the cuTile kernels (GPU only): time each candidate through the real wrappers.
+
+    python -m mhc_core.kernels.cutile.sweep --tokens 8192 --hidden 4096 --n 4 --dtype bf16 --out sweep.json
+    python -m mhc_core.kernels.cutile.sweep --keys sinkhorn,mapping --warm-only   # JIT-compile only
+
+Each candidate replaces one `tiling` choice (`tiling.overridden`) and times the op it drives:
+`*_fwd` keys the forward, `*_bwd` keys the backward alone (replayed on a retained graph), and
+`sinkhorn` / `mapping` (one tile for both) both directions. Per row: the median of single
+CUDA-event-timed calls (`single_ms`, CPU launch cost included when the GPU waits for it), the mean
+of back-to-back calls (`pipelined_ms`, the kernel's own time once the launch is hidden) and GB/s
+of the pipelined time against `mhc_core.analysis.bytes_moved`. The first candidate of each key
+is the current default. `--warm-only` runs each candidate once (JIT compile into the on-disk
+cache), so several processes can compile disjoint `--keys` in parallel before one timing run.
+Benchmarks measure; nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+from mhc_core.analysis import bytes_moved
+from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.bench import make_inputs, op_call
+
+__all__ = ["CANDIDATES", "main", "timers"]
+
+_S = tiling.StreamTiles
+CANDIDATES: dict[str, tuple] = {
+    "sinkhorn": (64, 32, 16, 8, 4),
+    "h_aggregate_fwd": (_S(2, 512), _S(8, 256), _S(16, 256), _S(4, 512, True), _S(8, 256, True),
+                        _S(16, 256, True), _S(16, 512, True), _S(32, 128, True), _S(8, 1024, True)),
+    "h_aggregate_bwd": (_S(4, 256), _S(8, 256), _S(16, 128), _S(2, 512), _S(8, 512)),
+    "h_post_bda_fwd": (_S(4, 256), _S(8, 256), _S(16, 128), _S(4, 256, True), _S(8, 256, True),
+                       _S(16, 128, True), _S(8, 512, True), _S(16, 256, True)),
+    "h_post_bda_bwd": (_S(8, 128), _S(4, 256), _S(16, 128), _S(16, 64), _S(32, 64)),
+    "mapping": (tiling.MappingTiles(64, 128), tiling.MappingTiles(128, 128), tiling.MappingTiles(64, 256),
+                tiling.MappingTiles(128, 64), tiling.MappingTiles(32, 128)),
+}
+"""Candidates per `tiling` key (the first is the heuristic's choice at n = 4, C >= 512)."""
+
+
+def _pipelined_ms(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _single_ms(fn: Callable[[], object], iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _directions(key: str) -> tuple[str, ...]:
+    if key.endswith("_fwd"):
+        return ("fwd",)
+    if key.endswith("_bwd"):
+        return ("bwd",)
+    return ("fwd", "bwd")
+
+
+def _op(key: str) -> str:
+    return key.removesuffix("_fwd").removesuffix("_bwd")
+
+
+def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str, iterations: int,
+           device: str = "cuda") -> dict[str, Callable[[], object]]:
+    """`{direction: fn}` timing `key`'s op with the ops bundle `ops`, on fresh inputs."""
+    op = _op(key)
+    fn = op_call(ops, op, n, variant, iterations)
+    inputs = [x.requires_grad_(True) if x is not None else None
+              for x in make_inputs(op, t, n, c, act, variant, device)]
+    out: dict[str, Callable[[], object]] = {}
+    if "fwd" in _directions(key):
+        def fwd():
+            with torch.no_grad():
+                return fn(*inputs)
+        out["fwd"] = fwd
+    if "bwd" in _directions(key):
+        res = fn(*inputs)
+        outs = res if isinstance(res, tuple) else (res,)
+        grads = [torch.randn_like(o) for o in outs]
+        leaves = [x for x in inputs if x is not None]
+        out["bwd"] = lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--variant", default="megatron_dev")
+    p.add_argument("--iterations", type=int, default=20, help="Sinkhorn iterations")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--keys", default=",".join(CANDIDATES), help=f"comma-separated, from {', '.join(CANDIDATES)}")
+    p.add_argument("--warm-only", action="store_true", help="run each candidate once (JIT compile), no timing")
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+
+    import mhc_core.kernels.cutile as cutile
+
+    ok, why = cutile.availability()
+    if not ok:
+        print(f"sweep: cuTile unavailable: {why}", file=sys.stderr)
+        return 2
+    keys = args.keys.split(",")
+    unknown = [k for k in keys if k not in CANDIDATES]
+    if unknown:
+        p.error(f"--keys: unknown {', '.join(unknown)}; valid: {', '.join(CANDIDATES)}")
+    act = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    t, n, c = args.tokens, args.n, args.hidden
+    rows = []
+    for key in keys:
+        for cand in CANDIDATES[key]:
+            label = f"{key}={cand}"
+            try:
+                with tiling.overridden(**{key: cand}):
+                    fns = timers(cutile.OPS, key, t, n, c, act, args.variant, args.iterations)
+                    for direction, fn in fns.items():
+                        if args.warm_only:
+                            fn()
+                            torch.cuda.synchronize()
+                            print(f"warm {label} {direction}", flush=True)
+                            continue
+                        piped = _pipelined_ms(fn, args.iters)
+                        single = _single_ms(fn, args.iters)
+                        model = bytes_moved(_op(key), direction, tokens=t, n=n, hidden=c, act_bytes=act.itemsize,
+                                            with_bias=_op(key) == "h_post_bda").total
+                        rows.append({"key": key, "tiles": repr(cand), "direction": direction,
+                                     "single_ms": round(single, 4), "pipelined_ms": round(piped, 4),
+                                     "gb_per_s": round(model / (piped * 1e6), 1)})
+                        print(f"{label:60s} {direction} single {single:8.4f} ms  pipelined {piped:8.4f} ms "
+                              f"{model / (piped * 1e6):8.1f} GB/s", flush=True)
+            except Exception as exc:  # a candidate that does not compile or spills is a result too
+                rows.append({"key": key, "tiles": repr(cand), "error": f"{type(exc).__name__}: {exc}"[:400]})
+                print(f"{label:60s} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            torch.cuda.empty_cache()
+    if args.out and not args.warm_only:
+        with open(args.out, "w") as f:
+            json.dump({"tokens": t, "n": n, "hidden": c, "dtype": args.dtype, "variant": args.variant,
+                       "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
