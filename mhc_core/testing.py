@@ -12,7 +12,7 @@ import torch
 
 __all__ = ["Tolerance", "tolerance", "assert_close", "cosine_similarity", "assert_cosine"]
 
-Kind = Literal["fwd", "bwd"]
+Kind = Literal["fwd", "bwd", "proj"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +34,11 @@ _TABLE: dict[tuple[torch.dtype, Kind], Tolerance] = {
     (torch.float64, "bwd"): Tolerance(atol=1e-10, rtol=1e-8),
     (torch.float32, "fwd"): Tolerance(atol=1e-5, rtol=1e-5),
     (torch.float32, "bwd"): Tolerance(atol=1e-4, rtol=1e-4),
+    # Outputs of a long projection (the mapping's K = n*C, up to 32k terms) from two fp32
+    # implementations that sum in different orders. Measured on an H200 at K = 4096: cuTile
+    # (3xTF32) 6.6e-6 and torch's fp32 matmul 5.3e-6 max abs error against fp64, on logits up to
+    # ~5; at K = 8192 the two differ by up to 2.3e-5.
+    (torch.float32, "proj"): Tolerance(atol=5e-5, rtol=1e-5),
     # bf16 / fp16: the tolerances upstream's fused-kernel tests use (FWD 2e-2, BWD 5e-2).
     (torch.bfloat16, "fwd"): Tolerance(atol=2e-2, rtol=2e-2),
     (torch.bfloat16, "bwd"): Tolerance(atol=5e-2, rtol=5e-2),
@@ -46,7 +51,10 @@ COSINE_MIN = 0.999
 
 
 def tolerance(dtype: torch.dtype, kind: Kind = "fwd") -> Tolerance:
-    """The tolerance for comparing a `dtype` result of kind `fwd` (outputs) or `bwd` (gradients)."""
+    """The tolerance for comparing a `dtype` result of kind `fwd` (outputs), `bwd` (gradients) or
+    `proj` (outputs of a long projection: wider than `fwd` in fp32 only)."""
+    if kind == "proj" and (dtype, kind) not in _TABLE:
+        kind = "fwd"
     try:
         return _TABLE[(dtype, kind)]
     except KeyError:

@@ -35,7 +35,7 @@ class _MappingFn(torch.autograd.Function):
         t, k = x.shape
         dev = x.device
         f32 = torch.float32
-        tl = tiling.mapping_tiles(n, k)
+        tl = tiling.mapping_tiles(n, k, "fwd")
         m_blocks, k_tiles = cdiv(t, tl.tile_m), cdiv(k, tl.tile_k)
         splits = tiling.split_count(m_blocks, k_tiles, rt.num_sms(dev))
         per_split = cdiv(k_tiles, splits)
@@ -77,7 +77,7 @@ class _MappingFn(torch.autograd.Function):
         dev = x.device
         f32 = torch.float32
         grads = (g.contiguous() for g in (grad_pre, grad_post, grad_res))
-        tl = tiling.mapping_tiles(n, k)
+        tl = tiling.mapping_tiles(n, k, "bwd")
         m_blocks, k_tiles = cdiv(t, tl.tile_m), cdiv(k, tl.tile_k)
         gp_pp = torch.empty((t, 2 * n), dtype=f32, device=dev)
         gp_res = torch.empty((t, n * n), dtype=f32, device=dev)

@@ -8,11 +8,24 @@ below depend only on `n` and on `C` / `K` through a cap, so every hidden size fr
 | kernel | constants | rule |
 |---|---|---|
 | sinkhorn fwd / bwd | `TILE_B` matrices per block | `1024 // (n*n)` capped at 64: n=2,4 -> 64, n=8 -> 16 (about 1k fp32 values per live tile) |
-| h_aggregate fwd | `TILE_T x n x TILE_C` | `TILE_C = min(512, pow2(C))`, `TILE_T = 4096 // (n * TILE_C)` clamped to [1, 16] |
-| h_aggregate bwd | same, `TILE_C` capped at 256 | one block per token tile walks all of C (grad_h needs no second pass) |
-| h_post_bda fwd | `TILE_C = min(256, pow2(C))`, `TILE_T = 4096 // (n * TILE_C)` | |
-| h_post_bda bwd | `TILE_C = min(128, pow2(C))`, `TILE_T = 4096 // (n * TILE_C)` | 8 tokens per block at n=4: the fp32 bias partials are `T/8 x C` |
-| mapping (all four) | `TILE_M = 64`, `TILE_K = 128` | K splits / token splits are runtime values (`split_count`) |
+| h_aggregate fwd | `TILE_T x n x TILE_C`, per stream | `TILE_C = min(256, pow2(C))`, `TILE_T = 8192 // (n * TILE_C)` clamped to [1, 32] |
+| h_aggregate bwd | same, whole tile | one block per token tile walks all of C (grad_h needs no second pass) |
+| h_post_bda fwd | `TILE_C = min(256, pow2(C))`, `TILE_T = 4096 // (n * TILE_C)`, per stream | |
+| h_post_bda bwd | `TILE_C = min(64, pow2(C))`, `TILE_T = 8192 // (n * TILE_C)` | many tokens, few channels: the fp32 bias partials are `T/TILE_T x C` |
+| mapping fwd | `TILE_M = 64`, `TILE_K = 128` | K splits are a runtime value (`split_count`) |
+| mapping bwd | `TILE_M = 32`, `TILE_K = 128` | token splits are a runtime value |
+
+The constants at n = 4, C >= 256 are the fastest candidates of the tile sweep
+(`mhc_core.kernels.cutile.sweep`) on an H200 at T = 8192, C = 4096, bf16 (ms of the
+pipelined op; the first column was the previous default):
+
+| key | previous | chosen | speed-up |
+|---|---|---|---|
+| h_aggregate fwd | (2, 512) whole tile 0.823 | (8, 256) per stream 0.156 | 5.3x |
+| h_aggregate bwd | (4, 256) 0.206 | (8, 256) 0.183 | 1.1x |
+| h_post_bda fwd | (4, 256) whole tile 0.470 | (4, 256) per stream 0.366 | 1.3x |
+| h_post_bda bwd | (8, 128) 1.628 | (32, 64) 0.926 | 1.8x |
+| mapping bwd | (64, 128) 1.696 | (32, 128) 1.004 | 1.7x |
 
 Split counts (mapping only) are runtime arguments, not constants: enough blocks to cover about
 two waves of the GPU's SMs, while each split keeps at least four K (or token) tiles.
@@ -48,8 +61,9 @@ _TILE_ELEMS = 4096
 """Target elements of one `[TILE_T, n, TILE_C]` activation tile."""
 
 
-TILE_KEYS = ("sinkhorn", "h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd", "mapping")
-"""What `overridden` can replace: `sinkhorn` takes an int (`TILE_B`), `mapping` a `MappingTiles`,
+TILE_KEYS = ("sinkhorn", "h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd",
+             "mapping_fwd", "mapping_bwd")
+"""What `overridden` can replace: `sinkhorn` takes an int (`TILE_B`), `mapping_*` a `MappingTiles`,
 the others a `StreamTiles`."""
 
 _OVERRIDES: dict[str, object] = {}
@@ -66,7 +80,7 @@ def overridden(**tiles: object) -> Iterator[None]:
         if key not in TILE_KEYS:
             raise ValueError(f"tiling.overridden: unknown key {key!r}; valid: {', '.join(TILE_KEYS)}")
         dims = (value,) if key == "sinkhorn" else (
-            (value.tile_m, value.tile_k) if key == "mapping" else (value.tile_t, value.tile_c))
+            (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
         if not all(_is_pow2(d) for d in dims):
             raise ValueError(f"tiling.overridden: {key}={value!r}: tile sizes must be powers of two")
     saved = dict(_OVERRIDES)
@@ -103,24 +117,26 @@ class StreamTiles:
     per_stream: bool = False
 
 
-def _stream_tiles(n: int, c: int, cap_c: int) -> StreamTiles:
+def _stream_tiles(n: int, c: int, cap_c: int, elems: int, per_stream: bool = False) -> StreamTiles:
     tile_c = min(cap_c, next_pow2(c))
-    tile_t = max(1, min(16, _TILE_ELEMS // (n * tile_c)))  # powers of two throughout
-    return StreamTiles(tile_t=tile_t, tile_c=tile_c)
+    tile_t = max(1, min(32, elems // (n * tile_c)))  # powers of two throughout
+    return StreamTiles(tile_t=tile_t, tile_c=tile_c, per_stream=per_stream)
 
 
 def aggregate_tiles(n: int, c: int, direction: str) -> StreamTiles:
     """`h_aggregate` tiles; `direction` is `fwd` or `bwd`."""
     if f"h_aggregate_{direction}" in _OVERRIDES:
         return _OVERRIDES[f"h_aggregate_{direction}"]
-    return _stream_tiles(n, c, 512 if direction == "fwd" else 256)
+    return _stream_tiles(n, c, 256, 8192, per_stream=direction == "fwd")
 
 
 def post_bda_tiles(n: int, c: int, direction: str) -> StreamTiles:
     """`h_post_bda` tiles; `direction` is `fwd` or `bwd`."""
     if f"h_post_bda_{direction}" in _OVERRIDES:
         return _OVERRIDES[f"h_post_bda_{direction}"]
-    return _stream_tiles(n, c, 256 if direction == "fwd" else 128)
+    if direction == "fwd":
+        return _stream_tiles(n, c, 256, 4096, per_stream=True)
+    return _stream_tiles(n, c, 64, 8192)
 
 
 @dataclass(frozen=True)
@@ -131,9 +147,10 @@ class MappingTiles:
     tile_k: int = 128
 
 
-def mapping_tiles(n: int, k: int) -> MappingTiles:
-    """The mapping tiles (fixed: the reduction length K = n*C is split at run time)."""
-    return _OVERRIDES.get("mapping", MappingTiles())
+def mapping_tiles(n: int, k: int, direction: str) -> MappingTiles:
+    """The mapping tiles for `direction` (`fwd` or `bwd`; fixed: K = n*C is split at run time)."""
+    default = MappingTiles() if direction == "fwd" else MappingTiles(tile_m=32)
+    return _OVERRIDES.get(f"mapping_{direction}", default)
 
 
 def split_count(blocks: int, tiles: int, num_sms: int, *, min_tiles_per_split: int = 4) -> int:

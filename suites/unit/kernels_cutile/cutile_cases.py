@@ -47,8 +47,9 @@ def compare(
     input_names: Sequence[str],
     cosine_inputs: Sequence[str] = (),
     oracle_fn: Callable | None = None,
+    out_kind: str = "fwd",
 ) -> None:
-    """Forward outputs and every input gradient of `kernel_fn` against `reference_fn`."""
+    """Forward outputs (tolerance kind `out_kind`) and every input gradient of `kernel_fn` against `reference_fn`."""
     k_out, k_grad, grads = _run(kernel_fn, inputs, None)
     r_out, r_grad, _ = _run(reference_fn, inputs, grads)
     if oracle_fn is not None:
@@ -59,7 +60,7 @@ def compare(
         r_out = [o.to(k.dtype) for o, k in zip(o_out, k_out, strict=True)]
         r_grad = [None if g is None else g.to(k.dtype) for g, k in zip(o_grad, k_grad, strict=True)]
     for i, (a, b) in enumerate(zip(k_out, r_out, strict=True)):
-        assert_close(f"{name}: output {i}", a, b, tolerance(dtype, "fwd"))
+        assert_close(f"{name}: output {i}", a, b, tolerance(dtype, out_kind))
     for i, (a, b) in enumerate(zip(k_grad, r_grad, strict=True)):
         if a is None and b is None:
             continue

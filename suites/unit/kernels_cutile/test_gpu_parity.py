@@ -107,6 +107,7 @@ def test_mapping(n, variant, dtype, t, c):
         input_names=MAPPING_INPUT_NAMES,
         cosine_inputs=MAPPING_COSINE,
         oracle_fn=oracle,
+        out_kind="proj",
     )
 
 
