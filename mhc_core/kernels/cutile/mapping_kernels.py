@@ -213,28 +213,41 @@ def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_pa
     m_end = ct.minimum(m_begin + m_tiles_per_split, m_tiles)
     wt_pp = ct.load(w_pp, index=(0, pk), shape=(2 * N, TILE_K), padding_mode=PAD_ZERO)
     wt_res = ct.load(w_res, index=(0, pk), shape=(N * N, TILE_K), padding_mode=PAD_ZERO)
+    # At n = 2 both heads are 4 wide, under the MMA's k = 8: a K = 4 MMA gave a wrong grad_x on
+    # sm_90. With TF32 operands the two heads are joined into one 8-wide operand (ct.cat; the shape
+    # n = 4 uses; passed the H200 parity run); with 3xTF32 that join hit a tileiras 13.4 loop
+    # scheduling error, so the fp32 path does eight fp32 FMAs per element instead (exact fp32).
+    if N == 2:
+        wt_all = ct.cat((wt_pp, wt_res), axis=0)
+    else:
+        wt_all = wt_pp  # unused
     acc_pp = ct.zeros((2 * N, TILE_K), dtype=F32)
     acc_res = ct.zeros((N * N, TILE_K), dtype=F32)
+    acc_all = ct.zeros((4 * N, TILE_K), dtype=F32)  # 2n + n*n rows at n = 2; unused otherwise
     for mt in range(m_begin, m_end):
         a = ct.load(x, index=(mt, pk), shape=(TILE_M, TILE_K), padding_mode=PAD_ZERO)
         g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
         g_res = _load_f32(gp_res, (mt, 0), (TILE_M, N * N))
         c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
         gx = ct.astype(a, F32) * c
-        if N == 2:
-            # Both heads are 4 wide, under the MMA's k = 8: a K = 4 MMA gave a wrong grad_x on
-            # sm_90, and joining the heads into one 8-wide operand (ct.cat) hit a tileiras 13.4
-            # scheduling error with 3xTF32. Eight fp32 FMAs per element instead (exact fp32).
+        if N == 2 and MMA == MMA_3XTF32:
             af = ct.astype(a, F32)
             gx = _fma_rows(g_pp, wt_pp, gx, 2 * N, TILE_M)
             gx = _fma_rows(g_res, wt_res, gx, N * N, TILE_M)
             acc_pp = acc_pp + _fma_cols(g_pp, af, 2 * N, TILE_M)
             acc_res = acc_res + _fma_cols(g_res, af, N * N, TILE_M)
+        elif N == 2:
+            g_all = ct.cat((g_pp, g_res), axis=1)
+            gx = _mma(g_all, wt_all, gx, MMA)
+            acc_all = _mma(ct.transpose(g_all), a, acc_all, MMA)
         else:
             gx = _mma(g_pp, wt_pp, gx, MMA)
             gx = _mma(g_res, wt_res, gx, MMA)
             acc_pp = _mma(ct.transpose(g_pp), a, acc_pp, MMA)
             acc_res = _mma(ct.transpose(g_res), a, acc_res, MMA)
         ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
+    if N == 2 and MMA != MMA_3XTF32:
+        acc_pp = ct.extract(acc_all, (0, 0), shape=(2 * N, TILE_K))
+        acc_res = ct.extract(acc_all, (1, 0), shape=(N * N, TILE_K))
     ct.store(gw_pp_part, index=(ps, 0, pk), tile=ct.reshape(acc_pp, (1, 2 * N, TILE_K)))
     ct.store(gw_res_part, index=(ps, 0, pk), tile=ct.reshape(acc_res, (1, N * N, TILE_K)))
