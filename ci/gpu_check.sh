@@ -14,17 +14,17 @@
 # unpacks the toolchain into $TMPDIR/cutile-ctk and puts it on PATH / CUDA_HOME, where cuda.tile
 # finds it (its pip-wheel lookup needs all three nvidia packages; PATH comes next).
 #
-# Steps (MHC_GPU_STEPS, default "parity bench perf"; each has its own timeout, the sum < 10 min;
+# Steps (MHC_GPU_STEPS, default "parity bench sweep perf"; each has its own timeout, the sum < 10 min;
 # MHC_GPU_TIMEOUT_<STEP> overrides one, e.g. MHC_GPU_TIMEOUT_PARITY=150, so a call fits a device budget):
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
-#           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 200 s
-#   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 60 s
+#           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 100 s
+#   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
-#           keys from MHC_SWEEP_KEYS) + precision_probe (fp32 mapping error per MMA mode); not default
+#           keys from MHC_SWEEP_KEYS; 50 s + 100 s) + precision_probe (fp32 mapping error per MMA mode, 20 s)
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
 #           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all:
-#           first reference + cutile (180 s), then compiled (Inductor/Triton compiles, 120 s), each to
+#           first reference + cutile (130 s), then compiled (Inductor/Triton compiles, 110 s), each to
 #           its own pytest-benchmark JSON; records golden/<hw>/perf/*.json, one perf-history record
 #           per JSON, and the Markdown table.
 # Output ($OUT, default ./gpu_check_out, at most 8 files come back): summary.txt, env.txt,
@@ -99,7 +99,7 @@ print("availability", c.availability())
 EOF
 cat "$OUT/env.txt"
 
-STEPS="${MHC_GPU_STEPS:-parity bench perf}"
+STEPS="${MHC_GPU_STEPS:-parity bench sweep perf}"
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
 limit() {  # limit <step> <default seconds>: MHC_GPU_TIMEOUT_<STEP> or the default
     local var="MHC_GPU_TIMEOUT_${1^^}"
@@ -113,7 +113,7 @@ record() {  # record <step> <exit code>: one line in summary.txt; a failed step 
 
 # 2. parity tests (GPU parity + the CPU-side suites of the same directory)
 if has_step parity; then
-timeout "$(limit parity 200)" "$PY" -m pytest -p no:cacheprovider -q -n 16 --junitxml="$OUT/parity.xml" \
+timeout "$(limit parity 100)" "$PY" -m pytest -p no:cacheprovider -q -n 16 --junitxml="$OUT/parity.xml" \
     suites/unit/kernels_cutile/test_gpu_parity.py suites/unit/kernels_cutile/test_contract.py \
     > "$OUT/parity.txt" 2>&1
 rc=$?
@@ -123,7 +123,7 @@ fi
 
 # 3. timing at T=8192, C=4096, n=4, bf16
 if has_step bench; then
-timeout "$(limit bench 60)" "$PY" -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 \
+timeout "$(limit bench 30)" "$PY" -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 \
     --iters 10 --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
 rc=$?
 cat "$OUT/bench.txt"
@@ -134,17 +134,17 @@ fi
 #     the fp32 tensor-core precision probe
 if has_step sweep; then
 SWEEP=(-m mhc_core.kernels.cutile.sweep --tokens 8192 --hidden 4096 --n 4 --dtype bf16)
-SWEEP_KEYS="${MHC_SWEEP_KEYS:-sinkhorn h_aggregate_fwd h_aggregate_bwd h_post_bda_fwd h_post_bda_bwd mapping}"
+SWEEP_KEYS="${MHC_SWEEP_KEYS:-$("$PY" -c 'from mhc_core.kernels.cutile.sweep import CANDIDATES; print(*CANDIDATES)')}"
 for key in $SWEEP_KEYS; do
-    timeout "$(limit sweep-warm 120)" "$PY" "${SWEEP[@]}" --keys "$key" --warm-only > "$OUT/sweep-warm-$key.txt" 2>&1 &
+    timeout "$(limit sweep-warm 50)" "$PY" "${SWEEP[@]}" --keys "$key" --warm-only > "$OUT/sweep-warm-$key.txt" 2>&1 &
 done
 wait
-timeout "$(limit sweep 150)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr ' ' ,)" --out "$OUT/sweep.json" \
+timeout "$(limit sweep 100)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr ' ' ,)" --out "$OUT/sweep.json" \
     > "$OUT/sweep.txt" 2>&1
 rc=$?
 cat "$OUT/sweep.txt"
 record sweep $rc
-timeout "$(limit probe 60)" "$PY" -m mhc_core.kernels.cutile.precision_probe --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
+timeout "$(limit probe 20)" "$PY" -m mhc_core.kernels.cutile.precision_probe --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
 rc=$?
 cat "$OUT/probe.txt"
 record probe $rc
@@ -180,8 +180,8 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
         "$PY" -m suites.perf.table "$OUT/$1.json" >> "$OUT/perf-table.md"
     fi
 }
-perf_run perf 180 "not compiled"
-perf_run perf-compiled 120 "compiled"
+perf_run perf 130 "not compiled"
+perf_run perf-compiled 110 "compiled"
 cat "$OUT/perf-table.md" 2>/dev/null
 fi
 

@@ -28,7 +28,8 @@ class _SinkhornFn(torch.autograd.Function):
         out = torch.empty_like(z)
         tile = tiling.sinkhorn_tile(n)
         if z.shape[0]:
-            rt.launch((cdiv(z.shape[0], tile),), "sinkhorn_fwd_kernel", (z, out, iterations, eps, n, tile, code))
+            rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_fwd_kernel",
+                      (z, out, iterations, eps, n, tile.tile_b, code, int(tile.batch_last)))
         ctx.save_for_backward(logits)
         ctx.args = (iterations, eps, code, rt)
         return out.view(logits.shape)
@@ -47,7 +48,8 @@ class _SinkhornFn(torch.autograd.Function):
         work = torch.empty((pairs, *z.shape), dtype=torch.float32, device=z.device)
         if z.shape[0]:
             rt.launch(
-                (cdiv(z.shape[0], tile),), "sinkhorn_bwd_kernel", (z, g, grad, work, iterations, eps, n, tile, code)
+                (cdiv(z.shape[0], tile.tile_b),), "sinkhorn_bwd_kernel",
+                (z, g, grad, work, iterations, eps, n, tile.tile_b, code, int(tile.batch_last)),
             )
         return grad.view(logits.shape), None, None, None, None
 

@@ -31,8 +31,8 @@ from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, 
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 
-__all__ = ["PlannedLaunch", "KernelCase", "signature_plan", "kernel_cases", "to_signature", "REPRESENTATIVE_T",
-           "REPRESENTATIVE_C"]
+__all__ = ["PlannedLaunch", "KernelCase", "signature_plan", "alternative_plan", "ALTERNATIVE_TILES", "kernel_cases",
+           "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C"]
 
 REPRESENTATIVE_T = 64
 REPRESENTATIVE_C = (512, 64)
@@ -105,12 +105,8 @@ def _record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int,
                     )
 
 
-@functools.cache
-def signature_plan(ns: tuple[int, ...] = tiling.SUPPORTED_N, t: int = REPRESENTATIVE_T,
-                   cs: tuple[int, ...] = REPRESENTATIVE_C) -> tuple[PlannedLaunch, ...]:
-    """Distinct launches of all four ops, forward and backward (CPU only, no `cuda.tile`)."""
-    rec = RecordingRuntime()
-    _record_all(rec, ns, t, cs)
+def _distinct(rec: RecordingRuntime, prefix: str = "") -> tuple[PlannedLaunch, ...]:
+    """Each distinct (kernel, argument kinds) pair of `rec`'s launches once, under its first id."""
     seen: dict[tuple, PlannedLaunch] = {}
     for launch in rec.launches:
         key = (launch.kernel_name, launch.args)
@@ -118,9 +114,40 @@ def signature_plan(ns: tuple[int, ...] = tiling.SUPPORTED_N, t: int = REPRESENTA
             continue
         op, tag, direction = launch.label.split("|")
         role = _ROLE.get(launch.kernel_name)
-        ident = f"{op}-{direction}-{tag}" + (f"-{role}" if role else "")
+        ident = f"{prefix}{op}-{direction}-{tag}" + (f"-{role}" if role else "")
         seen[key] = PlannedLaunch(id=ident, kernel_name=launch.kernel_name, args=launch.args)
     return tuple(seen.values())
+
+
+@functools.cache
+def signature_plan(ns: tuple[int, ...] = tiling.SUPPORTED_N, t: int = REPRESENTATIVE_T,
+                   cs: tuple[int, ...] = REPRESENTATIVE_C) -> tuple[PlannedLaunch, ...]:
+    """Distinct launches of all four ops, forward and backward (CPU only, no `cuda.tile`)."""
+    rec = RecordingRuntime()
+    _record_all(rec, ns, t, cs)
+    return _distinct(rec)
+
+
+ALTERNATIVE_TILES = {
+    "sinkhorn": tiling.SinkhornTiles(tile_b=64, batch_last=True),
+    "h_aggregate_fwd": tiling.StreamTiles(tile_t=2, tile_c=512),
+    "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256),
+}
+"""The formulations the tile sweep can pick besides the defaults: batch-last Sinkhorn and the
+whole-tile (not per-stream) stream forwards."""
+
+
+@functools.cache
+def alternative_plan(n: int = 4) -> tuple[PlannedLaunch, ...]:
+    """Launches (ids prefixed `alt-`) of the `ALTERNATIVE_TILES` formulations at `n`, C = 512 that
+    the default plan does not hold."""
+    rec = RecordingRuntime()
+    with tiling.overridden(**ALTERNATIVE_TILES):
+        _record_all(rec, (n,), REPRESENTATIVE_T, REPRESENTATIVE_C[:1])
+    default = {(p.kernel_name, p.args) for p in signature_plan()}
+    kernels = {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "h_aggregate_fwd_kernel", "h_post_bda_fwd_kernel"}
+    return tuple(p for p in _distinct(rec, prefix="alt-")
+                 if p.kernel_name in kernels and (p.kernel_name, p.args) not in default)
 
 
 # ---------------------------------------------------------------------------------------------

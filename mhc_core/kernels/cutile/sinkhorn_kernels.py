@@ -16,6 +16,11 @@ forward once, storing the input of every pair into a global workspace `work [P, 
 two step VJPs to each stored state: `2P` pair evaluations. (The first version recomputed pair `q`
 from the start for every `q`, `P (P + 1) / 2` = 210 evaluations: 0.25 ms on an H200 at B = 8192.)
 
+Layout (`BL`, a compile-time flag): `BL = 0` holds the tile as `[TILE_B, n, n]`, the arrays'
+own order; `BL = 1` loads it batch-last, `[n, n, TILE_B]` (a permuted view of the same arrays, no
+copy), so that the short matrix axes, which every normalisation reduces over, can stay inside
+one thread while the batch spreads over the threads.
+
 Step VJPs (`y = x / d`, `d = guard(sum_a x)`): `g_x = (g - sum_a(g * y) * [guard passes]) / d`,
 where the clamp guard passes where `sum >= eps` (torch's `clamp_min` gradient). Log-domain step
 `L' = L - logsumexp_a(L)`: `g_L = g - exp(L') * sum_a(g)`.
@@ -29,7 +34,58 @@ ConstInt = ct.Constant[int]
 PAD_ZERO = ct.PaddingMode.ZERO
 
 PAPER, MAIN, DEV = 0, 1, 2
-ROW, COL = 2, 1  # reduction axis of a row / column normalisation in a [B, n, n] tile
+
+
+def _row(BL):
+    """Reduction axis of a row normalisation: 2 in `[B, n, n]`, 1 in `[n, n, B]`."""
+    if BL:
+        a = 1
+    else:
+        a = 2
+    return a
+
+
+def _col(BL):
+    """Reduction axis of a column normalisation: 1 in `[B, n, n]`, 0 in `[n, n, B]`."""
+    if BL:
+        a = 0
+    else:
+        a = 1
+    return a
+
+
+def _load(arr, pid, N, TILE_B, BL):
+    """Block `pid` of `arr [B, n, n]` as fp32, in the layout `BL`."""
+    if BL:
+        t = ct.load(arr, index=(0, 0, pid), shape=(N, N, TILE_B), order=(1, 2, 0), padding_mode=PAD_ZERO)
+    else:
+        t = ct.load(arr, index=(pid, 0, 0), shape=(TILE_B, N, N), padding_mode=PAD_ZERO)
+    return ct.astype(t, ct.float32)
+
+
+def _store(arr, pid, tile, BL):
+    if BL:
+        ct.store(arr, index=(0, 0, pid), tile=ct.astype(tile, arr.dtype), order=(1, 2, 0))
+    else:
+        ct.store(arr, index=(pid, 0, 0), tile=ct.astype(tile, arr.dtype))
+
+
+def _store_state(work, q, pid, st, N, TILE_B, BL):
+    """State `st` into `work [P, B, n, n]` at pair `q`."""
+    if BL:
+        ct.store(work, index=(q, 0, 0, pid), tile=ct.reshape(st, (1, N, N, TILE_B)), order=(0, 2, 3, 1))
+    else:
+        ct.store(work, index=(q, pid, 0, 0), tile=ct.reshape(st, (1, TILE_B, N, N)))
+
+
+def _load_state(work, q, pid, N, TILE_B, BL):
+    if BL:
+        t = ct.reshape(ct.load(work, index=(q, 0, 0, pid), shape=(1, N, N, TILE_B), order=(0, 2, 3, 1),
+                               padding_mode=PAD_ZERO), (N, N, TILE_B))
+    else:
+        t = ct.reshape(ct.load(work, index=(q, pid, 0, 0), shape=(1, TILE_B, N, N), padding_mode=PAD_ZERO),
+                       (TILE_B, N, N))
+    return t
 
 
 def _lse(x, axis):
@@ -75,40 +131,40 @@ def _norm_vjp(x, g, axis, eps, VARIANT):
     return gx
 
 
-def _first_axis(VARIANT):
+def _first_axis(VARIANT, BL):
     if VARIANT == PAPER:
-        a = COL
+        a = _col(BL)
     else:
-        a = ROW
+        a = _row(BL)
     return a
 
 
-def _second_axis(VARIANT):
+def _second_axis(VARIANT, BL):
     if VARIANT == PAPER:
-        a = ROW
+        a = _row(BL)
     else:
-        a = COL
+        a = _col(BL)
     return a
 
 
-def _softmax_rows(z):
-    e = ct.exp(z - ct.max(z, axis=ROW, keepdims=True))
-    return e / ct.sum(e, axis=ROW, keepdims=True)
+def _softmax_rows(z, BL):
+    e = ct.exp(z - ct.max(z, axis=_row(BL), keepdims=True))
+    return e / ct.sum(e, axis=_row(BL), keepdims=True)
 
 
-def _start(z, eps, VARIANT):
+def _start(z, eps, VARIANT, BL):
     if VARIANT == PAPER:
         s = z
     elif VARIANT == MAIN:
-        s = ct.exp(z - ct.max(z, axis=ROW, keepdims=True))
+        s = ct.exp(z - ct.max(z, axis=_row(BL), keepdims=True))
     else:
-        s = _norm(_softmax_rows(z) + eps, COL, eps, VARIANT)
+        s = _norm(_softmax_rows(z, BL) + eps, _col(BL), eps, VARIANT)
     return s
 
 
-def _pair(s, eps, VARIANT):
-    s = _norm(s, _first_axis(VARIANT), eps, VARIANT)
-    return _norm(s, _second_axis(VARIANT), eps, VARIANT)
+def _pair(s, eps, VARIANT, BL):
+    s = _norm(s, _first_axis(VARIANT, BL), eps, VARIANT)
+    return _norm(s, _second_axis(VARIANT, BL), eps, VARIANT)
 
 
 def _num_pairs(iterations, VARIANT):
@@ -121,47 +177,43 @@ def _num_pairs(iterations, VARIANT):
 
 @ct.kernel
 def sinkhorn_fwd_kernel(logits, out, iterations: int, eps: float,
-                        N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt):
+                        N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, BL: ConstInt):
     """`logits [B, n, n]` -> `out [B, n, n]`; grid `(cdiv(B, TILE_B),)`."""
     pid = ct.bid(0)
-    z = ct.load(logits, index=(pid, 0, 0), shape=(TILE_B, N, N), padding_mode=PAD_ZERO)
-    s = _start(ct.astype(z, ct.float32), eps, VARIANT)
+    s = _start(_load(logits, pid, N, TILE_B, BL), eps, VARIANT, BL)
     for _ in range(_num_pairs(iterations, VARIANT)):
-        s = _pair(s, eps, VARIANT)
+        s = _pair(s, eps, VARIANT, BL)
     if VARIANT == PAPER:
         s = ct.exp(s)
-    ct.store(out, index=(pid, 0, 0), tile=ct.astype(s, out.dtype))
+    _store(out, pid, s, BL)
 
 
 @ct.kernel
 def sinkhorn_bwd_kernel(logits, grad_out, grad_logits, work, iterations: int, eps: float,
-                        N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt):
+                        N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, BL: ConstInt):
     """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]`; `work [max(P, 1), B, n, n]` fp32 scratch."""
     pid = ct.bid(0)
-    z = ct.astype(ct.load(logits, index=(pid, 0, 0), shape=(TILE_B, N, N), padding_mode=PAD_ZERO),
-                  ct.float32)
-    g = ct.astype(ct.load(grad_out, index=(pid, 0, 0), shape=(TILE_B, N, N), padding_mode=PAD_ZERO),
-                  ct.float32)
+    z = _load(logits, pid, N, TILE_B, BL)
+    g = _load(grad_out, pid, N, TILE_B, BL)
     num_pairs = _num_pairs(iterations, VARIANT)
-    st = _start(z, eps, VARIANT)
+    st = _start(z, eps, VARIANT, BL)
     for q in range(num_pairs):
-        ct.store(work, index=(q, pid, 0, 0), tile=ct.reshape(st, (1, TILE_B, N, N)))
-        st = _pair(st, eps, VARIANT)
+        _store_state(work, q, pid, st, N, TILE_B, BL)
+        st = _pair(st, eps, VARIANT, BL)
     if VARIANT == PAPER:
         # out = exp(L_P): the gradient enters the log domain through the output.
         g = g * ct.exp(st)
     for qq in range(num_pairs):
         q = num_pairs - 1 - qq
-        prev = ct.reshape(ct.load(work, index=(q, pid, 0, 0), shape=(1, TILE_B, N, N), padding_mode=PAD_ZERO),
-                          (TILE_B, N, N))
-        mid = _norm(prev, _first_axis(VARIANT), eps, VARIANT)
-        g = _norm_vjp(mid, g, _second_axis(VARIANT), eps, VARIANT)
-        g = _norm_vjp(prev, g, _first_axis(VARIANT), eps, VARIANT)
+        prev = _load_state(work, q, pid, N, TILE_B, BL)
+        mid = _norm(prev, _first_axis(VARIANT, BL), eps, VARIANT)
+        g = _norm_vjp(mid, g, _second_axis(VARIANT, BL), eps, VARIANT)
+        g = _norm_vjp(prev, g, _first_axis(VARIANT, BL), eps, VARIANT)
     if VARIANT == MAIN:
         # exp(Z - rowmax), rowmax treated as a constant (the first row step cancels it).
-        g = g * ct.exp(z - ct.max(z, axis=ROW, keepdims=True))
+        g = g * ct.exp(z - ct.max(z, axis=_row(BL), keepdims=True))
     elif VARIANT == DEV:
-        p = _softmax_rows(z)
-        g = _norm_vjp(p + eps, g, COL, eps, VARIANT)
-        g = p * (g - ct.sum(g * p, axis=ROW, keepdims=True))
-    ct.store(grad_logits, index=(pid, 0, 0), tile=ct.astype(g, grad_logits.dtype))
+        p = _softmax_rows(z, BL)
+        g = _norm_vjp(p + eps, g, _col(BL), eps, VARIANT)
+        g = p * (g - ct.sum(g * p, axis=_row(BL), keepdims=True))
+    _store(grad_logits, pid, g, BL)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 __all__ = [
     "SUPPORTED_N",
     "next_pow2",
+    "SinkhornTiles",
     "sinkhorn_tile",
     "StreamTiles",
     "aggregate_tiles",
@@ -63,7 +64,7 @@ _TILE_ELEMS = 4096
 
 TILE_KEYS = ("sinkhorn", "h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd",
              "mapping_fwd", "mapping_bwd")
-"""What `overridden` can replace: `sinkhorn` takes an int (`TILE_B`), `mapping_*` a `MappingTiles`,
+"""What `overridden` can replace: `sinkhorn` takes a `SinkhornTiles`, `mapping_*` a `MappingTiles`,
 the others a `StreamTiles`."""
 
 _OVERRIDES: dict[str, object] = {}
@@ -79,7 +80,7 @@ def overridden(**tiles: object) -> Iterator[None]:
     for key, value in tiles.items():
         if key not in TILE_KEYS:
             raise ValueError(f"tiling.overridden: unknown key {key!r}; valid: {', '.join(TILE_KEYS)}")
-        dims = (value,) if key == "sinkhorn" else (
+        dims = (value.tile_b,) if key == "sinkhorn" else (
             (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
         if not all(_is_pow2(d) for d in dims):
             raise ValueError(f"tiling.overridden: {key}={value!r}: tile sizes must be powers of two")
@@ -97,11 +98,20 @@ def next_pow2(v: int) -> int:
     return 1 << max(int(v) - 1, 0).bit_length()
 
 
-def sinkhorn_tile(n: int) -> int:
-    """Matrices per block for the Sinkhorn kernels."""
+@dataclass(frozen=True)
+class SinkhornTiles:
+    """Tile of the Sinkhorn kernels: `tile_b` matrices per block; `batch_last` holds them as
+    `[n, n, TILE_B]` instead of `[TILE_B, n, n]` (see `sinkhorn_kernels`)."""
+
+    tile_b: int
+    batch_last: bool = False
+
+
+def sinkhorn_tile(n: int) -> SinkhornTiles:
+    """The Sinkhorn kernels' tile."""
     if "sinkhorn" in _OVERRIDES:
         return _OVERRIDES["sinkhorn"]
-    return max(1, min(64, 1024 // (n * n)))
+    return SinkhornTiles(tile_b=max(1, min(64, 1024 // (n * n))))
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def emu():
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
 def test_sinkhorn(emu, n, variant, dtype):
-    """Sinkhorn fwd + bwd (on-chip recompute) matches the reference, 5 iterations, 37 matrices."""
+    """Sinkhorn fwd + bwd (stored trajectory) matches the reference, 5 iterations, 37 matrices."""
     compare(
         f"sinkhorn n{n} {variant} {dtype}",
         lambda z: emu.sinkhorn(z, 5, None, variant),
@@ -66,6 +66,21 @@ def test_sinkhorn_iterations(emu, variant, iterations):
         torch.float32,
         input_names=("logits",),
     )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
+def test_sinkhorn_batch_last(emu, n, variant):
+    """The batch-last layout (`SinkhornTiles.batch_last`) matches the reference too (37 matrices, 2 blocks)."""
+    with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, True)):
+        compare(
+            f"sinkhorn batch-last n{n} {variant}",
+            lambda z: emu.sinkhorn(z, 5, None, variant),
+            lambda z: ref.sinkhorn(z, 5, None, variant),
+            sinkhorn_inputs(n, torch.float32, "cpu"),
+            torch.float32,
+            input_names=("logits",),
+        )
 
 
 AGG_DTYPES = [
@@ -142,9 +157,10 @@ def test_per_stream_forward(emu, op):
 def test_tile_override_is_scoped_and_checked():
     """`tiling.overridden` applies inside its block only and refuses tiles that are not powers of two."""
     default = tiling.aggregate_tiles(4, 4096, "fwd")
-    with tiling.overridden(h_aggregate_fwd=tiling.StreamTiles(tile_t=16, tile_c=256), sinkhorn=8):
+    with tiling.overridden(h_aggregate_fwd=tiling.StreamTiles(tile_t=16, tile_c=256),
+                           sinkhorn=tiling.SinkhornTiles(8, True)):
         assert tiling.aggregate_tiles(4, 4096, "fwd") == tiling.StreamTiles(tile_t=16, tile_c=256)
-        assert tiling.sinkhorn_tile(4) == 8
+        assert tiling.sinkhorn_tile(4) == tiling.SinkhornTiles(8, True)
     assert tiling.aggregate_tiles(4, 4096, "fwd") == default
     with pytest.raises(ValueError, match="powers of two"):
         with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(tile_t=3, tile_c=128)):

@@ -19,7 +19,12 @@ from cuda.tile.compilation import export_kernel  # noqa: E402
 
 from mhc_core.kernels.cutile import toolchain  # noqa: E402
 from mhc_core.kernels.cutile.runtime import ArrayArg  # noqa: E402
-from mhc_core.kernels.cutile.signatures import kernel_object, signature_plan, to_signature  # noqa: E402
+from mhc_core.kernels.cutile.signatures import (  # noqa: E402
+    alternative_plan,
+    kernel_object,
+    signature_plan,
+    to_signature,
+)
 
 BYTECODE_VERSION = "13.3"
 PLAN = signature_plan()
@@ -57,6 +62,24 @@ def test_compile_cubin(compiler, launch, arch):
     """tileiras compiles this signature to a cubin for `arch` (Hopper, Blackwell)."""
     buf = io.BytesIO()
     export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf, output_format="cubin", gpu_code=arch)
+    assert len(buf.getvalue()) > 0
+
+
+ALT_PLAN = alternative_plan()
+
+
+def test_alternative_plan_holds_each_formulation():
+    """The sweep's alternative formulations (batch-last Sinkhorn fwd + bwd, whole-tile stream forwards) are listed."""
+    kernels = {p.kernel_name for p in ALT_PLAN}
+    assert kernels == {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "h_aggregate_fwd_kernel", "h_post_bda_fwd_kernel"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ALT_PLAN, ids=[p.id for p in ALT_PLAN])
+def test_compile_alternative_cubin(compiler, launch):
+    """tileiras compiles the sweep's alternative formulations for sm_90 (n = 4, all variants)."""
+    buf = io.BytesIO()
+    export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf, output_format="cubin", gpu_code="sm_90")
     assert len(buf.getvalue()) > 0
 
 
