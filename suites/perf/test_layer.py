@@ -8,8 +8,9 @@ Memory, measured in the same test: the activation bytes autograd saves for backw
 forward (`suites/perf/memory.py`, exact on any device) for both layers and their ratio, and on
 CUDA the allocator's peak over one forward+backward. The mHC layer carries an `n*C`-wide residual,
 so its saved activations grow with n; upstream answers that with mHC recompute, measured here as
-`reference+recompute` (the layer is one `mhc_core.recompute` group): its time overhead on any
-device, its memory as the CUDA peak (the saved-bytes probe cannot see inside the group's hooks).
+`reference+recompute` and (GPU) `cutile+recompute`, the layer being one `mhc_core.recompute`
+group: its time overhead on any device, its memory as the CUDA peak (the saved-bytes probe cannot
+see inside the group's hooks).
 """
 
 from __future__ import annotations
@@ -93,16 +94,17 @@ def _memory(layer: Layer, run) -> dict[str, int | None]:
     return {"saved": saved, "peak": peak_bytes(run, DEVICE)}
 
 
-@pytest.mark.parametrize("backend", ["reference", "compiled", "cutile", "reference+recompute"])
+@pytest.mark.parametrize("backend", ["reference", "compiled", "cutile", "reference+recompute", "cutile+recompute"])
 def test_layer_overhead(benchmark, backend, reps, monkeypatch):
     """mHC layer fwd+bwd time and its overhead over the plain layer, both measured in this run."""
     recompute = backend.endswith("+recompute")
-    fused = backend in ("compiled", "cutile")
+    ops_backend = backend.removesuffix("+recompute")
+    fused = ops_backend in ("compiled", "cutile")
     if fused:
-        ok, why = dispatch.availability(backend, DEVICE)
+        ok, why = dispatch.availability(ops_backend, DEVICE)
         if not ok:
-            pytest.skip(f"backend {backend} unavailable: {why}")
-        monkeypatch.setenv("MHC_BACKEND", backend)  # use_fused=True would pick cutile on a GPU
+            pytest.skip(f"backend {ops_backend} unavailable: {why}")
+        monkeypatch.setenv("MHC_BACKEND", ops_backend)  # use_fused=True would pick cutile on a GPU
     torch.manual_seed(0)
     plain = Layer(None).to(DEVICE, DTYPE)
     mhc = Layer(N, use_fused=fused, recompute=recompute).to(DEVICE, DTYPE)
