@@ -106,7 +106,7 @@ class _PostBdaFn(torch.autograd.Function):
                 (blocks,),
                 "h_post_bda_bwd_kernel",
                 (go, h_res, residual, h_post, y, bias_arg, grad_h_res, grad_residual, grad_h_post, grad_y,
-                 bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias)),
+                 bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias), int(tl.per_stream)),
             )
         else:
             grad_h_res.zero_()

@@ -44,6 +44,11 @@ def _load_stream(arr, pt, i, pc, TILE_T, TILE_C):
     return ct.reshape(_load_f32(arr, (pt, i, pc), (TILE_T, 1, TILE_C)), (TILE_T, TILE_C))
 
 
+def _slice(t, i):
+    """Stream `i` of a `[TILE_T, n, TILE_C]` tile as `[TILE_T, TILE_C]`."""
+    return ct.reshape(ct.extract(t, (0, i, 0), shape=(t.shape[0], 1, t.shape[2])), (t.shape[0], t.shape[2]))
+
+
 @ct.kernel
 def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
                            PER_STREAM: ConstInt):
@@ -120,7 +125,7 @@ def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
 def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
                           grad_h_res, grad_residual, grad_h_post, grad_y, grad_bias_part,
                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt):
+                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt):
     """All input gradients of `h_post_bda` in one pass over `grad_out`; grid `(cdiv(T, TILE_T),)`.
 
     - `grad_residual_j = sum_i M[i, j] go_i`, `grad_M[i, j] = sum_c go_i residual_j`
@@ -128,6 +133,9 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
     - `grad_h_post_i = sum_c go_i (y + bias)`, `grad_y = sum_i h_post_i go_i`;
     - `grad_bias_part [cdiv(T, TILE_T), C]` (fp32, only when `HAS_BIAS`): this block's sum of
       `grad_y` over its tokens, before rounding; the caller sums the rows.
+
+    `PER_STREAM`: `grad_residual` and `grad_y` are built from `[TILE_T, TILE_C]` stream slices
+    (no sum over, or broadcast along, the middle axis of a 3-D tile) and stored stream by stream.
     """
     pt = ct.bid(0)
     m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
@@ -138,17 +146,29 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
     for pc in range(ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))):
         go = _load_f32(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C))
         res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
-        g_res = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
-        for i in ct.static_iter(range(N)):
-            m_row = ct.reshape(ct.extract(m, (0, i, 0), shape=(TILE_T, 1, N)), (TILE_T, N, 1))
-            g_res = g_res + m_row * ct.extract(go, (0, i, 0), shape=(TILE_T, 1, TILE_C))
         for j in ct.static_iter(range(N)):
             col = ct.sum(go * ct.extract(res, (0, j, 0), shape=(TILE_T, 1, TILE_C)), axis=2, keepdims=True)
             onehot = ct.reshape(ct.where(lanes == j, 1.0, 0.0), (1, 1, N))
             g_m = g_m + col * onehot
-        ct.store(grad_residual, index=(pt, 0, pc), tile=ct.astype(g_res, grad_residual.dtype))
         g_hp = g_hp + ct.sum(go * _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), axis=2)
-        g_y = ct.sum(go * hp, axis=1)
+        if PER_STREAM:
+            g_y = ct.zeros((TILE_T, TILE_C), dtype=F32)
+            for i in ct.static_iter(range(N)):
+                g_y = g_y + ct.reshape(ct.extract(hp, (0, i, 0), shape=(TILE_T, 1, 1)), (TILE_T, 1)) * _slice(go, i)
+            for j in ct.static_iter(range(N)):
+                g_res_j = ct.zeros((TILE_T, TILE_C), dtype=F32)
+                for i in ct.static_iter(range(N)):
+                    m_ij = ct.reshape(ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)), (TILE_T, 1))
+                    g_res_j = g_res_j + m_ij * _slice(go, i)
+                ct.store(grad_residual, index=(pt, j, pc),
+                         tile=ct.astype(ct.reshape(g_res_j, (TILE_T, 1, TILE_C)), grad_residual.dtype))
+        else:
+            g_res = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
+            for i in ct.static_iter(range(N)):
+                m_row = ct.reshape(ct.extract(m, (0, i, 0), shape=(TILE_T, 1, N)), (TILE_T, N, 1))
+                g_res = g_res + m_row * ct.extract(go, (0, i, 0), shape=(TILE_T, 1, TILE_C))
+            ct.store(grad_residual, index=(pt, 0, pc), tile=ct.astype(g_res, grad_residual.dtype))
+            g_y = ct.sum(go * hp, axis=1)
         ct.store(grad_y, index=(pt, pc), tile=ct.astype(g_y, grad_y.dtype))
         if HAS_BIAS:
             ct.store(grad_bias_part, index=(pt, pc), tile=ct.sum(g_y, axis=0, keepdims=True))

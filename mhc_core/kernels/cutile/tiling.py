@@ -118,8 +118,9 @@ def sinkhorn_tile(n: int) -> SinkhornTiles:
 class StreamTiles:
     """Tile of the stream kernels: `TILE_T` tokens x `TILE_C` channels (x all n streams).
 
-    `per_stream` (forward kernels only): load and store one `[TILE_T, TILE_C]` tile per stream
-    instead of one `[TILE_T, n, TILE_C]` tile (same bytes, no reduction across the middle axis).
+    `per_stream` (h_aggregate fwd, h_post_bda fwd and bwd): work on (and store) one
+    `[TILE_T, TILE_C]` slice per stream instead of whole `[TILE_T, n, TILE_C]` tiles (same bytes,
+    no reduction across or broadcast along the middle axis).
     """
 
     tile_t: int

@@ -139,7 +139,7 @@ def test_h_post_bda_n8(emu):
 
 @pytest.mark.parametrize("op", ["h_aggregate", "h_post_bda"])
 def test_per_stream_forward(emu, op):
-    """The per-stream forward formulation (`StreamTiles.per_stream`) matches the reference too."""
+    """The per-stream formulation (`StreamTiles.per_stream`, forward; h_post_bda backward too) matches the reference."""
     t, n, c = 21, 4, 300
     tiles = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=True)
     if op == "h_aggregate":
@@ -150,7 +150,10 @@ def test_per_stream_forward(emu, op):
         oracle = lambda *a: ref.h_post_bda(*a, 0.0, False, Variant.MEGATRON_DEV)  # noqa: E731
         inputs = post_bda_inputs(t, n, c, torch.bfloat16, torch.float32, True, "cpu")
         names = POST_BDA_INPUT_NAMES
-    with tiling.overridden(**{f"{op}_fwd": tiles}):
+    overrides = {f"{op}_fwd": tiles}
+    if op == "h_post_bda":
+        overrides["h_post_bda_bwd"] = tiles
+    with tiling.overridden(**overrides):
         compare(f"{op} per-stream", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 
 
