@@ -60,12 +60,25 @@ class CuTileRuntime:
     def launch(self, grid: tuple[int, ...], kernel_name: str, args: tuple[Any, ...]) -> None:
         """Launch on the current stream of the device of the first tensor argument."""
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        kernel = self._kernels[kernel_name]
+        kernel = self._kernel(kernel_name)
         if device.index is None or device.index == torch.cuda.current_device():
             self._ct.launch(torch.cuda.current_stream(device), grid, kernel, args)
         else:
             with torch.cuda.device(device):
                 self._ct.launch(torch.cuda.current_stream(device), grid, kernel, args)
+
+    def _kernel(self, kernel_name: str):
+        """The kernel object, with the occupancy hint of `tiling.overridden` when one is set
+        (each hinted copy has its own JIT cache, so it is kept)."""
+        from mhc_core.kernels.cutile import tiling
+
+        occ = tiling.occupancy(kernel_name)
+        if occ is None:
+            return self._kernels[kernel_name]
+        key = f"{kernel_name}@occupancy={occ}"
+        if key not in self._kernels:
+            self._kernels[key] = self._kernels[kernel_name].replace_hints(occupancy=occ)
+        return self._kernels[key]
 
     @staticmethod
     def num_sms(device: torch.device) -> int:

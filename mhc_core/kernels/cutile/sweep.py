@@ -28,7 +28,7 @@ from mhc_core.analysis import bytes_moved
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.bench import make_inputs, op_call
 
-__all__ = ["CANDIDATES", "main", "timers"]
+__all__ = ["CANDIDATES", "main", "timers", "override"]
 
 _S = tiling.StreamTiles
 CANDIDATES: dict[str, tuple] = {
@@ -44,6 +44,10 @@ CANDIDATES: dict[str, tuple] = {
     "mapping_bwd": (tiling.MappingTiles(32, 128), tiling.MappingTiles(64, 128), tiling.MappingTiles(32, 64),
                     tiling.MappingTiles(16, 128), tiling.MappingTiles(32, 256)),
 }
+for _key in ("h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd", "mapping_fwd", "mapping_bwd",
+             "sinkhorn"):
+    # The same op with its default tiles and the occupancy hint on its kernels (2, 4, 8 CTAs per SM).
+    CANDIDATES[f"{_key}_occupancy"] = tuple({k: occ for k in tiling.KERNELS_OF[_key]} for occ in (2, 4, 8))
 """Candidates per `tiling` key (the first is the heuristic's choice at n = 4, C >= 256; the second
 run on an H200 is in `tiling`'s docstring)."""
 
@@ -72,7 +76,17 @@ def _single_ms(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(times)
 
 
+def _tile_key(key: str) -> str:
+    return key.removesuffix("_occupancy")
+
+
+def override(key: str, cand) -> dict:
+    """The `tiling.overridden` keywords of one candidate."""
+    return {"occupancy": cand} if key.endswith("_occupancy") else {key: cand}
+
+
 def _directions(key: str) -> tuple[str, ...]:
+    key = _tile_key(key)
     if key.endswith("_fwd"):
         return ("fwd",)
     if key.endswith("_bwd"):
@@ -81,7 +95,7 @@ def _directions(key: str) -> tuple[str, ...]:
 
 
 def _op(key: str) -> str:
-    return key.removesuffix("_fwd").removesuffix("_bwd")
+    return _tile_key(key).removesuffix("_fwd").removesuffix("_bwd")
 
 
 def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str, iterations: int,
@@ -137,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         for cand in CANDIDATES[key]:
             label = f"{key}={cand}"
             try:
-                with tiling.overridden(**{key: cand}):
+                with tiling.overridden(**override(key, cand)):
                     fns = timers(cutile.OPS, key, t, n, c, act, args.variant, args.iterations)
                     for direction, fn in fns.items():
                         if args.warm_only:

@@ -52,7 +52,9 @@ __all__ = [
     "mapping_tiles",
     "split_count",
     "TILE_KEYS",
+    "KERNELS_OF",
     "overridden",
+    "occupancy",
 ]
 
 SUPPORTED_N = (2, 4, 8)
@@ -63,9 +65,22 @@ _TILE_ELEMS = 4096
 
 
 TILE_KEYS = ("sinkhorn", "h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd",
-             "mapping_fwd", "mapping_bwd")
+             "mapping_fwd", "mapping_bwd", "occupancy")
 """What `overridden` can replace: `sinkhorn` takes a `SinkhornTiles`, `mapping_*` a `MappingTiles`,
-the others a `StreamTiles`."""
+the others a `StreamTiles`; `occupancy` a `{kernel name: CTAs per SM}` dict, the cuTile compiler
+hint (`ct.kernel(occupancy=...)`, 1-32; unset: the compiler's choice), which the GPU runtime
+applies at launch."""
+
+KERNELS_OF = {
+    "sinkhorn": ("sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel"),
+    "h_aggregate_fwd": ("h_aggregate_fwd_kernel",),
+    "h_aggregate_bwd": ("h_aggregate_bwd_kernel",),
+    "h_post_bda_fwd": ("h_post_bda_fwd_kernel",),
+    "h_post_bda_bwd": ("h_post_bda_bwd_kernel",),
+    "mapping_fwd": ("mapping_fwd_partial_kernel", "mapping_fwd_epilogue_kernel"),
+    "mapping_bwd": ("mapping_bwd_coef_kernel", "mapping_bwd_dx_dw_kernel"),
+}
+"""The kernels each tile key drives."""
 
 _OVERRIDES: dict[str, object] = {}
 
@@ -80,6 +95,12 @@ def overridden(**tiles: object) -> Iterator[None]:
     for key, value in tiles.items():
         if key not in TILE_KEYS:
             raise ValueError(f"tiling.overridden: unknown key {key!r}; valid: {', '.join(TILE_KEYS)}")
+        if key == "occupancy":
+            known = {k for names in KERNELS_OF.values() for k in names}
+            bad = {k: v for k, v in value.items() if k not in known or not (isinstance(v, int) and 1 <= v <= 32)}
+            if bad:
+                raise ValueError(f"tiling.overridden: occupancy={bad!r}: kernel names from KERNELS_OF, values 1-32")
+            continue
         dims = (value.tile_b,) if key == "sinkhorn" else (
             (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
         if not all(_is_pow2(d) for d in dims):
@@ -91,6 +112,11 @@ def overridden(**tiles: object) -> Iterator[None]:
     finally:
         _OVERRIDES.clear()
         _OVERRIDES.update(saved)
+
+
+def occupancy(kernel_name: str) -> int | None:
+    """The occupancy hint for `kernel_name` inside `overridden(occupancy=...)`, else None."""
+    return _OVERRIDES.get("occupancy", {}).get(kernel_name)
 
 
 def next_pow2(v: int) -> int:

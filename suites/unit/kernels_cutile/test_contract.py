@@ -106,3 +106,18 @@ def test_toolchain_env_puts_its_bin_first(tmp_path):
     assert env["PATH"].split(":")[0] == str(tmp_path / "bin")
     assert env["CUDA_HOME"] == str(tmp_path)
     assert env["LD_LIBRARY_PATH"] == str(tmp_path / "lib")
+
+
+@pytest.mark.skipif(not _has_cuda_tile(), reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+def test_occupancy_hint_reaches_the_kernel_object():
+    """Inside `tiling.overridden(occupancy=...)` the GPU runtime launches a hinted copy (kept), outside the plain kernel."""
+    from mhc_core.kernels.cutile import tiling
+
+    rt = CuTileRuntime()  # builds kernel objects only: no GPU needed
+    plain = rt._kernel("h_aggregate_fwd_kernel")
+    with tiling.overridden(occupancy={"h_aggregate_fwd_kernel": 4}):
+        hinted = rt._kernel("h_aggregate_fwd_kernel")
+        assert hinted is rt._kernel("h_aggregate_fwd_kernel")
+    assert hinted._compiler_options.occupancy == 4
+    assert plain._compiler_options.occupancy is None
+    assert rt._kernel("h_aggregate_fwd_kernel") is plain

@@ -8,7 +8,7 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import EmulatedRuntime
-from mhc_core.kernels.cutile.sweep import CANDIDATES, timers
+from mhc_core.kernels.cutile.sweep import CANDIDATES, override, timers
 
 CASES = [pytest.param(key, cand, id=f"{key}-{i}") for key, cands in CANDIDATES.items() for i, cand in enumerate(cands)]
 
@@ -21,7 +21,7 @@ def emu():
 @pytest.mark.parametrize(("key", "cand"), CASES)
 def test_candidate_runs_and_is_finite(emu, key, cand):
     """Every candidate of every key runs its op's timed direction(s) and gives finite results."""
-    with tiling.overridden(**{key: cand}):
+    with tiling.overridden(**override(key, cand)):
         fns = timers(emu, key, 40, 4, 1024, torch.bfloat16, "megatron_dev", 3, device="cpu")
         assert fns, f"{key}: no direction to time"
         for direction, fn in fns.items():
@@ -31,9 +31,24 @@ def test_candidate_runs_and_is_finite(emu, key, cand):
                 assert torch.isfinite(t.float()).all(), f"{key}={cand} {direction}: non-finite result"
 
 
+def test_occupancy_override_is_checked():
+    """An occupancy hint names known kernels and lies in 1-32; it is readable only inside its block."""
+    with tiling.overridden(occupancy={"h_aggregate_fwd_kernel": 4}):
+        assert tiling.occupancy("h_aggregate_fwd_kernel") == 4
+        assert tiling.occupancy("h_post_bda_fwd_kernel") is None
+    assert tiling.occupancy("h_aggregate_fwd_kernel") is None
+    with pytest.raises(ValueError, match="occupancy"):
+        with tiling.overridden(occupancy={"h_aggregate_fwd_kernel": 64}):
+            pass
+    with pytest.raises(ValueError, match="occupancy"):
+        with tiling.overridden(occupancy={"no_such_kernel": 2}):
+            pass
+
+
 def test_first_candidate_is_the_default():
     """The first candidate of each stream key is what the heuristic picks at n = 4, C = 4096."""
     assert CANDIDATES["sinkhorn"][0] == tiling.sinkhorn_tile(4)
+    assert all(key.removesuffix("_occupancy") in tiling.KERNELS_OF for key in CANDIDATES)
     for op, fn in (("h_aggregate", tiling.aggregate_tiles), ("h_post_bda", tiling.post_bda_tiles),
                    ("mapping", lambda n, c, d: tiling.mapping_tiles(n, n * c, d))):
         for direction in ("fwd", "bwd"):
