@@ -123,7 +123,8 @@ def test_table_renders_rows(tmp_path, capsys):
         {"name": "test_kernel[x]", "stats": {"median": 0.002},
          "extra_info": {"op": "h_aggregate", "direction": "fwd", "backend": "compiled", "shape": "h_aggregate-T4-n4-C8",
                         "median_s": 0.001, "bytes_per_s": 4e10, "copy_bytes_per_s": 5e10,
-                        "roofline_ratio": 0.8, "speedup_vs_reference": 2.5}},
+                        "roofline_ratio": 0.8, "speedup_vs_reference": 2.5, "pipelined_s": 0.0008,
+                        "roofline_ratio_pipelined": 0.95}},
         {"name": "test_layer[reference]", "stats": {"median": 0.03},
          "extra_info": {"op": "layer", "overhead_ratio": 0.5, "saved_bytes_ratio": 1.6}},
     ]}
@@ -133,7 +134,19 @@ def test_table_renders_rows(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 4
     assert "| h_aggregate | fwd | compiled | T4-n4-C8 | 1.000 ms | 40.00 |" in out[2] and "80 %" in out[2] and "2.50x" in out[2]
+    assert "| 0.800 ms | 95 % |" in out[2], out[2]
     assert out[3].endswith("| +50 % | 1.60x |"), out[3]
+
+
+def test_pipelined_seconds_times_each_fn_per_call():
+    """Back-to-back timing returns one per-call figure per fn, and a slower fn measures slower."""
+    import time
+
+    from suites.perf.timing import pipelined_seconds
+
+    fast, slow = (lambda: None), (lambda: time.sleep(0.002))
+    f, s = pipelined_seconds([fast, slow], device="cpu", iters=3, rounds=2)
+    assert 0 <= f < s and s >= 0.002
 
 
 def test_xdist_is_refused():

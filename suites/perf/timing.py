@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["sample_seconds", "median_seconds", "copy_seconds", "paired_samples", "copy_fn"]
+__all__ = ["sample_seconds", "median_seconds", "copy_seconds", "paired_samples", "copy_fn", "pipelined_seconds"]
 
 _L2_FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -86,3 +86,32 @@ def paired_samples(fns: list[Callable[[], object]], *, device: str, reps: int, w
             out[i] += sample_seconds(fn, device=device, reps=1, warmup=warmup if not out[i] else 0,
                                      cuda_graph=cuda_graph)
     return out
+
+
+def pipelined_seconds(fns: list[Callable[[], object]], *, device: str, iters: int, rounds: int) -> list[float]:
+    """Seconds per call of each fn when `iters` calls run back to back (no flush, one timer pair),
+    the median over `rounds` rounds that alternate the fns.
+
+    On CUDA this hides the host's launch cost behind the GPU's work, so it is the kernels' own
+    time (what a training step, whose host runs ahead, pays); the single-call samples above
+    include the launch whenever the GPU has to wait for it.
+    """
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            fn()
+            _sync(device)
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                end.synchronize()
+                out[i].append(start.elapsed_time(end) / 1e3 / iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                out[i].append((time.perf_counter() - t0) / iters)
+    return [statistics.median(v) for v in out]
