@@ -21,7 +21,7 @@ from harness import TimingCheck
 from mhc_core.kernels import dispatch
 from suites.perf.nsys import RANGE_PREFIX
 from suites.perf.registry import PerfCase, cases_for
-from suites.perf.timing import copy_fn, paired_samples, pipelined_seconds
+from suites.perf.timing import copy_fn, paired_samples, pipelined_seconds, synced
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,7 +88,8 @@ def test_kernel(benchmark, golden_metrics, nsys_ranges, case, direction, backend
     seconds, copy_s = statistics.median(timed[0]), statistics.median(timed[1])
     benchmark.group = f"{case.op}-{direction}"
     label = f"{RANGE_PREFIX}{case.id}-{direction}-{backend}"
-    result = benchmark.pedantic(_nvtx(fn, label), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
+    result = benchmark.pedantic(synced(_nvtx(fn, label), device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1,
+                                iterations=1)
 
     info = {
         "op": case.op, "direction": direction, "backend": backend, "shape": case.id, "device": DEVICE,

@@ -26,7 +26,7 @@ from mhc_core import HyperConnectionConfig, HyperConnectionModule
 from mhc_core.kernels import dispatch
 from mhc_core.recompute import StreamRecompute
 from suites.perf.memory import peak_bytes, saved_activation_bytes
-from suites.perf.timing import paired_samples
+from suites.perf.timing import paired_samples, synced
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,7 +113,7 @@ def test_layer_overhead(benchmark, backend, reps, monkeypatch):
     mem, plain_mem = _memory(mhc, run), _memory(plain, plain_run)
     mhc_s, plain_s = statistics.median(mhc_t), statistics.median(plain_t)
     benchmark.group = "layer-fwdbwd"
-    benchmark.pedantic(run, rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
+    benchmark.pedantic(synced(run, device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
     benchmark.extra_info.update({
         "op": "layer", "direction": "fwdbwd", "backend": backend, "device": DEVICE,
         "shape": f"s{SEQ}-b{BATCH}-C{HIDDEN}-n{N}", "median_s": mhc_s, "plain_median_s": plain_s,

@@ -149,6 +149,14 @@ def test_pipelined_seconds_times_each_fn_per_call():
     assert 0 <= f < s and s >= 0.002
 
 
+def test_synced_is_the_function_itself_on_cpu():
+    """On CPU `synced` adds nothing (calls are synchronous); the wrapped function's result comes back."""
+    from suites.perf.timing import synced
+
+    fn = lambda: 7  # noqa: E731
+    assert synced(fn, device="cpu") is fn and synced(fn, device="cpu")() == 7
+
+
 def test_xdist_is_refused():
     """The perf conftest raises a UsageError under xdist (`-n 2`)."""
     from suites.perf.conftest import check_not_xdist

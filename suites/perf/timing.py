@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["sample_seconds", "median_seconds", "copy_seconds", "paired_samples", "copy_fn", "pipelined_seconds"]
+__all__ = ["sample_seconds", "median_seconds", "copy_seconds", "paired_samples", "copy_fn", "pipelined_seconds",
+           "synced"]
 
 _L2_FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -115,3 +116,16 @@ def pipelined_seconds(fns: list[Callable[[], object]], *, device: str, iters: in
                     fn()
                 out[i].append((time.perf_counter() - t0) / iters)
     return [statistics.median(v) for v in out]
+
+
+def synced(fn: Callable[[], object], *, device: str) -> Callable[[], object]:
+    """`fn` followed by a device synchronisation, so that a host timer around it (pytest-benchmark's
+    own rounds, which feed the perf history) measures the GPU work and not only its launch."""
+    if device != "cuda":
+        return fn
+
+    def run():
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    return run
