@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from mhc_core.kernels.cutile import tiling
+
 __all__ = [
     "KERNEL_MODULES",
     "ArrayArg",
@@ -70,8 +72,6 @@ class CuTileRuntime:
     def _kernel(self, kernel_name: str):
         """The kernel object, with the occupancy hint of `tiling.overridden` when one is set
         (each hinted copy has its own JIT cache, so it is kept)."""
-        from mhc_core.kernels.cutile import tiling
-
         occ = tiling.occupancy(kernel_name)
         if occ is None:
             return self._kernels[kernel_name]
