@@ -43,13 +43,14 @@ class _SinkhornFn(torch.autograd.Function):
         g = grad_out.to(logits.dtype).reshape(-1, n, n).contiguous()
         grad = torch.empty_like(z)
         tile = tiling.sinkhorn_tile(n)
-        # The kernel's scratch: the input of every normalisation pair, [max(P, 1), B, n, n] fp32.
+        # The kernel's scratch: the input of every normalisation pair, [max(P, 1), B, n, n] fp32
+        # (one dummy pair when the kernel recomputes instead).
         pairs = max(iterations - 1 if code == VARIANT_CODE[Variant.MEGATRON_DEV] else iterations, 1)
-        work = torch.empty((pairs, *z.shape), dtype=torch.float32, device=z.device)
+        work = torch.empty((1 if tile.recompute else pairs, *z.shape), dtype=torch.float32, device=z.device)
         if z.shape[0]:
             rt.launch(
                 (cdiv(z.shape[0], tile.tile_b),), "sinkhorn_bwd_kernel",
-                (z, g, grad, work, iterations, eps, n, tile.tile_b, code, int(tile.batch_last)),
+                (z, g, grad, work, iterations, eps, n, tile.tile_b, code, int(tile.batch_last), int(tile.recompute)),
             )
         return grad.view(logits.shape), None, None, None, None
 

@@ -127,10 +127,12 @@ def next_pow2(v: int) -> int:
 @dataclass(frozen=True)
 class SinkhornTiles:
     """Tile of the Sinkhorn kernels: `tile_b` matrices per block; `batch_last` holds them as
-    `[n, n, TILE_B]` instead of `[TILE_B, n, n]` (see `sinkhorn_kernels`)."""
+    `[n, n, TILE_B]` instead of `[TILE_B, n, n]`; `recompute`: the backward replays each pair's
+    input from the start instead of storing the trajectory (see `sinkhorn_kernels`)."""
 
     tile_b: int
     batch_last: bool = False
+    recompute: bool = False
 
 
 def sinkhorn_tile(n: int) -> SinkhornTiles:

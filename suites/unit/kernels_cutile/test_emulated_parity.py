@@ -68,13 +68,15 @@ def test_sinkhorn_iterations(emu, variant, iterations):
     )
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
-def test_sinkhorn_batch_last(emu, n, variant):
-    """The batch-last layout (`SinkhornTiles.batch_last`) matches the reference too (37 matrices, 2 blocks)."""
-    with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, True)):
+def test_sinkhorn_batch_last(emu, n, variant, recompute):
+    """The batch-last layout (`SinkhornTiles.batch_last`), with a stored trajectory or recompute in the
+    backward, matches the reference too (37 matrices, 2 blocks)."""
+    with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, True, recompute)):
         compare(
-            f"sinkhorn batch-last n{n} {variant}",
+            f"sinkhorn batch-last n{n} {variant} recompute={recompute}",
             lambda z: emu.sinkhorn(z, 5, None, variant),
             lambda z: ref.sinkhorn(z, 5, None, variant),
             sinkhorn_inputs(n, torch.float32, "cpu"),
