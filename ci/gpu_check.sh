@@ -20,7 +20,7 @@
 #           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 100 s
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
-#           keys from MHC_SWEEP_KEYS; 50 s + 100 s) + precision_probe (fp32 mapping error per MMA mode, 20 s)
+#           keys from MHC_SWEEP_KEYS; 60 s + 100 s) + precision_probe (fp32 mapping error per MMA mode, 20 s)
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
 #           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all:
@@ -135,10 +135,14 @@ fi
 if has_step sweep; then
 SWEEP=(-m mhc_core.kernels.cutile.sweep --tokens 8192 --hidden 4096 --n 4 --dtype bf16)
 SWEEP_KEYS="${MHC_SWEEP_KEYS:-$("$PY" -c 'from mhc_core.kernels.cutile.sweep import CANDIDATES; print(*CANDIDATES)')}"
-for key in $SWEEP_KEYS; do
-    timeout "$(limit sweep-warm 50)" "$PY" "${SWEEP[@]}" --keys "$key" --warm-only > "$OUT/sweep-warm-$key.txt" 2>&1 &
-done
-wait
+# One warm-up process per candidate, 16 at a time (each JIT-compiles its kernels into the cache);
+# each process has its own time limit too, so none outlives the step.
+export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-warm 60)"
+"$PY" "${SWEEP[@]}" --list | while read -r key idx; do
+    if [[ " $SWEEP_KEYS " == *" $key "* ]]; then echo "$key $idx"; fi
+done | timeout "$MHC_SWEEP_LIMIT" xargs -P 16 -L 1 bash -c \
+    'timeout "$MHC_SWEEP_LIMIT" "$MHC_SWEEP_PY" -m mhc_core.kernels.cutile.sweep --tokens 8192 --hidden 4096 --n 4 \
+     --dtype bf16 --keys "$0" --index "$1" --warm-only > "$MHC_SWEEP_OUT/sweep-warm-$0-$1.txt" 2>&1'
 timeout "$(limit sweep 100)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr ' ' ,)" --out "$OUT/sweep.json" \
     > "$OUT/sweep.txt" 2>&1
 rc=$?

@@ -10,7 +10,8 @@ CUDA-event-timed calls (`single_ms`, CPU launch cost included when the GPU waits
 of back-to-back calls (`pipelined_ms`, the kernel's own time once the launch is hidden) and GB/s
 of the pipelined time against `mhc_core.analysis.bytes_moved`. The first candidate of each key
 is the current default. `--warm-only` runs each candidate once (JIT compile into the on-disk
-cache), so several processes can compile disjoint `--keys` in parallel before one timing run.
+cache), so several processes can compile disjoint `--keys` / `--index` in parallel before one
+timing run (`python -m mhc_core.kernels.cutile.sweep --list` prints the `key index` pairs).
 Benchmarks measure; nothing here asserts a speed.
 """
 
@@ -131,9 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=20, help="Sinkhorn iterations")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--keys", default=",".join(CANDIDATES), help=f"comma-separated, from {', '.join(CANDIDATES)}")
+    p.add_argument("--index", type=int, help="only candidate INDEX of each key (0-based)")
     p.add_argument("--warm-only", action="store_true", help="run each candidate once (JIT compile), no timing")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--list", action="store_true", help="print 'key index' per candidate and exit")
     args = p.parse_args(argv)
+    if args.list:
+        for key, cands in CANDIDATES.items():
+            for i in range(len(cands)):
+                print(key, i)
+        return 0
 
     import mhc_core.kernels.cutile as cutile
 
@@ -149,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     t, n, c = args.tokens, args.n, args.hidden
     rows = []
     for key in keys:
-        for cand in CANDIDATES[key]:
+        cands = CANDIDATES[key]
+        if args.index is not None:
+            if not 0 <= args.index < len(cands):
+                p.error(f"--index {args.index}: {key} has {len(cands)} candidates")
+            cands = cands[args.index:args.index + 1]
+        for cand in cands:
             label = f"{key}={cand}"
             try:
                 with tiling.overridden(**override(key, cand)):
