@@ -53,3 +53,13 @@ def test_first_candidate_is_the_default():
                    ("mapping", lambda n, c, d: tiling.mapping_tiles(n, n * c, d))):
         for direction in ("fwd", "bwd"):
             assert CANDIDATES[f"{op}_{direction}"][0] == fn(4, 4096, direction)
+
+
+def test_list_prints_every_candidate(capsys):
+    """`--list` prints one `key index` line per candidate (what gpu_check's parallel warm-up reads), no GPU needed."""
+    from mhc_core.kernels.cutile.sweep import main
+
+    assert main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == sum(len(c) for c in CANDIDATES.values())
+    assert lines[0] == "sinkhorn 0" and all(len(line.split()) == 2 for line in lines)
