@@ -1,6 +1,7 @@
 """cuTile `sinkhorn`: `logits[..., n, n] -> [..., n, n]`, autograd function and wrapper.
 
-Forward and backward are one launch each (`sinkhorn_fwd_kernel`, `sinkhorn_bwd_kernel`); only the
+Forward and backward are one launch each (`sinkhorn_fwd_kernel`, `sinkhorn_bwd_kernel`, or the
+per-element `*_elem_kernel` pair with `SinkhornTiles.per_element`); only the
 logits are saved, the backward kernel replays the iterations from them into an fp32 workspace
 (`[P, B, n, n]`, allocated per call) and walks them backwards.
 """
@@ -28,8 +29,12 @@ class _SinkhornFn(torch.autograd.Function):
         out = torch.empty_like(z)
         tile = tiling.sinkhorn_tile(n)
         if z.shape[0]:
-            rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_fwd_kernel",
-                      (z, out, iterations, eps, n, tile.tile_b, code, int(tile.batch_last)))
+            if tile.per_element:
+                rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_fwd_elem_kernel",
+                          (z, out, iterations, eps, n, tile.tile_b, code))
+            else:
+                rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_fwd_kernel",
+                          (z, out, iterations, eps, n, tile.tile_b, code, int(tile.batch_last)))
         ctx.save_for_backward(logits)
         ctx.args = (iterations, eps, code, rt)
         return out.view(logits.shape)
@@ -48,10 +53,14 @@ class _SinkhornFn(torch.autograd.Function):
         pairs = max(iterations - 1 if code == VARIANT_CODE[Variant.MEGATRON_DEV] else iterations, 1)
         work = torch.empty((1 if tile.recompute else pairs, *z.shape), dtype=torch.float32, device=z.device)
         if z.shape[0]:
-            rt.launch(
-                (cdiv(z.shape[0], tile.tile_b),), "sinkhorn_bwd_kernel",
-                (z, g, grad, work, iterations, eps, n, tile.tile_b, code, int(tile.batch_last), int(tile.recompute)),
-            )
+            grid = (cdiv(z.shape[0], tile.tile_b),)
+            if tile.per_element:
+                rt.launch(grid, "sinkhorn_bwd_elem_kernel",
+                          (z, g, grad, work, iterations, eps, n, tile.tile_b, code, int(tile.recompute)))
+            else:
+                rt.launch(grid, "sinkhorn_bwd_kernel",
+                          (z, g, grad, work, iterations, eps, n, tile.tile_b, code, int(tile.batch_last),
+                           int(tile.recompute)))
         return grad.view(logits.shape), None, None, None, None
 
 

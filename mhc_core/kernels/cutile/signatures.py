@@ -136,10 +136,12 @@ ALTERNATIVE_TILES = (
         "h_post_bda_bwd": tiling.StreamTiles(tile_t=32, tile_c=64, per_stream=True),
     },
     {"sinkhorn": tiling.SinkhornTiles(tile_b=64, batch_last=True, recompute=True)},
+    {"sinkhorn": tiling.SinkhornTiles(tile_b=128, per_element=True)},
+    {"sinkhorn": tiling.SinkhornTiles(tile_b=128, recompute=True, per_element=True)},
 )
-"""The formulations the tile sweep can pick besides the defaults: batch-last Sinkhorn (with a stored
-trajectory and with recompute), the whole-tile (not per-stream) stream forwards and the
-per-stream h_post_bda backward."""
+"""The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
+(each with a stored trajectory and with recompute), the whole-tile (not per-stream) stream
+forwards and the per-stream h_post_bda backward."""
 
 
 @functools.cache
@@ -147,8 +149,8 @@ def alternative_plan(n: int = 4) -> tuple[PlannedLaunch, ...]:
     """Launches (ids prefixed `alt<i>-`) of the `ALTERNATIVE_TILES` formulations at `n`, C = 512 that
     the default plan does not hold."""
     seen = {(p.kernel_name, p.args) for p in signature_plan()}
-    kernels = {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "h_aggregate_fwd_kernel", "h_post_bda_fwd_kernel",
-               "h_post_bda_bwd_kernel"}
+    kernels = {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel",
+               "h_aggregate_fwd_kernel", "h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel"}
     out = []
     for i, overrides in enumerate(ALTERNATIVE_TILES):
         rec = RecordingRuntime()

@@ -35,7 +35,10 @@ _S = tiling.StreamTiles
 CANDIDATES: dict[str, tuple] = {
     "sinkhorn": (tiling.SinkhornTiles(64), tiling.SinkhornTiles(8), tiling.SinkhornTiles(32, True),
                  tiling.SinkhornTiles(64, True), tiling.SinkhornTiles(128, True), tiling.SinkhornTiles(256, True),
-                 tiling.SinkhornTiles(64, True, True), tiling.SinkhornTiles(128, True, True)),
+                 tiling.SinkhornTiles(64, True, True), tiling.SinkhornTiles(128, True, True),
+                 tiling.SinkhornTiles(64, per_element=True), tiling.SinkhornTiles(128, per_element=True),
+                 tiling.SinkhornTiles(256, per_element=True),
+                 tiling.SinkhornTiles(128, recompute=True, per_element=True)),
     "h_aggregate_fwd": (_S(8, 256, True), _S(4, 512, True), _S(4, 256, True), _S(16, 128, True), _S(2, 512)),
     "h_aggregate_bwd": (_S(8, 256), _S(4, 256), _S(8, 512), _S(16, 256)),
     "h_post_bda_fwd": (_S(4, 256, True), _S(2, 256, True), _S(4, 128, True), _S(2, 512, True), _S(4, 256)),

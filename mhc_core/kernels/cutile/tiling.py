@@ -72,7 +72,7 @@ hint (`ct.kernel(occupancy=...)`, 1-32; unset: the compiler's choice), which the
 applies at launch."""
 
 KERNELS_OF = {
-    "sinkhorn": ("sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel"),
+    "sinkhorn": ("sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel"),
     "h_aggregate_fwd": ("h_aggregate_fwd_kernel",),
     "h_aggregate_bwd": ("h_aggregate_bwd_kernel",),
     "h_post_bda_fwd": ("h_post_bda_fwd_kernel",),
@@ -128,11 +128,14 @@ def next_pow2(v: int) -> int:
 class SinkhornTiles:
     """Tile of the Sinkhorn kernels: `tile_b` matrices per block; `batch_last` holds them as
     `[n, n, TILE_B]` instead of `[TILE_B, n, n]`; `recompute`: the backward replays each pair's
-    input from the start instead of storing the trajectory (see `sinkhorn_kernels`)."""
+    input from the start instead of storing the trajectory (see `sinkhorn_kernels`);
+    `per_element`: the kernels of `sinkhorn_elem_kernels` (one `[TILE_B]` tile per matrix element,
+    `batch_last` does not apply)."""
 
     tile_b: int
     batch_last: bool = False
     recompute: bool = False
+    per_element: bool = False
 
 
 def sinkhorn_tile(n: int) -> SinkhornTiles:

@@ -54,18 +54,20 @@ def test_sinkhorn(emu, n, variant, dtype):
     )
 
 
+@pytest.mark.parametrize("tiles", [None, tiling.SinkhornTiles(64, per_element=True)], ids=["default", "per_element"])
 @pytest.mark.parametrize("iterations", [1, 20])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_sinkhorn_iterations(emu, variant, iterations):
+def test_sinkhorn_iterations(emu, variant, iterations, tiles):
     """Iteration counts at the edges (1: no pair loop for megatron_dev; 20: the default), 3 blocks."""
-    compare(
-        f"sinkhorn it{iterations} {variant}",
-        lambda z: emu.sinkhorn(z, iterations, None, variant),
-        lambda z: ref.sinkhorn(z, iterations, None, variant),
-        sinkhorn_inputs(4, torch.float32, "cpu", batch=150),
-        torch.float32,
-        input_names=("logits",),
-    )
+    with tiling.overridden(**({} if tiles is None else {"sinkhorn": tiles})):
+        compare(
+            f"sinkhorn it{iterations} {variant}",
+            lambda z: emu.sinkhorn(z, iterations, None, variant),
+            lambda z: ref.sinkhorn(z, iterations, None, variant),
+            sinkhorn_inputs(4, torch.float32, "cpu", batch=150),
+            torch.float32,
+            input_names=("logits",),
+        )
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
@@ -81,6 +83,23 @@ def test_sinkhorn_batch_last(emu, n, variant, recompute):
             lambda z: ref.sinkhorn(z, 5, None, variant),
             sinkhorn_inputs(n, torch.float32, "cpu"),
             torch.float32,
+            input_names=("logits",),
+        )
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
+def test_sinkhorn_per_element(emu, n, variant, dtype, recompute):
+    """The per-element kernels (`SinkhornTiles.per_element`) match the reference (37 matrices, 2 blocks)."""
+    with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, recompute=recompute, per_element=True)):
+        compare(
+            f"sinkhorn per-element n{n} {variant} {dtype} recompute={recompute}",
+            lambda z: emu.sinkhorn(z, 5, None, variant),
+            lambda z: ref.sinkhorn(z, 5, None, variant),
+            sinkhorn_inputs(n, dtype, "cpu"),
+            dtype,
             input_names=("logits",),
         )
 

@@ -13,6 +13,7 @@ import torch
 
 import mhc_core.kernels.cutile as cutile
 from mhc_core import ops as ref
+from mhc_core.kernels.cutile import tiling
 from mhc_core.variants import Variant, get_variant
 from suites.unit.kernels_cutile.cutile_cases import (
     DTYPE_NAMES,
@@ -109,6 +110,62 @@ def test_mapping(n, variant, dtype, t, c):
         oracle_fn=oracle,
         out_kind="proj",
     )
+
+
+SINKHORN_FORMS = [
+    pytest.param(tiling.SinkhornTiles(64, batch_last=True), id="batch_last"),
+    pytest.param(tiling.SinkhornTiles(64, batch_last=True, recompute=True), id="batch_last-recompute"),
+    pytest.param(tiling.SinkhornTiles(128, per_element=True), id="per_element"),
+    pytest.param(tiling.SinkhornTiles(128, recompute=True, per_element=True), id="per_element-recompute"),
+]
+
+
+@pytest.mark.parametrize("tiles", SINKHORN_FORMS)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", NS)
+def test_sinkhorn_formulations(n, variant, tiles):
+    """The sweep's other Sinkhorn formulations, fwd + bwd, 20 iterations, 300 matrices, fp32 logits."""
+    with tiling.overridden(sinkhorn=tiles):
+        compare(
+            f"sinkhorn {tiles} n{n} {variant}",
+            lambda z: cutile.sinkhorn(z, 20, None, variant),
+            lambda z: ref.sinkhorn(z, 20, None, variant),
+            sinkhorn_inputs(n, torch.float32, DEV, batch=300),
+            torch.float32,
+            input_names=("logits",),
+        )
+
+
+STREAM_FORMS = [
+    pytest.param({"h_aggregate_fwd": tiling.StreamTiles(2, 512), "h_post_bda_fwd": tiling.StreamTiles(4, 256)},
+                 id="whole_tile_fwd"),
+    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(32, 64, per_stream=True)}, id="per_stream_bwd"),
+]
+
+
+@pytest.mark.parametrize("forms", STREAM_FORMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_stream_formulations(variant, dtype, forms):
+    """The sweep's other stream-kernel formulations, fwd + bwd with bias, n = 4, T300 C1024."""
+    with tiling.overridden(**forms):
+        compare(
+            f"h_aggregate {forms} {variant}",
+            cutile.h_aggregate,
+            ref.h_aggregate,
+            aggregate_inputs(300, 4, 1024, dtype, _coef_dtype(variant, dtype), DEV),
+            dtype,
+            input_names=("x", "h_pre"),
+        )
+        compare(
+            f"h_post_bda {forms} {variant}",
+            lambda *a: cutile.h_post_bda(*a, 0.0, False, variant),
+            lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+            post_bda_inputs(300, 4, 1024, dtype, _coef_dtype(variant, dtype), True, DEV),
+            dtype,
+            input_names=POST_BDA_INPUT_NAMES,
+            cosine_inputs=("bias",),
+        )
 
 
 def test_runs_on_the_current_stream():
