@@ -95,30 +95,46 @@ def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
                           TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt):
     """`out_i = sum_j M[i, j] residual_j + h_post_i (y + bias)`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`.
 
-    `bias [C]` is read only when `HAS_BIAS` (pass any 1-D array otherwise). `PER_STREAM`: each
-    output stream is computed and stored as its own `[TILE_T, TILE_C]` tile.
+    `bias [C]` is read only when `HAS_BIAS` (pass any 1-D array otherwise). `PER_STREAM` 1: each
+    output stream is computed and stored as its own `[TILE_T, TILE_C]` tile, from slices of one
+    `[TILE_T, n, TILE_C]` load; 2: the residual streams are loaded one by one too, into a tuple of
+    `[TILE_T, TILE_C]` tiles, so no tile has a middle axis to reshuffle (sm_90: no shared memory,
+    against 46 KB and 110 shared loads / stores for 1).
     """
     pt = ct.bid(0)
     pc = ct.bid(1)
     m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
-    res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
-    yb = _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
-    if PER_STREAM:
-        hp = _load_f32(h_post, (pt, 0), (TILE_T, N))
-        for i in ct.static_iter(range(N)):
-            acc = ct.reshape(ct.extract(hp, (0, i), shape=(TILE_T, 1)), (TILE_T, 1, 1)) * yb
-            for j in ct.static_iter(range(N)):
-                acc = acc + ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)) * ct.extract(
-                    res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
-            ct.store(out, index=(pt, i, pc), tile=ct.astype(acc, out.dtype))
-    else:
-        hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
-        mix = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
+    if PER_STREAM == 2:
+        hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
+        yb2 = ct.reshape(_load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), (TILE_T, TILE_C))
+        streams = ()
         for j in ct.static_iter(range(N)):
-            mix = mix + ct.extract(m, (0, 0, j), shape=(TILE_T, N, 1)) * ct.extract(
-                res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
-        acc = mix + hp * yb
-        ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
+            streams = streams + (_load_stream(residual, pt, j, pc, TILE_T, TILE_C),)
+        for i in ct.static_iter(range(N)):
+            acc2 = ct.extract(hp2, (0, i), shape=(TILE_T, 1)) * yb2
+            for j in ct.static_iter(range(N)):
+                m_ij = ct.reshape(ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)), (TILE_T, 1))
+                acc2 = acc2 + m_ij * streams[j]
+            ct.store(out, index=(pt, i, pc), tile=ct.astype(ct.reshape(acc2, (TILE_T, 1, TILE_C)), out.dtype))
+    else:
+        res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
+        yb = _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
+        if PER_STREAM:
+            hp = _load_f32(h_post, (pt, 0), (TILE_T, N))
+            for i in ct.static_iter(range(N)):
+                acc = ct.reshape(ct.extract(hp, (0, i), shape=(TILE_T, 1)), (TILE_T, 1, 1)) * yb
+                for j in ct.static_iter(range(N)):
+                    acc = acc + ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)) * ct.extract(
+                        res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
+                ct.store(out, index=(pt, i, pc), tile=ct.astype(acc, out.dtype))
+        else:
+            hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+            mix = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
+            for j in ct.static_iter(range(N)):
+                mix = mix + ct.extract(m, (0, 0, j), shape=(TILE_T, N, 1)) * ct.extract(
+                    res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
+            acc = mix + hp * yb
+            ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
 
 
 @ct.kernel

@@ -151,12 +151,13 @@ class StreamTiles:
 
     `per_stream` (h_aggregate fwd, h_post_bda fwd and bwd): work on (and store) one
     `[TILE_T, TILE_C]` slice per stream instead of whole `[TILE_T, n, TILE_C]` tiles (same bytes,
-    no reduction across or broadcast along the middle axis).
+    no reduction across or broadcast along the middle axis). `2` (h_post_bda fwd only): load the
+    residual stream by stream as well, into a tuple of 2-D tiles.
     """
 
     tile_t: int
     tile_c: int
-    per_stream: bool = False
+    per_stream: int = 0
 
 
 def _stream_tiles(n: int, c: int, cap_c: int, elems: int, per_stream: bool = False) -> StreamTiles:

@@ -158,11 +158,11 @@ def test_h_post_bda_n8(emu):
     )
 
 
-@pytest.mark.parametrize("op", ["h_aggregate", "h_post_bda"])
-def test_per_stream_forward(emu, op):
-    """The per-stream formulation (`StreamTiles.per_stream`, forward; h_post_bda backward too) matches the reference."""
+@pytest.mark.parametrize(("op", "mode"), [("h_aggregate", 1), ("h_post_bda", 1), ("h_post_bda", 2)])
+def test_per_stream_forward(emu, op, mode):
+    """The per-stream formulations (`StreamTiles.per_stream`, forward; h_post_bda backward too) match the reference."""
     t, n, c = 21, 4, 300
-    tiles = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=True)
+    tiles = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode)
     if op == "h_aggregate":
         kernel, oracle, inputs, names = emu.h_aggregate, ref.h_aggregate, aggregate_inputs(
             t, n, c, torch.bfloat16, torch.float32, "cpu"), ("x", "h_pre")
@@ -173,7 +173,7 @@ def test_per_stream_forward(emu, op):
         names = POST_BDA_INPUT_NAMES
     overrides = {f"{op}_fwd": tiles}
     if op == "h_post_bda":
-        overrides["h_post_bda_bwd"] = tiles
+        overrides["h_post_bda_bwd"] = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=1)
     with tiling.overridden(**overrides):
         compare(f"{op} per-stream", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 
