@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from mhc_core.kernels.cutile.bench import pipelined_ms
+
 __all__ = ["sample_seconds", "median_seconds", "copy_seconds", "paired_samples", "copy_fn", "pipelined_seconds",
            "synced"]
 
@@ -100,17 +102,10 @@ def pipelined_seconds(fns: list[Callable[[], object]], *, device: str, iters: in
     out: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
-            fn()
-            _sync(device)
             if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    fn()
-                end.record()
-                end.synchronize()
-                out[i].append(start.elapsed_time(end) / 1e3 / iters)
+                out[i].append(pipelined_ms(fn, iters) / 1e3)
             else:
+                fn()
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     fn()

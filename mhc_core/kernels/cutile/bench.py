@@ -22,7 +22,7 @@ from mhc_core import ops as ref
 from mhc_core.analysis import bytes_moved
 from mhc_core.variants import get_variant
 
-__all__ = ["main", "time_ms", "make_inputs", "op_call"]
+__all__ = ["main", "time_ms", "pipelined_ms", "backward_fn", "make_inputs", "op_call", "add_shape_args", "cutile_or_none"]
 
 
 def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
@@ -38,6 +38,52 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def pipelined_ms(fn: Callable[[], object], iters: int) -> float:
+    """Milliseconds per call of `iters` back-to-back calls between one pair of CUDA events, after
+    one untimed call: the kernels' own time once the host's launch cost is hidden."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def add_shape_args(p: argparse.ArgumentParser, *, tokens: int = 8192, hidden: int = 4096,
+                   variant: str = "megatron_dev", dtype: bool = True) -> None:
+    """`--tokens --hidden --n [--dtype] --variant`, the problem options the GPU tools share."""
+    p.add_argument("--tokens", type=int, default=tokens)
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--n", type=int, default=4)
+    if dtype:
+        p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--variant", default=variant)
+
+
+def cutile_or_none(tool: str):
+    """The `mhc_core.kernels.cutile` package when it can run here, else None after saying why on stderr."""
+    import mhc_core.kernels.cutile as cutile
+
+    ok, why = cutile.availability()
+    if not ok:
+        print(f"{tool}: cuTile unavailable: {why}", file=sys.stderr)
+        return None
+    return cutile
+
+
+def backward_fn(fn: Callable, inputs: list[torch.Tensor | None]) -> Callable[[], object]:
+    """Runs `fn(*inputs)` once and returns the backward alone, replayable: the gradients of all
+    non-None inputs for random output gradients, on the retained graph."""
+    res = fn(*inputs)
+    outs = res if isinstance(res, tuple) else (res,)
+    grads = [torch.randn_like(o) for o in outs]
+    leaves = [x for x in inputs if x is not None]
+    return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
 
 
 def make_inputs(op: str, t: int, n: int, c: int, act: torch.dtype, variant: str,
@@ -70,11 +116,7 @@ def op_call(ops, op: str, n: int, variant: str, iterations: int) -> Callable:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--variant", default="megatron_dev")
+    add_shape_args(p)
     p.add_argument("--iterations", type=int, default=20, help="Sinkhorn iterations")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
@@ -82,11 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
 
-    import mhc_core.kernels.cutile as cutile
-
-    ok, why = cutile.availability()
-    if not ok:
-        print(f"bench: cuTile unavailable: {why}", file=sys.stderr)
+    cutile = cutile_or_none("bench")
+    if cutile is None:
         return 2
     act = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     t, n, c = args.tokens, args.n, args.hidden
@@ -96,24 +135,18 @@ def main(argv: list[str] | None = None) -> int:
             fn = op_call(ops, op, n, args.variant, args.iterations)
             inputs = [x.requires_grad_(True) if x is not None else None for x in make_inputs(op, t, n, c, act, args.variant)]
             fwd_ms = time_ms(lambda fn=fn, inputs=inputs: fn(*inputs), args.warmup, args.iters)
-            out = fn(*inputs)
-            outs = out if isinstance(out, tuple) else (out,)
-            grads = [torch.randn_like(o) for o in outs]
-            leaves = [x for x in inputs if x is not None]
-            bwd_ms = time_ms(
-                lambda outs=outs, grads=grads, leaves=leaves: torch.autograd.grad(outs, leaves, grads, retain_graph=True),
-                args.warmup, args.iters,
-            )
+            bwd = backward_fn(fn, inputs)
+            bwd_ms = time_ms(bwd, args.warmup, args.iters)
             for direction, ms in (("fwd", fwd_ms), ("bwd", bwd_ms)):
                 model = bytes_moved(op, direction, tokens=t, n=n, hidden=c, act_bytes=act.itemsize,
                                     with_bias=op == "h_post_bda")
                 rows.append({"op": op, "direction": direction, "backend": backend, "median_ms": round(ms, 4),
                              "model_bytes": model.total, "gb_per_s": round(model.total / (ms * 1e6), 1)})
                 print(f"{op:12s} {direction} {backend:9s} {ms:9.4f} ms {model.total / (ms * 1e6):8.1f} GB/s", flush=True)
-            del out, outs, grads, inputs, leaves
+            del bwd, inputs
             torch.cuda.empty_cache()
     result = {"tokens": t, "n": n, "hidden": c, "dtype": args.dtype, "variant": args.variant,
-              "device": torch.cuda.get_device_name(), "availability": why, "rows": rows}
+              "device": torch.cuda.get_device_name(), "availability": cutile.availability()[1], "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -16,6 +16,7 @@ import sys
 import torch
 
 from mhc_core import ops as ref
+from mhc_core.kernels.cutile.bench import add_shape_args, cutile_or_none
 
 __all__ = ["main"]
 
@@ -26,18 +27,12 @@ def _max_err(outs, oracle) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=1100)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--variant", default="megatron_main")
+    add_shape_args(p, tokens=1100, hidden=1024, variant="megatron_main", dtype=False)
     p.add_argument("--out", help="write the errors as JSON here")
     args = p.parse_args(argv)
 
-    import mhc_core.kernels.cutile as cutile
-
-    ok, why = cutile.availability()
-    if not ok:
-        print(f"precision_probe: cuTile unavailable: {why}", file=sys.stderr)
+    cutile = cutile_or_none("precision_probe")
+    if cutile is None:
         return 2
     t, n, c = args.tokens, args.n, args.hidden
     gen = torch.Generator().manual_seed(0)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 
@@ -27,7 +26,15 @@ import torch
 
 from mhc_core.analysis import bytes_moved
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.bench import make_inputs, op_call
+from mhc_core.kernels.cutile.bench import (
+    add_shape_args,
+    backward_fn,
+    cutile_or_none,
+    make_inputs,
+    op_call,
+    pipelined_ms,
+    time_ms,
+)
 
 __all__ = ["CANDIDATES", "main", "timers", "override"]
 
@@ -56,30 +63,6 @@ for _key in ("h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda
     CANDIDATES[f"{_key}_occupancy"] = tuple({k: occ for k in tiling.KERNELS_OF[_key]} for occ in (2, 4, 8))
 """Candidates per `tiling` key (the first is the heuristic's choice at n = 4, C >= 256; the second
 run on an H200 is in `tiling`'s docstring)."""
-
-
-def _pipelined_ms(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def _single_ms(fn: Callable[[], object], iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _tile_key(key: str) -> str:
@@ -118,21 +101,13 @@ def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str
                 return fn(*inputs)
         out["fwd"] = fwd
     if "bwd" in _directions(key):
-        res = fn(*inputs)
-        outs = res if isinstance(res, tuple) else (res,)
-        grads = [torch.randn_like(o) for o in outs]
-        leaves = [x for x in inputs if x is not None]
-        out["bwd"] = lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+        out["bwd"] = backward_fn(fn, inputs)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--variant", default="megatron_dev")
+    add_shape_args(p)
     p.add_argument("--iterations", type=int, default=20, help="Sinkhorn iterations")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--keys", default=",".join(CANDIDATES), help=f"comma-separated, from {', '.join(CANDIDATES)}")
@@ -147,11 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(key, i)
         return 0
 
-    import mhc_core.kernels.cutile as cutile
-
-    ok, why = cutile.availability()
-    if not ok:
-        print(f"sweep: cuTile unavailable: {why}", file=sys.stderr)
+    cutile = cutile_or_none("sweep")
+    if cutile is None:
         return 2
     keys = args.keys.split(",")
     unknown = [k for k in keys if k not in CANDIDATES]
@@ -177,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                             torch.cuda.synchronize()
                             print(f"warm {label} {direction}", flush=True)
                             continue
-                        piped = _pipelined_ms(fn, args.iters)
-                        single = _single_ms(fn, args.iters)
+                        piped = pipelined_ms(fn, args.iters)
+                        single = time_ms(fn, 0, args.iters)
                         model = bytes_moved(_op(key), direction, tokens=t, n=n, hidden=c, act_bytes=act.itemsize,
                                             with_bias=_op(key) == "h_post_bda").total
                         rows.append({"key": key, "tiles": repr(cand), "direction": direction,

@@ -120,3 +120,11 @@ def mapping_oracle(n: int, variant):
 MAPPING_INPUT_NAMES = ("x", "weight", "alpha_pre", "alpha_post", "alpha_res", "bias")
 MAPPING_COSINE = ("alpha_pre", "alpha_post", "alpha_res", "bias")
 POST_BDA_INPUT_NAMES = ("h_res", "residual", "h_post", "y", "bias")
+
+SINKHORN_FORMS = {
+    "batch_last": {"batch_last": True},
+    "batch_last-recompute": {"batch_last": True, "recompute": True},
+    "per_element": {"per_element": True},
+    "per_element-recompute": {"recompute": True, "per_element": True},
+}
+"""The Sinkhorn formulations besides the default, as `SinkhornTiles` keywords (tile_b is each test's)."""

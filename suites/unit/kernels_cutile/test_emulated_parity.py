@@ -21,6 +21,7 @@ from suites.unit.kernels_cutile.cutile_cases import (
     MAPPING_COSINE,
     MAPPING_INPUT_NAMES,
     POST_BDA_INPUT_NAMES,
+    SINKHORN_FORMS,
     VARIANT_NAMES,
     aggregate_inputs,
     compare,
@@ -39,19 +40,27 @@ def emu():
     return make_ops(EmulatedRuntime(num_sms=4))
 
 
+SINKHORN_TILES = [pytest.param(None, id="default")] + [
+    pytest.param(tiling.SinkhornTiles(32, **kw), id=name) for name, kw in SINKHORN_FORMS.items()
+]
+
+
+@pytest.mark.parametrize("tiles", SINKHORN_TILES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
-def test_sinkhorn(emu, n, variant, dtype):
-    """Sinkhorn fwd + bwd (stored trajectory) matches the reference, 5 iterations, 37 matrices."""
-    compare(
-        f"sinkhorn n{n} {variant} {dtype}",
-        lambda z: emu.sinkhorn(z, 5, None, variant),
-        lambda z: ref.sinkhorn(z, 5, None, variant),
-        sinkhorn_inputs(n, dtype, "cpu"),
-        dtype,
-        input_names=("logits",),
-    )
+def test_sinkhorn(emu, n, variant, dtype, tiles):
+    """Sinkhorn fwd + bwd matches the reference, 5 iterations, 37 matrices (2 blocks of 32 for the
+    other formulations: batch-last and per-element, stored or recomputed backward)."""
+    with tiling.overridden(**({} if tiles is None else {"sinkhorn": tiles})):
+        compare(
+            f"sinkhorn {tiles} n{n} {variant} {dtype}",
+            lambda z: emu.sinkhorn(z, 5, None, variant),
+            lambda z: ref.sinkhorn(z, 5, None, variant),
+            sinkhorn_inputs(n, dtype, "cpu"),
+            dtype,
+            input_names=("logits",),
+        )
 
 
 @pytest.mark.parametrize("tiles", [None, tiling.SinkhornTiles(64, per_element=True)], ids=["default", "per_element"])
@@ -66,40 +75,6 @@ def test_sinkhorn_iterations(emu, variant, iterations, tiles):
             lambda z: ref.sinkhorn(z, iterations, None, variant),
             sinkhorn_inputs(4, torch.float32, "cpu", batch=150),
             torch.float32,
-            input_names=("logits",),
-        )
-
-
-@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
-def test_sinkhorn_batch_last(emu, n, variant, recompute):
-    """The batch-last layout (`SinkhornTiles.batch_last`), with a stored trajectory or recompute in the
-    backward, matches the reference too (37 matrices, 2 blocks)."""
-    with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, True, recompute)):
-        compare(
-            f"sinkhorn batch-last n{n} {variant} recompute={recompute}",
-            lambda z: emu.sinkhorn(z, 5, None, variant),
-            lambda z: ref.sinkhorn(z, 5, None, variant),
-            sinkhorn_inputs(n, torch.float32, "cpu"),
-            torch.float32,
-            input_names=("logits",),
-        )
-
-
-@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
-def test_sinkhorn_per_element(emu, n, variant, dtype, recompute):
-    """The per-element kernels (`SinkhornTiles.per_element`) match the reference (37 matrices, 2 blocks)."""
-    with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, recompute=recompute, per_element=True)):
-        compare(
-            f"sinkhorn per-element n{n} {variant} {dtype} recompute={recompute}",
-            lambda z: emu.sinkhorn(z, 5, None, variant),
-            lambda z: ref.sinkhorn(z, 5, None, variant),
-            sinkhorn_inputs(n, dtype, "cpu"),
-            dtype,
             input_names=("logits",),
         )
 

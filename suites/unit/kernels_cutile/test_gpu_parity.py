@@ -20,6 +20,7 @@ from suites.unit.kernels_cutile.cutile_cases import (
     MAPPING_COSINE,
     MAPPING_INPUT_NAMES,
     POST_BDA_INPUT_NAMES,
+    SINKHORN_FORMS,
     VARIANT_NAMES,
     aggregate_inputs,
     compare,
@@ -112,15 +113,10 @@ def test_mapping(n, variant, dtype, t, c):
     )
 
 
-SINKHORN_FORMS = [
-    pytest.param(tiling.SinkhornTiles(64, batch_last=True), id="batch_last"),
-    pytest.param(tiling.SinkhornTiles(64, batch_last=True, recompute=True), id="batch_last-recompute"),
-    pytest.param(tiling.SinkhornTiles(128, per_element=True), id="per_element"),
-    pytest.param(tiling.SinkhornTiles(128, recompute=True, per_element=True), id="per_element-recompute"),
-]
+SINKHORN_TILES = [pytest.param(tiling.SinkhornTiles(64, **kw), id=name) for name, kw in SINKHORN_FORMS.items()]
 
 
-@pytest.mark.parametrize("tiles", SINKHORN_FORMS)
+@pytest.mark.parametrize("tiles", SINKHORN_TILES)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", NS)
 def test_sinkhorn_formulations(n, variant, tiles):
