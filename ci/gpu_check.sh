@@ -133,16 +133,17 @@ fi
 # 3a. tile sweep (JIT-compile every candidate in parallel processes, then time them in one) and
 #     the fp32 tensor-core precision probe
 if has_step sweep; then
-SWEEP=(-m mhc_core.kernels.cutile.sweep --tokens 8192 --hidden 4096 --n 4 --dtype bf16)
+SWEEP_SHAPE="--tokens 8192 --hidden 4096 --n 4 --dtype bf16"
+SWEEP=(-m mhc_core.kernels.cutile.sweep $SWEEP_SHAPE)
 SWEEP_KEYS="${MHC_SWEEP_KEYS:-$("$PY" -c 'from mhc_core.kernels.cutile.sweep import CANDIDATES; print(*CANDIDATES)')}"
 # One warm-up process per candidate, 16 at a time (each JIT-compiles its kernels into the cache);
 # each process has its own time limit too, so none outlives the step.
-export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-warm 60)"
+export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-warm 60)" MHC_SWEEP_SHAPE="$SWEEP_SHAPE"
 "$PY" "${SWEEP[@]}" --list | while read -r key idx; do
     if [[ " $SWEEP_KEYS " == *" $key "* ]]; then echo "$key $idx"; fi
 done | timeout "$MHC_SWEEP_LIMIT" xargs -P 16 -L 1 bash -c \
-    'timeout "$MHC_SWEEP_LIMIT" "$MHC_SWEEP_PY" -m mhc_core.kernels.cutile.sweep --tokens 8192 --hidden 4096 --n 4 \
-     --dtype bf16 --keys "$0" --index "$1" --warm-only > "$MHC_SWEEP_OUT/sweep-warm-$0-$1.txt" 2>&1'
+    'timeout "$MHC_SWEEP_LIMIT" "$MHC_SWEEP_PY" -m mhc_core.kernels.cutile.sweep $MHC_SWEEP_SHAPE \
+     --keys "$0" --index "$1" --warm-only > "$MHC_SWEEP_OUT/sweep-warm-$0-$1.txt" 2>&1'
 timeout "$(limit sweep 100)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr ' ' ,)" --out "$OUT/sweep.json" \
     > "$OUT/sweep.txt" 2>&1
 rc=$?

@@ -85,13 +85,14 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90") -> KernelResou
     if tc is None:
         raise FileNotFoundError("no tileiras found (pip install 'cuda-tile[tileiras]==1.7.0')")
     cuobjdump = find_cuobjdump()
+    env = tc.env()
+    env["PATH"] = f"{cuobjdump.parent}:{env['PATH']}"  # cuobjdump -sass runs nvdisasm from there
     with tempfile.TemporaryDirectory() as tmp:
         bc, cubin, remarks = Path(tmp, "k.bc"), Path(tmp, "k.cubin"), Path(tmp, "k.yaml")
         bc.write_bytes(_bytecode(launch))
         subprocess.run([str(tc.tileiras), str(bc), "-o", str(cubin), "--gpu-name", arch, "-O3",
                         "--remark-format=yaml", "--remarks=all", f"--remarks-output-file={remarks}"],
-                       env=tc.env(), check=True, capture_output=True, timeout=300)
-        env = dict(tc.env(), PATH=f"{cuobjdump.parent}:{tc.env()['PATH']}")  # cuobjdump -sass runs nvdisasm
+                       env=env, check=True, capture_output=True, timeout=300)
         usage = _run([str(cuobjdump), "-res-usage", str(cubin)], env, launch.id)
         sass = _run([str(cuobjdump), "-sass", str(cubin)], env, launch.id)
         refusals = re.findall(r"Name:\s+RemarkMemoryTma(?:Load|Store)Failed.*?Reason:\s+'?([^'\n]*)", remarks.read_text(),
