@@ -60,10 +60,6 @@ __all__ = [
 SUPPORTED_N = (2, 4, 8)
 """Residual-stream counts with kernels: powers of two (tile shapes must be powers of two)."""
 
-_TILE_ELEMS = 4096
-"""Target elements of one `[TILE_T, n, TILE_C]` activation tile."""
-
-
 TILE_KEYS = ("sinkhorn", "h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd",
              "mapping_fwd", "mapping_bwd", "occupancy")
 """What `overridden` can replace: `sinkhorn` takes a `SinkhornTiles`, `mapping_*` a `MappingTiles`,
@@ -160,7 +156,8 @@ class StreamTiles:
     per_stream: int = 0
 
 
-def _stream_tiles(n: int, c: int, cap_c: int, elems: int, per_stream: bool = False) -> StreamTiles:
+def _stream_tiles(n: int, c: int, cap_c: int, elems: int, per_stream: int = 0) -> StreamTiles:
+    """`TILE_C = min(cap_c, pow2(C))` and about `elems` elements per `[TILE_T, n, TILE_C]` tile."""
     tile_c = min(cap_c, next_pow2(c))
     tile_t = max(1, min(32, elems // (n * tile_c)))  # powers of two throughout
     return StreamTiles(tile_t=tile_t, tile_c=tile_c, per_stream=per_stream)
