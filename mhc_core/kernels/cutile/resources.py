@@ -1,5 +1,6 @@
-"""What the cuTile compiler made of each kernel, read offline (no GPU): registers, shared memory,
-spills, and which memory instructions it chose (TMA or plain loads / stores, shuffles, barriers).
+"""What the cuTile compiler made of each kernel, read offline (no GPU): registers, threads per block,
+shared memory, spills, the CTAs per SM these allow, and which memory instructions it chose (TMA or
+plain loads / stores, shuffles, barriers).
 
     python -m mhc_core.kernels.cutile.resources                 # every n = 4 kernel, sm_90
     python -m mhc_core.kernels.cutile.resources --match h_aggregate --arch sm_100
@@ -29,7 +30,7 @@ from pathlib import Path
 from mhc_core.kernels.cutile import toolchain
 from mhc_core.kernels.cutile.signatures import PlannedLaunch, alternative_plan, signature_plan
 
-__all__ = ["KernelResources", "find_cuobjdump", "inspect_launch", "main", "table"]
+__all__ = ["KernelResources", "ctas_per_sm", "find_cuobjdump", "inspect_launch", "main", "table"]
 
 _COUNTED = {"LDG": "ldg", "STG": "stg", "UTMALDG": "tma_load", "UTMASTG": "tma_store", "LDS": "lds", "STS": "sts",
             "SHFL": "shfl", "BAR": "bar"}
@@ -43,10 +44,34 @@ class KernelResources:
     id: str
     arch: str
     registers: int
+    threads: int
     shared_bytes: int
     local_bytes: int
     counts: dict[str, int] = field(default_factory=dict)
     tma_refused: tuple[str, ...] = ()
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """Resident blocks per SM these resources allow (`ctas_per_sm`)."""
+        return ctas_per_sm(self.registers, self.threads, self.shared_bytes)
+
+
+# Per-SM limits of sm_90 and sm_100 (H100 / H200 / B200: the same figures).
+_SM_REGS, _SM_THREADS, _SM_BLOCKS, _SM_SMEM, _BLOCK_SMEM_RESERVED = 65536, 2048, 32, 233472, 1024
+
+
+def ctas_per_sm(registers: int, threads: int, shared_bytes: int) -> int:
+    """Blocks of `threads` threads, `registers` per thread and `shared_bytes` that fit on one
+    sm_90 / sm_100 SM (registers are allocated per warp in units of 256; 1 KB of shared memory is
+    reserved per block). 0 when one block does not fit."""
+    if registers < 1 or threads < 1 or shared_bytes < 0:
+        raise ValueError(f"ctas_per_sm: registers={registers}, threads={threads}, shared_bytes={shared_bytes}")
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // 256) * 256
+    limits = [_SM_BLOCKS, _SM_THREADS // (warps * 32), (_SM_REGS // per_warp) // warps]
+    if shared_bytes:
+        limits.append(_SM_SMEM // (shared_bytes + _BLOCK_SMEM_RESERVED))
+    return min(limits)
 
 
 def find_cuobjdump() -> Path:
@@ -59,13 +84,16 @@ def find_cuobjdump() -> Path:
                             "(pip install 'nvidia-cuda-cuobjdump==13.4.92', part of the `kernels` extra)")
 
 
-def _bytecode(launch: PlannedLaunch) -> bytes:
+def _bytecode(launch: PlannedLaunch, occupancy: int | None = None) -> bytes:
     from cuda.tile.compilation import export_kernel
 
     from mhc_core.kernels.cutile.signatures import kernel_object, to_signature
 
+    kernel = kernel_object(launch.kernel_name)
+    if occupancy is not None:
+        kernel = kernel.replace_hints(occupancy=occupancy)
     buf = io.BytesIO()
-    export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf,
+    export_kernel(kernel, [to_signature(launch)], buf,
                   output_format="tileir_bytecode", bytecode_version="13.3")
     return buf.getvalue()
 
@@ -79,8 +107,9 @@ def _run(cmd: list[str], env: dict[str, str], what: str) -> str:
     return done.stdout
 
 
-def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90") -> KernelResources:
-    """Compile `launch` for `arch` and read what the compiler chose."""
+def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int | None = None) -> KernelResources:
+    """Compile `launch` for `arch` (with the occupancy hint, `ct.kernel(occupancy=...)`, when given)
+    and read what the compiler chose."""
     tc = toolchain.find_toolchain()
     if tc is None:
         raise FileNotFoundError("no tileiras found (pip install 'cuda-tile[tileiras]==1.7.0')")
@@ -89,12 +118,13 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90") -> KernelResou
     env["PATH"] = f"{cuobjdump.parent}:{env['PATH']}"  # cuobjdump -sass runs nvdisasm from there
     with tempfile.TemporaryDirectory() as tmp:
         bc, cubin, remarks = Path(tmp, "k.bc"), Path(tmp, "k.cubin"), Path(tmp, "k.yaml")
-        bc.write_bytes(_bytecode(launch))
+        bc.write_bytes(_bytecode(launch, occupancy))
         subprocess.run([str(tc.tileiras), str(bc), "-o", str(cubin), "--gpu-name", arch, "-O3",
                         "--remark-format=yaml", "--remarks=all", f"--remarks-output-file={remarks}"],
                        env=env, check=True, capture_output=True, timeout=300)
         usage = _run([str(cuobjdump), "-res-usage", str(cubin)], env, launch.id)
         sass = _run([str(cuobjdump), "-sass", str(cubin)], env, launch.id)
+        elf = _run([str(cuobjdump), "-elf", str(cubin)], env, launch.id)
         refusals = re.findall(r"Name:\s+RemarkMemoryTma(?:Load|Store)Failed.*?Reason:\s+'?([^'\n]*)", remarks.read_text(),
                               re.S) if remarks.is_file() else []
 
@@ -104,9 +134,13 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90") -> KernelResou
             raise ValueError(f"resources: no {key} in cuobjdump -res-usage output for {launch.id}: {usage[:200]!r}")
         return int(m.group(1))
 
+    ntid = re.search(r"EIATTR_REQNTID\s+Format:\s+\w+\s+Value:\s+0x([0-9a-f]+)", elf)
+    if ntid is None:
+        raise ValueError(f"resources: no EIATTR_REQNTID (threads per block) in cuobjdump -elf output for {launch.id}")
     ops = Counter(_SASS_OP.findall(sass))
     return KernelResources(
-        id=launch.id, arch=arch, registers=num("REG"), shared_bytes=num("SHARED"), local_bytes=num("LOCAL"),
+        id=launch.id, arch=arch, registers=num("REG"), threads=int(ntid.group(1), 16), shared_bytes=num("SHARED"),
+        local_bytes=num("LOCAL"),
         counts={name: ops.get(op, 0) for op, name in _COUNTED.items()},
         tma_refused=tuple(sorted({re.sub(r"^loc\(.*?\):\s*", "", r) for r in refusals})),
     )
@@ -115,10 +149,10 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90") -> KernelResou
 def table(rows: list[KernelResources]) -> str:
     """Markdown: one row per kernel."""
     names = list(_COUNTED.values())
-    out = ["| kernel | regs | smem B | local B | " + " | ".join(names) + " | TMA refused |",
-           "|---|---|---|---|" + "---|" * len(names) + "---|"]
+    out = ["| kernel | regs | threads | smem B | local B | CTAs/SM | " + " | ".join(names) + " | TMA refused |",
+           "|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
-        out.append(f"| {r.id} | {r.registers} | {r.shared_bytes} | {r.local_bytes} | "
+        out.append(f"| {r.id} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | {r.ctas_per_sm} | "
                    + " | ".join(str(r.counts[n]) for n in names) + f" | {'; '.join(r.tma_refused) or '-'} |")
     return "\n".join(out)
 
@@ -127,12 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm_90", help="sm_90 (Hopper) or sm_100 (Blackwell)")
     p.add_argument("--match", default="", help="only launch ids containing this")
+    p.add_argument("--occupancy", type=int, help="compile with this occupancy hint (CTAs per SM, 1-32), "
+                   "as the sweep's *_occupancy candidates")
     args = p.parse_args(argv)
+    if args.occupancy is not None and not 1 <= args.occupancy <= 32:
+        p.error(f"--occupancy {args.occupancy}: must be 1-32")
     launches = [pl for pl in signature_plan((4,), cs=(512,)) + alternative_plan() if args.match in pl.id]
     if not launches:
         p.error(f"--match {args.match!r}: no planned launch id contains it")
     try:
-        rows = [inspect_launch(pl, arch=args.arch) for pl in launches]
+        rows = [inspect_launch(pl, arch=args.arch, occupancy=args.occupancy) for pl in launches]
     except FileNotFoundError as exc:
         print(f"resources: {exc}", file=sys.stderr)
         return 2

@@ -137,6 +137,34 @@ def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
             ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
 
 
+def _stream_grads(gos, m, hp, grad_residual, grad_y, grad_bias_part, pt, pc,
+                  N, TILE_T, TILE_C, HAS_BIAS):
+    """Store `grad_residual_j = sum_i M[i, j] go_i` per stream, `grad_y = sum_i h_post_i go_i` and
+    its bias partial, from the tuple `gos` of `[TILE_T, TILE_C]` stream tiles; `hp [TILE_T, n]`."""
+    g_y = ct.zeros((TILE_T, TILE_C), dtype=F32)
+    for i in ct.static_iter(range(N)):
+        g_y = g_y + ct.extract(hp, (0, i), shape=(TILE_T, 1)) * gos[i]
+    for j in ct.static_iter(range(N)):
+        g_res_j = ct.zeros((TILE_T, TILE_C), dtype=F32)
+        for i in ct.static_iter(range(N)):
+            m_ij = ct.reshape(ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)), (TILE_T, 1))
+            g_res_j = g_res_j + m_ij * gos[i]
+        ct.store(grad_residual, index=(pt, j, pc),
+                 tile=ct.astype(ct.reshape(g_res_j, (TILE_T, 1, TILE_C)), grad_residual.dtype))
+    ct.store(grad_y, index=(pt, pc), tile=ct.astype(g_y, grad_y.dtype))
+    if HAS_BIAS:
+        ct.store(grad_bias_part, index=(pt, pc), tile=ct.sum(g_y, axis=0, keepdims=True))
+
+
+def _channel_sums(parts, COUNT, TILE_T):
+    """`out[t, k] = sum_c parts[k][t, c]` `[TILE_T, COUNT]` for a tuple of `COUNT` `[TILE_T, TILE_C]` tiles."""
+    flat = ct.arange(COUNT, dtype=ct.int32)
+    out = ct.zeros((TILE_T, COUNT), dtype=F32)
+    for k in ct.static_iter(range(COUNT)):
+        out = out + ct.sum(parts[k], axis=1, keepdims=True) * ct.reshape(ct.where(flat == k, 1.0, 0.0), (1, COUNT))
+    return out
+
+
 @ct.kernel
 def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
                           grad_h_res, grad_residual, grad_h_post, grad_y, grad_bias_part,
@@ -150,44 +178,72 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
     - `grad_bias_part [cdiv(T, TILE_T), C]` (fp32, only when `HAS_BIAS`): this block's sum of
       `grad_y` over its tokens, before rounding; the caller sums the rows.
 
-    `PER_STREAM`: `grad_residual` and `grad_y` are built from `[TILE_T, TILE_C]` stream slices
+    `PER_STREAM` 1: `grad_residual` and `grad_y` are built from `[TILE_T, TILE_C]` stream slices
     (no sum over, or broadcast along, the middle axis of a 3-D tile) and stored stream by stream.
+    2: `grad_out` and `residual` are loaded stream by stream into tuples of `[TILE_T, TILE_C]`
+    tiles, and the `n*n + n` channel sums (`grad_M`, `grad_h_post`) are carried as elementwise
+    fp32 partials across the C loop, reduced over channels once at the end: no cross-thread
+    reduction inside the loop (0 and 1 reduce `n*n + n` times per C tile).
     """
     pt = ct.bid(0)
     m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
-    hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
-    lanes = ct.arange(N, dtype=ct.int32)
-    g_m = ct.zeros((TILE_T, N, N), dtype=F32)
-    g_hp = ct.zeros((TILE_T, N), dtype=F32)
-    for pc in range(ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))):
-        go = _load_f32(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C))
-        res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
-        for j in ct.static_iter(range(N)):
-            col = ct.sum(go * ct.extract(res, (0, j, 0), shape=(TILE_T, 1, TILE_C)), axis=2, keepdims=True)
-            onehot = ct.reshape(ct.where(lanes == j, 1.0, 0.0), (1, 1, N))
-            g_m = g_m + col * onehot
-        g_hp = g_hp + ct.sum(go * _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), axis=2)
-        if PER_STREAM:
-            g_y = ct.zeros((TILE_T, TILE_C), dtype=F32)
+    num_c = ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))
+    if PER_STREAM == 2:
+        hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
+        zero = ct.zeros((TILE_T, TILE_C), dtype=F32)
+        part_m = ()  # n*n partials of grad_M, row-major
+        part_h = ()  # n partials of grad_h_post
+        for _ in ct.static_iter(range(N * N)):
+            part_m = part_m + (zero,)
+        for _ in ct.static_iter(range(N)):
+            part_h = part_h + (zero,)
+        for pc in range(num_c):
+            gos = ()
+            ress = ()
             for i in ct.static_iter(range(N)):
-                g_y = g_y + ct.reshape(ct.extract(hp, (0, i, 0), shape=(TILE_T, 1, 1)), (TILE_T, 1)) * _slice(go, i)
+                gos = gos + (_load_stream(grad_out, pt, i, pc, TILE_T, TILE_C),)
+                ress = ress + (_load_stream(residual, pt, i, pc, TILE_T, TILE_C),)
+            yb2 = ct.reshape(_load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), (TILE_T, TILE_C))
+            nxt_m = ()
+            nxt_h = ()
+            for i in ct.static_iter(range(N)):
+                for j in ct.static_iter(range(N)):
+                    nxt_m = nxt_m + (part_m[i * N + j] + gos[i] * ress[j],)
+                nxt_h = nxt_h + (part_h[i] + gos[i] * yb2,)
+            part_m = nxt_m
+            part_h = nxt_h
+            _stream_grads(gos, m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
+        g_m = ct.reshape(_channel_sums(part_m, N * N, TILE_T), (TILE_T, N, N))
+        g_hp = _channel_sums(part_h, N, TILE_T)
+    else:
+        hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+        lanes = ct.arange(N, dtype=ct.int32)
+        g_m = ct.zeros((TILE_T, N, N), dtype=F32)
+        g_hp = ct.zeros((TILE_T, N), dtype=F32)
+        for pc in range(num_c):
+            go = _load_f32(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C))
+            res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
             for j in ct.static_iter(range(N)):
-                g_res_j = ct.zeros((TILE_T, TILE_C), dtype=F32)
+                col = ct.sum(go * ct.extract(res, (0, j, 0), shape=(TILE_T, 1, TILE_C)), axis=2, keepdims=True)
+                onehot = ct.reshape(ct.where(lanes == j, 1.0, 0.0), (1, 1, N))
+                g_m = g_m + col * onehot
+            g_hp = g_hp + ct.sum(go * _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), axis=2)
+            if PER_STREAM:
+                gos1 = ()
                 for i in ct.static_iter(range(N)):
-                    m_ij = ct.reshape(ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)), (TILE_T, 1))
-                    g_res_j = g_res_j + m_ij * _slice(go, i)
-                ct.store(grad_residual, index=(pt, j, pc),
-                         tile=ct.astype(ct.reshape(g_res_j, (TILE_T, 1, TILE_C)), grad_residual.dtype))
-        else:
-            g_res = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
-            for i in ct.static_iter(range(N)):
-                m_row = ct.reshape(ct.extract(m, (0, i, 0), shape=(TILE_T, 1, N)), (TILE_T, N, 1))
-                g_res = g_res + m_row * ct.extract(go, (0, i, 0), shape=(TILE_T, 1, TILE_C))
-            ct.store(grad_residual, index=(pt, 0, pc), tile=ct.astype(g_res, grad_residual.dtype))
-            g_y = ct.sum(go * hp, axis=1)
-        ct.store(grad_y, index=(pt, pc), tile=ct.astype(g_y, grad_y.dtype))
-        if HAS_BIAS:
-            ct.store(grad_bias_part, index=(pt, pc), tile=ct.sum(g_y, axis=0, keepdims=True))
+                    gos1 = gos1 + (_slice(go, i),)
+                _stream_grads(gos1, m, ct.reshape(hp, (TILE_T, N)), grad_residual, grad_y, grad_bias_part, pt, pc,
+                              N, TILE_T, TILE_C, HAS_BIAS)
+            else:
+                g_res = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
+                for i in ct.static_iter(range(N)):
+                    m_row = ct.reshape(ct.extract(m, (0, i, 0), shape=(TILE_T, 1, N)), (TILE_T, N, 1))
+                    g_res = g_res + m_row * ct.extract(go, (0, i, 0), shape=(TILE_T, 1, TILE_C))
+                ct.store(grad_residual, index=(pt, 0, pc), tile=ct.astype(g_res, grad_residual.dtype))
+                g_y = ct.sum(go * hp, axis=1)
+                ct.store(grad_y, index=(pt, pc), tile=ct.astype(g_y, grad_y.dtype))
+                if HAS_BIAS:
+                    ct.store(grad_bias_part, index=(pt, pc), tile=ct.sum(g_y, axis=0, keepdims=True))
     if TRANSPOSED:
         ct.store(grad_h_res, index=(pt, 0, 0), tile=ct.astype(g_m, grad_h_res.dtype), order=(0, 2, 1))
     else:

@@ -51,18 +51,32 @@ CANDIDATES: dict[str, tuple] = {
     "h_post_bda_fwd": (_S(4, 256, True), _S(2, 256, True), _S(4, 128, True), _S(2, 512, True), _S(4, 256),
                        _S(4, 256, 2), _S(8, 256, 2), _S(8, 128, 2)),
     "h_post_bda_bwd": (_S(32, 64), _S(64, 32), _S(16, 64), _S(32, 64, True), _S(16, 64, True),
-                       _S(16, 128, True), _S(8, 128, True)),
+                       _S(16, 128, True), _S(8, 128, True), _S(8, 64, 2), _S(4, 64, 2), _S(8, 32, 2),
+                       _S(4, 128, 2)),
     "mapping_fwd": (tiling.MappingTiles(64, 128), tiling.MappingTiles(128, 64), tiling.MappingTiles(128, 128),
                     tiling.MappingTiles(64, 256)),
     "mapping_bwd": (tiling.MappingTiles(32, 128), tiling.MappingTiles(64, 128), tiling.MappingTiles(32, 64),
                     tiling.MappingTiles(16, 128), tiling.MappingTiles(32, 256)),
 }
+
+def _hinted(key: str, occupancies: tuple[int, ...], tiles=None) -> tuple[dict, ...]:
+    """Override dicts: `key`'s kernels with each occupancy hint, with `tiles` (default: the heuristic's)."""
+    base = {} if tiles is None else {key: tiles}
+    return tuple({**base, "occupancy": {k: occ for k in tiling.KERNELS_OF[key]}} for occ in occupancies)
+
+
 for _key in ("h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd", "mapping_fwd", "mapping_bwd",
              "sinkhorn"):
     # The same op with its default tiles and the occupancy hint on its kernels (2, 4, 8 CTAs per SM).
-    CANDIDATES[f"{_key}_occupancy"] = tuple({k: occ for k in tiling.KERNELS_OF[_key]} for occ in (2, 4, 8))
-"""Candidates per `tiling` key (the first is the heuristic's choice at n = 4, C >= 256; the second
-run on an H200 is in `tiling`'s docstring)."""
+    CANDIDATES[f"{_key}_occupancy"] = _hinted(_key, (2, 4, 8))
+# The tuple-of-streams h_post_bda backward compiles to 255 registers x 256 threads (1 CTA per SM) unhinted,
+# 128 at occupancy 2 and 64 at 4, without spills (`resources --occupancy`).
+CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8, 64, 2)) + _hinted(
+    "h_post_bda_bwd", (4,), _S(16, 64, 2))
+"""Candidates per `tiling` key: a tile object for that key, or a whole `tiling.overridden` dict
+(the `*_occupancy` keys: hints, with the heuristic's or given tiles). The first candidate of each
+tile key is the heuristic's choice at n = 4, C >= 256; the second run on an H200 is in `tiling`'s
+docstring."""
 
 
 def _tile_key(key: str) -> str:
@@ -71,7 +85,7 @@ def _tile_key(key: str) -> str:
 
 def override(key: str, cand) -> dict:
     """The `tiling.overridden` keywords of one candidate."""
-    return {"occupancy": cand} if key.endswith("_occupancy") else {key: cand}
+    return cand if isinstance(cand, dict) else {key: cand}
 
 
 def _directions(key: str) -> tuple[str, ...]:

@@ -147,8 +147,9 @@ class StreamTiles:
 
     `per_stream` (h_aggregate fwd, h_post_bda fwd and bwd): work on (and store) one
     `[TILE_T, TILE_C]` slice per stream instead of whole `[TILE_T, n, TILE_C]` tiles (same bytes,
-    no reduction across or broadcast along the middle axis). `2` (h_post_bda fwd only): load the
-    residual stream by stream as well, into a tuple of 2-D tiles.
+    no reduction across or broadcast along the middle axis). `2` (h_post_bda only): load the
+    residual (backward: and `grad_out`) stream by stream as well, into a tuple of 2-D tiles; the
+    backward carries its `n*n + n` channel sums as elementwise partials across the C loop.
     """
 
     tile_t: int

@@ -134,8 +134,8 @@ def test_h_post_bda_n8(emu):
 
 
 @pytest.mark.parametrize(("op", "mode"), [("h_aggregate", 1), ("h_post_bda", 1), ("h_post_bda", 2)])
-def test_per_stream_forward(emu, op, mode):
-    """The per-stream formulations (`StreamTiles.per_stream`, forward; h_post_bda backward too) match the reference."""
+def test_per_stream(emu, op, mode):
+    """The per-stream formulations (`StreamTiles.per_stream`, forward and h_post_bda backward) match the reference."""
     t, n, c = 21, 4, 300
     tiles = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode)
     if op == "h_aggregate":
@@ -148,7 +148,7 @@ def test_per_stream_forward(emu, op, mode):
         names = POST_BDA_INPUT_NAMES
     overrides = {f"{op}_fwd": tiles}
     if op == "h_post_bda":
-        overrides["h_post_bda_bwd"] = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=1)
+        overrides["h_post_bda_bwd"] = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode)
     with tiling.overridden(**overrides):
         compare(f"{op} per-stream", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 

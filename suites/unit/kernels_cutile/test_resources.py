@@ -27,10 +27,42 @@ def test_report_reads_registers_and_memory_instructions(tools, ident):
     launch = next(p for p in signature_plan() if p.id == ident)
     r = resources.inspect_launch(launch, arch="sm_90")
     assert 1 <= r.registers <= 255 and r.shared_bytes >= 0 and r.local_bytes >= 0, r
+    assert 32 <= r.threads <= 1024 and r.threads % 32 == 0 and r.ctas_per_sm >= 1, r
     assert r.counts["ldg"] + r.counts["tma_load"] >= 1, r
     assert r.counts["stg"] + r.counts["tma_store"] >= 1, r
     rows = resources.table([r]).splitlines()
-    assert rows[0].startswith("| kernel | regs |") and rows[2].startswith(f"| {ident} | {r.registers} |")
+    assert rows[0].startswith("| kernel | regs | threads |")
+    assert rows[2].startswith(f"| {ident} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | "
+                              f"{r.ctas_per_sm} |")
+
+
+@pytest.mark.slow
+def test_occupancy_hint_caps_registers(tools):
+    """The occupancy hint reaches the compiler: at 4 CTAs per SM the kernel fits 4 blocks (fewer registers)."""
+    launch = next(p for p in signature_plan() if p.id == "h_aggregate-bwd-n4-bf16-main")
+    free, hinted = (resources.inspect_launch(launch, arch="sm_90", occupancy=o) for o in (None, 4))
+    assert hinted.ctas_per_sm >= 4 and hinted.registers < free.registers, (free, hinted)
+
+
+@pytest.mark.parametrize(("regs", "threads", "smem", "ctas"), [
+    (255, 256, 0, 1),        # 64 Ki registers: one block of 8 warps at 255 (256 per thread allocated)
+    (64, 256, 0, 4),
+    (92, 128, 0, 5),         # 92 -> 96 per thread: 21 warps of registers, 4 warps per block
+    (40, 128, 0, 12),
+    (32, 128, 100_000, 2),   # shared memory: 228 KB per SM, 1 KB reserved per block
+    (16, 32, 0, 32),         # the 32-block cap
+    (32, 1024, 0, 2),        # 2048 threads per SM
+    (255, 512, 0, 0),        # does not fit at all
+])
+def test_ctas_per_sm(regs, threads, smem, ctas):
+    """Resident blocks per SM from registers, threads and shared memory (sm_90 / sm_100 limits)."""
+    assert resources.ctas_per_sm(regs, threads, smem) == ctas
+
+
+def test_ctas_per_sm_rejects_nonsense():
+    """Zero threads or registers is an error naming the values."""
+    with pytest.raises(ValueError, match="threads=0"):
+        resources.ctas_per_sm(32, 0, 0)
 
 
 def test_missing_cuobjdump_names_the_wheel(monkeypatch):
