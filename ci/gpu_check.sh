@@ -149,6 +149,8 @@ timeout "$(limit sweep 100)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr
 rc=$?
 cat "$OUT/sweep.txt"
 record sweep $rc
+# the fastest candidate per key (what to adopt in tiling.py), also into sweep.txt
+[[ -s "$OUT/sweep.json" ]] && "$PY" "${SWEEP[@]}" --summary "$OUT/sweep.json" 2>&1 | tee -a "$OUT/sweep.txt"
 timeout "$(limit probe 20)" "$PY" -m mhc_core.kernels.cutile.precision_probe --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
 rc=$?
 cat "$OUT/probe.txt"

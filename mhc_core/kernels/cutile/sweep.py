@@ -12,6 +12,8 @@ of the pipelined time against `mhc_core.analysis.bytes_moved`. The first candida
 is the current default. `--warm-only` runs each candidate once (JIT compile into the on-disk
 cache), so several processes can compile disjoint `--keys` / `--index` in parallel before one
 timing run (`python -m mhc_core.kernels.cutile.sweep --list` prints the `key index` pairs).
+`--summary sweep.json` (no GPU) prints, per key and direction, the default's time, the fastest
+candidate and the speed-up: what to adopt in `tiling`.
 Benchmarks measure; nothing here asserts a speed.
 """
 
@@ -36,7 +38,7 @@ from mhc_core.kernels.cutile.bench import (
     time_ms,
 )
 
-__all__ = ["CANDIDATES", "main", "timers", "override"]
+__all__ = ["CANDIDATES", "main", "timers", "override", "summary"]
 
 _S = tiling.StreamTiles
 CANDIDATES: dict[str, tuple] = {
@@ -119,6 +121,40 @@ def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str
     return out
 
 
+def summary(rows: list[dict]) -> str:
+    """Markdown: per (key, direction) the first candidate's (the default's) pipelined time, the
+    fastest candidate and its speed-up over the default; failed candidates are counted."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    failed: dict[str, int] = {}
+    for r in rows:
+        if "error" in r:
+            failed[r["key"]] = failed.get(r["key"], 0) + 1
+            continue
+        groups.setdefault((r["key"], r["direction"]), []).append(r)
+    out = ["| key | dir | default ms | fastest | ms | GB/s | speed-up | failed |", "|---|---|---|---|---|---|---|---|"]
+    for (key, direction), rs in groups.items():
+        best = min(rs, key=lambda r: r["pipelined_ms"])
+        out.append(f"| {key} | {direction} | {rs[0]['pipelined_ms']:.4f} | {best['tiles']} | {best['pipelined_ms']:.4f} | "
+                   f"{best['gb_per_s']:.0f} | {rs[0]['pipelined_ms'] / best['pipelined_ms']:.2f}x | {failed.get(key, 0)} |")
+    out += [f"| {key} | - | - | all {k} candidates failed | - | - | - | {k} |" for key, k in failed.items()
+            if not any(g[0] == key for g in groups)]
+    return "\n".join(out)
+
+
+def _print_summary(path: str) -> int:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        rows = data["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"sweep --summary: cannot read the rows of {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{data.get('device', '?')}: T={data.get('tokens')} n={data.get('n')} C={data.get('hidden')} "
+          f"{data.get('dtype')} {data.get('variant')} (pipelined ms; the first candidate is the default)")
+    print(summary(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(p)
@@ -129,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-only", action="store_true", help="run each candidate once (JIT compile), no timing")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--list", action="store_true", help="print 'key index' per candidate and exit")
+    p.add_argument("--summary", metavar="SWEEP_JSON", help="print the fastest candidate per key of a sweep's --out file")
     args = p.parse_args(argv)
+    if args.summary:
+        return _print_summary(args.summary)
     if args.list:
         for key, cands in CANDIDATES.items():
             for i in range(len(cands)):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -63,3 +65,25 @@ def test_list_prints_every_candidate(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == sum(len(c) for c in CANDIDATES.values())
     assert lines[0] == "sinkhorn 0" and all(len(line.split()) == 2 for line in lines)
+
+
+def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
+    """`--summary` names the fastest candidate per key and direction, its speed-up over the first, and failures."""
+    from mhc_core.kernels.cutile.sweep import main
+
+    rows = [
+        {"key": "h_aggregate_fwd", "tiles": "A", "direction": "fwd", "single_ms": 1.0, "pipelined_ms": 0.8, "gb_per_s": 400},
+        {"key": "h_aggregate_fwd", "tiles": "B", "direction": "fwd", "single_ms": 0.3, "pipelined_ms": 0.2, "gb_per_s": 1600},
+        {"key": "h_aggregate_fwd", "tiles": "C", "error": "TileCompilerError: x"},
+        {"key": "sinkhorn", "tiles": "S", "error": "RuntimeError: y"},
+    ]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"tokens": 8, "n": 4, "hidden": 64, "dtype": "bf16", "variant": "megatron_dev",
+                                "device": "test", "rows": rows}))
+    assert main(["--summary", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| h_aggregate_fwd | fwd | 0.8000 | B | 0.2000 | 1600 | 4.00x | 1 |" in out
+    assert "| sinkhorn | - | - | all 1 candidates failed |" in out
+    path.write_text("{not json")
+    assert main(["--summary", str(path)]) == 2
+    assert "cannot read the rows" in capsys.readouterr().err
