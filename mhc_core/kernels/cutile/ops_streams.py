@@ -20,6 +20,11 @@ from mhc_core.variants import Variant, get_variant
 __all__ = ["h_aggregate", "h_post_bda"]
 
 
+def _fwd_grid(t: int, c: int, tl: tiling.StreamTiles) -> tuple[int, ...]:
+    """Token tiles x channel tiles, or token tiles only when each block walks C (`loop_c`)."""
+    return (cdiv(t, tl.tile_t),) if tl.loop_c else (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c))
+
+
 class _AggregateFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, h_pre: torch.Tensor, rt: Any):
@@ -29,9 +34,9 @@ class _AggregateFn(torch.autograd.Function):
         tl = tiling.aggregate_tiles(n, c, "fwd")
         if t and c:
             rt.launch(
-                (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c)),
+                _fwd_grid(t, c, tl),
                 "h_aggregate_fwd_kernel",
-                (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.per_stream)),
+                (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.per_stream), int(tl.loop_c)),
             )
         ctx.save_for_backward(x, h_pre)
         ctx.rt = rt
@@ -78,10 +83,10 @@ class _PostBdaFn(torch.autograd.Function):
         tl = tiling.post_bda_tiles(n, c, "fwd")
         if t and c:
             rt.launch(
-                (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c)),
+                _fwd_grid(t, c, tl),
                 "h_post_bda_fwd_kernel",
                 (h_res, residual, h_post, y, bias_arg, out, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias),
-                 int(tl.per_stream)),
+                 int(tl.per_stream), int(tl.loop_c)),
             )
         ctx.save_for_backward(h_res, residual, h_post, y, bias_arg)
         ctx.args = (has_bias, transposed, rt)

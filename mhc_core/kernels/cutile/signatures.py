@@ -140,6 +140,9 @@ ALTERNATIVE_TILES = (
     {"sinkhorn": tiling.SinkhornTiles(tile_b=128, recompute=True, per_element=True)},
     {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2),
      "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2)},
+    {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, per_stream=1, loop_c=True),
+     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2, loop_c=True)},
+    {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=1, loop_c=True)},
 )
 """The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
 (each with a stored trajectory and with recompute), the whole-tile (not per-stream) stream

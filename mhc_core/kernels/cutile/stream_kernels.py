@@ -49,16 +49,8 @@ def _slice(t, i):
     return ct.reshape(ct.extract(t, (0, i, 0), shape=(t.shape[0], 1, t.shape[2])), (t.shape[0], t.shape[2]))
 
 
-@ct.kernel
-def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                           PER_STREAM: ConstInt):
-    """`out[t, c] = sum_i h_pre[t, i] x[t, i, c]`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`.
-
-    `PER_STREAM`: one `[TILE_T, TILE_C]` load per stream, summed in registers; else one
-    `[TILE_T, n, TILE_C]` load reduced over its middle axis.
-    """
-    pt = ct.bid(0)
-    pc = ct.bid(1)
+def _aggregate_tile(x, h_pre, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM):
+    """One `[TILE_T, TILE_C]` output tile of `h_aggregate`."""
     if PER_STREAM:
         h = _load_f32(h_pre, (pt, 0), (TILE_T, N))
         acc = ct.zeros((TILE_T, TILE_C), dtype=F32)
@@ -69,6 +61,24 @@ def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C:
         h = ct.reshape(_load_f32(h_pre, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
         acc = ct.sum(xt * h, axis=1)
     ct.store(out, index=(pt, pc), tile=ct.astype(acc, out.dtype))
+
+
+@ct.kernel
+def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
+                           PER_STREAM: ConstInt, LOOP_C: ConstInt):
+    """`out[t, c] = sum_i h_pre[t, i] x[t, i, c]`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`, or
+    `(cdiv(T, TILE_T),)` with `LOOP_C`: each block walks all of C, a loop whose loads the compiler
+    can pipeline across iterations (as in the backward kernels).
+
+    `PER_STREAM`: one `[TILE_T, TILE_C]` load per stream, summed in registers; else one
+    `[TILE_T, n, TILE_C]` load reduced over its middle axis.
+    """
+    pt = ct.bid(0)
+    if LOOP_C:
+        for pc in range(ct.num_tiles(out, axis=1, shape=(TILE_T, TILE_C))):
+            _aggregate_tile(x, h_pre, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM)
+    else:
+        _aggregate_tile(x, h_pre, out, pt, ct.bid(1), N, TILE_T, TILE_C, PER_STREAM)
 
 
 @ct.kernel
@@ -89,20 +99,9 @@ def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
     ct.store(grad_h, index=(pt, 0), tile=ct.astype(gh, grad_h.dtype))
 
 
-@ct.kernel
-def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
-                          N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt):
-    """`out_i = sum_j M[i, j] residual_j + h_post_i (y + bias)`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`.
-
-    `bias [C]` is read only when `HAS_BIAS` (pass any 1-D array otherwise). `PER_STREAM` 1: each
-    output stream is computed and stored as its own `[TILE_T, TILE_C]` tile, from slices of one
-    `[TILE_T, n, TILE_C]` load; 2: the residual streams are loaded one by one too, into a tuple of
-    `[TILE_T, TILE_C]` tiles, so no tile has a middle axis to reshuffle (sm_90: no shared memory,
-    against 46 KB and 110 shared loads / stores for 1).
-    """
-    pt = ct.bid(0)
-    pc = ct.bid(1)
+def _post_bda_tile(h_res, residual, h_post, y, bias, out, pt, pc,
+                   N, TILE_T, TILE_C, TRANSPOSED, HAS_BIAS, PER_STREAM):
+    """One `[TILE_T, n, TILE_C]` output tile of `h_post_bda` (modes: `h_post_bda_fwd_kernel`)."""
     m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
     if PER_STREAM == 2:
         hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
@@ -135,6 +134,29 @@ def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
                     res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
             acc = mix + hp * yb
             ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
+
+
+@ct.kernel
+def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
+                          N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
+                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt, LOOP_C: ConstInt):
+    """`out_i = sum_j M[i, j] residual_j + h_post_i (y + bias)`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`,
+    or `(cdiv(T, TILE_T),)` with `LOOP_C` (each block walks all of C, as `h_aggregate_fwd_kernel`).
+
+    `bias [C]` is read only when `HAS_BIAS` (pass any 1-D array otherwise). `PER_STREAM` 1: each
+    output stream is computed and stored as its own `[TILE_T, TILE_C]` tile, from slices of one
+    `[TILE_T, n, TILE_C]` load; 2: the residual streams are loaded one by one too, into a tuple of
+    `[TILE_T, TILE_C]` tiles, so no tile has a middle axis to reshuffle (sm_90: no shared memory,
+    against 46 KB and 110 shared loads / stores for 1).
+    """
+    pt = ct.bid(0)
+    if LOOP_C:
+        for pc in range(ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))):
+            _post_bda_tile(h_res, residual, h_post, y, bias, out, pt, pc,
+                           N, TILE_T, TILE_C, TRANSPOSED, HAS_BIAS, PER_STREAM)
+    else:
+        _post_bda_tile(h_res, residual, h_post, y, bias, out, pt, ct.bid(1),
+                       N, TILE_T, TILE_C, TRANSPOSED, HAS_BIAS, PER_STREAM)
 
 
 def _stream_grads(gos, m, hp, grad_residual, grad_y, grad_bias_part, pt, pc,

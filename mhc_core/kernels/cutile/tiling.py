@@ -150,11 +150,14 @@ class StreamTiles:
     no reduction across or broadcast along the middle axis). `2` (h_post_bda only): load the
     residual (backward: and `grad_out`) stream by stream as well, into a tuple of 2-D tiles; the
     backward carries its `n*n + n` channel sums as elementwise partials across the C loop.
+    `loop_c` (forwards only; the backwards always do): one block per token tile walks all of C
+    instead of one block per (token, channel) tile, a loop the compiler can pipeline.
     """
 
     tile_t: int
     tile_c: int
     per_stream: int = 0
+    loop_c: bool = False
 
 
 def _stream_tiles(n: int, c: int, cap_c: int, elems: int, per_stream: int = 0) -> StreamTiles:

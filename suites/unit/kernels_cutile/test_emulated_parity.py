@@ -35,6 +35,10 @@ VARIANTS = [pytest.param(v, id=VARIANT_NAMES[v]) for v in Variant]
 DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (torch.float32, torch.bfloat16)]
 
 
+# Kernel outputs start as NaN: an unwritten tile fails (conftest.poisoned_empty).
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
+
 @pytest.fixture(scope="module")
 def emu():
     return make_ops(EmulatedRuntime(num_sms=4))
@@ -133,11 +137,14 @@ def test_h_post_bda_n8(emu):
     )
 
 
-@pytest.mark.parametrize(("op", "mode"), [("h_aggregate", 1), ("h_post_bda", 1), ("h_post_bda", 2)])
-def test_per_stream(emu, op, mode):
-    """The per-stream formulations (`StreamTiles.per_stream`, forward and h_post_bda backward) match the reference."""
+@pytest.mark.parametrize("loop_c", [False, True], ids=["grid_c", "loop_c"])
+@pytest.mark.parametrize(("op", "mode"), [("h_aggregate", 0), ("h_aggregate", 1), ("h_post_bda", 0),
+                                          ("h_post_bda", 1), ("h_post_bda", 2)])
+def test_stream_formulations(emu, op, mode, loop_c):
+    """Each stream-kernel formulation (`StreamTiles.per_stream` forward and h_post_bda backward; the
+    forward's C loop, `loop_c`) matches the reference."""
     t, n, c = 21, 4, 300
-    tiles = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode)
+    tiles = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode, loop_c=loop_c)
     if op == "h_aggregate":
         kernel, oracle, inputs, names = emu.h_aggregate, ref.h_aggregate, aggregate_inputs(
             t, n, c, torch.bfloat16, torch.float32, "cpu"), ("x", "h_pre")
@@ -148,7 +155,7 @@ def test_per_stream(emu, op, mode):
         names = POST_BDA_INPUT_NAMES
     overrides = {f"{op}_fwd": tiles}
     if op == "h_post_bda":
-        overrides["h_post_bda_bwd"] = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode)
+        overrides["h_post_bda_bwd"] = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode)  # loop_c: bwd always
     with tiling.overridden(**overrides):
         compare(f"{op} per-stream", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 

@@ -102,6 +102,6 @@ def test_wrong_constant_fails():
     """A tile constant that is not a power of two (TILE_C = 96) is rejected at export."""
     launch = next(p for p in PLAN if p.kernel_name == "h_aggregate_fwd_kernel")
     args = list(launch.args)
-    args[5] = dataclasses.replace(args[5], value=96)  # (x, h_pre, out, N, TILE_T, TILE_C, PER_STREAM)
+    args[5] = dataclasses.replace(args[5], value=96)  # (x, h_pre, out, N, TILE_T, TILE_C, PER_STREAM, LOOP_C)
     with pytest.raises(Exception, match="not a power of two"):
         _bytecode(dataclasses.replace(launch, args=tuple(args)))

@@ -138,6 +138,8 @@ STREAM_FORMS = [
     pytest.param({"h_post_bda_bwd": tiling.StreamTiles(32, 64, per_stream=True)}, id="per_stream_bwd"),
     pytest.param({"h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=2),
                   "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=2)}, id="stream_loads"),
+    pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, per_stream=1, loop_c=True),
+                  "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=2, loop_c=True)}, id="loop_c_fwd"),
 ]
 
 

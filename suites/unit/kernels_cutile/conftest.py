@@ -1,0 +1,20 @@
+"""Fixtures shared by the cuTile test modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def poisoned_empty():
+    """`torch.empty` outputs start as NaN (CPU), so a tile a kernel never writes fails the comparison
+    instead of passing on a stale, correct block the allocator handed back."""
+    was_on, was_fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_on)
+        torch.utils.deterministic.fill_uninitialized_memory = was_fill
