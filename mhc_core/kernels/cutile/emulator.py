@@ -20,6 +20,8 @@ named below; the kernels' exported TileIR was checked against the same points):
   `RoundingMode.RN`); `mma(a, b, acc)`: exact products of the (already rounded) operands,
   accumulated exactly and rounded once to fp32 per call (the tensor cores round their fp32
   accumulation more often, in an order the emulator does not know; only a GPU run measures it).
+- `truediv(x, y, rounding_mode=RoundingMode.APPROX)` (fp32 `div.approx`, <= 2 ulp): `x * (1 / y)`
+  in fp32 (within an ulp of the GPU's `x * rcp.approx(y)`); other modes divide exactly.
 - `max` / `maximum` / `minimum`: NaN inputs are ignored (`propagate_nan=False` is the cuTile
   default, `_stub.py` `_math_op_extra_block`), unlike torch's NaN-propagating `amax`/`maximum`.
 - Runtime scalar arguments (not `ct.Constant`) are int32 / float32 on the device: floats are
@@ -60,6 +62,14 @@ class _PaddingMode:
     NAN = "nan"
     POS_INF = "pos_inf"
     NEG_INF = "neg_inf"
+
+
+class _RoundingMode:
+    """`ct.RoundingMode` (`cuda/tile/_numeric_semantics.py`), the modes the kernels use."""
+
+    RN = "nearest_even"
+    FULL = "full"
+    APPROX = "approx"
 
 
 _PAD_VALUE = {
@@ -154,6 +164,7 @@ class EmulatedTile(types.ModuleType):
 
     Constant = _ConstantAnnotation
     PaddingMode = _PaddingMode
+    RoundingMode = _RoundingMode
     float32 = torch.float32
     float16 = torch.float16
     bfloat16 = torch.bfloat16
@@ -242,6 +253,12 @@ class EmulatedTile(types.ModuleType):
     @staticmethod
     def exp(x):
         return torch.exp(torch.as_tensor(x))
+
+    @staticmethod
+    def truediv(x, y, *, rounding_mode=None, flush_to_zero=False):
+        if rounding_mode == _RoundingMode.APPROX:
+            return x * torch.reciprocal(torch.as_tensor(y))
+        return x / y
 
     @staticmethod
     def log(x):

@@ -31,7 +31,7 @@ class _SinkhornFn(torch.autograd.Function):
         if z.shape[0]:
             if tile.per_element:
                 rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_fwd_elem_kernel",
-                          (z, out, iterations, eps, n, tile.tile_b, code))
+                          (z, out, iterations, eps, n, tile.tile_b, code, int(tile.approx_div)))
             else:
                 rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_fwd_kernel",
                           (z, out, iterations, eps, n, tile.tile_b, code, int(tile.batch_last)))
@@ -56,7 +56,8 @@ class _SinkhornFn(torch.autograd.Function):
             grid = (cdiv(z.shape[0], tile.tile_b),)
             if tile.per_element:
                 rt.launch(grid, "sinkhorn_bwd_elem_kernel",
-                          (z, g, grad, work, iterations, eps, n, tile.tile_b, code, int(tile.recompute)))
+                          (z, g, grad, work, iterations, eps, n, tile.tile_b, code, int(tile.recompute),
+                           int(tile.approx_div)))
             else:
                 rt.launch(grid, "sinkhorn_bwd_kernel",
                           (z, g, grad, work, iterations, eps, n, tile.tile_b, code, int(tile.batch_last),

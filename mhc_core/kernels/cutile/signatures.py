@@ -138,6 +138,8 @@ ALTERNATIVE_TILES = (
     {"sinkhorn": tiling.SinkhornTiles(tile_b=64, batch_last=True, recompute=True)},
     {"sinkhorn": tiling.SinkhornTiles(tile_b=128, per_element=True)},
     {"sinkhorn": tiling.SinkhornTiles(tile_b=128, recompute=True, per_element=True)},
+    {"sinkhorn": tiling.SinkhornTiles(tile_b=128, per_element=True, approx_div=True)},
+    {"sinkhorn": tiling.SinkhornTiles(tile_b=128, recompute=True, per_element=True, approx_div=True)},
     {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2),
      "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2)},
     {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, per_stream=1, loop_c=True),
@@ -145,7 +147,7 @@ ALTERNATIVE_TILES = (
     {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=1, loop_c=True)},
 )
 """The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
-(each with a stored trajectory and with recompute), the whole-tile (not per-stream) stream
+(each with a stored trajectory and with recompute; per-element also with approximate division), the whole-tile (not per-stream) stream
 forwards, the per-stream h_post_bda backward and the stream-by-stream-loading h_post_bda forward and backward."""
 
 

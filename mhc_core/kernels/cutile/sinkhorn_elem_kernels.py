@@ -10,6 +10,11 @@ static loops over `n`, so each `n` compiles its own unrolled code.
 
 Loads read the whole `[TILE_B, n, n]` tile once and split it; stores and the workspace write one
 `[TILE_B]` column per element.
+
+`APPROX` (`SinkhornTiles.approx_div`): every division is fp32 `div.approx` (a reciprocal and a
+multiply, <= 2 ulp) instead of the IEEE division, which sm_90 compiles to a reciprocal, four FMAs,
+a range check and a slow-path call each: 32 of them per normalisation pair here, the bulk of the
+step's instructions (`resources --match sinkhorn`).
 """
 
 from __future__ import annotations
@@ -74,6 +79,14 @@ def _lse(e, axis, N):
     return out
 
 
+def _div(x, d, APPROX):
+    if APPROX:
+        r = ct.truediv(x, d, rounding_mode=ct.RoundingMode.APPROX)
+    else:
+        r = x / d
+    return r
+
+
 def _divisors(e, axis, eps, VARIANT, N):
     """Group sums and the step's divisors (`max(sum, eps)` for main, `sum + eps` for dev)."""
     s = _sums(e, axis, N)
@@ -86,7 +99,7 @@ def _divisors(e, axis, eps, VARIANT, N):
     return s, d
 
 
-def _norm(e, axis, eps, VARIANT, N):
+def _norm(e, axis, eps, VARIANT, N, APPROX):
     out = ()
     if VARIANT == PAPER:
         lse = _lse(e, axis, N)
@@ -95,11 +108,11 @@ def _norm(e, axis, eps, VARIANT, N):
     else:
         _, d = _divisors(e, axis, eps, VARIANT, N)
         for idx in ct.static_iter(range(N * N)):
-            out = out + (e[idx] / d[_grp(idx, axis, N)],)
+            out = out + (_div(e[idx], d[_grp(idx, axis, N)], APPROX),)
     return out
 
 
-def _norm_vjp(x, gr, axis, eps, VARIANT, N):
+def _norm_vjp(x, gr, axis, eps, VARIANT, N, APPROX):
     """Gradient w.r.t. the step's input `x`, given the gradient `gr` of its output."""
     out = ()
     if VARIANT == PAPER:
@@ -112,15 +125,15 @@ def _norm_vjp(x, gr, axis, eps, VARIANT, N):
         s, d = _divisors(x, axis, eps, VARIANT, N)
         c = ()
         for g in ct.static_iter(range(N)):
-            acc = gr[_idx(axis, g, 0, N)] * (x[_idx(axis, g, 0, N)] / d[g])
+            acc = gr[_idx(axis, g, 0, N)] * _div(x[_idx(axis, g, 0, N)], d[g], APPROX)
             for k in ct.static_iter(range(1, N)):
-                acc = acc + gr[_idx(axis, g, k, N)] * (x[_idx(axis, g, k, N)] / d[g])
+                acc = acc + gr[_idx(axis, g, k, N)] * _div(x[_idx(axis, g, k, N)], d[g], APPROX)
             if VARIANT == MAIN:
                 acc = ct.where(s[g] >= eps, acc, 0.0)  # clamp_min's gradient: none where it clamped
             c = c + (acc,)
         for idx in ct.static_iter(range(N * N)):
             grp = _grp(idx, axis, N)
-            out = out + ((gr[idx] - c[grp]) / d[grp],)
+            out = out + (_div(gr[idx] - c[grp], d[grp], APPROX),)
     return out
 
 
@@ -140,7 +153,7 @@ def _second_axis(VARIANT):
     return a
 
 
-def _softmax_rows(z, N):
+def _softmax_rows(z, N, APPROX):
     m = _maxes(z, ROW, N)
     ex = ()
     for idx in ct.static_iter(range(N * N)):
@@ -148,7 +161,7 @@ def _softmax_rows(z, N):
     s = _sums(ex, ROW, N)
     out = ()
     for idx in ct.static_iter(range(N * N)):
-        out = out + (ex[idx] / s[idx // N],)
+        out = out + (_div(ex[idx], s[idx // N], APPROX),)
     return out
 
 
@@ -168,19 +181,19 @@ def _exp_rows_shifted(z, N):
     return out
 
 
-def _start(z, eps, VARIANT, N):
+def _start(z, eps, VARIANT, N, APPROX):
     if VARIANT == PAPER:
         s = z
     elif VARIANT == MAIN:
         s = _exp_rows_shifted(z, N)
     else:
-        s = _norm(_shift(_softmax_rows(z, N), eps, N), COL, eps, VARIANT, N)
+        s = _norm(_shift(_softmax_rows(z, N, APPROX), eps, N), COL, eps, VARIANT, N, APPROX)
     return s
 
 
-def _pair(s, eps, VARIANT, N):
-    s = _norm(s, _first_axis(VARIANT), eps, VARIANT, N)
-    return _norm(s, _second_axis(VARIANT), eps, VARIANT, N)
+def _pair(s, eps, VARIANT, N, APPROX):
+    s = _norm(s, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
+    return _norm(s, _second_axis(VARIANT), eps, VARIANT, N, APPROX)
 
 
 def _num_pairs(iterations, VARIANT):
@@ -225,12 +238,12 @@ def _load_state(work, q, pid, N, TILE_B):
 
 @ct.kernel
 def sinkhorn_fwd_elem_kernel(logits, out, iterations: int, eps: float,
-                             N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt):
+                             N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, APPROX: ConstInt):
     """`logits [B, n, n]` -> `out [B, n, n]`; grid `(cdiv(B, TILE_B),)`."""
     pid = ct.bid(0)
-    s = _start(_load(logits, pid, N, TILE_B), eps, VARIANT, N)
+    s = _start(_load(logits, pid, N, TILE_B), eps, VARIANT, N, APPROX)
     for _ in range(_num_pairs(iterations, VARIANT)):
-        s = _pair(s, eps, VARIANT, N)
+        s = _pair(s, eps, VARIANT, N, APPROX)
     if VARIANT == PAPER:
         ex = ()
         for idx in ct.static_iter(range(N * N)):
@@ -241,18 +254,19 @@ def sinkhorn_fwd_elem_kernel(logits, out, iterations: int, eps: float,
 
 @ct.kernel
 def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: int, eps: float,
-                             N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, RECOMPUTE: ConstInt):
+                             N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, RECOMPUTE: ConstInt,
+                             APPROX: ConstInt):
     """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]`; `work [max(P, 1), B, n, n]` fp32
     scratch for the stored trajectory (untouched with `RECOMPUTE`)."""
     pid = ct.bid(0)
     z = _load(logits, pid, N, TILE_B)
     g = _load(grad_out, pid, N, TILE_B)
     num_pairs = _num_pairs(iterations, VARIANT)
-    st = _start(z, eps, VARIANT, N)
+    st = _start(z, eps, VARIANT, N, APPROX)
     for q in range(num_pairs):
         if RECOMPUTE == 0:
             _store_state(work, q, pid, st, N, TILE_B)
-        st = _pair(st, eps, VARIANT, N)
+        st = _pair(st, eps, VARIANT, N, APPROX)
     if VARIANT == PAPER:
         # out = exp(L_P): the gradient enters the log domain through the output.
         gl = ()
@@ -262,16 +276,16 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
     for qq in range(num_pairs):
         q = num_pairs - 1 - qq
         if RECOMPUTE:
-            prev = _start(z, eps, VARIANT, N)
+            prev = _start(z, eps, VARIANT, N, APPROX)
             done = 0
             while done < q:  # cuTile 1.7: `range(q)` with an outer-loop-dependent bound fails
-                prev = _pair(prev, eps, VARIANT, N)
+                prev = _pair(prev, eps, VARIANT, N, APPROX)
                 done = done + 1
         else:
             prev = _load_state(work, q, pid, N, TILE_B)
-        mid = _norm(prev, _first_axis(VARIANT), eps, VARIANT, N)
-        g = _norm_vjp(mid, g, _second_axis(VARIANT), eps, VARIANT, N)
-        g = _norm_vjp(prev, g, _first_axis(VARIANT), eps, VARIANT, N)
+        mid = _norm(prev, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
+        g = _norm_vjp(mid, g, _second_axis(VARIANT), eps, VARIANT, N, APPROX)
+        g = _norm_vjp(prev, g, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
     if VARIANT == MAIN:
         # exp(Z - rowmax), rowmax treated as a constant (the first row step cancels it).
         s0 = _exp_rows_shifted(z, N)
@@ -280,8 +294,8 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
             gz = gz + (g[idx] * s0[idx],)
         g = gz
     elif VARIANT == DEV:
-        p = _softmax_rows(z, N)
-        g = _norm_vjp(_shift(p, eps, N), g, COL, eps, VARIANT, N)
+        p = _softmax_rows(z, N, APPROX)
+        g = _norm_vjp(_shift(p, eps, N), g, COL, eps, VARIANT, N, APPROX)
         gp = ()
         for idx in ct.static_iter(range(N * N)):
             gp = gp + (g[idx] * p[idx],)

@@ -126,12 +126,14 @@ class SinkhornTiles:
     `[n, n, TILE_B]` instead of `[TILE_B, n, n]`; `recompute`: the backward replays each pair's
     input from the start instead of storing the trajectory (see `sinkhorn_kernels`);
     `per_element`: the kernels of `sinkhorn_elem_kernels` (one `[TILE_B]` tile per matrix element,
-    `batch_last` does not apply)."""
+    `batch_last` does not apply); `approx_div` (per-element only): fp32 `div.approx` divisions
+    (<= 2 ulp) instead of IEEE ones."""
 
     tile_b: int
     batch_last: bool = False
     recompute: bool = False
     per_element: bool = False
+    approx_div: bool = False
 
 
 def sinkhorn_tile(n: int) -> SinkhornTiles:

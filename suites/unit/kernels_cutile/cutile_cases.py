@@ -126,5 +126,7 @@ SINKHORN_FORMS = {
     "batch_last-recompute": {"batch_last": True, "recompute": True},
     "per_element": {"per_element": True},
     "per_element-recompute": {"recompute": True, "per_element": True},
+    "per_element-approx": {"per_element": True, "approx_div": True},
+    "per_element-recompute-approx": {"recompute": True, "per_element": True, "approx_div": True},
 }
 """The Sinkhorn formulations besides the default, as `SinkhornTiles` keywords (tile_b is each test's)."""

@@ -92,3 +92,15 @@ def test_launch_scalars_and_grid():
         emulate_launch(ct, (1,), kernel, (None, 0.1, 2**31, 5))
     with pytest.raises(ValueError):
         emulate_launch(ct, (2**24,), kernel, (None, 0.1, 3, 5))
+
+
+def test_truediv_rounding_modes():
+    """`truediv` divides exactly by default; `RoundingMode.APPROX` multiplies by the fp32 reciprocal (<= 2 ulp)."""
+    x = torch.tensor([1.0, 3.0, 10.0, 7.0])
+    y = torch.tensor([3.0, 7.0, 3.0, 1e-3])
+    assert torch.equal(ct.truediv(x, y), x / y)
+    approx = ct.truediv(x, y, rounding_mode=ct.RoundingMode.APPROX)
+    assert torch.equal(approx, x * (1.0 / y))
+    ulp = torch.finfo(torch.float32).eps * (x / y).abs()
+    assert ((approx - x / y).abs() <= 2 * ulp).all()
+    assert not torch.equal(approx, x / y)  # the two modes differ somewhere on these inputs
