@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -219,11 +220,18 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"key": key, "tiles": repr(cand), "error": f"{type(exc).__name__}: {exc}"[:400]})
                 print(f"{label:60s} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             torch.cuda.empty_cache()
-    if args.out and not args.warm_only:
-        with open(args.out, "w") as f:
-            json.dump({"tokens": t, "n": n, "hidden": c, "dtype": args.dtype, "variant": args.variant,
-                       "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+            if args.out and not args.warm_only:  # after every candidate: a timeout keeps what was timed
+                _write_rows(args.out, {"tokens": t, "n": n, "hidden": c, "dtype": args.dtype,
+                                       "variant": args.variant, "device": torch.cuda.get_device_name(), "rows": rows})
     return 0
+
+
+def _write_rows(path: str, data: dict) -> None:
+    """Replace `path` atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
