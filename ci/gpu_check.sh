@@ -26,10 +26,11 @@
 #           + precision_probe (fp32 mapping error per MMA mode, 20 s)
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
 #           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
-#   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all:
-#           first reference + cutile (130 s), then compiled (Inductor/Triton compiles, 110 s), each to
-#           its own pytest-benchmark JSON; records golden/<hw>/perf/*.json, one perf-history record
-#           per JSON, and the Markdown table.
+#   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
+#           for reference + cutile (130 s), to its own pytest-benchmark JSON; records
+#           golden/<hw>/perf/*.json, one perf-history record per JSON, and the Markdown table.
+#   perf-compiled  the same for the compiled backend (Inductor/Triton compiles, 110 s); not a default
+#           step (its kernels do not change with the cuTile work; h200 goldens exist).
 # Output ($OUT, default ./gpu_check_out, at most 8 files come back): summary.txt, env.txt,
 # perf-table.md, bench.json and gpu_check.tgz (everything else: parity.txt/.xml, bench.txt,
 # megatron.txt/.xml, perf*.json, perf*.txt, golden/<hw>/perf/, perf-history.jsonl). To land the figures:
@@ -170,7 +171,7 @@ record megatron $rc
 fi
 
 # 4. the perf suite: roofline ratios, speed-ups, first perf goldens, history record, table
-if has_step perf; then
+if has_step perf || has_step perf-compiled; then
 HW="$("$PY" -m harness hw | sed -n 1p)"
 # The harness plugin comes in through the package's pytest11 entry point when the project is
 # installed; here it usually is not (PYTHONPATH only), so load it by name.
@@ -190,8 +191,8 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
         "$PY" -m suites.perf.table "$OUT/$1.json" >> "$OUT/perf-table.md"
     fi
 }
-perf_run perf 130 "not compiled"
-perf_run perf-compiled 110 "compiled"
+has_step perf && perf_run perf 130 "not compiled"
+has_step perf-compiled && perf_run perf-compiled 110 "compiled"
 cat "$OUT/perf-table.md" 2>/dev/null
 fi
 
