@@ -49,6 +49,8 @@ class KernelResources:
     local_bytes: int
     counts: dict[str, int] = field(default_factory=dict)
     tma_refused: tuple[str, ...] = ()
+    sass_error: str = ""
+    """Why the SASS could not be read (nvdisasm 13.4 rejects some cubins); `counts` is then empty."""
 
     @property
     def ctas_per_sm(self) -> int:
@@ -123,7 +125,11 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int
                         "--remark-format=yaml", "--remarks=all", f"--remarks-output-file={remarks}"],
                        env=env, check=True, capture_output=True, timeout=300)
         usage = _run([str(cuobjdump), "-res-usage", str(cubin)], env, launch.id)
-        sass = _run([str(cuobjdump), "-sass", str(cubin)], env, launch.id)
+        try:
+            sass, sass_error = _run([str(cuobjdump), "-sass", str(cubin)], env, launch.id), ""
+        except RuntimeError as exc:  # the resource usage above is still right
+            m = re.search(r"exit \d+\): (.*?)(?: \(nvdisasm comes|$)", str(exc), re.S)
+            sass, sass_error = None, (m.group(1) if m else str(exc))[:120]
         elf = _run([str(cuobjdump), "-elf", str(cubin)], env, launch.id)
         refusals = re.findall(r"Name:\s+RemarkMemoryTma(?:Load|Store)Failed.*?Reason:\s+'?([^'\n]*)", remarks.read_text(),
                               re.S) if remarks.is_file() else []
@@ -137,11 +143,12 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int
     ntid = re.search(r"EIATTR_REQNTID\s+Format:\s+\w+\s+Value:\s+0x([0-9a-f]+)", elf)
     if ntid is None:
         raise ValueError(f"resources: no EIATTR_REQNTID (threads per block) in cuobjdump -elf output for {launch.id}")
-    ops = Counter(_SASS_OP.findall(sass))
+    ops = Counter(_SASS_OP.findall(sass)) if sass is not None else None
     return KernelResources(
         id=launch.id, arch=arch, registers=num("REG"), threads=int(ntid.group(1), 16), shared_bytes=num("SHARED"),
         local_bytes=num("LOCAL"),
-        counts={name: ops.get(op, 0) for op, name in _COUNTED.items()},
+        counts={name: ops.get(op, 0) for op, name in _COUNTED.items()} if ops is not None else {},
+        sass_error=sass_error,
         tma_refused=tuple(sorted({re.sub(r"^loc\(.*?\):\s*", "", r) for r in refusals})),
     )
 
@@ -153,7 +160,8 @@ def table(rows: list[KernelResources]) -> str:
            "|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
         out.append(f"| {r.id} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | {r.ctas_per_sm} | "
-                   + " | ".join(str(r.counts[n]) for n in names) + f" | {'; '.join(r.tma_refused) or '-'} |")
+                   + " | ".join(str(r.counts.get(n, "?")) for n in names)
+                   + f" | {'; '.join(r.tma_refused) or '-'}{' (no SASS: ' + r.sass_error + ')' if r.sass_error else ''} |")
     return "\n".join(out)
 
 

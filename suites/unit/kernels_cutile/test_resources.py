@@ -37,6 +37,24 @@ def test_report_reads_registers_and_memory_instructions(tools, ident):
 
 
 @pytest.mark.slow
+def test_unreadable_sass_keeps_the_resource_usage(tools, monkeypatch):
+    """When nvdisasm rejects a cubin (13.4 does for some), the row keeps registers and threads and says why."""
+    real = resources._run
+
+    def failing_sass(cmd, env, what):
+        if "-sass" in cmd:
+            raise RuntimeError(f"resources: cuobjdump -sass failed for {what} (exit 1): nvdisasm error   : Opclass 'nop_' "
+                               "(nvdisasm comes from the wheel nvidia-cuda-nvdisasm==13.4.92, part of the `kernels` extra)")
+        return real(cmd, env, what)
+
+    monkeypatch.setattr(resources, "_run", failing_sass)
+    launch = next(p for p in signature_plan() if p.id == "h_aggregate-fwd-n4-bf16-main")
+    r = resources.inspect_launch(launch, arch="sm_90")
+    assert r.registers >= 1 and r.threads >= 32 and r.counts == {} and r.sass_error == "nvdisasm error   : Opclass 'nop_'"
+    assert "| ? |" in resources.table([r]) and "(no SASS: nvdisasm error" in resources.table([r])
+
+
+@pytest.mark.slow
 def test_occupancy_hint_caps_registers(tools):
     """The occupancy hint reaches the compiler: at 4 CTAs per SM the kernel fits 4 blocks (fewer registers)."""
     launch = next(p for p in signature_plan() if p.id == "h_aggregate-bwd-n4-bf16-main")
