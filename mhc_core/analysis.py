@@ -12,7 +12,7 @@ import torch
 
 from mhc_core.ops._checks import check_rank, shape_str
 
-__all__ = ["AmaxGain", "amax_gain", "OpBytes", "bytes_moved", "OPS"]
+__all__ = ["AmaxGain", "amax_gain", "OpBytes", "bytes_moved", "layer_extra_bytes", "OPS"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,3 +110,19 @@ def bytes_moved(
             return OpBytes(read=2 * t * c * a, written=t * c * a)
         return OpBytes(read=t * c * a, written=2 * t * c * a)
     raise ValueError(f"bytes_moved: op={op!r} unknown; valid: {', '.join(OPS)}")
+
+
+def layer_extra_bytes(*, tokens: int, n: int, hidden: int, act_bytes: int, sublayers: int = 2) -> int:
+    """Bytes one transformer layer's forward + backward moves for mHC beyond the plain residual.
+
+    Per sublayer (attention, MLP): `mapping`, `sinkhorn`, `h_aggregate` and `h_post_bda` (no bias:
+    the branch output comes bias-free), forward and backward, minus the `residual_add` they replace.
+    Divided by the machine's copy bandwidth, this is the floor of mHC's time overhead: what ideal,
+    bandwidth-bound kernels would add (`suites/perf/test_layer.py` reports it next to the measured
+    overhead). The `[s, b, n*C]` activations the sublayers themselves see are not counted.
+    """
+    kw = dict(tokens=tokens, n=n, hidden=hidden, act_bytes=act_bytes)
+    per_sublayer = sum(bytes_moved(op, d, **kw).total for op in ("mapping", "sinkhorn", "h_aggregate", "h_post_bda")
+                       for d in ("fwd", "bwd"))
+    per_sublayer -= sum(bytes_moved("residual_add", d, **kw).total for d in ("fwd", "bwd"))
+    return sublayers * per_sublayer

@@ -12,8 +12,8 @@ from pathlib import Path
 
 def rows(path: str | Path) -> list[str]:
     """One Markdown row per benchmark: op, direction, backend, shape, median, GB/s, roofline, speed-up,
-    the back-to-back time and its roofline, and for the layer its time overhead and saved-activation
-    ratio over the plain layer."""
+    the back-to-back time and its roofline, and for the layer its time overhead over the plain layer
+    (with the bandwidth floor of that overhead in brackets) and saved-activation ratio."""
     data = json.loads(Path(path).read_text())
     out = ["| op | dir | backend | shape | median | GB/s | copy GB/s | roofline | vs reference | pipelined | "
            "roofline (pipelined) | layer overhead | layer saved act |",
@@ -27,12 +27,14 @@ def rows(path: str | Path) -> list[str]:
         def f(key, scale=1.0, fmt="{:.2f}", e=e):
             return fmt.format(e[key] * scale) if key in e else "-"
 
+        floor = f" (floor {f('floor_overhead_ratio', 100, '{:+.0f} %')})" if "floor_overhead_ratio" in e else ""
+
         out.append(
             f"| {op} | {e.get('direction', '-')} | {e.get('backend', '-')} | {shape} | "
             f"{med * 1e3:.3f} ms | {f('bytes_per_s', 1e-9)} | {f('copy_bytes_per_s', 1e-9)} | "
             f"{f('roofline_ratio', 100, '{:.0f} %')} | {f('speedup_vs_reference', 1, '{:.2f}x')} | "
             f"{f('pipelined_s', 1e3, '{:.3f} ms')} | {f('roofline_ratio_pipelined', 100, '{:.0f} %')} | "
-            f"{f('overhead_ratio', 100, '{:+.0f} %')} | {f('saved_bytes_ratio', 1, '{:.2f}x')} |"
+            f"{f('overhead_ratio', 100, '{:+.0f} %')}{floor} | {f('saved_bytes_ratio', 1, '{:.2f}x')} |"
         )
     return out
 

@@ -4,6 +4,10 @@ The layer is plain torch (pre-norm causal attention + GELU MLP), so the overhead
 without megatron-core. The paper reports 6.7 % for a full training step at n = 4 (large model,
 fused kernels, recompute); this is one layer at a small CPU size, so expect a larger number.
 
+The floor next to it: the extra bytes mHC moves per layer (`mhc_core.analysis.layer_extra_bytes`)
+timed as a plain copy in the same run, over the plain layer's time, i.e. the overhead that ideal,
+bandwidth-bound mHC kernels would add (`floor_overhead_ratio`).
+
 Memory, measured in the same test: the activation bytes autograd saves for backward in one
 forward (`suites/perf/memory.py`, exact on any device) for both layers and their ratio, and on
 CUDA the allocator's peak over one forward+backward. The mHC layer carries an `n*C`-wide residual,
@@ -23,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mhc_core import HyperConnectionConfig, HyperConnectionModule
+from mhc_core.analysis import layer_extra_bytes
 from mhc_core.kernels import dispatch
 from mhc_core.recompute import StreamRecompute
 from suites.perf.memory import peak_bytes, saved_activation_bytes
-from suites.perf.timing import paired_samples, synced
+from suites.perf.timing import copy_seconds, paired_samples, synced
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,18 +117,21 @@ def test_layer_overhead(benchmark, backend, reps, monkeypatch):
     mhc_t, plain_t = paired_samples([run, plain_run], device=DEVICE, reps=reps, warmup=3)
     mem, plain_mem = _memory(mhc, run), _memory(plain, plain_run)
     mhc_s, plain_s = statistics.median(mhc_t), statistics.median(plain_t)
+    extra = layer_extra_bytes(tokens=SEQ * BATCH, n=N, hidden=HIDDEN, act_bytes=torch.empty((), dtype=DTYPE).element_size())
+    floor_s = copy_seconds(extra, device=DEVICE, reps=reps)
     benchmark.group = "layer-fwdbwd"
     benchmark.pedantic(synced(run, device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
     benchmark.extra_info.update({
         "op": "layer", "direction": "fwdbwd", "backend": backend, "device": DEVICE,
         "shape": f"s{SEQ}-b{BATCH}-C{HIDDEN}-n{N}", "median_s": mhc_s, "plain_median_s": plain_s,
         "overhead_ratio": mhc_s / plain_s - 1.0, "plain_saved_bytes": plain_mem["saved"],
+        "extra_bytes": extra, "floor_overhead_ratio": floor_s / plain_s,
     })
     if mem["saved"] is not None:
         benchmark.extra_info.update({"saved_bytes": mem["saved"], "saved_bytes_ratio": mem["saved"] / plain_mem["saved"]})
     if mem["peak"] is not None:
         benchmark.extra_info.update({"peak_bytes": mem["peak"], "plain_peak_bytes": plain_mem["peak"],
                                      "peak_bytes_ratio": mem["peak"] / plain_mem["peak"]})
-    assert mhc_s > 0 and plain_s > 0
+    assert mhc_s > 0 and plain_s > 0 and floor_s > 0
     # The mHC layer saves at least what the plain one does (same sublayers) plus its n*C residual.
     assert plain_mem["saved"] > 0 and (mem["saved"] is None or mem["saved"] > plain_mem["saved"]), (mem, plain_mem)

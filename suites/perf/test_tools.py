@@ -127,15 +127,18 @@ def test_table_renders_rows(tmp_path, capsys):
                         "roofline_ratio_pipelined": 0.95}},
         {"name": "test_layer[reference]", "stats": {"median": 0.03},
          "extra_info": {"op": "layer", "overhead_ratio": 0.5, "saved_bytes_ratio": 1.6}},
+        {"name": "test_layer[compiled]", "stats": {"median": 0.02},
+         "extra_info": {"op": "layer", "overhead_ratio": 0.3, "floor_overhead_ratio": 0.04, "saved_bytes_ratio": 1.6}},
     ]}
     path = tmp_path / "perf.json"
     path.write_text(json.dumps(doc))
     assert table.main([str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 4
+    assert len(out) == 5
     assert "| h_aggregate | fwd | compiled | T4-n4-C8 | 1.000 ms | 40.00 |" in out[2] and "80 %" in out[2] and "2.50x" in out[2]
     assert "| 0.800 ms | 95 % |" in out[2], out[2]
-    assert out[3].endswith("| +50 % | 1.60x |"), out[3]
+    assert out[3].endswith("| +30 % (floor +4 %) | 1.60x |"), out[3]  # rows sort by name: compiled first
+    assert out[4].endswith("| +50 % | 1.60x |"), out[4]
 
 
 def test_pipelined_seconds_times_each_fn_per_call():

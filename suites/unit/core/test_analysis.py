@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mhc_core import Variant, amax_gain, bytes_moved, sinkhorn
-from mhc_core.analysis import OPS
+from mhc_core.analysis import OPS, layer_extra_bytes
 
 
 @pytest.mark.parametrize("variant", list(Variant), ids=str)
@@ -63,3 +63,9 @@ def test_amax_gain_rejects_non_square():
     """A stack that is not [L, T, n, n] names its shape."""
     with pytest.raises(ValueError, match=r"\[L>=1, T, n, n\], got \[2, 3, 4, 5\]"):
         amax_gain(torch.zeros(2, 3, 4, 5))
+
+
+def test_layer_extra_bytes_by_hand():
+    """T=1, n=2, C=1, bf16: per sublayer 574 B of mHC ops (fwd+bwd) minus 12 B of residual add, x2 sublayers."""
+    assert layer_extra_bytes(tokens=1, n=2, hidden=1, act_bytes=2) == 1124
+    assert layer_extra_bytes(tokens=1, n=2, hidden=1, act_bytes=2, sublayers=1) == 562
