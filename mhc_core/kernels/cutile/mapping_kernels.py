@@ -20,7 +20,8 @@ Backward (two launches):
    for the gradients of `bias` and the three alphas.
 2. `mapping_bwd_dx_dw_kernel`, grid `(cdiv(K, TILE_K), S)`: `grad_x = gp @ W + cx * x`
    (stored per tile) and `grad_W = gp^T @ x`, accumulated over this split's token tiles into
-   fp32 partials `[S, N, K]`.
+   fp32 partials `[S, N, K]`. With `MappingTiles.split_dx` (a sweep candidate), `grad_x` comes
+   from its own grid-parallel `mapping_bwd_dx_kernel` instead (three launches, `x` read twice).
 
 `MMA` selects the tensor-core precision: 0 = bf16 operands (forward of the `megatron_main` bf16
 path, whose reference rounds the weight to bf16), 1 = TF32, 2 = 3xTF32 (hi/lo split, about fp32
@@ -201,26 +202,66 @@ def mapping_bwd_coef_kernel(grad_pre, grad_post, grad_res, proj_pp, proj_res, rm
     ct.store(cx, index=(pm,), tile=ct.reshape(c, (TILE_M,)))
 
 
+def _bwd_weights(w_pp, w_res, pk, N, TILE_K):
+    """The weight columns of K tile `pk`: `wt_pp [2n, TILE_K]`, `wt_res [n*n, TILE_K]`, and at n = 2
+    both joined (`wt_all`, see `_grad_x`)."""
+    wt_pp = ct.load(w_pp, index=(0, pk), shape=(2 * N, TILE_K), padding_mode=PAD_ZERO)
+    wt_res = ct.load(w_res, index=(0, pk), shape=(N * N, TILE_K), padding_mode=PAD_ZERO)
+    if N == 2:
+        wt_all = ct.cat((wt_pp, wt_res), axis=0)
+    else:
+        wt_all = wt_pp  # unused
+    return wt_pp, wt_res, wt_all
+
+
+def _grad_x(a, g_pp, g_res, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA):
+    """`grad_x = gp @ W + cx * x` for one `[TILE_M, TILE_K]` tile, fp32.
+
+    At n = 2 both heads are 4 wide, under the MMA's k = 8: a K = 4 MMA gave a wrong grad_x on
+    sm_90. With TF32 operands the two heads are joined into one 8-wide operand (ct.cat; the shape
+    n = 4 uses; passed the H200 parity run); with 3xTF32 that join hit a tileiras 13.4 loop
+    scheduling error, so the fp32 path does eight fp32 FMAs per element instead (exact fp32).
+    """
+    gx = ct.astype(a, F32) * c
+    if N == 2 and MMA == MMA_3XTF32:
+        gx = _fma_rows(g_pp, wt_pp, gx, 2 * N, TILE_M)
+        gx = _fma_rows(g_res, wt_res, gx, N * N, TILE_M)
+    elif N == 2:
+        gx = _mma(ct.cat((g_pp, g_res), axis=1), wt_all, gx, MMA)
+    else:
+        gx = _mma(g_pp, wt_pp, gx, MMA)
+        gx = _mma(g_res, wt_res, gx, MMA)
+    return gx
+
+
+@ct.kernel
+def mapping_bwd_dx_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x,
+                          N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
+    """`grad_x = gp @ W + cx * x`, one tile per block; grid `(cdiv(T, TILE_M), cdiv(K, TILE_K))`
+    (`MappingTiles.split_dx`: no loop, no carried accumulator; `grad_W` then comes from
+    `mapping_bwd_dx_dw_kernel` with `DX = 0`, which reads `x` a second time)."""
+    mt = ct.bid(0)
+    pk = ct.bid(1)
+    wt_pp, wt_res, wt_all = _bwd_weights(w_pp, w_res, pk, N, TILE_K)
+    a = ct.load(x, index=(mt, pk), shape=(TILE_M, TILE_K), padding_mode=PAD_ZERO)
+    g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
+    g_res = _load_f32(gp_res, (mt, 0), (TILE_M, N * N))
+    c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
+    gx = _grad_x(a, g_pp, g_res, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
+    ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
+
+
 @ct.kernel
 def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_part, gw_res_part,
                              m_tiles_per_split: int,
-                             N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
-    """`grad_x = gp @ W + cx * x` and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
+                             N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt, DX: ConstInt):
+    """`grad_x = gp @ W + cx * x` (when `DX`) and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
     pk = ct.bid(0)
     ps = ct.bid(1)
     m_tiles = ct.num_tiles(x, axis=0, shape=(TILE_M, TILE_K))
     m_begin = ps * m_tiles_per_split
     m_end = ct.minimum(m_begin + m_tiles_per_split, m_tiles)
-    wt_pp = ct.load(w_pp, index=(0, pk), shape=(2 * N, TILE_K), padding_mode=PAD_ZERO)
-    wt_res = ct.load(w_res, index=(0, pk), shape=(N * N, TILE_K), padding_mode=PAD_ZERO)
-    # At n = 2 both heads are 4 wide, under the MMA's k = 8: a K = 4 MMA gave a wrong grad_x on
-    # sm_90. With TF32 operands the two heads are joined into one 8-wide operand (ct.cat; the shape
-    # n = 4 uses; passed the H200 parity run); with 3xTF32 that join hit a tileiras 13.4 loop
-    # scheduling error, so the fp32 path does eight fp32 FMAs per element instead (exact fp32).
-    if N == 2:
-        wt_all = ct.cat((wt_pp, wt_res), axis=0)
-    else:
-        wt_all = wt_pp  # unused
+    wt_pp, wt_res, wt_all = _bwd_weights(w_pp, w_res, pk, N, TILE_K)
     acc_pp = ct.zeros((2 * N, TILE_K), dtype=F32)
     acc_res = ct.zeros((N * N, TILE_K), dtype=F32)
     acc_all = ct.zeros((4 * N, TILE_K), dtype=F32)  # 2n + n*n rows at n = 2; unused otherwise
@@ -228,24 +269,19 @@ def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_pa
         a = ct.load(x, index=(mt, pk), shape=(TILE_M, TILE_K), padding_mode=PAD_ZERO)
         g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
         g_res = _load_f32(gp_res, (mt, 0), (TILE_M, N * N))
-        c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
-        gx = ct.astype(a, F32) * c
+        if DX:
+            c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
+            gx = _grad_x(a, g_pp, g_res, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
+            ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
         if N == 2 and MMA == MMA_3XTF32:
             af = ct.astype(a, F32)
-            gx = _fma_rows(g_pp, wt_pp, gx, 2 * N, TILE_M)
-            gx = _fma_rows(g_res, wt_res, gx, N * N, TILE_M)
             acc_pp = acc_pp + _fma_cols(g_pp, af, 2 * N, TILE_M)
             acc_res = acc_res + _fma_cols(g_res, af, N * N, TILE_M)
         elif N == 2:
-            g_all = ct.cat((g_pp, g_res), axis=1)
-            gx = _mma(g_all, wt_all, gx, MMA)
-            acc_all = _mma(ct.transpose(g_all), a, acc_all, MMA)
+            acc_all = _mma(ct.transpose(ct.cat((g_pp, g_res), axis=1)), a, acc_all, MMA)
         else:
-            gx = _mma(g_pp, wt_pp, gx, MMA)
-            gx = _mma(g_res, wt_res, gx, MMA)
             acc_pp = _mma(ct.transpose(g_pp), a, acc_pp, MMA)
             acc_res = _mma(ct.transpose(g_res), a, acc_res, MMA)
-        ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
     if N == 2 and MMA != MMA_3XTF32:
         acc_pp = ct.extract(acc_all, (0, 0), shape=(2 * N, TILE_K))
         acc_res = ct.extract(acc_all, (1, 0), shape=(N * N, TILE_K))

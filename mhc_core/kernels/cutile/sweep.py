@@ -63,7 +63,9 @@ CANDIDATES: dict[str, tuple] = {
     "mapping_fwd": (tiling.MappingTiles(64, 128), tiling.MappingTiles(128, 64), tiling.MappingTiles(128, 128),
                     tiling.MappingTiles(64, 256)),
     "mapping_bwd": (tiling.MappingTiles(32, 128), tiling.MappingTiles(64, 128), tiling.MappingTiles(32, 64),
-                    tiling.MappingTiles(16, 128), tiling.MappingTiles(32, 256)),
+                    tiling.MappingTiles(16, 128), tiling.MappingTiles(32, 256),
+                    tiling.MappingTiles(32, 128, True), tiling.MappingTiles(64, 128, True),
+                    tiling.MappingTiles(64, 256, True)),
 }
 
 def _hinted(key: str, occupancies: tuple[int, ...], tiles=None) -> tuple[dict, ...]:
@@ -80,6 +82,8 @@ for _key in ("h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda
 # 128 at occupancy 2 and 64 at 4, without spills (`resources --occupancy`).
 CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8, 64, 2)) + _hinted(
     "h_post_bda_bwd", (4,), _S(16, 64, 2))
+# The split-dx mapping backward's grad_x kernel also compiles to 255 registers x 256 threads unhinted.
+CANDIDATES["mapping_bwd_occupancy"] += _hinted("mapping_bwd", (2, 4), tiling.MappingTiles(32, 128, True))
 """Candidates per `tiling` key: a tile object for that key, or a whole `tiling.overridden` dict
 (the `*_occupancy` keys: hints, with the heuristic's or given tiles). The first candidate of each
 tile key is the heuristic's choice at n = 4, C >= 256; the second run on an H200 is in `tiling`'s

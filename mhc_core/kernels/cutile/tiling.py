@@ -74,7 +74,7 @@ KERNELS_OF = {
     "h_post_bda_fwd": ("h_post_bda_fwd_kernel",),
     "h_post_bda_bwd": ("h_post_bda_bwd_kernel",),
     "mapping_fwd": ("mapping_fwd_partial_kernel", "mapping_fwd_epilogue_kernel"),
-    "mapping_bwd": ("mapping_bwd_coef_kernel", "mapping_bwd_dx_dw_kernel"),
+    "mapping_bwd": ("mapping_bwd_coef_kernel", "mapping_bwd_dx_dw_kernel", "mapping_bwd_dx_kernel"),
 }
 """The kernels each tile key drives."""
 
@@ -187,10 +187,14 @@ def post_bda_tiles(n: int, c: int, direction: str) -> StreamTiles:
 
 @dataclass(frozen=True)
 class MappingTiles:
-    """Tiles of the mapping kernels: `TILE_M` tokens x `TILE_K` of the n*C reduction."""
+    """Tiles of the mapping kernels: `TILE_M` tokens x `TILE_K` of the n*C reduction.
+
+    `split_dx` (backward only): `grad_x` from its own grid-parallel kernel
+    (`mapping_bwd_dx_kernel`), the K-major loop then only accumulates `grad_W` (reads `x` twice)."""
 
     tile_m: int = 64
     tile_k: int = 128
+    split_dx: bool = False
 
 
 def mapping_tiles(n: int, k: int, direction: str) -> MappingTiles:

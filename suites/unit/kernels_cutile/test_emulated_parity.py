@@ -182,25 +182,28 @@ MAPPING_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("bwd", [None, tiling.MappingTiles(tile_m=32, tile_k=128, split_dx=True)],
+                         ids=["fused_dx", "split_dx"])
 @pytest.mark.parametrize(("t", "c"), MAPPING_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
-def test_mapping(emu, n, variant, dtype, t, c):
-    """mapping fwd + bwd (split-K forward, split-token backward) matches the reference."""
+def test_mapping(emu, n, variant, dtype, t, c, bwd):
+    """mapping fwd + bwd (split-K forward, split-token backward; grad_x in the K loop or its own kernel) matches the reference."""
     oracle = None
     if variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16:
         oracle = mapping_oracle(n, variant)
-    compare(
-        f"mapping n{n} {variant} {dtype} T{t} C{c}",
-        lambda *a: emu.mapping(*a, n, variant),
-        lambda *a: ref.mapping(*a, n, variant),
-        mapping_inputs(t, n, c, dtype, "cpu"),
-        dtype,
-        input_names=MAPPING_INPUT_NAMES,
-        cosine_inputs=MAPPING_COSINE,
-        oracle_fn=oracle,
-    )
+    with tiling.overridden(**({} if bwd is None else {"mapping_bwd": bwd})):
+        compare(
+            f"mapping n{n} {variant} {dtype} T{t} C{c} {bwd}",
+            lambda *a: emu.mapping(*a, n, variant),
+            lambda *a: ref.mapping(*a, n, variant),
+            mapping_inputs(t, n, c, dtype, "cpu"),
+            dtype,
+            input_names=MAPPING_INPUT_NAMES,
+            cosine_inputs=MAPPING_COSINE,
+            oracle_fn=oracle,
+        )
 
 
 def test_mapping_n8(emu):

@@ -113,6 +113,26 @@ def test_mapping(n, variant, dtype, t, c):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
+def test_mapping_split_dx(n, variant, dtype):
+    """The mapping backward with grad_x from its own kernel (`MappingTiles.split_dx`, a sweep candidate)."""
+    oracle = mapping_oracle(n, variant) if (variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16) else None
+    with tiling.overridden(mapping_bwd=tiling.MappingTiles(tile_m=32, tile_k=128, split_dx=True)):
+        compare(
+            f"mapping split_dx n{n} {variant}",
+            lambda *a: cutile.mapping(*a, n, variant),
+            lambda *a: ref.mapping(*a, n, variant),
+            mapping_inputs(1100, n, 1024, dtype, DEV),
+            dtype,
+            input_names=MAPPING_INPUT_NAMES,
+            cosine_inputs=MAPPING_COSINE,
+            oracle_fn=oracle,
+            out_kind="proj",
+        )
+
+
 SINKHORN_TILES = [pytest.param(tiling.SinkhornTiles(64, **kw), id=name) for name, kw in SINKHORN_FORMS.items()]
 
 

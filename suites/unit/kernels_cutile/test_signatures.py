@@ -16,8 +16,8 @@ from mhc_core.variants import Variant
 ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
 
 
-ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel"}
-"""Kernels the default tiles never launch (`SinkhornTiles.per_element`, a sweep candidate)."""
+ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "mapping_bwd_dx_kernel"}
+"""Kernels the default tiles never launch (`SinkhornTiles.per_element`, `MappingTiles.split_dx`: sweep candidates)."""
 
 
 def test_plan_covers_every_kernel_and_n():
