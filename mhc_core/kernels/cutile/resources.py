@@ -91,7 +91,7 @@ def _bytecode(launch: PlannedLaunch, occupancy: int | None = None) -> bytes:
 
     from mhc_core.kernels.cutile.signatures import kernel_object, to_signature
 
-    kernel = kernel_object(launch.kernel_name)
+    kernel = kernel_object(launch.kernel_name)  # with its default hint, if any
     if occupancy is not None:
         kernel = kernel.replace_hints(occupancy=occupancy)
     buf = io.BytesIO()

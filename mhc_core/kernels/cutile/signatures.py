@@ -211,9 +211,12 @@ def to_signature(launch: PlannedLaunch):
 
 
 def kernel_object(kernel_name: str):
-    """The `@ct.kernel` object (imports `cuda.tile`)."""
+    """The `@ct.kernel` object (imports `cuda.tile`), with its occupancy hint (`tiling.occupancy`)
+    as the GPU runtime launches it."""
     module = importlib.import_module(f"mhc_core.kernels.cutile.{KERNEL_MODULES[kernel_name]}")
-    return getattr(module, kernel_name)
+    kernel = getattr(module, kernel_name)
+    occ = tiling.occupancy(kernel_name)
+    return kernel if occ is None else kernel.replace_hints(occupancy=occ)
 
 
 @dataclass(frozen=True)

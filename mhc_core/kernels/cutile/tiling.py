@@ -55,6 +55,7 @@ __all__ = [
     "KERNELS_OF",
     "overridden",
     "occupancy",
+    "DEFAULT_OCCUPANCY",
 ]
 
 SUPPORTED_N = (2, 4, 8)
@@ -110,9 +111,18 @@ def overridden(**tiles: object) -> Iterator[None]:
         _OVERRIDES.update(saved)
 
 
+DEFAULT_OCCUPANCY: dict[str, int] = {}
+"""Occupancy hints the defaults carry (`{kernel name: CTAs per SM}`; none yet: an entry lands when
+a GPU sweep shows it wins). The GPU runtime and CI's offline compile (`signatures.kernel_object`)
+both apply them."""
+
+
 def occupancy(kernel_name: str) -> int | None:
-    """The occupancy hint for `kernel_name` inside `overridden(occupancy=...)`, else None."""
-    return _OVERRIDES.get("occupancy", {}).get(kernel_name)
+    """The occupancy hint for `kernel_name`: inside `overridden(occupancy=...)` the override's (a
+    kernel the override does not name keeps no hint), else `DEFAULT_OCCUPANCY`'s, else None."""
+    if "occupancy" in _OVERRIDES:
+        return _OVERRIDES["occupancy"].get(kernel_name)
+    return DEFAULT_OCCUPANCY.get(kernel_name)
 
 
 def next_pow2(v: int) -> int:

@@ -121,3 +121,19 @@ def test_occupancy_hint_reaches_the_kernel_object():
     assert hinted._compiler_options.occupancy == 4
     assert plain._compiler_options.occupancy is None
     assert rt._kernel("h_aggregate_fwd_kernel") is plain
+
+
+@pytest.mark.skipif(not _has_cuda_tile(), reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+def test_default_occupancy_reaches_runtime_and_offline_compile(monkeypatch):
+    """A hint in `tiling.DEFAULT_OCCUPANCY` is what the runtime launches and CI compiles; an override replaces it."""
+    from mhc_core.kernels.cutile import tiling
+    from mhc_core.kernels.cutile.signatures import kernel_object
+
+    monkeypatch.setitem(tiling.DEFAULT_OCCUPANCY, "h_post_bda_bwd_kernel", 4)
+    rt = CuTileRuntime()
+    assert rt._kernel("h_post_bda_bwd_kernel")._compiler_options.occupancy == 4
+    assert kernel_object("h_post_bda_bwd_kernel")._compiler_options.occupancy == 4
+    assert kernel_object("h_post_bda_fwd_kernel")._compiler_options.occupancy is None
+    with tiling.overridden(occupancy={"h_post_bda_fwd_kernel": 2}):
+        assert tiling.occupancy("h_post_bda_bwd_kernel") is None  # the override names the hints in force
+        assert kernel_object("h_post_bda_fwd_kernel")._compiler_options.occupancy == 2
