@@ -49,17 +49,15 @@ def _slice(t, i):
     return ct.reshape(ct.extract(t, (0, i, 0), shape=(t.shape[0], 1, t.shape[2])), (t.shape[0], t.shape[2]))
 
 
-def _aggregate_tile(x, h_pre, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM):
-    """One `[TILE_T, TILE_C]` output tile of `h_aggregate`."""
+def _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM):
+    """One `[TILE_T, TILE_C]` output tile of `h_aggregate`; `h [TILE_T, n]` fp32 (the block's `h_pre`)."""
     if PER_STREAM:
-        h = _load_f32(h_pre, (pt, 0), (TILE_T, N))
         acc = ct.zeros((TILE_T, TILE_C), dtype=F32)
         for i in ct.static_iter(range(N)):
             acc = acc + ct.extract(h, (0, i), shape=(TILE_T, 1)) * _load_stream(x, pt, i, pc, TILE_T, TILE_C)
     else:
         xt = _load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
-        h = ct.reshape(_load_f32(h_pre, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
-        acc = ct.sum(xt * h, axis=1)
+        acc = ct.sum(xt * ct.reshape(h, (TILE_T, N, 1)), axis=1)
     ct.store(out, index=(pt, pc), tile=ct.astype(acc, out.dtype))
 
 
@@ -74,11 +72,12 @@ def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C:
     `[TILE_T, n, TILE_C]` load reduced over its middle axis.
     """
     pt = ct.bid(0)
+    h = _load_f32(h_pre, (pt, 0), (TILE_T, N))
     if LOOP_C:
         for pc in range(ct.num_tiles(out, axis=1, shape=(TILE_T, TILE_C))):
-            _aggregate_tile(x, h_pre, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM)
+            _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM)
     else:
-        _aggregate_tile(x, h_pre, out, pt, ct.bid(1), N, TILE_T, TILE_C, PER_STREAM)
+        _aggregate_tile(x, h, out, pt, ct.bid(1), N, TILE_T, TILE_C, PER_STREAM)
 
 
 @ct.kernel
@@ -99,12 +98,10 @@ def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
     ct.store(grad_h, index=(pt, 0), tile=ct.astype(gh, grad_h.dtype))
 
 
-def _post_bda_tile(h_res, residual, h_post, y, bias, out, pt, pc,
-                   N, TILE_T, TILE_C, TRANSPOSED, HAS_BIAS, PER_STREAM):
-    """One `[TILE_T, n, TILE_C]` output tile of `h_post_bda` (modes: `h_post_bda_fwd_kernel`)."""
-    m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
+def _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM):
+    """One `[TILE_T, n, TILE_C]` output tile of `h_post_bda` (modes: `h_post_bda_fwd_kernel`); the
+    block's mix `m [TILE_T, n, n]` and `hp2 = h_post [TILE_T, n]`, fp32, come loaded."""
     if PER_STREAM == 2:
-        hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
         yb2 = ct.reshape(_load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), (TILE_T, TILE_C))
         streams = ()
         for j in ct.static_iter(range(N)):
@@ -119,15 +116,14 @@ def _post_bda_tile(h_res, residual, h_post, y, bias, out, pt, pc,
         res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
         yb = _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
         if PER_STREAM:
-            hp = _load_f32(h_post, (pt, 0), (TILE_T, N))
             for i in ct.static_iter(range(N)):
-                acc = ct.reshape(ct.extract(hp, (0, i), shape=(TILE_T, 1)), (TILE_T, 1, 1)) * yb
+                acc = ct.reshape(ct.extract(hp2, (0, i), shape=(TILE_T, 1)), (TILE_T, 1, 1)) * yb
                 for j in ct.static_iter(range(N)):
                     acc = acc + ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)) * ct.extract(
                         res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
                 ct.store(out, index=(pt, i, pc), tile=ct.astype(acc, out.dtype))
         else:
-            hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+            hp = ct.reshape(hp2, (TILE_T, N, 1))
             mix = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
             for j in ct.static_iter(range(N)):
                 mix = mix + ct.extract(m, (0, 0, j), shape=(TILE_T, N, 1)) * ct.extract(
@@ -150,13 +146,13 @@ def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
     against 46 KB and 110 shared loads / stores for 1).
     """
     pt = ct.bid(0)
+    m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
+    hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
     if LOOP_C:
         for pc in range(ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))):
-            _post_bda_tile(h_res, residual, h_post, y, bias, out, pt, pc,
-                           N, TILE_T, TILE_C, TRANSPOSED, HAS_BIAS, PER_STREAM)
+            _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM)
     else:
-        _post_bda_tile(h_res, residual, h_post, y, bias, out, pt, ct.bid(1),
-                       N, TILE_T, TILE_C, TRANSPOSED, HAS_BIAS, PER_STREAM)
+        _post_bda_tile(m, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM)
 
 
 def _stream_grads(gos, m, hp, grad_residual, grad_y, grad_bias_part, pt, pc,
