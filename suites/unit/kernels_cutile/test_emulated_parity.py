@@ -137,27 +137,37 @@ def test_h_post_bda_n8(emu):
     )
 
 
+# h_post_bda: both mix orientations, with and without bias, n = 2 / 4 / 8; h_aggregate: n only.
+_POST_BDA_CASES = [(4, Variant.MEGATRON_DEV, True), (4, Variant.MEGATRON_MAIN, False), (2, Variant.PAPER, True),
+                   (8, Variant.MEGATRON_DEV, False)]
+STREAM_FORM_CASES = [
+    pytest.param("h_aggregate", mode, n, None, False, id=f"h_aggregate-{mode}-n{n}") for mode in (0, 1) for n in (2, 4, 8)
+] + [
+    pytest.param("h_post_bda", mode, n, v, b, id=f"h_post_bda-{mode}-n{n}-{v.value}{'-bias' if b else ''}")
+    for mode in (0, 1, 2) for n, v, b in _POST_BDA_CASES
+]
+
+
 @pytest.mark.parametrize("loop_c", [False, True], ids=["grid_c", "loop_c"])
-@pytest.mark.parametrize(("op", "mode"), [("h_aggregate", 0), ("h_aggregate", 1), ("h_post_bda", 0),
-                                          ("h_post_bda", 1), ("h_post_bda", 2)])
-def test_stream_formulations(emu, op, mode, loop_c):
+@pytest.mark.parametrize(("op", "mode", "n", "variant", "with_bias"), STREAM_FORM_CASES)
+def test_stream_formulations(emu, op, mode, n, variant, with_bias, loop_c):
     """Each stream-kernel formulation (`StreamTiles.per_stream` forward and h_post_bda backward; the
     forward's C loop, `loop_c`) matches the reference."""
-    t, n, c = 21, 4, 300
+    t, c = 21, 300
     tiles = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode, loop_c=loop_c)
     if op == "h_aggregate":
         kernel, oracle, inputs, names = emu.h_aggregate, ref.h_aggregate, aggregate_inputs(
             t, n, c, torch.bfloat16, torch.float32, "cpu"), ("x", "h_pre")
     else:
-        kernel = lambda *a: emu.h_post_bda(*a, 0.0, False, Variant.MEGATRON_DEV)  # noqa: E731
-        oracle = lambda *a: ref.h_post_bda(*a, 0.0, False, Variant.MEGATRON_DEV)  # noqa: E731
-        inputs = post_bda_inputs(t, n, c, torch.bfloat16, torch.float32, True, "cpu")
+        kernel = lambda *a: emu.h_post_bda(*a, 0.0, False, variant)  # noqa: E731
+        oracle = lambda *a: ref.h_post_bda(*a, 0.0, False, variant)  # noqa: E731
+        inputs = post_bda_inputs(t, n, c, torch.bfloat16, torch.float32, with_bias, "cpu")
         names = POST_BDA_INPUT_NAMES
     overrides = {f"{op}_fwd": tiles}
     if op == "h_post_bda":
         overrides["h_post_bda_bwd"] = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode)  # loop_c: bwd always
     with tiling.overridden(**overrides):
-        compare(f"{op} per-stream", kernel, oracle, inputs, torch.bfloat16, input_names=names)
+        compare(f"{op} {tiles} n{n} {variant}", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 
 
 def test_tile_override_is_scoped_and_checked():
