@@ -184,6 +184,7 @@ class RecordingRuntime:
 
         self._sms = num_sms
         self._params: dict[str, list[inspect.Parameter]] = {}
+        self._constant = emulator.ConstantAnnotation  # what `ct.Constant[...]` annotations are under the interpreter
         for name, mod in KERNEL_MODULES.items():
             module, _ = emulator.load_kernel_module(mod)
             self._params[name] = list(inspect.signature(getattr(module, name), eval_str=True).parameters.values())
@@ -196,7 +197,7 @@ class RecordingRuntime:
             raise TypeError(f"{kernel_name}: {len(args)} arguments for {len(params)} parameters")
         abstract = []
         for p, a in zip(params, args, strict=True):
-            if getattr(p.annotation, "__name__", "") == "_ConstantAnnotation":
+            if p.annotation is self._constant:
                 abstract.append(ConstArg(a))
             elif isinstance(a, torch.Tensor):
                 abstract.append(ArrayArg.of(a))

@@ -73,3 +73,14 @@ def test_plan_covers_other_production_shapes(t, c):
             out.sum().backward()
     missing = [key(la.kernel_name, la.args) for la in rec.launches if key(la.kernel_name, la.args) not in planned]
     assert not missing, f"{len(missing)} launches not in the signature plan, first: {missing[0]}"
+
+
+def test_constants_are_recorded_as_constants():
+    """`ct.Constant` parameters become compile-time constants of the signature, runtime ints scalars."""
+    from mhc_core.kernels.cutile.runtime import ConstArg, ScalarArg
+
+    launch = next(p for p in signature_plan() if p.id == "mapping-fwd-n4-bf16-main-partial")
+    # (x, w_pp, w_res, part_pp, part_res, part_sq, k_tiles_per_split, N, TILE_M, TILE_K, MMA)
+    assert all(isinstance(a, ArrayArg) for a in launch.args[:6])
+    assert isinstance(launch.args[6], ScalarArg)
+    assert [type(a) for a in launch.args[7:]] == [ConstArg] * 4 and launch.args[7].value == 4
