@@ -17,7 +17,7 @@
 # Steps (MHC_GPU_STEPS, default "parity sweep perf"; each has its own timeout, the sum < 10 min;
 # MHC_GPU_TIMEOUT_<STEP> overrides one, e.g. MHC_GPU_TIMEOUT_PARITY=150, so a call fits a device budget):
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
-#           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 100 s
+#           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 150 s (269 tests)
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   bench   (not a default step: the sweep's first candidate per key is the default)
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
@@ -117,7 +117,7 @@ record() {  # record <step> <exit code>: one line in summary.txt; a failed step 
 
 # 2. parity tests (GPU parity + the CPU-side suites of the same directory)
 if has_step parity; then
-timeout "$(limit parity 100)" "$PY" -m pytest -p no:cacheprovider -q -n 16 --junitxml="$OUT/parity.xml" \
+timeout "$(limit parity 150)" "$PY" -m pytest -p no:cacheprovider -q -n 16 --junitxml="$OUT/parity.xml" \
     suites/unit/kernels_cutile/test_gpu_parity.py suites/unit/kernels_cutile/test_contract.py \
     > "$OUT/parity.txt" 2>&1
 rc=$?
