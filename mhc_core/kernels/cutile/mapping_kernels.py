@@ -214,8 +214,17 @@ def _bwd_weights(w_pp, w_res, pk, N, TILE_K):
     return wt_pp, wt_res, wt_all
 
 
-def _grad_x(a, g_pp, g_res, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA):
-    """`grad_x = gp @ W + cx * x` for one `[TILE_M, TILE_K]` tile, fp32.
+def _joined(g_pp, g_res, N, MMA):
+    """At n = 2 with TF32 operands, `[g_pp | g_res]` `[TILE_M, 2n + n*n]` (see `_grad_x`); else unused."""
+    if N == 2 and MMA != MMA_3XTF32:
+        g_all = ct.cat((g_pp, g_res), axis=1)
+    else:
+        g_all = g_pp  # unused
+    return g_all
+
+
+def _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA):
+    """`grad_x = gp @ W + cx * x` for one `[TILE_M, TILE_K]` tile, fp32 (`g_all`: `_joined`).
 
     At n = 2 both heads are 4 wide, under the MMA's k = 8: a K = 4 MMA gave a wrong grad_x on
     sm_90. With TF32 operands the two heads are joined into one 8-wide operand (ct.cat; the shape
@@ -227,7 +236,7 @@ def _grad_x(a, g_pp, g_res, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA):
         gx = _fma_rows(g_pp, wt_pp, gx, 2 * N, TILE_M)
         gx = _fma_rows(g_res, wt_res, gx, N * N, TILE_M)
     elif N == 2:
-        gx = _mma(ct.cat((g_pp, g_res), axis=1), wt_all, gx, MMA)
+        gx = _mma(g_all, wt_all, gx, MMA)
     else:
         gx = _mma(g_pp, wt_pp, gx, MMA)
         gx = _mma(g_res, wt_res, gx, MMA)
@@ -247,7 +256,7 @@ def mapping_bwd_dx_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x,
     g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
     g_res = _load_f32(gp_res, (mt, 0), (TILE_M, N * N))
     c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
-    gx = _grad_x(a, g_pp, g_res, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
+    gx = _grad_x(a, g_pp, g_res, _joined(g_pp, g_res, N, MMA), c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
     ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
 
 
@@ -269,16 +278,17 @@ def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_pa
         a = ct.load(x, index=(mt, pk), shape=(TILE_M, TILE_K), padding_mode=PAD_ZERO)
         g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
         g_res = _load_f32(gp_res, (mt, 0), (TILE_M, N * N))
+        g_all = _joined(g_pp, g_res, N, MMA)
         if DX:
             c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
-            gx = _grad_x(a, g_pp, g_res, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
+            gx = _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
             ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
         if N == 2 and MMA == MMA_3XTF32:
             af = ct.astype(a, F32)
             acc_pp = acc_pp + _fma_cols(g_pp, af, 2 * N, TILE_M)
             acc_res = acc_res + _fma_cols(g_res, af, N * N, TILE_M)
         elif N == 2:
-            acc_all = _mma(ct.transpose(ct.cat((g_pp, g_res), axis=1)), a, acc_all, MMA)
+            acc_all = _mma(ct.transpose(g_all), a, acc_all, MMA)
         else:
             acc_pp = _mma(ct.transpose(g_pp), a, acc_pp, MMA)
             acc_res = _mma(ct.transpose(g_res), a, acc_res, MMA)
