@@ -119,7 +119,8 @@ def layer_extra_bytes(*, tokens: int, n: int, hidden: int, act_bytes: int, subla
     the branch output comes bias-free), forward and backward, minus the `residual_add` they replace.
     Divided by the machine's copy bandwidth, this is the floor of mHC's time overhead: what ideal,
     bandwidth-bound kernels would add (`suites/perf/test_layer.py` reports it next to the measured
-    overhead). The `[s, b, n*C]` activations the sublayers themselves see are not counted.
+    overhead). The sublayers (attention, MLP) see the same `[s, b, C]` input as in the plain layer,
+    so their own traffic is not part of it.
     """
     kw = dict(tokens=tokens, n=n, hidden=hidden, act_bytes=act_bytes)
     per_sublayer = sum(bytes_moved(op, d, **kw).total for op in ("mapping", "sinkhorn", "h_aggregate", "h_post_bda")
