@@ -68,6 +68,7 @@ CANDIDATES: dict[str, tuple] = {
                     tiling.MappingTiles(64, 256, True)),
 }
 
+
 def _hinted(key: str, occupancies: tuple[int, ...], tiles=None) -> tuple[dict, ...]:
     """Override dicts: `key`'s kernels with each occupancy hint, with `tiles` (default: the heuristic's)."""
     base = {} if tiles is None else {key: tiles}
@@ -131,20 +132,27 @@ def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str
 
 
 def summary(rows: list[dict]) -> str:
-    """Markdown: per (key, direction) the first candidate's (the default's) pipelined time, the
-    fastest candidate and its speed-up over the default; failed candidates are counted."""
+    """Markdown: per (key, direction) the default's pipelined time (the first candidate of the tile
+    key, `*_occupancy` keys included: their baseline is the unhinted default), the fastest candidate
+    and its speed-up over the default ("-" when the default did not run); failures are counted."""
     groups: dict[tuple[str, str], list[dict]] = {}
     failed: dict[str, int] = {}
+    default_ms: dict[tuple[str, str], float] = {}
     for r in rows:
         if "error" in r:
             failed[r["key"]] = failed.get(r["key"], 0) + 1
             continue
         groups.setdefault((r["key"], r["direction"]), []).append(r)
+        tile_key = _tile_key(r["key"])
+        if r["key"] == tile_key and r["tiles"] == repr(CANDIDATES.get(tile_key, (None,))[0]):
+            default_ms[(tile_key, r["direction"])] = r["pipelined_ms"]
     out = ["| key | dir | default ms | fastest | ms | GB/s | speed-up | failed |", "|---|---|---|---|---|---|---|---|"]
     for (key, direction), rs in groups.items():
         best = min(rs, key=lambda r: r["pipelined_ms"])
-        out.append(f"| {key} | {direction} | {rs[0]['pipelined_ms']:.4f} | {best['tiles']} | {best['pipelined_ms']:.4f} | "
-                   f"{best['gb_per_s']:.0f} | {rs[0]['pipelined_ms'] / best['pipelined_ms']:.2f}x | {failed.get(key, 0)} |")
+        base = default_ms.get((_tile_key(key), direction))
+        base_s, gain = ("-", "-") if base is None else (f"{base:.4f}", f"{base / best['pipelined_ms']:.2f}x")
+        out.append(f"| {key} | {direction} | {base_s} | {best['tiles']} | {best['pipelined_ms']:.4f} | "
+                   f"{best['gb_per_s']:.0f} | {gain} | {failed.get(key, 0)} |")
     out += [f"| {key} | - | - | all {k} candidates failed | - | - | - | {k} |" for key, k in failed.items()
             if not any(g[0] == key for g in groups)]
     return "\n".join(out)

@@ -72,13 +72,21 @@ def test_list_prints_every_candidate(capsys):
 
 
 def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
-    """`--summary` names the fastest candidate per key and direction, its speed-up over the first, and failures."""
+    """`--summary` names the fastest candidate per key and direction, its speed-up over the key's
+    default (for `*_occupancy` keys: the unhinted default), and counts failures."""
     from mhc_core.kernels.cutile.sweep import main
 
+    default = repr(CANDIDATES["h_aggregate_fwd"][0])
+
+    def row(key, tiles, ms):
+        return {"key": key, "tiles": tiles, "direction": "fwd", "single_ms": ms, "pipelined_ms": ms,
+                "gb_per_s": round(320 / ms)}
+
     rows = [
-        {"key": "h_aggregate_fwd", "tiles": "A", "direction": "fwd", "single_ms": 1.0, "pipelined_ms": 0.8, "gb_per_s": 400},
-        {"key": "h_aggregate_fwd", "tiles": "B", "direction": "fwd", "single_ms": 0.3, "pipelined_ms": 0.2, "gb_per_s": 1600},
+        row("h_aggregate_fwd", default, 0.8), row("h_aggregate_fwd", "B", 0.2),
         {"key": "h_aggregate_fwd", "tiles": "C", "error": "TileCompilerError: x"},
+        row("h_aggregate_fwd_occupancy", "occ2", 0.4), row("h_aggregate_fwd_occupancy", "occ4", 0.5),
+        row("mapping_fwd", "not the default", 0.3),
         {"key": "sinkhorn", "tiles": "S", "error": "RuntimeError: y"},
     ]
     path = tmp_path / "sweep.json"
@@ -87,6 +95,8 @@ def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
     assert main(["--summary", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| h_aggregate_fwd | fwd | 0.8000 | B | 0.2000 | 1600 | 4.00x | 1 |" in out
+    assert "| h_aggregate_fwd_occupancy | fwd | 0.8000 | occ2 | 0.4000 | 800 | 2.00x | 0 |" in out
+    assert "| mapping_fwd | fwd | - | not the default | 0.3000 | 1067 | - | 0 |" in out
     assert "| sinkhorn | - | - | all 1 candidates failed |" in out
     path.write_text("{not json")
     assert main(["--summary", str(path)]) == 2
