@@ -30,7 +30,7 @@ from pathlib import Path
 from mhc_core.kernels.cutile import toolchain
 from mhc_core.kernels.cutile.signatures import PlannedLaunch, alternative_plan, signature_plan
 
-__all__ = ["KernelResources", "ctas_per_sm", "find_cuobjdump", "inspect_launch", "main", "table"]
+__all__ = ["KernelResources", "ToolFailed", "ctas_per_sm", "find_cuobjdump", "inspect_launch", "main", "table"]
 
 _COUNTED = {"LDG": "ldg", "STG": "stg", "UTMALDG": "tma_load", "UTMASTG": "tma_store", "LDS": "lds", "STS": "sts",
             "SHFL": "shfl", "BAR": "bar"}
@@ -100,12 +100,21 @@ def _bytecode(launch: PlannedLaunch, occupancy: int | None = None) -> bytes:
     return buf.getvalue()
 
 
+class ToolFailed(RuntimeError):
+    """A cuobjdump run failed; `detail` is the tool's own message."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
 def _run(cmd: list[str], env: dict[str, str], what: str) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"resources: {' '.join(cmd[:2])} failed for {what} (exit {done.returncode}): "
-                           f"{(done.stderr or done.stdout).strip()[:300]} (nvdisasm comes from the wheel "
-                           "nvidia-cuda-nvdisasm==13.4.92, part of the `kernels` extra)")
+        detail = (done.stderr or done.stdout).strip()[:300]
+        raise ToolFailed(f"resources: {' '.join(cmd[:2])} failed for {what} (exit {done.returncode}): {detail} "
+                         "(nvdisasm comes from the wheel nvidia-cuda-nvdisasm==13.4.92, part of the `kernels` extra)",
+                         detail)
     return done.stdout
 
 
@@ -127,9 +136,8 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int
         usage = _run([str(cuobjdump), "-res-usage", str(cubin)], env, launch.id)
         try:
             sass, sass_error = _run([str(cuobjdump), "-sass", str(cubin)], env, launch.id), ""
-        except RuntimeError as exc:  # the resource usage above is still right
-            m = re.search(r"exit \d+\): (.*?)(?: \(nvdisasm comes|$)", str(exc), re.S)
-            sass, sass_error = None, (m.group(1) if m else str(exc))[:120]
+        except ToolFailed as exc:  # the resource usage above is still right
+            sass, sass_error = None, exc.detail[:120]
         elf = _run([str(cuobjdump), "-elf", str(cubin)], env, launch.id)
         refusals = re.findall(r"Name:\s+RemarkMemoryTma(?:Load|Store)Failed.*?Reason:\s+'?([^'\n]*)", remarks.read_text(),
                               re.S) if remarks.is_file() else []
