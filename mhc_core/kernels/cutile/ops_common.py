@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.sinkhorn_common import DEV, MAIN, PAPER
 from mhc_core.variants import Variant, VariantSpec
 
 __all__ = [
@@ -26,7 +27,7 @@ __all__ = [
     "mma_mode",
 ]
 
-VARIANT_CODE = {Variant.PAPER: 0, Variant.MEGATRON_MAIN: 1, Variant.MEGATRON_DEV: 2}
+VARIANT_CODE = {Variant.PAPER: PAPER, Variant.MEGATRON_MAIN: MAIN, Variant.MEGATRON_DEV: DEV}
 """The `VARIANT` constant of the Sinkhorn kernels."""
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)

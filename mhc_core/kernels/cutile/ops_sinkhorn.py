@@ -15,6 +15,7 @@ import torch
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops_common import VARIANT_CODE, cdiv, require_device, require_dtypes, require_n
+from mhc_core.kernels.cutile.sinkhorn_common import num_pairs
 from mhc_core.ops.sinkhorn import check_sinkhorn_args
 from mhc_core.variants import Variant, get_variant
 
@@ -50,7 +51,7 @@ class _SinkhornFn(torch.autograd.Function):
         tile = tiling.sinkhorn_tile(n)
         # The kernel's scratch: the input of every normalisation pair, [max(P, 1), B, n, n] fp32
         # (one dummy pair when the kernel recomputes instead).
-        pairs = max(iterations - 1 if code == VARIANT_CODE[Variant.MEGATRON_DEV] else iterations, 1)
+        pairs = max(num_pairs(iterations, code), 1)
         work = torch.empty((1 if tile.recompute else pairs, *z.shape), dtype=torch.float32, device=z.device)
         if z.shape[0]:
             grid = (cdiv(z.shape[0], tile.tile_b),)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from mhc_core.kernels.cutile.sinkhorn_common import DEV, MAIN, PAPER, num_pairs
+
 ConstInt = ct.Constant[int]
 PAD_ZERO = ct.PaddingMode.ZERO
 F32 = ct.float32
 
-PAPER, MAIN, DEV = 0, 1, 2
 ROW, COL = 0, 1  # a ROW group is row i (members j), a COL group is column j (members i)
 
 
@@ -196,13 +197,6 @@ def _pair(s, eps, VARIANT, N, APPROX):
     return _norm(s, _second_axis(VARIANT), eps, VARIANT, N, APPROX)
 
 
-def _num_pairs(iterations, VARIANT):
-    if VARIANT == DEV:
-        p = iterations - 1
-    else:
-        p = iterations
-    return p
-
 
 def _load(arr, pid, N, TILE_B):
     """Block `pid` of `arr [B, n, n]` as `n*n` fp32 tiles `[TILE_B]`."""
@@ -242,7 +236,7 @@ def sinkhorn_fwd_elem_kernel(logits, out, iterations: int, eps: float,
     """`logits [B, n, n]` -> `out [B, n, n]`; grid `(cdiv(B, TILE_B),)`."""
     pid = ct.bid(0)
     s = _start(_load(logits, pid, N, TILE_B), eps, VARIANT, N, APPROX)
-    for _ in range(_num_pairs(iterations, VARIANT)):
+    for _ in range(num_pairs(iterations, VARIANT)):
         s = _pair(s, eps, VARIANT, N, APPROX)
     if VARIANT == PAPER:
         ex = ()
@@ -261,9 +255,9 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
     pid = ct.bid(0)
     z = _load(logits, pid, N, TILE_B)
     g = _load(grad_out, pid, N, TILE_B)
-    num_pairs = _num_pairs(iterations, VARIANT)
+    pairs = num_pairs(iterations, VARIANT)
     st = _start(z, eps, VARIANT, N, APPROX)
-    for q in range(num_pairs):
+    for q in range(pairs):
         if RECOMPUTE == 0:
             _store_state(work, q, pid, st, N, TILE_B)
         st = _pair(st, eps, VARIANT, N, APPROX)
@@ -273,8 +267,8 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
         for idx in ct.static_iter(range(N * N)):
             gl = gl + (g[idx] * ct.exp(st[idx]),)
         g = gl
-    for qq in range(num_pairs):
-        q = num_pairs - 1 - qq
+    for qq in range(pairs):
+        q = pairs - 1 - qq
         if RECOMPUTE:
             prev = _start(z, eps, VARIANT, N, APPROX)
             done = 0

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from mhc_core.kernels.cutile.sinkhorn_common import DEV, MAIN, PAPER, num_pairs
+
 ConstInt = ct.Constant[int]
 PAD_ZERO = ct.PaddingMode.ZERO
 
-PAPER, MAIN, DEV = 0, 1, 2
 
 
 def _row(BL):
@@ -170,13 +171,6 @@ def _pair(s, eps, VARIANT, BL):
     return _norm(s, _second_axis(VARIANT, BL), eps, VARIANT)
 
 
-def _num_pairs(iterations, VARIANT):
-    if VARIANT == DEV:
-        p = iterations - 1
-    else:
-        p = iterations
-    return p
-
 
 @ct.kernel
 def sinkhorn_fwd_kernel(logits, out, iterations: int, eps: float,
@@ -184,7 +178,7 @@ def sinkhorn_fwd_kernel(logits, out, iterations: int, eps: float,
     """`logits [B, n, n]` -> `out [B, n, n]`; grid `(cdiv(B, TILE_B),)`."""
     pid = ct.bid(0)
     s = _start(_load(logits, pid, N, TILE_B, BL), eps, VARIANT, BL)
-    for _ in range(_num_pairs(iterations, VARIANT)):
+    for _ in range(num_pairs(iterations, VARIANT)):
         s = _pair(s, eps, VARIANT, BL)
     if VARIANT == PAPER:
         s = ct.exp(s)
@@ -202,17 +196,17 @@ def sinkhorn_bwd_kernel(logits, grad_out, grad_logits, work, iterations: int, ep
     pid = ct.bid(0)
     z = _load(logits, pid, N, TILE_B, BL)
     g = _load(grad_out, pid, N, TILE_B, BL)
-    num_pairs = _num_pairs(iterations, VARIANT)
+    pairs = num_pairs(iterations, VARIANT)
     st = _start(z, eps, VARIANT, BL)
-    for q in range(num_pairs):
+    for q in range(pairs):
         if RECOMPUTE == 0:
             _store_state(work, q, pid, st, N, TILE_B, BL)
         st = _pair(st, eps, VARIANT, BL)
     if VARIANT == PAPER:
         # out = exp(L_P): the gradient enters the log domain through the output.
         g = g * ct.exp(st)
-    for qq in range(num_pairs):
-        q = num_pairs - 1 - qq
+    for qq in range(pairs):
+        q = pairs - 1 - qq
         if RECOMPUTE:
             prev = _start(z, eps, VARIANT, BL)
             # A `while` loop: cuTile 1.7 fails on `range(q)` whose bound depends on an outer loop
