@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -22,7 +23,8 @@ from mhc_core import ops as ref
 from mhc_core.analysis import bytes_moved
 from mhc_core.variants import get_variant
 
-__all__ = ["main", "time_ms", "pipelined_ms", "backward_fn", "make_inputs", "op_call", "add_shape_args", "cutile_or_none"]
+__all__ = ["main", "time_ms", "pipelined_ms", "backward_fn", "make_inputs", "op_call", "add_shape_args", "cutile_or_none",
+           "write_json"]
 
 
 def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
@@ -74,6 +76,14 @@ def cutile_or_none(tool: str):
         print(f"{tool}: cuTile unavailable: {why}", file=sys.stderr)
         return None
     return cutile
+
+
+def write_json(path: str, data: dict) -> None:
+    """The `--out` file of the GPU tools, replaced atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
 
 
 def backward_fn(fn: Callable, inputs: list[torch.Tensor | None]) -> Callable[[], object]:
@@ -148,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"tokens": t, "n": n, "hidden": c, "dtype": args.dtype, "variant": args.variant,
               "device": torch.cuda.get_device_name(), "availability": cutile.availability()[1], "rows": rows}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result)
     return 0
 
 

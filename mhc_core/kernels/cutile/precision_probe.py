@@ -10,13 +10,12 @@ max abs error of each output against the reference evaluated in fp64. Nothing he
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile.bench import add_shape_args, cutile_or_none
+from mhc_core.kernels.cutile.bench import add_shape_args, cutile_or_none, write_json
 
 __all__ = ["main"]
 
@@ -54,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result)
     return 0
 
 

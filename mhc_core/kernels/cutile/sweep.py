@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 
@@ -37,6 +36,7 @@ from mhc_core.kernels.cutile.bench import (
     op_call,
     pipelined_ms,
     time_ms,
+    write_json,
 )
 
 __all__ = ["CANDIDATES", "main", "timers", "override", "summary"]
@@ -233,17 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{label:60s} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             torch.cuda.empty_cache()
             if args.out and not args.warm_only:  # after every candidate: a timeout keeps what was timed
-                _write_rows(args.out, {"tokens": t, "n": n, "hidden": c, "dtype": args.dtype,
+                write_json(args.out, {"tokens": t, "n": n, "hidden": c, "dtype": args.dtype,
                                        "variant": args.variant, "device": torch.cuda.get_device_name(), "rows": rows})
     return 0
-
-
-def _write_rows(path: str, data: dict) -> None:
-    """Replace `path` atomically (a reader never sees half a file)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -101,3 +101,14 @@ def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
     path.write_text("{not json")
     assert main(["--summary", str(path)]) == 2
     assert "cannot read the rows" in capsys.readouterr().err
+
+
+def test_write_json_replaces_the_file_whole(tmp_path):
+    """The GPU tools' `--out` writer replaces the file atomically and leaves no temporary behind."""
+    from mhc_core.kernels.cutile.bench import write_json
+
+    path = tmp_path / "out.json"
+    path.write_text("old")
+    write_json(str(path), {"rows": [1, 2]})
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
