@@ -3,7 +3,7 @@
 Forward and backward are one launch each (`sinkhorn_fwd_kernel`, `sinkhorn_bwd_kernel`, or the
 per-element `*_elem_kernel` pair with `SinkhornTiles.per_element`); only the
 logits are saved, the backward kernel replays the iterations from them into an fp32 workspace
-(`[P, B, n, n]`, allocated per call) and walks them backwards.
+(`[P, B, n, n]`, per-element `[P, n*n, B]`; allocated per call) and walks them backwards.
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ class _SinkhornFn(torch.autograd.Function):
         g = grad_out.to(logits.dtype).reshape(-1, n, n).contiguous()
         grad = torch.empty_like(z)
         tile = tiling.sinkhorn_tile(n)
-        # The kernel's scratch: the input of every normalisation pair, [max(P, 1), B, n, n] fp32
-        # (one dummy pair when the kernel recomputes instead).
-        pairs = max(num_pairs(iterations, code), 1)
-        work = torch.empty((1 if tile.recompute else pairs, *z.shape), dtype=torch.float32, device=z.device)
+        # The kernel's scratch: the input of every normalisation pair, fp32, [max(P, 1), B, n, n]
+        # or element-major [max(P, 1), n*n, B] for the per-element kernel (one dummy pair when the
+        # kernel recomputes instead).
+        pairs = 1 if tile.recompute else max(num_pairs(iterations, code), 1)
+        layout = (n * n, z.shape[0]) if tile.per_element else z.shape
+        work = torch.empty((pairs, *layout), dtype=torch.float32, device=z.device)
         if z.shape[0]:
             grid = (cdiv(z.shape[0], tile.tile_b),)
             if tile.per_element:

@@ -8,8 +8,11 @@ step (the `[TILE_B, n, n]` kernels compile to 32-48 shuffles per step loop on sm
 none: `python -m mhc_core.kernels.cutile.resources --match sinkhorn`). The tuple is built with
 static loops over `n`, so each `n` compiles its own unrolled code.
 
-Loads read the whole `[TILE_B, n, n]` tile once and split it; stores and the workspace write one
-`[TILE_B]` column per element.
+Loads read the whole `[TILE_B, n, n]` tile once and split it; stores write one `[TILE_B]` column
+per element. The backward's trajectory workspace is element-major, `[P, n*n, B]`, so that each of
+those columns is contiguous there (a `[P, B, n, n]` workspace made every workspace store and load
+a 64-byte-strided scalar access, each 32-byte sector touched `n*n / 2` times), and the walk back
+loads the next pair's input one step ahead.
 
 `APPROX` (`SinkhornTiles.approx_div`): every division is fp32 `div.approx` (a reciprocal and a
 multiply, <= 2 ulp) instead of the IEEE division, which sm_90 compiles to a reciprocal, four FMAs,
@@ -216,17 +219,17 @@ def _store(arr, pid, e, N, TILE_B):
 
 
 def _store_state(work, q, pid, e, N, TILE_B):
-    for i in ct.static_iter(range(N)):
-        for j in ct.static_iter(range(N)):
-            ct.store(work, index=(q, pid, i, j), tile=ct.reshape(e[i * N + j], (1, TILE_B, 1, 1)))
+    """Pair input `q` into the element-major workspace `[P, n*n, B]`: each element's `[TILE_B]`
+    column is contiguous (one coalesced store per element, not `n*n` strided ones)."""
+    for idx in ct.static_iter(range(N * N)):
+        ct.store(work, index=(q, idx, pid), tile=ct.reshape(e[idx], (1, 1, TILE_B)))
 
 
 def _load_state(work, q, pid, N, TILE_B):
     out = ()
-    for i in ct.static_iter(range(N)):
-        for j in ct.static_iter(range(N)):
-            t = ct.load(work, index=(q, pid, i, j), shape=(1, TILE_B, 1, 1), padding_mode=PAD_ZERO)
-            out = out + (ct.reshape(t, (TILE_B,)),)
+    for idx in ct.static_iter(range(N * N)):
+        t = ct.load(work, index=(q, idx, pid), shape=(1, 1, TILE_B), padding_mode=PAD_ZERO)
+        out = out + (ct.reshape(t, (TILE_B,)),)
     return out
 
 
@@ -250,8 +253,8 @@ def sinkhorn_fwd_elem_kernel(logits, out, iterations: int, eps: float,
 def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: int, eps: float,
                              N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, RECOMPUTE: ConstInt,
                              APPROX: ConstInt):
-    """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]`; `work [max(P, 1), B, n, n]` fp32
-    scratch for the stored trajectory (untouched with `RECOMPUTE`)."""
+    """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]`; `work [max(P, 1), n*n, B]` fp32
+    scratch for the stored trajectory, element-major (untouched with `RECOMPUTE`)."""
     pid = ct.bid(0)
     z = _load(logits, pid, N, TILE_B)
     g = _load(grad_out, pid, N, TILE_B)
@@ -267,6 +270,10 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
         for idx in ct.static_iter(range(N * N)):
             gl = gl + (g[idx] * ct.exp(st[idx]),)
         g = gl
+    if RECOMPUTE == 0:
+        # Software pipelining: pair q's input is loaded one step ahead, so the load latency
+        # overlaps the previous step's arithmetic instead of stalling the dependent chain.
+        ahead = _load_state(work, ct.maximum(pairs - 1, 0), pid, N, TILE_B)
     for qq in range(pairs):
         q = pairs - 1 - qq
         if RECOMPUTE:
@@ -276,7 +283,8 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
                 prev = _pair(prev, eps, VARIANT, N, APPROX)
                 done = done + 1
         else:
-            prev = _load_state(work, q, pid, N, TILE_B)
+            prev = ahead
+            ahead = _load_state(work, ct.maximum(q - 1, 0), pid, N, TILE_B)
         mid = _norm(prev, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
         g = _norm_vjp(mid, g, _second_axis(VARIANT), eps, VARIANT, N, APPROX)
         g = _norm_vjp(prev, g, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
