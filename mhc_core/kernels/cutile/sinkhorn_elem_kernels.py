@@ -103,16 +103,42 @@ def _divisors(e, axis, eps, VARIANT, N):
     return s, d
 
 
-def _norm(e, axis, eps, VARIANT, N, APPROX):
+def _scaled(e, d, axis, N, APPROX):
+    """`e / d` per group: the output of a normalisation with divisors `d`."""
     out = ()
+    for idx in ct.static_iter(range(N * N)):
+        out = out + (_div(e[idx], d[_grp(idx, axis, N)], APPROX),)
+    return out
+
+
+def _norm(e, axis, eps, VARIANT, N, APPROX):
     if VARIANT == PAPER:
         lse = _lse(e, axis, N)
+        out = ()
         for idx in ct.static_iter(range(N * N)):
             out = out + (e[idx] - lse[_grp(idx, axis, N)],)
     else:
         _, d = _divisors(e, axis, eps, VARIANT, N)
-        for idx in ct.static_iter(range(N * N)):
-            out = out + (_div(e[idx], d[_grp(idx, axis, N)], APPROX),)
+        out = _scaled(e, d, axis, N, APPROX)
+    return out
+
+
+def _vjp_from_output(y, s, d, gr, axis, eps, VARIANT, N, APPROX):
+    """Gradient w.r.t. the input of a (non-paper) normalisation `y = x / d` (`s` the raw sums,
+    `d` the divisors), given its output `y` and the gradient `gr` of `y`:
+    `(gr - sum_group(gr * y)) / d`, the sum term dropped where `max(s, eps)` clamped (main)."""
+    c = ()
+    for g in ct.static_iter(range(N)):
+        acc = gr[_idx(axis, g, 0, N)] * y[_idx(axis, g, 0, N)]
+        for k in ct.static_iter(range(1, N)):
+            acc = acc + gr[_idx(axis, g, k, N)] * y[_idx(axis, g, k, N)]
+        if VARIANT == MAIN:
+            acc = ct.where(s[g] >= eps, acc, 0.0)  # clamp_min's gradient: none where it clamped
+        c = c + (acc,)
+    out = ()
+    for idx in ct.static_iter(range(N * N)):
+        grp = _grp(idx, axis, N)
+        out = out + (_div(gr[idx] - c[grp], d[grp], APPROX),)
     return out
 
 
@@ -127,17 +153,7 @@ def _norm_vjp(x, gr, axis, eps, VARIANT, N, APPROX):
             out = out + (gr[idx] - ct.exp(x[idx] - lse[grp]) * gs[grp],)
     else:
         s, d = _divisors(x, axis, eps, VARIANT, N)
-        c = ()
-        for g in ct.static_iter(range(N)):
-            acc = gr[_idx(axis, g, 0, N)] * _div(x[_idx(axis, g, 0, N)], d[g], APPROX)
-            for k in ct.static_iter(range(1, N)):
-                acc = acc + gr[_idx(axis, g, k, N)] * _div(x[_idx(axis, g, k, N)], d[g], APPROX)
-            if VARIANT == MAIN:
-                acc = ct.where(s[g] >= eps, acc, 0.0)  # clamp_min's gradient: none where it clamped
-            c = c + (acc,)
-        for idx in ct.static_iter(range(N * N)):
-            grp = _grp(idx, axis, N)
-            out = out + (_div(gr[idx] - c[grp], d[grp], APPROX),)
+        out = _vjp_from_output(_scaled(x, d, axis, N, APPROX), s, d, gr, axis, eps, VARIANT, N, APPROX)
     return out
 
 
@@ -264,6 +280,7 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
         if RECOMPUTE == 0:
             _store_state(work, q, pid, st, N, TILE_B)
         st = _pair(st, eps, VARIANT, N, APPROX)
+    after = st  # the output of the last normalisation (non-paper walk)
     if VARIANT == PAPER:
         # out = exp(L_P): the gradient enters the log domain through the output.
         gl = ()
@@ -285,9 +302,19 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
         else:
             prev = ahead
             ahead = _load_state(work, ct.maximum(q - 1, 0), pid, N, TILE_B)
-        mid = _norm(prev, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
-        g = _norm_vjp(mid, g, _second_axis(VARIANT), eps, VARIANT, N, APPROX)
-        g = _norm_vjp(prev, g, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
+        if VARIANT == PAPER:
+            mid = _norm(prev, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
+            g = _norm_vjp(mid, g, _second_axis(VARIANT), eps, VARIANT, N, APPROX)
+            g = _norm_vjp(prev, g, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
+        else:
+            # Each step's output is at hand (`mid`, and `after`: pair q + 1's input, or the final
+            # state), so the VJPs reuse it instead of dividing again: 48 divisions a pair, not 80.
+            s1, d1 = _divisors(prev, _first_axis(VARIANT), eps, VARIANT, N)
+            mid = _scaled(prev, d1, _first_axis(VARIANT), N, APPROX)
+            s2, d2 = _divisors(mid, _second_axis(VARIANT), eps, VARIANT, N)
+            g = _vjp_from_output(after, s2, d2, g, _second_axis(VARIANT), eps, VARIANT, N, APPROX)
+            g = _vjp_from_output(mid, s1, d1, g, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
+            after = prev
     if VARIANT == MAIN:
         # exp(Z - rowmax), rowmax treated as a constant (the first row step cancels it).
         s0 = _exp_rows_shifted(z, N)
