@@ -38,21 +38,29 @@ def _fp32_scalar(v: float) -> float:
 
 _MODULE_CACHE: dict[str, tuple[types.ModuleType, EmulatedTile]] = {}
 
+_PACKAGE = "mhc_core.kernels.cutile"
+HELPER_MODULES = ("mma_common",)
+"""Modules of this package that kernel modules import helpers from and that use `cuda.tile`
+themselves: a kernel module loaded here imports their emulated copies (with the stand-in)."""
+
 
 def load_kernel_module(name: str) -> tuple[types.ModuleType, EmulatedTile]:
-    """Import `mhc_core.kernels.cutile.<name>` with an `EmulatedTile` bound as `cuda.tile`."""
+    """Import `mhc_core.kernels.cutile.<name>` with an `EmulatedTile` bound as `cuda.tile` (and
+    the emulated `HELPER_MODULES` in place of the real ones while it loads)."""
     if name in _MODULE_CACHE:
         return _MODULE_CACHE[name]
+    helpers = {f"{_PACKAGE}.{h}": load_kernel_module(h)[0] for h in HELPER_MODULES if h != name}
     path = Path(__file__).with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"mhc_core.kernels.cutile._emulated_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"{_PACKAGE}._emulated_{name}", path)
     if spec is None or spec.loader is None:
         raise ImportError(f"emulator: cannot load kernel module {path}")
     module = importlib.util.module_from_spec(spec)
     shim = EmulatedTile()
     package = types.ModuleType("cuda")
     package.tile = shim  # type: ignore[attr-defined]
-    saved = {k: sys.modules.get(k) for k in ("cuda", "cuda.tile")}
+    saved = {k: sys.modules.get(k) for k in ("cuda", "cuda.tile", *helpers)}
     sys.modules["cuda"], sys.modules["cuda.tile"] = package, shim
+    sys.modules.update(helpers)
     try:
         spec.loader.exec_module(module)
     finally:

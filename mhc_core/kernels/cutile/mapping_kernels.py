@@ -33,35 +33,11 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from mhc_core.kernels.cutile.mma_common import MMA_3XTF32, mma_at
+
 ConstInt = ct.Constant[int]
 PAD_ZERO = ct.PaddingMode.ZERO
 F32 = ct.float32
-
-MMA_BF16, MMA_TF32, MMA_3XTF32 = 0, 1, 2
-
-
-def _split_tf32(v):
-    hi = ct.astype(v, ct.tfloat32)
-    lo = ct.astype(v - ct.astype(hi, F32), ct.tfloat32)
-    return hi, lo
-
-
-def _mma(a, b, acc, MMA):
-    """`acc + a @ b` with fp32 accumulation at the precision `MMA`."""
-    if MMA == MMA_BF16:
-        out = ct.mma(ct.astype(a, ct.bfloat16), ct.astype(b, ct.bfloat16), acc)
-    elif MMA == MMA_TF32:
-        out = ct.mma(ct.astype(ct.astype(a, F32), ct.tfloat32), ct.astype(ct.astype(b, F32), ct.tfloat32), acc)
-    else:
-        # Each product gets its own zero accumulator and joins `acc` with a plain fp32 add: the
-        # tensor cores accumulate with truncation, so chaining `acc` through them loses bits.
-        a_hi, a_lo = _split_tf32(ct.astype(a, F32))
-        b_hi, b_lo = _split_tf32(ct.astype(b, F32))
-        small = ct.mma(a_lo, b_hi, ct.zeros(acc.shape, dtype=F32))
-        small = ct.mma(a_hi, b_lo, small)
-        out = acc + (ct.mma(a_hi, b_hi, ct.zeros(acc.shape, dtype=F32)) + small)
-    return out
-
 
 def _fma_rows(g, w, acc, J, TILE_M):
     """`acc + g @ w` as `J` broadcast FMAs: `g [TILE_M, J]` fp32, `w [J, TILE_K]`."""
@@ -119,8 +95,8 @@ def mapping_fwd_partial_kernel(x, w_pp, w_res, part_pp, part_res, part_sq, k_til
         b_res = ct.load(w_res, index=(kt, 0), shape=(TILE_K, N * N), order=(1, 0), padding_mode=PAD_ZERO)
         af = ct.astype(a, F32)
         sq = sq + ct.sum(af * af, axis=1, keepdims=True)
-        acc_pp = _mma(a, b_pp, acc_pp, MMA)
-        acc_res = _mma(a, b_res, acc_res, MMA)
+        acc_pp = mma_at(a, b_pp, acc_pp, MMA)
+        acc_res = mma_at(a, b_res, acc_res, MMA)
     ct.store(part_pp, index=(ps, pm, 0), tile=ct.reshape(acc_pp, (1, TILE_M, 2 * N)))
     ct.store(part_res, index=(ps, pm, 0), tile=ct.reshape(acc_res, (1, TILE_M, N * N)))
     ct.store(part_sq, index=(ps, pm), tile=ct.reshape(sq, (1, TILE_M)))
@@ -236,10 +212,10 @@ def _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA):
         gx = _fma_rows(g_pp, wt_pp, gx, 2 * N, TILE_M)
         gx = _fma_rows(g_res, wt_res, gx, N * N, TILE_M)
     elif N == 2:
-        gx = _mma(g_all, wt_all, gx, MMA)
+        gx = mma_at(g_all, wt_all, gx, MMA)
     else:
-        gx = _mma(g_pp, wt_pp, gx, MMA)
-        gx = _mma(g_res, wt_res, gx, MMA)
+        gx = mma_at(g_pp, wt_pp, gx, MMA)
+        gx = mma_at(g_res, wt_res, gx, MMA)
     return gx
 
 
@@ -288,10 +264,10 @@ def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_pa
             acc_pp = acc_pp + _fma_cols(g_pp, af, 2 * N, TILE_M)
             acc_res = acc_res + _fma_cols(g_res, af, N * N, TILE_M)
         elif N == 2:
-            acc_all = _mma(ct.transpose(g_all), a, acc_all, MMA)
+            acc_all = mma_at(ct.transpose(g_all), a, acc_all, MMA)
         else:
-            acc_pp = _mma(ct.transpose(g_pp), a, acc_pp, MMA)
-            acc_res = _mma(ct.transpose(g_res), a, acc_res, MMA)
+            acc_pp = mma_at(ct.transpose(g_pp), a, acc_pp, MMA)
+            acc_res = mma_at(ct.transpose(g_res), a, acc_res, MMA)
     if N == 2 and MMA != MMA_3XTF32:
         acc_pp = ct.extract(acc_all, (0, 0), shape=(2 * N, TILE_K))
         acc_res = ct.extract(acc_all, (1, 0), shape=(N * N, TILE_K))

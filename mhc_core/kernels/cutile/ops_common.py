@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.mma_codes import MMA_2XBF16, MMA_3XTF32, MMA_BF16, MMA_TF32
 from mhc_core.kernels.cutile.sinkhorn_common import DEV, MAIN, PAPER
 from mhc_core.variants import Variant, VariantSpec
 
@@ -20,6 +21,7 @@ __all__ = [
     "MMA_BF16",
     "MMA_TF32",
     "MMA_3XTF32",
+    "MMA_2XBF16",
     "cdiv",
     "require_n",
     "require_dtypes",
@@ -32,7 +34,6 @@ VARIANT_CODE = {Variant.PAPER: PAPER, Variant.MEGATRON_MAIN: MAIN, Variant.MEGAT
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
-MMA_BF16, MMA_TF32, MMA_3XTF32 = 0, 1, 2
 
 
 def cdiv(a: int, b: int) -> int:

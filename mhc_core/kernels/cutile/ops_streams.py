@@ -12,7 +12,15 @@ from typing import Any
 import torch
 
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.ops_common import cdiv, require_device, require_dtypes, require_n
+from mhc_core.kernels.cutile.ops_common import (
+    MMA_3XTF32,
+    MMA_BF16,
+    MMA_TF32,
+    cdiv,
+    require_device,
+    require_dtypes,
+    require_n,
+)
 from mhc_core.ops.aggregate import check_h_aggregate_args
 from mhc_core.ops.post_bda import check_h_post_bda_args
 from mhc_core.variants import Variant, get_variant
@@ -72,6 +80,16 @@ def h_aggregate(rt: Callable[[], Any], x, h_pre):
     return _AggregateFn.apply(x, h_pre, runtime)
 
 
+def _reduce_mma(tl: tiling.StreamTiles, dtype: torch.dtype) -> int:
+    """The h_post_bda backward's `REDUCE_MMA`: -1 without `tl.mma`; else bf16 products for bf16
+    activations (exact), for fp32 TF32 when torch's own fp32 matmuls may use it, else 3xTF32."""
+    if not tl.mma:
+        return -1
+    if dtype == torch.bfloat16:
+        return MMA_BF16
+    return MMA_TF32 if torch.backends.cuda.matmul.allow_tf32 else MMA_3XTF32
+
+
 class _PostBdaFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_res, residual, h_post, y, bias, transposed: bool, rt: Any):
@@ -111,7 +129,8 @@ class _PostBdaFn(torch.autograd.Function):
                 (blocks,),
                 "h_post_bda_bwd_kernel",
                 (go, h_res, residual, h_post, y, bias_arg, grad_h_res, grad_residual, grad_h_post, grad_y,
-                 bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias), int(tl.per_stream)),
+                 bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias), int(tl.per_stream),
+                 _reduce_mma(tl, residual.dtype)),
             )
         else:
             grad_h_res.zero_()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from mhc_core.kernels.cutile.mma_common import MMA_2XBF16, MMA_BF16, mma_at
+
 ConstInt = ct.Constant[int]
 PAD_ZERO = ct.PaddingMode.ZERO
 F32 = ct.float32
@@ -183,11 +185,46 @@ def _channel_sums(parts, COUNT, TILE_T):
     return out
 
 
+def _branch_mma(REDUCE_MMA):
+    """The precision of the `grad_out x (y + bias)` product: `y + bias` is fp32, not exact in bf16."""
+    if REDUCE_MMA == MMA_BF16:
+        code = MMA_2XBF16
+    else:
+        code = REDUCE_MMA
+    return code
+
+
+def _token_diagonal(acc, N, TILE_T):
+    """`[TILE_T, n, n]` diagonal blocks of a `[TILE_T*n, TILE_T*n]` product of token-major rows:
+    `out[t, i, j] = acc[t*n + i, t*n + j]` (the cross-token entries are dropped)."""
+    tok = ct.arange(TILE_T, dtype=ct.int32)
+    same = ct.where(ct.reshape(tok, (TILE_T, 1, 1, 1)) == ct.reshape(tok, (1, 1, TILE_T, 1)), 1.0, 0.0)
+    return ct.sum(ct.reshape(acc, (TILE_T, N, TILE_T, N)) * same, axis=2)
+
+
+def _channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h, N, TILE_T, TILE_C, REDUCE_MMA):
+    """One C tile of the `n*n + n` channel sums of `h_post_bda`'s backward on the tensor cores.
+
+    With the block's tokens and streams as rows (`go2, res2 [TILE_T*n, TILE_C]`, the `[T, n, C]`
+    tiles reshaped), `acc_m += go2 @ res2^T` and `acc_h += go2 @ ybx^T` (`ybx`: `y + bias`
+    repeated for each stream) are `[TILE_T*n, TILE_T*n]` products whose diagonal blocks are
+    `grad_M` and `grad_h_post` (`_token_diagonal`); the rest is waste the tensor cores can afford.
+    Returns the accumulators and `grad_out`'s tile as fp32 `[TILE_T, n, TILE_C]`."""
+    go = ct.load(grad_out, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
+    res = ct.load(residual, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
+    go2 = ct.reshape(go, (TILE_T * N, TILE_C))
+    acc_m = mma_at(go2, ct.transpose(ct.reshape(res, (TILE_T * N, TILE_C))), acc_m, REDUCE_MMA)
+    ybx = ct.reshape(ct.broadcast_to(yb, (TILE_T, N, TILE_C)), (TILE_T * N, TILE_C))
+    acc_h = mma_at(go2, ct.transpose(ybx), acc_h, _branch_mma(REDUCE_MMA))
+    return acc_m, acc_h, ct.astype(go, F32)
+
+
 @ct.kernel
 def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
                           grad_h_res, grad_residual, grad_h_post, grad_y, grad_bias_part,
                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt):
+                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt,
+                          REDUCE_MMA: ConstInt):
     """All input gradients of `h_post_bda` in one pass over `grad_out`; grid `(cdiv(T, TILE_T),)`.
 
     - `grad_residual_j = sum_i M[i, j] go_i`, `grad_M[i, j] = sum_c go_i residual_j`
@@ -202,11 +239,29 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
     tiles, and the `n*n + n` channel sums (`grad_M`, `grad_h_post`) are carried as elementwise
     fp32 partials across the C loop, reduced over channels once at the end: no cross-thread
     reduction inside the loop (0 and 1 reduce `n*n + n` times per C tile).
+
+    `REDUCE_MMA` >= 0 (a `mma_codes` precision; -1: off): the channel sums are tensor-core
+    products instead (`_channel_products`), `grad_residual` and `grad_y` are stored per stream as
+    with `PER_STREAM` 1 (which it then ignores).
     """
     pt = ct.bid(0)
     m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
     num_c = ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))
-    if PER_STREAM == 2:
+    if REDUCE_MMA >= 0:
+        hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
+        acc_m = ct.zeros((TILE_T * N, TILE_T * N), dtype=F32)
+        acc_h = ct.zeros((TILE_T * N, TILE_T * N), dtype=F32)
+        for pc in range(num_c):
+            yb = _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
+            acc_m, acc_h, go = _channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h,
+                                                 N, TILE_T, TILE_C, REDUCE_MMA)
+            gos = ()
+            for i in ct.static_iter(range(N)):
+                gos = gos + (_slice(go, i),)
+            _stream_grads(gos, m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
+        g_m = _token_diagonal(acc_m, N, TILE_T)
+        g_hp = ct.reshape(ct.extract(_token_diagonal(acc_h, N, TILE_T), (0, 0, 0), shape=(TILE_T, N, 1)), (TILE_T, N))
+    elif PER_STREAM == 2:
         hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
         zero = ct.zeros((TILE_T, TILE_C), dtype=F32)
         part_m = ()  # n*n partials of grad_M, row-major

@@ -59,7 +59,8 @@ CANDIDATES: dict[str, tuple] = {
                        _S(4, 256, True, True)),
     "h_post_bda_bwd": (_S(32, 64), _S(64, 32), _S(16, 64), _S(32, 64, True), _S(16, 64, True),
                        _S(16, 128, True), _S(8, 128, True), _S(8, 64, 2), _S(4, 64, 2), _S(8, 32, 2),
-                       _S(4, 128, 2)),
+                       _S(4, 128, 2), _S(8, 64, mma=True), _S(8, 128, mma=True), _S(16, 64, mma=True),
+                       _S(4, 128, mma=True), _S(16, 128, mma=True)),
     "mapping_fwd": (tiling.MappingTiles(64, 128), tiling.MappingTiles(128, 64), tiling.MappingTiles(128, 128),
                     tiling.MappingTiles(64, 256)),
     "mapping_bwd": (tiling.MappingTiles(32, 128), tiling.MappingTiles(64, 128), tiling.MappingTiles(32, 64),
@@ -83,6 +84,10 @@ for _key in ("h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda
 # 128 at occupancy 2 and 64 at 4, without spills (`resources --occupancy`).
 CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8, 64, 2)) + _hinted(
     "h_post_bda_bwd", (4,), _S(16, 64, 2))
+# So does the tensor-core (`mma`) h_post_bda backward: 255 x 256 unhinted, 128 / 64 registers at occupancy 2 / 4,
+# no spills; shared-memory traffic LDS 321 -> 20, STS 190 -> 50, BAR 109 -> 10 against the default (sm_90).
+CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8, 64, mma=True)) + _hinted(
+    "h_post_bda_bwd", (2, 4), _S(8, 128, mma=True))
 # The split-dx mapping backward's grad_x kernel also compiles to 255 registers x 256 threads unhinted.
 CANDIDATES["mapping_bwd_occupancy"] += _hinted("mapping_bwd", (2, 4), tiling.MappingTiles(32, 128, True))
 """Candidates per `tiling` key: a tile object for that key, or a whole `tiling.overridden` dict

@@ -164,12 +164,16 @@ class StreamTiles:
     backward carries its `n*n + n` channel sums as elementwise partials across the C loop.
     `loop_c` (forwards only; the backwards always do): one block per token tile walks all of C
     instead of one block per (token, channel) tile, a loop the compiler can pipeline.
+    `mma` (h_post_bda bwd only): its `n*n + n` channel sums as tensor-core products of the
+    `[TILE_T*n, TILE_C]` grad_out / residual tiles (diagonal blocks kept), no cross-thread
+    reduction in the C loop; the other gradients per stream. Needs `TILE_T*n >= 16`.
     """
 
     tile_t: int
     tile_c: int
     per_stream: int = 0
     loop_c: bool = False
+    mma: bool = False
 
 
 def _stream_tiles(n: int, c: int, cap_c: int, elems: int, per_stream: int = 0) -> StreamTiles:

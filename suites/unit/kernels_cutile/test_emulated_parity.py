@@ -170,6 +170,42 @@ def test_stream_formulations(emu, op, mode, n, variant, with_bias, loop_c):
         compare(f"{op} {tiles} n{n} {variant}", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "variant", "with_bias"),
+                         [pytest.param(n, v, b, id=f"n{n}-{v.value}{'-bias' if b else ''}") for n, v, b in _POST_BDA_CASES])
+def test_post_bda_bwd_mma(emu, n, variant, with_bias, dtype):
+    """The h_post_bda backward with its channel sums as tensor-core products (`StreamTiles.mma`:
+    bf16 products, `y + bias` split hi + lo; 3xTF32 in fp32) matches the reference; 3 token tiles,
+    the last partial, and a partial C tile."""
+    t, c = 21, 300
+    tile_t = max(2, 16 // n)  # TILE_T * n = 16
+    inputs = post_bda_inputs(t, n, c, dtype, torch.float32, with_bias, "cpu")
+    with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(tile_t=tile_t, tile_c=128, mma=True)):
+        compare(f"h_post_bda mma n{n} {variant} {dtype}",
+                lambda *a: emu.h_post_bda(*a, 0.0, False, variant),
+                lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+                inputs, dtype, input_names=POST_BDA_INPUT_NAMES)
+
+
+@pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
+def test_post_bda_bwd_mma_coefficient_precision(emu, n):
+    """With bf16 activations and a bias, the tensor-core channel sums keep fp32 accuracy: grad_h_res
+    and grad_h_post within 1e-5 (of their largest entry) of fp64 (`y + bias` is not exact in bf16;
+    rounding it for a plain bf16 product costs ~2e-3 here)."""
+    inputs = post_bda_inputs(21, n, 300, torch.bfloat16, torch.float32, True, "cpu")
+    grad = torch.randn(21, n, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    leaves = [a.detach().clone().requires_grad_(True) for a in inputs]
+    exact = [a.detach().double().requires_grad_(True) for a in inputs]
+    with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(tile_t=16 // n, tile_c=128, mma=True)):
+        out = emu.h_post_bda(*leaves, 0.0, False, Variant.MEGATRON_MAIN)
+        got = torch.autograd.grad(out, [leaves[0], leaves[2]], grad)
+    want = torch.autograd.grad(ref.h_post_bda(*exact, 0.0, False, Variant.MEGATRON_MAIN),
+                               [exact[0], exact[2]], grad.double())
+    for name, g, w in zip(("grad_h_res", "grad_h_post"), got, want, strict=True):
+        err = float((g.double() - w).abs().max() / w.abs().max())
+        assert err <= 1e-5, f"{name}: max error {err:.3e} of the largest entry > 1e-5 (n={n})"
+
+
 def test_tile_override_is_scoped_and_checked():
     """`tiling.overridden` applies inside its block only and refuses tiles that are not powers of two."""
     default = tiling.aggregate_tiles(4, 4096, "fwd")
