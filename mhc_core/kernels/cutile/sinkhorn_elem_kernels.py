@@ -242,10 +242,11 @@ def _store_state(work, q, pid, e, N, TILE_B):
 
 
 def _load_state(work, q, pid, N, TILE_B):
+    """Pair input `q` as `n*n` tiles `[TILE_B]`: one `[1, n*n, TILE_B]` load, split."""
+    t = ct.load(work, index=(q, 0, pid), shape=(1, N * N, TILE_B), padding_mode=PAD_ZERO)
     out = ()
     for idx in ct.static_iter(range(N * N)):
-        t = ct.load(work, index=(q, idx, pid), shape=(1, 1, TILE_B), padding_mode=PAD_ZERO)
-        out = out + (ct.reshape(t, (TILE_B,)),)
+        out = out + (ct.reshape(ct.extract(t, (0, idx, 0), shape=(1, 1, TILE_B)), (TILE_B,)),)
     return out
 
 
