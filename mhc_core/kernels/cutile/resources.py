@@ -33,7 +33,7 @@ from mhc_core.kernels.cutile.signatures import PlannedLaunch, alternative_plan, 
 __all__ = ["KernelResources", "ToolFailed", "ctas_per_sm", "find_cuobjdump", "inspect_launch", "main", "table"]
 
 _COUNTED = {"LDG": "ldg", "STG": "stg", "UTMALDG": "tma_load", "UTMASTG": "tma_store", "LDS": "lds", "STS": "sts",
-            "SHFL": "shfl", "BAR": "bar"}
+            "SHFL": "shfl", "BAR": "bar", "STL": "stl", "LDL": "ldl"}
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.M)
 
 
@@ -47,6 +47,9 @@ class KernelResources:
     threads: int
     shared_bytes: int
     local_bytes: int
+    stack_bytes: int = 0
+    """The per-thread stack frame (`cuobjdump -res-usage` STACK), where register spills go: the
+    SASS then holds `STL` / `LDL` (counted as `stl` / `ldl`); `local_bytes` stays 0 for spills."""
     counts: dict[str, int] = field(default_factory=dict)
     tma_refused: tuple[str, ...] = ()
     sass_error: str = ""
@@ -154,7 +157,7 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int
     ops = Counter(_SASS_OP.findall(sass)) if sass is not None else None
     return KernelResources(
         id=launch.id, arch=arch, registers=num("REG"), threads=int(ntid.group(1), 16), shared_bytes=num("SHARED"),
-        local_bytes=num("LOCAL"),
+        local_bytes=num("LOCAL"), stack_bytes=num("STACK"),
         counts={name: ops.get(op, 0) for op, name in _COUNTED.items()} if ops is not None else {},
         sass_error=sass_error,
         tma_refused=tuple(sorted({re.sub(r"^loc\(.*?\):\s*", "", r) for r in refusals})),
@@ -164,10 +167,11 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int
 def table(rows: list[KernelResources]) -> str:
     """Markdown: one row per kernel."""
     names = list(_COUNTED.values())
-    out = ["| kernel | regs | threads | smem B | local B | CTAs/SM | " + " | ".join(names) + " | TMA refused |",
-           "|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
+    out = ["| kernel | regs | threads | smem B | local B | stack B | CTAs/SM | " + " | ".join(names) + " | TMA refused |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
-        out.append(f"| {r.id} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | {r.ctas_per_sm} | "
+        out.append(f"| {r.id} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | {r.stack_bytes} | "
+                   f"{r.ctas_per_sm} | "
                    + " | ".join(str(r.counts.get(n, "?")) for n in names)
                    + f" | {'; '.join(r.tma_refused) or '-'}{' (no SASS: ' + r.sass_error + ')' if r.sass_error else ''} |")
     return "\n".join(out)

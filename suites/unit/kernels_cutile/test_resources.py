@@ -33,7 +33,27 @@ def test_report_reads_registers_and_memory_instructions(tools, ident):
     rows = resources.table([r]).splitlines()
     assert rows[0].startswith("| kernel | regs | threads |")
     assert rows[2].startswith(f"| {ident} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | "
-                              f"{r.ctas_per_sm} |")
+                              f"{r.stack_bytes} | {r.ctas_per_sm} |")
+
+
+@pytest.mark.slow
+def test_report_shows_register_spills(tools):
+    """Spills are reported: the mapping backward's dx/dW kernel at 32 x 128 tokens x K (the 11-29
+    default) compiles with a stack frame on sm_90 and STL / LDL in its SASS, the 16 x 64 tile
+    without any (a kernel that only ever reported `local B` showed 0 for both)."""
+    from mhc_core.kernels.cutile import signatures, tiling
+    from mhc_core.kernels.cutile.runtime import RecordingRuntime
+
+    def dx_dw(tiles):
+        rec = RecordingRuntime()
+        with tiling.overridden(mapping_bwd=tiles):
+            signatures._record_all(rec, (4,), signatures.REPRESENTATIVE_T, (512,))
+        launch = next(p for p in signatures._distinct(rec) if p.id == "mapping-bwd-n4-bf16-main-dx_dw")
+        return resources.inspect_launch(launch, arch="sm_90")
+
+    spilling, clean = dx_dw(tiling.MappingTiles(32, 128)), dx_dw(tiling.MappingTiles(16, 64))
+    assert spilling.stack_bytes > 0 and spilling.counts["stl"] > 0 and spilling.counts["ldl"] > 0, spilling
+    assert clean.stack_bytes == 0 and clean.counts["stl"] == 0 and clean.counts["ldl"] == 0, clean
 
 
 @pytest.mark.slow
