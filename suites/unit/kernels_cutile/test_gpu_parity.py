@@ -113,15 +113,24 @@ def test_mapping(n, variant, dtype, t, c):
     )
 
 
+MAPPING_BWD_TILES = [
+    pytest.param(tiling.MappingTiles(tile_m=32, tile_k=128, split_dx=True), id="split_dx"),
+    pytest.param(tiling.MappingTiles(tile_m=16, tile_k=64), id="16x64"),
+    pytest.param(tiling.MappingTiles(tile_m=16, tile_k=64, split_dx=True), id="16x64-split_dx"),
+]
+
+
+@pytest.mark.parametrize("tiles", MAPPING_BWD_TILES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
-def test_mapping_split_dx(n, variant, dtype):
-    """The mapping backward with grad_x from its own kernel (`MappingTiles.split_dx`, a sweep candidate)."""
+def test_mapping_bwd_tiles(n, variant, dtype, tiles):
+    """The mapping backward's sweep candidates: grad_x from its own kernel (`MappingTiles.split_dx`) and
+    the spill-free 16 x 64 tile (with and without)."""
     oracle = mapping_oracle(n, variant) if (variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16) else None
-    with tiling.overridden(mapping_bwd=tiling.MappingTiles(tile_m=32, tile_k=128, split_dx=True)):
+    with tiling.overridden(mapping_bwd=tiles):
         compare(
-            f"mapping split_dx n{n} {variant}",
+            f"mapping {tiles} n{n} {variant}",
             lambda *a: cutile.mapping(*a, n, variant),
             lambda *a: ref.mapping(*a, n, variant),
             mapping_inputs(1100, n, 1024, dtype, DEV),
