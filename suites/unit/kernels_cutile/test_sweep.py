@@ -10,7 +10,7 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import EmulatedRuntime
-from mhc_core.kernels.cutile.sweep import CANDIDATES, override, timers
+from mhc_core.kernels.cutile.sweep import CANDIDATES, KEY_ORDER, override, timers
 
 # Kernel outputs start as NaN: an unwritten tile fails (conftest.poisoned_empty).
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
@@ -61,6 +61,15 @@ def test_first_candidate_is_the_default():
             assert CANDIDATES[f"{op}_{direction}"][0] == fn(4, 4096, direction)
 
 
+def test_every_key_is_swept_in_priority_order():
+    """Each tile key and its occupancy key has candidates, in `KEY_ORDER` (backwards first): the
+    reordering drops none."""
+    keys = list(tiling.KERNELS_OF)
+    assert sorted(CANDIDATES) == sorted(keys + [f"{k}_occupancy" for k in keys])
+    assert list(CANDIDATES) == list(KEY_ORDER)
+    assert list(CANDIDATES)[:3] == ["h_post_bda_bwd", "mapping_bwd", "sinkhorn"]
+
+
 def test_list_prints_every_candidate(capsys):
     """`--list` prints one `key index` line per candidate (what gpu_check's parallel warm-up reads), no GPU needed."""
     from mhc_core.kernels.cutile.sweep import main
@@ -68,7 +77,7 @@ def test_list_prints_every_candidate(capsys):
     assert main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == sum(len(c) for c in CANDIDATES.values())
-    assert lines[0] == "sinkhorn 0" and all(len(line.split()) == 2 for line in lines)
+    assert lines[0] == f"{KEY_ORDER[0]} 0" and all(len(line.split()) == 2 for line in lines)
 
 
 def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
