@@ -13,7 +13,8 @@ from pathlib import Path
 def rows(path: str | Path) -> list[str]:
     """One Markdown row per benchmark: op, direction, backend, shape, median, GB/s, roofline, speed-up,
     the back-to-back time and its roofline, and for the layer its time overhead over the plain layer
-    (with the bandwidth floor of that overhead in brackets) and saved-activation ratio."""
+    (in brackets: on a GPU the overhead in GPU busy time, and the bandwidth floor of the overhead)
+    and saved-activation ratio."""
     data = json.loads(Path(path).read_text())
     out = ["| op | dir | backend | shape | median | GB/s | copy GB/s | roofline | vs reference | pipelined | "
            "roofline (pipelined) | layer overhead | layer saved act |",
@@ -27,7 +28,9 @@ def rows(path: str | Path) -> list[str]:
         def f(key, scale=1.0, fmt="{:.2f}", e=e):
             return fmt.format(e[key] * scale) if key in e else "-"
 
-        floor = f" (floor {f('floor_overhead_ratio', 100, '{:+.0f} %')})" if "floor_overhead_ratio" in e else ""
+        notes = [f"{name} {f(key, 100, '{:+.0f} %')}" for name, key in
+                 (("GPU busy", "device_overhead_ratio"), ("floor", "floor_overhead_ratio")) if key in e]
+        floor = f" ({', '.join(notes)})" if notes else ""
 
         out.append(
             f"| {op} | {e.get('direction', '-')} | {e.get('backend', '-')} | {shape} | "

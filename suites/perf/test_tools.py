@@ -129,16 +129,32 @@ def test_table_renders_rows(tmp_path, capsys):
          "extra_info": {"op": "layer", "overhead_ratio": 0.5, "saved_bytes_ratio": 1.6}},
         {"name": "test_layer[compiled]", "stats": {"median": 0.02},
          "extra_info": {"op": "layer", "overhead_ratio": 0.3, "floor_overhead_ratio": 0.04, "saved_bytes_ratio": 1.6}},
+        {"name": "test_layer[cutile]", "stats": {"median": 0.02},
+         "extra_info": {"op": "layer", "overhead_ratio": 2.0, "device_overhead_ratio": 0.57,
+                        "floor_overhead_ratio": 0.095, "saved_bytes_ratio": 1.6}},
     ]}
     path = tmp_path / "perf.json"
     path.write_text(json.dumps(doc))
     assert table.main([str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 5
+    assert len(out) == 6
     assert "| h_aggregate | fwd | compiled | T4-n4-C8 | 1.000 ms | 40.00 |" in out[2] and "80 %" in out[2] and "2.50x" in out[2]
     assert "| 0.800 ms | 95 % |" in out[2], out[2]
     assert out[3].endswith("| +30 % (floor +4 %) | 1.60x |"), out[3]  # rows sort by name: compiled first
-    assert out[4].endswith("| +50 % | 1.60x |"), out[4]
+    assert out[4].endswith("| +200 % (GPU busy +57 %, floor +10 %) | 1.60x |"), out[4]
+    assert out[5].endswith("| +50 % | 1.60x |"), out[5]
+
+
+def test_busy_seconds_is_the_union_of_intervals():
+    """GPU busy time counts overlapping kernel intervals (us) once and gaps not at all; None off CUDA."""
+    from suites.perf.busy import busy_seconds, device_busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0.0, 10.0), (20.0, 25.0)]) == pytest.approx(15e-6)  # a 10 us launch gap
+    assert busy_seconds([(20.0, 25.0), (0.0, 10.0), (5.0, 12.0), (12.0, 13.0)]) == pytest.approx(18e-6)
+    with pytest.raises(ValueError, match=r"\(5.0, 1.0\)"):
+        busy_seconds([(5.0, 1.0)])
+    assert device_busy_seconds(lambda: None, "cpu") is None
 
 
 def test_pipelined_seconds_times_each_fn_per_call():
