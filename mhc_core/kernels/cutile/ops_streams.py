@@ -80,10 +80,16 @@ def h_aggregate(rt: Callable[[], Any], x, h_pre):
     return _AggregateFn.apply(x, h_pre, runtime)
 
 
-def _reduce_mma(tl: tiling.StreamTiles, dtype: torch.dtype) -> int:
-    """The h_post_bda backward's `REDUCE_MMA`: -1 without `tl.mma`; else bf16 products for bf16
-    activations (exact), for fp32 TF32 when torch's own fp32 matmuls may use it, else 3xTF32."""
-    if not tl.mma:
+MMA_MIN_EDGE = 16
+"""The smallest tile edge fed to the tensor cores (bf16 m16n8k16): `TILE_T*n` rows and `TILE_C`."""
+
+
+def _reduce_mma(tl: tiling.StreamTiles, n: int, dtype: torch.dtype) -> int:
+    """The h_post_bda backward's `REDUCE_MMA`: -1 (CUDA-core sums) without `tl.mma` or when the
+    tile is below the tensor cores' smallest shape (`TILE_T*n` or `TILE_C` < 16: sm_90 gave wrong
+    products for a K = 4 MMA in the mapping backward); else bf16 products for bf16 activations
+    (exact), for fp32 TF32 when torch's own fp32 matmuls may use it, else 3xTF32."""
+    if not tl.mma or tl.tile_t * n < MMA_MIN_EDGE or tl.tile_c < MMA_MIN_EDGE:
         return -1
     if dtype == torch.bfloat16:
         return MMA_BF16
@@ -130,7 +136,7 @@ class _PostBdaFn(torch.autograd.Function):
                 "h_post_bda_bwd_kernel",
                 (go, h_res, residual, h_post, y, bias_arg, grad_h_res, grad_residual, grad_h_post, grad_y,
                  bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias), int(tl.per_stream),
-                 _reduce_mma(tl, residual.dtype)),
+                 _reduce_mma(tl, n, residual.dtype)),
             )
         else:
             grad_h_res.zero_()

@@ -166,7 +166,8 @@ class StreamTiles:
     instead of one block per (token, channel) tile, a loop the compiler can pipeline.
     `mma` (h_post_bda bwd only): its `n*n + n` channel sums as tensor-core products of the
     `[TILE_T*n, TILE_C]` grad_out / residual tiles (diagonal blocks kept), no cross-thread
-    reduction in the C loop; the other gradients per stream. Needs `TILE_T*n >= 16`.
+    reduction in the C loop; the other gradients per stream. Only where `TILE_T*n` and `TILE_C`
+    are >= 16 (the smallest tensor-core shape); a smaller tile reduces on the CUDA cores.
     """
 
     tile_t: int

@@ -206,6 +206,19 @@ def test_post_bda_bwd_mma_coefficient_precision(emu, n):
         assert err <= 1e-5, f"{name}: max error {err:.3e} of the largest entry > 1e-5 (n={n})"
 
 
+def test_post_bda_bwd_mma_needs_tensor_core_sized_tiles():
+    """`StreamTiles.mma` takes the tensor-core path only for tiles of at least 16 rows (`TILE_T*n`) and
+    16 channels; smaller tiles (tiny C, few tokens) reduce on the CUDA cores; the precision follows the dtype."""
+    from mhc_core.kernels.cutile.ops_common import MMA_3XTF32, MMA_BF16
+    from mhc_core.kernels.cutile.ops_streams import _reduce_mma
+
+    assert _reduce_mma(tiling.StreamTiles(8, 64, mma=True), 4, torch.bfloat16) == MMA_BF16
+    assert _reduce_mma(tiling.StreamTiles(8, 64, mma=True), 4, torch.float32) == MMA_3XTF32
+    assert _reduce_mma(tiling.StreamTiles(8, 64), 4, torch.bfloat16) == -1
+    assert _reduce_mma(tiling.StreamTiles(4, 64, mma=True), 2, torch.bfloat16) == -1  # 8 rows
+    assert _reduce_mma(tiling.StreamTiles(32, 8, mma=True), 4, torch.bfloat16) == -1  # 8 channels
+
+
 def test_tile_override_is_scoped_and_checked():
     """`tiling.overridden` applies inside its block only and refuses tiles that are not powers of two."""
     default = tiling.aggregate_tiles(4, 4096, "fwd")
