@@ -13,6 +13,7 @@ import torch
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops_common import (
+    MMA_2XBF16,
     MMA_3XTF32,
     MMA_BF16,
     MMA_TF32,
@@ -44,7 +45,8 @@ class _AggregateFn(torch.autograd.Function):
             rt.launch(
                 _fwd_grid(t, c, tl),
                 "h_aggregate_fwd_kernel",
-                (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.per_stream), int(tl.loop_c)),
+                (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.per_stream), int(tl.loop_c),
+                 _mma_code(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t), x.dtype, h_pre.dtype == torch.bfloat16)),
             )
         ctx.save_for_backward(x, h_pre)
         ctx.rt = rt
@@ -80,19 +82,22 @@ def h_aggregate(rt: Callable[[], Any], x, h_pre):
     return _AggregateFn.apply(x, h_pre, runtime)
 
 
-MMA_MIN_EDGE = 16
-"""The smallest tile edge fed to the tensor cores (bf16 m16n8k16): `TILE_T*n` rows and `TILE_C`."""
+MMA_MIN_K, MMA_MIN_MN = 16, 8
+"""The smallest tensor-core shape the MMA formulations feed (bf16 m16n8k16): a reduction (K) of at
+least 16 and output edges of at least 8; smaller tiles keep the CUDA-core formulation (sm_90 gave
+wrong products for a K = 4 MMA in the mapping backward)."""
 
 
-def _reduce_mma(tl: tiling.StreamTiles, n: int, dtype: torch.dtype) -> int:
-    """The h_post_bda backward's `REDUCE_MMA`: -1 (CUDA-core sums) without `tl.mma` or when the
-    tile is below the tensor cores' smallest shape (`TILE_T*n` or `TILE_C` < 16: sm_90 gave wrong
-    products for a K = 4 MMA in the mapping backward); else bf16 products for bf16 activations
-    (exact), for fp32 TF32 when torch's own fp32 matmuls may use it, else 3xTF32."""
-    if not tl.mma or tl.tile_t * n < MMA_MIN_EDGE or tl.tile_c < MMA_MIN_EDGE:
+def _mma_code(use: bool, k: int, mn: tuple[int, ...], act: torch.dtype, right_exact: bool) -> int:
+    """The `MIX_MMA` / `REDUCE_MMA` constant of a stream kernel: -1 (CUDA cores) unless `use` and
+    the tile's MMA has `k >= 16` and every edge in `mn` >= 8; else bf16 products for bf16
+    activations when the right operand is exact in bf16 (bf16 coefficients), bf16 hi + lo of it
+    when it is fp32 (2xBF16), and for fp32 activations TF32 when torch's own fp32 matmuls may use
+    it, else 3xTF32."""
+    if not use or k < MMA_MIN_K or min(mn) < MMA_MIN_MN:
         return -1
-    if dtype == torch.bfloat16:
-        return MMA_BF16
+    if act == torch.bfloat16:
+        return MMA_BF16 if right_exact else MMA_2XBF16
     return MMA_TF32 if torch.backends.cuda.matmul.allow_tf32 else MMA_3XTF32
 
 
@@ -110,7 +115,9 @@ class _PostBdaFn(torch.autograd.Function):
                 _fwd_grid(t, c, tl),
                 "h_post_bda_fwd_kernel",
                 (h_res, residual, h_post, y, bias_arg, out, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias),
-                 int(tl.per_stream), int(tl.loop_c)),
+                 int(tl.per_stream), int(tl.loop_c),
+                 _mma_code(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t * n), residual.dtype,
+                           h_res.dtype == torch.bfloat16)),
             )
         ctx.save_for_backward(h_res, residual, h_post, y, bias_arg)
         ctx.args = (has_bias, transposed, rt)
@@ -136,7 +143,8 @@ class _PostBdaFn(torch.autograd.Function):
                 "h_post_bda_bwd_kernel",
                 (go, h_res, residual, h_post, y, bias_arg, grad_h_res, grad_residual, grad_h_post, grad_y,
                  bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias), int(tl.per_stream),
-                 _reduce_mma(tl, n, residual.dtype)),
+                 # right operand: the residual, bf16-exact (the kernel splits its y + bias one itself)
+                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n,), residual.dtype, True)),
             )
         else:
             grad_h_res.zero_()

@@ -51,6 +51,30 @@ def _slice(t, i):
     return ct.reshape(ct.extract(t, (0, i, 0), shape=(t.shape[0], 1, t.shape[2])), (t.shape[0], t.shape[2]))
 
 
+def _token_eye(TILE_T):
+    """`[TILE_T, 1, TILE_T, 1]` fp32: 1 where the two token indices agree, else 0."""
+    tok = ct.arange(TILE_T, dtype=ct.int32)
+    return ct.where(ct.reshape(tok, (TILE_T, 1, 1, 1)) == ct.reshape(tok, (1, 1, TILE_T, 1)), 1.0, 0.0)
+
+
+def _block_diag(blocks, N, COLS, TILE_T):
+    """The block-diagonal `[TILE_T*n, TILE_T*COLS]` fp32 matrix of per-token blocks `[TILE_T, n, COLS]`:
+    `out[t*n + a, u*COLS + b] = blocks[t, a, b]` where `t == u`, else 0 (an MMA operand that applies
+    each token's small matrix to that token's rows only)."""
+    wide = ct.reshape(blocks, (TILE_T, N, 1, COLS)) * _token_eye(TILE_T)
+    return ct.reshape(wide, (TILE_T * N, TILE_T * COLS))
+
+
+def _aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA):
+    """One output tile of `h_aggregate` on the tensor cores: `out^T [TILE_C, TILE_T] = x2^T @ h_diag`,
+    `x2 [TILE_T*n, TILE_C]` the whole `[TILE_T, n, TILE_C]` tile, `h_diag [TILE_T*n, TILE_T]` the
+    block's `h_pre` (`_block_diag`); stored through a transposed view of `out`."""
+    xt = ct.load(x, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
+    acc = mma_at(ct.transpose(ct.reshape(xt, (TILE_T * N, TILE_C))), h_diag, ct.zeros((TILE_C, TILE_T), dtype=F32),
+                 MIX_MMA)
+    ct.store(out, index=(pc, pt), tile=ct.astype(acc, out.dtype), order=(1, 0))
+
+
 def _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM):
     """One `[TILE_T, TILE_C]` output tile of `h_aggregate`; `h [TILE_T, n]` fp32 (the block's `h_pre`)."""
     if PER_STREAM:
@@ -65,19 +89,27 @@ def _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM):
 
 @ct.kernel
 def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                           PER_STREAM: ConstInt, LOOP_C: ConstInt):
+                           PER_STREAM: ConstInt, LOOP_C: ConstInt, MIX_MMA: ConstInt):
     """`out[t, c] = sum_i h_pre[t, i] x[t, i, c]`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`, or
     `(cdiv(T, TILE_T),)` with `LOOP_C`: each block walks all of C, a loop whose loads the compiler
     can pipeline across iterations (as in the backward kernels).
 
     `PER_STREAM`: one `[TILE_T, TILE_C]` load per stream, summed in registers; else one
-    `[TILE_T, n, TILE_C]` load reduced over its middle axis.
+    `[TILE_T, n, TILE_C]` load reduced over its middle axis. `MIX_MMA` >= 0 (a `mma_codes`
+    precision; -1: off, and then `PER_STREAM` applies): the sum over streams is a tensor-core
+    product of the whole tile with the block-diagonal `h_pre` (`_aggregate_tile_mma`).
     """
     pt = ct.bid(0)
     h = _load_f32(h_pre, (pt, 0), (TILE_T, N))
+    h_diag = _block_diag(ct.reshape(h, (TILE_T, N, 1)), N, 1, TILE_T)  # used when MIX_MMA >= 0
     if LOOP_C:
         for pc in range(ct.num_tiles(out, axis=1, shape=(TILE_T, TILE_C))):
-            _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM)
+            if MIX_MMA >= 0:
+                _aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA)
+            else:
+                _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM)
+    elif MIX_MMA >= 0:
+        _aggregate_tile_mma(x, h_diag, out, pt, ct.bid(1), N, TILE_T, TILE_C, MIX_MMA)
     else:
         _aggregate_tile(x, h, out, pt, ct.bid(1), N, TILE_T, TILE_C, PER_STREAM)
 
@@ -134,10 +166,24 @@ def _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HA
             ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
 
 
+def _post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA):
+    """One output tile of `h_post_bda` with the residual mix on the tensor cores:
+    `mix^T [TILE_C, TILE_T*n] = res2^T @ m_diag`, `res2 [TILE_T*n, TILE_C]` the whole residual tile,
+    `m_diag` the block-diagonal `M^T` (`m_diag[t*n + j, t*n + i] = M[t, i, j]`); then
+    `+ h_post * (y + bias)` and one whole-tile store."""
+    res = ct.load(residual, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
+    mix_t = mma_at(ct.transpose(ct.reshape(res, (TILE_T * N, TILE_C))), m_diag,
+                   ct.zeros((TILE_C, TILE_T * N), dtype=F32), MIX_MMA)
+    mix = ct.reshape(ct.transpose(mix_t), (TILE_T, N, TILE_C))
+    acc = mix + ct.reshape(hp2, (TILE_T, N, 1)) * _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
+    ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
+
+
 @ct.kernel
 def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt, LOOP_C: ConstInt):
+                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt, LOOP_C: ConstInt,
+                          MIX_MMA: ConstInt):
     """`out_i = sum_j M[i, j] residual_j + h_post_i (y + bias)`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`,
     or `(cdiv(T, TILE_T),)` with `LOOP_C` (each block walks all of C, as `h_aggregate_fwd_kernel`).
 
@@ -145,14 +191,22 @@ def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
     output stream is computed and stored as its own `[TILE_T, TILE_C]` tile, from slices of one
     `[TILE_T, n, TILE_C]` load; 2: the residual streams are loaded one by one too, into a tuple of
     `[TILE_T, TILE_C]` tiles, so no tile has a middle axis to reshuffle (sm_90: no shared memory,
-    against 46 KB and 110 shared loads / stores for 1).
+    against 46 KB and 110 shared loads / stores for 1). `MIX_MMA` >= 0 (a `mma_codes` precision; -1:
+    off, and then `PER_STREAM` applies): the mix is a tensor-core product of the whole residual
+    tile with the block-diagonal `M^T` (`_post_bda_tile_mma`).
     """
     pt = ct.bid(0)
     m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
     hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
+    m_diag = _block_diag(ct.permute(m, (0, 2, 1)), N, N, TILE_T)  # used when MIX_MMA >= 0
     if LOOP_C:
         for pc in range(ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))):
-            _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM)
+            if MIX_MMA >= 0:
+                _post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA)
+            else:
+                _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM)
+    elif MIX_MMA >= 0:
+        _post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA)
     else:
         _post_bda_tile(m, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM)
 
@@ -197,9 +251,7 @@ def _branch_mma(REDUCE_MMA):
 def _token_diagonal(acc, N, TILE_T):
     """`[TILE_T, n, n]` diagonal blocks of a `[TILE_T*n, TILE_T*n]` product of token-major rows:
     `out[t, i, j] = acc[t*n + i, t*n + j]` (the cross-token entries are dropped)."""
-    tok = ct.arange(TILE_T, dtype=ct.int32)
-    same = ct.where(ct.reshape(tok, (TILE_T, 1, 1, 1)) == ct.reshape(tok, (1, 1, TILE_T, 1)), 1.0, 0.0)
-    return ct.sum(ct.reshape(acc, (TILE_T, N, TILE_T, N)) * same, axis=2)
+    return ct.sum(ct.reshape(acc, (TILE_T, N, TILE_T, N)) * _token_eye(TILE_T), axis=2)
 
 
 def _channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h, N, TILE_T, TILE_C, REDUCE_MMA):

@@ -51,12 +51,18 @@ CANDIDATES: dict[str, tuple] = {
                  tiling.SinkhornTiles(128, recompute=True, per_element=True),
                  *(tiling.SinkhornTiles(b, per_element=True, approx_div=True) for b in (32, 64, 128)),
                  tiling.SinkhornTiles(128, recompute=True, per_element=True, approx_div=True)),
+    # `mma` forwards: whole tiles in and out by TMA, the stream sum on the tensor cores (sm_90: 8-9 TMA
+    # loads, 2-4 TMA stores, no shuffles, 0-8 shared loads / stores, no spills; the per-stream
+    # defaults: 16-26 plain loads, h_post_bda 88 shared stores).
     "h_aggregate_fwd": (_S(8, 256, True), _S(4, 512, True), _S(4, 256, True), _S(16, 128, True), _S(2, 512),
-                        _S(8, 256, True, True), _S(4, 256, True, True), _S(16, 256, True, True), _S(8, 512, True, True)),
+                        _S(8, 256, True, True), _S(4, 256, True, True), _S(16, 256, True, True), _S(8, 512, True, True),
+                        _S(8, 256, mma=True), _S(8, 256, loop_c=True, mma=True), _S(16, 128, mma=True),
+                        _S(16, 256, loop_c=True, mma=True)),
     "h_aggregate_bwd": (_S(8, 256), _S(4, 256), _S(8, 512), _S(16, 256)),
     "h_post_bda_fwd": (_S(4, 256, True), _S(2, 256, True), _S(4, 128, True), _S(2, 512, True), _S(4, 256),
                        _S(4, 256, 2), _S(8, 256, 2), _S(8, 128, 2), _S(4, 256, 2, True), _S(8, 256, 2, True),
-                       _S(4, 256, True, True)),
+                       _S(4, 256, True, True), _S(4, 256, mma=True), _S(4, 256, loop_c=True, mma=True),
+                       _S(8, 128, mma=True), _S(8, 256, loop_c=True, mma=True)),
     "h_post_bda_bwd": (_S(32, 64), _S(64, 32), _S(16, 64), _S(32, 64, True), _S(16, 64, True),
                        _S(16, 128, True), _S(8, 128, True), _S(8, 64, 2), _S(4, 64, 2), _S(8, 32, 2),
                        _S(4, 128, 2), _S(8, 64, mma=True), _S(8, 128, mma=True), _S(16, 64, mma=True),
@@ -91,14 +97,17 @@ CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8
 # no spills; shared-memory traffic LDS 321 -> 20, STS 190 -> 50, BAR 109 -> 10 against the default (sm_90).
 CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8, 64, mma=True)) + _hinted(
     "h_post_bda_bwd", (2, 4), _S(8, 128, mma=True))
+# And the `mma` forwards (C-looping): 255 x 256 unhinted, 128 / 64 registers at 2 / 4, no spills.
+CANDIDATES["h_aggregate_fwd_occupancy"] += _hinted("h_aggregate_fwd", (2, 4), _S(8, 256, loop_c=True, mma=True))
+CANDIDATES["h_post_bda_fwd_occupancy"] += _hinted("h_post_bda_fwd", (2, 4), _S(4, 256, loop_c=True, mma=True))
 # The split-dx mapping backward's grad_x kernel also compiles to 255 registers x 256 threads unhinted.
 CANDIDATES["mapping_bwd_occupancy"] += _hinted("mapping_bwd", (2, 4), tiling.MappingTiles(32, 128, True))
 # Most expected gain first, so that a sweep its timeout cuts short has timed these: the kernels furthest
 # from their targets (h_post_bda and mapping backward at ~25 % and ~11 % of copy, Sinkhorn at 2-16x its
 # 10 us) before the forwards.
-KEY_ORDER = ("h_post_bda_bwd", "mapping_bwd", "sinkhorn", "h_post_bda_bwd_occupancy", "mapping_bwd_occupancy",
-             "h_post_bda_fwd", "h_aggregate_fwd", "mapping_fwd", "mapping_fwd_occupancy", "h_post_bda_fwd_occupancy",
-             "h_aggregate_fwd_occupancy", "sinkhorn_occupancy", "h_aggregate_bwd", "h_aggregate_bwd_occupancy")
+KEY_ORDER = ("h_post_bda_bwd", "mapping_bwd", "sinkhorn", "h_post_bda_fwd", "h_aggregate_fwd",
+             "h_post_bda_bwd_occupancy", "mapping_bwd_occupancy", "h_post_bda_fwd_occupancy", "h_aggregate_fwd_occupancy",
+             "mapping_fwd", "mapping_fwd_occupancy", "sinkhorn_occupancy", "h_aggregate_bwd", "h_aggregate_bwd_occupancy")
 CANDIDATES = {key: CANDIDATES[key] for key in KEY_ORDER}
 """Candidates per `tiling` key (in `KEY_ORDER`): a tile object for that key, or a whole
 `tiling.overridden` dict (the `*_occupancy` keys: hints, with the heuristic's or given tiles). The

@@ -164,10 +164,12 @@ class StreamTiles:
     backward carries its `n*n + n` channel sums as elementwise partials across the C loop.
     `loop_c` (forwards only; the backwards always do): one block per token tile walks all of C
     instead of one block per (token, channel) tile, a loop the compiler can pipeline.
-    `mma` (h_post_bda bwd only): its `n*n + n` channel sums as tensor-core products of the
-    `[TILE_T*n, TILE_C]` grad_out / residual tiles (diagonal blocks kept), no cross-thread
-    reduction in the C loop; the other gradients per stream. Only where `TILE_T*n` and `TILE_C`
-    are >= 16 (the smallest tensor-core shape); a smaller tile reduces on the CUDA cores.
+    `mma`: the sum over streams on the tensor cores, with whole `[TILE_T, n, TILE_C]` tiles as
+    `[TILE_T*n, TILE_C]` matrices: the forwards multiply them by the block-diagonal matrix of the
+    block's coefficients (`h_pre`, `M^T`), the h_post_bda backward takes its `n*n + n` channel sums
+    as products of the grad_out and residual tiles (diagonal blocks kept; its other gradients per
+    stream). Only for tiles with an MMA reduction of >= 16 and edges of >= 8 (`ops_streams._mma_code`);
+    smaller tiles keep the CUDA-core formulation.
     """
 
     tile_t: int

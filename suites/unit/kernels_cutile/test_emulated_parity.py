@@ -8,6 +8,8 @@ kernels where a GPU is present.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -206,17 +208,66 @@ def test_post_bda_bwd_mma_coefficient_precision(emu, n):
         assert err <= 1e-5, f"{name}: max error {err:.3e} of the largest entry > 1e-5 (n={n})"
 
 
-def test_post_bda_bwd_mma_needs_tensor_core_sized_tiles():
-    """`StreamTiles.mma` takes the tensor-core path only for tiles of at least 16 rows (`TILE_T*n`) and
-    16 channels; smaller tiles (tiny C, few tokens) reduce on the CUDA cores; the precision follows the dtype."""
-    from mhc_core.kernels.cutile.ops_common import MMA_3XTF32, MMA_BF16
-    from mhc_core.kernels.cutile.ops_streams import _reduce_mma
+_FWD_MMA_CASES = [pytest.param(op, n, v, b, id=f"{op}-n{n}-{v.value}{'-bias' if b else ''}")
+                  for op in ("h_aggregate", "h_post_bda") for n, v, b in _POST_BDA_CASES]
 
-    assert _reduce_mma(tiling.StreamTiles(8, 64, mma=True), 4, torch.bfloat16) == MMA_BF16
-    assert _reduce_mma(tiling.StreamTiles(8, 64, mma=True), 4, torch.float32) == MMA_3XTF32
-    assert _reduce_mma(tiling.StreamTiles(8, 64), 4, torch.bfloat16) == -1
-    assert _reduce_mma(tiling.StreamTiles(4, 64, mma=True), 2, torch.bfloat16) == -1  # 8 rows
-    assert _reduce_mma(tiling.StreamTiles(32, 8, mma=True), 4, torch.bfloat16) == -1  # 8 channels
+
+@pytest.mark.parametrize(("x_dtype", "coef"), AGG_DTYPES)
+@pytest.mark.parametrize(("op", "n", "variant", "with_bias"), _FWD_MMA_CASES)
+def test_forward_mma(emu, op, n, variant, with_bias, x_dtype, coef):
+    """The stream forwards with the sum over streams on the tensor cores (`StreamTiles.mma`: bf16 products,
+    fp32 coefficients as bf16 hi + lo, 3xTF32 in fp32) match the reference, fwd + bwd; 3 token tiles, the
+    last partial, and a partial C tile, per C tile and C-looping."""
+    t, c = 21, 300
+    if op == "h_aggregate":
+        tiles = tiling.StreamTiles(tile_t=8, tile_c=128, mma=True)  # the MMA's N edge is TILE_T
+        kernel, oracle, names = emu.h_aggregate, ref.h_aggregate, ("x", "h_pre")
+        inputs = aggregate_inputs(t, n, c, x_dtype, coef, "cpu")
+    else:
+        tiles = tiling.StreamTiles(tile_t=max(2, 16 // n), tile_c=128, mma=True)
+        kernel = lambda *a: emu.h_post_bda(*a, 0.0, False, variant)  # noqa: E731
+        oracle = lambda *a: ref.h_post_bda(*a, 0.0, False, variant)  # noqa: E731
+        inputs, names = post_bda_inputs(t, n, c, x_dtype, coef, with_bias, "cpu"), POST_BDA_INPUT_NAMES
+    for loop_c in (False, True):
+        with tiling.overridden(**{f"{op}_fwd": dataclasses.replace(tiles, loop_c=loop_c)}):
+            compare(f"{op} mma fwd n{n} {variant} loop_c={loop_c}", kernel, oracle, inputs, x_dtype, input_names=names)
+
+
+@pytest.mark.parametrize("op", ["h_aggregate", "h_post_bda"])
+@pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
+def test_forward_mma_keeps_fp32_coefficients(emu, op, n):
+    """With bf16 activations and fp32 coefficients (`megatron_dev`), the tensor-core forwards give the
+    reference's bf16 output bit for bit in >= 99 % of the elements (the coefficients go in as bf16
+    hi + lo; rounding them to bf16 once leaves only 62-77 % equal)."""
+    variant = Variant.MEGATRON_DEV
+    with torch.no_grad():
+        if op == "h_aggregate":
+            inputs = aggregate_inputs(64, n, 512, torch.bfloat16, torch.float32, "cpu")
+            with tiling.overridden(h_aggregate_fwd=tiling.StreamTiles(8, 128, mma=True)):
+                out = emu.h_aggregate(*inputs)
+            want = ref.h_aggregate(*inputs)
+        else:
+            inputs = post_bda_inputs(64, n, 512, torch.bfloat16, torch.float32, True, "cpu")
+            with tiling.overridden(h_post_bda_fwd=tiling.StreamTiles(max(2, 16 // n), 128, mma=True)):
+                out = emu.h_post_bda(*inputs, 0.0, False, variant)
+            want = ref.h_post_bda(*inputs, 0.0, False, variant)
+    equal = float((out == want).float().mean())
+    assert equal >= 0.99, f"{op} n={n}: {equal:.2%} of {out.numel()} outputs equal the reference's bits (< 99 %)"
+
+
+def test_mma_needs_tensor_core_sized_tiles():
+    """`StreamTiles.mma` takes the tensor-core path only where the MMA reduces over >= 16 and has edges
+    of >= 8 (small tiles: tiny C, few tokens, keep the CUDA cores); the precision follows the dtypes."""
+    from mhc_core.kernels.cutile.ops_common import MMA_2XBF16, MMA_3XTF32, MMA_BF16
+    from mhc_core.kernels.cutile.ops_streams import _mma_code
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert _mma_code(True, 64, (32,), bf16, True) == MMA_BF16
+    assert _mma_code(True, 64, (32,), bf16, False) == MMA_2XBF16  # fp32 coefficients: hi + lo
+    assert _mma_code(True, 64, (32,), fp32, True) == MMA_3XTF32
+    assert _mma_code(False, 64, (32,), bf16, True) == -1
+    assert _mma_code(True, 8, (32,), bf16, True) == -1  # K = 8
+    assert _mma_code(True, 32, (256, 4), bf16, True) == -1  # an edge of 4
 
 
 def test_tile_override_is_scoped_and_checked():
