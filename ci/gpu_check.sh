@@ -14,20 +14,21 @@
 # unpacks the toolchain into $TMPDIR/cutile-ctk and puts it on PATH / CUDA_HOME, where cuda.tile
 # finds it (its pip-wheel lookup needs all three nvidia packages; PATH comes next).
 #
-# Steps (MHC_GPU_STEPS, default "parity sweep perf"; each has its own timeout, the sum < 10 min;
+# Steps (MHC_GPU_STEPS, default "parity sweep": a second call runs "perf" once the sweep's winners are
+# adopted; each step has its own timeout, the sum < 10 min;
 # MHC_GPU_TIMEOUT_<STEP> overrides one, e.g. MHC_GPU_TIMEOUT_PARITY=150, so a call fits a device budget):
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
 #           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 150 s (305 tests)
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   bench   (not a default step: the sweep's first candidate per key is the default)
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
-#           keys from MHC_SWEEP_KEYS; 90 s + 120 s; sweep.json is rewritten after every candidate, so a
+#           keys from MHC_SWEEP_KEYS, in sweep.KEY_ORDER; 120 s + 150 s; sweep.json is rewritten after every candidate, so a
 #           timeout keeps what was timed; then the fastest per key, --summary)
 #           + precision_probe (fp32 mapping error per MMA mode, 20 s)
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
 #           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
-#           for reference + cutile (130 s), to its own pytest-benchmark JSON; records
+#           for reference + cutile (130 s; the second call, MHC_GPU_STEPS=perf), to its own pytest-benchmark JSON; records
 #           golden/<hw>/perf/*.json, one perf-history record per JSON, and the Markdown table.
 #   perf-compiled  the same for the compiled backend (Inductor/Triton compiles, 110 s); not a default
 #           step (its kernels do not change with the cuTile work; h200 goldens exist).
@@ -103,7 +104,7 @@ print("availability", c.availability())
 EOF
 cat "$OUT/env.txt"
 
-STEPS="${MHC_GPU_STEPS:-parity sweep perf}"
+STEPS="${MHC_GPU_STEPS:-parity sweep}"
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
 limit() {  # limit <step> <default seconds>: MHC_GPU_TIMEOUT_<STEP> or the default
     local var="MHC_GPU_TIMEOUT_${1^^}"
@@ -142,13 +143,13 @@ SWEEP=(-m mhc_core.kernels.cutile.sweep $SWEEP_SHAPE)
 SWEEP_KEYS="${MHC_SWEEP_KEYS:-$("$PY" -c 'from mhc_core.kernels.cutile.sweep import CANDIDATES; print(*CANDIDATES)')}"
 # One warm-up process per candidate, 16 at a time (each JIT-compiles its kernels into the cache);
 # each process has its own time limit too, so none outlives the step.
-export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-warm 90)" MHC_SWEEP_SHAPE="$SWEEP_SHAPE"
+export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-warm 120)" MHC_SWEEP_SHAPE="$SWEEP_SHAPE"
 "$PY" "${SWEEP[@]}" --list | while read -r key idx; do
     if [[ " $SWEEP_KEYS " == *" $key "* ]]; then echo "$key $idx"; fi
 done | timeout "$MHC_SWEEP_LIMIT" xargs -P 16 -L 1 bash -c \
     'timeout "$MHC_SWEEP_LIMIT" "$MHC_SWEEP_PY" -m mhc_core.kernels.cutile.sweep $MHC_SWEEP_SHAPE \
      --keys "$0" --index "$1" --warm-only > "$MHC_SWEEP_OUT/sweep-warm-$0-$1.txt" 2>&1'
-timeout "$(limit sweep 120)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr ' ' ,)" --out "$OUT/sweep.json" \
+timeout "$(limit sweep 150)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr ' ' ,)" --out "$OUT/sweep.json" \
     > "$OUT/sweep.txt" 2>&1
 rc=$?
 cat "$OUT/sweep.txt"

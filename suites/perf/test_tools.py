@@ -147,7 +147,7 @@ def test_table_renders_rows(tmp_path, capsys):
 
 def test_busy_seconds_is_the_union_of_intervals():
     """GPU busy time counts overlapping kernel intervals (us) once and gaps not at all; None off CUDA."""
-    from suites.perf.busy import busy_seconds, device_busy_seconds
+    from mhc_core.kernels.device_time import busy_seconds, device_busy_seconds
 
     assert busy_seconds([]) == 0.0
     assert busy_seconds([(0.0, 10.0), (20.0, 25.0)]) == pytest.approx(15e-6)  # a 10 us launch gap
@@ -155,6 +155,8 @@ def test_busy_seconds_is_the_union_of_intervals():
     with pytest.raises(ValueError, match=r"\(5.0, 1.0\)"):
         busy_seconds([(5.0, 1.0)])
     assert device_busy_seconds(lambda: None, "cpu") is None
+    with pytest.raises(ValueError, match="calls=0"):
+        device_busy_seconds(lambda: None, "cuda", calls=0)
 
 
 def test_pipelined_seconds_times_each_fn_per_call():

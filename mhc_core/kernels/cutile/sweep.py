@@ -7,8 +7,10 @@ Each candidate replaces one `tiling` choice (`tiling.overridden`) and times the 
 `*_fwd` keys the forward, `*_bwd` keys the backward alone (replayed on a retained graph), and
 `sinkhorn` (one tile for both) both directions. Per row: the median of single
 CUDA-event-timed calls (`single_ms`, CPU launch cost included when the GPU waits for it), the mean
-of back-to-back calls (`pipelined_ms`, the kernel's own time once the launch is hidden) and GB/s
-of the pipelined time against `mhc_core.analysis.bytes_moved`. The first candidate of each key
+of back-to-back calls (`pipelined_ms`: the kernel's own time only when the GPU is the slower side;
+for small ops it is the host's time per call), the GPU busy time per call of 5 profiled calls
+(`device_ms`, `mhc_core.kernels.device_time`: the kernels alone, what candidates are ranked by)
+and GB/s of that time against `mhc_core.analysis.bytes_moved`. The first candidate of each key
 is the current default. `--warm-only` runs each candidate once (JIT compile into the on-disk
 cache), so several processes can compile disjoint `--keys` / `--index` in parallel before one
 timing run (`python -m mhc_core.kernels.cutile.sweep --list` prints the `key index` pairs).
@@ -38,6 +40,7 @@ from mhc_core.kernels.cutile.bench import (
     time_ms,
     write_json,
 )
+from mhc_core.kernels.device_time import device_busy_seconds
 
 __all__ = ["CANDIDATES", "main", "timers", "override", "summary"]
 
@@ -155,10 +158,18 @@ def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str
     return out
 
 
+def _ms(row: dict) -> float:
+    """What a candidate is ranked by: its GPU busy time (`device_ms`, rows since 11-30), else the
+    back-to-back time, which equals the host's time per call whenever the host is the slower side
+    (the 11-29 Sinkhorn rows: 42-46 us for every TILE_B)."""
+    return row.get("device_ms", row["pipelined_ms"])
+
+
 def summary(rows: list[dict]) -> str:
-    """Markdown: per (key, direction) the default's pipelined time (the first candidate of the tile
-    key, `*_occupancy` keys included: their baseline is the unhinted default), the fastest candidate
-    and its speed-up over the default ("-" when the default did not run); failures are counted."""
+    """Markdown: per (key, direction) the default's time (GPU busy time where the rows have it, else
+    back-to-back; the default is the first candidate of the tile key, `*_occupancy` keys included:
+    their baseline is the unhinted default), the fastest candidate and its speed-up over the default
+    ("-" when the default did not run); failures are counted."""
     groups: dict[tuple[str, str], list[dict]] = {}
     failed: dict[str, int] = {}
     default_ms: dict[tuple[str, str], float] = {}
@@ -169,13 +180,13 @@ def summary(rows: list[dict]) -> str:
         groups.setdefault((r["key"], r["direction"]), []).append(r)
         tile_key = _tile_key(r["key"])
         if r["key"] == tile_key and r["tiles"] == repr(CANDIDATES.get(tile_key, (None,))[0]):
-            default_ms[(tile_key, r["direction"])] = r["pipelined_ms"]
+            default_ms[(tile_key, r["direction"])] = _ms(r)
     out = ["| key | dir | default ms | fastest | ms | GB/s | speed-up | failed |", "|---|---|---|---|---|---|---|---|"]
     for (key, direction), rs in groups.items():
-        best = min(rs, key=lambda r: r["pipelined_ms"])
+        best = min(rs, key=_ms)
         base = default_ms.get((_tile_key(key), direction))
-        base_s, gain = ("-", "-") if base is None else (f"{base:.4f}", f"{base / best['pipelined_ms']:.2f}x")
-        out.append(f"| {key} | {direction} | {base_s} | {best['tiles']} | {best['pipelined_ms']:.4f} | "
+        base_s, gain = ("-", "-") if base is None else (f"{base:.4f}", f"{base / _ms(best):.2f}x")
+        out.append(f"| {key} | {direction} | {base_s} | {best['tiles']} | {_ms(best):.4f} | "
                    f"{best['gb_per_s']:.0f} | {gain} | {failed.get(key, 0)} |")
     out += [f"| {key} | - | - | all {k} candidates failed | - | - | - | {k} |" for key, k in failed.items()
             if not any(g[0] == key for g in groups)]
@@ -190,8 +201,9 @@ def _print_summary(path: str) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"sweep --summary: cannot read the rows of {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    timing = "GPU busy ms" if all("device_ms" in r for r in rows if "error" not in r) else "ms: GPU busy where timed, else pipelined"
     print(f"{data.get('device', '?')}: T={data.get('tokens')} n={data.get('n')} C={data.get('hidden')} "
-          f"{data.get('dtype')} {data.get('variant')} (pipelined ms; the first candidate is the default)")
+          f"{data.get('dtype')} {data.get('variant')} ({timing}; the first candidate is the default)")
     print(summary(rows))
     return 0
 
@@ -245,13 +257,14 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         piped = pipelined_ms(fn, args.iters)
                         single = time_ms(fn, 0, args.iters)
+                        device = device_busy_seconds(fn, "cuda", calls=5) * 1e3
                         model = bytes_moved(_op(key), direction, tokens=t, n=n, hidden=c, act_bytes=act.itemsize,
                                             with_bias=_op(key) == "h_post_bda").total
                         rows.append({"key": key, "tiles": repr(cand), "direction": direction,
                                      "single_ms": round(single, 4), "pipelined_ms": round(piped, 4),
-                                     "gb_per_s": round(model / (piped * 1e6), 1)})
+                                     "device_ms": round(device, 4), "gb_per_s": round(model / (device * 1e6), 1)})
                         print(f"{label:60s} {direction} single {single:8.4f} ms  pipelined {piped:8.4f} ms "
-                              f"{model / (piped * 1e6):8.1f} GB/s", flush=True)
+                              f"GPU busy {device:8.4f} ms {model / (device * 1e6):8.1f} GB/s", flush=True)
             except Exception as exc:  # a candidate that does not compile or spills is a result too
                 rows.append({"key": key, "tiles": repr(cand), "error": f"{type(exc).__name__}: {exc}"[:400]})
                 print(f"{label:60s} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)

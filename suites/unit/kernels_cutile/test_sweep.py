@@ -107,6 +107,14 @@ def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
     assert "| h_aggregate_fwd_occupancy | fwd | 0.8000 | occ2 | 0.4000 | 800 | 2.00x | 0 |" in out
     assert "| mapping_fwd | fwd | - | not the default | 0.3000 | 1067 | - | 0 |" in out
     assert "| sinkhorn | - | - | all 1 candidates failed |" in out
+    # Rows with GPU busy time are ranked by it: back-to-back times that only measure the host
+    # (equal for every tile) do not pick the winner.
+    busy = [dict(row("sinkhorn", repr(CANDIDATES["sinkhorn"][0]), 0.044), device_ms=0.012),
+            dict(row("sinkhorn", "P", 0.043), device_ms=0.020), dict(row("sinkhorn", "E", 0.045), device_ms=0.004)]
+    path.write_text(json.dumps({"rows": busy}))
+    assert main(["--summary", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "GPU busy ms" in out and "| sinkhorn | fwd | 0.0120 | E | 0.0040 |" in out and "| 3.00x |" in out, out
     path.write_text("{not json")
     assert main(["--summary", str(path)]) == 2
     assert "cannot read the rows" in capsys.readouterr().err
