@@ -39,9 +39,11 @@ def _fp32_scalar(v: float) -> float:
 _MODULE_CACHE: dict[str, tuple[types.ModuleType, EmulatedTile]] = {}
 
 _PACKAGE = "mhc_core.kernels.cutile"
-HELPER_MODULES = ("mma_common",)
+HELPER_MODULES = ("mma_common", "stream_common", "stream_mma")
 """Modules of this package that kernel modules import helpers from and that use `cuda.tile`
-themselves: a kernel module loaded here imports their emulated copies (with the stand-in)."""
+themselves: a kernel module loaded here imports their emulated copies (with the stand-in). In
+dependency order: a helper may import the helpers before it. Helpers must not read the launch
+state (`ct.bid`, `ct.num_blocks`): each module has its own stand-in."""
 
 
 def load_kernel_module(name: str) -> tuple[types.ModuleType, EmulatedTile]:
@@ -49,7 +51,8 @@ def load_kernel_module(name: str) -> tuple[types.ModuleType, EmulatedTile]:
     the emulated `HELPER_MODULES` in place of the real ones while it loads)."""
     if name in _MODULE_CACHE:
         return _MODULE_CACHE[name]
-    helpers = {f"{_PACKAGE}.{h}": load_kernel_module(h)[0] for h in HELPER_MODULES if h != name}
+    deps = HELPER_MODULES[:HELPER_MODULES.index(name)] if name in HELPER_MODULES else HELPER_MODULES
+    helpers = {f"{_PACKAGE}.{h}": load_kernel_module(h)[0] for h in deps}
     path = Path(__file__).with_name(f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"{_PACKAGE}._emulated_{name}", path)
     if spec is None or spec.loader is None:

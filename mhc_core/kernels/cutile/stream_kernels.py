@@ -5,74 +5,32 @@ streams, `TILE_T` tokens and `TILE_C` channels form one tile; arrays are token-m
 (`x [T, n, C]`, `y [T, C]`, `h_pre [T, n]`, `h_res [T, n, n]`).
 
 The residual mix uses `M = H` (`paper`, `megatron_main`) or `M = H^T` (`megatron_dev`,
-`TRANSPOSED=1`): `mix_i = sum_j M[i, j] x_j`. The transpose is a load / store with axis order
-`(0, 2, 1)`, so both orientations read the same contiguous `[T, n, n]` array.
+`TRANSPOSED=1`): `mix_i = sum_j M[i, j] x_j`, loaded by `stream_common.load_mix`; `grad_h_res`
+is stored back through the same transposed view. The loads live in `stream_common`, the
+tensor-core formulations (`StreamTiles.mma`) in `stream_mma`.
 """
 
 from __future__ import annotations
 
 import cuda.tile as ct
 
-from mhc_core.kernels.cutile.mma_common import MMA_2XBF16, MMA_BF16, mma_at
+from mhc_core.kernels.cutile.stream_common import (
+    F32,
+    load_branch,
+    load_f32,
+    load_mix,
+    load_stream,
+    stream_slice,
+)
+from mhc_core.kernels.cutile.stream_mma import (
+    aggregate_tile_mma,
+    block_diag,
+    channel_products,
+    post_bda_tile_mma,
+    token_diagonal,
+)
 
 ConstInt = ct.Constant[int]
-PAD_ZERO = ct.PaddingMode.ZERO
-F32 = ct.float32
-
-
-def _load_f32(arr, index, shape):
-    return ct.astype(ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO), F32)
-
-
-def _load_mix(h_res, pt, N, TILE_T, TRANSPOSED):
-    """`M [TILE_T, n, n]` with `mix_i = sum_j M[i, j] x_j`."""
-    if TRANSPOSED:
-        m = ct.load(h_res, index=(pt, 0, 0), shape=(TILE_T, N, N), order=(0, 2, 1), padding_mode=PAD_ZERO)
-    else:
-        m = ct.load(h_res, index=(pt, 0, 0), shape=(TILE_T, N, N), padding_mode=PAD_ZERO)
-    return ct.astype(m, F32)
-
-
-def _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS):
-    """`y + bias` as `[TILE_T, 1, TILE_C]` fp32."""
-    yb = _load_f32(y, (pt, pc), (TILE_T, TILE_C))
-    if HAS_BIAS:
-        yb = yb + ct.reshape(_load_f32(bias, (pc,), (TILE_C,)), (1, TILE_C))
-    return ct.reshape(yb, (TILE_T, 1, TILE_C))
-
-
-def _load_stream(arr, pt, i, pc, TILE_T, TILE_C):
-    """Stream `i` of `arr [T, n, C]` at tile `(pt, pc)` as `[TILE_T, TILE_C]` fp32."""
-    return ct.reshape(_load_f32(arr, (pt, i, pc), (TILE_T, 1, TILE_C)), (TILE_T, TILE_C))
-
-
-def _slice(t, i):
-    """Stream `i` of a `[TILE_T, n, TILE_C]` tile as `[TILE_T, TILE_C]`."""
-    return ct.reshape(ct.extract(t, (0, i, 0), shape=(t.shape[0], 1, t.shape[2])), (t.shape[0], t.shape[2]))
-
-
-def _token_eye(TILE_T):
-    """`[TILE_T, 1, TILE_T, 1]` fp32: 1 where the two token indices agree, else 0."""
-    tok = ct.arange(TILE_T, dtype=ct.int32)
-    return ct.where(ct.reshape(tok, (TILE_T, 1, 1, 1)) == ct.reshape(tok, (1, 1, TILE_T, 1)), 1.0, 0.0)
-
-
-def _block_diag(blocks, N, COLS, TILE_T):
-    """The block-diagonal `[TILE_T*n, TILE_T*COLS]` fp32 matrix of per-token blocks `[TILE_T, n, COLS]`:
-    `out[t*n + a, u*COLS + b] = blocks[t, a, b]` where `t == u`, else 0 (an MMA operand that applies
-    each token's small matrix to that token's rows only)."""
-    wide = ct.reshape(blocks, (TILE_T, N, 1, COLS)) * _token_eye(TILE_T)
-    return ct.reshape(wide, (TILE_T * N, TILE_T * COLS))
-
-
-def _aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA):
-    """One output tile of `h_aggregate` on the tensor cores: `out^T [TILE_C, TILE_T] = x2^T @ h_diag`,
-    `x2 [TILE_T*n, TILE_C]` the whole `[TILE_T, n, TILE_C]` tile, `h_diag [TILE_T*n, TILE_T]` the
-    block's `h_pre` (`_block_diag`); stored through a transposed view of `out`."""
-    xt = ct.load(x, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
-    acc = mma_at(ct.transpose(ct.reshape(xt, (TILE_T * N, TILE_C))), h_diag, ct.zeros((TILE_C, TILE_T), dtype=F32),
-                 MIX_MMA)
-    ct.store(out, index=(pc, pt), tile=ct.astype(acc, out.dtype), order=(1, 0))
 
 
 def _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM):
@@ -80,9 +38,9 @@ def _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM):
     if PER_STREAM:
         acc = ct.zeros((TILE_T, TILE_C), dtype=F32)
         for i in ct.static_iter(range(N)):
-            acc = acc + ct.extract(h, (0, i), shape=(TILE_T, 1)) * _load_stream(x, pt, i, pc, TILE_T, TILE_C)
+            acc = acc + ct.extract(h, (0, i), shape=(TILE_T, 1)) * load_stream(x, pt, i, pc, TILE_T, TILE_C)
     else:
-        xt = _load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
+        xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
         acc = ct.sum(xt * ct.reshape(h, (TILE_T, N, 1)), axis=1)
     ct.store(out, index=(pt, pc), tile=ct.astype(acc, out.dtype))
 
@@ -97,19 +55,19 @@ def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C:
     `PER_STREAM`: one `[TILE_T, TILE_C]` load per stream, summed in registers; else one
     `[TILE_T, n, TILE_C]` load reduced over its middle axis. `MIX_MMA` >= 0 (a `mma_codes`
     precision; -1: off, and then `PER_STREAM` applies): the sum over streams is a tensor-core
-    product of the whole tile with the block-diagonal `h_pre` (`_aggregate_tile_mma`).
+    product of the whole tile with the block-diagonal `h_pre` (`aggregate_tile_mma`).
     """
     pt = ct.bid(0)
-    h = _load_f32(h_pre, (pt, 0), (TILE_T, N))
-    h_diag = _block_diag(ct.reshape(h, (TILE_T, N, 1)), N, 1, TILE_T)  # used when MIX_MMA >= 0
+    h = load_f32(h_pre, (pt, 0), (TILE_T, N))
+    h_diag = block_diag(ct.reshape(h, (TILE_T, N, 1)), N, 1, TILE_T)  # used when MIX_MMA >= 0
     if LOOP_C:
         for pc in range(ct.num_tiles(out, axis=1, shape=(TILE_T, TILE_C))):
             if MIX_MMA >= 0:
-                _aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA)
+                aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA)
             else:
                 _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM)
     elif MIX_MMA >= 0:
-        _aggregate_tile_mma(x, h_diag, out, pt, ct.bid(1), N, TILE_T, TILE_C, MIX_MMA)
+        aggregate_tile_mma(x, h_diag, out, pt, ct.bid(1), N, TILE_T, TILE_C, MIX_MMA)
     else:
         _aggregate_tile(x, h, out, pt, ct.bid(1), N, TILE_T, TILE_C, PER_STREAM)
 
@@ -122,11 +80,11 @@ def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
     Grid `(cdiv(T, TILE_T),)`; each block walks all of `C`, so `grad_h` needs no second pass.
     """
     pt = ct.bid(0)
-    h = ct.reshape(_load_f32(h_pre, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+    h = ct.reshape(load_f32(h_pre, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
     gh = ct.zeros((TILE_T, N), dtype=F32)
     for pc in range(ct.num_tiles(grad_out, axis=1, shape=(TILE_T, TILE_C))):
-        go = ct.reshape(_load_f32(grad_out, (pt, pc), (TILE_T, TILE_C)), (TILE_T, 1, TILE_C))
-        xt = _load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
+        go = ct.reshape(load_f32(grad_out, (pt, pc), (TILE_T, TILE_C)), (TILE_T, 1, TILE_C))
+        xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
         ct.store(grad_x, index=(pt, 0, pc), tile=ct.astype(go * h, grad_x.dtype))
         gh = gh + ct.sum(go * xt, axis=2)
     ct.store(grad_h, index=(pt, 0), tile=ct.astype(gh, grad_h.dtype))
@@ -136,10 +94,10 @@ def _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HA
     """One `[TILE_T, n, TILE_C]` output tile of `h_post_bda` (modes: `h_post_bda_fwd_kernel`); the
     block's mix `m [TILE_T, n, n]` and `hp2 = h_post [TILE_T, n]`, fp32, come loaded."""
     if PER_STREAM == 2:
-        yb2 = ct.reshape(_load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), (TILE_T, TILE_C))
+        yb2 = ct.reshape(load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), (TILE_T, TILE_C))
         streams = ()
         for j in ct.static_iter(range(N)):
-            streams = streams + (_load_stream(residual, pt, j, pc, TILE_T, TILE_C),)
+            streams = streams + (load_stream(residual, pt, j, pc, TILE_T, TILE_C),)
         for i in ct.static_iter(range(N)):
             acc2 = ct.extract(hp2, (0, i), shape=(TILE_T, 1)) * yb2
             for j in ct.static_iter(range(N)):
@@ -147,8 +105,8 @@ def _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HA
                 acc2 = acc2 + m_ij * streams[j]
             ct.store(out, index=(pt, i, pc), tile=ct.astype(ct.reshape(acc2, (TILE_T, 1, TILE_C)), out.dtype))
     else:
-        res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
-        yb = _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
+        res = load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
+        yb = load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
         if PER_STREAM:
             for i in ct.static_iter(range(N)):
                 acc = ct.reshape(ct.extract(hp2, (0, i), shape=(TILE_T, 1)), (TILE_T, 1, 1)) * yb
@@ -166,19 +124,6 @@ def _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HA
             ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
 
 
-def _post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA):
-    """One output tile of `h_post_bda` with the residual mix on the tensor cores:
-    `mix^T [TILE_C, TILE_T*n] = res2^T @ m_diag`, `res2 [TILE_T*n, TILE_C]` the whole residual tile,
-    `m_diag` the block-diagonal `M^T` (`m_diag[t*n + j, t*n + i] = M[t, i, j]`); then
-    `+ h_post * (y + bias)` and one whole-tile store."""
-    res = ct.load(residual, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
-    mix_t = mma_at(ct.transpose(ct.reshape(res, (TILE_T * N, TILE_C))), m_diag,
-                   ct.zeros((TILE_C, TILE_T * N), dtype=F32), MIX_MMA)
-    mix = ct.reshape(ct.transpose(mix_t), (TILE_T, N, TILE_C))
-    acc = mix + ct.reshape(hp2, (TILE_T, N, 1)) * _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
-    ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
-
-
 @ct.kernel
 def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
@@ -193,20 +138,20 @@ def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
     `[TILE_T, TILE_C]` tiles, so no tile has a middle axis to reshuffle (sm_90: no shared memory,
     against 46 KB and 110 shared loads / stores for 1). `MIX_MMA` >= 0 (a `mma_codes` precision; -1:
     off, and then `PER_STREAM` applies): the mix is a tensor-core product of the whole residual
-    tile with the block-diagonal `M^T` (`_post_bda_tile_mma`).
+    tile with the block-diagonal `M^T` (`post_bda_tile_mma`).
     """
     pt = ct.bid(0)
-    m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
-    hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
-    m_diag = _block_diag(ct.permute(m, (0, 2, 1)), N, N, TILE_T)  # used when MIX_MMA >= 0
+    m = load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
+    hp2 = load_f32(h_post, (pt, 0), (TILE_T, N))
+    m_diag = block_diag(ct.permute(m, (0, 2, 1)), N, N, TILE_T)  # used when MIX_MMA >= 0
     if LOOP_C:
         for pc in range(ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))):
             if MIX_MMA >= 0:
-                _post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA)
+                post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA)
             else:
                 _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM)
     elif MIX_MMA >= 0:
-        _post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA)
+        post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA)
     else:
         _post_bda_tile(m, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM)
 
@@ -239,38 +184,6 @@ def _channel_sums(parts, COUNT, TILE_T):
     return out
 
 
-def _branch_mma(REDUCE_MMA):
-    """The precision of the `grad_out x (y + bias)` product: `y + bias` is fp32, not exact in bf16."""
-    if REDUCE_MMA == MMA_BF16:
-        code = MMA_2XBF16
-    else:
-        code = REDUCE_MMA
-    return code
-
-
-def _token_diagonal(acc, N, TILE_T):
-    """`[TILE_T, n, n]` diagonal blocks of a `[TILE_T*n, TILE_T*n]` product of token-major rows:
-    `out[t, i, j] = acc[t*n + i, t*n + j]` (the cross-token entries are dropped)."""
-    return ct.sum(ct.reshape(acc, (TILE_T, N, TILE_T, N)) * _token_eye(TILE_T), axis=2)
-
-
-def _channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h, N, TILE_T, TILE_C, REDUCE_MMA):
-    """One C tile of the `n*n + n` channel sums of `h_post_bda`'s backward on the tensor cores.
-
-    With the block's tokens and streams as rows (`go2, res2 [TILE_T*n, TILE_C]`, the `[T, n, C]`
-    tiles reshaped), `acc_m += go2 @ res2^T` and `acc_h += go2 @ ybx^T` (`ybx`: `y + bias`
-    repeated for each stream) are `[TILE_T*n, TILE_T*n]` products whose diagonal blocks are
-    `grad_M` and `grad_h_post` (`_token_diagonal`); the rest is waste the tensor cores can afford.
-    Returns the accumulators and `grad_out`'s tile as fp32 `[TILE_T, n, TILE_C]`."""
-    go = ct.load(grad_out, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
-    res = ct.load(residual, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
-    go2 = ct.reshape(go, (TILE_T * N, TILE_C))
-    acc_m = mma_at(go2, ct.transpose(ct.reshape(res, (TILE_T * N, TILE_C))), acc_m, REDUCE_MMA)
-    ybx = ct.reshape(ct.broadcast_to(yb, (TILE_T, N, TILE_C)), (TILE_T * N, TILE_C))
-    acc_h = mma_at(go2, ct.transpose(ybx), acc_h, _branch_mma(REDUCE_MMA))
-    return acc_m, acc_h, ct.astype(go, F32)
-
-
 @ct.kernel
 def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
                           grad_h_res, grad_residual, grad_h_post, grad_y, grad_bias_part,
@@ -293,28 +206,28 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
     reduction inside the loop (0 and 1 reduce `n*n + n` times per C tile).
 
     `REDUCE_MMA` >= 0 (a `mma_codes` precision; -1: off): the channel sums are tensor-core
-    products instead (`_channel_products`), `grad_residual` and `grad_y` are stored per stream as
+    products instead (`channel_products`), `grad_residual` and `grad_y` are stored per stream as
     with `PER_STREAM` 1 (which it then ignores).
     """
     pt = ct.bid(0)
-    m = _load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
+    m = load_mix(h_res, pt, N, TILE_T, TRANSPOSED)
     num_c = ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))
     if REDUCE_MMA >= 0:
-        hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
+        hp2 = load_f32(h_post, (pt, 0), (TILE_T, N))
         acc_m = ct.zeros((TILE_T * N, TILE_T * N), dtype=F32)
         acc_h = ct.zeros((TILE_T * N, TILE_T * N), dtype=F32)
         for pc in range(num_c):
-            yb = _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
-            acc_m, acc_h, go = _channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h,
+            yb = load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
+            acc_m, acc_h, go = channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h,
                                                  N, TILE_T, TILE_C, REDUCE_MMA)
             gos = ()
             for i in ct.static_iter(range(N)):
-                gos = gos + (_slice(go, i),)
+                gos = gos + (stream_slice(go, i),)
             _stream_grads(gos, m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
-        g_m = _token_diagonal(acc_m, N, TILE_T)
-        g_hp = ct.reshape(ct.extract(_token_diagonal(acc_h, N, TILE_T), (0, 0, 0), shape=(TILE_T, N, 1)), (TILE_T, N))
+        g_m = token_diagonal(acc_m, N, TILE_T)
+        g_hp = ct.reshape(ct.extract(token_diagonal(acc_h, N, TILE_T), (0, 0, 0), shape=(TILE_T, N, 1)), (TILE_T, N))
     elif PER_STREAM == 2:
-        hp2 = _load_f32(h_post, (pt, 0), (TILE_T, N))
+        hp2 = load_f32(h_post, (pt, 0), (TILE_T, N))
         zero = ct.zeros((TILE_T, TILE_C), dtype=F32)
         part_m = ()  # n*n partials of grad_M, row-major
         part_h = ()  # n partials of grad_h_post
@@ -326,9 +239,9 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
             gos = ()
             ress = ()
             for i in ct.static_iter(range(N)):
-                gos = gos + (_load_stream(grad_out, pt, i, pc, TILE_T, TILE_C),)
-                ress = ress + (_load_stream(residual, pt, i, pc, TILE_T, TILE_C),)
-            yb2 = ct.reshape(_load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), (TILE_T, TILE_C))
+                gos = gos + (load_stream(grad_out, pt, i, pc, TILE_T, TILE_C),)
+                ress = ress + (load_stream(residual, pt, i, pc, TILE_T, TILE_C),)
+            yb2 = ct.reshape(load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), (TILE_T, TILE_C))
             nxt_m = ()
             nxt_h = ()
             for i in ct.static_iter(range(N)):
@@ -341,22 +254,22 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
         g_m = ct.reshape(_channel_sums(part_m, N * N, TILE_T), (TILE_T, N, N))
         g_hp = _channel_sums(part_h, N, TILE_T)
     else:
-        hp = ct.reshape(_load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
+        hp = ct.reshape(load_f32(h_post, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
         lanes = ct.arange(N, dtype=ct.int32)
         g_m = ct.zeros((TILE_T, N, N), dtype=F32)
         g_hp = ct.zeros((TILE_T, N), dtype=F32)
         for pc in range(num_c):
-            go = _load_f32(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C))
-            res = _load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
+            go = load_f32(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C))
+            res = load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
             for j in ct.static_iter(range(N)):
                 col = ct.sum(go * ct.extract(res, (0, j, 0), shape=(TILE_T, 1, TILE_C)), axis=2, keepdims=True)
                 onehot = ct.reshape(ct.where(lanes == j, 1.0, 0.0), (1, 1, N))
                 g_m = g_m + col * onehot
-            g_hp = g_hp + ct.sum(go * _load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), axis=2)
+            g_hp = g_hp + ct.sum(go * load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), axis=2)
             if PER_STREAM:
                 gos1 = ()
                 for i in ct.static_iter(range(N)):
-                    gos1 = gos1 + (_slice(go, i),)
+                    gos1 = gos1 + (stream_slice(go, i),)
                 _stream_grads(gos1, m, ct.reshape(hp, (TILE_T, N)), grad_residual, grad_y, grad_bias_part, pt, pc,
                               N, TILE_T, TILE_C, HAS_BIAS)
             else:
