@@ -64,7 +64,8 @@ class _AggregateFn(torch.autograd.Function):
             ctx.rt.launch(
                 (cdiv(t, tl.tile_t),),
                 "h_aggregate_bwd_kernel",
-                (go, x, h_pre, grad_x, grad_h, n, tl.tile_t, tl.tile_c),
+                (go, x, h_pre, grad_x, grad_h, n, tl.tile_t, tl.tile_c,
+                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n, tl.tile_t), x.dtype, True)),
             )
         else:
             grad_h.zero_()

@@ -150,14 +150,15 @@ ALTERNATIVE_TILES = (
     {"h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, mma=True),
      "mapping_bwd": tiling.MappingTiles(tile_m=16, tile_k=64)},
     {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, mma=True, loop_c=True),
-     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, mma=True)},
+     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, mma=True),
+     "h_aggregate_bwd": tiling.StreamTiles(tile_t=16, tile_c=128, mma=True)},
 )
 """The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
 (each with a stored trajectory and with recompute; per-element also with approximate division), the whole-tile (not per-stream) stream
 forwards, the per-stream h_post_bda backward, the stream-by-stream-loading h_post_bda forward and backward, the
 C-looping stream forwards, the mapping backward with its own grad_x kernel and with a spill-free 16 x 64 tile,
-the h_post_bda backward with tensor-core channel sums and both forwards with their stream sums on the tensor
-cores."""
+the h_post_bda and h_aggregate backwards with tensor-core channel sums and both forwards with their stream sums
+on the tensor cores."""
 
 
 @functools.cache

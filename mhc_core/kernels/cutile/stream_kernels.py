@@ -23,6 +23,7 @@ from mhc_core.kernels.cutile.stream_common import (
     stream_slice,
 )
 from mhc_core.kernels.cutile.stream_mma import (
+    aggregate_channel_products,
     aggregate_tile_mma,
     block_diag,
     channel_products,
@@ -74,19 +75,29 @@ def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C:
 
 @ct.kernel
 def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
-                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt):
+                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt, REDUCE_MMA: ConstInt):
     """`grad_x[t, i, c] = h[t, i] go[t, c]`, `grad_h[t, i] = sum_c go[t, c] x[t, i, c]`.
 
     Grid `(cdiv(T, TILE_T),)`; each block walks all of `C`, so `grad_h` needs no second pass.
+    `REDUCE_MMA` >= 0 (a `mma_codes` precision; -1: off): the channel sum is a tensor-core
+    product `x2 @ go^T` (`stream_mma.aggregate_channel_products`) instead of a cross-thread
+    reduction per C tile.
     """
     pt = ct.bid(0)
     h = ct.reshape(load_f32(h_pre, (pt, 0), (TILE_T, N)), (TILE_T, N, 1))
     gh = ct.zeros((TILE_T, N), dtype=F32)
+    acc = ct.zeros((TILE_T * N, TILE_T), dtype=F32)  # used when REDUCE_MMA >= 0
     for pc in range(ct.num_tiles(grad_out, axis=1, shape=(TILE_T, TILE_C))):
-        go = ct.reshape(load_f32(grad_out, (pt, pc), (TILE_T, TILE_C)), (TILE_T, 1, TILE_C))
-        xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
-        ct.store(grad_x, index=(pt, 0, pc), tile=ct.astype(go * h, grad_x.dtype))
-        gh = gh + ct.sum(go * xt, axis=2)
+        if REDUCE_MMA >= 0:
+            acc, go = aggregate_channel_products(grad_out, x, pt, pc, acc, N, TILE_T, TILE_C, REDUCE_MMA)
+            ct.store(grad_x, index=(pt, 0, pc), tile=ct.astype(go * h, grad_x.dtype))
+        else:
+            go = ct.reshape(load_f32(grad_out, (pt, pc), (TILE_T, TILE_C)), (TILE_T, 1, TILE_C))
+            xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
+            ct.store(grad_x, index=(pt, 0, pc), tile=ct.astype(go * h, grad_x.dtype))
+            gh = gh + ct.sum(go * xt, axis=2)
+    if REDUCE_MMA >= 0:
+        gh = ct.reshape(token_diagonal(acc, N, 1, TILE_T), (TILE_T, N))
     ct.store(grad_h, index=(pt, 0), tile=ct.astype(gh, grad_h.dtype))
 
 
@@ -224,8 +235,8 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
             for i in ct.static_iter(range(N)):
                 gos = gos + (stream_slice(go, i),)
             _stream_grads(gos, m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
-        g_m = token_diagonal(acc_m, N, TILE_T)
-        g_hp = ct.reshape(ct.extract(token_diagonal(acc_h, N, TILE_T), (0, 0, 0), shape=(TILE_T, N, 1)), (TILE_T, N))
+        g_m = token_diagonal(acc_m, N, N, TILE_T)
+        g_hp = ct.reshape(ct.extract(token_diagonal(acc_h, N, N, TILE_T), (0, 0, 0), shape=(TILE_T, N, 1)), (TILE_T, N))
     elif PER_STREAM == 2:
         hp2 = load_f32(h_post, (pt, 0), (TILE_T, N))
         zero = ct.zeros((TILE_T, TILE_C), dtype=F32)

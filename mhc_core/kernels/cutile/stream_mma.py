@@ -15,7 +15,8 @@ import cuda.tile as ct
 from mhc_core.kernels.cutile.mma_common import MMA_2XBF16, MMA_BF16, mma_at
 from mhc_core.kernels.cutile.stream_common import F32, PAD_ZERO, load_branch
 
-__all__ = ["block_diag", "aggregate_tile_mma", "post_bda_tile_mma", "token_diagonal", "channel_products"]
+__all__ = ["block_diag", "aggregate_tile_mma", "post_bda_tile_mma", "token_diagonal", "channel_products",
+           "aggregate_channel_products"]
 
 
 def token_eye(TILE_T):
@@ -64,10 +65,21 @@ def branch_mma(REDUCE_MMA):
     return code
 
 
-def token_diagonal(acc, N, TILE_T):
-    """`[TILE_T, n, n]` diagonal blocks of a `[TILE_T*n, TILE_T*n]` product of token-major rows:
-    `out[t, i, j] = acc[t*n + i, t*n + j]` (the cross-token entries are dropped)."""
-    return ct.sum(ct.reshape(acc, (TILE_T, N, TILE_T, N)) * token_eye(TILE_T), axis=2)
+def token_diagonal(acc, N, COLS, TILE_T):
+    """`[TILE_T, n, COLS]` diagonal blocks of a `[TILE_T*n, TILE_T*COLS]` product of token-major
+    rows and columns: `out[t, i, j] = acc[t*n + i, t*COLS + j]` (cross-token entries dropped)."""
+    return ct.sum(ct.reshape(acc, (TILE_T, N, TILE_T, COLS)) * token_eye(TILE_T), axis=2)
+
+
+def aggregate_channel_products(grad_out, x, pt, pc, acc, N, TILE_T, TILE_C, REDUCE_MMA):
+    """One C tile of `h_aggregate`'s backward channel sum on the tensor cores: `acc += x2 @ go^T`
+    (`x2 [TILE_T*n, TILE_C]`, `go [TILE_T, TILE_C]`: a `[TILE_T*n, TILE_T]` product whose diagonal
+    blocks, `token_diagonal(acc, n, 1)`, are `grad_h_pre`). Returns `acc` and `grad_out`'s tile as
+    fp32 `[TILE_T, 1, TILE_C]`."""
+    go = ct.load(grad_out, index=(pt, pc), shape=(TILE_T, TILE_C), padding_mode=PAD_ZERO)
+    xt = ct.load(x, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
+    acc = mma_at(ct.reshape(xt, (TILE_T * N, TILE_C)), ct.transpose(go), acc, REDUCE_MMA)
+    return acc, ct.reshape(ct.astype(go, F32), (TILE_T, 1, TILE_C))
 
 
 def channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h, N, TILE_T, TILE_C, REDUCE_MMA):

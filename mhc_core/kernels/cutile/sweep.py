@@ -61,7 +61,10 @@ CANDIDATES: dict[str, tuple] = {
                         _S(8, 256, True, True), _S(4, 256, True, True), _S(16, 256, True, True), _S(8, 512, True, True),
                         _S(8, 256, mma=True), _S(8, 256, loop_c=True, mma=True), _S(16, 128, mma=True),
                         _S(16, 256, loop_c=True, mma=True)),
-    "h_aggregate_bwd": (_S(8, 256), _S(4, 256), _S(8, 512), _S(16, 256)),
+    # `mma`: the channel sum x2 @ go^T on the tensor cores; 16 x 128: 4 SHFL / 4 LDS against the
+    # default's 80 / 32, no spills (8 x 256 spills, left out).
+    "h_aggregate_bwd": (_S(8, 256), _S(4, 256), _S(8, 512), _S(16, 256), _S(16, 128, mma=True),
+                        _S(8, 128, mma=True)),
     "h_post_bda_fwd": (_S(4, 256, True), _S(2, 256, True), _S(4, 128, True), _S(2, 512, True), _S(4, 256),
                        _S(4, 256, 2), _S(8, 256, 2), _S(8, 128, 2), _S(4, 256, 2, True), _S(8, 256, 2, True),
                        _S(4, 256, True, True), _S(4, 256, mma=True), _S(4, 256, loop_c=True, mma=True),
@@ -103,6 +106,8 @@ CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8
 # And the `mma` forwards (C-looping): 255 x 256 unhinted, 128 / 64 registers at 2 / 4, no spills.
 CANDIDATES["h_aggregate_fwd_occupancy"] += _hinted("h_aggregate_fwd", (2, 4), _S(8, 256, loop_c=True, mma=True))
 CANDIDATES["h_post_bda_fwd_occupancy"] += _hinted("h_post_bda_fwd", (2, 4), _S(4, 256, loop_c=True, mma=True))
+CANDIDATES["h_aggregate_bwd_occupancy"] += _hinted("h_aggregate_bwd", (4,), _S(16, 128, mma=True)) + _hinted(
+    "h_aggregate_bwd", (2, 4), _S(8, 128, mma=True))
 # The split-dx mapping backward's grad_x kernel also compiles to 255 registers x 256 threads unhinted.
 CANDIDATES["mapping_bwd_occupancy"] += _hinted("mapping_bwd", (2, 4), tiling.MappingTiles(32, 128, True))
 # Most expected gain first, so that a sweep its timeout cuts short has timed these: the kernels furthest

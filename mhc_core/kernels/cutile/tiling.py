@@ -166,8 +166,8 @@ class StreamTiles:
     instead of one block per (token, channel) tile, a loop the compiler can pipeline.
     `mma`: the sum over streams on the tensor cores, with whole `[TILE_T, n, TILE_C]` tiles as
     `[TILE_T*n, TILE_C]` matrices: the forwards multiply them by the block-diagonal matrix of the
-    block's coefficients (`h_pre`, `M^T`), the h_post_bda backward takes its `n*n + n` channel sums
-    as products of the grad_out and residual tiles (diagonal blocks kept; its other gradients per
+    block's coefficients (`h_pre`, `M^T`), the backwards take their channel sums as products of
+    the grad_out and x / residual tiles (diagonal blocks kept; h_post_bda's other gradients per
     stream). Only for tiles with an MMA reduction of >= 16 and edges of >= 8 (`ops_streams._mma_code`);
     smaller tiles keep the CUDA-core formulation.
     """

@@ -70,11 +70,12 @@ ALT_PLAN = alternative_plan()
 
 def test_alternative_plan_holds_each_formulation():
     """The sweep's alternative formulations (batch-last and per-element Sinkhorn, whole-tile and
-    C-looping stream forwards, per-stream, tuple and tensor-core h_post_bda backwards, split-dx and
-    16 x 64 mapping backwards) are listed."""
+    C-looping and tensor-core stream forwards, per-stream, tuple and tensor-core h_post_bda backwards,
+    the tensor-core h_aggregate backward, split-dx and 16 x 64 mapping backwards) are listed."""
     kernels = {p.kernel_name for p in ALT_PLAN}
     assert kernels == {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel",
-                       "sinkhorn_bwd_elem_kernel", "h_aggregate_fwd_kernel", "h_post_bda_fwd_kernel",
+                       "sinkhorn_bwd_elem_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel",
+                       "h_post_bda_fwd_kernel",
                        "h_post_bda_bwd_kernel", "mapping_bwd_coef_kernel", "mapping_bwd_dx_kernel",
                        "mapping_bwd_dx_dw_kernel"}
 

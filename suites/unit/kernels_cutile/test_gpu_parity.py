@@ -169,14 +169,15 @@ STREAM_FORMS = [
                   "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=2)}, id="stream_loads"),
     pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, per_stream=1, loop_c=True),
                   "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=2, loop_c=True)}, id="loop_c_fwd"),
-    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 64, mma=True)}, id="mma_bwd"),
+    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 64, mma=True),
+                  "h_aggregate_bwd": tiling.StreamTiles(16, 128, mma=True)}, id="mma_bwd"),
     pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, mma=True),
                   "h_post_bda_fwd": tiling.StreamTiles(4, 256, loop_c=True, mma=True)}, id="mma_fwd"),
     pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, loop_c=True, mma=True),
                   "h_post_bda_fwd": tiling.StreamTiles(4, 256, mma=True),
                   "occupancy": {"h_aggregate_fwd_kernel": 4, "h_post_bda_fwd_kernel": 4}}, id="mma_fwd-occupancy4"),
-    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 64, mma=True), "occupancy": {"h_post_bda_bwd_kernel": 4}},
-                 id="mma_bwd-occupancy4"),
+    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 64, mma=True), "h_aggregate_bwd": tiling.StreamTiles(16, 128, mma=True),
+                  "occupancy": {"h_post_bda_bwd_kernel": 4, "h_aggregate_bwd_kernel": 4}}, id="mma_bwd-occupancy4"),
 ]
 
 
