@@ -18,7 +18,7 @@
 # adopted; each step has its own timeout, the sum < 10 min;
 # MHC_GPU_TIMEOUT_<STEP> overrides one, e.g. MHC_GPU_TIMEOUT_PARITY=150, so a call fits a device budget):
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
-#           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 150 s (305 tests)
+#           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 150 s (317 tests)
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   bench   (not a default step: the sweep's first candidate per key is the default)
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
