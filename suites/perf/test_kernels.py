@@ -4,7 +4,9 @@ Per benchmark, `extra_info` holds the bytes-moved model, achieved bytes/s, the b
 plain copy of the same bytes measured in the same run, their ratio (the roofline ratio) and, for
 fused backends, the speed-up over `reference` in the same run; on a GPU the same two ratios again
 from back-to-back calls (`*_pipelined`: the kernels' own time, without the launch cost that a
-single timed call includes whenever the GPU waits for the host). Nothing here asserts a speed.
+single timed call includes whenever the GPU waits for the host, unless the host is the slower
+side even then), and the GPU busy time per call (`device_busy_s`, `mhc_core.kernels.device_time`:
+the kernels alone). Nothing here asserts a speed.
 Perf goldens (two-sided band on the median time) are compared only with MHC_PERF_GOLDEN=1 (the
 nightly GPU job), never in CPU CI.
 """
@@ -19,6 +21,7 @@ import torch
 
 from harness import TimingCheck
 from mhc_core.kernels import dispatch
+from mhc_core.kernels.device_time import device_busy_seconds
 from suites.perf.nsys import RANGE_PREFIX
 from suites.perf.registry import PerfCase, cases_for
 from suites.perf.timing import copy_fn, paired_samples, pipelined_seconds, synced
@@ -105,6 +108,11 @@ def test_kernel(benchmark, golden_metrics, nsys_ranges, case, direction, backend
         info.update({"pipelined_s": piped[0], "roofline_ratio_pipelined": piped[1] / piped[0]})
         if backend != "reference":
             info["speedup_vs_reference_pipelined"] = piped[2] / piped[0]
+    busy = device_busy_seconds(fn, DEVICE, calls=5)
+    if busy is not None:
+        # The kernels alone (GPU busy time per call, `mhc_core.kernels.device_time`): for small ops
+        # the timed calls above measure the host's launch path as much as the kernels.
+        info.update({"device_busy_s": busy, "bytes_per_s_busy": nbytes / busy})
     if label in nsys_ranges:
         info["nsys_kernel_s"] = nsys_ranges[label].per_instance_s
     benchmark.extra_info.update(info)
