@@ -34,16 +34,20 @@ from mhc_core.kernels.cutile.stream_mma import (
 ConstInt = ct.Constant[int]
 
 
-def _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM):
-    """One `[TILE_T, TILE_C]` output tile of `h_aggregate`; `h [TILE_T, n]` fp32 (the block's `h_pre`)."""
-    if PER_STREAM:
-        acc = ct.zeros((TILE_T, TILE_C), dtype=F32)
-        for i in ct.static_iter(range(N)):
-            acc = acc + ct.extract(h, (0, i), shape=(TILE_T, 1)) * load_stream(x, pt, i, pc, TILE_T, TILE_C)
+def _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM, MIX_MMA):
+    """One `[TILE_T, TILE_C]` output tile of `h_aggregate`; `h [TILE_T, n]` fp32 (the block's `h_pre`),
+    `h_diag` its block-diagonal form (`MIX_MMA >= 0`)."""
+    if MIX_MMA >= 0:
+        aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA)
     else:
-        xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
-        acc = ct.sum(xt * ct.reshape(h, (TILE_T, N, 1)), axis=1)
-    ct.store(out, index=(pt, pc), tile=ct.astype(acc, out.dtype))
+        if PER_STREAM:
+            acc = ct.zeros((TILE_T, TILE_C), dtype=F32)
+            for i in ct.static_iter(range(N)):
+                acc = acc + ct.extract(h, (0, i), shape=(TILE_T, 1)) * load_stream(x, pt, i, pc, TILE_T, TILE_C)
+        else:
+            xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C))
+            acc = ct.sum(xt * ct.reshape(h, (TILE_T, N, 1)), axis=1)
+        ct.store(out, index=(pt, pc), tile=ct.astype(acc, out.dtype))
 
 
 @ct.kernel
@@ -63,14 +67,9 @@ def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C:
     h_diag = block_diag(ct.reshape(h, (TILE_T, N, 1)), N, 1, TILE_T)  # used when MIX_MMA >= 0
     if LOOP_C:
         for pc in range(ct.num_tiles(out, axis=1, shape=(TILE_T, TILE_C))):
-            if MIX_MMA >= 0:
-                aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA)
-            else:
-                _aggregate_tile(x, h, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM)
-    elif MIX_MMA >= 0:
-        aggregate_tile_mma(x, h_diag, out, pt, ct.bid(1), N, TILE_T, TILE_C, MIX_MMA)
+            _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM, MIX_MMA)
     else:
-        _aggregate_tile(x, h, out, pt, ct.bid(1), N, TILE_T, TILE_C, PER_STREAM)
+        _aggregate_tile(x, h, h_diag, out, pt, ct.bid(1), N, TILE_T, TILE_C, PER_STREAM, MIX_MMA)
 
 
 @ct.kernel
@@ -101,10 +100,14 @@ def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
     ct.store(grad_h, index=(pt, 0), tile=ct.astype(gh, grad_h.dtype))
 
 
-def _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM):
+def _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM,
+                   MIX_MMA):
     """One `[TILE_T, n, TILE_C]` output tile of `h_post_bda` (modes: `h_post_bda_fwd_kernel`); the
-    block's mix `m [TILE_T, n, n]` and `hp2 = h_post [TILE_T, n]`, fp32, come loaded."""
-    if PER_STREAM == 2:
+    block's mix `m [TILE_T, n, n]`, its block-diagonal `M^T` `m_diag` (`MIX_MMA >= 0`) and
+    `hp2 = h_post [TILE_T, n]`, fp32, come loaded."""
+    if MIX_MMA >= 0:
+        post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA)
+    elif PER_STREAM == 2:
         yb2 = ct.reshape(load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), (TILE_T, TILE_C))
         streams = ()
         for j in ct.static_iter(range(N)):
@@ -157,14 +160,19 @@ def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
     m_diag = block_diag(ct.permute(m, (0, 2, 1)), N, N, TILE_T)  # used when MIX_MMA >= 0
     if LOOP_C:
         for pc in range(ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))):
-            if MIX_MMA >= 0:
-                post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA)
-            else:
-                _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM)
-    elif MIX_MMA >= 0:
-        post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA)
+            _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM,
+                           MIX_MMA)
     else:
-        _post_bda_tile(m, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM)
+        _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM,
+                       MIX_MMA)
+
+
+def _stream_slices(t, N):
+    """The `n` streams of a `[TILE_T, n, TILE_C]` tile as a tuple of `[TILE_T, TILE_C]` tiles."""
+    out = ()
+    for i in ct.static_iter(range(N)):
+        out = out + (stream_slice(t, i),)
+    return out
 
 
 def _stream_grads(gos, m, hp, grad_residual, grad_y, grad_bias_part, pt, pc,
@@ -231,10 +239,7 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
             yb = load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS)
             acc_m, acc_h, go = channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h,
                                                  N, TILE_T, TILE_C, REDUCE_MMA)
-            gos = ()
-            for i in ct.static_iter(range(N)):
-                gos = gos + (stream_slice(go, i),)
-            _stream_grads(gos, m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
+            _stream_grads(_stream_slices(go, N), m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
         g_m = token_diagonal(acc_m, N, N, TILE_T)
         g_hp = ct.reshape(ct.extract(token_diagonal(acc_h, N, N, TILE_T), (0, 0, 0), shape=(TILE_T, N, 1)), (TILE_T, N))
     elif PER_STREAM == 2:
@@ -278,10 +283,7 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
                 g_m = g_m + col * onehot
             g_hp = g_hp + ct.sum(go * load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), axis=2)
             if PER_STREAM:
-                gos1 = ()
-                for i in ct.static_iter(range(N)):
-                    gos1 = gos1 + (stream_slice(go, i),)
-                _stream_grads(gos1, m, ct.reshape(hp, (TILE_T, N)), grad_residual, grad_y, grad_bias_part, pt, pc,
+                _stream_grads(_stream_slices(go, N), m, ct.reshape(hp, (TILE_T, N)), grad_residual, grad_y, grad_bias_part, pt, pc,
                               N, TILE_T, TILE_C, HAS_BIAS)
             else:
                 g_res = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
