@@ -47,7 +47,7 @@ class KernelResources:
     threads: int
     shared_bytes: int
     local_bytes: int
-    stack_bytes: int = 0
+    stack_bytes: int
     """The per-thread stack frame (`cuobjdump -res-usage` STACK), where register spills go: the
     SASS then holds `STL` / `LDL` (counted as `stl` / `ldl`); `local_bytes` stays 0 for spills."""
     counts: dict[str, int] = field(default_factory=dict)
