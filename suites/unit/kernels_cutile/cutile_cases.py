@@ -37,6 +37,17 @@ def _run(fn: Callable, inputs: Sequence[torch.Tensor | None], grads: Sequence[to
     return outs, [None if t is None else t.grad for t in leaves], grads
 
 
+def grad_errors_vs_fp64(kernel: Callable, oracle: Callable, inputs: Sequence[torch.Tensor], grad: torch.Tensor,
+                        wrt: Sequence[int]) -> list[float]:
+    """For each input index in `wrt`: the max error of `kernel`'s gradient (output gradient `grad`)
+    against `oracle`'s run in fp64, relative to the largest entry of the fp64 gradient."""
+    leaves = [a.detach().clone().requires_grad_(True) for a in inputs]
+    exact = [a.detach().double().requires_grad_(True) for a in inputs]
+    got = torch.autograd.grad(kernel(*leaves), [leaves[i] for i in wrt], grad)
+    want = torch.autograd.grad(oracle(*exact), [exact[i] for i in wrt], grad.double())
+    return [float((g.double() - w).abs().max() / w.abs().max()) for g, w in zip(got, want, strict=True)]
+
+
 def compare(
     name: str,
     kernel_fn: Callable,

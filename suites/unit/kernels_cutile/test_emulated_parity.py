@@ -27,6 +27,7 @@ from suites.unit.kernels_cutile.cutile_cases import (
     VARIANT_NAMES,
     aggregate_inputs,
     compare,
+    grad_errors_vs_fp64,
     mapping_inputs,
     mapping_oracle,
     post_bda_inputs,
@@ -196,15 +197,11 @@ def test_aggregate_bwd_mma(emu, n, x_dtype, h_dtype):
     matches the reference, and its grad_h_pre stays within 1e-5 (of the largest entry) of fp64: 3
     token tiles, the last partial, and a partial C tile."""
     inputs = aggregate_inputs(21, n, 300, x_dtype, h_dtype, "cpu")
+    grad = torch.randn(21, 300, generator=torch.Generator().manual_seed(6)).to(x_dtype)
     with tiling.overridden(h_aggregate_bwd=tiling.StreamTiles(tile_t=8, tile_c=128, mma=True)):
         compare(f"h_aggregate mma bwd n{n}", emu.h_aggregate, ref.h_aggregate, inputs, x_dtype,
                 input_names=("x", "h_pre"))
-        leaves = [a.detach().clone().requires_grad_(True) for a in inputs]
-        grad = torch.randn(21, 300, generator=torch.Generator().manual_seed(6)).to(x_dtype)
-        (got,) = torch.autograd.grad(emu.h_aggregate(*leaves), [leaves[1]], grad)
-    exact = [a.detach().double().requires_grad_(True) for a in inputs]
-    (want,) = torch.autograd.grad(ref.h_aggregate(*exact), [exact[1]], grad.double())
-    err = float((got.double() - want).abs().max() / want.abs().max())
+        (err,) = grad_errors_vs_fp64(emu.h_aggregate, ref.h_aggregate, inputs, grad, wrt=(1,))
     bound = 1e-5 if h_dtype == torch.float32 else 1e-2  # bf16 grad_h: its own rounding
     assert err <= bound, f"grad_h_pre: max error {err:.3e} of the largest entry > {bound} (n={n})"
 
@@ -216,15 +213,11 @@ def test_post_bda_bwd_mma_coefficient_precision(emu, n):
     rounding it for a plain bf16 product costs ~2e-3 here)."""
     inputs = post_bda_inputs(21, n, 300, torch.bfloat16, torch.float32, True, "cpu")
     grad = torch.randn(21, n, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    leaves = [a.detach().clone().requires_grad_(True) for a in inputs]
-    exact = [a.detach().double().requires_grad_(True) for a in inputs]
     with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(tile_t=16 // n, tile_c=128, mma=True)):
-        out = emu.h_post_bda(*leaves, 0.0, False, Variant.MEGATRON_MAIN)
-        got = torch.autograd.grad(out, [leaves[0], leaves[2]], grad)
-    want = torch.autograd.grad(ref.h_post_bda(*exact, 0.0, False, Variant.MEGATRON_MAIN),
-                               [exact[0], exact[2]], grad.double())
-    for name, g, w in zip(("grad_h_res", "grad_h_post"), got, want, strict=True):
-        err = float((g.double() - w).abs().max() / w.abs().max())
+        errs = grad_errors_vs_fp64(lambda *a: emu.h_post_bda(*a, 0.0, False, Variant.MEGATRON_MAIN),
+                                   lambda *a: ref.h_post_bda(*a, 0.0, False, Variant.MEGATRON_MAIN),
+                                   inputs, grad, wrt=(0, 2))
+    for name, err in zip(("grad_h_res", "grad_h_post"), errs, strict=True):
         assert err <= 1e-5, f"{name}: max error {err:.3e} of the largest entry > 1e-5 (n={n})"
 
 
