@@ -31,7 +31,7 @@ from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, 
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 
-__all__ = ["PlannedLaunch", "KernelCase", "signature_plan", "alternative_plan", "ALTERNATIVE_TILES", "kernel_cases",
+__all__ = ["PlannedLaunch", "KernelCase", "signature_plan", "plan_under", "alternative_plan", "ALTERNATIVE_TILES", "kernel_cases",
            "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C"]
 
 REPRESENTATIVE_T = 64
@@ -161,6 +161,15 @@ the h_post_bda and h_aggregate backwards with tensor-core channel sums and both 
 on the tensor cores."""
 
 
+def plan_under(overrides: dict, n: int = 4, prefix: str = "") -> tuple[PlannedLaunch, ...]:
+    """Distinct launches of all four ops at `n`, C = 512, inside `tiling.overridden(**overrides)`
+    (ids prefixed `prefix`): what the dispatch launches for one set of tiles."""
+    rec = RecordingRuntime()
+    with tiling.overridden(**overrides):
+        _record_all(rec, (n,), REPRESENTATIVE_T, REPRESENTATIVE_C[:1])
+    return _distinct(rec, prefix=prefix)
+
+
 @functools.cache
 def alternative_plan(n: int = 4) -> tuple[PlannedLaunch, ...]:
     """Launches (ids prefixed `alt<i>-`) of the `ALTERNATIVE_TILES` formulations at `n`, C = 512 that
@@ -169,10 +178,7 @@ def alternative_plan(n: int = 4) -> tuple[PlannedLaunch, ...]:
     seen = {(p.kernel_name, p.args) for p in signature_plan()}
     out = []
     for i, overrides in enumerate(ALTERNATIVE_TILES):
-        rec = RecordingRuntime()
-        with tiling.overridden(**overrides):
-            _record_all(rec, (n,), REPRESENTATIVE_T, REPRESENTATIVE_C[:1])
-        for p in _distinct(rec, prefix=f"alt{i}-"):
+        for p in plan_under(overrides, n, prefix=f"alt{i}-"):
             if (p.kernel_name, p.args) not in seen:
                 seen.add((p.kernel_name, p.args))
                 out.append(p)

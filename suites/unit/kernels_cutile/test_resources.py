@@ -42,13 +42,10 @@ def test_report_shows_register_spills(tools):
     default) compiles with a stack frame on sm_90 and STL / LDL in its SASS, the 16 x 64 tile
     without any (a kernel that only ever reported `local B` showed 0 for both)."""
     from mhc_core.kernels.cutile import signatures, tiling
-    from mhc_core.kernels.cutile.runtime import RecordingRuntime
 
     def dx_dw(tiles):
-        rec = RecordingRuntime()
-        with tiling.overridden(mapping_bwd=tiles):
-            signatures._record_all(rec, (4,), signatures.REPRESENTATIVE_T, (512,))
-        launch = next(p for p in signatures._distinct(rec) if p.id == "mapping-bwd-n4-bf16-main-dx_dw")
+        plan = signatures.plan_under({"mapping_bwd": tiles})
+        launch = next(p for p in plan if p.id == "mapping-bwd-n4-bf16-main-dx_dw")
         return resources.inspect_launch(launch, arch="sm_90")
 
     spilling, clean = dx_dw(tiling.MappingTiles(32, 128)), dx_dw(tiling.MappingTiles(16, 64))
