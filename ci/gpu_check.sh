@@ -22,7 +22,7 @@
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   bench   (not a default step: the sweep's first candidate per key is the default)
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
-#           keys from MHC_SWEEP_KEYS, in sweep.KEY_ORDER; 120 s + 150 s; sweep.json is rewritten after every candidate, so a
+#           keys from MHC_SWEEP_KEYS, in sweep.KEY_ORDER; warm-up one process per key, 90 s, then timing 150 s; sweep.json is rewritten after every candidate, so a
 #           timeout keeps what was timed; then the fastest per key, --summary)
 #           + precision_probe (fp32 mapping error per MMA mode, 20 s)
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
@@ -41,6 +41,8 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WHL="${WHL:-$ROOT/.whl}"
 PY="${PYTHON:-python3}"
+SWEEP_SHAPE="--tokens 8192 --hidden 4096 --n 4 --dtype bf16"
+CARRY_LIMIT=$((64 * 1024 * 1024))  # what the device tool carries: tree + carried paths
 
 if [[ "${1:-run}" == "prepare" ]]; then
     set -e
@@ -57,6 +59,19 @@ if [[ "${1:-run}" == "prepare" ]]; then
     cp "$CU13/lib/libnvvm.so.4" "$STAGE/lib/"
     tar -C "$STAGE" -cf - bin lib | xz -T0 -9 > "$WHL/cutile-toolchain-$VER.tar.xz"
     rm -rf "$STAGE"
+    # The precompiled cuTile cache (ci/precompile_cutile.py) fills what the carry leaves: built from
+    # a copy of the files that travel, at the path the GPU run then copies the tree to (cuTile's
+    # cache keys hold the kernel sources' absolute paths). Not counted: the megatron-core wheel,
+    # carried only for the `megatron` step.
+    PRE_ROOT="${MHC_PRECOMPILE_ROOT:-/tmp/mhc-suite}"
+    rm -rf "$PRE_ROOT" && mkdir -p "$PRE_ROOT"
+    (cd "$ROOT" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -C "$PRE_ROOT" -xf -
+    TREE="$(du -cb --apparent-size "$PRE_ROOT" | tail -1 | cut -f1)"
+    CARRIED="$(du -cb "$WHL"/cuda_tile-*cp312*.whl "$WHL"/cutile-toolchain-*.tar.xz | tail -1 | cut -f1)"
+    rm -f "$WHL"/cutile-precompiled-*.tar.xz
+    (cd "$PRE_ROOT" && "$PY" ci/precompile_cutile.py --out "$WHL" \
+        --max-bytes $((CARRY_LIMIT - TREE - CARRIED - 256 * 1024)) $SWEEP_SHAPE)
+    rm -rf "$PRE_ROOT"
     ls -la "$WHL"
     du -sh "$WHL"
     exit 0
@@ -69,6 +84,22 @@ status=0
 SCRATCH="${TMPDIR:-/tmp}"
 SITE="$SCRATCH/mhc-site"
 CTK="$SCRATCH/cutile-ctk"
+
+# 0. a precompiled cuTile cache, if carried: run from a copy of the tree at the path it was built
+#    for (its manifest's root), so that the JIT finds its entries instead of compiling
+PRE_TAR="$(ls "$WHL"/cutile-precompiled-*.tar.xz 2>/dev/null | head -1)"
+PRE_DIR="$SCRATCH/cutile-precompiled"
+if [[ -n "$PRE_TAR" ]]; then
+    rm -rf "$PRE_DIR" && mkdir -p "$PRE_DIR"
+    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$PRE_TAR" "$PRE_DIR"
+    PRE_ROOT="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["root"])' "$PRE_DIR/manifest.json")"
+    if [[ -n "$PRE_ROOT" && "$PRE_ROOT" != "$ROOT" ]]; then
+        rm -rf "$PRE_ROOT" && mkdir -p "$PRE_ROOT"
+        tar -C "$ROOT" --exclude=./.whl --exclude="./${OUT#"$ROOT"/}" -cf - . | tar -C "$PRE_ROOT" -xf -
+        ROOT="$PRE_ROOT"
+        cd "$ROOT"
+    fi
+fi
 
 {
     echo "== $(date -u +%FT%TZ) gpu_check"
@@ -95,6 +126,10 @@ if [[ -n "$TARBALL" ]]; then
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_TILE_CACHE_DIR="$OUT/.cutile-cache-not-returned"
+if [[ -n "$PRE_TAR" ]]; then
+    mkdir -p "$CUDA_TILE_CACHE_DIR" && cp "$PRE_DIR/cache.db" "$CUDA_TILE_CACHE_DIR/"
+    "$PY" -m mhc_core.kernels.cutile.precompile check "$PRE_DIR" >> "$OUT/env.txt" 2>&1
+fi
 "$PY" - >> "$OUT/env.txt" 2>&1 <<'EOF'
 import cuda.tile, mhc_core.kernels.cutile as c
 from mhc_core.kernels.cutile.toolchain import find_toolchain
@@ -138,17 +173,18 @@ fi
 # 3a. tile sweep (JIT-compile every candidate in parallel processes, then time them in one) and
 #     the fp32 tensor-core precision probe
 if has_step sweep; then
-SWEEP_SHAPE="--tokens 8192 --hidden 4096 --n 4 --dtype bf16"
 SWEEP=(-m mhc_core.kernels.cutile.sweep $SWEEP_SHAPE)
 SWEEP_KEYS="${MHC_SWEEP_KEYS:-$("$PY" -c 'from mhc_core.kernels.cutile.sweep import CANDIDATES; print(*CANDIDATES)')}"
-# One warm-up process per candidate, 16 at a time (each JIT-compiles its kernels into the cache);
-# each process has its own time limit too, so none outlives the step.
-export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-warm 120)" MHC_SWEEP_SHAPE="$SWEEP_SHAPE"
+# One warm-up process per key, all keys at once (14 <= 16 cores): each JIT-compiles its key's
+# candidates one after the other into the on-disk cache (one process per candidate, 16 at a time,
+# meant ~150 Python + CUDA start-ups for kernels that compile in 0.3-1.1 s each offline on this CPU).
+# Each process has its own time limit too, so none outlives the step.
+export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-warm 90)" MHC_SWEEP_SHAPE="$SWEEP_SHAPE"
 "$PY" "${SWEEP[@]}" --list | while read -r key idx; do
-    if [[ " $SWEEP_KEYS " == *" $key "* ]]; then echo "$key $idx"; fi
-done | timeout "$MHC_SWEEP_LIMIT" xargs -P 16 -L 1 bash -c \
+    if [[ " $SWEEP_KEYS " == *" $key "* ]]; then echo "$key"; fi
+done | uniq | timeout "$MHC_SWEEP_LIMIT" xargs -P 16 -L 1 bash -c \
     'timeout "$MHC_SWEEP_LIMIT" "$MHC_SWEEP_PY" -m mhc_core.kernels.cutile.sweep $MHC_SWEEP_SHAPE \
-     --keys "$0" --index "$1" --warm-only > "$MHC_SWEEP_OUT/sweep-warm-$0-$1.txt" 2>&1'
+     --keys "$0" --warm-only > "$MHC_SWEEP_OUT/sweep-warm-$0.txt" 2>&1'
 timeout "$(limit sweep 150)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr ' ' ,)" --out "$OUT/sweep.json" \
     > "$OUT/sweep.txt" 2>&1
 rc=$?
@@ -197,6 +233,8 @@ has_step perf-compiled && perf_run perf-compiled 110 "compiled"
 cat "$OUT/perf-table.md" 2>/dev/null
 fi
 
+[[ -n "$PRE_TAR" ]] && "$PY" -m mhc_core.kernels.cutile.precompile report "$PRE_DIR" "$CUDA_TILE_CACHE_DIR" \
+    2>&1 | tee -a "$OUT/summary.txt"
 rm -rf "$OUT/.cutile-cache-not-returned"
 (
     cd "$OUT" || exit 1

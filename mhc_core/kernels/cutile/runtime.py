@@ -132,6 +132,9 @@ class ArrayArg:
     stride_one: tuple[bool, ...]
     stride_div: tuple[int, ...]
     shape_16: tuple[bool, ...]
+    shape_one: tuple[bool, ...] = ()
+    """Dims of size 1, which the JIT specialises as constants (`shape_constant`, calling convention v2);
+    empty when none is."""
 
     @property
     def layout(self) -> tuple:
@@ -148,6 +151,7 @@ class ArrayArg:
             stride_one=tuple(s == 1 for s in t.stride()),
             stride_div=tuple(16 // item if (s * item) % 16 == 0 and s != 1 else 1 for s in t.stride()),
             shape_16=tuple(d % 16 == 0 for d in t.shape),
+            shape_one=tuple(d == 1 for d in t.shape) if 1 in t.shape else (),
         )
 
 

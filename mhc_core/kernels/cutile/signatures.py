@@ -31,7 +31,7 @@ from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, 
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 
-__all__ = ["PlannedLaunch", "KernelCase", "signature_plan", "plan_under", "alternative_plan", "ALTERNATIVE_TILES", "kernel_cases",
+__all__ = ["PlannedLaunch", "KernelCase", "record_all", "signature_plan", "plan_under", "alternative_plan", "ALTERNATIVE_TILES", "kernel_cases",
            "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C"]
 
 REPRESENTATIVE_T = 64
@@ -71,12 +71,15 @@ def _leaf(shape, dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype).requires_grad_(True)
 
 
-def _record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, ...]) -> None:
+def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, ...],
+               acts: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
+    """Every op forward and backward through `rec` at `[t, n, c]` for each `n`, `c` and activation
+    dtype, every variant, parameter dtype and bias / no bias (launch labels `op|tag|direction`)."""
     ops = make_ops(rec)
     for c, n in ((c, n) for c in cs for n in ns):
         c_tag = "" if c == cs[0] else f"-c{c}"
         big_n = num_mapping_outputs(n)
-        for act in (torch.bfloat16, torch.float32):
+        for act in acts:
             for variant in (Variant.MEGATRON_MAIN, Variant.MEGATRON_DEV, Variant.PAPER):
                 spec = get_variant(variant)
                 coef = act if spec.coefficients_in_activation_dtype else torch.float32
@@ -125,7 +128,7 @@ def signature_plan(ns: tuple[int, ...] = tiling.SUPPORTED_N, t: int = REPRESENTA
                    cs: tuple[int, ...] = REPRESENTATIVE_C) -> tuple[PlannedLaunch, ...]:
     """Distinct launches of all four ops, forward and backward (CPU only, no `cuda.tile`)."""
     rec = RecordingRuntime()
-    _record_all(rec, ns, t, cs)
+    record_all(rec, ns, t, cs)
     return _distinct(rec)
 
 
@@ -166,7 +169,7 @@ def plan_under(overrides: dict, n: int = 4, prefix: str = "") -> tuple[PlannedLa
     (ids prefixed `prefix`): what the dispatch launches for one set of tiles."""
     rec = RecordingRuntime()
     with tiling.overridden(**overrides):
-        _record_all(rec, (n,), REPRESENTATIVE_T, REPRESENTATIVE_C[:1])
+        record_all(rec, (n,), REPRESENTATIVE_T, REPRESENTATIVE_C[:1])
     return _distinct(rec, prefix=prefix)
 
 
@@ -195,13 +198,16 @@ def _ct_dtype(ct, dtype: torch.dtype):
 
 
 def to_signature(launch: PlannedLaunch):
-    """The `KernelSignature` (calling convention `cutile_python_v1`) of one planned launch."""
+    """The `KernelSignature` the JIT compiles one planned launch with: calling convention
+    `cutile_python_v2` with size-1 dims as shape constants when an array has one, else
+    `cutile_python_v1` (the JIT's own choice; `precompile` relies on the two being equal)."""
     import cuda.tile as ct
     from cuda.tile import compilation as ctc
 
     params = []
     for a in launch.args:
         if isinstance(a, ArrayArg):
+            extra = {"shape_constant": tuple(1 if one else None for one in a.shape_one)} if a.shape_one else {}
             params.append(
                 ctc.ArrayConstraint(
                     _ct_dtype(ct, a.dtype),
@@ -214,13 +220,16 @@ def to_signature(launch: PlannedLaunch):
                     stride_divisible_by=a.stride_div,
                     shape_divisible_by=tuple(16 if d else 1 for d in a.shape_16),
                     base_addr_divisible_by=16 if a.base_16 else 1,
+                    **extra,
                 )
             )
         elif isinstance(a, ScalarArg):
             params.append(ctc.ScalarConstraint(ct.int32 if a.kind == "int32" else ct.float32))
         else:
             params.append(ctc.ConstantConstraint(a.value))
-    return ctc.KernelSignature(params, ctc.CallingConvention.cutile_python_v1())
+    v2 = any(isinstance(a, ArrayArg) and a.shape_one for a in launch.args)
+    conv = ctc.CallingConvention.cutile_python_v2() if v2 else ctc.CallingConvention.cutile_python_v1()
+    return ctc.KernelSignature(params, conv)
 
 
 def kernel_object(kernel_name: str):

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Build the precompiled cuTile cache that `ci/gpu_check.sh` carries to the GPU machine (no GPU here).
+
+    python ci/precompile_cutile.py --out .whl --max-bytes 5000000 [--arch sm_90] [--jobs 2] \
+        [--tokens 8192 --hidden 4096 --n 4 --dtype bf16 --variant megatron_dev]   # the sweep's shape
+
+Writes `<out>/cutile-precompiled-<arch>.tar.xz` (cache.db + manifest.json, see
+`mhc_core.kernels.cutile.precompile`). Run it from the copy of the tree at the path the GPU run
+will import `mhc_core` from (`bash ci/gpu_check.sh prepare` does): the entries hold that path.
+Launch sets, in priority order (the size cap keeps a prefix; a GPU run JIT-compiles the rest):
+
+    sweep   every candidate of `sweep.CANDIDATES` at the sweep's shape (the options above)
+    perf    the perf suite's GPU cases (`suites/perf/registry.py`), forward and backward
+    layer   every op at the layer benchmark's GPU size (T 4096, C 1024, n 4, bf16), each variant
+    parity  every op at the GPU parity tests' sizes (n 2, 4, 8; bf16 and fp32)
+
+Prints per set the launches kept, then the archive's size; exits 1 if a launch failed to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from mhc_core.kernels.cutile import precompile  # noqa: E402
+from mhc_core.kernels.cutile.bench import add_shape_args  # noqa: E402
+from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
+from mhc_core.kernels.cutile.signatures import record_all  # noqa: E402
+from suites.perf.registry import cases_for  # noqa: E402
+
+LAYER = (4096, 1024, 4)
+"""Tokens (s * b), hidden size, n of `suites/perf/test_layer.py` on a GPU."""
+PARITY_SIZES = ((37, 96), (300, 1024), (1100, 1024))
+"""`[T, C]` of `suites/unit/kernels_cutile/test_gpu_parity.py`."""
+
+
+def perf_launches() -> list[precompile.Recorded]:
+    """The perf suite's GPU cases, their inputs built on the CPU, forward then backward."""
+    rec = precompile.LaunchRecorder()
+    ops = make_ops(rec)
+    for case in cases_for("cuda"):
+        inputs = dataclasses.replace(case, device="cpu").inputs(requires_grad=True)
+
+        def run(case=case, inputs=inputs):
+            out = getattr(ops, case.op)(*inputs)
+            outs = out if isinstance(out, tuple) else (out,)
+            torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
+
+        precompile.record(rec, "perf", case.id, run)
+    return rec.recorded
+
+
+def ops_launches(set_name: str, ns, t: int, cs, acts) -> list[precompile.Recorded]:
+    rec = precompile.LaunchRecorder()
+    rec.set = set_name
+    record_all(rec, ns, t, cs, acts)
+    return rec.recorded
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="directory for the archive")
+    p.add_argument("--max-bytes", type=int, required=True, help="cap on the archive's size")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--jobs", type=int, default=2)
+    add_shape_args(p)
+    args = p.parse_args(argv)
+    act = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    start = time.time()
+    launches = precompile.sweep_launches(tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=act,
+                                         variant=args.variant)
+    launches += perf_launches()
+    t, c, n = LAYER
+    launches += ops_launches("layer", (n,), t, (c,), (torch.bfloat16,))
+    for t, c in PARITY_SIZES:
+        launches += ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
+    print(f"recorded {len(launches)} launches, {len(precompile.distinct(launches))} distinct "
+          f"({time.time() - start:.0f} s)", flush=True)
+    entries, failures = precompile.build(launches, args.out, arch=args.arch, jobs=args.jobs)
+    print(f"compiled {len(entries)} for {args.arch} ({time.time() - start:.0f} s)", flush=True)
+    archive = args.out / precompile.ARCHIVE_NAME.format(arch=args.arch)
+    kept, size = precompile.pack(entries, args.out / "cache.db", archive, arch=args.arch,
+                                 max_bytes=args.max_bytes, failures=failures)
+    (args.out / "cache.db").unlink()
+    for name in ("sweep", "perf", "layer", "parity"):
+        total = sum(1 for e in entries if e.launch.set == name)
+        have = sum(1 for e in entries[:kept] if e.launch.set == name)
+        print(f"  {name:7s} {have:4d} of {total:4d} kept")
+    print(f"{archive}: {size} bytes, {kept} of {len(entries)} entries (cap {args.max_bytes}; "
+          f"{time.time() - start:.0f} s)")
+    for line in failures:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
