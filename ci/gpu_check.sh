@@ -46,6 +46,7 @@ CARRY_LIMIT=$((64 * 1024 * 1024))  # what the device tool carries: tree + carrie
 
 if [[ "${1:-run}" == "prepare" ]]; then
     set -e
+    PY="$(realpath -s "$(command -v "$PY")")"  # absolute (the precompile runs elsewhere), venv links kept
     mkdir -p "$WHL"
     pip download --no-deps -d "$WHL" --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 "cuda-tile==1.7.0"
@@ -53,12 +54,15 @@ if [[ "${1:-run}" == "prepare" ]]; then
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "megatron-core==0.19.2"
     CU13="$("$PY" -c 'import nvidia, pathlib; print(next(p for p in (pathlib.Path(x) / "cu13" for x in nvidia.__path__) if (p / "bin" / "tileiras").is_file()))')"
     VER="$("$CU13/bin/tileiras" --version | sed -n 's/.*V\([0-9][0-9.]*\).*/\1/p' | head -1)"
-    STAGE="$(mktemp -d)"
-    mkdir -p "$STAGE/bin" "$STAGE/lib"
-    cp "$CU13/bin/tileiras" "$CU13/bin/ptxas" "$STAGE/bin/"
-    cp "$CU13/lib/libnvvm.so.4" "$STAGE/lib/"
-    tar -C "$STAGE" -cf - bin lib | xz -T0 -9 > "$WHL/cutile-toolchain-$VER.tar.xz"
-    rm -rf "$STAGE"
+    if [[ ! -s "$WHL/cutile-toolchain-$VER.tar.xz" ]]; then  # ~2.5 min of xz
+        STAGE="$(mktemp -d)"
+        mkdir -p "$STAGE/bin" "$STAGE/lib"
+        cp "$CU13/bin/tileiras" "$CU13/bin/ptxas" "$STAGE/bin/"
+        cp "$CU13/lib/libnvvm.so.4" "$STAGE/lib/"
+        tar -C "$STAGE" -cf - bin lib | xz -T0 -9 > "$WHL/cutile-toolchain-$VER.tar.xz.part"
+        mv "$WHL/cutile-toolchain-$VER.tar.xz.part" "$WHL/cutile-toolchain-$VER.tar.xz"
+        rm -rf "$STAGE"
+    fi
     # The precompiled cuTile cache (ci/precompile_cutile.py) fills what the carry leaves: built from
     # a copy of the files that travel, at the path the GPU run then copies the tree to (cuTile's
     # cache keys hold the kernel sources' absolute paths). Not counted: the megatron-core wheel,

@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:7s} {have:4d} of {total:4d} kept")
     print(f"{archive}: {size} bytes, {kept} of {len(entries)} entries (cap {args.max_bytes}; "
           f"{time.time() - start:.0f} s)")
-    for line in failures:
-        print(f"FAILED {line}", file=sys.stderr)
+    for launch, err in failures:
+        print(f"FAILED {launch.set} {launch.id}: {err}", file=sys.stderr)
     return 1 if failures else 0
 
 

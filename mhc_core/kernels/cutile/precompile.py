@@ -173,10 +173,11 @@ class Entry:
     xz_bytes: int
 
 
-def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90", jobs: int = 2) -> tuple[list[Entry], list[str]]:
+def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90",
+          jobs: int = 2) -> tuple[list[Entry], list[tuple[Recorded, str]]]:
     """Compile the distinct `launches` for `arch` into `out_dir/cache.db` (all of them, in order).
 
-    Returns the entries and one line per launch that did not compile."""
+    Returns the entries and (launch, error) per launch that did not compile."""
     plan = distinct(launches)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="precompile-", dir=out_dir))
@@ -196,7 +197,7 @@ def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90", j
             for i in (i for i, (_, _, jj) in sorted(by_index.items()) if jj == j):
                 key, err = by_index[i][:2]
                 if key is None:
-                    failures.append(f"{plan[i].id}: {err or 'no new cache entry'}")
+                    failures.append((plan[i], err or "no new cache entry"))
                     continue
                 (blob,) = conn.execute("SELECT blob FROM w.cache WHERE key = ?", (key,)).fetchone()
                 conn.execute("INSERT OR IGNORE INTO cache (key, blob, blob_size, atime, metadata) VALUES (?, ?, ?, 0, NULL)",
@@ -208,7 +209,8 @@ def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90", j
     return [e for _, e in sorted(entries, key=lambda p: p[0])], failures
 
 
-def _manifest(entries: Sequence[Entry], dropped: Sequence[Entry], arch: str, failures: Sequence[str]) -> dict:
+def _manifest(entries: Sequence[Entry], dropped: Sequence[Entry], arch: str,
+              failures: Sequence[tuple[Recorded, str]]) -> dict:
     import cuda.tile
 
     from mhc_core.kernels.cutile.toolchain import find_toolchain
@@ -218,7 +220,8 @@ def _manifest(entries: Sequence[Entry], dropped: Sequence[Entry], arch: str, fai
         "arch": arch, "root": _root(), "sources": sources_digest(), "cuda_tile": cuda.tile.__version__,
         "tileiras": tc.version if tc else "unknown",
         "entries": [{"set": e.launch.set, "id": e.launch.id, "key": e.key, "bytes": e.cubin_bytes} for e in entries],
-        "dropped": [e.launch.id for e in dropped], "failed": list(failures),
+        "dropped": [{"set": e.launch.set, "id": e.launch.id} for e in dropped],
+        "failed": [{"set": r.set, "id": r.id, "error": err} for r, err in failures],
     }
 
 
@@ -244,7 +247,7 @@ def _write_archive(db: Path, manifest: dict, keep: set[str], archive: Path) -> i
 
 
 def pack(entries: Sequence[Entry], db: Path, archive: Path, *, arch: str, max_bytes: int,
-         failures: Sequence[str] = ()) -> tuple[int, int]:
+         failures: Sequence[tuple[Recorded, str]] = ()) -> tuple[int, int]:
     """Write `archive` with the longest prefix of `entries` (priority order) that packs into
     `max_bytes`. Returns (entries kept, archive bytes)."""
     ratio = 1.0

@@ -88,7 +88,7 @@ def test_the_cap_keeps_a_prefix(built, tmp_path):
     shutil.unpack_archive(tmp_path / "capped.tar.xz", tmp_path / "x")
     manifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
     assert [e["key"] for e in manifest["entries"]] == [e.key for e in built["entries"][:kept]]
-    assert manifest["dropped"] == [e.launch.id for e in built["entries"][kept:]]
+    assert manifest["dropped"] == [{"set": "ops", "id": e.launch.id} for e in built["entries"][kept:]]
 
 
 def test_check_accepts_this_tree_and_names_a_moved_root(built, tmp_path):
