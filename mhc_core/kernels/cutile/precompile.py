@@ -10,7 +10,7 @@ cuTile keys its disk cache (`CUDA_TILE_CACHE_DIR`, an SQLite file) by the tileir
 target, the opt level and the kernel's TileIR bytecode, and the bytecode holds the absolute paths
 of the kernel sources. Entries built here are therefore found only by a run that imports
 `mhc_core` from the same path (`ci/gpu_check.sh` runs from a copy at the manifest's `root`), with
-the same kernel sources (`sources`, a digest of this package's `.py` files) and tileiras.
+the same kernel sources (`sources`, a digest of `kernel_sources()`) and tileiras.
 
 The launches are recorded, not listed: the real launch wrappers run on CPU tensors of the run's
 shapes through `LaunchRecorder` (a `RecordingRuntime` that also keeps the occupancy hint each
@@ -26,6 +26,7 @@ reaches the cap; metadata dropped, access time 0) and `DIR/manifest.json`.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import io
 import json
@@ -44,10 +45,10 @@ from pathlib import Path
 import torch
 
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.runtime import ArrayArg, ConstArg, RecordingRuntime, ScalarArg
+from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
 __all__ = ["Recorded", "LaunchRecorder", "record", "sweep_launches", "build", "pack", "check", "report",
-           "sources_digest", "ARCHIVE_NAME"]
+           "kernel_sources", "sources_digest", "ARCHIVE_NAME"]
 
 ARCHIVE_NAME = "cutile-precompiled-{arch}.tar.xz"
 _PACKAGE = Path(__file__).resolve().parent
@@ -115,10 +116,26 @@ def distinct(launches: Sequence[Recorded]) -> list[Recorded]:
     return list(seen.values())
 
 
+def kernel_sources() -> list[Path]:
+    """The kernel modules and the package modules they import, transitively: what the kernels'
+    bytecode is compiled from (their text, line numbers and paths)."""
+    prefix = f"{__package__}."
+    todo, seen = list(dict.fromkeys(KERNEL_MODULES.values())), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        tree = ast.parse((_PACKAGE / f"{name}.py").read_text())
+        todo += [node.module.removeprefix(prefix) for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix)]
+    return sorted(_PACKAGE / f"{name}.py" for name in seen)
+
+
 def sources_digest() -> str:
-    """sha256 over this package's `.py` files (names and bytes): what the kernels' bytecode is made of."""
+    """sha256 over `kernel_sources()` (names and bytes)."""
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE.glob("*.py")):
+    for path in kernel_sources():
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -179,6 +196,9 @@ def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90",
 
     Returns the entries and (launch, error) per launch that did not compile."""
     plan = distinct(launches)
+    if not plan:
+        raise ValueError("precompile.build: no launches to compile")
+    jobs = max(1, min(jobs, len(plan)))
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="precompile-", dir=out_dir))
     chunks = [[(i, r) for i, r in enumerate(plan) if i % jobs == j] for j in range(jobs)]
@@ -250,22 +270,23 @@ def pack(entries: Sequence[Entry], db: Path, archive: Path, *, arch: str, max_by
          failures: Sequence[tuple[Recorded, str]] = ()) -> tuple[int, int]:
     """Write `archive` with the longest prefix of `entries` (priority order) that packs into
     `max_bytes`. Returns (entries kept, archive bytes)."""
-    ratio = 1.0
-    keep = len(entries)
+    keep, last = len(entries), None  # last: (size, estimated bytes dropped since)
     while True:
         kept, dropped = list(entries[:keep]), list(entries[keep:])
         size = _write_archive(db, _manifest(kept, dropped, arch, failures), {e.key for e in kept}, archive)
         if size <= max_bytes or keep == 0:
             return keep, size
-        # xz of all entries together packs better than each alone: scale the per-entry estimate
-        ratio = min(ratio, size / max(1, sum(e.xz_bytes for e in kept)))
-        budget, total, fit = max_bytes * 0.98, 0.0, 0
-        for e in kept:
-            total += e.xz_bytes * ratio
-            if total > budget:
-                break
-            fit += 1
-        keep = min(fit, keep - 1)
+        # Each entry alone (xz_bytes) packs worse than next to similar ones: scale the estimate by
+        # what the last drop actually saved (first by the whole archive's ratio), so that the cut
+        # converges in a few packs (each is a minute of xz).
+        scale = size / max(1, sum(e.xz_bytes for e in kept)) if last is None else (last[0] - size) / max(1, last[1])
+        scale = min(1.0, max(0.01, scale))
+        need, est = (size - max_bytes) * 1.05, 0
+        start = keep
+        while keep > 0 and (est * scale < need or keep == start):
+            keep -= 1
+            est += entries[keep].xz_bytes
+        last = (size, est)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,13 @@ def test_size_one_dims_are_recorded():
     assert ArrayArg.of(torch.zeros(4, 16)).shape_one == ()
 
 
+def test_kernel_sources_follow_the_kernel_imports():
+    """The digested sources are the kernel modules and the package modules they import, no others."""
+    names = {p.name for p in precompile.kernel_sources()}
+    assert {"stream_kernels.py", "stream_mma.py", "stream_common.py", "mma_common.py", "mma_codes.py",
+            "mapping_kernels.py", "sinkhorn_kernels.py", "sinkhorn_elem_kernels.py", "sinkhorn_common.py"} == names
+
+
 def _launches() -> list[precompile.Recorded]:
     rec = precompile.LaunchRecorder()
     rec.set = "ops"
