@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # GPU check of the cuTile kernels: parity tests + a quick timing; results under $OUT.
 #
-#   bash ci/gpu_check.sh prepare   # here (CPU, network): fill .whl/ with what the GPU box lacks
+#   PYTHON=.tox/kernels/bin/python bash ci/gpu_check.sh prepare   # here (CPU, network): fill .whl/
 #   bash ci/gpu_check.sh           # on the GPU machine (Python 3.12 + torch preinstalled, no network)
 #
 # What the GPU machine lacks is cuda-tile and a tileiras >= 13.3 (its CUDA is 13.0). The pip
-# wheels of cuda-tile[tileiras] are ~200 MB, over a 64 MiB carry, so `prepare` carries:
-#   .whl/cuda_tile-1.7.0-cp312-*.whl            (0.4 MB, the Python package)
-#   .whl/megatron_core-0.19.2-cp312-*.whl        (2.4 MB; its needs torch, numpy, packaging are in the image)
-#   .whl/cutile-toolchain-<ver>.tar.xz           (~61 MB: bin/tileiras, bin/ptxas, lib/libnvvm.so.4,
-#                                                 the only pieces tileiras needs, from the pip wheels)
-# and the run installs the wheel into $TMPDIR/mhc-site (--no-deps: typing-extensions is in the image),
-# unpacks the toolchain into $TMPDIR/cutile-ctk and puts it on PATH / CUDA_HOME, where cuda.tile
-# finds it (its pip-wheel lookup needs all three nvidia packages; PATH comes next).
+# wheels of cuda-tile[tileiras] are ~200 MB, over a 64 MiB carry, so `prepare` (with a Python that
+# has cuda-tile[tileiras], e.g. the `kernels` tox env) writes into .whl/:
+#   cuda_tile-1.7.0-cp312-*.whl            (0.4 MB, the Python package)
+#   cutile-toolchain-<ver>.tar.xz           (60 MB: bin/tileiras, bin/ptxas, lib/libnvvm.so.4,
+#                                            the only pieces tileiras needs, from the pip wheels)
+#   cutile-precompiled-sm_90.tar.xz         (~5 MB, what the carry leaves: the kernels the run will launch,
+#                                            compiled ahead of time, ci/precompile_cutile.py, docs/cutile.md)
+#   megatron_core-0.19.2-cp312-*.whl        (2.4 MB, for the `megatron` step only; not counted above)
+# Carry the first three by name (carry: [".whl/<each file>"]). The run installs the wheel into
+# $TMPDIR/mhc-site (--no-deps: typing-extensions is in the image), unpacks the toolchain into
+# $TMPDIR/cutile-ctk and puts it on PATH / CUDA_HOME, where cuda.tile finds it (its pip-wheel lookup
+# needs all three nvidia packages; PATH comes next), copies the tree to the precompiled cache's root
+# and runs from there with the cache as CUDA_TILE_CACHE_DIR (`precompile check` into env.txt,
+# `precompile report`, entries used and kernels still JIT-compiled, into summary.txt).
 #
 # Steps (MHC_GPU_STEPS, default "parity sweep": a second call runs "perf" once the sweep's winners are
 # adopted; each step has its own timeout, the sum < 10 min;
@@ -22,8 +28,9 @@
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   bench   (not a default step: the sweep's first candidate per key is the default)
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
-#           keys from MHC_SWEEP_KEYS, in sweep.KEY_ORDER; warm-up one process per key, 90 s, then timing 150 s; sweep.json is rewritten after every candidate, so a
-#           timeout keeps what was timed; then the fastest per key, --summary)
+#           keys from MHC_SWEEP_KEYS, in sweep.KEY_ORDER; warm-up one process per key, 90 s, then
+#           timing 150 s; sweep.json is rewritten after every candidate, so a timeout keeps what was
+#           timed; then the fastest per key, --summary)
 #           + precision_probe (fp32 mapping error per MMA mode, 20 s)
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
 #           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
