@@ -13,6 +13,7 @@ Launch sets, in priority order (the size cap keeps a prefix; a GPU run JIT-compi
     perf    the perf suite's GPU cases (`suites/perf/registry.py`), forward and backward
     layer   every op at the layer benchmark's GPU size (T 4096, C 1024, n 4, bf16), each variant
     parity  every op at the GPU parity tests' sizes (n 2, 4, 8; bf16 and fp32)
+    forms   the parity tests of the sweep's other formulations (their tiles, at their sizes)
 
 Prints per set the launches kept, then the archive's size; exits 1 if a launch failed to compile.
 """
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mhc_core.kernels.cutile import precompile  # noqa: E402
+from mhc_core.kernels.cutile import precompile, tiling  # noqa: E402
 from mhc_core.kernels.cutile.bench import add_shape_args  # noqa: E402
 from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
 from mhc_core.kernels.cutile.signatures import record_all  # noqa: E402
@@ -58,11 +59,27 @@ def perf_launches() -> list[precompile.Recorded]:
     return rec.recorded
 
 
-def ops_launches(set_name: str, ns, t: int, cs, acts) -> list[precompile.Recorded]:
+def ops_launches(set_name: str, ns, t: int, cs, acts, overrides: dict | None = None) -> list[precompile.Recorded]:
+    """Every op at `[t, n, c]` (all variants, bias or not), inside `tiling.overridden(**overrides)`."""
     rec = precompile.LaunchRecorder()
     rec.set = set_name
-    record_all(rec, ns, t, cs, acts)
+    with tiling.overridden(**(overrides or {})):
+        record_all(rec, ns, t, cs, acts)
     return rec.recorded
+
+
+def forms_launches() -> list[precompile.Recorded]:
+    """The formulation tests of `test_gpu_parity.py`: the ops each one runs, at its size."""
+    from suites.unit.kernels_cutile import test_gpu_parity as parity
+
+    both = (torch.bfloat16, torch.float32)
+    runs = [(("h_aggregate", "h_post_bda"), (4,), 300, both, p.values[0]) for p in parity.STREAM_FORMS]
+    runs += [(("mapping",), (2, 4), 1100, both, {"mapping_bwd": p.values[0]}) for p in parity.MAPPING_BWD_TILES]
+    runs += [(("sinkhorn",), (2, 4, 8), 300, (torch.float32,), {"sinkhorn": p.values[0]}) for p in parity.SINKHORN_TILES]
+    out = []
+    for ops, ns, t, acts, overrides in runs:
+        out += [r for r in ops_launches("forms", ns, t, (1024,), acts, overrides) if r.id.split("|")[0] in ops]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     launches += ops_launches("layer", (n,), t, (c,), (torch.bfloat16,))
     for t, c in PARITY_SIZES:
         launches += ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
+    launches += forms_launches()
     print(f"recorded {len(launches)} launches, {len(precompile.distinct(launches))} distinct "
           f"({time.time() - start:.0f} s)", flush=True)
     entries, failures = precompile.build(launches, args.out, arch=args.arch, jobs=args.jobs)
@@ -90,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     kept, size = precompile.pack(entries, args.out / "cache.db", archive, arch=args.arch,
                                  max_bytes=args.max_bytes, failures=failures)
     (args.out / "cache.db").unlink()
-    for name in ("sweep", "perf", "layer", "parity"):
+    for name in ("sweep", "perf", "layer", "parity", "forms"):
         total = sum(1 for e in entries if e.launch.set == name)
         have = sum(1 for e in entries[:kept] if e.launch.set == name)
         print(f"  {name:7s} {have:4d} of {total:4d} kept")
