@@ -8,9 +8,9 @@
 # wheels of cuda-tile[tileiras] are ~200 MB, over a 64 MiB carry, so `prepare` (with a Python that
 # has cuda-tile[tileiras], e.g. the `kernels` tox env) writes into .whl/:
 #   cuda_tile-1.7.0-cp312-*.whl            (0.4 MB, the Python package)
-#   cutile-toolchain-<ver>.tar.xz           (60 MB: bin/tileiras, bin/ptxas, lib/libnvvm.so.4,
+#   cutile-toolchain-<ver>.tar.xz           (58 MB: bin/tileiras, bin/ptxas, lib/libnvvm.so.4,
 #                                            the only pieces tileiras needs, from the pip wheels)
-#   cutile-precompiled-sm_90.tar.xz         (~5 MB, what the carry leaves: the kernels the run will launch,
+#   cutile-precompiled-sm_90.tar.xz         (~7 MB, what the carry leaves: the kernels the run will launch,
 #                                            compiled ahead of time, ci/precompile_cutile.py, docs/cutile.md)
 #   megatron_core-0.19.2-cp312-*.whl        (2.4 MB, for the `megatron` step only; not counted above)
 # Carry the first three by name (carry: [".whl/<each file>"]). The run installs the wheel into
