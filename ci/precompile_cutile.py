@@ -36,11 +36,8 @@ from mhc_core.kernels.cutile.bench import add_shape_args  # noqa: E402
 from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
 from mhc_core.kernels.cutile.signatures import record_all  # noqa: E402
 from suites.perf.registry import cases_for  # noqa: E402
-
-LAYER = (4096, 1024, 4)
-"""Tokens (s * b), hidden size, n of `suites/perf/test_layer.py` on a GPU."""
-PARITY_SIZES = ((37, 96), (300, 1024), (1100, 1024))
-"""`[T, C]` of `suites/unit/kernels_cutile/test_gpu_parity.py`."""
+from suites.perf.test_layer import GPU_SHAPE  # noqa: E402
+from suites.unit.kernels_cutile import test_gpu_parity as parity  # noqa: E402
 
 
 def perf_launches() -> list[precompile.Recorded]:
@@ -70,8 +67,6 @@ def ops_launches(set_name: str, ns, t: int, cs, acts, overrides: dict | None = N
 
 def forms_launches() -> list[precompile.Recorded]:
     """The formulation tests of `test_gpu_parity.py`: the ops each one runs, at its size."""
-    from suites.unit.kernels_cutile import test_gpu_parity as parity
-
     both = (torch.bfloat16, torch.float32)
     runs = [(("h_aggregate", "h_post_bda"), (4,), 300, both, p.values[0]) for p in parity.STREAM_FORMS]
     runs += [(("mapping",), (2, 4), 1100, both, {"mapping_bwd": p.values[0]}) for p in parity.MAPPING_BWD_TILES]
@@ -95,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     launches = precompile.sweep_launches(tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=act,
                                          variant=args.variant)
     launches += perf_launches()
-    t, c, n = LAYER
-    launches += ops_launches("layer", (n,), t, (c,), (torch.bfloat16,))
-    for t, c in PARITY_SIZES:
+    seq, batch, hidden, _, n = GPU_SHAPE
+    launches += ops_launches("layer", (n,), seq * batch, (hidden,), (torch.bfloat16,))
+    for t, c in dict.fromkeys(tuple(p.values) for p in (*parity.SIZES, *parity.MAPPING_SIZES)):
         launches += ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
     launches += forms_launches()
     print(f"recorded {len(launches)} launches, {len(precompile.distinct(launches))} distinct "

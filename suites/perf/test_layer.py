@@ -40,7 +40,9 @@ from suites.perf.timing import copy_seconds, paired_samples, synced
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SEQ, BATCH, HIDDEN, HEADS, N = (2048, 2, 1024, 8, 4) if DEVICE == "cuda" else (256, 2, 256, 4, 4)
+GPU_SHAPE = (2048, 2, 1024, 8, 4)
+"""seq, batch, hidden, heads, n on a GPU (`ci/precompile_cutile.py` compiles its kernels ahead of time)."""
+SEQ, BATCH, HIDDEN, HEADS, N = GPU_SHAPE if DEVICE == "cuda" else (256, 2, 256, 4, 4)
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 

@@ -38,6 +38,7 @@ NS = [pytest.param(n, id=f"n{n}") for n in (2, 4, 8)]
 VARIANTS = [pytest.param(v, id=VARIANT_NAMES[v]) for v in Variant]
 DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (torch.float32, torch.bfloat16)]
 SIZES = [pytest.param(37, 96, id="T37-C96"), pytest.param(300, 1024, id="T300-C1024")]
+MAPPING_SIZES = [pytest.param(37, 96, id="T37-C96"), pytest.param(1100, 1024, id="T1100-C1024")]
 
 
 def _coef_dtype(variant, act):
@@ -93,7 +94,7 @@ def test_h_post_bda(n, variant, dtype, t, c, with_bias):
     )
 
 
-@pytest.mark.parametrize(("t", "c"), [pytest.param(37, 96, id="T37-C96"), pytest.param(1100, 1024, id="T1100-C1024")])
+@pytest.mark.parametrize(("t", "c"), MAPPING_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", NS)
