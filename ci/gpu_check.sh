@@ -76,7 +76,10 @@ if [[ "${1:-run}" == "prepare" ]]; then
     # a copy of the files that travel, at the path the GPU run then copies the tree to (cuTile's
     # cache keys hold the kernel sources' absolute paths). Not counted: the megatron-core wheel,
     # carried only for the `megatron` step.
-    PRE_ROOT="${MHC_PRECOMPILE_ROOT:-/tmp/mhc-suite}"
+    # A fresh directory of this machine's temp space; its path goes into the manifest, and the GPU
+    # run creates the same path there.
+    PRE_PARENT="$(mktemp -d)"
+    PRE_ROOT="${MHC_PRECOMPILE_ROOT:-$PRE_PARENT/mhc-suite}"
     rm -rf "$PRE_ROOT" && mkdir -p "$PRE_ROOT"
     (cd "$ROOT" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -C "$PRE_ROOT" -xf -
     TREE="$(du -cb --apparent-size "$PRE_ROOT" | tail -1 | cut -f1)"
@@ -84,7 +87,7 @@ if [[ "${1:-run}" == "prepare" ]]; then
     rm -f "$WHL"/cutile-precompiled-*.tar.xz
     (cd "$PRE_ROOT" && "$PY" ci/precompile_cutile.py --out "$WHL" \
         --max-bytes $((CARRY_LIMIT - TREE - CARRIED - 256 * 1024)) $SWEEP_SHAPE)
-    rm -rf "$PRE_ROOT"
+    rm -rf "$PRE_ROOT" "$PRE_PARENT"
     ls -la "$WHL"
     du -sh "$WHL"
     exit 0
