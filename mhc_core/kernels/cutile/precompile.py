@@ -208,25 +208,26 @@ def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90",
     by_index = {i: (key, err, j) for j, res in enumerate(results) for i, key, err in res}
     db = out_dir / "cache.db"
     db.unlink(missing_ok=True)
-    shutil.copy(work / "w0" / "cache.db", db)
+    shutil.copy(work / "w0" / "cache.db", db)  # cuTile's own schema
+    workers = [sqlite3.connect(work / f"w{j}" / "cache.db") for j in range(jobs)]
     entries, failures = [], []
-    with sqlite3.connect(db) as conn:
-        conn.execute("DELETE FROM cache")
-        for j in range(jobs):
-            conn.execute("ATTACH DATABASE ? AS w", (str(work / f"w{j}" / "cache.db"),))
-            for i in (i for i, (_, _, jj) in sorted(by_index.items()) if jj == j):
-                key, err = by_index[i][:2]
+    try:
+        with sqlite3.connect(db) as conn:
+            conn.execute("DELETE FROM cache")
+            for i, launch in enumerate(plan):
+                key, err, j = by_index[i]
                 if key is None:
-                    failures.append((plan[i], err or "no new cache entry"))
+                    failures.append((launch, err or "no new cache entry"))
                     continue
-                (blob,) = conn.execute("SELECT blob FROM w.cache WHERE key = ?", (key,)).fetchone()
+                (blob,) = workers[j].execute("SELECT blob FROM cache WHERE key = ?", (key,)).fetchone()
                 conn.execute("INSERT OR IGNORE INTO cache (key, blob, blob_size, atime, metadata) VALUES (?, ?, ?, 0, NULL)",
                              (key, blob, len(blob)))
-                entries.append((i, Entry(plan[i], key, len(blob), len(lzma.compress(blob, preset=6)))))
-            conn.commit()
-            conn.execute("DETACH DATABASE w")
+                entries.append(Entry(launch, key, len(blob), len(lzma.compress(blob, preset=6))))
+    finally:
+        for w in workers:
+            w.close()
     shutil.rmtree(work)
-    return [e for _, e in sorted(entries, key=lambda p: p[0])], failures
+    return entries, failures
 
 
 def _manifest(entries: Sequence[Entry], dropped: Sequence[Entry], arch: str,
