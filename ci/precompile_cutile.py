@@ -31,10 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mhc_core.kernels.cutile import precompile, tiling  # noqa: E402
+from mhc_core.kernels.cutile import precompile  # noqa: E402
 from mhc_core.kernels.cutile.bench import add_shape_args  # noqa: E402
 from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
-from mhc_core.kernels.cutile.signatures import record_all  # noqa: E402
 from suites.perf.registry import cases_for  # noqa: E402
 from suites.perf.test_layer import GPU_SHAPE  # noqa: E402
 from suites.unit.kernels_cutile import test_gpu_parity as parity  # noqa: E402
@@ -56,15 +55,6 @@ def perf_launches() -> list[precompile.Recorded]:
     return rec.recorded
 
 
-def ops_launches(set_name: str, ns, t: int, cs, acts, overrides: dict | None = None) -> list[precompile.Recorded]:
-    """Every op at `[t, n, c]` (all variants, bias or not), inside `tiling.overridden(**overrides)`."""
-    rec = precompile.LaunchRecorder()
-    rec.set = set_name
-    with tiling.overridden(**(overrides or {})):
-        record_all(rec, ns, t, cs, acts)
-    return rec.recorded
-
-
 def forms_launches() -> list[precompile.Recorded]:
     """The formulation tests of `test_gpu_parity.py`: the ops each one runs, at its size."""
     both = (torch.bfloat16, torch.float32)
@@ -73,7 +63,7 @@ def forms_launches() -> list[precompile.Recorded]:
     runs += [(("sinkhorn",), (2, 4, 8), 300, (torch.float32,), {"sinkhorn": p.values[0]}) for p in parity.SINKHORN_TILES]
     out = []
     for ops, ns, t, acts, overrides in runs:
-        out += [r for r in ops_launches("forms", ns, t, (1024,), acts, overrides) if r.id.split("|")[0] in ops]
+        out += [r for r in precompile.ops_launches("forms", ns, t, (1024,), acts, overrides) if r.id.split("|")[0] in ops]
     return out
 
 
@@ -91,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                                          variant=args.variant)
     launches += perf_launches()
     seq, batch, hidden, _, n = GPU_SHAPE
-    launches += ops_launches("layer", (n,), seq * batch, (hidden,), (torch.bfloat16,))
+    launches += precompile.ops_launches("layer", (n,), seq * batch, (hidden,), (torch.bfloat16,))
     for t, c in dict.fromkeys(tuple(p.values) for p in (*parity.SIZES, *parity.MAPPING_SIZES)):
-        launches += ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
+        launches += precompile.ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
     launches += forms_launches()
     print(f"recorded {len(launches)} launches, {len(precompile.distinct(launches))} distinct "
           f"({time.time() - start:.0f} s)", flush=True)

@@ -47,7 +47,7 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
-__all__ = ["Recorded", "LaunchRecorder", "record", "sweep_launches", "build", "pack", "check", "report",
+__all__ = ["Recorded", "LaunchRecorder", "record", "sweep_launches", "ops_launches", "build", "pack", "check", "report",
            "kernel_sources", "sources_digest", "ARCHIVE_NAME"]
 
 ARCHIVE_NAME = "cutile-precompiled-{arch}.tar.xz"
@@ -105,6 +105,20 @@ def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, vari
                     for fn in sweep.timers(ops, key, tokens, n, hidden, dtype, variant, iterations, device="cpu").values():
                         fn()
                 record(rec, "sweep", f"{key}[{i}]", run)
+    return rec.recorded
+
+
+def ops_launches(set_name: str, ns: Sequence[int], tokens: int, hidden: Sequence[int],
+                 acts: Sequence[torch.dtype], overrides: dict | None = None) -> list[Recorded]:
+    """Every op forward and backward at `[tokens, n, c]` for each `n` in `ns`, `c` in `hidden` and
+    activation dtype (all variants, bias or not: `signatures.record_all`), inside
+    `tiling.overridden(**overrides)`."""
+    from mhc_core.kernels.cutile.signatures import record_all
+
+    rec = LaunchRecorder()
+    rec.set = set_name
+    with tiling.overridden(**(overrides or {})):
+        record_all(rec, ns, tokens, tuple(hidden), tuple(acts))
     return rec.recorded
 
 

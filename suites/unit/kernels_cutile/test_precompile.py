@@ -20,7 +20,6 @@ import torch
 
 from mhc_core.kernels.cutile import precompile, sweep, toolchain
 from mhc_core.kernels.cutile.runtime import ArrayArg
-from mhc_core.kernels.cutile.signatures import record_all
 from suites.unit.kernels_cutile import stub_driver
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -51,13 +50,6 @@ def test_kernel_sources_follow_the_kernel_imports():
             "mapping_kernels.py", "sinkhorn_kernels.py", "sinkhorn_elem_kernels.py", "sinkhorn_common.py"} == names
 
 
-def _launches() -> list[precompile.Recorded]:
-    rec = precompile.LaunchRecorder()
-    rec.set = "ops"
-    record_all(rec, (SHAPE["n"],), SHAPE["t"], (SHAPE["c"],), (torch.bfloat16,))
-    return rec.recorded
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The n = 4, T = 64, C = 512 bf16 launches of every op, compiled for sm_90, and the archive."""
@@ -65,7 +57,7 @@ def built(tmp_path_factory):
     if toolchain.find_toolchain() is None:
         pytest.skip("no tileiras (pip install 'cuda-tile[tileiras]==1.7.0', the tox env `kernels`)")
     out = tmp_path_factory.mktemp("precompiled")
-    launches = _launches()
+    launches = precompile.ops_launches("ops", (SHAPE["n"],), SHAPE["t"], (SHAPE["c"],), (torch.bfloat16,))
     entries, failures = precompile.build(launches, out, arch="sm_90", jobs=2)
     archive = out / "all.tar.xz"
     kept, size = precompile.pack(entries, out / "cache.db", archive, arch="sm_90", max_bytes=1 << 30)
