@@ -35,7 +35,6 @@ VARIANT_CODE = {Variant.PAPER: PAPER, Variant.MEGATRON_MAIN: MAIN, Variant.MEGAT
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
 
-
 def cdiv(a: int, b: int) -> int:
     """`ceil(a / b)` for positive `b`: the number of tiles of size `b` covering `a`."""
     return -(-a // b)
