@@ -8,6 +8,8 @@ Importing this package needs neither `cuda.tile` nor a GPU: the kernel modules
 - `sinkhorn`, `mapping`, `h_aggregate`, `h_post_bda`: the reference signatures, autograd-capable;
   uncovered cases raise `NotImplementedError` naming the case (see `ops.py`).
 - `iter_signatures()` / `KERNEL_SIGNATURES`: every launch signature, for export / compile checks.
+- Tiles: `tiling` heuristics, or the tuning for this GPU model that `tuning.resolve` finds
+  (`MHC_CUTILE_TUNING`, else a file shipped in `tuned/`), put in force on the first launch.
 
 Details, tiling and the CI checks: `docs/cutile.md`.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from typing import Any
 
 from mhc_core.kernels.cutile import tiling
@@ -85,9 +88,16 @@ def _default_runtime():
     ok, why = availability()
     if not ok:
         raise RuntimeError(f"cutile backend unavailable: {why}")
+    import torch
+
+    from mhc_core.kernels.cutile import tuning
     from mhc_core.kernels.cutile.runtime import CuTileRuntime
 
-    return CuTileRuntime()
+    runtime = CuTileRuntime()
+    tuned = tuning.resolve(torch.cuda.get_device_name())
+    tiling.set_tuning(tuned)
+    logging.getLogger("mhc_core.kernels").info("cuTile tuning: %s", tuning.describe(tuned))
+    return runtime
 
 
 OPS: CuTileOps = make_ops(_default_runtime)

@@ -31,7 +31,8 @@ from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, 
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 
-__all__ = ["PlannedLaunch", "KernelCase", "record_all", "signature_plan", "plan_under", "alternative_plan", "ALTERNATIVE_TILES", "kernel_cases",
+__all__ = ["PlannedLaunch", "KernelCase", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
+           "ALTERNATIVE_TILES", "kernel_cases",
            "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C"]
 
 REPRESENTATIVE_T = 64
@@ -182,6 +183,27 @@ def alternative_plan(n: int = 4) -> tuple[PlannedLaunch, ...]:
     out = []
     for i, overrides in enumerate(ALTERNATIVE_TILES):
         for p in plan_under(overrides, n, prefix=f"alt{i}-"):
+            if (p.kernel_name, p.args) not in seen:
+                seen.add((p.kernel_name, p.args))
+                out.append(p)
+    return tuple(out)
+
+
+def tuned_plan(tunings: Iterable | None = None) -> tuple[PlannedLaunch, ...]:
+    """Launches (ids prefixed `tuned-<device slug>-`) of each tuning (default: those shipped in
+    `tuning.TUNED_DIR`) at its `n`, both representative hidden sizes, every dtype and variant, that
+    the default plan does not hold: what the dispatch launches on that GPU model."""
+    from mhc_core.kernels.cutile import tuning
+
+    if tunings is None:
+        tunings = [tuning.load(p) for p in sorted(tuning.TUNED_DIR.glob("*.json"))]
+    seen = {(p.kernel_name, p.args) for p in signature_plan()}
+    out = []
+    for t in tunings:
+        rec = RecordingRuntime()
+        with tiling.tuned(t):
+            record_all(rec, (t.n,), REPRESENTATIVE_T, REPRESENTATIVE_C)
+        for p in _distinct(rec, prefix=f"tuned-{tuning.device_slug(t.device)}-"):
             if (p.kernel_name, p.args) not in seen:
                 seen.add((p.kernel_name, p.args))
                 out.append(p)

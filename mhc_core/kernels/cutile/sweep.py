@@ -10,12 +10,17 @@ CUDA-event-timed calls (`single_ms`, CPU launch cost included when the GPU waits
 of back-to-back calls (`pipelined_ms`: the kernel's own time only when the GPU is the slower side;
 for small ops it is the host's time per call), the GPU busy time per call of 5 profiled calls
 (`device_ms`, `mhc_core.kernels.device_time`: the kernels alone, what candidates are ranked by)
-and GB/s of that time against `mhc_core.analysis.bytes_moved`. The first candidate of each key
-is the current default. `--warm-only` runs each candidate once (JIT compile into the on-disk
+and GB/s of that time against `mhc_core.analysis.bytes_moved`, and whether the candidate computes
+what the reference does on the same inputs (`max_rel_err`: the largest relative Frobenius error
+over outputs, or over input gradients for the backward; `check` ok within `CHECK_RTOL`). The first
+candidate of each key is the heuristic's default; the sweep times under `tiling.tuned(None)`, so a
+shipped tuning does not change what "default" means. `--warm-only` runs each candidate once (JIT compile into the on-disk
 cache), so several processes can compile disjoint `--keys` / `--index` in parallel before one
 timing run (`python -m mhc_core.kernels.cutile.sweep --list` prints the `key index` pairs).
 `--summary sweep.json` (no GPU) prints, per key and direction, the default's time, the fastest
-candidate and the speed-up: what to adopt in `tiling`.
+candidate and the speed-up; `--adopt sweep.json --out tuning.json` (no GPU) writes the winners
+that passed their check as a tuning file (`mhc_core.kernels.cutile.tuning`), which
+`MHC_CUTILE_TUNING` or a copy into `tuned/` puts in force.
 Benchmarks measure; nothing here asserts a speed.
 """
 
@@ -28,8 +33,9 @@ from collections.abc import Callable
 
 import torch
 
+from mhc_core import ops as ref
 from mhc_core.analysis import bytes_moved
-from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile import tiling, tuning
 from mhc_core.kernels.cutile.bench import (
     add_shape_args,
     backward_fn,
@@ -42,7 +48,7 @@ from mhc_core.kernels.cutile.bench import (
 )
 from mhc_core.kernels.device_time import device_busy_seconds
 
-__all__ = ["CANDIDATES", "main", "timers", "override", "summary"]
+__all__ = ["CANDIDATES", "CHECK_RTOL", "main", "timers", "deviation", "override", "summary"]
 
 _S = tiling.StreamTiles
 CANDIDATES: dict[str, tuple] = {
@@ -163,6 +169,41 @@ def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str
     return out
 
 
+CHECK_RTOL = {torch.bfloat16: 2e-2, torch.float32: 5e-3}
+"""Largest relative Frobenius error a candidate may show against the reference (per activation
+dtype): far above rounding (bf16 outputs: ~4e-3), far below a wrong result (~1)."""
+
+
+def _rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float(torch.linalg.vector_norm(a - b) / max(float(torch.linalg.vector_norm(b)), 1e-30))
+
+
+def deviation(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str, iterations: int,
+              device: str = "cuda") -> dict[str, float]:
+    """`{direction: relative error}` of `key`'s op with the ops bundle `ops` against the reference
+    ops on the same fresh inputs: forward outputs, or (backward) the gradients of every input for
+    the same random output gradients."""
+    op = _op(key)
+    fn, ref_fn = op_call(ops, op, n, variant, iterations), op_call(ref, op, n, variant, iterations)
+    inputs = [x.requires_grad_(True) if x is not None else None for x in make_inputs(op, t, n, c, act, variant, device)]
+    leaves = [x for x in inputs if x is not None]
+    got, want = fn(*inputs), ref_fn(*inputs)
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    out: dict[str, float] = {}
+    if "fwd" in _directions(key):
+        out["fwd"] = max(_rel_error(a, b) for a, b in zip(got, want, strict=True))
+    if "bwd" in _directions(key):
+        grads = [torch.randn_like(w) for w in want]
+        g_got = torch.autograd.grad(got, leaves, grads, allow_unused=True)
+        g_want = torch.autograd.grad(want, leaves, grads, allow_unused=True)
+        out["bwd"] = max((_rel_error(a, b) if a is not None else float("inf"))
+                         for a, b in zip(g_got, g_want, strict=True) if b is not None)
+    return out
+
+
 def _ms(row: dict) -> float:
     """What a candidate is ranked by: its GPU busy time (`device_ms`, rows since 11-30), else the
     back-to-back time, which equals the host's time per call whenever the host is the slower side
@@ -174,12 +215,13 @@ def summary(rows: list[dict]) -> str:
     """Markdown: per (key, direction) the default's time (GPU busy time where the rows have it, else
     back-to-back; the default is the first candidate of the tile key, `*_occupancy` keys included:
     their baseline is the unhinted default), the fastest candidate and its speed-up over the default
-    ("-" when the default did not run); failures are counted."""
+    ("-" when the default did not run); failures (errors, and results the reference check refused)
+    are counted."""
     groups: dict[tuple[str, str], list[dict]] = {}
     failed: dict[str, int] = {}
     default_ms: dict[tuple[str, str], float] = {}
     for r in rows:
-        if "error" in r:
+        if "error" in r or r.get("check") == "fail":  # a candidate that computes something else is no winner
             failed[r["key"]] = failed.get(r["key"], 0) + 1
             continue
         groups.setdefault((r["key"], r["direction"]), []).append(r)
@@ -213,6 +255,23 @@ def _print_summary(path: str) -> int:
     return 0
 
 
+def _adopt(path: str, out: str | None, min_gain: float) -> int:
+    if not out:
+        print("sweep --adopt: give the tuning file to write with --out", file=sys.stderr)
+        return 2
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        tuned, lines = tuning.from_sweep(data, CANDIDATES, min_gain=min_gain, source=out)
+    except (OSError, ValueError) as exc:
+        print(f"sweep --adopt: {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    tuning.save(tuned, out)
+    print(f"wrote {tuning.describe(tuned)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(p)
@@ -221,12 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", default=",".join(CANDIDATES), help=f"comma-separated, from {', '.join(CANDIDATES)}")
     p.add_argument("--index", type=int, help="only candidate INDEX of each key (0-based)")
     p.add_argument("--warm-only", action="store_true", help="run each candidate once (JIT compile), no timing")
-    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--out", help="write the rows as JSON here (with --adopt: the tuning file)")
     p.add_argument("--list", action="store_true", help="print 'key index' per candidate and exit")
     p.add_argument("--summary", metavar="SWEEP_JSON", help="print the fastest candidate per key of a sweep's --out file")
+    p.add_argument("--adopt", metavar="SWEEP_JSON",
+                   help="write the winners of a sweep's --out file that passed their check as a tuning file to --out")
+    p.add_argument("--min-gain", type=float, default=1.03, help="--adopt: speed-up over the default a winner needs")
     args = p.parse_args(argv)
     if args.summary:
         return _print_summary(args.summary)
+    if args.adopt:
+        return _adopt(args.adopt, args.out, args.min_gain)
     if args.list:
         for key, cands in CANDIDATES.items():
             for i in range(len(cands)):
@@ -252,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         for cand in cands:
             label = f"{key}={cand}"
             try:
-                with tiling.overridden(**override(key, cand)):
+                with tiling.tuned(None), tiling.overridden(**override(key, cand)):
+                    errors = {} if args.warm_only else deviation(cutile.OPS, key, t, n, c, act, args.variant,
+                                                                 args.iterations)
                     fns = timers(cutile.OPS, key, t, n, c, act, args.variant, args.iterations)
                     for direction, fn in fns.items():
                         if args.warm_only:
@@ -270,14 +336,18 @@ def main(argv: list[str] | None = None) -> int:
                             device_error = None
                         model = bytes_moved(_op(key), direction, tokens=t, n=n, hidden=c, act_bytes=act.itemsize,
                                             with_bias=_op(key) == "h_post_bda").total
+                        err = errors[direction]
                         row = {"key": key, "tiles": repr(cand), "direction": direction,
-                               "single_ms": round(single, 4), "pipelined_ms": round(piped, 4)}
+                               "single_ms": round(single, 4), "pipelined_ms": round(piped, 4),
+                               "max_rel_err": err if err == float("inf") else float(f"{err:.3g}"),
+                               "check": "ok" if err <= CHECK_RTOL[act] else "fail"}
                         row.update({"device_error": device_error} if device is None else {"device_ms": round(device, 4)})
                         row["gb_per_s"] = round(model / (_ms(row) * 1e6), 1)
                         rows.append(row)
                         busy = "-" if device is None else f"{device:8.4f} ms"
                         print(f"{label:60s} {direction} single {single:8.4f} ms  pipelined {piped:8.4f} ms "
-                              f"GPU busy {busy} {row['gb_per_s']:8.1f} GB/s", flush=True)
+                              f"GPU busy {busy} {row['gb_per_s']:8.1f} GB/s  check {row['check']} ({err:.2g})",
+                              flush=True)
             except Exception as exc:  # a candidate that does not compile or spills is a result too
                 rows.append({"key": key, "tiles": repr(cand), "error": f"{type(exc).__name__}: {exc}"[:400]})
                 print(f"{label:60s} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)

@@ -32,6 +32,11 @@ two waves of the GPU's SMs, while each split keeps at least four K (or token) ti
 
 `overridden(...)` replaces any of these choices inside a `with` block (the tile sweep,
 `mhc_core.kernels.cutile.sweep`, uses it to time candidates through the real wrappers).
+
+A tuning (`mhc_core.kernels.cutile.tuning`: a sweep's winners on one GPU model, as JSON) sits
+between the two: `set_tuning(t)` / `tuned(t)` make its tiles the defaults for its `n` (a stream
+tile only where `TILE_C <= pow2(C)`), and its occupancy hints the defaults of their kernels. The
+order of precedence is `overridden` > the tuning > the heuristics below.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "SUPPORTED_N",
@@ -56,6 +62,10 @@ __all__ = [
     "overridden",
     "occupancy",
     "DEFAULT_OCCUPANCY",
+    "check_tile",
+    "set_tuning",
+    "tuned",
+    "active_tuning",
 ]
 
 SUPPORTED_N = (2, 4, 8)
@@ -86,22 +96,32 @@ def _is_pow2(v: int) -> bool:
     return isinstance(v, int) and v > 0 and v & (v - 1) == 0
 
 
+def check_tile(key: str, value: object, where: str = "tiling.overridden") -> None:
+    """Raise `ValueError` (prefixed by `where`) unless `value` is a legal choice for tile key `key`:
+    the key's tile type with power-of-two sizes, or for `occupancy` a `{kernel name: 1-32}` dict."""
+    if key not in TILE_KEYS:
+        raise ValueError(f"{where}: unknown key {key!r}; valid: {', '.join(TILE_KEYS)}")
+    if key == "occupancy":
+        known = {k for names in KERNELS_OF.values() for k in names}
+        bad = {k: v for k, v in dict(value).items()
+               if k not in known or not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 32)}
+        if bad:
+            raise ValueError(f"{where}: occupancy={bad!r}: kernel names from KERNELS_OF, values 1-32")
+        return
+    kind = SinkhornTiles if key == "sinkhorn" else MappingTiles if key.startswith("mapping") else StreamTiles
+    if not isinstance(value, kind):
+        raise ValueError(f"{where}: {key}={value!r}: expected a {kind.__name__}")
+    dims = (value.tile_b,) if key == "sinkhorn" else (
+        (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
+    if not all(_is_pow2(d) for d in dims):
+        raise ValueError(f"{where}: {key}={value!r}: tile sizes must be powers of two")
+
+
 @contextmanager
 def overridden(**tiles: object) -> Iterator[None]:
-    """Use the given tiles (keys from `TILE_KEYS`) instead of the heuristics inside the block."""
+    """Use the given tiles (keys from `TILE_KEYS`) instead of the tuning and the heuristics inside the block."""
     for key, value in tiles.items():
-        if key not in TILE_KEYS:
-            raise ValueError(f"tiling.overridden: unknown key {key!r}; valid: {', '.join(TILE_KEYS)}")
-        if key == "occupancy":
-            known = {k for names in KERNELS_OF.values() for k in names}
-            bad = {k: v for k, v in value.items() if k not in known or not (isinstance(v, int) and 1 <= v <= 32)}
-            if bad:
-                raise ValueError(f"tiling.overridden: occupancy={bad!r}: kernel names from KERNELS_OF, values 1-32")
-            continue
-        dims = (value.tile_b,) if key == "sinkhorn" else (
-            (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
-        if not all(_is_pow2(d) for d in dims):
-            raise ValueError(f"tiling.overridden: {key}={value!r}: tile sizes must be powers of two")
+        check_tile(key, value)
     saved = dict(_OVERRIDES)
     _OVERRIDES.update(tiles)
     try:
@@ -109,6 +129,43 @@ def overridden(**tiles: object) -> Iterator[None]:
     finally:
         _OVERRIDES.clear()
         _OVERRIDES.update(saved)
+
+
+_TUNING: Any = None  # the process-wide tuning (a `tuning.Tuning`) or None
+
+
+def set_tuning(tuning: Any) -> None:
+    """Make `tuning` (a `mhc_core.kernels.cutile.tuning.Tuning`, or None for the heuristics alone)
+    the process-wide defaults. The GPU runtime sets the one `tuning.resolve` finds on its first launch."""
+    global _TUNING
+    _TUNING = tuning
+
+
+def active_tuning() -> Any:
+    """The tuning in force (None: heuristics only)."""
+    return _TUNING
+
+
+@contextmanager
+def tuned(tuning: Any) -> Iterator[None]:
+    """`set_tuning(tuning)` inside the block only (the sweep times against the heuristics under `tuned(None)`)."""
+    global _TUNING
+    saved, _TUNING = _TUNING, tuning
+    try:
+        yield
+    finally:
+        _TUNING = saved
+
+
+def _tuned_tile(key: str, n: int, c: int | None = None) -> Any:
+    """The tuning's tile for `key` at `n` (and channel count `c` for stream tiles), else None."""
+    t = _TUNING
+    if t is None or t.n != n or key not in t.tiles:
+        return None
+    tile = t.tiles[key]
+    if c is not None and tile.tile_c > next_pow2(c):
+        return None
+    return tile
 
 
 DEFAULT_OCCUPANCY: dict[str, int] = {}
@@ -119,9 +176,13 @@ both apply them."""
 
 def occupancy(kernel_name: str) -> int | None:
     """The occupancy hint for `kernel_name`: inside `overridden(occupancy=...)` the override's (a
-    kernel the override does not name keeps no hint), else `DEFAULT_OCCUPANCY`'s, else None."""
+    kernel the override does not name keeps no hint), else the tuning's (at every `n`: a hint is a
+    property of the kernel object), else `DEFAULT_OCCUPANCY`'s, else None."""
     if "occupancy" in _OVERRIDES:
         return _OVERRIDES["occupancy"].get(kernel_name)
+    t = _TUNING
+    if t is not None and kernel_name in t.occupancy:
+        return t.occupancy[kernel_name]
     return DEFAULT_OCCUPANCY.get(kernel_name)
 
 
@@ -150,7 +211,7 @@ def sinkhorn_tile(n: int) -> SinkhornTiles:
     """The Sinkhorn kernels' tile."""
     if "sinkhorn" in _OVERRIDES:
         return _OVERRIDES["sinkhorn"]
-    return SinkhornTiles(tile_b=max(1, min(64, 1024 // (n * n))))
+    return _tuned_tile("sinkhorn", n) or SinkhornTiles(tile_b=max(1, min(64, 1024 // (n * n))))
 
 
 @dataclass(frozen=True)
@@ -190,6 +251,9 @@ def aggregate_tiles(n: int, c: int, direction: str) -> StreamTiles:
     """`h_aggregate` tiles; `direction` is `fwd` or `bwd`."""
     if f"h_aggregate_{direction}" in _OVERRIDES:
         return _OVERRIDES[f"h_aggregate_{direction}"]
+    tuned_tile = _tuned_tile(f"h_aggregate_{direction}", n, c)
+    if tuned_tile is not None:
+        return tuned_tile
     return _stream_tiles(n, c, 256, 8192, per_stream=direction == "fwd")
 
 
@@ -197,6 +261,9 @@ def post_bda_tiles(n: int, c: int, direction: str) -> StreamTiles:
     """`h_post_bda` tiles; `direction` is `fwd` or `bwd`."""
     if f"h_post_bda_{direction}" in _OVERRIDES:
         return _OVERRIDES[f"h_post_bda_{direction}"]
+    tuned_tile = _tuned_tile(f"h_post_bda_{direction}", n, c)
+    if tuned_tile is not None:
+        return tuned_tile
     if direction == "fwd":
         return _stream_tiles(n, c, 256, 4096, per_stream=True)
     return _stream_tiles(n, c, 64, 8192)
@@ -216,8 +283,9 @@ class MappingTiles:
 
 def mapping_tiles(n: int, k: int, direction: str) -> MappingTiles:
     """The mapping tiles for `direction` (`fwd` or `bwd`; fixed: K = n*C is split at run time)."""
-    default = MappingTiles() if direction == "fwd" else MappingTiles(tile_m=32)
-    return _OVERRIDES.get(f"mapping_{direction}", default)
+    if f"mapping_{direction}" in _OVERRIDES:
+        return _OVERRIDES[f"mapping_{direction}"]
+    return _tuned_tile(f"mapping_{direction}", n) or (MappingTiles() if direction == "fwd" else MappingTiles(tile_m=32))
 
 
 def split_count(blocks: int, tiles: int, num_sms: int, *, min_tiles_per_split: int = 4) -> int:

@@ -17,13 +17,14 @@ ct = pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip in
 
 from cuda.tile.compilation import export_kernel  # noqa: E402
 
-from mhc_core.kernels.cutile import toolchain  # noqa: E402
+from mhc_core.kernels.cutile import tiling, toolchain, tuning  # noqa: E402
 from mhc_core.kernels.cutile.runtime import ArrayArg  # noqa: E402
 from mhc_core.kernels.cutile.signatures import (  # noqa: E402
     alternative_plan,
     kernel_object,
     signature_plan,
     to_signature,
+    tuned_plan,
 )
 
 BYTECODE_VERSION = "13.3"
@@ -87,6 +88,33 @@ def test_compile_alternative_cubin(compiler, launch):
     buf = io.BytesIO()
     export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf, output_format="cubin", gpu_code="sm_90")
     assert len(buf.getvalue()) > 0
+
+
+SHIPPED = [(t, p) for t in (tuning.load(f) for f in sorted(tuning.TUNED_DIR.glob("*.json"))) for p in tuned_plan([t])]
+
+
+@pytest.mark.parametrize(("tuned", "launch"), SHIPPED, ids=[p.id for _, p in SHIPPED])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_compile_shipped_tuning_cubin(compiler, tuned, launch, arch):
+    """tileiras compiles what each tuning shipped in `tuned/` launches (its tiles and occupancy hints)."""
+    with tiling.tuned(tuned):
+        kernel = kernel_object(launch.kernel_name)
+    buf = io.BytesIO()
+    export_kernel(kernel, [to_signature(launch)], buf, output_format="cubin", gpu_code=arch)
+    assert len(buf.getvalue()) > 0
+
+
+def test_tuning_launches_export_with_their_hints():
+    """A tuning's launches (tensor-core h_post_bda backward, occupancy 4) export under the tuning, at
+    every dtype and variant, and the hinted kernel object is the tuning's."""
+    t = tuning.Tuning(device="test", n=4, tiles={"h_post_bda_bwd": tiling.StreamTiles(8, 64, mma=True)},
+                      occupancy={"h_post_bda_bwd_kernel": 4})
+    plan = tuned_plan([t])
+    assert {p.kernel_name for p in plan} == {"h_post_bda_bwd_kernel"} and len(plan) >= 6
+    with tiling.tuned(t):
+        assert kernel_object("h_post_bda_bwd_kernel")._compiler_options.occupancy == 4  # cuda.tile 1.7 internals
+        for launch in plan:
+            assert len(_bytecode(launch)) > 0
 
 
 def test_misshaped_signature_fails():

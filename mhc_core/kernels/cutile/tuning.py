@@ -1,0 +1,208 @@
+"""Tuned tiles per GPU model: a tile sweep's winners as a JSON file, found by device name.
+
+    python -m mhc_core.kernels.cutile.sweep --out sweep.json                    # GPU: time every candidate
+    python -m mhc_core.kernels.cutile.sweep --adopt sweep.json --out tuning.json  # no GPU: keep the winners
+    MHC_CUTILE_TUNING=tuning.json python train.py                               # run with them
+
+Which tuning is in force (`resolve`, on the GPU runtime's first launch; logged once on
+`mhc_core.kernels`): `MHC_CUTILE_TUNING` set to a path (that file; a missing or malformed file is
+an error naming it) or to `off` (none); unset, the file shipped for the device,
+`tuned/<device_slug(torch.cuda.get_device_name())>.json`, when there is one; else none, and the
+heuristics of `tiling` decide. A tuning's tiles apply at its `n` only (`tiling`).
+
+File, schema 1 (`Tuning.to_json`): `device` (the name it was swept on), `n`, `measured` (the
+sweep's shape, dtype, variant), `tiles` (`{tile key: {type name: fields}}`), `occupancy`
+(`{kernel name: CTAs per SM}`), `gains` (per adopted key: the default's and the winner's GPU ms).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from mhc_core.kernels.cutile import tiling
+
+__all__ = ["ENV", "SCHEMA", "TUNED_DIR", "Tuning", "device_slug", "load", "save", "packaged", "resolve", "describe",
+           "from_sweep"]
+
+ENV = "MHC_CUTILE_TUNING"
+SCHEMA = 1
+TUNED_DIR = Path(__file__).parent / "tuned"
+"""The tunings shipped with the package, one `<device_slug>.json` per GPU model."""
+
+_TILE_TYPES = {cls.__name__: cls for cls in (tiling.SinkhornTiles, tiling.StreamTiles, tiling.MappingTiles)}
+logger = logging.getLogger("mhc_core.kernels")
+
+
+def device_slug(name: str) -> str:
+    """File stem for a device name: `NVIDIA H200` -> `nvidia_h200`."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tuning:
+    """Tiles and occupancy hints that beat the heuristics on one GPU model, at `n` streams."""
+
+    device: str
+    n: int
+    tiles: Mapping[str, Any] = field(default_factory=dict)
+    occupancy: Mapping[str, int] = field(default_factory=dict)
+    measured: Mapping[str, Any] = field(default_factory=dict)
+    gains: Mapping[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        where = f"cuTile tuning {self.source or self.device!r}"
+        if self.n not in tiling.SUPPORTED_N:
+            raise ValueError(f"{where}: n={self.n!r}; kernels exist for n in {tiling.SUPPORTED_N}")
+        for key, tile in self.tiles.items():
+            if key == "occupancy":
+                raise ValueError(f"{where}: occupancy hints go under 'occupancy', not 'tiles'")
+            tiling.check_tile(key, tile, where)
+        tiling.check_tile("occupancy", self.occupancy, where)
+
+    def to_json(self) -> dict:
+        """The file's contents (schema 1)."""
+        return {"schema": SCHEMA, "device": self.device, "n": self.n, "measured": dict(self.measured),
+                "tiles": {k: {type(t).__name__: asdict(t)} for k, t in self.tiles.items()},
+                "occupancy": dict(self.occupancy), "gains": dict(self.gains)}
+
+    @classmethod
+    def from_json(cls, data: object, source: str) -> Tuning:
+        """Parse a file's contents; `ValueError` naming `source` and the bad entry."""
+        where = f"cuTile tuning {source}"
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"{where}: schema {data.get('schema')!r}, this version reads schema {SCHEMA}")
+        missing = [k for k in ("device", "n", "tiles") if k not in data]
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(missing)}")
+        tiles = {}
+        for key, spec in dict(data["tiles"]).items():
+            if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in _TILE_TYPES):
+                raise ValueError(f"{where}: tiles[{key!r}] = {spec!r}: expected {{type: fields}} with a type "
+                                 f"from {', '.join(_TILE_TYPES)}")
+            (name, values), = spec.items()
+            kind = _TILE_TYPES[name]
+            unknown = set(values) - {f.name for f in fields(kind)}
+            if unknown:
+                raise ValueError(f"{where}: tiles[{key!r}]: {name} has no field(s) {', '.join(sorted(unknown))}")
+            try:
+                tiles[key] = kind(**values)
+            except TypeError as exc:
+                raise ValueError(f"{where}: tiles[{key!r}]: {exc}") from None
+        return cls(device=str(data["device"]), n=data["n"], tiles=tiles, occupancy=dict(data.get("occupancy", {})),
+                   measured=dict(data.get("measured", {})), gains=dict(data.get("gains", {})), source=source)
+
+
+def load(path: str | os.PathLike) -> Tuning:
+    """Read a tuning file; `ValueError` naming the path when it is missing, not JSON or not a tuning."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ValueError(f"cuTile tuning {p}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"cuTile tuning {p}: not JSON: {exc}") from None
+    return Tuning.from_json(data, str(p))
+
+
+def save(tuning: Tuning, path: str | os.PathLike) -> None:
+    """Write `tuning` to `path` atomically."""
+    from mhc_core.kernels.cutile.bench import write_json
+
+    write_json(str(path), tuning.to_json())
+
+
+def packaged(device_name: str) -> Tuning | None:
+    """The tuning shipped for `device_name` (`TUNED_DIR/<device_slug>.json`), or None."""
+    p = TUNED_DIR / f"{device_slug(device_name)}.json"
+    return load(p) if p.is_file() else None
+
+
+def resolve(device_name: str | None) -> Tuning | None:
+    """The tuning to use on `device_name` (None: no device, so only `MHC_CUTILE_TUNING` counts)."""
+    value = os.environ.get(ENV, "").strip()
+    if value.lower() in ("off", "none", "0"):
+        return None
+    if value:
+        t = load(value)
+        if device_name is not None and device_slug(t.device) != device_slug(device_name):
+            logger.warning("cuTile tuning %s was swept on %s; this is %s", value, t.device, device_name)
+        return t
+    return packaged(device_name) if device_name else None
+
+
+def describe(tuning: Tuning | None) -> str:
+    """One line: which tuning is in force."""
+    if tuning is None:
+        return "none (tiling heuristics)"
+    keys = ", ".join(tuning.tiles) or "no tiles"
+    hints = f", {len(tuning.occupancy)} occupancy hint(s)" if tuning.occupancy else ""
+    return f"{tuning.source or 'in memory'} ({tuning.device}, n = {tuning.n}: {keys}{hints})"
+
+
+def _directions(tile_key: str) -> tuple[str, ...]:
+    return ("fwd",) if tile_key.endswith("_fwd") else ("bwd",) if tile_key.endswith("_bwd") else ("fwd", "bwd")
+
+
+def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: float = 1.03,
+               source: str = "") -> tuple[Tuning, list[str]]:
+    """The winners of a sweep's `--out` file: per tile key, the fastest candidate (over the key and
+    its `*_occupancy` key; GPU busy time, else back-to-back; Sinkhorn: forward + backward) among
+    the rows whose result matched the reference (`check == "ok"`), adopted when it beats the
+    key's default (the first candidate) by `min_gain`. Returns the tuning and one line per key."""
+    where = f"sweep {source or 'rows'}"
+    try:
+        rows, n, device = list(data["rows"]), data["n"], data["device"]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{where}: not a sweep --out file (missing {exc})") from None
+    times: dict[str, dict[tuple[str, str], dict[str, float]]] = {}
+    for r in rows:
+        if "error" in r or r.get("check") != "ok":
+            continue
+        ms = r.get("device_ms", r.get("pipelined_ms"))
+        tile_key = r["key"].removesuffix("_occupancy")
+        times.setdefault(tile_key, {}).setdefault((r["key"], r["tiles"]), {})[r["direction"]] = ms
+    tiles: dict[str, Any] = {}
+    occupancy: dict[str, int] = {}
+    gains: dict[str, Any] = {}
+    lines = []
+    for tile_key in tiling.KERNELS_OF:
+        dirs = _directions(tile_key)
+        totals = {cid: sum(t[d] for d in dirs) for cid, t in times.get(tile_key, {}).items() if all(d in t for d in dirs)}
+        default = (tile_key, repr(candidates[tile_key][0])) if tile_key in candidates else None
+        if default not in totals:
+            lines.append(f"{tile_key}: default not timed or failed its check: kept the heuristic")
+            continue
+        best = min(totals, key=totals.get)
+        gain = totals[default] / totals[best]
+        if best == default or gain < min_gain:
+            lines.append(f"{tile_key}: kept the default ({totals[default]:.4f} ms; best other {gain:.2f}x)")
+            continue
+        by_repr = {repr(c): c for c in candidates.get(best[0], ())}
+        if best[1] not in by_repr:
+            lines.append(f"{tile_key}: fastest {best[1]} is not a candidate of this version: kept the heuristic")
+            continue
+        cand = by_repr[best[1]]
+        for k, v in (cand if isinstance(cand, dict) else {tile_key: cand}).items():
+            if k == "occupancy":
+                occupancy.update(v)
+            else:
+                tiles[k] = v
+        gains[tile_key] = {"default_ms": round(totals[default], 4), "ms": round(totals[best], 4),
+                           "candidate": f"{best[0]}={best[1]}"}
+        lines.append(f"{tile_key}: adopted {best[0]}={best[1]}: {totals[default]:.4f} -> {totals[best]:.4f} ms "
+                     f"({gain:.2f}x)")
+    measured = {k: data.get(k) for k in ("tokens", "hidden", "dtype", "variant")}
+    return Tuning(device=device, n=n, tiles=tiles, occupancy=occupancy, measured=measured, gains=gains,
+                  source=source), lines

@@ -1,0 +1,206 @@
+"""Tuned tiles: the tuning file, its place between overrides and heuristics, and adopting a sweep's winners."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mhc_core import ops as ref
+from mhc_core.kernels.cutile import signatures, tiling, tuning
+from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile.runtime import EmulatedRuntime
+from mhc_core.kernels.cutile.sweep import CANDIDATES, CHECK_RTOL, deviation, main
+
+_S = tiling.StreamTiles
+MMA_FWD = _S(8, 256, mma=True)  # a sweep candidate of h_aggregate_fwd, not the default
+
+
+def _tuning(**kw) -> tuning.Tuning:
+    base = dict(device="NVIDIA H200", n=4, tiles={"h_aggregate_fwd": MMA_FWD, "sinkhorn": tiling.SinkhornTiles(128)},
+                occupancy={"h_post_bda_bwd_kernel": 4})
+    return tuning.Tuning(**{**base, **kw})
+
+
+def test_file_round_trip(tmp_path):
+    """A saved tuning loads back equal, with every tile type and the occupancy hints."""
+    t = _tuning(tiles={"h_aggregate_fwd": MMA_FWD, "sinkhorn": tiling.SinkhornTiles(128, per_element=True),
+                       "mapping_bwd": tiling.MappingTiles(16, 64, True)})
+    path = tmp_path / "t.json"
+    tuning.save(t, path)
+    back = tuning.load(path)
+    assert back == t and back.source == str(path)
+    assert json.loads(path.read_text())["tiles"]["mapping_bwd"] == {
+        "MappingTiles": {"tile_m": 16, "tile_k": 64, "split_dx": True}}
+
+
+@pytest.mark.parametrize(("content", "match"), [
+    (None, "cannot read it"),
+    ("{not json", "not JSON"),
+    ('{"schema": 2, "device": "x", "n": 4, "tiles": {}}', "schema 2"),
+    ('{"schema": 1, "device": "x", "tiles": {}}', "missing n"),
+    ('{"schema": 1, "device": "x", "n": 3, "tiles": {}}', "n=3"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": {"tile_t": 8, "tile_c": 96}}}}',
+     "powers of two"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"sinkhorn": {"StreamTiles": {"tile_t": 8, "tile_c": 64}}}}',
+     "expected a SinkhornTiles"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"no_key": {"StreamTiles": {"tile_t": 8, "tile_c": 64}}}}',
+     "unknown key 'no_key'"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": {"tile_t": 8, "tile_c": 64, '
+     '"tile_x": 1}}}}', "no field"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"Tiles": {}}}}', "expected {type: fields}"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"h_aggregate_fwd_kernel": 64}}', "values 1-32"),
+])
+def test_malformed_file_is_named(tmp_path, content, match):
+    """A missing, non-JSON or invalid tuning file raises `ValueError` naming the file and the entry."""
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=match) as info:
+        tuning.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_tuning_sits_between_overrides_and_heuristics():
+    """Under a tuning its tiles and hints are the defaults at its n (stream tiles where TILE_C fits C);
+    `overridden` still wins; other n and small C keep the heuristics; the block restores them."""
+    default, default_n2 = tiling.aggregate_tiles(4, 4096, "fwd"), tiling.aggregate_tiles(2, 4096, "fwd")
+    assert default != MMA_FWD
+    with tiling.tuned(_tuning()):
+        assert tiling.aggregate_tiles(4, 4096, "fwd") == MMA_FWD
+        assert tiling.aggregate_tiles(4, 256, "fwd") == MMA_FWD
+        assert tiling.aggregate_tiles(4, 64, "fwd") == _S(tile_t=32, tile_c=64, per_stream=True)  # TILE_C 256 > 64
+        assert tiling.aggregate_tiles(2, 4096, "fwd") == default_n2  # another n: heuristic
+        assert tiling.aggregate_tiles(4, 4096, "bwd") == tiling.StreamTiles(8, 256)  # not tuned: heuristic
+        assert tiling.sinkhorn_tile(4) == tiling.SinkhornTiles(128) and tiling.sinkhorn_tile(8).tile_b == 16
+        assert tiling.occupancy("h_post_bda_bwd_kernel") == 4 and tiling.occupancy("h_aggregate_fwd_kernel") is None
+        with tiling.overridden(h_aggregate_fwd=_S(2, 512), occupancy={}):
+            assert tiling.aggregate_tiles(4, 4096, "fwd") == _S(2, 512)
+            assert tiling.occupancy("h_post_bda_bwd_kernel") is None
+    assert tiling.aggregate_tiles(4, 4096, "fwd") == default and tiling.active_tuning() is None
+
+
+def test_resolve_env_then_shipped_file(tmp_path, monkeypatch):
+    """`MHC_CUTILE_TUNING` names a file or `off`; unset, the file shipped for the device name decides."""
+    shipped = tmp_path / "tuned"
+    shipped.mkdir()
+    monkeypatch.setattr(tuning, "TUNED_DIR", shipped)
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    assert tuning.resolve("NVIDIA H200") is None and tuning.resolve(None) is None
+    tuning.save(_tuning(), shipped / "nvidia_h200.json")
+    assert tuning.device_slug("NVIDIA H200") == "nvidia_h200"
+    assert tuning.resolve("NVIDIA H200") == _tuning()
+    assert tuning.resolve("NVIDIA H100 80GB HBM3") is None and tuning.resolve(None) is None
+    other = tmp_path / "mine.json"
+    tuning.save(_tuning(tiles={}), other)
+    monkeypatch.setenv(tuning.ENV, str(other))
+    assert tuning.resolve("NVIDIA H200").tiles == {} and tuning.resolve(None).tiles == {}
+    monkeypatch.setenv(tuning.ENV, "off")
+    assert tuning.resolve("NVIDIA H200") is None
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="missing.json"):
+        tuning.resolve("NVIDIA H200")
+    assert "nvidia_h200.json" in tuning.describe(tuning.load(shipped / "nvidia_h200.json"))
+    assert tuning.describe(None).startswith("none")
+
+
+def _row(key, cand, direction, ms, check="ok"):
+    return {"key": key, "tiles": repr(cand), "direction": direction, "single_ms": ms, "pipelined_ms": ms * 2,
+            "device_ms": ms, "gb_per_s": 1.0, "check": check, "max_rel_err": 1e-3 if check == "ok" else 0.9}
+
+
+def _sweep_rows():
+    agg, pbwd, sk = CANDIDATES["h_aggregate_fwd"], CANDIDATES["h_post_bda_bwd"], CANDIDATES["sinkhorn"]
+    occ = CANDIDATES["h_post_bda_bwd_occupancy"]
+    return [
+        _row("h_aggregate_fwd", agg[0], "fwd", 0.20), _row("h_aggregate_fwd", agg[1], "fwd", 0.15),
+        _row("h_aggregate_fwd", agg[2], "fwd", 0.05, check="fail"),  # fastest, but wrong
+        _row("h_post_bda_bwd", pbwd[0], "bwd", 1.00), _row("h_post_bda_bwd", pbwd[1], "bwd", 0.99),
+        _row("h_post_bda_bwd_occupancy", occ[-1], "bwd", 0.50),
+        _row("sinkhorn", sk[0], "fwd", 0.040), _row("sinkhorn", sk[0], "bwd", 0.160),
+        _row("sinkhorn", sk[1], "fwd", 0.010),  # no backward timed: not comparable
+        _row("sinkhorn", sk[2], "fwd", 0.050), _row("sinkhorn", sk[2], "bwd", 0.100),
+        {"key": "mapping_bwd", "tiles": repr(CANDIDATES["mapping_bwd"][1]), "error": "TileCompilerError"},
+        _row("mapping_fwd", CANDIDATES["mapping_fwd"][1], "fwd", 0.1),  # default not timed
+    ]
+
+
+def test_from_sweep_adopts_checked_winners():
+    """Per tile key the fastest candidate that matched the reference, over the key and its occupancy key
+    (Sinkhorn: fwd + bwd), is adopted when it beats the default by the minimum gain; else the heuristic stays."""
+    data = {"tokens": 8192, "hidden": 4096, "n": 4, "dtype": "bf16", "variant": "megatron_dev", "device": "NVIDIA H200",
+            "rows": _sweep_rows()}
+    t, lines = tuning.from_sweep(data, CANDIDATES, min_gain=1.03, source="t.json")
+    occ_winner = CANDIDATES["h_post_bda_bwd_occupancy"][-1]
+    assert t.tiles == {"h_aggregate_fwd": CANDIDATES["h_aggregate_fwd"][1],
+                       "h_post_bda_bwd": occ_winner["h_post_bda_bwd"], "sinkhorn": CANDIDATES["sinkhorn"][2]}
+    assert t.occupancy == occ_winner["occupancy"]
+    assert t.gains["sinkhorn"] == {"default_ms": 0.2, "ms": 0.15, "candidate": f"sinkhorn={CANDIDATES['sinkhorn'][2]!r}"}
+    assert t.measured == {"tokens": 8192, "hidden": 4096, "dtype": "bf16", "variant": "megatron_dev"}
+    text = "\n".join(lines)
+    assert "mapping_fwd: default not timed" in text and "mapping_bwd: default not timed" in text
+    t2, lines2 = tuning.from_sweep(data, CANDIDATES, min_gain=1.5)
+    assert set(t2.tiles) == {"h_post_bda_bwd"}, lines2  # 1.33x (agg) and 1.33x (sinkhorn) are below 1.5
+    with pytest.raises(ValueError, match="missing"):
+        tuning.from_sweep({"rows": []}, CANDIDATES)
+
+
+def test_adopt_cli_writes_a_loadable_tuning(tmp_path, capsys):
+    """`sweep --adopt SWEEP --out TUNING` writes the winners; the file loads and puts them in force."""
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"tokens": 8192, "hidden": 4096, "n": 4, "dtype": "bf16", "variant": "megatron_dev",
+                                 "device": "NVIDIA H200", "rows": _sweep_rows()}))
+    out = tmp_path / "tuning.json"
+    assert main(["--adopt", str(sweep), "--out", str(out)]) == 0
+    assert "h_aggregate_fwd: adopted" in capsys.readouterr().out
+    with tiling.tuned(tuning.load(out)):
+        assert tiling.aggregate_tiles(4, 4096, "fwd") == CANDIDATES["h_aggregate_fwd"][1]
+    assert main(["--adopt", str(sweep)]) == 2 and "--out" in capsys.readouterr().err
+    assert main(["--adopt", str(tmp_path / "none.json"), "--out", str(tmp_path / "x.json")]) == 2
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_tuned_plan_lists_the_tuned_launches():
+    """The signature plan of a tuning holds its tiles' launches (CI compiles them), none of the default plan's."""
+    plan = signatures.tuned_plan([_tuning()])
+    assert plan and all(p.id.startswith("tuned-nvidia_h200-") for p in plan)
+    assert {p.kernel_name for p in plan} == {"h_aggregate_fwd_kernel", "sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel"}
+    default = {(p.kernel_name, p.args) for p in signatures.signature_plan()}
+    assert not default & {(p.kernel_name, p.args) for p in plan}
+    assert signatures.tuned_plan([]) == ()
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return make_ops(EmulatedRuntime(num_sms=4))
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("key", ["h_aggregate_fwd", "h_post_bda_bwd", "sinkhorn", "mapping_fwd"])
+def test_sweep_check_accepts_candidates_that_match(emu, key):
+    """The sweep's reference check passes the default and a second candidate (CPU kernel interpreter)."""
+    for cand in CANDIDATES[key][:2]:
+        with tiling.overridden(**({key: cand} if not isinstance(cand, dict) else cand)):
+            errs = deviation(emu, key, 40, 4, 512, torch.bfloat16, "megatron_dev", 3, device="cpu")
+        assert errs and all(e <= CHECK_RTOL[torch.bfloat16] for e in errs.values()), (key, cand, errs)
+
+
+def test_sweep_check_refuses_a_wrong_result(emu):
+    """An op 2 % off the reference in the forward, or with a wrong gradient, fails the check."""
+    off = emu._replace(h_aggregate=lambda x, h: ref.h_aggregate(x, h) * 1.05)
+    errs = deviation(off, "h_aggregate_fwd", 40, 4, 512, torch.bfloat16, "megatron_dev", 3, device="cpu")
+    assert errs["fwd"] > CHECK_RTOL[torch.bfloat16], errs
+
+    class _Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, h):
+            return ref.h_aggregate(x.detach(), h.detach())
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, None
+
+    broken = emu._replace(h_aggregate=_Scaled.apply)
+    errs = deviation(broken, "h_aggregate_bwd", 40, 4, 512, torch.bfloat16, "megatron_dev", 3, device="cpu")
+    assert errs["bwd"] == float("inf"), errs
