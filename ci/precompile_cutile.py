@@ -15,6 +15,9 @@ Launch sets, in priority order (the size cap keeps a prefix; a GPU run JIT-compi
     parity  every op at the GPU parity tests' sizes (n 2, 4, 8; bf16 and fp32)
     forms   the parity tests of the sweep's other formulations (their tiles, at their sizes)
 
+The sweep times against the heuristics (`tiling.tuned(None)`), and its set is recorded so; the others under the tuning the GPU runtime will put in force on `--device` (a file in
+`mhc_core/kernels/cutile/tuned/`, or `MHC_CUTILE_TUNING`; `tuning.resolve`).
+
 Prints per set the launches kept, then the archive's size; exits 1 if a launch failed to compile.
 """
 
@@ -31,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mhc_core.kernels.cutile import precompile  # noqa: E402
+from mhc_core.kernels.cutile import precompile, tiling, tuning  # noqa: E402
 from mhc_core.kernels.cutile.bench import add_shape_args  # noqa: E402
 from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
 from suites.perf.registry import cases_for  # noqa: E402
@@ -73,18 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bytes", type=int, required=True, help="cap on the archive's size")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--device", default="NVIDIA H200", help="the GPU model the run will see (its tuning applies)")
     add_shape_args(p)
     args = p.parse_args(argv)
     act = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     start = time.time()
     launches = precompile.sweep_launches(tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=act,
                                          variant=args.variant)
-    launches += perf_launches()
-    seq, batch, hidden, _, n = GPU_SHAPE
-    launches += precompile.ops_launches("layer", (n,), seq * batch, (hidden,), (torch.bfloat16,))
-    for t, c in dict.fromkeys(tuple(p.values) for p in (*parity.SIZES, *parity.MAPPING_SIZES)):
-        launches += precompile.ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
-    launches += forms_launches()
+    tuned = tuning.resolve(args.device)
+    print(f"tuning on {args.device}: {tuning.describe(tuned)}", flush=True)
+    with tiling.tuned(tuned):
+        launches += perf_launches()
+        seq, batch, hidden, _, n = GPU_SHAPE
+        launches += precompile.ops_launches("layer", (n,), seq * batch, (hidden,), (torch.bfloat16,))
+        for t, c in dict.fromkeys(tuple(p.values) for p in (*parity.SIZES, *parity.MAPPING_SIZES)):
+            launches += precompile.ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
+        launches += forms_launches()
     print(f"recorded {len(launches)} launches, {len(precompile.distinct(launches))} distinct "
           f"({time.time() - start:.0f} s)", flush=True)
     entries, failures = precompile.build(launches, args.out, arch=args.arch, jobs=args.jobs)

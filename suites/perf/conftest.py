@@ -61,8 +61,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    """Record the process settings next to the machine description."""
-    machine_info["mhc"] = dict(_SETTINGS, torch=torch.__version__)
+    """Record the process settings next to the machine description, with the cuTile tuning in force
+    (set on the first cuTile launch; "none" when nothing launched or no tuning applies)."""
+    from mhc_core.kernels.cutile import tiling, tuning
+
+    machine_info["mhc"] = dict(_SETTINGS, torch=torch.__version__, cutile_tuning=tuning.describe(tiling.active_tuning()))
 
 
 @pytest.fixture(scope="session")

@@ -92,7 +92,8 @@ def record(rec: LaunchRecorder, set_name: str, label: str, fn: Callable[[], obje
 
 def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, variant: str,
                    iterations: int = 20) -> list[Recorded]:
-    """Every launch of the tile sweep (`sweep.CANDIDATES`, in `KEY_ORDER`) at its shape."""
+    """Every launch of the tile sweep (`sweep.CANDIDATES`, in `KEY_ORDER`) at its shape, as the sweep
+    runs them: against the heuristics, whatever tuning is in force (`tiling.tuned(None)`)."""
     from mhc_core.kernels.cutile import sweep
     from mhc_core.kernels.cutile.ops import make_ops
 
@@ -100,7 +101,7 @@ def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, vari
     ops = make_ops(rec)
     for key, cands in sweep.CANDIDATES.items():
         for i, cand in enumerate(cands):
-            with tiling.overridden(**sweep.override(key, cand)):
+            with tiling.tuned(None), tiling.overridden(**sweep.override(key, cand)):
                 def run(key=key):  # building the backward timer already runs the forward
                     for fn in sweep.timers(ops, key, tokens, n, hidden, dtype, variant, iterations, device="cpu").values():
                         fn()

@@ -204,3 +204,18 @@ def test_sweep_check_refuses_a_wrong_result(emu):
     broken = emu._replace(h_aggregate=_Scaled.apply)
     errs = deviation(broken, "h_aggregate_bwd", 40, 4, 512, torch.bfloat16, "megatron_dev", 3, device="cpu")
     assert errs["bwd"] == float("inf"), errs
+
+
+def test_precompiled_sweep_ignores_the_tuning():
+    """The ahead-of-time cache records the sweep's launches as the sweep runs them: against the
+    heuristics, so a shipped tuning changes none of them."""
+    from mhc_core.kernels.cutile import precompile
+
+    def launches():
+        recs = precompile.sweep_launches(tokens=32, n=4, hidden=256, dtype=torch.bfloat16, variant="megatron_dev")
+        return [(r.id, r.kernel_name, r.args, r.occupancy) for r in recs]
+
+    plain = launches()
+    with tiling.tuned(_tuning()):
+        assert launches() == plain
+        assert tiling.aggregate_tiles(4, 256, "fwd") == MMA_FWD  # the tuning is in force around it
