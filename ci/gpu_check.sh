@@ -20,8 +20,10 @@
 # and runs from there with the cache as CUDA_TILE_CACHE_DIR (`precompile check` into env.txt,
 # `precompile report`, entries used and kernels still JIT-compiled, into summary.txt).
 #
-# Steps (MHC_GPU_STEPS, default "parity sweep": a second call runs "perf" once the sweep's winners are
-# adopted; each step has its own timeout, the sum < 10 min;
+# Steps (MHC_GPU_STEPS, default "parity sweep": the sweep writes its checked winners as tuning.json;
+# copy that to mhc_core/kernels/cutile/tuned/nvidia_h200.json and a second call, "parity perf", runs
+# the parity tests and the perf suite under it; "parity sweep perf" in one call times the perf suite
+# with this call's tuning.json; each step has its own timeout, the sum < 10 min;
 # MHC_GPU_TIMEOUT_<STEP> overrides one, e.g. MHC_GPU_TIMEOUT_PARITY=150, so a call fits a device budget):
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
 #           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 150 s (317 tests)
@@ -29,8 +31,9 @@
 #   bench   (not a default step: the sweep's first candidate per key is the default)
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
 #           keys from MHC_SWEEP_KEYS, in sweep.KEY_ORDER; warm-up one process per key, 90 s, then
-#           timing 150 s; sweep.json is rewritten after every candidate, so a timeout keeps what was
-#           timed; then the fastest per key, --summary)
+#           timing 150 s, each candidate checked against the reference on the same inputs; sweep.json
+#           is rewritten after every candidate, so a timeout keeps what was timed; then the fastest
+#           per key, --summary, and the winners that passed their check, --adopt -> tuning.json)
 #           + precision_probe (fp32 mapping error per MMA mode, 20 s)
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
 #           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
@@ -40,7 +43,7 @@
 #   perf-compiled  the same for the compiled backend (Inductor/Triton compiles, 110 s); not a default
 #           step (its kernels do not change with the cuTile work; h200 goldens exist).
 # Output ($OUT, default ./gpu_check_out, at most 8 files come back): summary.txt, env.txt,
-# perf-table.md, bench.json and gpu_check.tgz (everything else: parity.txt/.xml, bench.txt,
+# perf-table.md, bench.json, sweep.json, tuning.json and gpu_check.tgz (everything else: parity.txt/.xml, bench.txt,
 # megatron.txt/.xml, perf*.json, perf*.txt, golden/<hw>/perf/, perf-history.jsonl). To land the figures:
 # `tar -xzf gpu_check.tgz` and copy golden/<hw>/perf/ into golden/.
 set -uo pipefail
@@ -206,8 +209,13 @@ timeout "$(limit sweep 150)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr
 rc=$?
 cat "$OUT/sweep.txt"
 record sweep $rc
-# the fastest candidate per key (what to adopt in tiling.py), also into sweep.txt
-[[ -s "$OUT/sweep.json" ]] && "$PY" "${SWEEP[@]}" --summary "$OUT/sweep.json" 2>&1 | tee -a "$OUT/sweep.txt"
+# the fastest candidate per key, also into sweep.txt; the winners that matched the reference as a
+# tuning file (tuning.json: copy it to mhc_core/kernels/cutile/tuned/<device slug>.json to ship it)
+if [[ -s "$OUT/sweep.json" ]]; then
+    "$PY" "${SWEEP[@]}" --summary "$OUT/sweep.json" 2>&1 | tee -a "$OUT/sweep.txt"
+    "$PY" "${SWEEP[@]}" --adopt "$OUT/sweep.json" --out "$OUT/tuning.json" 2>&1 | tee -a "$OUT/sweep.txt"
+    record adopt "${PIPESTATUS[0]}"
+fi
 timeout "$(limit probe 20)" "$PY" -m mhc_core.kernels.cutile.precision_probe --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
 rc=$?
 cat "$OUT/probe.txt"
@@ -244,6 +252,12 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
         "$PY" -m suites.perf.table "$OUT/$1.json" >> "$OUT/perf-table.md"
     fi
 }
+# The tuning this call's sweep adopted, if any, else what the runtime finds for the device (tuned/).
+if [[ -s "$OUT/tuning.json" && -z "${MHC_CUTILE_TUNING:-}" ]]; then
+    export MHC_CUTILE_TUNING="$OUT/tuning.json"
+fi
+echo "perf tuning: ${MHC_CUTILE_TUNING:-the file shipped for the device, if any} (machine_info.mhc.cutile_tuning in perf.json)" \
+    >> "$OUT/summary.txt"
 has_step perf && perf_run perf 130 "not compiled"
 has_step perf-compiled && perf_run perf-compiled 110 "compiled"
 cat "$OUT/perf-table.md" 2>/dev/null
@@ -256,7 +270,7 @@ rm -rf "$OUT/.cutile-cache-not-returned"
     cd "$OUT" || exit 1
     files=()
     for f in *; do  # everything but the files that come back on their own
-        case "$f" in summary.txt | env.txt | perf-table.md | bench.json | sweep.json | '*') ;; *) files+=("$f") ;; esac
+        case "$f" in summary.txt | env.txt | perf-table.md | bench.json | sweep.json | tuning.json | '*') ;; *) files+=("$f") ;; esac
     done
     if [[ ${#files[@]} -gt 0 ]]; then tar -czf gpu_check.tgz "${files[@]}" && rm -rf "${files[@]}"; fi
 )
