@@ -182,8 +182,7 @@ def _compile_chunk(cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]])
     out = []
     for index, r in chunk:
         before = _keys(db)
-        with tiling.overridden(occupancy={r.kernel_name: r.occupancy} if r.occupancy is not None else {}):
-            kernel = kernel_object(r.kernel_name)
+        kernel = kernel_object(r.kernel_name, r.occupancy)  # the hint it was recorded with
         try:
             export_kernel(kernel, [to_signature(PlannedLaunch(r.id, r.kernel_name, r.args))], io.BytesIO(),
                           output_format="cubin", gpu_code=arch)

@@ -94,9 +94,7 @@ def _bytecode(launch: PlannedLaunch, occupancy: int | None = None) -> bytes:
 
     from mhc_core.kernels.cutile.signatures import kernel_object, to_signature
 
-    kernel = kernel_object(launch.kernel_name)  # with its default hint, if any
-    if occupancy is not None:
-        kernel = kernel.replace_hints(occupancy=occupancy)
+    kernel = kernel_object(launch.kernel_name) if occupancy is None else kernel_object(launch.kernel_name, occupancy)
     buf = io.BytesIO()
     export_kernel(kernel, [to_signature(launch)], buf,
                   output_format="tileir_bytecode", bytecode_version="13.3")

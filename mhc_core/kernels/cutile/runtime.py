@@ -10,6 +10,7 @@ The launch wrappers in `ops_*.py` call `runtime.launch(grid, kernel_name, args)`
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from mhc_core.kernels.cutile import tiling
 
 __all__ = [
     "KERNEL_MODULES",
+    "kernel_object",
     "ArrayArg",
     "ScalarArg",
     "ConstArg",
@@ -48,6 +50,23 @@ KERNEL_MODULES: dict[str, str] = {
 """Every kernel of the package and the module (in this package) that defines it."""
 
 
+_AS_TILING = object()
+
+
+@functools.cache
+def _hinted(kernel_name: str, occupancy: int | None):
+    kernel = getattr(importlib.import_module(f"mhc_core.kernels.cutile.{KERNEL_MODULES[kernel_name]}"), kernel_name)
+    return kernel if occupancy is None else kernel.replace_hints(occupancy=occupancy)
+
+
+def kernel_object(kernel_name: str, occupancy: int | None | object = _AS_TILING):
+    """The `@ct.kernel` object (imports `cuda.tile`) with an occupancy hint: `tiling.occupancy`'s
+    (override, tuning, `DEFAULT_OCCUPANCY`) unless `occupancy` is given (None: no hint). The one
+    place a hint becomes a kernel, for the GPU runtime, CI's offline compile, the resource report
+    and the precompiled cache; each hinted copy is kept (it has its own JIT cache)."""
+    return _hinted(kernel_name, tiling.occupancy(kernel_name) if occupancy is _AS_TILING else occupancy)
+
+
 class CuTileRuntime:
     """Launches on the current CUDA stream with `cuda.tile.launch` (JIT-compiled per signature)."""
 
@@ -57,10 +76,8 @@ class CuTileRuntime:
         import cuda.tile as ct
 
         self._ct = ct
-        self._kernels = {
-            name: getattr(importlib.import_module(f"mhc_core.kernels.cutile.{mod}"), name)
-            for name, mod in KERNEL_MODULES.items()
-        }
+        for name in KERNEL_MODULES:  # import every kernel module now: a broken one fails here, not mid-step
+            kernel_object(name, None)
 
     def launch(self, grid: tuple[int, ...], kernel_name: str, args: tuple[Any, ...]) -> None:
         """Launch on the current stream of the device of the first tensor argument."""
@@ -73,15 +90,8 @@ class CuTileRuntime:
                 self._ct.launch(torch.cuda.current_stream(device), grid, kernel, args)
 
     def _kernel(self, kernel_name: str):
-        """The kernel object, with the occupancy hint of `tiling.overridden` when one is set
-        (each hinted copy has its own JIT cache, so it is kept)."""
-        occ = tiling.occupancy(kernel_name)
-        if occ is None:
-            return self._kernels[kernel_name]
-        key = f"{kernel_name}@occupancy={occ}"
-        if key not in self._kernels:
-            self._kernels[key] = self._kernels[kernel_name].replace_hints(occupancy=occ)
-        return self._kernels[key]
+        """The kernel object with the occupancy hint in force (`kernel_object`)."""
+        return kernel_object(kernel_name)
 
     @staticmethod
     def num_sms(device: torch.device) -> int:

@@ -19,7 +19,6 @@ into a `cuda.tile.compilation.KernelSignature` (needs `cuda.tile`).
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -27,11 +26,11 @@ import torch
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
-from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, RecordingRuntime, ScalarArg
+from mhc_core.kernels.cutile.runtime import ArrayArg, ConstArg, RecordingRuntime, ScalarArg, kernel_object
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 
-__all__ = ["PlannedLaunch", "KernelCase", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
+__all__ = ["PlannedLaunch", "KernelCase", "kernel_object", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
            "ALTERNATIVE_TILES", "kernel_cases",
            "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C"]
 
@@ -252,15 +251,6 @@ def to_signature(launch: PlannedLaunch):
     v2 = any(isinstance(a, ArrayArg) and a.shape_one for a in launch.args)
     conv = ctc.CallingConvention.cutile_python_v2() if v2 else ctc.CallingConvention.cutile_python_v1()
     return ctc.KernelSignature(params, conv)
-
-
-def kernel_object(kernel_name: str):
-    """The `@ct.kernel` object (imports `cuda.tile`), with its occupancy hint (`tiling.occupancy`)
-    as the GPU runtime launches it."""
-    module = importlib.import_module(f"mhc_core.kernels.cutile.{KERNEL_MODULES[kernel_name]}")
-    kernel = getattr(module, kernel_name)
-    occ = tiling.occupancy(kernel_name)
-    return kernel if occ is None else kernel.replace_hints(occupancy=occ)
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ def _tuned_tile(key: str, n: int, c: int | None = None) -> Any:
 
 DEFAULT_OCCUPANCY: dict[str, int] = {}
 """Occupancy hints the defaults carry (`{kernel name: CTAs per SM}`; none yet: an entry lands when
-a GPU sweep shows it wins). The GPU runtime and CI's offline compile (`signatures.kernel_object`)
+a GPU sweep shows it wins). The GPU runtime and CI's offline compile (`runtime.kernel_object`)
 both apply them."""
 
 
