@@ -175,7 +175,7 @@ dtype): far above rounding (bf16 outputs: ~4e-3), far below a wrong result (~1).
 
 
 def _rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().float(), b.detach().float()
     if not torch.isfinite(a).all():
         return float("inf")
     return float(torch.linalg.vector_norm(a - b) / max(float(torch.linalg.vector_norm(b)), 1e-30))
