@@ -3,7 +3,7 @@
 A record (one line of the history file) is built from a pytest-benchmark JSON file::
 
     {"date": ..., "commit": ..., "dirty": false, "hardware": "dgx_h100", "versions": {...},
-     "source": "0001_nightly.json",
+     "settings": {...}, "source": "0001_nightly.json",
      "benchmarks": [{"key": "sinkhorn::test_sinkhorn[T512-n4]", "group": "sinkhorn",
                      "name": "test_sinkhorn[T512-n4]", "params": {...}, "median_s": 1.2e-4,
                      "mean_s": ..., "stddev_s": ..., "rounds": 100, "extra_info": {"bytes_per_s": ...}}]}
@@ -11,7 +11,9 @@ A record (one line of the history file) is built from a pytest-benchmark JSON fi
 :func:`check_history` compares the newest record's median time per benchmark against the median
 of the previous ``window`` records of the same hardware key that have it: slower than
 ``baseline * (1 + band_slow)`` is a regression; faster than ``baseline * (1 - band_fast)`` is
-flagged as an improvement (a failure only with ``fail_on_improvement``).
+flagged as an improvement (a failure only with ``fail_on_improvement``). ``settings`` is the
+suite's own process settings (``machine_info.mhc`` of the benchmark file: CUDA graphs, heap
+retention, the cuTile tuning in force, ...), so a step in a trend can be traced to one of them.
 """
 
 from __future__ import annotations
@@ -68,10 +70,13 @@ def record_from_benchmark_json(doc: Any, *, source: str, hw: str, commit: str | 
             "mean_s": stats.get("mean"), "stddev_s": stats.get("stddev"), "rounds": stats.get("rounds"),
             "extra_info": b.get("extra_info") or {},
         })
+    machine = doc.get("machine_info")
+    settings = machine.get("mhc") if isinstance(machine, dict) else None
     return {
         "date": doc.get("datetime") or utc_now(), "commit": commit or commit_info.get("id"),
         "dirty": commit_info.get("dirty"), "hardware": hw,
         "versions": dict(versions) if versions is not None else package_versions(),
+        "settings": dict(settings) if isinstance(settings, dict) else {},
         "source": Path(source).name, "benchmarks": benches,
     }
 

@@ -14,7 +14,8 @@ from harness.perf_history import check_history, read_history, record_from_benchm
 def _bench_json(path, medians: dict[str, float], *, commit="abc123", date="2026-11-01T00:00:00+00:00"):
     """A minimal pytest-benchmark JSON file with one benchmark per name."""
     doc = {
-        "machine_info": {"node": "x", "python_version": "3.11.7"},
+        "machine_info": {"node": "x", "python_version": "3.11.7",
+                         "mhc": {"cuda_graph": False, "cutile_tuning": "tuned/nvidia_h200.json (NVIDIA H200, n = 4)"}},
         "commit_info": {"id": commit, "dirty": False, "branch": "main"},
         "datetime": date,
         "version": "5.3.1",
@@ -46,10 +47,12 @@ def _append(tmp_path, h, a, b):
 
 class TestAppend:
     def test_record_fields(self, history):
-        """Each run is one JSONL record with date, commit, hardware, versions and per-benchmark figures."""
+        """Each run is one JSONL record with date, commit, hardware, versions, the suite's settings and
+        per-benchmark figures."""
         rec = read_history(history)[-1]
         assert ("c4", "cpu_x86_64") == (rec["commit"], rec["hardware"])
         assert "torch" in rec["versions"]
+        assert rec["settings"]["cutile_tuning"].startswith("tuned/nvidia_h200.json")
         b = rec["benchmarks"][0]
         assert ("sinkhorn::test_a[T512]", 1e-3) == (b["key"], b["median_s"])
         assert 0.5 == b["extra_info"]["roofline_ratio"]
