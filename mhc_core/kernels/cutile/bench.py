@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -27,9 +28,18 @@ __all__ = ["main", "time_ms", "pipelined_ms", "backward_fn", "make_inputs", "op_
            "write_json"]
 
 
-def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+def time_ms(fn: Callable[[], object], warmup: int, iters: int, device: str = "cuda") -> float:
+    """Median milliseconds of `iters` single calls after `warmup` untimed ones: CUDA events on a GPU,
+    the host clock on `device="cpu"` (the CPU interpreter: what the tests run the tools with)."""
     for _ in range(warmup):
         fn()
+    if device != "cuda":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -42,10 +52,16 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def pipelined_ms(fn: Callable[[], object], iters: int) -> float:
+def pipelined_ms(fn: Callable[[], object], iters: int, device: str = "cuda") -> float:
     """Milliseconds per call of `iters` back-to-back calls between one pair of CUDA events, after
-    one untimed call: the kernels' own time once the host's launch cost is hidden."""
+    one untimed call: the kernels' own time once the host's launch cost is hidden (host clock on
+    `device="cpu"`)."""
     fn()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

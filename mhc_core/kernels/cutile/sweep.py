@@ -20,7 +20,8 @@ timing run (`python -m mhc_core.kernels.cutile.sweep --list` prints the `key ind
 `--summary sweep.json` (no GPU) prints, per key and direction, the default's time, the fastest
 candidate and the speed-up; `--adopt sweep.json --out tuning.json` (no GPU) writes the winners
 that passed their check as a tuning file (`mhc_core.kernels.cutile.tuning`), which
-`MHC_CUTILE_TUNING` or a copy into `tuned/` puts in force.
+`MHC_CUTILE_TUNING` or a copy into `tuned/` puts in force. `--emulate` runs the same loop on
+the CPU kernel interpreter (host-clock times that mean nothing; the tests check the tool with it).
 Benchmarks measure; nothing here asserts a speed.
 """
 
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adopt", metavar="SWEEP_JSON",
                    help="write the winners of a sweep's --out file that passed their check as a tuning file to --out")
     p.add_argument("--min-gain", type=float, default=1.03, help="--adopt: speed-up over the default a winner needs")
+    p.add_argument("--emulate", action="store_true",
+                   help="run on the CPU kernel interpreter (no GPU; checks the tool, its times mean nothing)")
     args = p.parse_args(argv)
     if args.summary:
         return _print_summary(args.summary)
@@ -297,9 +300,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(key, i)
         return 0
 
-    cutile = cutile_or_none("sweep")
-    if cutile is None:
-        return 2
+    if args.emulate:  # the CPU kernel interpreter: the whole loop without a GPU (tests; times mean nothing)
+        from mhc_core.kernels.cutile.ops import make_ops
+        from mhc_core.kernels.cutile.runtime import EmulatedRuntime
+
+        ops, device, device_name = make_ops(EmulatedRuntime(num_sms=4)), "cpu", "CPU kernel interpreter"
+    else:
+        cutile = cutile_or_none("sweep")
+        if cutile is None:
+            return 2
+        ops, device, device_name = cutile.OPS, "cuda", None
     keys = args.keys.split(",")
     unknown = [k for k in keys if k not in CANDIDATES]
     if unknown:
@@ -317,23 +327,25 @@ def main(argv: list[str] | None = None) -> int:
             label = f"{key}={cand}"
             try:
                 with tiling.tuned(None), tiling.overridden(**override(key, cand)):
-                    errors = {} if args.warm_only else deviation(cutile.OPS, key, t, n, c, act, args.variant,
-                                                                 args.iterations)
-                    fns = timers(cutile.OPS, key, t, n, c, act, args.variant, args.iterations)
+                    errors = {} if args.warm_only else deviation(ops, key, t, n, c, act, args.variant,
+                                                                 args.iterations, device)
+                    fns = timers(ops, key, t, n, c, act, args.variant, args.iterations, device)
                     for direction, fn in fns.items():
                         if args.warm_only:
                             fn()
-                            torch.cuda.synchronize()
+                            if device == "cuda":
+                                torch.cuda.synchronize()
                             print(f"warm {label} {direction}", flush=True)
                             continue
-                        piped = pipelined_ms(fn, args.iters)
-                        single = time_ms(fn, 0, args.iters)
+                        piped = pipelined_ms(fn, args.iters, device)
+                        single = time_ms(fn, 0, args.iters, device)
                         try:
-                            device = device_busy_seconds(fn, "cuda", calls=5) * 1e3
+                            busy_s = device_busy_seconds(fn, device, calls=5)
                         except RuntimeError as exc:  # no CUPTI: rank by the back-to-back time instead
-                            device, device_error = None, f"{type(exc).__name__}: {exc}"[:200]
+                            busy_s, device_error = None, f"{type(exc).__name__}: {exc}"[:200]
                         else:
-                            device_error = None
+                            device_error = None if busy_s is not None else f"no GPU busy time on {device}"
+                        busy_ms = None if busy_s is None else busy_s * 1e3
                         model = bytes_moved(_op(key), direction, tokens=t, n=n, hidden=c, act_bytes=act.itemsize,
                                             with_bias=_op(key) == "h_post_bda").total
                         err = errors[direction]
@@ -341,20 +353,21 @@ def main(argv: list[str] | None = None) -> int:
                                "single_ms": round(single, 4), "pipelined_ms": round(piped, 4),
                                "max_rel_err": err if err == float("inf") else float(f"{err:.3g}"),
                                "check": "ok" if err <= CHECK_RTOL[act] else "fail"}
-                        row.update({"device_error": device_error} if device is None else {"device_ms": round(device, 4)})
+                        row.update({"device_error": device_error} if busy_ms is None else {"device_ms": round(busy_ms, 4)})
                         row["gb_per_s"] = round(model / (_ms(row) * 1e6), 1)
                         rows.append(row)
-                        busy = "-" if device is None else f"{device:8.4f} ms"
+                        busy = "-" if busy_ms is None else f"{busy_ms:8.4f} ms"
                         print(f"{label:60s} {direction} single {single:8.4f} ms  pipelined {piped:8.4f} ms "
                               f"GPU busy {busy} {row['gb_per_s']:8.1f} GB/s  check {row['check']} ({err:.2g})",
                               flush=True)
             except Exception as exc:  # a candidate that does not compile or spills is a result too
                 rows.append({"key": key, "tiles": repr(cand), "error": f"{type(exc).__name__}: {exc}"[:400]})
                 print(f"{label:60s} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
             if args.out and not args.warm_only:  # after every candidate: a timeout keeps what was timed
-                write_json(args.out, {"tokens": t, "n": n, "hidden": c, "dtype": args.dtype,
-                                       "variant": args.variant, "device": torch.cuda.get_device_name(), "rows": rows})
+                write_json(args.out, {"tokens": t, "n": n, "hidden": c, "dtype": args.dtype, "variant": args.variant,
+                                       "device": device_name or torch.cuda.get_device_name(), "rows": rows})
     return 0
 
 

@@ -129,3 +129,28 @@ def test_write_json_replaces_the_file_whole(tmp_path):
     write_json(str(path), {"rows": [1, 2]})
     assert json.loads(path.read_text()) == {"rows": [1, 2]}
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+def test_whole_sweep_loop_runs_on_the_interpreter(tmp_path, capsys):
+    """`sweep --emulate` runs the GPU tool's own loop on the CPU interpreter: every candidate of the keys
+    is checked against the reference (all pass) and written; `--summary` and `--adopt` read the file."""
+    from mhc_core.kernels.cutile import tuning
+    from mhc_core.kernels.cutile.sweep import main
+
+    out = tmp_path / "sweep.json"
+    keys = ["h_aggregate_fwd", "h_post_bda_bwd_occupancy", "sinkhorn_occupancy"]
+    assert main(["--emulate", "--tokens", "32", "--hidden", "256", "--iterations", "3", "--iters", "1",
+                 "--keys", ",".join(keys), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert data["device"] == "CPU kernel interpreter"
+    assert [r for r in rows if "error" in r or r["check"] != "ok"] == []
+    expected = sum(len(CANDIDATES[k]) * (2 if k.startswith("sinkhorn") else 1) for k in keys)
+    assert len(rows) == expected and all(r["max_rel_err"] < 1e-2 and "device_ms" not in r for r in rows)
+    capsys.readouterr()
+    assert main(["--summary", str(out)]) == 0
+    assert "| h_aggregate_fwd | fwd |" in capsys.readouterr().out
+    tuned = tmp_path / "tuning.json"
+    assert main(["--adopt", str(out), "--out", str(tuned), "--min-gain", "1.0"]) == 0
+    assert tuning.load(tuned).n == 4  # whatever won on the interpreter: a valid, loadable tuning
