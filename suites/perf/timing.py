@@ -102,14 +102,7 @@ def pipelined_seconds(fns: list[Callable[[], object]], *, device: str, iters: in
     out: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
-            if device == "cuda":
-                out[i].append(pipelined_ms(fn, iters) / 1e3)
-            else:
-                fn()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                out[i].append((time.perf_counter() - t0) / iters)
+            out[i].append(pipelined_ms(fn, iters, device) / 1e3)
     return [statistics.median(v) for v in out]
 
 
