@@ -20,17 +20,18 @@
 # and runs from there with the cache as CUDA_TILE_CACHE_DIR (`precompile check` into env.txt,
 # `precompile report`, entries used and kernels still JIT-compiled, into summary.txt).
 #
-# Steps (MHC_GPU_STEPS, default "parity sweep": the sweep writes its checked winners as tuning.json;
-# copy that to mhc_core/kernels/cutile/tuned/nvidia_h200.json and a second call, "parity perf", runs
-# the parity tests and the perf suite under it; "parity sweep perf" in one call times the perf suite
-# with this call's tuning.json; each step has its own timeout, the sum < 10 min;
-# MHC_GPU_TIMEOUT_<STEP> overrides one, e.g. MHC_GPU_TIMEOUT_PARITY=150, so a call fits a device budget):
+# Steps (MHC_GPU_STEPS, default "parity sweep perf": the sweep writes its checked winners as
+# tuning.json and the perf suite then runs under it, all in one call; to ship them, copy tuning.json
+# to mhc_core/kernels/cutile/tuned/nvidia_h200.json, after which every run on the device uses them
+# ("parity" alone then tests them). Each step has its own timeout; the defaults sum to 480 s, under
+# the 600 s a device command may run; MHC_GPU_TIMEOUT_<STEP> overrides one, e.g. MHC_GPU_TIMEOUT_PARITY=150):
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
-#           (mostly first-launch JIT; the emulated and export tests are CPU CI's), 150 s (317 tests)
+#           (the emulated and export tests are CPU CI's), 120 s (317 tests; the JIT's compiles come
+#           from the precompiled cache)
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   bench   (not a default step: the sweep's first candidate per key is the default)
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
-#           keys from MHC_SWEEP_KEYS, in sweep.KEY_ORDER; warm-up one process per key, 90 s, then
+#           keys from MHC_SWEEP_KEYS, in sweep.KEY_ORDER; warm-up one process per key, 60 s, then
 #           timing 150 s, each candidate checked against the reference on the same inputs; sweep.json
 #           is rewritten after every candidate, so a timeout keeps what was timed; then the fastest
 #           per key, --summary, and the winners that passed their check, --adopt -> tuning.json)
@@ -38,7 +39,8 @@
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
 #           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
-#           for reference + cutile (130 s; the second call, MHC_GPU_STEPS=perf), to its own pytest-benchmark JSON; records
+#           for reference + cutile (130 s; under this call's tuning.json when the sweep ran), to its own
+#           pytest-benchmark JSON; records
 #           golden/<hw>/perf/*.json, one perf-history record per JSON, and the Markdown table.
 #   perf-compiled  the same for the compiled backend (Inductor/Triton compiles, 110 s); not a default
 #           step (its kernels do not change with the cuTile work; h200 goldens exist).
@@ -158,7 +160,7 @@ print("availability", c.availability())
 EOF
 cat "$OUT/env.txt"
 
-STEPS="${MHC_GPU_STEPS:-parity sweep}"
+STEPS="${MHC_GPU_STEPS:-parity sweep perf}"
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
 limit() {  # limit <step> <default seconds>: MHC_GPU_TIMEOUT_<STEP> or the default
     local var="MHC_GPU_TIMEOUT_${1^^}"
@@ -172,7 +174,7 @@ record() {  # record <step> <exit code>: one line in summary.txt; a failed step 
 
 # 2. parity tests (GPU parity + the CPU-side suites of the same directory)
 if has_step parity; then
-timeout "$(limit parity 150)" "$PY" -m pytest -p no:cacheprovider -q -n 16 --junitxml="$OUT/parity.xml" \
+timeout "$(limit parity 120)" "$PY" -m pytest -p no:cacheprovider -q -n 16 --junitxml="$OUT/parity.xml" \
     suites/unit/kernels_cutile/test_gpu_parity.py suites/unit/kernels_cutile/test_contract.py \
     > "$OUT/parity.txt" 2>&1
 rc=$?
@@ -198,7 +200,7 @@ SWEEP_KEYS="${MHC_SWEEP_KEYS:-$("$PY" -c 'from mhc_core.kernels.cutile.sweep imp
 # candidates one after the other into the on-disk cache (one process per candidate, 16 at a time,
 # meant ~150 Python + CUDA start-ups for kernels that compile in 0.3-1.1 s each offline on this CPU).
 # Each process has its own time limit too, so none outlives the step.
-export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-warm 90)" MHC_SWEEP_SHAPE="$SWEEP_SHAPE"
+export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-warm 60)" MHC_SWEEP_SHAPE="$SWEEP_SHAPE"
 "$PY" "${SWEEP[@]}" --list | while read -r key idx; do
     if [[ " $SWEEP_KEYS " == *" $key "* ]]; then echo "$key"; fi
 done | uniq | timeout "$MHC_SWEEP_LIMIT" xargs -P 16 -L 1 bash -c \
