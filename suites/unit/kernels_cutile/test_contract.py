@@ -114,13 +114,14 @@ def test_occupancy_hint_reaches_the_kernel_object():
     from mhc_core.kernels.cutile import tiling
 
     rt = CuTileRuntime()  # builds kernel objects only: no GPU needed
-    plain = rt._kernel("h_aggregate_fwd_kernel")
-    with tiling.overridden(occupancy={"h_aggregate_fwd_kernel": 4}):
-        hinted = rt._kernel("h_aggregate_fwd_kernel")
-        assert hinted is rt._kernel("h_aggregate_fwd_kernel")
-    assert hinted._compiler_options.occupancy == 4
-    assert plain._compiler_options.occupancy is None
-    assert rt._kernel("h_aggregate_fwd_kernel") is plain
+    with tiling.tuned(None):  # on a GPU, the device's shipped tuning may be in force
+        plain = rt._kernel("h_aggregate_fwd_kernel")
+        with tiling.overridden(occupancy={"h_aggregate_fwd_kernel": 4}):
+            hinted = rt._kernel("h_aggregate_fwd_kernel")
+            assert hinted is rt._kernel("h_aggregate_fwd_kernel")
+        assert hinted._compiler_options.occupancy == 4
+        assert plain._compiler_options.occupancy is None
+        assert rt._kernel("h_aggregate_fwd_kernel") is plain
 
 
 @pytest.mark.skipif(not _has_cuda_tile(), reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
@@ -130,6 +131,7 @@ def test_default_occupancy_reaches_runtime_and_offline_compile(monkeypatch):
     from mhc_core.kernels.cutile.signatures import kernel_object
 
     monkeypatch.setitem(tiling.DEFAULT_OCCUPANCY, "h_post_bda_bwd_kernel", 4)
+    monkeypatch.setattr(tiling, "_TUNING", None)  # on a GPU, the device's shipped tuning may be in force
     rt = CuTileRuntime()
     assert rt._kernel("h_post_bda_bwd_kernel")._compiler_options.occupancy == 4
     assert kernel_object("h_post_bda_bwd_kernel")._compiler_options.occupancy == 4
