@@ -20,6 +20,7 @@ tiles in force against the heuristics (no GPU needed).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -69,6 +70,11 @@ class Tuning:
                 raise ValueError(f"{where}: occupancy hints go under 'occupancy', not 'tiles'")
             tiling.check_tile(key, tile, where)
         tiling.check_tile("occupancy", self.occupancy, where)
+
+    def digest(self) -> str:
+        """First 12 hex digits of the SHA-256 of the file's canonical contents (what identifies a tuning
+        wherever its file lies)."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:12]
 
     def to_json(self) -> dict:
         """The file's contents (schema 1)."""
@@ -146,12 +152,13 @@ def resolve(device_name: str | None) -> Tuning | None:
 
 
 def describe(tuning: Tuning | None) -> str:
-    """One line: which tuning is in force."""
+    """One line: which tuning is in force (file name, content digest, what it sets)."""
     if tuning is None:
         return "none (tiling heuristics)"
     keys = ", ".join(tuning.tiles) or "no tiles"
     hints = f", {len(tuning.occupancy)} occupancy hint(s)" if tuning.occupancy else ""
-    return f"{tuning.source or 'in memory'} ({tuning.device}, n = {tuning.n}: {keys}{hints})"
+    name = Path(tuning.source).name if tuning.source else "in memory"  # no machine paths in records
+    return f"{name} sha256:{tuning.digest()} ({tuning.device}, n = {tuning.n}: {keys}{hints})"
 
 
 def _directions(tile_key: str) -> tuple[str, ...]:

@@ -101,7 +101,10 @@ def test_resolve_env_then_shipped_file(tmp_path, monkeypatch):
     monkeypatch.setenv(tuning.ENV, str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="missing.json"):
         tuning.resolve("NVIDIA H200")
-    assert "nvidia_h200.json" in tuning.describe(tuning.load(shipped / "nvidia_h200.json"))
+    line = tuning.describe(tuning.load(shipped / "nvidia_h200.json"))
+    assert line.startswith(f"nvidia_h200.json sha256:{_tuning().digest()} (NVIDIA H200, n = 4")
+    assert str(tmp_path) not in line  # records name the file and its content, not this machine's paths
+    assert _tuning(tiles={}).digest() != _tuning().digest()
     assert tuning.describe(None).startswith("none")
 
 
