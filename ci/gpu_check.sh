@@ -194,7 +194,7 @@ fi
 # 3a. tile sweep (JIT-compile every candidate in parallel processes, then time them in one) and
 #     the fp32 tensor-core precision probe
 if has_step sweep; then
-SWEEP=(-m mhc_core.kernels.cutile.sweep $SWEEP_SHAPE)
+SWEEP=(-m mhc_core.kernels.cutile.sweep $SWEEP_SHAPE --iters 10)  # ranked by GPU busy time; 10 timed calls suffice
 SWEEP_KEYS="${MHC_SWEEP_KEYS:-$("$PY" -c 'from mhc_core.kernels.cutile.sweep import CANDIDATES; print(*CANDIDATES)')}"
 # One warm-up process per key, all keys at once (14 <= 16 cores): each JIT-compiles its key's
 # candidates one after the other into the on-disk cache (one process per candidate, 16 at a time,
