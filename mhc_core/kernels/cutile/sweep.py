@@ -172,21 +172,28 @@ def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str
 
 CHECK_RTOL = {torch.bfloat16: 2e-2, torch.float32: 5e-3}
 """Largest relative Frobenius error a candidate may show against the reference (per activation
-dtype): far above rounding (bf16 outputs: ~4e-3), far below a wrong result (~1)."""
+dtype): far above rounding (bf16 outputs: ~1e-3 here), far below a wrong result (~1)."""
+
+SMALL_TENSOR, SMALL_TENSOR_SLACK = 16, 10.0
+"""Tensors of fewer than `SMALL_TENSOR` values (the `[1]` gains' gradients: sums over every token
+and coefficient, whose random cancellation magnifies rounding; 5e-3 and once 1.2e-2 relative on
+the CPU interpreter in bf16) count their error divided by `SMALL_TENSOR_SLACK`: a wrong gain
+gradient (~1) still fails."""
 
 
 def _rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float(), b.detach().float()
     if not torch.isfinite(a).all():
         return float("inf")
-    return float(torch.linalg.vector_norm(a - b) / max(float(torch.linalg.vector_norm(b)), 1e-30))
+    err = float(torch.linalg.vector_norm(a - b) / max(float(torch.linalg.vector_norm(b)), 1e-30))
+    return err / SMALL_TENSOR_SLACK if b.numel() < SMALL_TENSOR else err
 
 
 def deviation(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str, iterations: int,
               device: str = "cuda") -> dict[str, float]:
     """`{direction: relative error}` of `key`'s op with the ops bundle `ops` against the reference
-    ops on the same fresh inputs: forward outputs, or (backward) the gradients of every input for
-    the same random output gradients."""
+    ops on the same fresh inputs: the largest over the forward outputs, or (backward) over the
+    gradients of every input for the same random output gradients (small tensors: `SMALL_TENSOR`)."""
     op = _op(key)
     fn, ref_fn = op_call(ops, op, n, variant, iterations), op_call(ref, op, n, variant, iterations)
     inputs = [x.requires_grad_(True) if x is not None else None for x in make_inputs(op, t, n, c, act, variant, device)]
