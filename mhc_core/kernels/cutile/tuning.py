@@ -93,8 +93,11 @@ class Tuning:
         missing = [k for k in ("device", "n", "tiles") if k not in data]
         if missing:
             raise ValueError(f"{where}: missing {', '.join(missing)}")
+        not_objects = [k for k in ("tiles", "occupancy", "measured", "gains") if not isinstance(data.get(k, {}), dict)]
+        if not_objects:
+            raise ValueError(f"{where}: {', '.join(not_objects)} must be JSON objects")
         tiles = {}
-        for key, spec in dict(data["tiles"]).items():
+        for key, spec in data["tiles"].items():
             if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in _TILE_TYPES):
                 raise ValueError(f"{where}: tiles[{key!r}] = {spec!r}: expected {{type: fields}} with a type "
                                  f"from {', '.join(_TILE_TYPES)}")

@@ -41,6 +41,7 @@ def test_file_round_trip(tmp_path):
     ('{"schema": 2, "device": "x", "n": 4, "tiles": {}}', "schema 2"),
     ('{"schema": 1, "device": "x", "tiles": {}}', "missing n"),
     ('{"schema": 1, "device": "x", "n": 3, "tiles": {}}', "n=3"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": [], "occupancy": [1]}', "tiles, occupancy must be JSON objects"),
     ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": {"tile_t": 8, "tile_c": 96}}}}',
      "powers of two"),
     ('{"schema": 1, "device": "x", "n": 4, "tiles": {"sinkhorn": {"StreamTiles": {"tile_t": 8, "tile_c": 64}}}}',
