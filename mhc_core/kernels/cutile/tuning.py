@@ -98,7 +98,8 @@ class Tuning:
             raise ValueError(f"{where}: {', '.join(not_objects)} must be JSON objects")
         tiles = {}
         for key, spec in data["tiles"].items():
-            if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in _TILE_TYPES):
+            if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in _TILE_TYPES
+                    and isinstance(next(iter(spec.values())), dict)):
                 raise ValueError(f"{where}: tiles[{key!r}] = {spec!r}: expected {{type: fields}} with a type "
                                  f"from {', '.join(_TILE_TYPES)}")
             (name, values), = spec.items()

@@ -51,6 +51,8 @@ def test_file_round_trip(tmp_path):
     ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": {"tile_t": 8, "tile_c": 64, '
      '"tile_x": 1}}}}', "no field"),
     ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"Tiles": {}}}}', "expected {type: fields}"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": [8, 256]}}}',
+     "expected {type: fields}"),
     ('{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"h_aggregate_fwd_kernel": 64}}', "values 1-32"),
 ])
 def test_malformed_file_is_named(tmp_path, content, match):
