@@ -172,8 +172,8 @@ def _keys(db: Path) -> set[str]:
 
 
 def _compile_chunk(cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]]) -> list[tuple[int, str | None, str]]:
-    """Compile `chunk` into `cache_dir`; per launch (index, its new cache key or None, error or "")."""
-    os.environ["CUDA_TILE_CACHE_DIR"] = cache_dir
+    """Compile `chunk` into `cache_dir` (the process's `CUDA_TILE_CACHE_DIR`, which cuTile reads once,
+    when it is first imported); per launch (index, its new cache key or None, error or "")."""
     from cuda.tile.compilation import export_kernel
 
     from mhc_core.kernels.cutile.signatures import PlannedLaunch, kernel_object, to_signature
@@ -192,6 +192,46 @@ def _compile_chunk(cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]])
         new = _keys(db) - before
         out.append((index, new.pop() if len(new) == 1 else None, "" if len(new) <= 1 else f"{len(new)} new keys"))
     return out
+
+
+def _worker(cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]], conn) -> None:
+    conn.send(_compile_chunk(cache_dir, arch, chunk))
+    conn.close()
+
+
+def _run_workers(jobs: list[tuple[str, str, list]]) -> list[list[tuple[int, str | None, str]]]:
+    """`_compile_chunk(*job)` for each job, each in its own fresh interpreter (spawn) whose
+    environment names its cache dir from the start: cuTile fixes its cache dir when first imported,
+    which a child may do before any of our code runs (spawn re-imports the parent's main module)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs, pipes = [], []
+    saved = os.environ.get("CUDA_TILE_CACHE_DIR")
+    try:
+        for cache_dir, arch, chunk in jobs:
+            os.environ["CUDA_TILE_CACHE_DIR"] = cache_dir  # copied into the child at start
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker, args=(cache_dir, arch, chunk, send))
+            proc.start()
+            send.close()
+            procs.append(proc)
+            pipes.append(recv)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_TILE_CACHE_DIR", None)
+        else:
+            os.environ["CUDA_TILE_CACHE_DIR"] = saved
+    results = []
+    for proc, recv in zip(procs, pipes, strict=True):
+        try:
+            results.append(recv.recv())
+        except EOFError:
+            results.append(None)
+        proc.join()
+    crashed = [j for j, (proc, res) in enumerate(zip(procs, results, strict=True)) if res is None or proc.exitcode]
+    if crashed:
+        raise RuntimeError(f"precompile.build: worker(s) {crashed} died (exit codes "
+                           f"{[procs[j].exitcode for j in crashed]}) before returning their results")
+    return results
 
 
 @dataclass(frozen=True)
@@ -216,10 +256,14 @@ def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90",
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="precompile-", dir=out_dir))
     chunks = [[(i, r) for i, r in enumerate(plan) if i % jobs == j] for j in range(jobs)]
-    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: its own cache dir
-    with ctx.Pool(jobs) as pool:
-        results = pool.starmap(_compile_chunk, [(str(work / f"w{j}"), arch, c) for j, c in enumerate(chunks)])
+    results = _run_workers([(str(work / f"w{j}"), arch, c) for j, c in enumerate(chunks)])
     by_index = {i: (key, err, j) for j, res in enumerate(results) for i, key, err in res}
+    empty = [j for j in range(jobs) if not (work / f"w{j}" / "cache.db").is_file()]
+    if empty:
+        errors = [err or "no new cache entry" for res in results for _, key, err in res if key is None][:3]
+        shutil.rmtree(work)
+        raise RuntimeError(f"precompile.build: worker(s) {empty} wrote no cuTile cache ({len(plan)} launches); "
+                           f"first errors: {errors}")
     db = out_dir / "cache.db"
     db.unlink(missing_ok=True)
     shutil.copy(work / "w0" / "cache.db", db)  # cuTile's own schema

@@ -143,3 +143,33 @@ def test_jit_launches_find_the_precompiled_entries(built, tmp_path):
     with sqlite3.connect(cache / "cache.db") as conn:
         used = conn.execute("SELECT COUNT(*) FROM cache WHERE atime > 0").fetchone()[0]
     assert used == len(built["entries"])
+
+
+_MAIN_IMPORTS_CUDA_TILE = '''
+import os
+import sys
+from pathlib import Path
+import cuda.tile  # noqa: F401  (ci/precompile_cutile.py's imports pull it in too)
+import torch
+from mhc_core.kernels.cutile import precompile
+
+if __name__ == "__main__":
+    launches = precompile.ops_launches("ops", (4,), 64, (512,), (torch.bfloat16,))[:4]
+    entries, failures = precompile.build(launches, Path(sys.argv[1]), jobs=2)
+    print(len(entries), len(failures), os.environ.get("CUDA_TILE_CACHE_DIR"))
+'''
+
+
+def test_build_workers_cache_where_told_when_main_imports_cuda_tile(tmp_path):
+    """The compile workers write their own caches even when the main script imports `cuda.tile` (spawn
+    re-imports it in each child, and cuTile fixes its cache dir at import): the driver's case."""
+    pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+    if toolchain.find_toolchain() is None:
+        pytest.skip("no tileiras (pip install 'cuda-tile[tileiras]==1.7.0', the tox env `kernels`)")
+    script = tmp_path / "driver.py"
+    script.write_text(_MAIN_IMPORTS_CUDA_TILE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_TILE_CACHE_DIR=str(tmp_path / "elsewhere"))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["4", "0", str(tmp_path / "elsewhere")], proc.stdout  # and the variable restored
