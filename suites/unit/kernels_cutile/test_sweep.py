@@ -138,6 +138,7 @@ def test_whole_sweep_loop_runs_on_the_interpreter(tmp_path, capsys):
     from mhc_core.kernels.cutile import tuning
     from mhc_core.kernels.cutile.sweep import main
 
+    torch.manual_seed(0)
     out = tmp_path / "sweep.json"
     keys = ["h_aggregate_fwd", "h_post_bda_bwd_occupancy", "sinkhorn_occupancy"]
     assert main(["--emulate", "--tokens", "32", "--hidden", "256", "--iterations", "3", "--iters", "1",
