@@ -41,7 +41,7 @@ order of precedence is `overridden` > the tuning > the heuristics below.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -102,8 +102,10 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
     if key not in TILE_KEYS:
         raise ValueError(f"{where}: unknown key {key!r}; valid: {', '.join(TILE_KEYS)}")
     if key == "occupancy":
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: occupancy={value!r}: expected a {{kernel name: CTAs per SM}} mapping")
         known = {k for names in KERNELS_OF.values() for k in names}
-        bad = {k: v for k, v in dict(value).items()
+        bad = {k: v for k, v in value.items()
                if k not in known or not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 32)}
         if bad:
             raise ValueError(f"{where}: occupancy={bad!r}: kernel names from KERNELS_OF, values 1-32")

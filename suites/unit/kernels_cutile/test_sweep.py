@@ -49,6 +49,12 @@ def test_occupancy_override_is_checked():
     with pytest.raises(ValueError, match="occupancy"):
         with tiling.overridden(occupancy={"no_such_kernel": 2}):
             pass
+    with pytest.raises(ValueError, match="mapping"):
+        with tiling.overridden(occupancy=[4]):
+            pass
+    with pytest.raises(ValueError, match="expected a StreamTiles"):
+        with tiling.overridden(h_aggregate_fwd=tiling.MappingTiles()):
+            pass
 
 
 def test_first_candidate_is_the_default():
