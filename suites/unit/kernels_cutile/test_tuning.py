@@ -255,3 +255,32 @@ def test_sweep_check_refuses_a_non_finite_gain_gradient(emu):
     errs = deviation(emu._replace(mapping=nan_gain_grad), "mapping_bwd", 40, 4, 512, torch.bfloat16, "megatron_dev",
                      3, device="cpu")
     assert errs["bwd"] == float("inf"), errs
+
+
+def test_gpu_runtime_puts_the_device_tuning_in_force(tmp_path, monkeypatch, caplog):
+    """The GPU runtime's creation (first launch) resolves the tuning for its device name, puts it in
+    force and logs it once (the runtime and the device are stand-ins: no GPU here)."""
+    import logging
+
+    import mhc_core.kernels.cutile as cutile
+    from mhc_core.kernels.cutile import runtime
+
+    shipped = tmp_path / "tuned"
+    shipped.mkdir()
+    tuning.save(_tuning(), shipped / "nvidia_h200.json")
+    monkeypatch.setattr(tuning, "TUNED_DIR", shipped)
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    monkeypatch.setattr(cutile, "availability", lambda: (True, "stand-in"))
+    monkeypatch.setattr(runtime, "CuTileRuntime", lambda: "runtime")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(tiling, "_TUNING", None)
+    cutile._default_runtime.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="mhc_core.kernels"):
+            assert cutile._default_runtime() == "runtime"
+        assert tiling.active_tuning() == _tuning()
+        assert tiling.aggregate_tiles(4, 4096, "fwd") == MMA_FWD
+        assert [r.getMessage() for r in caplog.records] == [
+            f"cuTile tuning: {tuning.describe(tuning.load(shipped / 'nvidia_h200.json'))}"]
+    finally:
+        cutile._default_runtime.cache_clear()
