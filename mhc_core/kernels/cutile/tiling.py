@@ -159,8 +159,11 @@ def tuned(tuning: Any) -> Iterator[None]:
         _TUNING = saved
 
 
-def _tuned_tile(key: str, n: int, c: int | None = None) -> Any:
-    """The tuning's tile for `key` at `n` (and channel count `c` for stream tiles), else None."""
+def _chosen(key: str, n: int, c: int | None = None) -> Any:
+    """The tile `overridden` sets for `key`, else the tuning's at `n` (and channel count `c` for
+    stream tiles: only where its `TILE_C <= pow2(C)`), else None: the heuristic decides."""
+    if key in _OVERRIDES:
+        return _OVERRIDES[key]
     t = _TUNING
     if t is None or t.n != n or key not in t.tiles:
         return None
@@ -211,9 +214,8 @@ class SinkhornTiles:
 
 def sinkhorn_tile(n: int) -> SinkhornTiles:
     """The Sinkhorn kernels' tile."""
-    if "sinkhorn" in _OVERRIDES:
-        return _OVERRIDES["sinkhorn"]
-    return _tuned_tile("sinkhorn", n) or SinkhornTiles(tile_b=max(1, min(64, 1024 // (n * n))))
+    chosen = _chosen("sinkhorn", n)
+    return chosen if chosen is not None else SinkhornTiles(tile_b=max(1, min(64, 1024 // (n * n))))
 
 
 @dataclass(frozen=True)
@@ -251,21 +253,17 @@ def _stream_tiles(n: int, c: int, cap_c: int, elems: int, per_stream: int = 0) -
 
 def aggregate_tiles(n: int, c: int, direction: str) -> StreamTiles:
     """`h_aggregate` tiles; `direction` is `fwd` or `bwd`."""
-    if f"h_aggregate_{direction}" in _OVERRIDES:
-        return _OVERRIDES[f"h_aggregate_{direction}"]
-    tuned_tile = _tuned_tile(f"h_aggregate_{direction}", n, c)
-    if tuned_tile is not None:
-        return tuned_tile
+    chosen = _chosen(f"h_aggregate_{direction}", n, c)
+    if chosen is not None:
+        return chosen
     return _stream_tiles(n, c, 256, 8192, per_stream=direction == "fwd")
 
 
 def post_bda_tiles(n: int, c: int, direction: str) -> StreamTiles:
     """`h_post_bda` tiles; `direction` is `fwd` or `bwd`."""
-    if f"h_post_bda_{direction}" in _OVERRIDES:
-        return _OVERRIDES[f"h_post_bda_{direction}"]
-    tuned_tile = _tuned_tile(f"h_post_bda_{direction}", n, c)
-    if tuned_tile is not None:
-        return tuned_tile
+    chosen = _chosen(f"h_post_bda_{direction}", n, c)
+    if chosen is not None:
+        return chosen
     if direction == "fwd":
         return _stream_tiles(n, c, 256, 4096, per_stream=True)
     return _stream_tiles(n, c, 64, 8192)
@@ -285,9 +283,10 @@ class MappingTiles:
 
 def mapping_tiles(n: int, k: int, direction: str) -> MappingTiles:
     """The mapping tiles for `direction` (`fwd` or `bwd`; fixed: K = n*C is split at run time)."""
-    if f"mapping_{direction}" in _OVERRIDES:
-        return _OVERRIDES[f"mapping_{direction}"]
-    return _tuned_tile(f"mapping_{direction}", n) or (MappingTiles() if direction == "fwd" else MappingTiles(tile_m=32))
+    chosen = _chosen(f"mapping_{direction}", n)
+    if chosen is not None:
+        return chosen
+    return MappingTiles() if direction == "fwd" else MappingTiles(tile_m=32)
 
 
 def split_count(blocks: int, tiles: int, num_sms: int, *, min_tiles_per_split: int = 4) -> int:
