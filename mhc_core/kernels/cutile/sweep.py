@@ -140,12 +140,7 @@ def override(key: str, cand) -> dict:
 
 
 def _directions(key: str) -> tuple[str, ...]:
-    key = _tile_key(key)
-    if key.endswith("_fwd"):
-        return ("fwd",)
-    if key.endswith("_bwd"):
-        return ("bwd",)
-    return ("fwd", "bwd")
+    return tiling.directions(_tile_key(key))
 
 
 def _op(key: str) -> str:

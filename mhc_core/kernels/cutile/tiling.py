@@ -63,6 +63,7 @@ __all__ = [
     "occupancy",
     "DEFAULT_OCCUPANCY",
     "check_tile",
+    "directions",
     "set_tuning",
     "tuned",
     "active_tuning",
@@ -157,6 +158,12 @@ def tuned(tuning: Any) -> Iterator[None]:
         yield
     finally:
         _TUNING = saved
+
+
+def directions(key: str) -> tuple[str, ...]:
+    """The op directions tile key `key` drives: `*_fwd` the forward, `*_bwd` the backward,
+    `sinkhorn` (one tile for both) both."""
+    return ("fwd",) if key.endswith("_fwd") else ("bwd",) if key.endswith("_bwd") else ("fwd", "bwd")
 
 
 def _chosen(key: str, n: int, c: int | None = None) -> Any:

@@ -165,16 +165,14 @@ def describe(tuning: Tuning | None) -> str:
     return f"{name} sha256:{tuning.digest()} ({tuning.device}, n = {tuning.n}: {keys}{hints})"
 
 
-def _directions(tile_key: str) -> tuple[str, ...]:
-    return ("fwd",) if tile_key.endswith("_fwd") else ("bwd",) if tile_key.endswith("_bwd") else ("fwd", "bwd")
-
-
 def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: float = 1.03,
                source: str = "") -> tuple[Tuning, list[str]]:
     """The winners of a sweep's `--out` file: per tile key, the fastest candidate (over the key and
     its `*_occupancy` key; GPU busy time, else back-to-back; Sinkhorn: forward + backward) among
     the rows whose result matched the reference (`check == "ok"`), adopted when it beats the
     key's default (the first candidate) by `min_gain`. Returns the tuning and one line per key."""
+    from mhc_core.kernels.cutile.sweep import override  # the sweep imports this module
+
     where = f"sweep {source or 'rows'}"
     try:
         rows, n, device = list(data["rows"]), data["n"], data["device"]
@@ -192,7 +190,7 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
     gains: dict[str, Any] = {}
     lines = []
     for tile_key in tiling.KERNELS_OF:
-        dirs = _directions(tile_key)
+        dirs = tiling.directions(tile_key)
         totals = {cid: sum(t[d] for d in dirs) for cid, t in times.get(tile_key, {}).items() if all(d in t for d in dirs)}
         default = (tile_key, repr(candidates[tile_key][0])) if tile_key in candidates else None
         if default not in totals:
@@ -208,7 +206,7 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
             lines.append(f"{tile_key}: fastest {best[1]} is not a candidate of this version: kept the heuristic")
             continue
         cand = by_repr[best[1]]
-        for k, v in (cand if isinstance(cand, dict) else {tile_key: cand}).items():
+        for k, v in override(best[0], cand).items():
             if k == "occupancy":
                 occupancy.update(v)
             else:

@@ -11,7 +11,7 @@ from mhc_core import ops as ref
 from mhc_core.kernels.cutile import signatures, tiling, tuning
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import EmulatedRuntime
-from mhc_core.kernels.cutile.sweep import CANDIDATES, CHECK_RTOL, deviation, main
+from mhc_core.kernels.cutile.sweep import CANDIDATES, CHECK_RTOL, deviation, main, override
 
 _S = tiling.StreamTiles
 MMA_FWD = _S(8, 256, mma=True)  # a sweep candidate of h_aggregate_fwd, not the default
@@ -191,7 +191,7 @@ def test_sweep_check_accepts_every_candidate(emu, key, cand):
     """Every sweep candidate passes the sweep's reference check (CPU kernel interpreter, bf16): the
     tolerance refuses wrong results, never a correct formulation."""
     torch.manual_seed(0)
-    with tiling.overridden(**(cand if isinstance(cand, dict) else {key: cand})):
+    with tiling.overridden(**override(key, cand)):
         errs = deviation(emu, key, 40, 4, 512, torch.bfloat16, "megatron_dev", 3, device="cpu")
     assert errs and all(e <= CHECK_RTOL[torch.bfloat16] for e in errs.values()), (key, cand, errs)
 
