@@ -173,19 +173,34 @@ def plan_under(overrides: dict, n: int = 4, prefix: str = "") -> tuple[PlannedLa
     return _distinct(rec, prefix=prefix)
 
 
-@functools.cache
-def alternative_plan(n: int = 4) -> tuple[PlannedLaunch, ...]:
-    """Launches (ids prefixed `alt<i>-`) of the `ALTERNATIVE_TILES` formulations at `n`, C = 512 that
-    the default plan does not hold."""
-    # Launches an override leaves alone equal the default plan's and drop out here.
+def _beyond_default(plans: Iterable[tuple[PlannedLaunch, ...]]) -> tuple[PlannedLaunch, ...]:
+    """The launches of `plans`, each (kernel, arguments) once, that the default plan does not hold
+    (launches an override or a tuning leaves alone equal the default plan's and drop out here)."""
     seen = {(p.kernel_name, p.args) for p in signature_plan()}
     out = []
-    for i, overrides in enumerate(ALTERNATIVE_TILES):
-        for p in plan_under(overrides, n, prefix=f"alt{i}-"):
+    for plan in plans:
+        for p in plan:
             if (p.kernel_name, p.args) not in seen:
                 seen.add((p.kernel_name, p.args))
                 out.append(p)
     return tuple(out)
+
+
+@functools.cache
+def alternative_plan(n: int = 4) -> tuple[PlannedLaunch, ...]:
+    """Launches (ids prefixed `alt<i>-`) of the `ALTERNATIVE_TILES` formulations at `n`, C = 512 that
+    the default plan does not hold."""
+    return _beyond_default(plan_under(overrides, n, prefix=f"alt{i}-") for i, overrides in enumerate(ALTERNATIVE_TILES))
+
+
+def _plan_tuned(t) -> tuple[PlannedLaunch, ...]:
+    """Distinct launches of all four ops under tuning `t`, at its `n` and both representative hidden sizes."""
+    from mhc_core.kernels.cutile import tuning
+
+    rec = RecordingRuntime()
+    with tiling.tuned(t):
+        record_all(rec, (t.n,), REPRESENTATIVE_T, REPRESENTATIVE_C)
+    return _distinct(rec, prefix=f"tuned-{tuning.device_slug(t.device)}-")
 
 
 def tuned_plan(tunings: Iterable | None = None) -> tuple[PlannedLaunch, ...]:
@@ -196,17 +211,7 @@ def tuned_plan(tunings: Iterable | None = None) -> tuple[PlannedLaunch, ...]:
 
     if tunings is None:
         tunings = [tuning.load(p) for p in sorted(tuning.TUNED_DIR.glob("*.json"))]
-    seen = {(p.kernel_name, p.args) for p in signature_plan()}
-    out = []
-    for t in tunings:
-        rec = RecordingRuntime()
-        with tiling.tuned(t):
-            record_all(rec, (t.n,), REPRESENTATIVE_T, REPRESENTATIVE_C)
-        for p in _distinct(rec, prefix=f"tuned-{tuning.device_slug(t.device)}-"):
-            if (p.kernel_name, p.args) not in seen:
-                seen.add((p.kernel_name, p.args))
-                out.append(p)
-    return tuple(out)
+    return _beyond_default(_plan_tuned(t) for t in tunings)
 
 
 # ---------------------------------------------------------------------------------------------
