@@ -217,10 +217,7 @@ if [[ -s "$OUT/sweep.json" ]]; then
     "$PY" "${SWEEP[@]}" --summary "$OUT/sweep.json" 2>&1 | tee -a "$OUT/sweep.txt"
     "$PY" "${SWEEP[@]}" --adopt "$OUT/sweep.json" --out "$OUT/tuning.json" 2>&1 | tee -a "$OUT/sweep.txt"
     record adopt "${PIPESTATUS[0]}"
-    [[ -s "$OUT/tuning.json" ]] && "$PY" -c 'import sys, torch; from mhc_core.kernels.cutile import tuning
-t = tuning.load(sys.argv[1])
-print(f"tuning: {tuning.describe(t)}; ship it as mhc_core/kernels/cutile/tuned/{tuning.device_slug(torch.cuda.get_device_name())}.json")' \
-        "$OUT/tuning.json" >> "$OUT/summary.txt" 2>&1
+    sed -n 's/^wrote /tuning: /p' "$OUT/sweep.txt" >> "$OUT/summary.txt"  # which tuning, where to ship it
 fi
 timeout "$(limit probe 20)" "$PY" -m mhc_core.kernels.cutile.precision_probe --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
 rc=$?

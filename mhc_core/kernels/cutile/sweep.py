@@ -273,7 +273,8 @@ def _adopt(path: str, out: str | None, min_gain: float) -> int:
         return 2
     print("\n".join(lines))
     tuning.save(tuned, out)
-    print(f"wrote {tuning.describe(tuned)}")
+    print(f"wrote {tuning.describe(tuned)}; ship it as mhc_core/kernels/cutile/tuned/"
+          f"{tuning.device_slug(tuned.device)}.json")
     return 0
 
 

@@ -159,7 +159,9 @@ def test_adopt_cli_writes_a_loadable_tuning(tmp_path, capsys):
                                  "device": "NVIDIA H200", "rows": _sweep_rows()}))
     out = tmp_path / "tuning.json"
     assert main(["--adopt", str(sweep), "--out", str(out)]) == 0
-    assert "h_aggregate_fwd: adopted" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "h_aggregate_fwd: adopted" in printed
+    assert "ship it as mhc_core/kernels/cutile/tuned/nvidia_h200.json" in printed  # the sweep's device
     with tiling.tuned(tuning.load(out)):
         assert tiling.aggregate_tiles(4, 4096, "fwd") == CANDIDATES["h_aggregate_fwd"][1]
     assert main(["--adopt", str(sweep)]) == 2 and "--out" in capsys.readouterr().err
