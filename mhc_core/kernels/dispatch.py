@@ -12,7 +12,7 @@ fp64, dropout while training) runs on the next backend, logged once. A forced ba
 unavailable raises `BackendUnavailableError` naming the op, the backend, the variable that forced
 it and the reason: never a silent fallback (and a forced cutile's `NotImplementedError`
 propagates). The choice is logged once per (op, backend) on `logging.getLogger("mhc_core.kernels")`
-at INFO.
+at INFO. `python -m mhc_core.kernels` (`preflight`) reports these choices before a run.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ __all__ = [
     "availability",
     "resolve_backend",
     "resolve",
+    "requested",
+    "without_cutile",
     "backend_report",
     "get_impl",
     "reset",
@@ -73,8 +75,9 @@ def _check_op(op: str) -> None:
         raise ValueError(f"mhc_core.kernels: op={op!r} is not an mHC op; valid: {', '.join(OPS)}")
 
 
-def _requested(op: str) -> tuple[str, str | None]:
-    """(choice, the variable that set it or None for the default `auto`)."""
+def requested(op: str) -> tuple[str, str | None]:
+    """(choice, the variable that set it, or None for the default `auto`) for `op`; `ValueError` for an
+    invalid value."""
     for var in (env_var(op), ENV_ALL):
         raw = os.environ.get(var)
         if raw is None or raw.strip() == "":
@@ -151,9 +154,14 @@ def _auto(device: torch.device | str | None, skip_cutile: str | None = None) -> 
     return "reference", f"auto: cutile unavailable ({why_cutile}); compiled unavailable ({why_compiled})"
 
 
+def without_cutile(device: torch.device | str | None, why: str) -> tuple[str, str]:
+    """(backend, reason) `auto` runs a call on when cutile does not cover it (`why`)."""
+    return _auto(device, skip_cutile=why)
+
+
 def _resolve(op: str, device: torch.device | str | None) -> tuple[str, str, bool]:
     _check_op(op)
-    choice, var = _requested(op)
+    choice, var = requested(op)
     if choice == "auto":
         return (*_auto(device), True)
     ok, why = availability(choice, device)
@@ -190,7 +198,7 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, tuple[
 
 def _safe_choice(op: str) -> str:
     try:
-        return _requested(op)[0]
+        return requested(op)[0]
     except ValueError:
         return "invalid"
 
@@ -231,7 +239,7 @@ def _run(op: str, tensor: object, *args):
     try:
         return impl(*args)
     except NotImplementedError as exc:
-        fallback, why = _auto(device, skip_cutile=f"it does not cover this call: {exc}")
+        fallback, why = without_cutile(device, f"it does not cover this call: {exc}")
         _log_once(op, fallback, why)
         return get_impl(op, fallback)(*args)
 

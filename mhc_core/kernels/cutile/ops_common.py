@@ -25,6 +25,7 @@ __all__ = [
     "cdiv",
     "require_n",
     "require_dtypes",
+    "require_no_training_dropout",
     "require_device",
     "mma_mode",
 ]
@@ -46,6 +47,15 @@ def require_n(n: int, op: str) -> None:
         raise NotImplementedError(
             f"cutile {op}: n={n} residual streams has no kernel (supported: {tiling.SUPPORTED_N}, "
             "tile shapes must be powers of two)"
+        )
+
+
+def require_no_training_dropout(op: str, dropout_p: float, training: bool) -> None:
+    """`NotImplementedError` for dropout in training (the fused bias-dropout-add has none)."""
+    if training and dropout_p > 0:
+        raise NotImplementedError(
+            f"cutile {op}: dropout_p={dropout_p} in training has no kernel (the fused bias-dropout-add "
+            "covers dropout_p == 0 or eval only)"
         )
 
 

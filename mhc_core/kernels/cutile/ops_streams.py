@@ -21,6 +21,7 @@ from mhc_core.kernels.cutile.ops_common import (
     require_device,
     require_dtypes,
     require_n,
+    require_no_training_dropout,
 )
 from mhc_core.ops.aggregate import check_h_aggregate_args
 from mhc_core.ops.post_bda import check_h_post_bda_args
@@ -171,11 +172,7 @@ def h_post_bda(
     spec = get_variant(variant)
     check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, op=op)
     t, n, c = residual.shape
-    if training and dropout_p > 0:
-        raise NotImplementedError(
-            f"cutile {op}: dropout_p={dropout_p} in training has no kernel (the fused bias-dropout-add "
-            "covers dropout_p == 0 or eval only)"
-        )
+    require_no_training_dropout(op, dropout_p, training)
     require_n(n, op)
     require_dtypes(op, h_res=h_res, residual=residual, h_post=h_post, y=y, bias=bias)
     runtime = rt()

@@ -1,0 +1,137 @@
+"""`python -m mhc_core.kernels`: the preflight says where each op runs, and agrees with the dispatch."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from mhc_core.kernels import dispatch, preflight
+from mhc_core.kernels.cutile import tuning
+from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile.runtime import EmulatedRuntime
+
+COMPILED_OK, COMPILED_WHY = dispatch.availability("compiled", "cpu")
+needs_compiled = pytest.mark.skipif(not COMPILED_OK, reason=COMPILED_WHY)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No MHC_BACKEND* / MHC_CUTILE_TUNING from the caller's environment, fresh dispatch caches."""
+    for var in [dispatch.ENV_ALL, tuning.ENV, *(dispatch.env_var(op) for op in dispatch.OPS)]:
+        monkeypatch.delenv(var, raising=False)
+    dispatch.reset()
+    yield
+    dispatch.reset()
+
+
+@pytest.fixture
+def cutile_on_cpu(monkeypatch):
+    """cuTile "available" for CPU tensors, its ops the real kernels on the CPU interpreter (the
+    kernels' own coverage checks raise), the other backends as they are."""
+    emulated = make_ops(EmulatedRuntime(num_sms=4))
+    real_availability, real_impl = dispatch.availability, dispatch.get_impl
+    monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (
+        (True, "cuTile on the CPU interpreter (test)") if backend == "cutile" else real_availability(backend, device)))
+    monkeypatch.setattr(dispatch, "get_impl", lambda op, backend: (
+        getattr(emulated, op) if backend == "cutile" else real_impl(op, backend)))
+
+
+@needs_compiled
+def test_cpu_runs_every_op_on_compiled(capsys):
+    """On CPU tensors without overrides every op runs on `compiled`, chosen by auto; exit 0."""
+    rc = preflight.main(["--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for op in dispatch.OPS:
+        assert f"{op}" in out and "compiled (auto)" in out.split(op, 1)[1].splitlines()[0]
+    assert "cutile     unavailable: cutile runs on CUDA tensors only" in out
+
+
+@needs_compiled
+@pytest.mark.parametrize(("n", "dropout", "uncovered"), [
+    (3, 0.0, set(dispatch.OPS)),
+    (4, 0.1, {"h_post_bda"}),
+    (4, 0.0, set()),
+], ids=["n3", "n4-dropout", "n4"])
+def test_prediction_matches_the_dispatch(cutile_on_cpu, caplog, n, dropout, uncovered):
+    """Under auto with cuTile available, the ops cuTile does not cover (n = 3: none; dropout in
+    training: h_post_bda) are predicted on `compiled`, and a real dispatched call runs there."""
+    report = preflight.preflight(device="cpu", n=n, dtype="fp32", dropout=dropout)
+    assert report.ok, report.problems
+    runs_on = {p.op: p.runs_on for p in report.ops}
+    assert runs_on == {op: "compiled" if op in uncovered else "cutile" for op in dispatch.OPS}
+    assert all(p.backend == "cutile" and p.set_by is None for p in report.ops)
+    gen = torch.Generator().manual_seed(5)
+    t, c = 8, 64
+    x, h_pre = torch.randn(t, n, c, generator=gen), torch.rand(t, n, generator=gen)
+    h_res, h_post = torch.rand(t, n, n, generator=gen), torch.rand(t, n, generator=gen)
+    y, bias = torch.randn(t, c, generator=gen), torch.randn(c, generator=gen)
+    with caplog.at_level(logging.INFO, logger="mhc_core.kernels"):
+        dispatch.h_aggregate(x, h_pre)
+        dispatch.h_post_bda(h_res, x, h_post, y, bias, dropout, True)
+    logged = [r.getMessage() for r in caplog.records if r.name == "mhc_core.kernels"]
+    for op in ("h_aggregate", "h_post_bda"):
+        # the backend the call ended on is the last one logged for the op
+        last = [m for m in logged if m.startswith(f"mHC op {op} uses backend")][-1]
+        assert last.startswith(f"mHC op {op} uses backend {runs_on[op]} "), (op, logged)
+    if uncovered:
+        p = next(p for p in report.ops if p.op in uncovered)
+        assert "does not cover this run" in p.why and (f"n={n}" in p.why or f"dropout_p={dropout}" in p.why), p.why
+
+
+def test_forced_cutile_that_does_not_cover_the_run_is_a_problem(cutile_on_cpu, capsys, monkeypatch):
+    """MHC_BACKEND_MAPPING=cutile at n = 3: its first call would raise, so exit 1 naming the variable and n."""
+    monkeypatch.setenv("MHC_BACKEND_MAPPING", "cutile")
+    rc = preflight.main(["--device", "cpu", "--n", "3"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "PROBLEM: mapping: MHC_BACKEND_MAPPING forces cutile, but cutile mapping: n=3" in out, out
+
+
+def test_forced_unavailable_and_invalid_values_are_problems(capsys, monkeypatch):
+    """A forced backend that is unavailable, and an invalid value, each name their variable; exit 1."""
+    monkeypatch.setenv("MHC_BACKEND_H_AGGREGATE", "cutile")
+    monkeypatch.setenv("MHC_BACKEND_SINKHORN", "fast")
+    rc = preflight.main(["--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "PROBLEM: sinkhorn: MHC_BACKEND_SINKHORN='fast' is not a valid mHC backend" in out, out
+    assert "PROBLEM: h_aggregate: mhc_core.kernels: op 'h_aggregate' is forced to backend 'cutile' by " \
+           "MHC_BACKEND_H_AGGREGATE='cutile'" in out, out
+    assert "environment: MHC_BACKEND_H_AGGREGATE=cutile, MHC_BACKEND_SINKHORN=fast" in out
+
+
+def test_cutile_tuning_is_named_and_a_bad_file_is_a_problem(tmp_path, capsys, monkeypatch):
+    """The tuning for --gpu-name is reported by file name; a missing MHC_CUTILE_TUNING file is exit 1 naming it."""
+    good = tmp_path / "my_gpu.json"
+    tuning.save(tuning.Tuning(device="My GPU", n=4, tiles={}, occupancy={"h_aggregate_fwd_kernel": 2}), good)
+    monkeypatch.setenv(tuning.ENV, str(good))
+    assert preflight.main(["--device", "cpu", "--gpu-name", "My GPU"]) == 0
+    out = capsys.readouterr().out
+    assert "cuTile tuning for My GPU: my_gpu.json sha256:" in out, out
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "absent.json"))
+    assert preflight.main(["--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert f"PROBLEM: cuTile tuning {tmp_path / 'absent.json'}: cannot read it" in out, out
+
+
+def test_json_report(capsys):
+    """--json prints every op with its backend and ok flag, and the overall ok."""
+    assert preflight.main(["--device", "cpu", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is True and doc["device"] == "cpu"
+    assert [o["op"] for o in doc["ops"]] == list(dispatch.OPS)
+    assert all(o["ok"] and o["runs_on"] == o["backend"] for o in doc["ops"])
+    assert set(doc["backends"]) == set(dispatch.BACKENDS)
+
+
+@pytest.mark.parametrize("argv", [["--n", "0"], ["--dropout", "1.5"], ["--dtype", "fp8"]], ids=["n0", "dropout", "dtype"])
+def test_bad_arguments_exit_2(argv, capsys):
+    """n < 1, a dropout outside [0, 1) and an unknown dtype are usage errors naming the value."""
+    with pytest.raises(SystemExit) as exc:
+        preflight.main(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert argv[1] in capsys.readouterr().err
