@@ -31,7 +31,7 @@
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   bench   (not a default step: the sweep's first candidate per key is the default)
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
-#           keys from MHC_SWEEP_KEYS, in sweep.KEY_ORDER; warm-up one process per key, 60 s, then
+#           keys from MHC_SWEEP_KEYS, in sweep_candidates.KEY_ORDER; warm-up one process per key, 60 s, then
 #           timing 150 s, each candidate checked against the reference on the same inputs; sweep.json
 #           is rewritten after every candidate, so a timeout keeps what was timed; then the fastest
 #           per key, --summary, and the winners that passed their check, --adopt -> tuning.json)

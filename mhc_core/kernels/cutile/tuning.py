@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.sweep_candidates import override
 
 __all__ = ["ENV", "SCHEMA", "TUNED_DIR", "Tuning", "device_slug", "load", "save", "packaged", "resolve", "describe",
            "from_sweep", "tiles_in_force", "main"]
@@ -171,8 +172,6 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
     its `*_occupancy` key; GPU busy time, else back-to-back; Sinkhorn: forward + backward) among
     the rows whose result matched the reference (`check == "ok"`), adopted when it beats the
     key's default (the first candidate) by `min_gain`. Returns the tuning and one line per key."""
-    from mhc_core.kernels.cutile.sweep import override  # the sweep imports this module
-
     where = f"sweep {source or 'rows'}"
     try:
         rows, n, device = list(data["rows"]), data["n"], data["device"]

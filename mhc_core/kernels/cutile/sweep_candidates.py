@@ -1,0 +1,112 @@
+"""The tile sweep's candidates: per `tiling` key, the tiles, formulations and occupancy hints to time.
+
+`CANDIDATES` is in `KEY_ORDER`; the first candidate of each tile key is the heuristic's choice at
+n = 4, C >= 256 (the default a winner must beat). A candidate is a tile object for its key, or a
+whole `tiling.overridden` dict (the `*_occupancy` keys: hints, with the heuristic's or given tiles);
+`override` turns either into `tiling.overridden` keywords. Timed by `sweep`, compiled ahead of time
+by `precompile`, adopted into a tuning by `tuning.from_sweep`.
+"""
+
+from __future__ import annotations
+
+from mhc_core.kernels.cutile import tiling
+
+__all__ = ["CANDIDATES", "KEY_ORDER", "override", "tile_key", "directions", "op_of"]
+
+_S = tiling.StreamTiles
+CANDIDATES: dict[str, tuple] = {
+    "sinkhorn": (tiling.SinkhornTiles(64), tiling.SinkhornTiles(8), tiling.SinkhornTiles(32, True),
+                 tiling.SinkhornTiles(64, True), tiling.SinkhornTiles(128, True), tiling.SinkhornTiles(256, True),
+                 tiling.SinkhornTiles(64, True, True), tiling.SinkhornTiles(128, True, True),
+                 tiling.SinkhornTiles(64, per_element=True), tiling.SinkhornTiles(128, per_element=True),
+                 tiling.SinkhornTiles(256, per_element=True),
+                 tiling.SinkhornTiles(128, recompute=True, per_element=True),
+                 *(tiling.SinkhornTiles(b, per_element=True, approx_div=True) for b in (32, 64, 128)),
+                 tiling.SinkhornTiles(128, recompute=True, per_element=True, approx_div=True)),
+    # `mma` forwards: whole tiles in and out by TMA, the stream sum on the tensor cores (sm_90: 8-9 TMA
+    # loads, 2-4 TMA stores, no shuffles, 0-8 shared loads / stores, no spills; the per-stream
+    # defaults: 16-26 plain loads, h_post_bda 88 shared stores).
+    "h_aggregate_fwd": (_S(8, 256, True), _S(4, 512, True), _S(4, 256, True), _S(16, 128, True), _S(2, 512),
+                        _S(8, 256, True, True), _S(4, 256, True, True), _S(16, 256, True, True), _S(8, 512, True, True),
+                        _S(8, 256, mma=True), _S(8, 256, loop_c=True, mma=True), _S(16, 128, mma=True),
+                        _S(16, 256, loop_c=True, mma=True)),
+    # `mma`: the channel sum x2 @ go^T on the tensor cores; 16 x 128: 4 SHFL / 4 LDS against the
+    # default's 80 / 32, no spills (8 x 256 spills, left out).
+    "h_aggregate_bwd": (_S(8, 256), _S(4, 256), _S(8, 512), _S(16, 256), _S(16, 128, mma=True),
+                        _S(8, 128, mma=True)),
+    "h_post_bda_fwd": (_S(4, 256, True), _S(2, 256, True), _S(4, 128, True), _S(2, 512, True), _S(4, 256),
+                       _S(4, 256, 2), _S(8, 256, 2), _S(8, 128, 2), _S(4, 256, 2, True), _S(8, 256, 2, True),
+                       _S(4, 256, True, True), _S(4, 256, mma=True), _S(4, 256, loop_c=True, mma=True),
+                       _S(8, 128, mma=True), _S(8, 256, loop_c=True, mma=True)),
+    "h_post_bda_bwd": (_S(32, 64), _S(64, 32), _S(16, 64), _S(32, 64, True), _S(16, 64, True),
+                       _S(16, 128, True), _S(8, 128, True), _S(8, 64, 2), _S(4, 64, 2), _S(8, 32, 2),
+                       _S(4, 128, 2), _S(8, 64, mma=True), _S(8, 128, mma=True), _S(16, 64, mma=True),
+                       _S(4, 128, mma=True), _S(16, 128, mma=True)),
+    "mapping_fwd": (tiling.MappingTiles(64, 128), tiling.MappingTiles(128, 64), tiling.MappingTiles(128, 128),
+                    tiling.MappingTiles(64, 256)),
+    # The dx/dW loop spills at the 32 x 128 default (sm_90: 536 B of stack, 193 STL, 152 LDL per
+    # block's code; `resources`); 16 x 64 compiles without spills in bf16 and fp32, 64 x 64, 16 x 256
+    # and 32 x 32 in bf16. 64 x 128 (1.70 ms) and larger tiles (3-5 ms) lost on the H200 on 11-29.
+    "mapping_bwd": (tiling.MappingTiles(32, 128), tiling.MappingTiles(16, 64), tiling.MappingTiles(64, 64),
+                    tiling.MappingTiles(16, 256), tiling.MappingTiles(32, 32), tiling.MappingTiles(32, 64),
+                    tiling.MappingTiles(16, 128), tiling.MappingTiles(16, 64, True), tiling.MappingTiles(32, 64, True),
+                    tiling.MappingTiles(32, 128, True)),
+}
+
+
+def _hinted(key: str, occupancies: tuple[int, ...], tiles=None) -> tuple[dict, ...]:
+    """Override dicts: `key`'s kernels with each occupancy hint, with `tiles` (default: the heuristic's)."""
+    base = {} if tiles is None else {key: tiles}
+    return tuple({**base, "occupancy": {k: occ for k in tiling.KERNELS_OF[key]}} for occ in occupancies)
+
+
+for _key in ("h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd", "mapping_fwd", "mapping_bwd",
+             "sinkhorn"):
+    # The same op with its default tiles and the occupancy hint on its kernels (2, 4, 8 CTAs per SM).
+    CANDIDATES[f"{_key}_occupancy"] = _hinted(_key, (2, 4, 8))
+# The tuple-of-streams h_post_bda backward compiles to 255 registers x 256 threads (1 CTA per SM) unhinted,
+# 128 at occupancy 2 and 64 at 4, without spills (`resources --occupancy`).
+CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8, 64, 2)) + _hinted(
+    "h_post_bda_bwd", (4,), _S(16, 64, 2))
+# So does the tensor-core (`mma`) h_post_bda backward: 255 x 256 unhinted, 128 / 64 registers at occupancy 2 / 4,
+# no spills; shared-memory traffic LDS 321 -> 20, STS 190 -> 50, BAR 109 -> 10 against the default (sm_90).
+CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8, 64, mma=True)) + _hinted(
+    "h_post_bda_bwd", (2, 4), _S(8, 128, mma=True))
+# And the `mma` forwards (C-looping): 255 x 256 unhinted, 128 / 64 registers at 2 / 4, no spills.
+CANDIDATES["h_aggregate_fwd_occupancy"] += _hinted("h_aggregate_fwd", (2, 4), _S(8, 256, loop_c=True, mma=True))
+CANDIDATES["h_post_bda_fwd_occupancy"] += _hinted("h_post_bda_fwd", (2, 4), _S(4, 256, loop_c=True, mma=True))
+CANDIDATES["h_aggregate_bwd_occupancy"] += _hinted("h_aggregate_bwd", (4,), _S(16, 128, mma=True)) + _hinted(
+    "h_aggregate_bwd", (2, 4), _S(8, 128, mma=True))
+# The split-dx mapping backward's grad_x kernel also compiles to 255 registers x 256 threads unhinted.
+CANDIDATES["mapping_bwd_occupancy"] += _hinted("mapping_bwd", (2, 4), tiling.MappingTiles(32, 128, True))
+# Most expected gain first, so that a sweep its timeout cuts short has timed these: the kernels furthest
+# from their targets (h_post_bda and mapping backward at ~25 % and ~11 % of copy, Sinkhorn at 2-16x its
+# 10 us) before the forwards.
+KEY_ORDER = ("h_post_bda_bwd", "mapping_bwd", "sinkhorn", "h_post_bda_fwd", "h_aggregate_fwd",
+             "h_post_bda_bwd_occupancy", "mapping_bwd_occupancy", "h_post_bda_fwd_occupancy", "h_aggregate_fwd_occupancy",
+             "mapping_fwd", "mapping_fwd_occupancy", "sinkhorn_occupancy", "h_aggregate_bwd", "h_aggregate_bwd_occupancy")
+CANDIDATES = {key: CANDIDATES[key] for key in KEY_ORDER}
+"""Candidates per `tiling` key (in `KEY_ORDER`): a tile object for that key, or a whole
+`tiling.overridden` dict (the `*_occupancy` keys: hints, with the heuristic's or given tiles). The
+first candidate of each tile key is the heuristic's choice at n = 4, C >= 256; the second run on
+an H200 is in `tiling`'s docstring."""
+
+
+def tile_key(key: str) -> str:
+    """The `tiling` key a sweep key drives (`h_aggregate_fwd_occupancy` -> `h_aggregate_fwd`)."""
+    return key.removesuffix("_occupancy")
+
+
+def override(key: str, cand) -> dict:
+    """The `tiling.overridden` keywords of one candidate."""
+    return cand if isinstance(cand, dict) else {key: cand}
+
+
+def directions(key: str) -> tuple[str, ...]:
+    """The directions (`fwd`, `bwd`) a sweep key's candidates are timed in."""
+    return tiling.directions(tile_key(key))
+
+
+def op_of(key: str) -> str:
+    """The mHC op a sweep key times (`mapping_bwd_occupancy` -> `mapping`)."""
+    return tile_key(key).removesuffix("_fwd").removesuffix("_bwd")
