@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bytes", type=int, required=True, help="cap on the archive's size")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--device", default="NVIDIA H200", help="the GPU model the run will see (its tuning applies)")
+    p.add_argument("--device", default=tuning.REFERENCE_DEVICE, help="the GPU model the run will see (its tuning applies)")
     add_shape_args(p)
     args = p.parse_args(argv)
     act = torch.bfloat16 if args.dtype == "bf16" else torch.float32

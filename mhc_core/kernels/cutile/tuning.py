@@ -33,12 +33,14 @@ from typing import Any
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.sweep_candidates import override
 
-__all__ = ["ENV", "SCHEMA", "TUNED_DIR", "Tuning", "device_slug", "load", "save", "packaged", "resolve", "describe",
+__all__ = ["ENV", "SCHEMA", "TUNED_DIR", "REFERENCE_DEVICE", "Tuning", "device_slug", "load", "save", "packaged", "resolve", "describe",
            "from_sweep", "tiles_in_force", "main"]
 
 ENV = "MHC_CUTILE_TUNING"
 SCHEMA = 1
 TUNED_DIR = Path(__file__).parent / "tuned"
+REFERENCE_DEVICE = "NVIDIA H200"
+"""The GPU model the heuristics were tuned on and the lent GPU machine has (the tools' default `--device`)."""
 """The tunings shipped with the package, one `<device_slug>.json` per GPU model."""
 
 _TILE_TYPES = {cls.__name__: cls for cls in (tiling.SinkhornTiles, tiling.StreamTiles, tiling.MappingTiles)}
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description="cuTile tiles in force under a tuning, against the heuristics")
     p.add_argument("file", nargs="?", help="a tuning file (default: what MHC_CUTILE_TUNING / tuned/ give for --device)")
-    p.add_argument("--device", default="NVIDIA H200", help="GPU model name, as torch.cuda.get_device_name() says it")
+    p.add_argument("--device", default=REFERENCE_DEVICE, help="GPU model name, as torch.cuda.get_device_name() says it")
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--hidden", type=int, default=4096)
     args = p.parse_args(argv)
