@@ -158,6 +158,7 @@ tc = find_toolchain()
 print("cuda.tile", cuda.tile.__version__, "| toolchain", tc and (tc.tileiras, tc.version, tc.source))
 print("availability", c.availability())
 EOF
+"$PY" -m mhc_core.kernels >> "$OUT/env.txt" 2>&1  # where each op runs, the cuTile tuning in force
 cat "$OUT/env.txt"
 
 STEPS="${MHC_GPU_STEPS:-parity sweep perf}"

@@ -10,6 +10,11 @@ OUT=${MHC_NIGHTLY_OUT:-results/nightly}
 HISTORY=${MHC_PERF_HISTORY:-perf-history/${HW}.jsonl}
 mkdir -p "$OUT" "$(dirname "$HISTORY")"
 
+# 0. Where each op runs here and why, and the cuTile tuning in force (the benchmarks time every
+#    backend directly; this records what a training run on this node would use).
+"$PY" -m mhc_core.kernels > "$OUT/backends.txt" 2>&1 || echo "nightly: the preflight reports a problem, see $OUT/backends.txt"
+cat "$OUT/backends.txt"
+
 # 1. Benchmarks (never under xdist). MHC_PERF_GOLDEN=1 compares each kernel with its golden band;
 #    a first run on new hardware records them: MHC_PERF_GOLDEN=1 ... --update-golden=all
 # Inductor compiles in a worker pool here (a GPU node has the cores; the perf conftest's default of

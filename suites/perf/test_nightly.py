@@ -20,7 +20,8 @@ SELECT = f"test_kernel and {CASE}-fwd-compiled"
 
 
 def test_nightly_script_records_golden_history_plot_and_table(tmp_path):
-    """ci/nightly_gpu.sh on one CPU case writes a perf golden + sidecar, one history record, a trend PNG and the table."""
+    """ci/nightly_gpu.sh on one CPU case writes the backend report, a perf golden + sidecar, one history
+    record, a trend PNG and the table."""
     golden, out, history = tmp_path / "golden", tmp_path / "nightly", tmp_path / "history" / "cpu.jsonl"
     env = dict(os.environ, MHC_PYTHON=sys.executable, MHC_NIGHTLY_OUT=str(out), MHC_PERF_HISTORY=str(history),
                MHC_PERF_REPS="3", MHC_HW="cpu_nightly_test", TORCHINDUCTOR_COMPILE_THREADS="1")
@@ -44,6 +45,9 @@ def test_nightly_script_records_golden_history_plot_and_table(tmp_path):
     assert bench["median_s"] > 0 and bench["extra_info"]["shape"] == CASE, bench
     assert bench["extra_info"]["roofline_ratio"] > 0
 
+    backends = (out / "backends.txt").read_text()
+    assert all(f"  {op} " in backends for op in ("sinkhorn", "mapping", "h_aggregate", "h_post_bda")), backends
+    assert "ok: the first mHC call of such a run does not raise" in backends, backends
     assert list((out / "trends").glob("*.png")), sorted(p.name for p in out.rglob("*"))
     table = (out / "perf-table.md").read_text()
     assert "| h_aggregate | fwd | compiled | T4096-n4-C256-fp32 |" in table, table
