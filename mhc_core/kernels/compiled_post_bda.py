@@ -12,9 +12,17 @@ Shapes: h_res `[T, n, n]`, residual `[T, n, C]`, h_post `[T, n]`, y `[T, C]`, bi
 Products and sums in fp32 at least (the reference's accumulation dtype), unrolled over the static
 `n` so that the forward is one pointwise kernel over `[T, n, C]`.
 
-Dropout: with `training and dropout_p > 0` the compiled backend runs the reference formulation
-(`mhc_core.ops.h_post_bda`, eager), because the dropout mask is drawn from the eager RNG stream;
-every other call is fused.
+Dropout (`training and dropout_p > 0`), on the expanded branch as the reference and Megatron's
+bias-dropout-add: fused too. The keep mask is drawn inside the compiled forward (Inductor's
+in-kernel Philox, seeded from the default generator of the device, so `torch.manual_seed` and a
+restored RNG state replay it, as mHC recompute needs) and saved as `bool [T, n, C]` for the
+backward, as eager dropout saves its mask:
+
+    out_i   = mix_i + keep_i * h_post_i (y + bias) / (1 - p)
+    g_hp_i  = sum_c g_i keep_i (y + bias) / (1 - p),   g_y = sum_i h_post_i keep_i g_i / (1 - p)
+
+The draw is not eager's: the same seed gives another mask than `mhc_core.ops.h_post_bda`, so
+parity is checked against the reference formulation with the compiled backend's own mask.
 """
 
 from __future__ import annotations
@@ -33,23 +41,29 @@ def _acc(h_res: torch.Tensor, res: torch.Tensor) -> torch.dtype:
     return acc_dtype(res.dtype, h_res.dtype)
 
 
-def _fwd(h_res, res, h_post, y, bias, transposed: bool):
+def _fwd(h_res, res, h_post, y, bias, transposed: bool, p: float):
+    """`out [T, n, C]`, or `(out, keep [T, n, C] bool)` when `p > 0` (dropout on the branch)."""
     acc = _acc(h_res, res)
     m = h_res.to(acc)
     if transposed:
         m = m.transpose(1, 2)
     branch_in = y.to(acc) if bias is None else y.to(acc) + bias.to(acc)
     out = h_post.to(acc)[:, :, None] * branch_in[:, None, :]  # [T, n, C]
+    keep = None
+    if p > 0:
+        keep = torch.rand_like(out) >= p
+        out = torch.where(keep, out * (1.0 / (1.0 - p)), 0.0)
     for j in range(res.shape[1]):
         out = out + m[:, :, j, None] * res[:, None, j, :].to(acc)
-    return out.to(res.dtype)
+    return out.to(res.dtype) if keep is None else (out.to(res.dtype), keep)
 
 
-def _bwd(g, h_res, res, h_post, y, bias, transposed: bool, needs: tuple[bool, ...]):
+def _bwd(g, h_res, res, h_post, y, bias, keep, transposed: bool, needs: tuple[bool, ...], p: float):
     acc = _acc(h_res, res)
     need_hres, need_res, need_hpost, need_y, need_bias = needs
     n = res.shape[1]
     gf = g.to(acc)
+    gb = gf if keep is None else torch.where(keep, gf * (1.0 / (1.0 - p)), 0.0)  # the branch's gradient
     m = h_res.to(acc)
     if transposed:
         m = m.transpose(1, 2)
@@ -64,12 +78,12 @@ def _bwd(g, h_res, res, h_post, y, bias, transposed: bool, needs: tuple[bool, ..
         g_hres = (g_m.transpose(1, 2) if transposed else g_m).to(h_res.dtype)
     if need_hpost:
         branch_in = y.to(acc) if bias is None else y.to(acc) + bias.to(acc)
-        g_hpost = (gf * branch_in[:, None, :]).sum(-1).to(h_post.dtype)
+        g_hpost = (gb * branch_in[:, None, :]).sum(-1).to(h_post.dtype)
     if need_y or need_bias:
         hp = h_post.to(acc)
-        g_branch = hp[:, 0:1] * gf[:, 0]
+        g_branch = hp[:, 0:1] * gb[:, 0]
         for i in range(1, n):
-            g_branch = g_branch + hp[:, i : i + 1] * gf[:, i]  # [T, C]
+            g_branch = g_branch + hp[:, i : i + 1] * gb[:, i]  # [T, C]
         if need_y:
             g_y = g_branch.to(y.dtype)
         if need_bias:
@@ -79,25 +93,28 @@ def _bwd(g, h_res, res, h_post, y, bias, transposed: bool, needs: tuple[bool, ..
 
 class _HPostBDA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_res, res, h_post, y, bias, transposed: bool):
-        ctx.transposed = transposed
-        ctx.save_for_backward(h_res, res, h_post, y, bias)
+    def forward(ctx, h_res, res, h_post, y, bias, transposed: bool, p: float):
+        ctx.transposed, ctx.p = transposed, p
         dtypes = tuple(None if t is None else t.dtype for t in (h_res, res, h_post, y, bias))
-        key = (*dtypes, res.shape[1], transposed, res.device.type)
-        h_res, res, h_post, y = (mark_dynamic(t, 0) for t in (h_res, res, h_post, y))
-        return compile_for(_fwd, key)(h_res, res, h_post, y, bias, transposed)
+        key = (*dtypes, res.shape[1], transposed, p, res.device.type)
+        h_res_d, res_d, h_post_d, y_d = (mark_dynamic(t, 0) for t in (h_res, res, h_post, y))
+        out = compile_for(_fwd, key)(h_res_d, res_d, h_post_d, y_d, bias, transposed, p)
+        out, keep = out if p > 0 else (out, None)
+        ctx.save_for_backward(h_res, res, h_post, y, bias, keep)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        h_res, res, h_post, y, bias = ctx.saved_tensors
+        h_res, res, h_post, y, bias, keep = ctx.saved_tensors
         needs = tuple(bool(v) for v in ctx.needs_input_grad[:5])
         needs = needs[:4] + (needs[4] and bias is not None,)
         dtypes = tuple(None if t is None else t.dtype for t in (g, h_res, res, h_post, y, bias))
-        key = (*dtypes, res.shape[1], ctx.transposed, needs, res.device.type)
+        key = (*dtypes, res.shape[1], ctx.transposed, needs, ctx.p, res.device.type)
         g, h_res, res, h_post, y = (mark_dynamic(t, 0) for t in (g.contiguous(), h_res, res, h_post, y))
-        grads = compile_for(_bwd, key)(g, h_res, res, h_post, y, bias, ctx.transposed, needs)
-        return (*grads, None)
+        keep = None if keep is None else mark_dynamic(keep, 0)
+        grads = compile_for(_bwd, key)(g, h_res, res, h_post, y, bias, keep, ctx.transposed, needs, ctx.p)
+        return (*grads, None, None)
 
 
 def h_post_bda(
@@ -114,7 +131,7 @@ def h_post_bda(
 
     Args:
         h_res: `[T, n, n]`; residual: `[T, n, C]`; h_post: `[T, n]`; y: `[T, C]`; bias: `[C]` or None.
-        dropout_p: hidden dropout on the expanded branch when `training` (then the reference runs).
+        dropout_p: hidden dropout on the expanded branch when `training` (fused; its own mask).
 
     Returns:
         `[T, n, C]` in `residual.dtype`.
@@ -123,7 +140,7 @@ def h_post_bda(
     spec = get_variant(variant)
     check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, op=op)
     t, n, c = residual.shape
-    if residual.numel() == 0 or (training and dropout_p > 0):
+    if residual.numel() == 0:
         return ops.h_post_bda(h_res, residual, h_post, y, bias, dropout_p, training, spec)
     return _HPostBDA.apply(
         h_res.contiguous(),
@@ -132,4 +149,5 @@ def h_post_bda(
         y.contiguous(),
         None if bias is None else bias.contiguous(),
         spec.res_transposed,
+        float(dropout_p) if training else 0.0,
     )

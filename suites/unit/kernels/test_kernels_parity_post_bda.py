@@ -7,6 +7,7 @@ import torch
 
 from mhc_core import ops
 from mhc_core.kernels import dispatch
+from mhc_core.ops.post_bda import apply_h_res
 from mhc_core.variants import Variant, get_variant
 from suites.unit.kernels.parity import Case, backend_params, check_parity, device_for
 
@@ -79,13 +80,69 @@ def test_h_post_bda_without_bias(backend):
     )
 
 
-@pytest.mark.parametrize("variant", list(Variant), ids=str)
-def test_compiled_h_post_bda_dropout_runs_the_reference(variant):
-    """dropout_p > 0 while training: the compiled backend returns the reference formulation, same RNG draw."""
-    case = Case(tokens=16, n=4, dtype=FP32, variant=variant)
-    inputs = _inputs(case, "cpu")
-    torch.manual_seed(7)
-    expected = ops.h_post_bda(**inputs, dropout_p=0.25, training=True, variant=variant)
-    torch.manual_seed(7)
-    got = dispatch.get_impl("h_post_bda", "compiled")(**inputs, dropout_p=0.25, training=True, variant=variant)
-    assert torch.equal(got, expected), f"max abs diff {(got - expected).abs().max().item():.3e}"
+P = 0.25
+COMPILED_OK, COMPILED_WHY = dispatch.availability("compiled", device_for("compiled"))
+needs_compiled = pytest.mark.skipif(not COMPILED_OK, reason=COMPILED_WHY)
+DROPOUT_CASES = [Case(tokens=48, n=4, dtype=FP32, variant=Variant.MEGATRON_MAIN, extra="p0.25"),
+                 Case(tokens=48, n=4, dtype=BF16, variant=Variant.MEGATRON_DEV, extra="p0.25")]
+"""Both orientations, both dtypes, one graph pair each (the dropout rate is part of the compile key)."""
+
+
+def _with_mask(keep: torch.Tensor, p: float):
+    """The reference formulation of h_post_bda with the given keep mask `[T, n, C]` in place of its dropout draw."""
+
+    def fn(h_res, residual, h_post, y, bias, variant):
+        mix = apply_h_res(h_res, residual, get_variant(variant).res_transposed)
+        acc = mix.dtype
+        branch_in = y.to(acc) if bias is None else y.to(acc) + bias.to(acc)
+        branch = h_post.to(acc).unsqueeze(-1) * branch_in.unsqueeze(-2)
+        return (mix + torch.where(keep, branch * (1.0 / (1.0 - p)), 0.0)).to(residual.dtype)
+
+    return fn
+
+
+def _seeded_compiled(seed: int, **fixed):
+    impl = dispatch.get_impl("h_post_bda", "compiled")
+
+    def fn(**kwargs):
+        torch.manual_seed(seed)
+        return impl(**kwargs, **fixed)
+
+    return fn
+
+
+def _mask(inputs: dict, seed: int, variant: Variant, training: bool = True) -> torch.Tensor | None:
+    """The keep mask the compiled backend draws under `seed` and saves for its backward (None: no mask)."""
+    leaves = {k: None if v is None else v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
+    out = _seeded_compiled(seed, dropout_p=P, training=training, variant=variant)(**leaves)
+    keep = out.grad_fn.saved_tensors[-1]
+    assert keep is None or (keep.dtype == torch.bool and keep.shape == out.shape), keep
+    return keep
+
+
+@needs_compiled
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=str)
+def test_compiled_h_post_bda_dropout_matches_the_formula_with_its_mask(case):
+    """Training dropout (p = 0.25) is fused: the output and all five grads equal the reference
+    formulation with the keep mask the compiled backend drew and saved for backward."""
+    inputs = _inputs(case, device_for("compiled"))
+    keep = _mask(inputs, 11, case.variant)
+    check_parity(f"h_post_bda[compiled, dropout {P}, {case}]", _with_mask(keep, P),
+                 _seeded_compiled(11, dropout_p=P, training=True), inputs, GRADS, case.dtype,
+                 cosine_groups=[["bias"]], variant=case.variant)
+
+
+@needs_compiled
+def test_compiled_h_post_bda_dropout_mask_is_seeded_with_rate_p():
+    """The mask replays under the same seed, changes with the seed, keeps 1 - p of the elements
+    (within 5 sigma), and eval mode (training=False) draws none."""
+    case = DROPOUT_CASES[0]
+    inputs = _inputs(case, device_for("compiled"))
+    a, b, other = _mask(inputs, 11, case.variant), _mask(inputs, 11, case.variant), _mask(inputs, 12, case.variant)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, other)
+    frac, sigma = a.float().mean().item(), ((1 - P) * P / a.numel()) ** 0.5
+    assert abs(frac - (1 - P)) < 5 * sigma, f"kept {frac:.4f} of {a.numel()}, expected {1 - P} +- {5 * sigma:.4f}"
+    assert _mask(inputs, 11, case.variant, training=False) is None
+
+

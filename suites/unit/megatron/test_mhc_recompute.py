@@ -47,11 +47,13 @@ def test_loss_and_gradients_equal_the_plain_run(make_config, build_gpt, batch, p
         assert torch.equal(g1[name], g2[name]), f"{name}: max abs diff {(g1[name] - g2[name]).abs().max().item():.3e}"
 
 
-def test_fused_ops_rebuild_bitwise(make_config, build_gpt, batch, monkeypatch):
-    """With use_fused_mhc (the compiled backend on CPU) the rebuilt states still give bitwise the plain gradients."""
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+def test_fused_ops_rebuild_bitwise(make_config, build_gpt, batch, monkeypatch, dropout):
+    """With use_fused_mhc (the compiled backend on CPU) the rebuilt states still give bitwise the plain
+    gradients, also with hidden dropout (the fused h_post_bda's in-kernel mask replays from the RNG state)."""
     monkeypatch.setenv("MHC_BACKEND", "compiled")
-    plain = build_gpt(_config(make_config, recompute=False, use_fused_mhc=True), seed=1)
-    fused = build_gpt(_config(make_config, per_group=2, use_fused_mhc=True), seed=1)
+    plain = build_gpt(_config(make_config, recompute=False, use_fused_mhc=True, hidden_dropout=dropout), seed=1).train()
+    fused = build_gpt(_config(make_config, per_group=2, use_fused_mhc=True, hidden_dropout=dropout), seed=1).train()
     fused.load_state_dict(plain.state_dict())
     (l1, g1), (l2, g2) = _loss_and_grads(plain, batch), _loss_and_grads(fused, batch)
     assert torch.equal(l1, l2)
