@@ -5,7 +5,10 @@ CPU: T = 4096, n = 4, C in {256, 1024} in fp32 (C = 1024 puts the n-stream tenso
 far out of any CPU cache, on a 2-core CI machine), plus C = 2048 in bf16, the training dtype,
 where the reference pays for its fp32 upcast: the same 64 MiB (at C = 1024 the bf16 copy of the
 same bytes half fits a 32 MiB L3, and the roofline ratio swings with it). Sinkhorn always runs
-in fp32: no bf16 case.
+in fp32: no bf16 case. One more h_post_bda case at the smallest size trains with hidden dropout
+0.1 (Megatron's default `hidden_dropout`; `-p0.1` in its id): its bytes model is the ideal kernel's,
+which draws the mask in the kernel and saves none, so its roofline ratio includes what a saved mask
+costs.
 """
 
 from __future__ import annotations
@@ -32,11 +35,17 @@ class PerfCase:
     hidden: int
     dtype: torch.dtype
     device: str
+    dropout: float = 0.0
+    """h_post_bda only: hidden dropout, in training mode when > 0."""
+
+    def __post_init__(self) -> None:
+        if self.dropout and self.op != "h_post_bda":
+            raise ValueError(f"PerfCase.dropout={self.dropout}: only h_post_bda has dropout, not {self.op!r}")
 
     @property
     def id(self) -> str:
         size = f"T{self.tokens}-n{self.n}" if self.op == "sinkhorn" else f"T{self.tokens}-n{self.n}-C{self.hidden}"
-        return f"{self.op}-{size}-{_DTYPE_NAME[self.dtype]}"
+        return f"{self.op}-{size}-{_DTYPE_NAME[self.dtype]}" + (f"-p{self.dropout:g}" if self.dropout else "")
 
     def bytes(self, direction: str) -> int:
         """Bytes moved by an ideal kernel (`mhc_core.analysis.bytes_moved`)."""
@@ -64,7 +73,7 @@ class PerfCase:
             return (rnd(t, n, c), rnd(t, n, dtype=torch.float32))
         if self.op == "h_post_bda":
             return (rnd(t, n, n, dtype=torch.float32), rnd(t, n, c), rnd(t, n, dtype=torch.float32), rnd(t, c),
-                    rnd(c), 0.0, False, "megatron_main")
+                    rnd(c), self.dropout, self.dropout > 0, "megatron_main")
         raise ValueError(f"PerfCase.op={self.op!r}; valid: {', '.join(OPS)}")
 
 
@@ -78,4 +87,6 @@ def cases_for(device: str) -> list[PerfCase]:
     out = [PerfCase(op="sinkhorn", tokens=tokens, n=4, hidden=sizes[0][0], dtype=torch.float32, device=device)]
     for op in OPS[1:]:
         out += [PerfCase(op=op, tokens=tokens, n=4, hidden=c, dtype=dt, device=device) for c, dt in sizes]
+    c, dt = sizes[0]
+    out.append(PerfCase(op="h_post_bda", tokens=tokens, n=4, hidden=c, dtype=dt, device=device, dropout=0.1))
     return out
