@@ -62,7 +62,8 @@ def tolerance(dtype: torch.dtype, kind: Kind = "fwd") -> Tolerance:
 
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> None:
-    """Raise `AssertionError` with max abs error, max rel error and shapes when out of tolerance."""
+    """Raise `AssertionError` with max abs error, max rel error and shapes when out of tolerance, or
+    when either tensor holds a NaN or an infinity (a non-finite reference proves nothing)."""
     __tracebackhide__ = True
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {list(actual.shape)} != expected {list(expected.shape)}")
@@ -70,8 +71,11 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: T
     e = expected.detach().to(torch.float64)
     if a.numel() == 0:
         return
-    if not torch.isfinite(a).all():
-        raise AssertionError(f"{name}: {int((~torch.isfinite(a)).sum())} non-finite value(s) in actual")
+    for label, t in (("actual", a), ("expected", e)):  # NaN compares False: a NaN would pass the bound
+        if not torch.isfinite(t).all():
+            idx = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])
+            raise AssertionError(f"{name}: {int((~torch.isfinite(t)).sum())} non-finite value(s) in {label}, "
+                                 f"first at {idx}: {float(t[idx])}; shape {list(t.shape)}")
     err = (a - e).abs()
     bound = tol.atol + tol.rtol * e.abs()
     bad = err > bound

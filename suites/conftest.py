@@ -12,3 +12,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and os.environ.get("MHC_ALLOW_EMPTY") == "1":
         session.config.get_terminal_writer().line("no tests collected: allowed by MHC_ALLOW_EMPTY=1", yellow=True)
         session.exitstatus = pytest.ExitCode.OK
+
+
+@pytest.fixture(autouse=True)
+def _seeded_torch() -> None:
+    """Every test starts from the same global torch RNG state (`torch.manual_seed(0)`), so a draw a
+    test does not seed itself is the same whatever ran before it (test order, xdist's split)."""
+    import torch
+
+    torch.manual_seed(0)

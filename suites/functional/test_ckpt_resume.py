@@ -24,6 +24,7 @@ def test_resumed_steps_equal_uninterrupted_run(case, functional_runs):
     assert sorted(resumed.metrics["lm loss"]) == list(range(half + 1, full.plan.args.train_iters + 1))
     checks = functional_runs.recipe(case).checks(functional_runs.hw)
     checks = {m: c for m, c in checks.items() if m in ("lm loss", "num-zeros", "grad-norm")}
+    assert checks, f"{case}: its recipe checks none of lm loss, num-zeros, grad-norm on {functional_runs.hw}"
     if full.plan.deterministic:
         assert all(any(isinstance(x, ExactCheck) for x in c) for c in checks.values()), checks
     tail = {m: {s: v for s, v in full.metrics[m].items() if s > half} for m in checks}

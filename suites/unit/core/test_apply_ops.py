@@ -112,10 +112,15 @@ def test_h_aggregate_bf16_rounds_once():
     torch.manual_seed(0)
     x = torch.randn(16, 4, 64).to(torch.bfloat16)
     h = torch.rand(16, 4).to(torch.bfloat16)
-    ref = torch.einsum("tn,tnc->tc", h.double(), x.double()).to(torch.bfloat16)
+    exact = torch.einsum("tn,tnc->tc", h.double(), x.double())
     out = h_aggregate(x, h)
     assert out.dtype == torch.bfloat16
-    assert (out.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()
+    # Rounded once: within half a bf16 ulp of the exact sum everywhere (a bf16 accumulation is off
+    # by up to 79 half-ulps here), and bitwise the fp32 computation rounded.
+    half_ulp = torch.exp2(torch.floor(torch.log2(exact.abs())) - 8)
+    worst = float(((out.double() - exact).abs() / half_ulp).max())
+    assert worst <= 1.0 + 1e-6, f"max error {worst:.3g} half-ulps of bf16"
+    assert torch.equal(out, h_aggregate(x.float(), h.float()).to(torch.bfloat16))
 
 
 class TestStreams:

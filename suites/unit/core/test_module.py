@@ -134,9 +134,11 @@ def test_default_init_starts_close_to_a_pre_norm_residual(variant):
     n=st.sampled_from([1, 2, 3, 4, 8]),
     c=st.sampled_from([1, 4, 8]),
     variant=st.sampled_from(VARIANTS),
+    seed=st.integers(0, 2**31 - 1),
 )
-def test_property_shapes_and_finiteness(s, b, n, c, variant):
+def test_property_shapes_and_finiteness(s, b, n, c, variant, seed):
     """Any s, b, n, C: correct shapes, finite values, doubly stochastic h_res within 2e-6 on one axis."""
+    torch.manual_seed(seed)  # the module's initialisation and x: replayable by hypothesis
     m = _module(n=n, c=c, variant=variant)
     x = torch.randn(s, b, n * c)
     agg, h_res, h_post, _ = m(x)

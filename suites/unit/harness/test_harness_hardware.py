@@ -93,6 +93,7 @@ class TestHwCommand:
         hw = detect_hardware()
         assert hw.key == out[0]
         assert out[1].startswith("rule: ")
+        assert out[2] == ("known: yes" if hw.known else "known: no (recalibration needs --allow-unknown-hw)")
 
     def test_env_override(self, capsys, monkeypatch):
         """With MHC_HW set, ``hw`` prints that key and says the environment chose it."""

@@ -42,7 +42,7 @@ def history(tmp_path):
 
 def _append(tmp_path, h, a, b):
     f = _bench_json(tmp_path / "new.json", {"test_a[T512]": a, "test_b[T512]": b}, commit="new")
-    main(["perf-history", "append", str(f), "--history", str(h), "--hw", "cpu_x86_64"])
+    assert 0 == main(["perf-history", "append", str(f), "--history", str(h), "--hw", "cpu_x86_64"])
 
 
 class TestAppend:
@@ -69,7 +69,8 @@ class TestCheck:
         """A run within the band passes with exit 0."""
         _append(tmp_path, history, 1.05e-3, 2e-3)
         assert 0 == main(["perf-history", "check", "--history", str(history)])
-        assert "OK" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "OK" in out and "1.05" in out, out  # the new run is the one checked
 
     def test_regression_detected(self, history, tmp_path, capsys):
         """A run 20% slower than the trailing median fails, printing measured, baseline, delta and band."""

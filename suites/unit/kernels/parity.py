@@ -91,7 +91,10 @@ def run_fwd_bwd(
     for o in outs:
         cot = torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device)
         loss = loss + (o.float() * cot).sum()
-    names = [k for k in grad_names if leaves.get(k) is not None]
+    unknown = [k for k in grad_names if k not in inputs]
+    if unknown:  # a misspelt name would otherwise never be compared
+        raise ValueError(f"run_fwd_bwd: grad_names {unknown} are not inputs ({', '.join(inputs)})")
+    names = [k for k in grad_names if leaves[k] is not None]  # an input passed as None has no gradient
     grads = torch.autograd.grad(loss, [leaves[k] for k in names], allow_unused=True)
     return tuple(o.detach() for o in outs), {k: g for k, g in zip(names, grads, strict=True)}
 

@@ -48,7 +48,7 @@ def test_auto_on_cpu_is_compiled():
 
 
 def test_per_op_override_wins_over_global(monkeypatch):
-    """MHC_BACKEND_SINKHORN=reference beats MHC_BACKEND=compiled for sinkhorn only."""
+    """MHC_BACKEND_SINKHORN=auto beats MHC_BACKEND=reference for sinkhorn only."""
     monkeypatch.setenv("MHC_BACKEND", "reference")
     monkeypatch.setenv("MHC_BACKEND_SINKHORN", "auto")
     monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (backend != "cutile", "stub"))

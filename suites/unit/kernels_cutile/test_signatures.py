@@ -71,6 +71,8 @@ def test_plan_covers_other_production_shapes(t, c):
             out = ops.h_post_bda(z.detach().requires_grad_(True), xs, outs[1].detach().requires_grad_(True), y,
                                  torch.zeros(c, dtype=dtype, requires_grad=True), 0.0, False, variant)
             out.sum().backward()
+    recorded = {la.kernel_name for la in rec.launches}
+    assert recorded == {p.kernel_name for p in signature_plan()}, sorted(recorded)  # every kernel was launched
     missing = [key(la.kernel_name, la.args) for la in rec.launches if key(la.kernel_name, la.args) not in planned]
     assert not missing, f"{len(missing)} launches not in the signature plan, first: {missing[0]}"
 

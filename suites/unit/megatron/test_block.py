@@ -123,12 +123,22 @@ def test_gpt_without_final_layernorm_feeds_c_wide_output_layer(make_config, batc
 
 
 def test_block_with_mhc_off_is_the_stock_block(make_config, x, mask):
-    """With mHC off the block neither expands nor contracts: [s, b, C] through stock layers."""
+    """With mHC off the block is megatron-core's: same parameters and bitwise the same [s, b, C] output
+    as a stock TransformerBlock built from the same seed."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as stock_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
 
     spec = TransformerBlockSubmodules(layer_specs=[stock_spec()] * 2, layer_norm=WrappedTorchNorm)
+    torch.manual_seed(0)
     block = HyperConnectionTransformerBlock(make_config(), spec).to(DEVICE)
-    assert block(hidden_states=x, attention_mask=mask).shape == x.shape
+    torch.manual_seed(0)
+    stock = TransformerBlock(make_config(), spec).to(DEVICE)
+    ours_sd, stock_sd = block.state_dict(), stock.state_dict()
+    assert ours_sd.keys() == stock_sd.keys()
+    assert all(torch.equal(v, stock_sd[k]) for k, v in ours_sd.items() if isinstance(v, torch.Tensor))
+    out = block(hidden_states=x, attention_mask=mask)
+    assert out.shape == x.shape
+    assert torch.equal(out, stock(hidden_states=x, attention_mask=mask))
 
 
 class TestLearnedContraction:

@@ -443,12 +443,21 @@ class TestDistCkpt:
 
         config = make_config(n=2)
         saved, restored = build_gpt(config, seed=0), build_gpt(config, seed=1)
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():  # constant-initialised tensors (alphas, biases, norms) must differ too
+            for p in saved.parameters():
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        before = restored.state_dict()
+        differ = [k for k, v in saved.state_dict().items() if isinstance(v, torch.Tensor) and not torch.equal(v, before[k])]
+        assert any("hyper_connection" in k and k.endswith("alpha_res") for k in differ), differ
         self._save(saved, tmp_path / "ckpt")
         restored.load_state_dict(dist_checkpointing.load(restored.sharded_state_dict(), str(tmp_path / "ckpt")))
         expected = saved.state_dict()
         for name, value in restored.state_dict().items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, expected[name]), name
+        assert len(differ) == sum(isinstance(v, torch.Tensor) and v.is_floating_point() for v in expected.values()), \
+            "every parameter was perturbed, so every one had to be restored by the load"
 
 
 class TestInstall:

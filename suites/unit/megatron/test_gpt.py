@@ -126,15 +126,20 @@ def test_sharded_state_dict_holds_the_mhc_parameters(make_config, build_gpt):
     assert sharded == plain
 
 
+def _assert_same_state(ours, stock) -> None:
+    """The same state-dict keys in the same order, and bitwise the same tensors."""
+    for (k1, v1), (k2, v2) in zip(ours.state_dict().items(), stock.state_dict().items(), strict=True):
+        assert k1 == k2, (k1, k2)
+        assert (v1 is None and v2 is None) or torch.equal(v1, v2), k1
+
+
 def test_mhc_off_is_bitwise_the_stock_model(make_config, build_gpt, batch, gpt_logits, device):
     """With mHC off, build_gpt_model equals a stock GPTModel built with the same seed: parameters and logits bitwise."""
     config = make_config()
     ours = build_gpt(config, seed=3)
     torch.manual_seed(3)
     stock = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16).to(device)
-    for (k1, v1), (k2, v2) in zip(ours.state_dict().items(), stock.state_dict().items(), strict=True):
-        assert k1 == k2, (k1, k2)
-        assert (v1 is None and v2 is None) or torch.equal(v1, v2), k1
+    _assert_same_state(ours, stock)
     assert torch.equal(gpt_logits(ours, batch), gpt_logits(stock, batch))
 
 
@@ -145,6 +150,7 @@ def test_mhc_gpt_model_with_flag_off_is_bitwise_the_stock_model(make_config, bat
     ours = MHCGPTModel(config, spec, vocab_size=64, max_sequence_length=16).to(device)
     torch.manual_seed(5)
     stock = GPTModel(config, spec, vocab_size=64, max_sequence_length=16).to(device)
+    _assert_same_state(ours, stock)
     assert torch.equal(gpt_logits(ours, batch), gpt_logits(stock, batch))
 
 
