@@ -14,7 +14,7 @@ Products and sums in fp32 at least (the reference's accumulation dtype), unrolle
 
 Dropout (`training and dropout_p > 0`), on the expanded branch as the reference and Megatron's
 bias-dropout-add: fused too. The keep mask is drawn inside the compiled forward (Inductor's
-in-kernel Philox, seeded from the default generator of the device, so `torch.manual_seed` and a
+in-kernel random numbers (Philox in Triton on GPU), seeded from the default generator of the device, so `torch.manual_seed` and a
 restored RNG state replay it, as mHC recompute needs) and saved as `bool [T, n, C]` for the
 backward, as eager dropout saves its mask:
 
