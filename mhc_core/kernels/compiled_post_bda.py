@@ -13,10 +13,10 @@ Products and sums in fp32 at least (the reference's accumulation dtype), unrolle
 `n` so that the forward is one pointwise kernel over `[T, n, C]`.
 
 Dropout (`training and dropout_p > 0`), on the expanded branch as the reference and Megatron's
-bias-dropout-add: fused too. The keep mask is drawn inside the compiled forward (Inductor's
-in-kernel random numbers (Philox in Triton on GPU), seeded from the default generator of the device, so `torch.manual_seed` and a
-restored RNG state replay it, as mHC recompute needs) and saved as `bool [T, n, C]` for the
-backward, as eager dropout saves its mask:
+bias-dropout-add: fused too. The keep mask is drawn inside the compiled forward by Inductor's
+in-kernel random numbers (Philox in Triton on GPU), seeded from the default generator of the
+device, so `torch.manual_seed` and a restored RNG state replay it, as mHC recompute needs; it is
+saved as `bool [T, n, C]` for the backward, as eager dropout saves its mask:
 
     out_i   = mix_i + keep_i * h_post_i (y + bias) / (1 - p)
     g_hp_i  = sum_c g_i keep_i (y + bias) / (1 - p),   g_y = sum_i h_post_i keep_i g_i / (1 - p)
