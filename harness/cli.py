@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 1 a failure (test, golden mismatch, regression, differing files for
 ``diff``) or a refused input (any :class:`~harness.errors.GoldenError`: malformed or non-finite
-file, unknown hardware key, failed recalibration run); 2 bad usage (arguments, unknown suite).
+file, unknown hardware key, failed recalibration run; a file that is missing, a directory or not
+writable); 2 bad usage (arguments, unknown suite).
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ def _cmd_perf(args: argparse.Namespace) -> int:
         src = Path(args.benchmark_json)
         doc = parse_json(src.read_text(encoding="utf-8"), source=str(src))
         machine = doc.get("machine_info") if isinstance(doc, dict) else None
-        hw = args.hw or (machine or {}).get("mhc_hw") or detect_hardware().key
+        from harness.hardware import validate_hw_key
+
+        hw = validate_hw_key(args.hw or (machine or {}).get("mhc_hw") or detect_hardware().key,
+                             field="--hw" if args.hw else "machine_info.mhc_hw")
         versions = (machine or {}).get("mhc_versions")
         rec = ph.record_from_benchmark_json(doc, source=str(src), hw=hw, commit=args.commit,
                                             versions=versions if isinstance(versions, dict) else None)
@@ -221,7 +225,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GoldenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as exc:
+    except OSError as exc:  # a file that is missing, a directory, read-only, ...: refused input, not usage
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        print(f"error: {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

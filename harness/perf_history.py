@@ -63,12 +63,22 @@ def record_from_benchmark_json(doc: Any, *, source: str, hw: str, commit: str | 
         if not _num(stats.get("median")) or stats["median"] <= 0:
             raise GoldenFormatError(f"{source}: benchmarks[{i}] ({b['name']}): stats.median={stats.get('median')!r} "
                                     "must be a finite number > 0")
+        where = f"{source}: benchmarks[{i}] ({b['name']})"
+        extra = b.get("extra_info") or {}
+        if not isinstance(extra, dict):
+            raise GoldenFormatError(f"{where}: extra_info={extra!r} must be an object")
+        for k in ("mean", "stddev"):
+            if stats.get(k) is not None and not _num(stats[k]):
+                raise GoldenFormatError(f"{where}: stats.{k}={stats[k]!r} must be a finite number")
+        bad = {k: v for k, v in extra.items() if isinstance(v, float) and not math.isfinite(v)}
+        if bad:
+            raise GoldenFormatError(f"{where}: extra_info holds non-finite values {bad}")
         group = b.get("group")
         benches.append({
             "key": f"{group or 'ungrouped'}::{b['name']}", "group": group, "name": b["name"],
             "fullname": b.get("fullname"), "params": b.get("params"), "median_s": float(stats["median"]),
             "mean_s": stats.get("mean"), "stddev_s": stats.get("stddev"), "rounds": stats.get("rounds"),
-            "extra_info": b.get("extra_info") or {},
+            "extra_info": extra,
         })
     machine = doc.get("machine_info")
     settings = machine.get("mhc") if isinstance(machine, dict) else None
@@ -83,12 +93,21 @@ def record_from_benchmark_json(doc: Any, *, source: str, hw: str, commit: str | 
 
 def append_record(history: str | Path, record: Mapping[str, Any]) -> None:
     """Append one record as one line, under an exclusive lock on the history file."""
-    line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
+    try:
+        line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
+    except ValueError as exc:
+        raise GoldenFormatError(f"record for {history}: {exc}") from None
     history = Path(history)
     history.parent.mkdir(parents=True, exist_ok=True)
-    with open(history, "a", encoding="utf-8") as f:
+    with open(history, "a+b") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        f.write(line)
+        f.seek(0, 2)
+        if f.tell() > 0:
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":  # a writer killed mid-line: appending would corrupt this record too
+                raise GoldenFormatError(f"{history}: the last line is incomplete (no newline at the end); "
+                                        "repair or remove it before appending; nothing written")
+        f.write(line.encode("utf-8"))
         f.flush()
 
 
@@ -102,6 +121,14 @@ def read_history(history: str | Path) -> list[dict[str, Any]]:
         rec = parse_json(line, source=f"{history} line {n}")
         if not isinstance(rec, dict) or not isinstance(rec.get("benchmarks"), list) or "hardware" not in rec:
             raise GoldenFormatError(f"{history} line {n}: not a perf-history record")
+        for i, b in enumerate(rec["benchmarks"]):
+            where = f"{history} line {n}: benchmarks[{i}]"
+            if not isinstance(b, dict) or not isinstance(b.get("key"), str) or not isinstance(b.get("name"), str):
+                raise GoldenFormatError(f"{where}: not a benchmark (an object with 'key' and 'name' strings)")
+            if not _num(b.get("median_s")) or b["median_s"] <= 0:
+                raise GoldenFormatError(f"{where} ({b['key']}): median_s={b.get('median_s')!r} must be a finite number > 0")
+            if not isinstance(b.get("extra_info", {}), dict):
+                raise GoldenFormatError(f"{where} ({b['key']}): extra_info must be an object")
         out.append(rec)
     return out
 
@@ -132,9 +159,13 @@ def check_history(records: Sequence[Mapping[str, Any]], *, window: int = 5, band
     for name, v in (("band_slow", band_slow), ("band_fast", band_fast)):
         if not _num(v) or v < 0:
             raise ValueError(f"{name}={v!r} must be a finite number >= 0")
+    if band_fast >= 1:
+        raise ValueError(f"band_fast={band_fast!r} must be < 1 (a time cannot drop by 100 % or more)")
     if not records:
-        raise ValueError("records: the history is empty")
+        raise ValueError("the history has no records")
     newest = records[-1]
+    if not newest["benchmarks"]:
+        raise ValueError(f"the newest record ({newest.get('date')}, {newest.get('hardware')}) has no benchmarks")
     prev = [r for r in records[:-1] if r.get("hardware") == newest.get("hardware")]
     out = []
     for b in newest["benchmarks"]:

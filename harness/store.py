@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import LockTimeoutError, MetaError, MissingGoldenError
+from harness.errors import GoldenFormatError, LockTimeoutError, MetaError, MissingGoldenError
 from harness.hardware import validate_hw_key
 from harness.provenance import git_commit, package_versions, utc_now
 from harness.schema import Golden, dumps_golden, golden_digest, load_golden, parse_json
@@ -143,9 +143,20 @@ def _flock(path: Path, timeout_s: float) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def _file_mode(target: Path) -> int:
+    """The mode `target` keeps (its current one), or a new file's under the umask (mkstemp's is 0600)."""
+    try:
+        return target.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def _write_tmp(directory: Path, name: str, text: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _file_mode(directory / name))
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -213,6 +224,9 @@ class GoldenStore:
         except ValueError as exc:
             raise MetaError(f"meta for {f.json}: {exc}") from None
         f.directory.mkdir(parents=True, exist_ok=True)
+        for target in (f.json, f.meta):  # checked before anything is replaced: a half-written case is worse
+            if target.exists() and not target.is_file():
+                raise GoldenFormatError(f"{target}: exists and is not a regular file; nothing written")
         with _flock(f.lock, lock_timeout_s):
             stale = re.compile(rf"^\.(?:{re.escape(f.json.name)}|{re.escape(f.meta.name)})\.[A-Za-z0-9_]{{8}}\.tmp$")
             for leftover in f.directory.iterdir():

@@ -128,3 +128,56 @@ class TestBenchmarkPlugin:
         assert "h200" == json.loads(out.read_text())["machine_info"]["mhc_hw"]
         assert 0 == main(["perf-history", "append", str(out), "--history", str(tmp_path / "h.jsonl")])
         assert "h200" == read_history(tmp_path / "h.jsonl")[0]["hardware"]
+
+
+class TestBadHistoryInput:
+    def test_append_refuses_a_history_with_an_incomplete_last_line(self, history, tmp_path, capsys):
+        """Appending after a line without its newline (a killed writer) is refused, the file left as it was."""
+        text = history.read_text()
+        history.write_text(text[:-1])  # the last record without its newline
+        f = _bench_json(tmp_path / "new.json", {"test_a[T512]": 1e-3}, commit="new")
+        assert 1 == main(["perf-history", "append", str(f), "--history", str(history), "--hw", "cpu_x86_64"])
+        assert "the last line is incomplete" in capsys.readouterr().err
+        assert history.read_text() == text[:-1]
+
+    @pytest.mark.parametrize(("bench", "match"), [
+        ({"name": "x"}, r"benchmarks\[0\]: not a benchmark"),
+        ({"key": "g::x", "name": "x", "median_s": "slow"}, r"benchmarks\[0\] \(g::x\): median_s='slow'"),
+        ({"key": "g::x", "name": "x", "median_s": 1e-3, "extra_info": [1]}, r"benchmarks\[0\] \(g::x\): extra_info must be an object"),
+    ], ids=["no-key", "median-str", "extra-list"])
+    def test_read_refuses_malformed_benchmarks(self, tmp_path, bench, match):
+        """A benchmark entry without key / name, with a non-numeric median or a non-object extra_info is named."""
+        h = tmp_path / "h.jsonl"
+        h.write_text(json.dumps({"hardware": "x", "benchmarks": [bench]}) + "\n")
+        with pytest.raises(GoldenFormatError, match=rf"h\.jsonl line 1: {match}"):
+            read_history(h)
+
+    def test_append_refuses_non_finite_extra_info_and_bad_hw(self, tmp_path, capsys):
+        """A NaN in extra_info is refused naming the file and benchmark; an invalid --hw is refused; nothing written."""
+        f = _bench_json(tmp_path / "b.json", {"test_a[T512]": 1e-3})
+        doc = json.loads(f.read_text())
+        doc["benchmarks"][0]["extra_info"]["roofline_ratio"] = float("nan")
+        f.write_text(json.dumps(doc))
+        h = tmp_path / "h.jsonl"
+        assert 1 == main(["perf-history", "append", str(f), "--history", str(h), "--hw", "cpu_x86_64"])
+        assert "b.json: benchmarks[0] (test_a[T512]): extra_info holds non-finite values" in capsys.readouterr().err
+        good = _bench_json(tmp_path / "g.json", {"test_a[T512]": 1e-3})
+        assert 2 == main(["perf-history", "append", str(good), "--history", str(h), "--hw", "BAD/HW"])
+        assert "--hw='BAD/HW' is not a valid hardware key" in capsys.readouterr().err
+        assert not h.exists()
+
+    def test_check_refuses_an_empty_newest_record_and_a_band_of_100_percent(self, history, capsys):
+        """A newest record without benchmarks is an error, not a pass; --band-fast >= 1 is a usage error."""
+        with history.open("a") as f:
+            f.write(json.dumps({"hardware": "cpu_x86_64", "benchmarks": [], "date": "d"}) + "\n")
+        assert 2 == main(["perf-history", "check", "--history", str(history)])
+        assert "the newest record (d, cpu_x86_64) has no benchmarks" in capsys.readouterr().err
+        with pytest.raises(ValueError, match=r"band_fast=1\.5 must be < 1"):
+            check_history(read_history(history)[:-1], band_fast=1.5)
+
+    def test_a_directory_or_missing_file_is_a_refused_input(self, tmp_path, capsys):
+        """A history that is a directory or a missing file exits 1 naming the path, without a traceback."""
+        assert 1 == main(["perf-history", "check", "--history", str(tmp_path)])
+        assert f"error: {tmp_path}: Is a directory" in capsys.readouterr().err
+        assert 1 == main(["perf-history", "check", "--history", str(tmp_path / "none.jsonl")])
+        assert f"error: {tmp_path / 'none.jsonl'}: No such file or directory" in capsys.readouterr().err

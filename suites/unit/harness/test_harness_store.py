@@ -153,3 +153,32 @@ class TestReadErrors:
         f = _write(GoldenStore(tmp_path), 1.0)
         f.meta.unlink()
         assert GoldenStore(tmp_path).load(HW, "s", "c")[1] is None
+
+
+class TestWrittenFiles:
+    def test_new_files_follow_the_umask_and_rewrites_keep_the_mode(self, tmp_path):
+        """A new golden and its meta are 0644 under umask 022 (not mkstemp's 0600); a rewrite keeps a set mode."""
+        store = GoldenStore(tmp_path)
+        old = os.umask(0o022)
+        try:
+            f = _write(store, 1.0)
+        finally:
+            os.umask(old)
+        assert (f.json.stat().st_mode & 0o777, f.meta.stat().st_mode & 0o777) == (0o644, 0o644)
+        os.chmod(f.json, 0o640)
+        _write(store, 2.0)
+        assert f.json.stat().st_mode & 0o777 == 0o640
+
+    def test_a_target_that_is_a_directory_writes_nothing(self, tmp_path):
+        """If the meta path is a directory, the write is refused before the golden json is replaced."""
+        from harness.errors import GoldenFormatError
+
+        store = GoldenStore(tmp_path)
+        f = _write(store, 1.0)
+        before = f.json.read_text()
+        f.meta.unlink()
+        f.meta.mkdir()
+        with pytest.raises(GoldenFormatError, match=r"c\.meta\.json: exists and is not a regular file; nothing written"):
+            _write(store, 2.0)
+        assert f.json.read_text() == before
+        assert not [p.name for p in f.directory.iterdir() if p.name.endswith(".tmp")]
