@@ -16,6 +16,7 @@ The procedure (:func:`recalibrate`):
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 
 from harness.case_check import normalize_checks
 from harness.compare import Check, compare
-from harness.errors import MissingGoldenError, NonFiniteError, RecalibrationError
+from harness.errors import GoldenFormatError, MissingGoldenError, NonFiniteError, RecalibrationError
 from harness.hardware import HardwareKey, require_known
 from harness.schema import Golden, MetricSeries, check_finite, to_golden
 from harness.store import GoldenStore, build_meta, validate_name
@@ -119,6 +120,17 @@ def _as_repeat(raw: Mapping[str, Any] | Repeat) -> Repeat:
     return raw if isinstance(raw, Repeat) else Repeat(metrics=raw)
 
 
+def _require_writable(directory: Path) -> None:
+    """`GoldenFormatError` naming the path unless `directory`, or its nearest existing ancestor, is a
+    writable directory: checked before the repeats, which can be whole trainings."""
+    p = directory
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
+        raise GoldenFormatError(f"{p}: not a writable directory, so {directory} cannot hold the new golden "
+                                "file; nothing was run")
+
+
 def recalibrate(*, store: GoldenStore, hw: HardwareKey | str, suite: str, case: str, runner: Runner,
                 repeats: int, only_failing: bool = False, checks: Mapping[str, Check | Sequence[Check]] | None = None,
                 allow_unknown_hw: bool = False, dry_run: bool = False, out: Callable[[str], None] = print,
@@ -139,6 +151,8 @@ def recalibrate(*, store: GoldenStore, hw: HardwareKey | str, suite: str, case: 
     except MissingGoldenError:
         old = None
 
+    if not dry_run:
+        _require_writable(path.parent)
     runs: list[Golden] = []
     passed: list[bool | None] = []
     for i in range(repeats):

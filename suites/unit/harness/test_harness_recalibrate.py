@@ -80,6 +80,17 @@ class TestProgrammatic:
                         runner=lambda i: calls.append(i) or {"m": [1.0]}, out=lambda s: None)
         assert ([], {}) == (calls, tree(tmp_path))
 
+    def test_refuses_an_unwritable_golden_dir_before_running(self, tmp_path):
+        """A golden dir that cannot be created (a file is in its way) is refused before the first repeat runs."""
+        from harness.errors import GoldenFormatError
+
+        (tmp_path / "store").write_text("a file, not a directory")
+        calls = []
+        with pytest.raises(GoldenFormatError, match=r"store: not a writable directory.*nothing was run"):
+            recalibrate(store=GoldenStore(tmp_path / "store"), hw=HW, suite="s", case="c", repeats=2,
+                        runner=lambda i: calls.append(i) or {"lm loss": [1.0]}, out=lambda s: None)
+        assert calls == []
+
     def test_allow_unknown_hw(self, tmp_path):
         """allow_unknown_hw lets an unknown key through."""
         r = recalibrate(store=GoldenStore(tmp_path), hw="gpu_foo_x1", suite="s", case="c", repeats=1,
