@@ -11,10 +11,12 @@ Benchmarks measure; nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -94,12 +96,25 @@ def cutile_or_none(tool: str):
     return cutile
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_json(path: str, data: dict) -> None:
     """The `--out` file of the GPU tools, replaced atomically (a reader never sees half a file)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    parent = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:  # nothing left behind on the way to an error
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def backward_fn(fn: Callable, inputs: list[torch.Tensor | None]) -> Callable[[], object]:

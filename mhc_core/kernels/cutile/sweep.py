@@ -93,11 +93,11 @@ def summary(rows: list[dict]) -> str:
     ("-" when the default did not run); failures (errors, and results the reference check refused)
     are counted."""
     groups: dict[tuple[str, str], list[dict]] = {}
-    failed: dict[str, int] = {}
+    failed: dict[str, set[str]] = {}  # per key, the candidates (tiles) with an error or a refused result
     default_ms: dict[tuple[str, str], float] = {}
     for r in rows:
         if "error" in r or r.get("check") == "fail":  # a candidate that computes something else is no winner
-            failed[r["key"]] = failed.get(r["key"], 0) + 1
+            failed.setdefault(r["key"], set()).add(r["tiles"])
             continue
         groups.setdefault((r["key"], r["direction"]), []).append(r)
         base_key = tile_key(r["key"])
@@ -109,20 +109,36 @@ def summary(rows: list[dict]) -> str:
         base = default_ms.get((tile_key(key), direction))
         base_s, gain = ("-", "-") if base is None else (f"{base:.4f}", f"{base / _ms(best):.2f}x")
         out.append(f"| {key} | {direction} | {base_s} | {best['tiles']} | {_ms(best):.4f} | "
-                   f"{best['gb_per_s']:.0f} | {gain} | {failed.get(key, 0)} |")
-    out += [f"| {key} | - | - | all {k} candidates failed | - | - | - | {k} |" for key, k in failed.items()
+                   f"{best['gb_per_s']:.0f} | {gain} | {len(failed.get(key, ()))} |")
+    out += [f"| {key} | - | - | all {len(k)} candidates failed | - | - | - | {len(k)} |" for key, k in failed.items()
             if not any(g[0] == key for g in groups)]
     return "\n".join(out)
 
 
-def _print_summary(path: str) -> int:
+def _read_sweep(path: str, flag: str) -> dict | None:
+    """A sweep's `--out` file, checked (`tuning.check_sweep`); None after printing why not."""
     try:
         with open(path) as f:
-            data = json.load(f)
-        rows = data["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"sweep --summary: cannot read the rows of {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not JSON: {exc}") from None
+        tuning.check_sweep(data, path)
+    except (OSError, ValueError) as exc:
+        print(f"sweep {flag}: " + (f"{path}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)), file=sys.stderr)
+        return None
+    return data
+
+
+def _print_summary(path: str) -> int:
+    data = _read_sweep(path, "--summary")
+    if data is None:
         return 2
+    rows = data["rows"]
+    if not rows:
+        print(f"sweep --summary: {path}: no rows (the sweep timed nothing)", file=sys.stderr)
+        return 1
     timing = "GPU busy ms" if all("device_ms" in r for r in rows if "error" not in r) else "ms: GPU busy where timed, else pipelined"
     print(f"{data.get('device', '?')}: T={data.get('tokens')} n={data.get('n')} C={data.get('hidden')} "
           f"{data.get('dtype')} {data.get('variant')} ({timing}; the first candidate is the default)")
@@ -134,17 +150,28 @@ def _adopt(path: str, out: str | None, min_gain: float) -> int:
     if not out:
         print("sweep --adopt: give the tuning file to write with --out", file=sys.stderr)
         return 2
+    data = _read_sweep(path, "--adopt")
+    if data is None:
+        return 2
     try:
-        with open(path) as f:
-            data = json.load(f)
-        tuned, lines = tuning.from_sweep(data, CANDIDATES, min_gain=min_gain, source=out)
-    except (OSError, ValueError) as exc:
-        print(f"sweep --adopt: {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        tuned, lines = tuning.from_sweep(data, CANDIDATES, min_gain=min_gain, source=out, sweep=path)
+    except ValueError as exc:
+        print(f"sweep --adopt: {exc}", file=sys.stderr)
         return 2
     print("\n".join(lines))
-    tuning.save(tuned, out)
-    print(f"wrote {tuning.describe(tuned)}; ship it as mhc_core/kernels/cutile/tuned/"
-          f"{tuning.device_slug(tuned.device)}.json")
+    if not tuned.tiles and not tuned.occupancy:
+        ok = sum(r.get("check") == "ok" for r in data["rows"])
+        print(f"sweep --adopt: nothing adopted ({len(data['rows'])} rows, {ok} passed their check): {out} not written",
+              file=sys.stderr)
+        return 1
+    done = (f"wrote {tuning.describe(tuned)}; ship it as mhc_core/kernels/cutile/tuned/"
+            f"{tuning.device_slug(tuned.device)}.json")
+    try:
+        tuning.save(tuned, out)
+    except OSError as exc:
+        print(f"sweep --adopt: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(done)
     return 0
 
 
@@ -158,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-only", action="store_true", help="run each candidate once (JIT compile), no timing")
     p.add_argument("--out", help="write the rows as JSON here (with --adopt: the tuning file)")
     p.add_argument("--list", action="store_true", help="print 'key index' per candidate and exit")
-    p.add_argument("--summary", metavar="SWEEP_JSON", help="print the fastest candidate per key of a sweep's --out file")
-    p.add_argument("--adopt", metavar="SWEEP_JSON",
-                   help="write the winners of a sweep's --out file that passed their check as a tuning file to --out")
+    reading = p.add_mutually_exclusive_group()
+    reading.add_argument("--summary", metavar="SWEEP_JSON", help="print the fastest candidate per key of a sweep's --out file")
+    reading.add_argument("--adopt", metavar="SWEEP_JSON",
+                         help="write the winners of a sweep's --out file that passed their check as a tuning file to --out")
     p.add_argument("--min-gain", type=float, default=1.03, help="--adopt: speed-up over the default a winner needs")
     p.add_argument("--emulate", action="store_true",
                    help="run on the CPU kernel interpreter (no GPU; checks the tool, its times mean nothing)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -34,7 +35,7 @@ from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.sweep_candidates import override
 
 __all__ = ["ENV", "SCHEMA", "TUNED_DIR", "REFERENCE_DEVICE", "Tuning", "device_slug", "load", "save", "packaged", "resolve", "describe",
-           "from_sweep", "tiles_in_force", "main"]
+           "check_sweep", "from_sweep", "tiles_in_force", "main"]
 
 ENV = "MHC_CUTILE_TUNING"
 SCHEMA = 1
@@ -168,17 +169,51 @@ def describe(tuning: Tuning | None) -> str:
     return f"{name} sha256:{tuning.digest()} ({tuning.device}, n = {tuning.n}: {keys}{hints})"
 
 
+def _positive(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def check_sweep(data: object, source: str) -> list[dict]:
+    """The rows of a sweep's `--out` file (`data`), after checking them: `ValueError` naming `source`
+    and the row (a dict per row with string `key` and `tiles`; unless it records an error, a
+    `direction`, a `check` if any and a finite positive `device_ms` or `pipelined_ms`)."""
+    if not isinstance(data, Mapping) or "rows" not in data:
+        raise ValueError(f"{source}: not a sweep --out file (a JSON object with 'rows')")
+    if not isinstance(data["rows"], list):
+        raise ValueError(f"{source}: rows must be a list, got {type(data['rows']).__name__}")
+    for i, r in enumerate(data["rows"]):
+        if not isinstance(r, dict) or not isinstance(r.get("key"), str) or not isinstance(r.get("tiles"), str):
+            raise ValueError(f"{source}: rows[{i}] is not a sweep row (an object with 'key' and 'tiles' strings)")
+        if "error" in r:
+            continue
+        where = f"{source}: rows[{i}] ({r['key']} {r['tiles']})"
+        if r.get("direction") not in ("fwd", "bwd") or r.get("check", "ok") not in ("ok", "fail"):
+            raise ValueError(f"{where}: direction={r.get('direction')!r} / check={r.get('check')!r}: "
+                             "expected fwd|bwd and ok|fail (or no check: rows before 11-30)")
+        ms = r.get("device_ms", r.get("pipelined_ms"))
+        if not _positive(ms):
+            raise ValueError(f"{where}: its time (device_ms, else pipelined_ms) is {ms!r}, not a finite number > 0")
+    return data["rows"]
+
+
 def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: float = 1.03,
-               source: str = "") -> tuple[Tuning, list[str]]:
-    """The winners of a sweep's `--out` file: per tile key, the fastest candidate (over the key and
-    its `*_occupancy` key; GPU busy time, else back-to-back; Sinkhorn: forward + backward) among
-    the rows whose result matched the reference (`check == "ok"`), adopted when it beats the
-    key's default (the first candidate) by `min_gain`. Returns the tuning and one line per key."""
-    where = f"sweep {source or 'rows'}"
-    try:
-        rows, n, device = list(data["rows"]), data["n"], data["device"]
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"{where}: not a sweep --out file (missing {exc})") from None
+               source: str = "", sweep: str = "sweep") -> tuple[Tuning, list[str]]:
+    """The winners of a sweep's `--out` file (`data`, read from `sweep`, which errors name): per tile
+    key, the fastest candidate (over the key and its `*_occupancy` key; GPU busy time, else
+    back-to-back; Sinkhorn: forward + backward) among the rows whose result matched the reference
+    (`check == "ok"`), adopted when it beats the key's default (the first candidate) by `min_gain`.
+    Returns the tuning (its `source`: the file it will be written to) and one line per key."""
+    if not (isinstance(min_gain, int | float) and math.isfinite(min_gain) and min_gain >= 1):
+        raise ValueError(f"min_gain={min_gain!r} must be a finite number >= 1")
+    rows = check_sweep(data, sweep)
+    missing = [k for k in ("n", "device") if k not in data]
+    if missing:
+        raise ValueError(f"{sweep}: not a sweep --out file (missing {', '.join(missing)})")
+    n, device = data["n"], data["device"]
+    if not isinstance(device, str) or not device.strip():
+        raise ValueError(f"{sweep}: device={device!r} must be the GPU's name")
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"{sweep}: n={n!r} must be an integer")
     times: dict[str, dict[tuple[str, str], dict[str, float]]] = {}
     for r in rows:
         if "error" in r or r.get("check") != "ok":
@@ -257,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--hidden", type=int, default=4096)
     args = p.parse_args(argv)
+    if args.n not in tiling.SUPPORTED_N:
+        p.error(f"--n {args.n}: the cuTile kernels exist for n in {tiling.SUPPORTED_N}")
+    if args.hidden < 1:
+        p.error(f"--hidden {args.hidden}: must be >= 1")
     try:
         t = load(args.file) if args.file else resolve(args.device)
     except ValueError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -123,7 +124,55 @@ def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
     assert "GPU busy ms" in out and "| sinkhorn | fwd | 0.0120 | E | 0.0040 |" in out and "| 3.00x |" in out, out
     path.write_text("{not json")
     assert main(["--summary", str(path)]) == 2
-    assert "cannot read the rows" in capsys.readouterr().err
+    assert f"sweep --summary: {path}: not JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([{"tiles": "A"}], r"rows\[0\] is not a sweep row"),
+    ([{"key": "sinkhorn", "tiles": "A", "direction": "fwd", "pipelined_ms": None}],
+     r"rows\[0\] \(sinkhorn A\): its time .* is None, not a finite number > 0"),
+    ([{"key": "sinkhorn", "tiles": "A", "direction": "up", "pipelined_ms": 1.0}], r"rows\[0\] \(sinkhorn A\): direction='up'"),
+    ({"a": 1}, r"rows must be a list, got dict"),
+], ids=["no-key", "no-time", "direction", "rows-dict"])
+@pytest.mark.parametrize("flag", ["--summary", "--adopt"])
+def test_malformed_sweep_rows_are_named_not_a_traceback(tmp_path, capsys, rows, message, flag):
+    """--summary and --adopt refuse a malformed row naming the file and the row (exit 2), and write nothing."""
+    from mhc_core.kernels.cutile.sweep import main
+
+    path, out = tmp_path / "sweep.json", tmp_path / "tuning.json"
+    path.write_text(json.dumps({"n": 4, "device": "test", "rows": rows}))
+    assert main([flag, str(path), "--out", str(out)]) == 2
+    assert re.search(rf"sweep {flag}: {re.escape(str(path))}: {message}", capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_adopt_names_the_sweep_not_the_output_and_writes_nothing_when_nothing_wins(tmp_path, capsys):
+    """A bad device or n is reported against the sweep file; a sweep with no usable winner writes no tuning."""
+    from mhc_core.kernels.cutile.sweep import main
+
+    path, out = tmp_path / "sweep.json", tmp_path / "tuning.json"
+    path.write_text(json.dumps({"n": 4, "device": 7, "rows": []}))
+    assert main(["--adopt", str(path), "--out", str(out)]) == 2
+    assert f"sweep --adopt: {path}: device=7 must be the GPU's name" in capsys.readouterr().err
+    failed = {"key": "sinkhorn", "tiles": repr(CANDIDATES["sinkhorn"][0]), "direction": "fwd", "device_ms": 0.1,
+              "check": "fail"}
+    path.write_text(json.dumps({"n": 4, "device": "test", "rows": [failed]}))
+    assert main(["--adopt", str(path), "--out", str(out)]) == 1
+    assert "nothing adopted (1 rows, 0 passed their check)" in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(SystemExit):  # one file at a time: --summary and --adopt exclude each other
+        main(["--summary", str(path), "--adopt", str(path), "--out", str(out)])
+
+
+def test_tuning_cli_refuses_an_n_without_kernels(capsys):
+    """`python -m mhc_core.kernels.cutile.tuning --n 3` (no kernels) and --hidden 0 are usage errors."""
+    from mhc_core.kernels.cutile.tuning import main
+
+    for argv, msg in ((["--n", "3"], "--n 3: the cuTile kernels exist for n in (2, 4, 8)"),
+                      (["--n", "0"], "--n 0:"), (["--hidden", "0"], "--hidden 0: must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_write_json_replaces_the_file_whole(tmp_path):
@@ -135,6 +184,10 @@ def test_write_json_replaces_the_file_whole(tmp_path):
     write_json(str(path), {"rows": [1, 2]})
     assert json.loads(path.read_text()) == {"rows": [1, 2]}
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(IsADirectoryError):  # a directory in the way: the error, and no temporary left
+        write_json(str(tmp_path / "adir"), {"rows": []})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "out.json"]
 
 
 @pytest.mark.usefixtures("poisoned_empty")
