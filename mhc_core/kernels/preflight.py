@@ -11,12 +11,15 @@ why, and the backend a call runs on when cuTile does not cover it at this n, dty
 the cuTile tuning in force (`mhc_core.kernels.cutile.tuning`). A training run launched with the same
 environment gets the same choices, so a job script can run this first: the exit code is 1 when the
 first mHC call would raise (a forced backend that is unavailable, or does not cover the call; an
-invalid `MHC_BACKEND*` value; a malformed `MHC_CUTILE_TUNING` file) and 2 for bad arguments.
+invalid `MHC_BACKEND*` value; a malformed `MHC_CUTILE_TUNING` file) or when an `MHC_BACKEND_*`
+variable is one the dispatch does not read (a misspelling it would silently ignore), and 2 for bad
+arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -61,6 +64,7 @@ class Preflight:
     environment: dict[str, str]
     cutile_tuning: str | None
     problems: tuple[str, ...]
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -135,9 +139,18 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
     problems = [f"{p.op}: {p.why}" for p in plans if not p.ok]
     if tuning_problem:
         problems.append(tuning_problem)
+    notes: list[str] = []
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MHC_BACKEND") or k == "MHC_CUTILE_TUNING"}
+    known = {dispatch.ENV_ALL, *(dispatch.env_var(op) for op in dispatch.OPS)}
+    for var in (k for k in env if k.startswith("MHC_BACKEND") and k not in known):  # ignored by the dispatch
+        close = difflib.get_close_matches(var, sorted(known), n=1)
+        problems.append(f"{var} is not a variable the dispatch reads (it is ignored)"
+                        + (f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(sorted(known))}"))
+    if device == "cuda" and not torch.cuda.is_available():
+        notes.append("no CUDA device on this machine: this describes the dispatch's choices only")
     return Preflight(device=device, gpu_name=gpu_name, torch=torch.__version__, n=n, dtype=dtype, dropout=dropout,
-                     ops=plans, backends=backends, environment=env, cutile_tuning=described, problems=tuple(problems))
+                     ops=plans, backends=backends, environment=env, cutile_tuning=described, problems=tuple(problems),
+                     notes=tuple(notes))
 
 
 def format_text(p: Preflight) -> str:
@@ -162,6 +175,7 @@ def format_text(p: Preflight) -> str:
         lines.append(f"cuTile tuning{f' for {p.gpu_name}' if p.gpu_name else ''}: {p.cutile_tuning}")
     env = ", ".join(f"{k}={v}" for k, v in p.environment.items())
     lines.append(f"environment: {env or 'no MHC_BACKEND* / MHC_CUTILE_TUNING set'}")
+    lines += [f"note: {x}" for x in p.notes]
     lines += [f"PROBLEM: {x}" for x in p.problems] or ["ok: the first mHC call of such a run does not raise"]
     return "\n".join(lines)
 

@@ -20,7 +20,9 @@ needs_compiled = pytest.mark.skipif(not COMPILED_OK, reason=COMPILED_WHY)
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     """No MHC_BACKEND* / MHC_CUTILE_TUNING from the caller's environment, fresh dispatch caches."""
-    for var in [dispatch.ENV_ALL, tuning.ENV, *(dispatch.env_var(op) for op in dispatch.OPS)]:
+    import os
+
+    for var in [tuning.ENV, *(k for k in os.environ if k.startswith(dispatch.ENV_ALL))]:
         monkeypatch.delenv(var, raising=False)
     dispatch.reset()
     yield
@@ -139,3 +141,19 @@ def test_bad_arguments_exit_2(argv, named, capsys):
         preflight.main(["--device", "cpu", *argv])
     assert exc.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_misspelt_backend_variable_is_a_problem(capsys, monkeypatch):
+    """MHC_BACKEND_AGGREGATE (the dispatch reads MHC_BACKEND_H_AGGREGATE) is named with the likely intent; exit 1."""
+    monkeypatch.setenv("MHC_BACKEND_AGGREGATE", "reference")
+    assert preflight.main(["--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert ("PROBLEM: MHC_BACKEND_AGGREGATE is not a variable the dispatch reads (it is ignored); "
+            "did you mean MHC_BACKEND_H_AGGREGATE?") in out, out
+
+
+def test_cuda_without_a_gpu_says_so(capsys, monkeypatch):
+    """--device cuda on a machine without CUDA adds a note that only the dispatch's choices are described."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    preflight.main(["--device", "cuda"])
+    assert "note: no CUDA device on this machine" in capsys.readouterr().out
