@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +44,10 @@ class HyperConnectionConfig:
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(field, v, "must be an integer >= 1")
-        if not self.init_gating_factor >= 0:
-            raise bad("init_gating_factor", self.init_gating_factor, "must be >= 0")
-        if not self.norm_eps >= 0:
-            raise bad("norm_eps", self.norm_eps, "must be >= 0")
+        if not (self.init_gating_factor >= 0 and math.isfinite(self.init_gating_factor)):
+            raise bad("init_gating_factor", self.init_gating_factor, "must be a finite number >= 0")
+        if not (self.norm_eps >= 0 and math.isfinite(self.norm_eps)):
+            raise bad("norm_eps", self.norm_eps, "must be a finite number >= 0")
         try:
             object.__setattr__(self, "variant", get_variant(self.variant).variant)
         except ValueError:

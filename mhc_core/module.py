@@ -19,7 +19,7 @@ from torch import nn
 
 from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
 from mhc_core.kernels import select_ops
-from mhc_core.ops._checks import check_dim, check_rank, shape_str
+from mhc_core.ops._checks import NonFiniteError, check_dim, check_finite, check_rank, shape_str
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
 from mhc_core.variants import get_variant
 
@@ -112,7 +112,13 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
             cfg.variant,
             cfg.norm_eps,
         )
-        h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, cfg.variant)
+        try:
+            h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, cfg.variant)
+        except NonFiniteError:  # the reference scans the logits; name where the NaN / inf came from
+            check_finite(hidden_states, name="hidden_states", op="HyperConnectionModule.forward")
+            for name, p in self.named_parameters():
+                check_finite(p, name=f"parameter {name}", op="HyperConnectionModule.forward")
+            raise
         aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
         return (
             aggregated.view(s, b, c),
@@ -143,6 +149,12 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         op = "HyperConnectionModule.post_residual_bda"
         s, b = self._check_streams(residual, "residual", op)
         n, c = self.n, self.hidden_size
+        if not isinstance(output_with_bias, tuple | list) or len(output_with_bias) != 2:
+            got = f"a tensor {shape_str(output_with_bias)}" if isinstance(output_with_bias, torch.Tensor) else (
+                f"{type(output_with_bias).__name__} of length {len(output_with_bias)}"
+                if isinstance(output_with_bias, tuple | list) else type(output_with_bias).__name__)
+            raise ValueError(f"{op}: output_with_bias must be the pair (y [s, b, C], bias [C] or None) a Megatron "
+                             f"sublayer returns, got {got}")
         y, bias = output_with_bias
         check_dim(y, (s, b, c), name="y", op=op, layout="[s, b, C]")
         check_dim(h_res, (s, b, n, n), name="h_res", op=op, layout="[s, b, n, n]")

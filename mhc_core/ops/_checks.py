@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["check_rank", "check_dim", "check_streams", "check_finite", "shape_str"]
+__all__ = ["NonFiniteError", "check_rank", "check_dim", "check_streams", "check_finite", "check_floating",
+           "check_number", "shape_str"]
+
+
+class NonFiniteError(ValueError):
+    """A tensor holds NaN or inf (`check_finite`)."""
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -37,6 +44,25 @@ def check_dim(t: torch.Tensor, dims: Sequence[int | None], *, name: str, op: str
             raise ValueError(f"{op}: {name} must have shape {layout} = {expected}, got {shape_str(t)}")
 
 
+def check_floating(*, op: str, **tensors: torch.Tensor | None) -> None:
+    """Each tensor (None skipped) has a floating dtype: an integer one would be truncated or refused deep inside."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"{op}: {name} must be a floating tensor (bf16, fp16, fp32, fp64), got dtype {t.dtype}")
+
+
+def check_number(value: object, *, name: str, op: str, low: float, high: float = math.inf,
+                 low_open: bool = False, high_open: bool = True) -> float:
+    """`value` as a float: a real number (not a bool or a string) in the interval; `ValueError` naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{op}: {name}={value!r} must be a finite number")
+    v = float(value)
+    if v < low or (low_open and v == low) or v > high or (high_open and v == high):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{op}: {name}={value!r} must be in {interval}")
+    return v
+
+
 def check_finite(t: torch.Tensor, *, name: str, op: str) -> None:
     """No NaN or inf in `t` (a host sync: the reference ops are the oracle, not the fast path)."""
     if t.numel() == 0:
@@ -45,7 +71,7 @@ def check_finite(t: torch.Tensor, *, name: str, op: str) -> None:
     if bool(bad.any()):
         count = int(bad.sum())
         first = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
+        raise NonFiniteError(
             f"{op}: {name} of shape {shape_str(t)} holds {count} non-finite value(s) (NaN/inf), "
             f"first at index {first}: {t.detach()[first].item()}"
         )

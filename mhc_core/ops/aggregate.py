@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core.ops._checks import check_dim, check_rank
+from mhc_core.ops._checks import check_dim, check_floating, check_rank, check_streams
 
 __all__ = ["h_aggregate", "check_h_aggregate_args"]
 
@@ -19,7 +19,9 @@ def check_h_aggregate_args(x, h_pre, *, op: str = "h_aggregate") -> tuple[int, i
     """
     check_rank(x, 3, name="x", op=op, layout="[T, n, C]")
     t, n, _ = x.shape
+    check_streams(n, op=op)
     check_dim(h_pre, (t, n), name="h_pre", op=op, layout="[T, n]")
+    check_floating(op=op, x=x, h_pre=h_pre)
     return t, n
 
 

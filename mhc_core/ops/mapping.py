@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from mhc_core.ops._checks import check_dim, check_rank, check_streams, shape_str
+from mhc_core.ops._checks import check_dim, check_floating, check_number, check_rank, check_streams, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "NORM_EPS"]
@@ -34,9 +34,11 @@ def num_mapping_outputs(n: int) -> int:
     return n * n + 2 * n
 
 
-def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, op: str = "mapping") -> int:
+def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, op: str = "mapping",
+                       norm_eps: float = NORM_EPS) -> int:
     """The argument checks of `mapping`, shared by every backend; returns N = n*n + 2n."""
     check_streams(n, op=op)
+    check_number(norm_eps, name="norm_eps", op=op, low=0.0)
     check_rank(x, 2, name="x", op=op, layout="[T, n*C]")
     width = x.shape[1]
     if width % n != 0 or width == 0:
@@ -46,6 +48,8 @@ def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, 
     for name, a in (("alpha_pre", alpha_pre), ("alpha_post", alpha_post), ("alpha_res", alpha_res)):
         check_dim(a, (1,), name=name, op=op, layout="[1]")
     check_dim(bias, (big_n,), name="bias", op=op, layout="[N]")
+    check_floating(op=op, x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res,
+                   bias=bias)
     return big_n
 
 
@@ -74,7 +78,7 @@ def mapping(
     """
     op = "mapping"
     spec = get_variant(variant)
-    check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op)
+    check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
     width = x.shape[1]
 
     compute = torch.promote_types(x.dtype, torch.float32) if spec.mapping_fp32 else x.dtype

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mhc_core.ops._checks import check_dim, check_rank
+from mhc_core.ops._checks import check_dim, check_floating, check_number, check_rank, check_streams
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["h_post_bda", "apply_h_res", "check_h_post_bda_args"]
@@ -29,8 +29,9 @@ def check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, *, op: st
     check_dim(y, (t, c), name="y", op=op, layout="[T, C]")
     if bias is not None:
         check_dim(bias, (c,), name="bias", op=op, layout="[C]")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"{op}: dropout_p={dropout_p!r} must be in [0, 1)")
+    check_streams(n, op=op)
+    check_number(dropout_p, name="dropout_p", op=op, low=0.0, high=1.0)
+    check_floating(op=op, h_res=h_res, residual=residual, h_post=h_post, y=y, bias=bias)
 
 
 def apply_h_res(h_res: torch.Tensor, residual: torch.Tensor, transposed: bool) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core.ops._checks import check_finite, check_rank, shape_str
+from mhc_core.ops._checks import check_finite, check_number, check_rank, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["sinkhorn", "sinkhorn_iterate", "check_sinkhorn_args"]
@@ -43,9 +43,7 @@ def check_sinkhorn_args(
         raise ValueError(f"{op}: logits must have shape [..., n, n] with n >= 1, got {shape_str(logits)}")
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"{op}: iterations={iterations!r} must be an integer >= 1")
-    eps = spec.sinkhorn_eps if eps is None else float(eps)
-    if eps < 0:
-        raise ValueError(f"{op}: eps={eps!r} must be >= 0")
+    eps = spec.sinkhorn_eps if eps is None else check_number(eps, name="eps", op=op, low=0.0)
     if not logits.is_floating_point():
         raise ValueError(f"{op}: logits must be a floating tensor, got dtype {logits.dtype}")
     return eps

@@ -157,11 +157,12 @@ class TestBadInput:
         [
             ({"num_residual_streams": 0}, "num_residual_streams=0: must be an integer >= 1"),
             ({"sinkhorn_iterations": 0}, "sinkhorn_iterations=0: must be an integer >= 1"),
-            ({"init_gating_factor": -0.1}, "init_gating_factor=-0.1: must be >= 0"),
+            ({"init_gating_factor": -0.1}, "init_gating_factor=-0.1: must be a finite number >= 0"),
+            ({"init_gating_factor": float("inf")}, "init_gating_factor=inf: must be a finite number >= 0"),
             ({"variant": "v9"}, "variant='v9'"),
             ({"hidden_size": 0}, "hidden_size=0"),
         ],
-        ids=["n0", "iters0", "gating-neg", "variant", "hidden0"],
+        ids=["n0", "iters0", "gating-neg", "gating-inf", "variant", "hidden0"],
     )
     def test_config(self, kw, match):
         """Bad config fields raise ValueError naming the field and value."""
