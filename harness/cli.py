@@ -18,6 +18,25 @@ from harness.errors import GoldenError
 __all__ = ["build_parser", "main"]
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds > 0")
+    return value
+
+
+def _split_pytest_args(text: str) -> list[str]:
+    import shlex
+
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"--pytest-args {text!r}: {exc}") from None
+
+
 def _cmd_hw(args: argparse.Namespace) -> int:
     from harness.hardware import detect_hardware
 
@@ -40,7 +59,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     suites_dir, golden_dir = _dirs(args)
     summary = run_suites(args.suites, suites_dir=suites_dir, out_dir=args.out, golden_dir=golden_dir, hw=args.hw,
-                         pytest_args=args.pytest_args, timeout_s=args.timeout)
+                         pytest_args=_split_pytest_args(args.pytest_args), timeout_s=args.timeout)
     for r in summary.runs:
         print(f"{r.suite}: pytest exit {r.returncode}, {r.tests} tests, {r.failures} failures, {r.errors} errors, "
               f"{r.skipped} skipped")
@@ -58,7 +77,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_recalibrate(args: argparse.Namespace) -> int:
-    import shlex
 
     from harness.hardware import detect_hardware, require_known
     from harness.recalibrate import recalibrate
@@ -70,7 +88,7 @@ def _cmd_recalibrate(args: argparse.Namespace) -> int:
     require_known(hw.key, allow_unknown=args.allow_unknown_hw)
     suites_dir, golden_dir = _dirs(args)
     runner = pytest_case_runner(args.suite, args.case, suites_dir=suites_dir, golden_dir=golden_dir, hw=hw.key,
-                                pytest_args=shlex.split(args.pytest_args), timeout_s=args.timeout)
+                                pytest_args=_split_pytest_args(args.pytest_args), timeout_s=args.timeout)
     recalibrate(store=GoldenStore(golden_dir), hw=hw, suite=args.suite, case=args.case, runner=runner,
                 repeats=args.repeats, only_failing=args.only_failing, allow_unknown_hw=args.allow_unknown_hw,
                 dry_run=args.dry_run, commit_cwd=suites_dir.parent)
@@ -163,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--golden-dir", help="golden store (default: <suites-dir>/../golden)")
         s.add_argument("--hw", help="hardware key (else $MHC_HW, else detection)")
         s.add_argument("--pytest-args", default="", help="extra pytest arguments, one shell-quoted string")
-        s.add_argument("--timeout", type=float, default=None, help="seconds per pytest subprocess")
+        s.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds per pytest subprocess")
 
     s = sub.add_parser("run", help="run suites through pytest, compare, report")
     s.add_argument("suites", nargs="*", metavar="SUITE", help="suite names (default: all under --suites-dir)")

@@ -154,7 +154,8 @@ def _parse_metric(name: str, raw: Any, *, source: str, allow_nan_strings: bool) 
     missing = [k for k in (*_HEADER, "values") if k not in raw]
     extra = sorted(set(raw) - {*_HEADER, "values"})
     if missing or extra:
-        raise GoldenFormatError(f"{where}: missing keys {missing}, unexpected keys {extra}")
+        parts = ([f"missing keys {missing}"] if missing else []) + ([f"unexpected keys {extra}"] if extra else [])
+        raise GoldenFormatError(f"{where}: {', '.join(parts)}")
     for k in _HEADER:
         if not _is_int(raw[k]):
             raise GoldenFormatError(f"{where}: {k}={raw[k]!r} must be an integer")
@@ -162,7 +163,7 @@ def _parse_metric(name: str, raw: Any, *, source: str, allow_nan_strings: bool) 
         raise GoldenFormatError(f"{where}: values must be an object {{step: number}}")
     values: dict[int, float] = {}
     for key, v in raw["values"].items():
-        if not (isinstance(key, str) and key.isdigit()):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise GoldenFormatError(f"{where}: step key {key!r} is not a non-negative integer")
         step = int(key)
         if isinstance(v, str) and v.strip().lower() == "nan":
@@ -171,7 +172,8 @@ def _parse_metric(name: str, raw: Any, *, source: str, allow_nan_strings: bool) 
             raise NonFiniteError(
                 f"{where} step {step}: value is the string {v!r} (NaN); golden values must be finite. "
                 "Legacy Megatron files store the unlogged first iteration-time step this way: "
-                "import them with allow_nan_strings=True (mhc-harness import-megatron), which drops such steps"
+                "import them with allow_nan_strings=True (mhc-harness import-megatron; "
+                "mhc-harness diff --allow-nan-strings), which drops such steps"
             )
         if not isinstance(v, numbers.Real) or isinstance(v, bool):
             raise GoldenFormatError(f"{where} step {step}: value {v!r} is not a number")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from harness.cli import main
 from harness.schema import dumps_golden, load_golden, series_from_list
 
@@ -82,3 +84,26 @@ class TestImport:
         assert 2 == g["iteration-time"].steps[0]
         meta = json.loads((tmp_path / "dgx_h100" / "functional" / "gpt_mhc.meta.json").read_text())
         assert meta["source"] == "import-megatron golden_values_legacy_nan.json"
+
+
+class TestArgumentErrors:
+    def test_bad_pytest_args_and_timeout_are_usage_errors(self, demo, capsys):
+        """An unbalanced quote in --pytest-args names the option; a timeout <= 0 is refused by argparse."""
+        assert 2 == main(["run", "demo", "--suites-dir", str(demo.path / "suites"), "--pytest-args", '"-k'])
+        assert "--pytest-args '\"-k': No closing quotation" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as exc:
+            main(["run", "demo", "--timeout", "-5"])
+        assert exc.value.code == 2 and "'-5': must be a finite number of seconds > 0" in capsys.readouterr().err
+
+    def test_schema_errors_list_only_what_is_wrong(self, tmp_path, capsys):
+        """An extra key is named without an empty 'missing' list; a non-ASCII digit is not a step."""
+        bad = tmp_path / "a.json"
+        bad.write_text(json.dumps({"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1,
+                                               "values": {"1": 1.0}, "extra": 0}}))
+        assert 1 == main(["diff", str(bad), str(bad)])
+        err = capsys.readouterr().err
+        assert "unexpected keys ['extra']" in err and "missing keys" not in err
+        bad.write_text(json.dumps({"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1,
+                                               "values": {"\uff11": 1.0}}}))
+        assert 1 == main(["diff", str(bad), str(bad)])
+        assert "step key '\uff11' is not a non-negative integer" in capsys.readouterr().err
