@@ -120,18 +120,31 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
+    from harness.errors import MissingGoldenError
     from harness.hardware import require_known, validate_hw_key
-    from harness.schema import load_golden
+    from harness.recalibrate import change_lines
+    from harness.schema import load_golden, parse_json
     from harness.store import GoldenStore, build_meta
 
     key = require_known(validate_hw_key(args.hw, field="--hw"), allow_unknown=args.allow_unknown_hw)
     golden = load_golden(args.file, allow_nan_strings=True)
+    raw = parse_json(Path(args.file).read_text(encoding="utf-8"), source=args.file)
     store = GoldenStore(args.golden_dir)
+    try:
+        old, _ = store.load(key, args.suite, args.case)
+    except MissingGoldenError:
+        old = None
     meta = build_meta(hw=key, suite=args.suite, case=args.case, golden=golden,
                       source=f"import-megatron {Path(args.file).name}", repeats=1)
+    if old is not None:
+        print(f"replacing the existing {args.suite}/{args.case} on {key}:")
+        print("\n".join(change_lines(old, golden)))
     f = store.write(key, args.suite, args.case, golden, meta)
     for m, s in golden.items():
-        print(f"  {m}: {len(s.values)} steps ({s.start_step}..{s.end_step} every {s.step_interval})")
+        values = raw[m].get("values", {}) if isinstance(raw.get(m), dict) else {}
+        dropped = sum(isinstance(v, str) for v in values.values())
+        note = f"; dropped {dropped} 'nan' step(s)" if dropped else ""
+        print(f"  {m}: {len(s.values)} steps ({s.start_step}..{s.end_step} every {s.step_interval}){note}")
     print(f"wrote {f.json}")
     return 0
 

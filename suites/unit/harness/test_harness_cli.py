@@ -84,6 +84,18 @@ class TestImport:
         assert 2 == g["iteration-time"].steps[0]
         meta = json.loads((tmp_path / "dgx_h100" / "functional" / "gpt_mhc.meta.json").read_text())
         assert meta["source"] == "import-megatron golden_values_legacy_nan.json"
+        assert "iteration-time: 49 steps" in capsys.readouterr().out
+
+    def test_import_says_what_it_drops_and_replaces(self, data_dir, tmp_path, capsys):
+        """import-megatron counts the 'nan' steps it drops and shows the change when it replaces a case."""
+        argv = ["import-megatron", str(data_dir / "golden_values_legacy_nan.json"), "functional", "gpt_mhc",
+                "--hw", "dgx_h100", "--golden-dir", str(tmp_path)]
+        assert 0 == main(argv)
+        out = capsys.readouterr().out
+        assert "dropped 1 'nan' step(s)" in out and "replacing" not in out, out
+        assert 0 == main(argv)
+        out = capsys.readouterr().out
+        assert "replacing the existing functional/gpt_mhc on dgx_h100:" in out and "max |old-new| = 0 over 50 steps" in out, out
 
 
 class TestArgumentErrors:
