@@ -106,10 +106,12 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
         if not isinstance(value, Mapping):
             raise ValueError(f"{where}: occupancy={value!r}: expected a {{kernel name: CTAs per SM}} mapping")
         known = {k for names in KERNELS_OF.values() for k in names}
-        bad = {k: v for k, v in value.items()
-               if k not in known or not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 32)}
+        unknown = sorted(k for k in value if k not in known)
+        if unknown:
+            raise ValueError(f"{where}: occupancy names unknown kernels {unknown}; valid: {', '.join(sorted(known))}")
+        bad = {k: v for k, v in value.items() if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 32)}
         if bad:
-            raise ValueError(f"{where}: occupancy={bad!r}: kernel names from KERNELS_OF, values 1-32")
+            raise ValueError(f"{where}: occupancy={bad!r}: CTAs per SM must be an integer in 1-32")
         return
     kind = SinkhornTiles if key == "sinkhorn" else MappingTiles if key.startswith("mapping") else StreamTiles
     if not isinstance(value, kind):

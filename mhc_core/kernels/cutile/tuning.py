@@ -66,7 +66,9 @@ class Tuning:
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        where = f"cuTile tuning {self.source or self.device!r}"
+        where = f"cuTile tuning {self.source}" if self.source else f"cuTile tuning for {self.device!r}"
+        if isinstance(self.n, bool) or not isinstance(self.n, int):
+            raise ValueError(f"{where}: n={self.n!r} must be an integer")
         if self.n not in tiling.SUPPORTED_N:
             raise ValueError(f"{where}: n={self.n!r}; kernels exist for n in {tiling.SUPPORTED_N}")
         for key, tile in self.tiles.items():

@@ -53,7 +53,11 @@ def test_file_round_trip(tmp_path):
     ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"Tiles": {}}}}', "expected {type: fields}"),
     ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": [8, 256]}}}',
      "expected {type: fields}"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"h_aggregate_fwd_kernel": 64}}', "values 1-32"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"h_aggregate_fwd_kernel": 64}}',
+     "must be an integer in 1-32"),
+    ('{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"bogus_kernel": 2}}',
+     r"occupancy names unknown kernels \['bogus_kernel'\]; valid: h_aggregate_bwd_kernel"),
+    ('{"schema": 1, "device": "x", "n": "4", "tiles": {}}', r"n='4' must be an integer"),
 ])
 def test_malformed_file_is_named(tmp_path, content, match):
     """A missing, non-JSON or invalid tuning file raises `ValueError` naming the file and the entry."""
