@@ -204,6 +204,8 @@ def format_verdicts(verdicts: Sequence[PerfVerdict]) -> str:
 
 def plot_history(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
     """One trend PNG per (hardware, group): median time per record, one line per benchmark."""
+    if not records:
+        raise ValueError("the history has no records: nothing to plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -169,6 +169,10 @@ def pytest_case_runner(suite: str, case: str, *, suites_dir: str | Path, golden_
                 raise RecalibrationError(f"repeat {i + 1}: {shlex.join(cmd)} timed out after {timeout_s} s; "
                                          "nothing written") from None
             tail = (proc.stdout + proc.stderr)[-3000:]
+            if proc.returncode == 5:  # pytest: nothing collected, or everything deselected
+                raise RecalibrationError(f"repeat {i + 1}: no test in {suites_dir / suite} runs case {case!r} "
+                                         f"(pytest exit 5: nothing collected or all deselected); nothing written.\n"
+                                         f"$ {shlex.join(cmd)}\n{tail}")
             if proc.returncode != 0:
                 raise RecalibrationError(f"repeat {i + 1}: the run failed (pytest exit {proc.returncode}); nothing "
                                          f"written.\n$ {shlex.join(cmd)}\n{tail}")

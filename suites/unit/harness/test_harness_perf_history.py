@@ -181,3 +181,10 @@ class TestBadHistoryInput:
         assert f"error: {tmp_path}: Is a directory" in capsys.readouterr().err
         assert 1 == main(["perf-history", "check", "--history", str(tmp_path / "none.jsonl")])
         assert f"error: {tmp_path / 'none.jsonl'}: No such file or directory" in capsys.readouterr().err
+
+    def test_plot_of_an_empty_history_is_an_error(self, tmp_path, capsys):
+        """plot on a history without records says so (exit 2) instead of writing nothing silently."""
+        h = tmp_path / "h.jsonl"
+        h.write_text("")
+        assert 2 == main(["perf-history", "plot", "--history", str(h), "--out", str(tmp_path / "p")])
+        assert "the history has no records: nothing to plot" in capsys.readouterr().err

@@ -164,3 +164,10 @@ class TestCli:
                           "--hw", "gpu_foo_x1"])
         assert "not a known key" in capsys.readouterr().err
         assert {} == tree(demo.path / "golden")
+
+    def test_unknown_case_says_no_test_runs_it(self, demo, capsys, tree):
+        """A case no test of the suite runs is named as such (pytest exit 5), not as a failed run."""
+        assert 1 == main(["recalibrate", "demo", "nocase", "--suites-dir", str(demo.path / "suites"), "--hw", HW,
+                          "--pytest-args", "-p no:hypothesispytest -p no:benchmark", "--repeats", "1"])
+        assert "runs case 'nocase' (pytest exit 5: nothing collected or all deselected)" in capsys.readouterr().err
+        assert {} == tree(demo.path / "golden")
