@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mhc_core.kernels import dispatch
+from mhc_core.variants import Variant, get_variant
 
 __all__ = ["OpPlan", "Preflight", "cutile_gap", "preflight", "format_text", "main"]
 
@@ -59,6 +60,7 @@ class Preflight:
     n: int
     dtype: str
     dropout: float
+    variant: str
     ops: tuple[OpPlan, ...]
     backends: dict[str, dict[str, object]]
     environment: dict[str, str]
@@ -86,7 +88,7 @@ def cutile_gap(op: str, *, n: int, dtype: torch.dtype, dropout: float = 0.0) -> 
     return None
 
 
-def _plan(op: str, device: str, *, n: int, dtype: torch.dtype, dropout: float) -> OpPlan:
+def _plan(op: str, device: str, *, n: int, dtype: torch.dtype, dropout: float, variant: str) -> OpPlan:
     try:
         _, set_by = dispatch.requested(op)
     except ValueError as exc:
@@ -95,6 +97,8 @@ def _plan(op: str, device: str, *, n: int, dtype: torch.dtype, dropout: float) -
         backend, reason = dispatch.resolve(op, device)
     except dispatch.BackendUnavailableError as exc:
         return OpPlan(op=op, set_by=set_by, backend="-", runs_on="-", why=str(exc))
+    if op == "sinkhorn" and not get_variant(variant).coefficients_in_activation_dtype:
+        dtype = torch.float32  # `paper` hands fp32 coefficients, so fp32 Sinkhorn logits, whatever the activations
     gap = cutile_gap(op, n=n, dtype=dtype, dropout=dropout) if backend == "cutile" else None
     if gap is None:
         return OpPlan(op=op, set_by=set_by, backend=backend, runs_on=backend, why=reason)
@@ -117,10 +121,12 @@ def _tuning(device: str, gpu_name: str | None) -> tuple[str | None, str | None]:
 
 
 def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int = 4, dtype: str = "bf16",
-              dropout: float = 0.0) -> Preflight:
+              dropout: float = 0.0, variant: str = "megatron_main") -> Preflight:
     """The dispatch's choices for tensors on `device` (None: cuda if present, else cpu), for a run
-    with `n` streams, `dtype` activations and hidden `dropout`; `gpu_name` (default: the GPU's
-    name, if any) picks the shipped cuTile tuning."""
+    with `n` streams, `dtype` activations, hidden `dropout` and the numeric `variant` (it sets the
+    Sinkhorn logits' dtype); `gpu_name` (default: the GPU's name, if any) picks the shipped cuTile
+    tuning."""
+    get_variant(variant)  # ValueError naming a bad one
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
     if n < 1:
@@ -130,7 +136,8 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if gpu_name is None and device == "cuda" and torch.cuda.is_available():
         gpu_name = torch.cuda.get_device_name()
-    plans = tuple(_plan(op, device, n=n, dtype=_DTYPES[dtype], dropout=dropout) for op in dispatch.OPS)
+    plans = tuple(_plan(op, device, n=n, dtype=_DTYPES[dtype], dropout=dropout, variant=variant)
+                  for op in dispatch.OPS)
     backends = {}
     for b in dispatch.BACKENDS:
         ok, why = dispatch.availability(b, device)
@@ -149,6 +156,7 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
     if device == "cuda" and not torch.cuda.is_available():
         notes.append("no CUDA device on this machine: this describes the dispatch's choices only")
     return Preflight(device=device, gpu_name=gpu_name, torch=torch.__version__, n=n, dtype=dtype, dropout=dropout,
+                     variant=get_variant(variant).variant.value,
                      ops=plans, backends=backends, environment=env, cutile_tuning=described, problems=tuple(problems),
                      notes=tuple(notes))
 
@@ -157,7 +165,7 @@ def format_text(p: Preflight) -> str:
     """The report as aligned text (what `python -m mhc_core.kernels` prints)."""
     gpu = f" ({p.gpu_name})" if p.gpu_name and p.device == "cuda" else ""
     lines = [f"mHC kernels for tensors on {p.device}{gpu}: torch {p.torch}, n = {p.n}, {p.dtype} activations, "
-             f"hidden dropout {p.dropout:g}"]
+             f"hidden dropout {p.dropout:g}, {p.variant}"]
     width = max(len(o.op) for o in p.ops)
     for o in p.ops:
         how = f"forced by {o.set_by}" if o.set_by else "auto"
@@ -187,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=4, help="residual streams (default 4)")
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="activation dtype (default bf16)")
     ap.add_argument("--dropout", type=float, default=0.0, help="hidden dropout in training (default 0)")
+    ap.add_argument("--variant", default="megatron_main", choices=[v.value for v in Variant],
+                    help="numeric variant (default megatron_main)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     try:
-        p = preflight(device=args.device, gpu_name=args.gpu_name, n=args.n, dtype=args.dtype, dropout=args.dropout)
+        p = preflight(device=args.device, gpu_name=args.gpu_name, n=args.n, dtype=args.dtype, dropout=args.dropout,
+                      variant=args.variant)
     except ValueError as exc:
         ap.error(str(exc))
     if args.json:

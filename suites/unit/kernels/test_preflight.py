@@ -157,3 +157,12 @@ def test_cuda_without_a_gpu_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     preflight.main(["--device", "cuda"])
     assert "note: no CUDA device on this machine" in capsys.readouterr().out
+
+
+def test_fp32_sinkhorn_logits_of_paper_stay_on_cutile(cutile_on_cpu):
+    """fp16 activations have no cuTile kernel, but `paper` hands fp32 coefficients: only its sinkhorn stays on
+    cuTile; under megatron_main and megatron_dev (logits in the activation dtype) it moves too."""
+    plans = {v: {p.op: p.runs_on for p in preflight.preflight(device="cpu", dtype="fp16", variant=v).ops}
+             for v in ("paper", "megatron_main", "megatron_dev")}
+    assert [plans[v]["sinkhorn"] == "cutile" for v in plans] == [True, False, False], plans
+    assert all(plans[v][op] != "cutile" for v in plans for op in ("mapping", "h_aggregate", "h_post_bda")), plans
