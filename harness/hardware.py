@@ -181,7 +181,7 @@ def detect_hardware(
 
     ``probe`` and ``machine`` replace :func:`probe_gpus` and ``platform.machine()`` (tests).
     """
-    if override:
+    if override is not None:  # an empty --hw is an error, not "detect"
         return HardwareKey(key=validate_hw_key(override, field="--hw"), rule="given by option --hw", source="option")
     env = os.environ if env is None else env
     if env.get(HW_ENV_VAR):

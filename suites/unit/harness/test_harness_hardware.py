@@ -102,3 +102,9 @@ class TestHwCommand:
         out = capsys.readouterr().out
         assert out.startswith("dgx_h100\n")
         assert "environment variable MHC_HW" in out and "known: yes" in out
+
+
+def test_an_empty_hw_option_is_refused_not_detected(capsys):
+    """`--hw ""` (an unset shell variable, say) is an invalid key, not a silent fallback to detection."""
+    assert 2 == main(["hw", "--hw", ""])
+    assert "--hw='' is not a valid hardware key" in capsys.readouterr().err
