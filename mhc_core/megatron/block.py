@@ -129,14 +129,29 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
             return None  # a direct call of the norm, not the block's exit
         return (self.contract_streams(args[0]), *args[1:])
 
+    def _check_entry(self, hidden_states: Tensor | None) -> None:
+        """`ValueError` naming the chunk's role, n, C and the shape, unless the chunk receives `[s, b, C]`
+        (pre_process) or `[s, b, n*C]` (its `input_tensor`, every later chunk): also for chunks with zero
+        layers, which would otherwise pass a wrong width on or contract it."""
+        n, c = self.num_residual_streams, self.config.hidden_size
+        if self.pre_process:
+            t, width, what = hidden_states, c, "[s, b, C] (the embedding output)"
+        else:
+            t, width, what = getattr(self, "input_tensor", None), n * c, "[s, b, n*C] (the streams received from the previous stage)"
+        if isinstance(t, Tensor) and (t.dim() != 3 or t.shape[-1] != width):
+            role = "the pre_process chunk" if self.pre_process else "a chunk after the first"
+            raise ValueError(f"HyperConnectionTransformerBlock ({role}, n = {n}, C = {c}, {len(self.layers)} layers): "
+                             f"its input must be {what}, last dim {width}; got {list(t.shape)}")
+
     def forward(self, hidden_states: Tensor | WrappedTensor | None, *args: Any, **kwargs: Any) -> Tensor:
         """`[s, b, C]` (pre_process chunk) or the received `[s, b, n*C]` in; `[s, b, C]` out of the
         post_process chunk, `[s, b, n*C]` out of every other chunk."""
         if not self.mhc_enabled:
             return super().forward(hidden_states, *args, **kwargs)
+        if self.pre_process and isinstance(hidden_states, WrappedTensor):
+            hidden_states = hidden_states.unwrap()
+        self._check_entry(hidden_states)
         if self.pre_process:
-            if isinstance(hidden_states, WrappedTensor):
-                hidden_states = hidden_states.unwrap()
             hidden_states = expand(hidden_states, self.num_residual_streams)
         self._in_forward = True
         try:

@@ -56,12 +56,24 @@ class MHCTransformerConfig(TransformerConfig):
     """With `"mhc"` in `recompute_modules`: layers per recompute group (None: the whole chunk)."""
 
     def __post_init__(self) -> None:
+        for field in ("enable_mhc_connections", "use_fused_mhc", "mhc_learned_contraction"):
+            v = getattr(self, field)
+            if not isinstance(v, bool):  # "False" is truthy: it would switch the feature on
+                raise ValueError(_bad(field, v, "must be True or False"))
+        modules = self.recompute_modules
+        if modules is not None and (not isinstance(modules, list | tuple) or not all(isinstance(m, str) for m in modules)):
+            raise ValueError(_bad("recompute_modules", modules, "must be a list of module names, e.g. ['mhc']"))
         # megatron-core 0.16.1 / 0.19.2 validate recompute_modules against their own list, which
         # lacks upstream main's "mhc": take it out for the base validation, put it back after.
         lists_mhc = self._lists_mhc
         if lists_mhc:
             self.recompute_modules = [m for m in self.recompute_modules if m != "mhc"]
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except AssertionError as exc:  # megatron's own list of modules lacks upstream main's "mhc"
+            if "Invalid choices for recompute_modules" not in str(exc):
+                raise
+            raise ValueError(_bad("recompute_modules", modules, f"{exc}, and 'mhc'")) from None
         if lists_mhc:
             self.recompute_modules = [*self.recompute_modules, "mhc"]
         self._validate_mhc_values()
@@ -70,7 +82,7 @@ class MHCTransformerConfig(TransformerConfig):
         else:
             for field in ("use_fused_mhc", "mhc_learned_contraction"):
                 if getattr(self, field):
-                    raise ValueError(_bad(field, True, "requires enable_mhc_connections=True"))
+                    raise ValueError(_bad(field, getattr(self, field), "requires enable_mhc_connections=True"))
             if self._lists_mhc:
                 raise ValueError(_bad("recompute_modules", self.recompute_modules,
                                       "'mhc' requires enable_mhc_connections=True"))
@@ -94,8 +106,8 @@ class MHCTransformerConfig(TransformerConfig):
             if not _is_int(v) or v < 1:
                 raise ValueError(_bad(field, v, "must be an integer >= 1"))
         g = self.mhc_init_gating_factor
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or math.isnan(g) or g < 0:
-            raise ValueError(_bad("mhc_init_gating_factor", g, "must be a number >= 0"))
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+            raise ValueError(_bad("mhc_init_gating_factor", g, "must be a finite number >= 0"))
         k = self.mhc_recompute_layer_num
         if k is not None and (not _is_int(k) or k < 1):
             raise ValueError(_bad("mhc_recompute_layer_num", k, "must be None or an integer >= 1"))

@@ -60,9 +60,13 @@ def build_gpt_model(
             `share_embeddings_and_output_weights`, `parallel_output`, ...).
 
     Raises:
-        ValueError: an unknown `spec` name, or a layer spec that does not match the flag.
+        ValueError: an unknown `spec` name, a layer spec that does not match the flag, or a
+            `vocab_size` / `max_sequence_length` that is not an integer >= 1.
         ImportError: `spec="te"` without transformer_engine.
     """
+    for name, v in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"build_gpt_model: {name}={v!r} must be an integer >= 1")
     enable = bool(getattr(config, "enable_mhc_connections", False))
     common = dict(
         num_experts=config.num_moe_experts,

@@ -35,6 +35,8 @@ def parse_layout(layout: str | list[list[str]]) -> list[list[str]]:
                     j = i + 2
                     while j < len(raw) and raw[j].isdigit():
                         j += 1
+                    if j == i + 2:
+                        raise ValueError(f"pipeline_model_parallel_layout: {ch!r}* without a repeat count in {layout!r}")
                     count = int(raw[i + 2 : j])
                     i = j
                 else:
@@ -42,6 +44,15 @@ def parse_layout(layout: str | list[list[str]]) -> list[list[str]]:
                 kinds.extend([_LAYOUT_CHARS[ch]] * count)
             stages.append(kinds)
         return stages
+    names = set(_LAYOUT_CHARS.values())
+    if not isinstance(layout, list | tuple) or not all(isinstance(stage, list | tuple) for stage in layout):
+        raise ValueError(f"pipeline_model_parallel_layout={layout!r}: expected a string such as 'Et|tt|tL' "
+                         f"or a list of stages, each a list of {sorted(names)}")
+    for k, stage in enumerate(layout):
+        unknown = [kind for kind in stage if kind not in names]
+        if unknown:
+            raise ValueError(f"pipeline_model_parallel_layout: stage {k} holds unknown layer kinds {unknown}; "
+                             f"valid: {sorted(names)}")
     return [list(stage) for stage in layout]
 
 
@@ -58,6 +69,13 @@ class PipelineSplit:
 
     def __post_init__(self) -> None:
         pp, vpp, layers = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size, self.num_layers
+        for name, v in (("num_layers", layers), ("pipeline_model_parallel_size", pp),
+                        ("virtual_pipeline_model_parallel_size", vpp)):
+            if not (v is None and name.startswith("virtual")) and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"PipelineSplit: {name}={v!r} must be an integer")
+        for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PipelineSplit: {name}={getattr(self, name)!r} must be True or False")
         if layers < 1 or pp < 1 or (vpp is not None and vpp < 1):
             raise ValueError(
                 f"PipelineSplit: num_layers={layers}, pipeline_model_parallel_size={pp}, "

@@ -148,9 +148,21 @@ def test_layer_counts_identical_with_and_without_mhc(name, kw, expected):
          r"must start with exactly one embedding"),
         (dict(num_layers=3, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t|tL"),
          r"3 stage\(s\), not a multiple of pipeline_model_parallel_size=2"),
+        (dict(num_layers="8", pipeline_model_parallel_size=2), r"num_layers='8' must be an integer"),
+        (dict(num_layers=8, pipeline_model_parallel_size=2.0), r"pipeline_model_parallel_size=2.0 must be an integer"),
+        (dict(num_layers=8, pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split="no"),
+         r"account_for_embedding_in_pipeline_split='no' must be True or False"),
+        (dict(num_layers=3, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et*|ttL"),
+         r"'t'\* without a repeat count in 'Et\*\|ttL'"),
+        (dict(num_layers=2, pipeline_model_parallel_size=2,
+              pipeline_model_parallel_layout=[["embedding", "decodr"], ["decoder", "loss"]]),
+         r"stage 0 holds unknown layer kinds \['decodr'\]"),
+        (dict(num_layers=2, pipeline_model_parallel_size=2, pipeline_model_parallel_layout=["Ett", "ttL"]),
+         r"expected a string such as 'Et\|tt\|tL' or a list of stages"),
     ],
     ids=["not-divisible", "standalone-not-divisible", "vpp-not-divisible", "layout-count", "layout-no-embedding",
-         "layout-stages"],
+         "layout-stages", "layers-str", "pp-float", "embedding-flag-str", "layout-no-count", "layout-unknown-kind",
+         "layout-list-of-str"],
 )
 def test_bad_split_fails_before_any_process_group(kw, match):
     """A bad split is a ValueError naming the numbers, raised without torch.distributed."""

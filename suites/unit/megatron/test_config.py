@@ -61,6 +61,15 @@ INVALID_VALUES = [
     pytest.param({"mhc_num_residual_streams": 0}, "mhc_num_residual_streams=0", id="streams-0"),
     pytest.param({"mhc_num_residual_streams": True}, "mhc_num_residual_streams=True", id="streams-bool"),
     pytest.param({"mhc_variant": "v3"}, "mhc_variant='v3'", id="variant-unknown"),
+    pytest.param({"mhc_init_gating_factor": float("inf")}, "mhc_init_gating_factor=inf: must be a finite number",
+                 id="gating-inf"),
+    pytest.param({"use_fused_mhc": "False"}, "use_fused_mhc='False': must be True or False", id="fused-str"),
+    pytest.param({"mhc_learned_contraction": 1}, "mhc_learned_contraction=1: must be True or False",
+                 id="learned-int"),
+    pytest.param({"recompute_granularity": "selective", "recompute_modules": "mhc"},
+                 "recompute_modules='mhc': must be a list of module names", id="recompute-str"),
+    pytest.param({"recompute_granularity": "selective", "recompute_modules": ["MHC"]},
+                 "Invalid choices for recompute_modules: {'MHC'}", id="recompute-unknown"),
 ]
 
 
@@ -123,3 +132,15 @@ def test_learned_contraction_accepted_with_dev_variant(make_config):
 def test_compatibility_rules_apply_only_with_mhc_on(make_config, overrides):
     """Settings rejected with mHC are accepted when mHC is off."""
     make_config(**overrides)
+
+
+def test_a_string_switch_does_not_turn_mhc_on(make_config):
+    """enable_mhc_connections="False" (truthy) is refused, not read as True."""
+    with pytest.raises(ValueError, match=re.escape("enable_mhc_connections='False': must be True or False")):
+        make_config(enable_mhc_connections="False")
+
+
+def test_unknown_recompute_module_lists_mhc_among_the_valid(make_config):
+    """megatron's list of recompute modules lacks 'mhc'; the error this config raises adds it."""
+    with pytest.raises(ValueError, match=r"Allowed modules are: .*, and 'mhc'"):
+        make_config(n=4, recompute_granularity="selective", recompute_modules=["MHC"])

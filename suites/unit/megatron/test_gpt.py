@@ -214,3 +214,15 @@ def test_forward_backward_schedule_runs(make_config, build_gpt, batch):
     )
     assert len(losses) == 2 and all(torch.isfinite(d["lm loss"]) for d in losses)
     assert all(p.grad is not None for n, p in model.named_parameters() if "hyper_connection" in n)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"vocab_size": 0}, r"vocab_size=0 must be an integer >= 1"),
+    ({"max_sequence_length": "64"}, r"max_sequence_length='64' must be an integer >= 1"),
+], ids=["vocab-0", "seq-str"])
+def test_build_gpt_model_names_a_bad_size(make_config, kw, match):
+    """A vocab_size or max_sequence_length that is not an integer >= 1 is refused by name before megatron sees it."""
+    from mhc_core.megatron.gpt import build_gpt_model
+
+    with pytest.raises(ValueError, match=match):
+        build_gpt_model(make_config(n=2), **({"vocab_size": 64, "max_sequence_length": 16} | kw))
