@@ -61,12 +61,18 @@ def build_gpt_model(
 
     Raises:
         ValueError: an unknown `spec` name, a layer spec that does not match the flag, or a
-            `vocab_size` / `max_sequence_length` that is not an integer >= 1.
+            `vocab_size` / `max_sequence_length` that is not an integer >= 1, a `vp_stage` outside the
+            config's virtual pipeline stages.
         ImportError: `spec="te"` without transformer_engine.
     """
     for name, v in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"build_gpt_model: {name}={v!r} must be an integer >= 1")
+    vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+    if vp_stage is not None and (isinstance(vp_stage, bool) or not isinstance(vp_stage, int)
+                                 or not 0 <= vp_stage < (vpp or 1)):
+        raise ValueError(f"build_gpt_model: vp_stage={vp_stage!r} must be None or an integer in [0, "
+                         f"virtual_pipeline_model_parallel_size={vpp or 1})")
     enable = bool(getattr(config, "enable_mhc_connections", False))
     common = dict(
         num_experts=config.num_moe_experts,

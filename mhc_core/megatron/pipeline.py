@@ -100,6 +100,10 @@ def interleaved_tensor_shape(
 ) -> tuple[int, int, int]:
     """The one shape of every hop of the interleaved schedule: `[s / CP (/ TP with SP), b, w]`,
     w = n*C with mHC and PP > 1, else C."""
+    for name, v in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size), ("tp_size", tp_size),
+                    ("cp_size", cp_size), ("pp_size", pp_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"interleaved_tensor_shape: {name}={v!r} must be an integer >= 1")
     s = seq_length // cp_size
     if getattr(config, "sequence_parallel", False):
         s //= tp_size

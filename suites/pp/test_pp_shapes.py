@@ -80,6 +80,16 @@ def test_interleaved_shape_is_n_streams_on_every_hop(mhc, sp):
                                     pp_size=1)[-1] == H
 
 
+@pytest.mark.parametrize("kw", [{"cp_size": 0}, {"tp_size": "2"}, {"seq_length": 0}], ids=["cp0", "tp-str", "seq0"])
+def test_interleaved_shape_names_a_bad_size(kw):
+    """A size that is not an integer >= 1 is a ValueError naming it (cp_size = 0 divided by zero)."""
+    cfg = _config(mhc=True, tp=2, pp=2, vpp=2, sp=False)
+    args = {"seq_length": SEQ, "micro_batch_size": MBS, "config": cfg, "tp_size": 2, "cp_size": 1, "pp_size": 2} | kw
+    name, value = next(iter(kw.items()))
+    with pytest.raises(ValueError, match=rf"{name}={value!r} must be an integer >= 1"):
+        interleaved_tensor_shape(**args)
+
+
 def _counts(config, pp, vpp):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_block import get_num_layers_to_build

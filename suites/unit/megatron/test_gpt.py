@@ -219,9 +219,11 @@ def test_forward_backward_schedule_runs(make_config, build_gpt, batch):
 @pytest.mark.parametrize(("kw", "match"), [
     ({"vocab_size": 0}, r"vocab_size=0 must be an integer >= 1"),
     ({"max_sequence_length": "64"}, r"max_sequence_length='64' must be an integer >= 1"),
-], ids=["vocab-0", "seq-str"])
+    ({"vp_stage": 5}, r"vp_stage=5 must be None or an integer in \[0, virtual_pipeline_model_parallel_size=1\)"),
+], ids=["vocab-0", "seq-str", "vp-stage-without-vpp"])
 def test_build_gpt_model_names_a_bad_size(make_config, kw, match):
-    """A vocab_size or max_sequence_length that is not an integer >= 1 is refused by name before megatron sees it."""
+    """A vocab_size or max_sequence_length that is not an integer >= 1, or a vp_stage the config has no
+    virtual stage for, is refused by name before megatron sees it."""
     from mhc_core.megatron.gpt import build_gpt_model
 
     with pytest.raises(ValueError, match=match):
