@@ -79,13 +79,6 @@ def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str
     return out
 
 
-def _ms(row: dict) -> float:
-    """What a candidate is ranked by: its GPU busy time (`device_ms`, rows since 11-30), else the
-    back-to-back time, which equals the host's time per call whenever the host is the slower side
-    (the 11-29 Sinkhorn rows: 42-46 us for every TILE_B)."""
-    return row.get("device_ms", row["pipelined_ms"])
-
-
 def summary(rows: list[dict]) -> str:
     """Markdown: per (key, direction) the default's time (GPU busy time where the rows have it, else
     back-to-back; the default is the first candidate of the tile key, `*_occupancy` keys included:
@@ -102,13 +95,13 @@ def summary(rows: list[dict]) -> str:
         groups.setdefault((r["key"], r["direction"]), []).append(r)
         base_key = tile_key(r["key"])
         if r["key"] == base_key and r["tiles"] == repr(CANDIDATES.get(base_key, (None,))[0]):
-            default_ms[(base_key, r["direction"])] = _ms(r)
+            default_ms[(base_key, r["direction"])] = tuning.rank_ms(r)
     out = ["| key | dir | default ms | fastest | ms | GB/s | speed-up | failed |", "|---|---|---|---|---|---|---|---|"]
     for (key, direction), rs in groups.items():
-        best = min(rs, key=_ms)
+        best = min(rs, key=tuning.rank_ms)
         base = default_ms.get((tile_key(key), direction))
-        base_s, gain = ("-", "-") if base is None else (f"{base:.4f}", f"{base / _ms(best):.2f}x")
-        out.append(f"| {key} | {direction} | {base_s} | {best['tiles']} | {_ms(best):.4f} | "
+        base_s, gain = ("-", "-") if base is None else (f"{base:.4f}", f"{base / tuning.rank_ms(best):.2f}x")
+        out.append(f"| {key} | {direction} | {base_s} | {best['tiles']} | {tuning.rank_ms(best):.4f} | "
                    f"{best['gb_per_s']:.0f} | {gain} | {len(failed.get(key, ()))} |")
     out += [f"| {key} | - | - | all {len(k)} candidates failed | - | - | - | {len(k)} |" for key, k in failed.items()
             if not any(g[0] == key for g in groups)]
@@ -257,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                                "max_rel_err": err if err == float("inf") else float(f"{err:.3g}"),
                                "check": "ok" if err <= CHECK_RTOL[act] else "fail"}
                         row.update({"device_error": device_error} if busy_ms is None else {"device_ms": round(busy_ms, 4)})
-                        row["gb_per_s"] = round(model / (_ms(row) * 1e6), 1)
+                        row["gb_per_s"] = round(model / (tuning.rank_ms(row) * 1e6), 1)
                         rows.append(row)
                         busy = "-" if busy_ms is None else f"{busy_ms:8.4f} ms"
                         print(f"{label:60s} {direction} single {single:8.4f} ms  pipelined {piped:8.4f} ms "

@@ -35,14 +35,14 @@ from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.sweep_candidates import override
 
 __all__ = ["ENV", "SCHEMA", "TUNED_DIR", "REFERENCE_DEVICE", "Tuning", "device_slug", "load", "save", "packaged", "resolve", "describe",
-           "check_sweep", "from_sweep", "tiles_in_force", "main"]
+           "check_sweep", "rank_ms", "from_sweep", "tiles_in_force", "main"]
 
 ENV = "MHC_CUTILE_TUNING"
 SCHEMA = 1
 TUNED_DIR = Path(__file__).parent / "tuned"
+"""The tunings shipped with the package, one `<device_slug>.json` per GPU model."""
 REFERENCE_DEVICE = "NVIDIA H200"
 """The GPU model the heuristics were tuned on and the lent GPU machine has (the tools' default `--device`)."""
-"""The tunings shipped with the package, one `<device_slug>.json` per GPU model."""
 
 _TILE_TYPES = {cls.__name__: cls for cls in (tiling.SinkhornTiles, tiling.StreamTiles, tiling.MappingTiles)}
 logger = logging.getLogger("mhc_core.kernels")
@@ -175,6 +175,13 @@ def _positive(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+def rank_ms(row: Mapping) -> object:
+    """What a sweep row is ranked by: its GPU busy time (`device_ms`, rows since 11-30), else the
+    back-to-back time (`pipelined_ms`), which equals the host's time per call whenever the host is the
+    slower side (the 11-29 Sinkhorn rows: 42-46 us for every TILE_B)."""
+    return row.get("device_ms", row.get("pipelined_ms"))
+
+
 def check_sweep(data: object, source: str) -> list[dict]:
     """The rows of a sweep's `--out` file (`data`), after checking them: `ValueError` naming `source`
     and the row (a dict per row with string `key` and `tiles`; unless it records an error, a
@@ -192,7 +199,7 @@ def check_sweep(data: object, source: str) -> list[dict]:
         if r.get("direction") not in ("fwd", "bwd") or r.get("check", "ok") not in ("ok", "fail"):
             raise ValueError(f"{where}: direction={r.get('direction')!r} / check={r.get('check')!r}: "
                              "expected fwd|bwd and ok|fail (or no check: rows before 11-30)")
-        ms = r.get("device_ms", r.get("pipelined_ms"))
+        ms = rank_ms(r)
         if not _positive(ms):
             raise ValueError(f"{where}: its time (device_ms, else pipelined_ms) is {ms!r}, not a finite number > 0")
     return data["rows"]
@@ -220,7 +227,7 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
     for r in rows:
         if "error" in r or r.get("check") != "ok":
             continue
-        ms = r.get("device_ms", r.get("pipelined_ms"))
+        ms = rank_ms(r)
         tile_key = r["key"].removesuffix("_occupancy")
         times.setdefault(tile_key, {}).setdefault((r["key"], r["tiles"]), {})[r["direction"]] = ms
     tiles: dict[str, Any] = {}
