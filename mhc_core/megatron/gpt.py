@@ -12,6 +12,7 @@ from mhc_core.megatron.block import HyperConnectionTransformerBlock
 from mhc_core.megatron.compat import gpt_decoder_block_class
 from mhc_core.megatron.layer import HyperConnectionTransformerLayer
 from mhc_core.megatron.specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+from mhc_core.ops._checks import check_int
 
 __all__ = ["MHCGPTModel", "build_gpt_model"]
 
@@ -65,9 +66,8 @@ def build_gpt_model(
             config's virtual pipeline stages.
         ImportError: `spec="te"` without transformer_engine.
     """
-    for name, v in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"build_gpt_model: {name}={v!r} must be an integer >= 1")
+    check_int(vocab_size, name="vocab_size", op="build_gpt_model")
+    check_int(max_sequence_length, name="max_sequence_length", op="build_gpt_model")
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
     if vp_stage is not None and (isinstance(vp_stage, bool) or not isinstance(vp_stage, int)
                                  or not 0 <= vp_stage < (vpp or 1)):

@@ -33,6 +33,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import p2p_communication, schedules
 from megatron.core.utils import get_model_config
 
+from mhc_core.ops._checks import check_int
+
 __all__ = [
     "NStreamP2PCommunicator",
     "disable_mhc_pipeline",
@@ -102,8 +104,7 @@ def interleaved_tensor_shape(
     w = n*C with mHC and PP > 1, else C."""
     for name, v in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size), ("tp_size", tp_size),
                     ("cp_size", cp_size), ("pp_size", pp_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"interleaved_tensor_shape: {name}={v!r} must be an integer >= 1")
+        check_int(v, name=name, op="interleaved_tensor_shape")
     s = seq_length // cp_size
     if getattr(config, "sequence_parallel", False):
         s //= tp_size

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["NonFiniteError", "check_rank", "check_dim", "check_streams", "check_finite", "check_floating",
-           "check_number", "shape_str"]
+           "check_int", "check_number", "shape_str"]
 
 
 class NonFiniteError(ValueError):
@@ -49,6 +49,13 @@ def check_floating(*, op: str, **tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and not t.is_floating_point():
             raise ValueError(f"{op}: {name} must be a floating tensor (bf16, fp16, fp32, fp64), got dtype {t.dtype}")
+
+
+def check_int(value: object, *, name: str, op: str, low: int = 1) -> int:
+    """`value`, an int (not a bool) >= `low`; else `ValueError` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{op}: {name}={value!r} must be an integer >= {low}")
+    return value
 
 
 def check_number(value: object, *, name: str, op: str, low: float, high: float = math.inf,
