@@ -77,7 +77,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_recalibrate(args: argparse.Namespace) -> int:
-
     from harness.hardware import detect_hardware, require_known
     from harness.recalibrate import recalibrate
     from harness.runner import pytest_case_runner
@@ -123,12 +122,13 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from harness.errors import MissingGoldenError
     from harness.hardware import require_known, validate_hw_key
     from harness.recalibrate import change_lines
-    from harness.schema import load_golden, parse_json
+    from harness.schema import parse_golden, parse_json, read_text
     from harness.store import GoldenStore, build_meta
 
     key = require_known(validate_hw_key(args.hw, field="--hw"), allow_unknown=args.allow_unknown_hw)
-    golden = load_golden(args.file, allow_nan_strings=True)
-    raw = parse_json(Path(args.file).read_text(encoding="utf-8"), source=args.file)
+    text = read_text(args.file)  # read once: the golden, and the raw values it drops
+    golden = parse_golden(text, source=args.file, allow_nan_strings=True)
+    raw = parse_json(text, source=args.file)
     store = GoldenStore(args.golden_dir)
     try:
         old, _ = store.load(key, args.suite, args.case)

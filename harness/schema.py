@@ -40,6 +40,7 @@ __all__ = [
     "golden_digest",
     "load_golden",
     "parse_golden",
+    "read_text",
     "parse_json",
     "series_from_list",
     "to_golden",
@@ -198,14 +199,17 @@ def parse_golden(text: str, *, source: str, allow_nan_strings: bool = False) -> 
             for name, raw in doc.items()}
 
 
-def load_golden(path: str | Path, *, allow_nan_strings: bool = False) -> Golden:
-    """Read and validate a golden (or result) file in Megatron's schema."""
-    path = Path(path)
+def read_text(path: str | Path) -> str:
+    """A golden (or result) file's text; `GoldenFormatError` naming it when it is not UTF-8."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise GoldenFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    return parse_golden(text, source=str(path), allow_nan_strings=allow_nan_strings)
+
+
+def load_golden(path: str | Path, *, allow_nan_strings: bool = False) -> Golden:
+    """Read and validate a golden (or result) file in Megatron's schema."""
+    return parse_golden(read_text(path), source=str(path), allow_nan_strings=allow_nan_strings)
 
 
 def check_finite(golden: Mapping[str, MetricSeries], *, source: str) -> None:

@@ -150,9 +150,12 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         s, b = self._check_streams(residual, "residual", op)
         n, c = self.n, self.hidden_size
         if not isinstance(output_with_bias, tuple | list) or len(output_with_bias) != 2:
-            got = f"a tensor {shape_str(output_with_bias)}" if isinstance(output_with_bias, torch.Tensor) else (
-                f"{type(output_with_bias).__name__} of length {len(output_with_bias)}"
-                if isinstance(output_with_bias, tuple | list) else type(output_with_bias).__name__)
+            if isinstance(output_with_bias, torch.Tensor):
+                got = f"a tensor {shape_str(output_with_bias)}"
+            elif isinstance(output_with_bias, tuple | list):
+                got = f"{type(output_with_bias).__name__} of length {len(output_with_bias)}"
+            else:
+                got = type(output_with_bias).__name__
             raise ValueError(f"{op}: output_with_bias must be the pair (y [s, b, C], bias [C] or None) a Megatron "
                              f"sublayer returns, got {got}")
         y, bias = output_with_bias

@@ -107,6 +107,7 @@ def write_json(path: str, data: dict) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would otherwise be the file's mode
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2)
         os.replace(tmp, path)
@@ -114,7 +115,6 @@ def write_json(path: str, data: dict) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    os.chmod(path, 0o666 & ~_umask())
 
 
 def backward_fn(fn: Callable, inputs: list[torch.Tensor | None]) -> Callable[[], object]:
