@@ -88,7 +88,7 @@ def cutile_gap(op: str, *, n: int, dtype: torch.dtype, dropout: float = 0.0) -> 
     return None
 
 
-def _plan(op: str, device: str, *, n: int, dtype: torch.dtype, dropout: float, variant: str) -> OpPlan:
+def _plan(op: str, device: str, *, n: int, dtype: torch.dtype, dropout: float) -> OpPlan:
     try:
         _, set_by = dispatch.requested(op)
     except ValueError as exc:
@@ -97,8 +97,6 @@ def _plan(op: str, device: str, *, n: int, dtype: torch.dtype, dropout: float, v
         backend, reason = dispatch.resolve(op, device)
     except dispatch.BackendUnavailableError as exc:
         return OpPlan(op=op, set_by=set_by, backend="-", runs_on="-", why=str(exc))
-    if op == "sinkhorn" and not get_variant(variant).coefficients_in_activation_dtype:
-        dtype = torch.float32  # `paper` hands fp32 coefficients, so fp32 Sinkhorn logits, whatever the activations
     gap = cutile_gap(op, n=n, dtype=dtype, dropout=dropout) if backend == "cutile" else None
     if gap is None:
         return OpPlan(op=op, set_by=set_by, backend=backend, runs_on=backend, why=reason)
@@ -126,7 +124,7 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
     with `n` streams, `dtype` activations, hidden `dropout` and the numeric `variant` (it sets the
     Sinkhorn logits' dtype); `gpu_name` (default: the GPU's name, if any) picks the shipped cuTile
     tuning."""
-    get_variant(variant)  # ValueError naming a bad one
+    spec = get_variant(variant)  # ValueError naming a bad one
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
     if n < 1:
@@ -136,8 +134,11 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if gpu_name is None and device == "cuda" and torch.cuda.is_available():
         gpu_name = torch.cuda.get_device_name()
-    plans = tuple(_plan(op, device, n=n, dtype=_DTYPES[dtype], dropout=dropout, variant=variant)
-                  for op in dispatch.OPS)
+    # `paper` hands fp32 coefficients, so fp32 Sinkhorn logits, whatever the activations.
+    dtypes = {op: _DTYPES[dtype] for op in dispatch.OPS}
+    if not spec.coefficients_in_activation_dtype:
+        dtypes["sinkhorn"] = torch.float32
+    plans = tuple(_plan(op, device, n=n, dtype=dtypes[op], dropout=dropout) for op in dispatch.OPS)
     backends = {}
     for b in dispatch.BACKENDS:
         ok, why = dispatch.availability(b, device)
@@ -156,7 +157,7 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
     if device == "cuda" and not torch.cuda.is_available():
         notes.append("no CUDA device on this machine: this describes the dispatch's choices only")
     return Preflight(device=device, gpu_name=gpu_name, torch=torch.__version__, n=n, dtype=dtype, dropout=dropout,
-                     variant=get_variant(variant).variant.value,
+                     variant=spec.variant.value,
                      ops=plans, backends=backends, environment=env, cutile_tuning=described, problems=tuple(problems),
                      notes=tuple(notes))
 
