@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.transformer.enums import CudaGraphScope
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -373,14 +372,18 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         return static_inputs
 
     def _get_submodules_under_cudagraphs(self) -> list[torch.nn.Module]:
-        """The stock list plus the hyper connection of each captured sublayer."""
+        """The stock list plus the hyper connection of each sublayer captured whole (the stock rule:
+        `attn`; `mlp` for a dense layer, `moe` for an MoE one). The scope is megatron-core 0.19's
+        `cuda_graph_modules` (its config moves a deprecated `cuda_graph_scope` there and clears it),
+        else 0.16's `cuda_graph_scope`; members are compared by name, as the two enums differ."""
         submodules = super()._get_submodules_under_cudagraphs()
-        scope = self.config.cuda_graph_scope
-        if not scope:
-            return submodules  # the whole layer, hyper connections included
-        if CudaGraphScope.attn in scope:
+        scope = getattr(self.config, "cuda_graph_modules", None) or self.config.cuda_graph_scope
+        if not scope or isinstance(scope, str):
+            return submodules  # the whole layer ("full" or empty), hyper connections included
+        names = {getattr(s, "name", s) for s in scope}
+        if "attn" in names:
             submodules.append(self.self_attention_hyper_connection)
-        if CudaGraphScope.mlp in scope:
+        if ("moe" if self.is_moe_layer else "mlp") in names:
             submodules.append(self.mlp_hyper_connection)
         return submodules
 

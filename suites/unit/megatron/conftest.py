@@ -28,8 +28,10 @@ def device() -> torch.device:
 
 @pytest.fixture(scope="module")
 def megatron_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """torch.distributed (gloo, world size 1, file:// rendezvous), megatron-core's model-parallel
-    state (TP = PP = 1) and RNG tracker; the CPU workarounds are installed while CUDA is absent.
+    """torch.distributed (world size 1, file:// rendezvous: gloo, plus NCCL for CUDA tensors on a GPU
+    machine, where megatron's DDP all-reduces CUDA grad buffers and gloo has no coalesced CUDA
+    all-reduce), megatron-core's model-parallel state (TP = PP = 1) and RNG tracker; the CPU
+    workarounds are installed while CUDA is absent.
 
     Module scope: everything is torn down after each test module, so suites that run later in the
     same process (and assert that no process group exists) see a clean slate."""
@@ -42,7 +44,10 @@ def megatron_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     owns_pg = not dist.is_initialized()
     if owns_pg:
         store = tmp_path_factory.mktemp("gloo") / "rendezvous"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     applied = cpu_support.install()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     model_parallel_cuda_manual_seed(1234)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from megatron.core.transformer.enums import CudaGraphScope  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
 
 from mhc_core import HyperConnectionModule  # noqa: E402
@@ -207,15 +209,33 @@ def test_static_inputs_are_n_streams_wide(make_config, monkeypatch, dims):
     ids=["attn", "mlp", "attn-mlp"],
 )
 def test_cuda_graph_scope_covers_the_hyper_connections(make_config, scope, expected):
-    """The submodules under a scoped CUDA graph include the hyper connection of each captured sublayer."""
-    layer = _layer(make_config(n=N))
-    layer.config.cuda_graph_scope = scope
+    """The submodules under a scoped CUDA graph include the hyper connection of each captured sublayer.
+
+    The scope goes through the config's constructor, as a user sets it: megatron-core 0.19 moves
+    `cuda_graph_scope` into `cuda_graph_modules` there and clears it (0.16 keeps it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 0.19: "cuda_graph_scope is deprecated"
+        layer = _layer(make_config(n=N, cuda_graph_scope=scope))
+    assert _captured_hyper_connections(layer) == expected
+
+
+@pytest.mark.skipif("cuda_graph_modules" not in {f.name for f in dataclasses.fields(TransformerConfig)},
+                    reason="megatron-core < 0.19 has no cuda_graph_modules")
+@pytest.mark.parametrize(("modules", "expected"), [(["attn"], ["self_attention_hyper_connection"]),
+                                                   (["mlp"], ["mlp_hyper_connection"]),
+                                                   (["attn", "mlp"], ["self_attention_hyper_connection",
+                                                                      "mlp_hyper_connection"])],
+                         ids=["attn", "mlp", "attn-mlp"])
+def test_cuda_graph_modules_cover_the_hyper_connections(make_config, modules, expected):
+    """megatron-core 0.19's `cuda_graph_modules`: the hyper connection of each captured sublayer."""
+    layer = _layer(make_config(n=N, cuda_graph_modules=modules))
+    assert _captured_hyper_connections(layer) == expected
+
+
+def _captured_hyper_connections(layer) -> list[str]:
     submodules = layer._get_submodules_under_cudagraphs()
-    assert [
-        name
-        for name in ("self_attention_hyper_connection", "mlp_hyper_connection")
-        if any(m is getattr(layer, name) for m in submodules)
-    ] == expected
+    return [name for name in ("self_attention_hyper_connection", "mlp_hyper_connection")
+            if any(m is getattr(layer, name) for m in submodules)]
 
 
 def test_mhc_layer_is_a_transformer_layer():

@@ -90,7 +90,10 @@ def test_dev_bf16_optimizer_routes_mhc_params_as_fp32(make_config, build_gpt, ba
     ok, _, _ = opt.step()
     assert ok, "optimizer step reported failure (non-finite gradients)"
     params = {n: p for n, p in ddp.named_parameters() if _is_mhc(n)}
-    routed = {id(p) for g in opt.fp32_from_fp32_groups for p in g}
+    # get_megatron_optimizer returns a ChainedOptimizer (0.16.1 and 0.19.2): its parts hold the groups.
+    parts = getattr(opt, "chained_optimizers", [opt])
+    routed = {id(p) for part in parts for g in part.fp32_from_fp32_groups for p in g}
+    assert routed, f"no fp32_from_fp32_groups in {[type(o).__name__ for o in parts]}"
     assert all(id(p) in routed and p.dtype == torch.float32 for p in params.values())
     moved = [n for n, p in params.items() if not torch.equal(p, before[n.removeprefix("module.")])]
     assert any("mapping_proj" in n for n in moved), moved
