@@ -37,7 +37,11 @@
 #           per key, --summary, and the winners that passed their check, --adopt -> tuning.json)
 #           + precision_probe (fp32 mapping error per MMA mode, 20 s)
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
-#           bf16 optimizer test with fp32-kept mHC params runs only there), 150 s; not a default step
+#           bf16 optimizer test with fp32-kept mHC params and the CUDA-graph capture tests run only
+#           there), 150 s; not a default step
+#   compiled suites/unit/kernels without the cuTile params and the `slow` tests: the compiled
+#           backend (Inductor / Triton) vs reference on CUDA, its fused dropout, T = 0, dynamic T and
+#           the module on top, 4 xdist workers x 4 compile threads, 240 s; not a default step
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
 #           for reference + cutile (130 s; under this call's tuning.json when the sweep ran), to its own
 #           pytest-benchmark JSON; records
@@ -226,13 +230,24 @@ cat "$OUT/probe.txt"
 record probe $rc
 fi
 
-# 3b. the reference core and the megatron integration on the GPU (single process, gloo world of one)
+# 3b. the reference core and the megatron integration on the GPU (single process; a world of one,
+#     gloo for CPU tensors and NCCL for CUDA ones)
 if has_step megatron; then
 timeout "$(limit megatron 150)" "$PY" -m pytest -p no:cacheprovider -q -n 4 --junitxml="$OUT/megatron.xml" \
     suites/unit/core suites/unit/megatron > "$OUT/megatron.txt" 2>&1
 rc=$?
 tail -5 "$OUT/megatron.txt"
 record megatron $rc
+fi
+
+# 3c. the compiled backend (torch.compile: Triton on the GPU) against the reference on CUDA
+if has_step compiled; then
+TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-4}" timeout "$(limit compiled 240)" "$PY" -m pytest \
+    -p no:cacheprovider -q -n 4 -m "not slow" -k "not cutile" --junitxml="$OUT/compiled.xml" \
+    suites/unit/kernels > "$OUT/compiled.txt" 2>&1
+rc=$?
+tail -5 "$OUT/compiled.txt"
+record compiled $rc
 fi
 
 # 4. the perf suite: roofline ratios, speed-ups, first perf goldens, history record, table

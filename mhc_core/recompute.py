@@ -53,6 +53,11 @@ class _RngState:
     """The CPU (and current CUDA device) generator state, to replay a dropout mask."""
 
     def __init__(self, device: torch.device):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mHC recompute with hidden dropout in training cannot run inside a CUDA-graph "
+                               "capture: replaying the dropout mask needs the CUDA generator's state, which "
+                               "torch does not give out while capturing; capture without mHC recompute, or "
+                               "with hidden_dropout=0")
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.device = device

@@ -10,7 +10,15 @@ WORKER = Path(__file__).with_name("pp_worker.py")
 TIMEOUT = 180.0
 
 
+# The ranks run on the CPU with gloo on every machine. On a GPU machine they must not see CUDA:
+# `cpu_support` (the CPU workarounds) applies only where CUDA is absent, and megatron-core's p2p
+# and schedules would otherwise put their buffers on the GPU beside a CPU model.
+RANK_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def run_worker(out: Path, nproc: int, args: list[str], timeout: float = TIMEOUT) -> LaunchResult:
-    """Run the worker into `out`; raises `LaunchError` with the failing ranks' stderr."""
+    """Run the worker into `out`, its ranks on the CPU (`RANK_ENV`); raises `LaunchError` with the
+    failing ranks' stderr."""
     out.mkdir(parents=True, exist_ok=True)
-    return launch(WORKER, ["--out", str(out), *args], nproc=nproc, timeout=timeout, log_dir=out / "logs")
+    return launch(WORKER, ["--out", str(out), *args], nproc=nproc, timeout=timeout, log_dir=out / "logs",
+                  env=RANK_ENV)

@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if torch.cuda.is_available():  # cpu_support would apply nothing and megatron's p2p buffers would be CUDA
+        raise SystemExit("pp_worker runs its ranks on the CPU: launch it with CUDA_VISIBLE_DEVICES='' "
+                         "(suites/pp/launch.py does)")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 

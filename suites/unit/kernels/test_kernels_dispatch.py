@@ -10,10 +10,15 @@ import torch
 from mhc_core import HyperConnectionConfig, HyperConnectionModule, ops
 from mhc_core.kernels import FUSED_OPS, REFERENCE_OPS, BackendUnavailableError, dispatch, select_ops
 from mhc_core.variants import Variant
-from suites.unit.kernels.parity import C, run_fwd_bwd
+from suites.unit.kernels.parity import C, device_for, run_fwd_bwd
 
 COMPILED_OK, COMPILED_WHY = dispatch.availability("compiled", "cpu")
 needs_compiled = pytest.mark.skipif(not COMPILED_OK, reason=COMPILED_WHY)
+# The compiled backend's own behaviour (T = 0, dynamic T, the module on top) is checked where its
+# parity tests run: the GPU when there is one, else the CPU.
+DEV = device_for("compiled")
+DEV_OK, DEV_WHY = dispatch.availability("compiled", DEV)
+needs_compiled_dev = pytest.mark.skipif(not DEV_OK, reason=DEV_WHY)
 
 
 @pytest.fixture(autouse=True)
@@ -157,7 +162,7 @@ def test_auto_moves_on_when_cutile_does_not_cover_a_call(monkeypatch, caplog):
         dispatch.h_aggregate(x, h)
 
 
-@needs_compiled
+@needs_compiled_dev
 @pytest.mark.parametrize("op", dispatch.OPS)
 def test_compiled_empty_tokens(op):
     """T = 0 returns empty outputs of the reference's shapes and dtypes, and backward runs."""
@@ -174,6 +179,7 @@ def test_compiled_empty_tokens(op):
     else:
         inputs = {"h_res": torch.zeros(0, n, n), "residual": torch.zeros(0, n, C), "h_post": torch.zeros(0, n),
                   "y": torch.zeros(0, C), "bias": torch.zeros(C)}
+    inputs = {k: v.to(DEV) for k, v in inputs.items()}
     kwargs = {"n": n} if op == "mapping" else {}
     got, got_grads = run_fwd_bwd(impl, inputs, list(inputs), **kwargs)
     want, want_grads = run_fwd_bwd(ref, inputs, list(inputs), **kwargs)
@@ -182,7 +188,7 @@ def test_compiled_empty_tokens(op):
         assert (got_grads[k] is None) == (g is None) and (g is None or got_grads[k].shape == g.shape), k
 
 
-@needs_compiled
+@needs_compiled_dev
 def test_compiled_token_count_does_not_recompile():
     """After T = 48 and T = 16, further token counts reuse the same compiled graph (dynamic token dim)."""
     from torch._dynamo.utils import counters
@@ -190,38 +196,38 @@ def test_compiled_token_count_does_not_recompile():
     impl = dispatch.get_impl("h_aggregate", "compiled")
     gen = torch.Generator().manual_seed(5)
     for t in (48, 16):
-        impl(torch.randn(t, 4, C, generator=gen), torch.rand(t, 4, generator=gen))
+        impl(torch.randn(t, 4, C, generator=gen).to(DEV), torch.rand(t, 4, generator=gen).to(DEV))
     before = counters["stats"]["unique_graphs"]
     for t in (17, 40, 100, 333):
-        impl(torch.randn(t, 4, C, generator=gen), torch.rand(t, 4, generator=gen))
+        impl(torch.randn(t, 4, C, generator=gen).to(DEV), torch.rand(t, 4, generator=gen).to(DEV))
     assert counters["stats"]["unique_graphs"] == before, "a new token count triggered a recompile"
 
 
-@needs_compiled
+@needs_compiled_dev
 @pytest.mark.parametrize("variant", list(Variant), ids=str)
 def test_module_fused_matches_reference(variant, monkeypatch):
-    """HyperConnectionModule with use_fused=True (compiled) matches use_fused=False: outputs and all grads."""
+    """HyperConnectionModule with use_fused=True (compiled) matches use_fused=False on `DEV`: outputs and all grads."""
     monkeypatch.setenv("MHC_BACKEND", "compiled")
     from suites.unit.kernels.test_kernels_parity_sinkhorn import ITERATIONS
 
     torch.manual_seed(0)
     kwargs = {"hidden_size": C, "num_residual_streams": 4, "variant": variant, "sinkhorn_iterations": ITERATIONS,
               "init_gating_factor": 0.5}
-    ref_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=False))
-    fused_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=True))
+    ref_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=False)).to(DEV)
+    fused_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=True)).to(DEV)
     fused_mod.load_state_dict(ref_mod.state_dict())
     with torch.no_grad():
         for mod in (ref_mod, fused_mod):
             mod.bias.copy_(torch.linspace(-0.5, 0.5, mod.bias.numel()))
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 8, 4 * C, generator=gen)
-    y, bias = torch.randn(6, 8, C, generator=gen), torch.randn(C, generator=gen)
+    x = torch.randn(6, 8, 4 * C, generator=gen).to(DEV)
+    y, bias = torch.randn(6, 8, C, generator=gen).to(DEV), torch.randn(C, generator=gen).to(DEV)
     results = []
     for mod in (ref_mod, fused_mod):
         xi = x.clone().requires_grad_(True)
         agg, h_res, h_post, residual = mod(xi)
         out = mod.post_residual_bda(h_res, residual, h_post, (y + agg, bias))
-        loss = (out * torch.cos(torch.arange(out.numel()).view_as(out).float())).sum()
+        loss = (out * torch.cos(torch.arange(out.numel(), device=DEV).view_as(out).float())).sum()
         params = list(mod.parameters())
         grads = torch.autograd.grad(loss, [xi, *params])
         results.append((out.detach(), agg.detach(), grads))
