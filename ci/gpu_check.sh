@@ -39,6 +39,11 @@
 #   megatron suites/unit/core + suites/unit/megatron on the GPU (megatron-core 0.19.2 from .whl/; the
 #           bf16 optimizer test with fp32-kept mHC params and the CUDA-graph capture tests run only
 #           there), 150 s; not a default step
+#   functional suites/functional on this GPU (NCCL, one rank: the recipes with an entry for the
+#           detected hardware key, `h200` on a lent H200) with --update-golden=all, so a first run records
+#           golden/<hw>/functional/ (in gpu_check.tgz); also the determinism, mHC-recompute and
+#           fused-ops (cuTile) runs against the reference-ops run. Needs the megatron wheel, 240 s;
+#           not a default step
 #   compiled suites/unit/kernels without the cuTile params and the `slow` tests: the compiled
 #           backend (Inductor / Triton) vs reference on CUDA, its fused dropout, T = 0, dynamic T and
 #           the module on top, 4 xdist workers x 4 compile threads, 240 s; not a default step
@@ -250,14 +255,25 @@ tail -5 "$OUT/compiled.txt"
 record compiled $rc
 fi
 
-# 4. the perf suite: roofline ratios, speed-ups, first perf goldens, history record, table
-if has_step perf || has_step perf-compiled; then
 HW="$("$PY" -m harness hw | sed -n 1p)"
 # The harness plugin comes in through the package's pytest11 entry point when the project is
 # installed; here it usually is not (PYTHONPATH only), so load it by name.
 PLUGIN=(-p harness.pytest_plugin)
 "$PY" -c 'import importlib.metadata as m, sys; sys.exit(any(e.value.startswith("harness.pytest_plugin") for e in m.entry_points(group="pytest11")))' \
     || PLUGIN=()
+
+# 3d. the functional recipes on this GPU (NCCL, one rank), recording this hardware's goldens
+if has_step functional; then
+timeout "$(limit functional 240)" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" suites/functional \
+    -q -rs --hw "$HW" --golden-dir "$OUT/golden" --update-golden=all --junitxml="$OUT/functional.xml" \
+    > "$OUT/functional.txt" 2>&1
+rc=$?
+tail -8 "$OUT/functional.txt"
+record functional $rc
+fi
+
+# 4. the perf suite: roofline ratios, speed-ups, first perf goldens, history record, table
+if has_step perf || has_step perf-compiled; then
 perf_run() {  # perf_run <name> <seconds> <-k expression>
     MHC_PERF_GOLDEN=1 TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-8}" timeout "$(limit "$1" "$2")" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" \
         suites/perf/test_kernels.py suites/perf/test_layer.py -q -k "$3" --hw "$HW" --golden-dir "$OUT/golden" \

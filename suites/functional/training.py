@@ -68,7 +68,7 @@ def _config(a: TrainArgs, backend: str) -> Any:
         deterministic_mode=a.deterministic_mode, gradient_accumulation_fusion=False,
         enable_mhc_connections=a.enable_mhc_connections, mhc_num_residual_streams=a.mhc_num_residual_streams,
         mhc_sinkhorn_iterations=a.mhc_sinkhorn_iterations, mhc_init_gating_factor=a.mhc_init_gating_factor,
-        mhc_variant=a.mhc_variant,
+        mhc_variant=a.mhc_variant, use_fused_mhc=a.use_fused_mhc,
         deallocate_pipeline_outputs=False,
         # gloo matches messages between a pair of ranks first-in-first-out; batched P2P posts sends and
         # receives in one fixed order, which gloo cannot match for PP = 2 (see suites/pp/pp_worker.py).
