@@ -73,7 +73,7 @@ def check_number(value: object, *, name: str, op: str, low: float, high: float =
 def check_finite(t: torch.Tensor, *, name: str, op: str) -> None:
     """No NaN or inf in `t` (a host sync: the reference ops are the oracle, not the fast path).
     Skipped for a CUDA tensor while its stream is being captured into a CUDA graph, where a host
-    sync is not allowed (the scan runs again on every uncaptured call)."""
+    sync is not allowed: replays of that graph do not scan (uncaptured calls do)."""
     if t.numel() == 0 or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     bad = ~torch.isfinite(t.detach())
