@@ -42,11 +42,12 @@
 #   functional suites/functional on this GPU (NCCL, one rank: the recipes with an entry for the
 #           detected hardware key, `h200` on a lent H200) with --update-golden=all, so a first run records
 #           golden/<hw>/functional/ (in gpu_check.tgz); also the determinism, mHC-recompute and
-#           fused-ops (cuTile) runs against the reference-ops run. Needs the megatron wheel, 240 s;
+#           fused-ops runs against the reference-ops run. Needs the megatron wheel, 180 s;
 #           not a default step
 #   compiled suites/unit/kernels without the cuTile params and the `slow` tests: the compiled
 #           backend (Inductor / Triton) vs reference on CUDA, its fused dropout, T = 0, dynamic T and
-#           the module on top, 4 xdist workers x 4 compile threads, 240 s; not a default step
+#           the module on top, 4 xdist workers x 4 compile threads, 150 s; not a default step.
+#           "compiled megatron functional" sums to 480 s, as the defaults do
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
 #           for reference + cutile (130 s; under this call's tuning.json when the sweep ran), to its own
 #           pytest-benchmark JSON; records
@@ -247,7 +248,7 @@ fi
 
 # 3c. the compiled backend (torch.compile: Triton on the GPU) against the reference on CUDA
 if has_step compiled; then
-TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-4}" timeout "$(limit compiled 240)" "$PY" -m pytest \
+TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-4}" timeout "$(limit compiled 150)" "$PY" -m pytest \
     -p no:cacheprovider -q -n 4 -m "not slow" -k "not cutile" --junitxml="$OUT/compiled.xml" \
     suites/unit/kernels > "$OUT/compiled.txt" 2>&1
 rc=$?
@@ -264,10 +265,13 @@ PLUGIN=(-p harness.pytest_plugin)
 
 # 3d. the functional recipes on this GPU (NCCL, one rank), recording this hardware's goldens
 if has_step functional; then
-timeout "$(limit functional 240)" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" suites/functional \
+timeout "$(limit functional 180)" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" suites/functional \
     -q -rs --hw "$HW" --golden-dir "$OUT/golden" --update-golden=all --junitxml="$OUT/functional.xml" \
     > "$OUT/functional.txt" 2>&1
 rc=$?
+# torchrun runs in its own session: a step timeout kills pytest, not the ranks; no rank may hold the
+# GPU into the next step
+pkill -f "suites/functional/worker.py" 2>/dev/null
 tail -8 "$OUT/functional.txt"
 record functional $rc
 fi

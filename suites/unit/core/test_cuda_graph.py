@@ -22,8 +22,8 @@ def _step(hc: HyperConnectionModule, x: torch.Tensor, y: torch.Tensor) -> torch.
 
 @pytest.mark.parametrize("variant", ["paper", "megatron_main", "megatron_dev"])
 def test_reference_module_captures_and_replays_the_eager_result(variant):
-    """The reference forward (its Sinkhorn NaN scan included) captures into a CUDA graph; a replay on
-    new inputs gives the eager result (fp32 tolerance: cuBLAS may pick another algorithm in a capture)."""
+    """The reference forward, its Sinkhorn NaN scan included, captures; a replay on new inputs gives the eager result."""
+    # fp32 tolerance, not bitwise: cuBLAS may pick another algorithm inside a capture.
     torch.manual_seed(0)
     hc = HyperConnectionModule(HyperConnectionConfig(hidden_size=C, num_residual_streams=N, variant=variant,
                                                      init_gating_factor=0.5)).cuda()
@@ -46,8 +46,8 @@ def test_reference_module_captures_and_replays_the_eager_result(variant):
 
 
 def test_dropout_replay_state_refuses_a_capture():
-    """mHC recompute's dropout replay needs the CUDA generator's state: inside a capture it raises a
-    RuntimeError naming the way out, not torch's generator assertion."""
+    """Inside a capture, mHC recompute's dropout replay raises a RuntimeError naming the way out."""
+    # (It needs the CUDA generator's state, which torch refuses to give out while capturing.)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="CUDA-graph capture.*hidden_dropout=0"):
         with torch.cuda.graph(graph):

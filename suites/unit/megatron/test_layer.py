@@ -209,10 +209,9 @@ def test_static_inputs_are_n_streams_wide(make_config, monkeypatch, dims):
     ids=["attn", "mlp", "attn-mlp"],
 )
 def test_cuda_graph_scope_covers_the_hyper_connections(make_config, scope, expected):
-    """The submodules under a scoped CUDA graph include the hyper connection of each captured sublayer.
-
-    The scope goes through the config's constructor, as a user sets it: megatron-core 0.19 moves
-    `cuda_graph_scope` into `cuda_graph_modules` there and clears it (0.16 keeps it)."""
+    """The submodules under a scoped CUDA graph include the hyper connection of each captured sublayer."""
+    # Through the config's constructor, as a user sets it: megatron-core 0.19 moves `cuda_graph_scope`
+    # into `cuda_graph_modules` there and clears it (0.16 keeps it).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # 0.19: "cuda_graph_scope is deprecated"
         layer = _layer(make_config(n=N, cuda_graph_scope=scope))
