@@ -122,13 +122,12 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from harness.errors import MissingGoldenError
     from harness.hardware import require_known, validate_hw_key
     from harness.recalibrate import change_lines
-    from harness.schema import parse_golden, parse_json, read_text
+    from harness.schema import golden_from_doc, parse_json, read_text
     from harness.store import GoldenStore, build_meta
 
     key = require_known(validate_hw_key(args.hw, field="--hw"), allow_unknown=args.allow_unknown_hw)
-    text = read_text(args.file)  # read once: the golden, and the raw values it drops
-    golden = parse_golden(text, source=args.file, allow_nan_strings=True)
-    raw = parse_json(text, source=args.file)
+    raw = parse_json(read_text(args.file), source=args.file)  # parsed once: the golden, and the values it drops
+    golden = golden_from_doc(raw, source=args.file, allow_nan_strings=True)
     store = GoldenStore(args.golden_dir)
     try:
         old, _ = store.load(key, args.suite, args.case)

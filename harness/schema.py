@@ -38,6 +38,7 @@ __all__ = [
     "check_finite",
     "dumps_golden",
     "golden_digest",
+    "golden_from_doc",
     "load_golden",
     "parse_golden",
     "read_text",
@@ -192,7 +193,11 @@ def _parse_metric(name: str, raw: Any, *, source: str, allow_nan_strings: bool) 
 
 def parse_golden(text: str, *, source: str, allow_nan_strings: bool = False) -> Golden:
     """Parse and validate a golden document; errors name ``source``, metric and step."""
-    doc = parse_json(text, source=source)
+    return golden_from_doc(parse_json(text, source=source), source=source, allow_nan_strings=allow_nan_strings)
+
+
+def golden_from_doc(doc: Any, *, source: str, allow_nan_strings: bool = False) -> Golden:
+    """Validate an already-parsed golden document (:func:`parse_json`'s result) into a :data:`Golden`."""
     if not isinstance(doc, dict) or not doc:
         raise GoldenFormatError(f"{source}: expected a non-empty JSON object keyed by metric name")
     return {name: _parse_metric(name, raw, source=source, allow_nan_strings=allow_nan_strings)

@@ -72,9 +72,10 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: T
     if a.numel() == 0:
         return
     for label, t in (("actual", a), ("expected", e)):  # NaN compares False: a NaN would pass the bound
-        if not torch.isfinite(t).all():
-            idx = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])
-            raise AssertionError(f"{name}: {int((~torch.isfinite(t)).sum())} non-finite value(s) in {label}, "
+        nonfinite = ~torch.isfinite(t)
+        if nonfinite.any():
+            idx = tuple(int(i) for i in nonfinite.nonzero()[0])
+            raise AssertionError(f"{name}: {int(nonfinite.sum())} non-finite value(s) in {label}, "
                                  f"first at {idx}: {float(t[idx])}; shape {list(t.shape)}")
     err = (a - e).abs()
     bound = tol.atol + tol.rtol * e.abs()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core.ops._checks import check_finite, check_number, check_rank, shape_str
+from mhc_core.ops._checks import check_finite, check_floating, check_int, check_number, check_rank, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["sinkhorn", "sinkhorn_iterate", "check_sinkhorn_args"]
@@ -41,11 +41,9 @@ def check_sinkhorn_args(
         check_rank(logits, 2, name="logits", op=op, layout="[..., n, n]")
     if logits.shape[-1] != logits.shape[-2] or logits.shape[-1] < 1:
         raise ValueError(f"{op}: logits must have shape [..., n, n] with n >= 1, got {shape_str(logits)}")
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"{op}: iterations={iterations!r} must be an integer >= 1")
+    check_int(iterations, name="iterations", op=op)
     eps = spec.sinkhorn_eps if eps is None else check_number(eps, name="eps", op=op, low=0.0)
-    if not logits.is_floating_point():
-        raise ValueError(f"{op}: logits must be a floating tensor, got dtype {logits.dtype}")
+    check_floating(op=op, logits=logits)
     return eps
 
 

@@ -34,10 +34,11 @@ def test_fused_mhc_run_matches_the_reference_run(functional_runs, monkeypatch):
     """With `--use-fused-mhc` lm loss and grad norm match the reference-ops run at every step, num-zeros within one."""
     reference = functional_runs.deterministic_run(CASE)
     device = "cuda" if functional_runs.recipe(CASE).hardware[functional_runs.hw].backend == "nccl" else "cpu"
-    monkeypatch.setenv("MHC_BACKEND", _fused_backend(device))  # the ranks inherit the environment
+    backend = _fused_backend(device)
+    monkeypatch.setenv("MHC_BACKEND", backend)  # the ranks inherit the environment
     fused = functional_runs.fresh(CASE, "fused", overrides=FUSED)
     assert fused.plan.args.use_fused_mhc and not reference.plan.args.use_fused_mhc
     results = compare(to_golden({n: fused.metrics[n] for n in CHECKS}),
                       to_golden({n: reference.metrics[n] for n in CHECKS}), CHECKS,
-                      source=f"reference-ops run of {CASE} (fused: MHC_BACKEND={_fused_backend(device)})")
+                      source=f"reference-ops run of {CASE} (fused: MHC_BACKEND={backend})")
     assert all(r.ok for r in results), format_results(results)
