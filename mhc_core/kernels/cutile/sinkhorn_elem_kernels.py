@@ -11,8 +11,8 @@ static loops over `n`, so each `n` compiles its own unrolled code.
 Loads read the whole `[TILE_B, n, n]` tile once and split it; stores write one `[TILE_B]` column
 per element. The backward's trajectory workspace is element-major, `[P, n*n, B]`, so that each of
 those columns is contiguous there (a `[P, B, n, n]` workspace made every workspace store and load
-a 64-byte-strided scalar access, each 32-byte sector touched `n*n / 2` times), and the walk back
-loads the next pair's input one step ahead.
+a 64-byte-strided scalar access, each 32-byte sector touched `n*n / 2` times). The walk back loads
+each pair's input where it is used (not one step ahead: see the walk).
 
 `APPROX` (`SinkhornTiles.approx_div`): every division is fp32 `div.approx` (a reciprocal and a
 multiply, <= 2 ulp) instead of the IEEE division, which sm_90 compiles to a reciprocal, four FMAs,
@@ -288,10 +288,6 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
         for idx in ct.static_iter(range(N * N)):
             gl = gl + (g[idx] * ct.exp(st[idx]),)
         g = gl
-    if RECOMPUTE == 0:
-        # Software pipelining: pair q's input is loaded one step ahead, so the load latency
-        # overlaps the previous step's arithmetic instead of stalling the dependent chain.
-        ahead = _load_state(work, ct.maximum(pairs - 1, 0), pid, N, TILE_B)
     for qq in range(pairs):
         q = pairs - 1 - qq
         if RECOMPUTE:
@@ -301,8 +297,12 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
                 prev = _pair(prev, eps, VARIANT, N, APPROX)
                 done = done + 1
         else:
-            prev = ahead
-            ahead = _load_state(work, ct.maximum(q - 1, 0), pid, N, TILE_B)
+            # Pair q's input, loaded where it is used. With a one-step-ahead load (`prev = ahead;
+            # ahead = load(q - 1)`) next to the carried `after`, the H200 computed wrong gradients
+            # for megatron_main / megatron_dev (11-30 parity run), where the CPU interpreter, the
+            # paper variant (no `after`) and recompute (no `ahead`) were right. Suspected: tileiras
+            # 13.4 and that chain of loop-carried tiles; this form awaits its GPU parity run.
+            prev = _load_state(work, q, pid, N, TILE_B)
         if VARIANT == PAPER:
             mid = _norm(prev, _first_axis(VARIANT), eps, VARIANT, N, APPROX)
             g = _norm_vjp(mid, g, _second_axis(VARIANT), eps, VARIANT, N, APPROX)

@@ -12,7 +12,8 @@ for small ops it is the host's time per call), the GPU busy time per call of 5 p
 (`device_ms`, `mhc_core.kernels.device_time`: the kernels alone, what candidates are ranked by)
 and GB/s of that time against `mhc_core.analysis.bytes_moved`, and whether the candidate computes
 what the reference does on the same inputs (`max_rel_err`: the largest relative Frobenius error
-over outputs, or over input gradients for the backward; `check` ok within `CHECK_RTOL`). The first
+over outputs, or over input gradients for the backward; `check` ok within `sweep_check.check_rtol`;
+`--summary` and `--adopt` re-grade a file's rows by the tolerances of the version reading it). The first
 candidate of each key is the heuristic's default; the sweep times under `tiling.tuned(None)`, so a
 shipped tuning does not change what "default" means. `--warm-only` runs each candidate once (JIT compile into the on-disk
 cache), so several processes can compile disjoint `--keys` / `--index` in parallel before one
@@ -55,11 +56,11 @@ from mhc_core.kernels.cutile.sweep_candidates import (
     override,
     tile_key,
 )
-from mhc_core.kernels.cutile.sweep_check import CHECK_RTOL, deviation
+from mhc_core.kernels.cutile.sweep_check import CHECK_RTOL, deviation, grade
 from mhc_core.kernels.device_time import device_busy_seconds
 
 # CANDIDATES, KEY_ORDER, override (sweep_candidates) and CHECK_RTOL, deviation (sweep_check) stay importable here.
-__all__ = ["CANDIDATES", "KEY_ORDER", "CHECK_RTOL", "main", "timers", "deviation", "override", "summary"]
+__all__ = ["CANDIDATES", "KEY_ORDER", "CHECK_RTOL", "main", "timers", "deviation", "override", "regrade", "summary"]
 
 def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str, iterations: int,
            device: str = "cuda") -> dict[str, Callable[[], object]]:
@@ -121,7 +122,29 @@ def _read_sweep(path: str, flag: str) -> dict | None:
     except (OSError, ValueError) as exc:
         print(f"sweep {flag}: " + (f"{path}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)), file=sys.stderr)
         return None
+    changed = regrade(data)
+    if changed:
+        print(f"sweep {flag}: {path}: {len(changed)} row(s) re-graded by this version's check tolerances: "
+              + "; ".join(changed[:4]) + (" ..." if len(changed) > 4 else ""), file=sys.stderr)
     return data
+
+
+def regrade(data: dict) -> list[str]:
+    """Set each timed row's `check` of a checked sweep file (`data`, changed in place) from its
+    `max_rel_err` by `sweep_check.grade` at the file's activation dtype, so that a tolerance tightened
+    since the sweep ran applies to its file too; one line per changed row. Rows without a numeric
+    `max_rel_err`, and files without a `dtype` of bf16 / fp32, keep what they recorded."""
+    act = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(data.get("dtype"))
+    changed = []
+    for r in data["rows"]:
+        err = r.get("max_rel_err")
+        if act is None or "error" in r or isinstance(err, bool) or not isinstance(err, int | float):
+            continue
+        new = grade(r["key"], act, float(err))
+        if r.get("check") != new:
+            changed.append(f"{r['key']} {r['tiles']} {r['direction']}: {r.get('check')} -> {new} ({err:.2g})")
+            r["check"] = new
+    return changed
 
 
 def _print_summary(path: str) -> int:
@@ -248,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                         row = {"key": key, "tiles": repr(cand), "direction": direction,
                                "single_ms": round(single, 4), "pipelined_ms": round(piped, 4),
                                "max_rel_err": err if err == float("inf") else float(f"{err:.3g}"),
-                               "check": "ok" if err <= CHECK_RTOL[act] else "fail"}
+                               "check": grade(key, act, err)}
                         row.update({"device_error": device_error} if busy_ms is None else {"device_ms": round(busy_ms, 4)})
                         row["gb_per_s"] = round(model / (tuning.rank_ms(row) * 1e6), 1)
                         rows.append(row)
