@@ -12,14 +12,15 @@ from pathlib import Path
 
 def rows(path: str | Path) -> list[str]:
     """One Markdown row per benchmark: op, direction, backend, shape, median, GB/s, roofline, speed-up,
-    the back-to-back time and its roofline, the GPU busy time per call (GPU runs), and for the layer
+    the back-to-back time and its roofline, the GPU busy time per call and its roofline (the bytes
+    over the busy time against the same-run copy: the kernels alone; GPU runs), and for the layer
     its time overhead over the plain layer
     (in brackets: on a GPU the overhead in GPU busy time, and the bandwidth floor of the overhead)
     and saved-activation ratio."""
     data = json.loads(Path(path).read_text())
     out = ["| op | dir | backend | shape | median | GB/s | copy GB/s | roofline | vs reference | pipelined | "
-           "roofline (pipelined) | GPU busy | layer overhead | layer saved act |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "roofline (pipelined) | GPU busy | roofline (busy) | layer overhead | layer saved act |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in sorted(data["benchmarks"], key=lambda b: (b["extra_info"].get("op", ""), b["name"])):
         e = b["extra_info"]
         op = e.get("op", b["name"])
@@ -29,6 +30,8 @@ def rows(path: str | Path) -> list[str]:
         def f(key, scale=1.0, fmt="{:.2f}", e=e):
             return fmt.format(e[key] * scale) if key in e else "-"
 
+        busy_roofline = (f"{e['bytes_per_s_busy'] / e['copy_bytes_per_s'] * 100:.0f} %"
+                         if "bytes_per_s_busy" in e and e.get("copy_bytes_per_s") else "-")
         notes = [f"{name} {f(key, 100, '{:+.0f} %')}" for name, key in
                  (("GPU busy", "device_overhead_ratio"), ("floor", "floor_overhead_ratio")) if key in e]
         floor = f" ({', '.join(notes)})" if notes else ""
@@ -38,7 +41,7 @@ def rows(path: str | Path) -> list[str]:
             f"{med * 1e3:.3f} ms | {f('bytes_per_s', 1e-9)} | {f('copy_bytes_per_s', 1e-9)} | "
             f"{f('roofline_ratio', 100, '{:.0f} %')} | {f('speedup_vs_reference', 1, '{:.2f}x')} | "
             f"{f('pipelined_s', 1e3, '{:.3f} ms')} | {f('roofline_ratio_pipelined', 100, '{:.0f} %')} | "
-            f"{f('device_busy_s', 1e3, '{:.3f} ms')} | "
+            f"{f('device_busy_s', 1e3, '{:.3f} ms')} | {busy_roofline} | "
             f"{f('overhead_ratio', 100, '{:+.0f} %')}{floor} | {f('saved_bytes_ratio', 1, '{:.2f}x')} |"
         )
     return out

@@ -118,13 +118,13 @@ def test_nsys_rejects_a_non_export(tmp_path):
 
 
 def test_table_renders_rows(tmp_path, capsys):
-    """The table prints one Markdown row per benchmark (shape without the op prefix) with GB/s, roofline, speed-up."""
+    """The table prints one Markdown row per benchmark (shape without the op prefix) with GB/s, roofline, speed-up, busy roofline."""
     doc = {"benchmarks": [
         {"name": "test_kernel[x]", "stats": {"median": 0.002},
          "extra_info": {"op": "h_aggregate", "direction": "fwd", "backend": "compiled", "shape": "h_aggregate-T4-n4-C8",
                         "median_s": 0.001, "bytes_per_s": 4e10, "copy_bytes_per_s": 5e10,
                         "roofline_ratio": 0.8, "speedup_vs_reference": 2.5, "pipelined_s": 0.0008,
-                        "roofline_ratio_pipelined": 0.95, "device_busy_s": 0.0007}},
+                        "roofline_ratio_pipelined": 0.95, "device_busy_s": 0.0007, "bytes_per_s_busy": 4.5e10}},
         {"name": "test_layer[reference]", "stats": {"median": 0.03},
          "extra_info": {"op": "layer", "overhead_ratio": 0.5, "saved_bytes_ratio": 1.6}},
         {"name": "test_layer[compiled]", "stats": {"median": 0.02},
@@ -139,7 +139,7 @@ def test_table_renders_rows(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 6
     assert "| h_aggregate | fwd | compiled | T4-n4-C8 | 1.000 ms | 40.00 |" in out[2] and "80 %" in out[2] and "2.50x" in out[2]
-    assert "| 0.800 ms | 95 % | 0.700 ms |" in out[2], out[2]
+    assert "| 0.800 ms | 95 % | 0.700 ms | 90 % |" in out[2], out[2]  # busy: 4.5e10 / 5e10
     assert out[3].endswith("| +30 % (floor +4 %) | 1.60x |"), out[3]  # rows sort by name: compiled first
     assert out[4].endswith("| +200 % (GPU busy +57 %, floor +10 %) | 1.60x |"), out[4]
     assert out[5].endswith("| +50 % | 1.60x |"), out[5]
