@@ -203,6 +203,36 @@ def test_sweep_check_accepts_every_candidate(emu, key, cand):
     assert errs and all(grade(key, torch.bfloat16, e) == "ok" for e in errs.values()), (key, cand, errs)
 
 
+class _PairsOff(torch.autograd.Function):
+    """The reference Sinkhorn forward with the gradient of two fewer iterations: what a backward that
+    walks back one normalisation pair off computes."""
+
+    @staticmethod
+    def forward(ctx, z, iterations, variant):
+        ctx.save_for_backward(z)
+        ctx.args = (iterations, variant)
+        return ref.sinkhorn(z, iterations, None, variant)
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        iterations, variant = ctx.args
+        with torch.enable_grad():
+            z = z.detach().requires_grad_(True)
+            (gz,) = torch.autograd.grad(ref.sinkhorn(z, iterations - 2, None, variant), z, g)
+        return gz, None, None
+
+
+@pytest.mark.parametrize("variant", ["megatron_main", "megatron_dev"])
+def test_sweep_check_refuses_a_sinkhorn_backward_a_pair_off(emu, variant):
+    """The sweep's Sinkhorn inputs are far enough from convergence that a backward one pair off in
+    its walk back fails the Sinkhorn bound (forward untouched)."""
+    off = emu._replace(sinkhorn=lambda z, it, eps, v: _PairsOff.apply(z, it, v))
+    torch.manual_seed(0)
+    errs = deviation(off, "sinkhorn", 1024, 4, 512, torch.bfloat16, variant, 20, device="cpu")
+    assert errs["fwd"] < 1e-6 and errs["bwd"] > 2 * SINKHORN_RTOL, errs
+
+
 def test_sinkhorn_check_is_fp32_whatever_the_activations(capsys):
     """Sinkhorn runs on fp32 logits: a bf16 sweep holds it to `SINKHORN_RTOL`, not the bf16 bound. The
     H200's wrong per-element backward (7.6e-3, 11-30) is refused, a mapping row with that error is not,
