@@ -72,6 +72,16 @@ CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8
 # no spills; shared-memory traffic LDS 321 -> 20, STS 190 -> 50, BAR 109 -> 10 against the default (sm_90).
 CANDIDATES["h_post_bda_bwd_occupancy"] += _hinted("h_post_bda_bwd", (2, 4), _S(8, 64, mma=True)) + _hinted(
     "h_post_bda_bwd", (2, 4), _S(8, 128, mma=True))
+# On the H200 (11-30) the tuple-of-streams 8 x 64 backward at occupancy 2 won (0.373 ms, ~61 % of copy; unhinted
+# 0.520, at 4 0.551). Next to it: hint 3, and at hint 2 the 4 x 128 and 4 x 64 tuples (0.607 / 0.848 unhinted) and
+# the per-stream 8 x 128 (0.511, the best unhinted tile).
+CANDIDATES["h_post_bda_bwd_occupancy"] += (
+    _hinted("h_post_bda_bwd", (3,), _S(8, 64, 2)) + _hinted("h_post_bda_bwd", (2,), _S(4, 128, 2))
+    + _hinted("h_post_bda_bwd", (2,), _S(4, 64, 2)) + _hinted("h_post_bda_bwd", (2,), _S(8, 128, True)))
+# The h_post_bda forward's winner, the C-looping tuple-of-streams 4 x 256 (0.155 ms, 84-85 % of copy), with hints;
+# its 8 x 128 and 2 x 256 neighbours (8 x 128 beat 4 x 256 without the C loop: 0.231 against 0.272 ms).
+CANDIDATES["h_post_bda_fwd"] += (_S(8, 128, 2, True), _S(2, 256, 2, True))
+CANDIDATES["h_post_bda_fwd_occupancy"] += _hinted("h_post_bda_fwd", (2, 4), _S(4, 256, 2, True))
 # And the `mma` forwards (C-looping): 255 x 256 unhinted, 128 / 64 registers at 2 / 4, no spills.
 CANDIDATES["h_aggregate_fwd_occupancy"] += _hinted("h_aggregate_fwd", (2, 4), _S(8, 256, loop_c=True, mma=True))
 CANDIDATES["h_post_bda_fwd_occupancy"] += _hinted("h_post_bda_fwd", (2, 4), _S(4, 256, loop_c=True, mma=True))
