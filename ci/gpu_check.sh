@@ -20,14 +20,16 @@
 # and runs from there with the cache as CUDA_TILE_CACHE_DIR (`precompile check` into env.txt,
 # `precompile report`, entries used and kernels still JIT-compiled, into summary.txt).
 #
-# Steps (MHC_GPU_STEPS, default "parity sweep perf": the sweep writes its checked winners as
-# tuning.json and the perf suite then runs under it, all in one call; to ship them, copy tuning.json
-# to mhc_core/kernels/cutile/tuned/nvidia_h200.json, after which every run on the device uses them
-# ("parity" alone then tests them). Each step has its own timeout; the defaults sum to 480 s, under
+# Steps (MHC_GPU_STEPS, default "parity sweep perf"; they run in the order below, whatever the order
+# named: the sweep first, which writes its checked winners as tuning.json, then every later step
+# under that file (MHC_CUTILE_TUNING), so that the parity tests check what would ship and the perf
+# suite times it, all in one call; to ship them, copy tuning.json to
+# mhc_core/kernels/cutile/tuned/nvidia_h200.json, after which every run on the device uses them
+# ("parity" alone then tests them). Each step has its own timeout; the defaults sum to 500 s, under
 # the 600 s a device command may run; MHC_GPU_TIMEOUT_<STEP> overrides one, e.g. MHC_GPU_TIMEOUT_PARITY=150):
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
-#           (the emulated and export tests are CPU CI's), 120 s (317 tests; the JIT's compiles come
-#           from the precompiled cache)
+#           (the emulated and export tests are CPU CI's), 140 s (317 tests, 99 s on 11-30; the JIT's
+#           compiles come from the precompiled cache, except a newly adopted tuning's)
 #   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   bench   (not a default step: the sweep's first candidate per key is the default)
 #   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
@@ -47,7 +49,7 @@
 #   compiled suites/unit/kernels without the cuTile params and the `slow` tests: the compiled
 #           backend (Inductor / Triton) vs reference on CUDA, its fused dropout, T = 0, dynamic T and
 #           the module on top, 4 xdist workers x 4 compile threads, 150 s; not a default step.
-#           "compiled megatron functional" sums to 480 s, as the defaults do
+#           "compiled megatron functional" sums to 480 s (the defaults: 500 s)
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
 #           for reference + cutile (130 s; under this call's tuning.json when the sweep ran), to its own
 #           pytest-benchmark JSON; records
@@ -183,26 +185,7 @@ record() {  # record <step> <exit code>: one line in summary.txt; a failed step 
     [[ $2 -ne 0 ]] && status=1
 }
 
-# 2. parity tests (GPU parity + the CPU-side suites of the same directory)
-if has_step parity; then
-timeout "$(limit parity 120)" "$PY" -m pytest -p no:cacheprovider -q -n 16 --junitxml="$OUT/parity.xml" \
-    suites/unit/kernels_cutile/test_gpu_parity.py suites/unit/kernels_cutile/test_contract.py \
-    > "$OUT/parity.txt" 2>&1
-rc=$?
-tail -5 "$OUT/parity.txt"
-record parity $rc
-fi
-
-# 3. timing at T=8192, C=4096, n=4, bf16
-if has_step bench; then
-timeout "$(limit bench 30)" "$PY" -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 \
-    --iters 10 --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
-rc=$?
-cat "$OUT/bench.txt"
-record bench $rc
-fi
-
-# 3a. tile sweep (JIT-compile every candidate in parallel processes, then time them in one) and
+# 2. tile sweep (JIT-compile every candidate in parallel processes, then time them in one) and
 #     the fp32 tensor-core precision probe
 if has_step sweep; then
 SWEEP=(-m mhc_core.kernels.cutile.sweep $SWEEP_SHAPE --iters 10)  # ranked by GPU busy time; 10 timed calls suffice
@@ -234,6 +217,34 @@ timeout "$(limit probe 20)" "$PY" -m mhc_core.kernels.cutile.precision_probe --o
 rc=$?
 cat "$OUT/probe.txt"
 record probe $rc
+fi
+
+# The tuning this call's sweep adopted, if any, else what the runtime finds for the device (tuned/):
+# every later step (parity, megatron, functional, perf) runs under it, so what would ship is what
+# the parity tests check.
+if [[ -s "$OUT/tuning.json" && -z "${MHC_CUTILE_TUNING:-}" ]]; then
+    export MHC_CUTILE_TUNING="$OUT/tuning.json"
+fi
+echo "tuning for the later steps: ${MHC_CUTILE_TUNING:-the file shipped for the device, if any}" >> "$OUT/summary.txt"
+
+# 3. parity tests (GPU parity + the CPU-side suites of the same directory), after the sweep: under its
+#    tuning when it adopted one
+if has_step parity; then
+timeout "$(limit parity 140)" "$PY" -m pytest -p no:cacheprovider -q -n 16 --junitxml="$OUT/parity.xml" \
+    suites/unit/kernels_cutile/test_gpu_parity.py suites/unit/kernels_cutile/test_contract.py \
+    > "$OUT/parity.txt" 2>&1
+rc=$?
+tail -5 "$OUT/parity.txt"
+record parity $rc
+fi
+
+# 3'. timing at T=8192, C=4096, n=4, bf16
+if has_step bench; then
+timeout "$(limit bench 30)" "$PY" -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 \
+    --iters 10 --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
+rc=$?
+cat "$OUT/bench.txt"
+record bench $rc
 fi
 
 # 3b. the reference core and the megatron integration on the GPU (single process; a world of one,
@@ -291,10 +302,6 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
         "$PY" -m suites.perf.table "$OUT/$1.json" >> "$OUT/perf-table.md"
     fi
 }
-# The tuning this call's sweep adopted, if any, else what the runtime finds for the device (tuned/).
-if [[ -s "$OUT/tuning.json" && -z "${MHC_CUTILE_TUNING:-}" ]]; then
-    export MHC_CUTILE_TUNING="$OUT/tuning.json"
-fi
 echo "perf tuning: ${MHC_CUTILE_TUNING:-the file shipped for the device, if any} (machine_info.mhc.cutile_tuning in perf.json)" \
     >> "$OUT/summary.txt"
 has_step perf && perf_run perf 130 "not compiled"
