@@ -37,16 +37,20 @@ import torch  # noqa: E402
 from mhc_core.kernels.cutile import precompile, tiling, tuning  # noqa: E402
 from mhc_core.kernels.cutile.bench import add_shape_args  # noqa: E402
 from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
+from mhc_core.kernels.preflight import cutile_gap  # noqa: E402
 from suites.perf.registry import cases_for  # noqa: E402
 from suites.perf.test_layer import GPU_SHAPE  # noqa: E402
 from suites.unit.kernels_cutile import test_gpu_parity as parity  # noqa: E402
 
 
 def perf_launches() -> list[precompile.Recorded]:
-    """The perf suite's GPU cases, their inputs built on the CPU, forward then backward."""
+    """The perf suite's GPU cases that cuTile runs (not those the perf test skips for a cuTile gap,
+    such as hidden dropout in training), their inputs built on the CPU, forward then backward."""
     rec = precompile.LaunchRecorder()
     ops = make_ops(rec)
     for case in cases_for("cuda"):
+        if cutile_gap(case.op, n=case.n, dtype=case.dtype, dropout=case.dropout):
+            continue
         inputs = dataclasses.replace(case, device="cpu").inputs(requires_grad=True)
 
         def run(case=case, inputs=inputs):
