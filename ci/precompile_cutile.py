@@ -10,7 +10,7 @@ will import `mhc_core` from (`bash ci/gpu_check.sh prepare` does): the entries h
 Launch sets, in priority order (the size cap keeps a prefix; a GPU run JIT-compiles the rest):
 
     sweep   every candidate of `sweep_candidates.CANDIDATES` at the sweep's shape (the options above)
-    perf    the perf suite's GPU cases (`suites/perf/registry.py`), forward and backward
+    perf    the perf suite's GPU cases (`suites/perf/registry.py`) that cuTile runs, forward and backward
     layer   every op at the layer benchmark's GPU size (T 4096, C 1024, n 4, bf16), each variant
     parity  every op at the GPU parity tests' sizes (n 2, 4, 8; bf16 and fp32)
     forms   the parity tests of the sweep's other formulations (their tiles, at their sizes)

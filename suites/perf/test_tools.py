@@ -140,6 +140,8 @@ def test_table_renders_rows(tmp_path, capsys):
     assert len(out) == 6
     assert "| h_aggregate | fwd | compiled | T4-n4-C8 | 1.000 ms | 40.00 |" in out[2] and "80 %" in out[2] and "2.50x" in out[2]
     assert "| 0.800 ms | 95 % | 0.700 ms | 90 % |" in out[2], out[2]  # busy: 4.5e10 / 5e10
+    assert all(line.count("|") == out[0].count("|") == 16 for line in out), out
+    assert [line.split("|")[13].strip() for line in out[2:]] == ["90 %", "-", "-", "-"]  # no busy bytes: "-"
     assert out[3].endswith("| +30 % (floor +4 %) | 1.60x |"), out[3]  # rows sort by name: compiled first
     assert out[4].endswith("| +200 % (GPU busy +57 %, floor +10 %) | 1.60x |"), out[4]
     assert out[5].endswith("| +50 % | 1.60x |"), out[5]

@@ -13,7 +13,7 @@ for small ops it is the host's time per call), the GPU busy time per call of 5 p
 and GB/s of that time against `mhc_core.analysis.bytes_moved`, and whether the candidate computes
 what the reference does on the same inputs (`max_rel_err`: the largest relative Frobenius error
 over outputs, or over input gradients for the backward; `check` ok within `sweep_check.check_rtol`;
-`--summary` and `--adopt` re-grade a file's rows by the tolerances of the version reading it). The first
+`--summary` and `--adopt` refuse a file's rows that the bounds of the version reading them refuse). The first
 candidate of each key is the heuristic's default; the sweep times under `tiling.tuned(None)`, so a
 shipped tuning does not change what "default" means. `--warm-only` runs each candidate once (JIT compile into the on-disk
 cache), so several processes can compile disjoint `--keys` / `--index` in parallel before one
@@ -124,16 +124,18 @@ def _read_sweep(path: str, flag: str) -> dict | None:
         return None
     changed = regrade(data)
     if changed:
-        print(f"sweep {flag}: {path}: {len(changed)} row(s) re-graded by this version's check tolerances: "
+        print(f"sweep {flag}: {path}: {len(changed)} row(s) refused by this version's check bounds: "
               + "; ".join(changed[:4]) + (" ..." if len(changed) > 4 else ""), file=sys.stderr)
     return data
 
 
 def regrade(data: dict) -> list[str]:
-    """Set each timed row's `check` of a checked sweep file (`data`, changed in place) from its
-    `max_rel_err` by `sweep_check.grade` at the file's activation dtype, so that a tolerance tightened
-    since the sweep ran applies to its file too; one line per changed row. Rows without a numeric
-    `max_rel_err`, and files without a `dtype` of bf16 / fp32, keep what they recorded."""
+    """Refuse (`check` "fail") each timed row of a checked sweep file (`data`, changed in place) whose
+    `max_rel_err` is beyond `sweep_check.check_rtol` at the file's activation dtype, so that a bound
+    tightened since the sweep ran applies to its file too; one line per changed row. Never the other
+    way: a recorded "fail" stays (the file's errors are rounded to 3 digits, and a loosened bound is
+    no reason to trust an old refusal less). Rows without a numeric `max_rel_err`, and files without
+    a `dtype` of bf16 / fp32, keep what they recorded."""
     act = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(data.get("dtype"))
     changed = []
     for r in data["rows"]:
@@ -141,7 +143,7 @@ def regrade(data: dict) -> list[str]:
         if act is None or "error" in r or isinstance(err, bool) or not isinstance(err, int | float):
             continue
         new = grade(r["key"], act, float(err))
-        if r.get("check") != new:
+        if r.get("check", "ok") == "ok" and new == "fail":
             changed.append(f"{r['key']} {r['tiles']} {r['direction']}: {r.get('check')} -> {new} ({err:.2g})")
             r["check"] = new
     return changed

@@ -31,9 +31,9 @@ CANDIDATES: dict[str, tuple] = {
                         _S(8, 256, mma=True), _S(8, 256, loop_c=True, mma=True), _S(16, 128, mma=True),
                         _S(16, 256, loop_c=True, mma=True)),
     # `mma`: the channel sum x2 @ go^T on the tensor cores; 16 x 128: 4 SHFL / 4 LDS against the
-    # default's 80 / 32, no spills (8 x 256 spills, left out).
-    "h_aggregate_bwd": (_S(8, 256), _S(4, 256), _S(8, 512), _S(16, 256), _S(16, 128, mma=True),
-                        _S(8, 128, mma=True)),
+    # default's 80 / 32, no spills (8 x 256 spills, left out). 8 x 512 is out: on the H200 (11-30) it
+    # computed wrong gradients (relative error 0.56; the CPU interpreter is right) and was no faster.
+    "h_aggregate_bwd": (_S(8, 256), _S(4, 256), _S(16, 256), _S(16, 128, mma=True), _S(8, 128, mma=True)),
     "h_post_bda_fwd": (_S(4, 256, True), _S(2, 256, True), _S(4, 128, True), _S(2, 512, True), _S(4, 256),
                        _S(4, 256, 2), _S(8, 256, 2), _S(8, 128, 2), _S(4, 256, 2, True), _S(8, 256, 2, True),
                        _S(4, 256, True, True), _S(4, 256, mma=True), _S(4, 256, loop_c=True, mma=True),

@@ -20,8 +20,10 @@ CHECK_RTOL = {torch.bfloat16: 2e-2, torch.float32: 5e-3}
 dtype): far above rounding (bf16 outputs: ~1e-3 here), far below a wrong result (~1)."""
 
 SINKHORN_RTOL = 1e-3
-"""The same for Sinkhorn, whatever the activation dtype: its logits and math are fp32. On the H200
-(11-30) the right candidates showed at most 3.8e-5 (approximate division included) and a wrong
+"""The same for Sinkhorn, whatever the activation dtype: its math is fp32 in the kernels and the
+reference alike (its logits are bf16 in a bf16 sweep under megatron_main / megatron_dev, whose
+coefficients are in the activation dtype, so the two round the same fp32 result). On the H200 (11-30,
+bf16 logits) the right candidates showed at most 3.8e-5 (approximate division included) and a wrong
 per-element backward 6.9e-3 to 7.6e-3, which the bf16 bound (2e-2) had let through."""
 
 

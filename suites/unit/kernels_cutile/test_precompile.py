@@ -175,10 +175,12 @@ def test_build_workers_cache_where_told_when_main_imports_cuda_tile(tmp_path):
     assert proc.stdout.split() == ["4", "0", str(tmp_path / "elsewhere")], proc.stdout  # and the variable restored
 
 
-def test_precompile_script_records_the_perf_cases_cutile_runs():
+def test_precompile_script_records_the_perf_cases_cutile_runs(monkeypatch):
     """`ci/precompile_cutile.py` records every GPU perf case that cuTile runs, forward and backward, and
-    leaves out those the perf test skips for a cuTile gap (hidden dropout in training) instead of
-    stopping on them."""
+    leaves out those the perf test skips for a cuTile gap (today hidden dropout in training, which
+    stopped the build before) instead of stopping on them. The GPU cases at T = 64, C = 256 (the
+    launches' kinds, not their sizes, are what this checks)."""
+    import dataclasses
     import importlib.util
 
     from mhc_core.kernels.preflight import cutile_gap
@@ -187,10 +189,10 @@ def test_precompile_script_records_the_perf_cases_cutile_runs():
     spec = importlib.util.spec_from_file_location("precompile_cutile", ROOT / "ci" / "precompile_cutile.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    cases = [dataclasses.replace(c, tokens=64, hidden=256) for c in cases_for("cuda")]
+    monkeypatch.setattr(script, "cases_for", lambda device: cases)
     recs = script.perf_launches()
-    cases = cases_for("cuda")
     gaps = {c.id for c in cases if cutile_gap(c.op, n=c.n, dtype=c.dtype, dropout=c.dropout)}
-    assert gaps and all(c.dropout == 0 for c in cases if c.id not in gaps)
     labels = {r.id.removesuffix("-" + r.kernel_name.removesuffix("_kernel")) for r in recs}
     assert labels == {c.id for c in cases} - gaps, labels
     kernels = {r.kernel_name for r in recs}
