@@ -26,8 +26,8 @@ from mhc_core import ops as ref
 from mhc_core.analysis import bytes_moved
 from mhc_core.variants import get_variant
 
-__all__ = ["main", "time_ms", "pipelined_ms", "backward_fn", "make_inputs", "op_call", "add_shape_args", "cutile_or_none",
-           "write_json"]
+__all__ = ["ACT_DTYPES", "main", "time_ms", "pipelined_ms", "backward_fn", "make_inputs", "op_call", "add_shape_args",
+           "cutile_or_none", "write_json"]
 
 
 def time_ms(fn: Callable[[], object], warmup: int, iters: int, device: str = "cuda") -> float:
@@ -74,6 +74,10 @@ def pipelined_ms(fn: Callable[[], object], iters: int, device: str = "cuda") -> 
     return start.elapsed_time(end) / iters
 
 
+ACT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""`--dtype` of the GPU tools (and a sweep file's `dtype`): the activation dtype it names."""
+
+
 def add_shape_args(p: argparse.ArgumentParser, *, tokens: int = 8192, hidden: int = 4096,
                    variant: str = "megatron_dev", dtype: bool = True) -> None:
     """`--tokens --hidden --n [--dtype] --variant`, the problem options the GPU tools share."""
@@ -81,7 +85,7 @@ def add_shape_args(p: argparse.ArgumentParser, *, tokens: int = 8192, hidden: in
     p.add_argument("--hidden", type=int, default=hidden)
     p.add_argument("--n", type=int, default=4)
     if dtype:
-        p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+        p.add_argument("--dtype", choices=tuple(ACT_DTYPES), default="bf16")
     p.add_argument("--variant", default=variant)
 
 
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     cutile = cutile_or_none("bench")
     if cutile is None:
         return 2
-    act = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    act = ACT_DTYPES[args.dtype]
     t, n, c = args.tokens, args.n, args.hidden
     rows = []
     for op in args.ops.split(","):

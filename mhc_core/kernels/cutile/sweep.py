@@ -39,6 +39,7 @@ import torch
 from mhc_core.analysis import bytes_moved
 from mhc_core.kernels.cutile import tiling, tuning
 from mhc_core.kernels.cutile.bench import (
+    ACT_DTYPES,
     add_shape_args,
     backward_fn,
     cutile_or_none,
@@ -136,7 +137,7 @@ def regrade(data: dict) -> list[str]:
     way: a recorded "fail" stays (the file's errors are rounded to 3 digits, and a loosened bound is
     no reason to trust an old refusal less). Rows without a numeric `max_rel_err`, and files without
     a `dtype` of bf16 / fp32, keep what they recorded."""
-    act = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(data.get("dtype"))
+    act = ACT_DTYPES.get(data.get("dtype"))
     changed = []
     for r in data["rows"]:
         err = r.get("max_rel_err")
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [k for k in keys if k not in CANDIDATES]
     if unknown:
         p.error(f"--keys: unknown {', '.join(unknown)}; valid: {', '.join(CANDIDATES)}")
-    act = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    act = ACT_DTYPES[args.dtype]
     t, n, c = args.tokens, args.n, args.hidden
     rows = []
     for key in keys:

@@ -19,8 +19,14 @@ CHECK_RTOL = {torch.bfloat16: 2e-2, torch.float32: 5e-3}
 """Largest relative Frobenius error a candidate may show against the reference (per activation
 dtype): far above rounding (bf16 outputs: ~1e-3 here), far below a wrong result (~1)."""
 
+SMALL_TENSOR = 16
+"""Tensors of fewer values (the `[1]` gains' gradients: sums over every token and coefficient whose
+value can cancel to near 0, where any rounding is a large relative error: up to 1.4 on the CPU
+interpreter in bf16 at T = 40) must be present and finite but are not compared; the parity tests
+hold them to a cosine similarity instead (`mhc_core.testing`)."""
+
 SINKHORN_RTOL = 1e-3
-"""The same for Sinkhorn, whatever the activation dtype: its math is fp32 in the kernels and the
+"""`CHECK_RTOL` for Sinkhorn, whatever the activation dtype: its math is fp32 in the kernels and the
 reference alike (its logits are bf16 in a bf16 sweep under megatron_main / megatron_dev, whose
 coefficients are in the activation dtype, so the two round the same fp32 result). On the H200 (11-30,
 bf16 logits) the right candidates showed at most 3.8e-5 (approximate division included) and a wrong
@@ -35,12 +41,6 @@ def check_rtol(key: str, act: torch.dtype) -> float:
 def grade(key: str, act: torch.dtype, err: float) -> str:
     """A sweep row's `check`: "ok" when `err` is within `check_rtol(key, act)`, else "fail"."""
     return "ok" if err <= check_rtol(key, act) else "fail"
-
-SMALL_TENSOR = 16
-"""Tensors of fewer values (the `[1]` gains' gradients: sums over every token and coefficient whose
-value can cancel to near 0, where any rounding is a large relative error: up to 1.4 on the CPU
-interpreter in bf16 at T = 40) must be present and finite but are not compared; the parity tests
-hold them to a cosine similarity instead (`mhc_core.testing`)."""
 
 
 def _rel_error(a: torch.Tensor | None, b: torch.Tensor) -> float:

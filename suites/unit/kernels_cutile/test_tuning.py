@@ -121,6 +121,21 @@ def _row(key, cand, direction, ms, check="ok"):
             "device_ms": ms, "gb_per_s": 1.0, "check": check, "max_rel_err": 1e-3 if check == "ok" else 0.9}
 
 
+def _sweep_doc(rows):
+    """A sweep `--out` document (bf16, `megatron_dev`, NVIDIA H200) holding `rows`."""
+    return {"tokens": 8192, "hidden": 4096, "n": 4, "dtype": "bf16", "variant": "megatron_dev", "device": "NVIDIA H200",
+            "rows": rows}
+
+
+def _stale_sinkhorn_rows():
+    """The fastest Sinkhorn candidate (`CANDIDATES["sinkhorn"][3]`), recorded "ok" under the bf16 bound
+    with the H200's wrong per-element backward error (7.6e-3)."""
+    cand = CANDIDATES["sinkhorn"][3]
+    rows = [_row("sinkhorn", cand, "fwd", 0.001), _row("sinkhorn", cand, "bwd", 0.002)]
+    rows[1]["max_rel_err"] = 7.6e-3
+    return rows
+
+
 def _sweep_rows():
     agg, pbwd, sk = CANDIDATES["h_aggregate_fwd"], CANDIDATES["h_post_bda_bwd"], CANDIDATES["sinkhorn"]
     occ = CANDIDATES["h_post_bda_bwd_occupancy"]
@@ -140,8 +155,7 @@ def _sweep_rows():
 def test_from_sweep_adopts_checked_winners():
     """Per tile key the fastest candidate that matched the reference, over the key and its occupancy key
     (Sinkhorn: fwd + bwd), is adopted when it beats the default by the minimum gain; else the heuristic stays."""
-    data = {"tokens": 8192, "hidden": 4096, "n": 4, "dtype": "bf16", "variant": "megatron_dev", "device": "NVIDIA H200",
-            "rows": _sweep_rows()}
+    data = _sweep_doc(_sweep_rows())
     t, lines = tuning.from_sweep(data, CANDIDATES, min_gain=1.03, source="t.json")
     occ_winner = CANDIDATES["h_post_bda_bwd_occupancy"][-1]
     assert t.tiles == {"h_aggregate_fwd": CANDIDATES["h_aggregate_fwd"][1],
@@ -160,8 +174,7 @@ def test_from_sweep_adopts_checked_winners():
 def test_adopt_cli_writes_a_loadable_tuning(tmp_path, capsys):
     """`sweep --adopt SWEEP --out TUNING` writes the winners; the file loads and puts them in force."""
     sweep = tmp_path / "sweep.json"
-    sweep.write_text(json.dumps({"tokens": 8192, "hidden": 4096, "n": 4, "dtype": "bf16", "variant": "megatron_dev",
-                                 "device": "NVIDIA H200", "rows": _sweep_rows()}))
+    sweep.write_text(json.dumps(_sweep_doc(_sweep_rows())))
     out = tmp_path / "tuning.json"
     assert main(["--adopt", str(sweep), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -244,10 +257,8 @@ def test_sinkhorn_has_its_own_bound_and_old_files_are_refused_by_it():
     assert grade("sinkhorn", torch.bfloat16, 7.6e-3) == "fail" and grade("mapping_bwd", torch.bfloat16, 7.6e-3) == "ok"
     sk = CANDIDATES["sinkhorn"]
     rows = _sweep_rows()
-    wrong = [_row("sinkhorn", sk[3], "fwd", 0.001), _row("sinkhorn", sk[3], "bwd", 0.002)]  # fastest, recorded "ok"
-    wrong[1]["max_rel_err"] = 7.6e-3
-    data = {"tokens": 8192, "hidden": 4096, "n": 4, "dtype": "bf16", "variant": "megatron_dev", "device": "NVIDIA H200",
-            "rows": rows + wrong}
+    wrong = _stale_sinkhorn_rows()
+    data = _sweep_doc(rows + wrong)
     t, _ = tuning.from_sweep(json.loads(json.dumps(data)), CANDIDATES, source="t.json")
     assert t.tiles["sinkhorn"] == sk[3]  # as recorded, the wrong candidate would win
     changed = regrade(data)
@@ -277,11 +288,9 @@ def test_adopt_cli_refuses_a_stale_ok_beyond_the_bound(tmp_path, capsys):
     """`sweep --adopt` on a file whose fastest Sinkhorn row was "ok" under an older bound: the row is
     refused (and named on stderr), the next fastest candidate is adopted."""
     sk = CANDIDATES["sinkhorn"]
-    wrong = [_row("sinkhorn", sk[3], "fwd", 0.001), _row("sinkhorn", sk[3], "bwd", 0.002)]
-    wrong[1]["max_rel_err"] = 7.6e-3
+    wrong = _stale_sinkhorn_rows()
     sweep = tmp_path / "sweep.json"
-    sweep.write_text(json.dumps({"tokens": 8192, "hidden": 4096, "n": 4, "dtype": "bf16", "variant": "megatron_dev",
-                                 "device": "NVIDIA H200", "rows": _sweep_rows() + wrong}))
+    sweep.write_text(json.dumps(_sweep_doc(_sweep_rows() + wrong)))
     out = tmp_path / "tuning.json"
     assert main(["--adopt", str(sweep), "--out", str(out)]) == 0
     assert "1 row(s) refused by this version's check bounds" in capsys.readouterr().err
