@@ -229,7 +229,8 @@ fi
 if [[ -n "$ADOPTED" && -z "${MHC_CUTILE_TUNING:-}" ]]; then
     export MHC_CUTILE_TUNING="$OUT/tuning.json"
 fi
-echo "tuning for the later steps: ${MHC_CUTILE_TUNING:-the file shipped for the device, if any}" >> "$OUT/summary.txt"
+echo "tuning for the later steps: ${MHC_CUTILE_TUNING:-the file shipped for the device, if any} (perf: machine_info.mhc.cutile_tuning in perf.json)" \
+    >> "$OUT/summary.txt"
 
 # 3. parity tests (GPU parity + the CPU-side suites of the same directory), after the sweep: under its
 #    tuning when it adopted one
@@ -316,8 +317,6 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
         "$PY" -m suites.perf.table "$OUT/$1.json" >> "$OUT/perf-table.md"
     fi
 }
-echo "perf tuning: ${MHC_CUTILE_TUNING:-the file shipped for the device, if any} (machine_info.mhc.cutile_tuning in perf.json)" \
-    >> "$OUT/summary.txt"
 has_step perf && perf_run perf 130 "not compiled"
 has_step perf-compiled && perf_run perf-compiled 110 "compiled"
 cat "$OUT/perf-table.md" 2>/dev/null
