@@ -3,7 +3,10 @@
 Forward and backward are one launch each (`sinkhorn_fwd_kernel`, `sinkhorn_bwd_kernel`, or the
 per-element `*_elem_kernel` pair with `SinkhornTiles.per_element`); only the
 logits are saved, the backward kernel replays the iterations from them into an fp32 workspace
-(`[P, B, n, n]`, per-element `[P, n*n, B]`; allocated per call) and walks them backwards.
+(`[P, B, n, n]`, per-element `[P, n*n, B]`; allocated per call) and walks them backwards. With
+`SinkhornTiles.checkpoint` (per-element) and at most `tiling.MAX_ONCHIP_PAIRS` pairs the backward
+is `sinkhorn_bwd_onchip_kernel`: the pair count `P` compiled in, a workspace of checkpoints only
+(`[cdiv(P, checkpoint), n*n, B]`).
 """
 
 from __future__ import annotations
@@ -49,10 +52,18 @@ class _SinkhornFn(torch.autograd.Function):
         g = grad_out.to(logits.dtype).reshape(-1, n, n).contiguous()
         grad = torch.empty_like(z)
         tile = tiling.sinkhorn_tile(n)
+        pairs = num_pairs(iterations, code)
+        if tile.per_element and tile.checkpoint and pairs <= tiling.MAX_ONCHIP_PAIRS:
+            stride = max(1, min(tile.checkpoint, pairs))  # a stride past the last pair: one checkpoint
+            work = torch.empty((max(cdiv(pairs, stride), 1), n * n, z.shape[0]), dtype=torch.float32, device=z.device)
+            if z.shape[0]:
+                rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_bwd_onchip_kernel",
+                          (z, g, grad, work, eps, n, tile.tile_b, code, int(tile.approx_div), pairs, stride))
+            return grad.view(logits.shape), None, None, None, None
         # The kernel's scratch: the input of every normalisation pair, fp32, [max(P, 1), B, n, n]
         # or element-major [max(P, 1), n*n, B] for the per-element kernel (one dummy pair when the
         # kernel recomputes instead).
-        pairs = 1 if tile.recompute else max(num_pairs(iterations, code), 1)
+        pairs = 1 if tile.recompute else max(pairs, 1)
         layout = (n * n, z.shape[0]) if tile.per_element else z.shape
         work = torch.empty((pairs, *layout), dtype=torch.float32, device=z.device)
         if z.shape[0]:

@@ -144,6 +144,7 @@ ALTERNATIVE_TILES = (
     {"sinkhorn": tiling.SinkhornTiles(tile_b=128, recompute=True, per_element=True)},
     {"sinkhorn": tiling.SinkhornTiles(tile_b=128, per_element=True, approx_div=True)},
     {"sinkhorn": tiling.SinkhornTiles(tile_b=128, recompute=True, per_element=True, approx_div=True)},
+    {"sinkhorn": tiling.SinkhornTiles(tile_b=64, per_element=True, approx_div=True, checkpoint=4)},
     {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2),
      "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2)},
     {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, per_stream=1, loop_c=True),
@@ -157,7 +158,8 @@ ALTERNATIVE_TILES = (
      "h_aggregate_bwd": tiling.StreamTiles(tile_t=16, tile_c=128, mma=True)},
 )
 """The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
-(each with a stored trajectory and with recompute; per-element also with approximate division), the whole-tile (not per-stream) stream
+(each with a stored trajectory and with recompute; per-element also with approximate division and with
+the trajectory on chip), the whole-tile (not per-stream) stream
 forwards, the per-stream h_post_bda backward, the stream-by-stream-loading h_post_bda forward and backward, the
 C-looping stream forwards, the mapping backward with its own grad_x kernel and with a spill-free 16 x 64 tile,
 the h_post_bda and h_aggregate backwards with tensor-core channel sums and both forwards with their stream sums

@@ -50,6 +50,7 @@ __all__ = [
     "SUPPORTED_N",
     "next_pow2",
     "SinkhornTiles",
+    "MAX_ONCHIP_PAIRS",
     "sinkhorn_tile",
     "StreamTiles",
     "aggregate_tiles",
@@ -80,7 +81,8 @@ hint (`ct.kernel(occupancy=...)`, 1-32; unset: the compiler's choice), which the
 applies at launch."""
 
 KERNELS_OF = {
-    "sinkhorn": ("sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel"),
+    "sinkhorn": ("sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel",
+                 "sinkhorn_bwd_onchip_kernel"),
     "h_aggregate_fwd": ("h_aggregate_fwd_kernel",),
     "h_aggregate_bwd": ("h_aggregate_bwd_kernel",),
     "h_post_bda_fwd": ("h_post_bda_fwd_kernel",),
@@ -120,6 +122,12 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
         (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
     if not all(_is_pow2(d) for d in dims):
         raise ValueError(f"{where}: {key}={value!r}: tile sizes must be powers of two")
+    if key == "sinkhorn":
+        ck = value.checkpoint
+        if not isinstance(ck, int) or isinstance(ck, bool) or ck < 0:
+            raise ValueError(f"{where}: {key}={value!r}: checkpoint must be an integer >= 0 (0: off)")
+        if ck and not value.per_element:
+            raise ValueError(f"{where}: {key}={value!r}: checkpoint applies to the per-element kernels only")
 
 
 @contextmanager
@@ -212,13 +220,22 @@ class SinkhornTiles:
     input from the start instead of storing the trajectory (see `sinkhorn_kernels`);
     `per_element`: the kernels of `sinkhorn_elem_kernels` (one `[TILE_B]` tile per matrix element,
     `batch_last` does not apply); `approx_div` (per-element only): fp32 `div.approx` divisions
-    (<= 2 ulp) instead of IEEE ones."""
+    (<= 2 ulp) instead of IEEE ones; `checkpoint` (per-element only; 0: off): the backward keeps
+    the trajectory on chip (`sinkhorn_bwd_onchip_kernel`, the pair count compiled in), every
+    `checkpoint`-th pair input stored and the rest replayed per segment, for runs of at most
+    `MAX_ONCHIP_PAIRS` pairs (longer runs take the `recompute` / stored backward)."""
 
     tile_b: int
     batch_last: bool = False
     recompute: bool = False
     per_element: bool = False
     approx_div: bool = False
+    checkpoint: int = 0
+
+
+MAX_ONCHIP_PAIRS = 32
+"""The most normalisation pairs the on-chip Sinkhorn backward unrolls (`SinkhornTiles.checkpoint`):
+20 iterations (the default) are 20 pairs; each pair unrolls to ~100 instructions per walk."""
 
 
 def sinkhorn_tile(n: int) -> SinkhornTiles:

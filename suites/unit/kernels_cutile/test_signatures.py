@@ -9,15 +9,17 @@ import torch
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
-from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, RecordingRuntime
+from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, RecordingRuntime
 from mhc_core.kernels.cutile.signatures import alternative_plan, signature_plan
 from mhc_core.variants import Variant
 
 ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
 
 
-ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "mapping_bwd_dx_kernel"}
-"""Kernels the default tiles never launch (`SinkhornTiles.per_element`, `MappingTiles.split_dx`: sweep candidates)."""
+ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "sinkhorn_bwd_onchip_kernel",
+                    "mapping_bwd_dx_kernel"}
+"""Kernels the default tiles never launch (`SinkhornTiles.per_element` and `checkpoint`, `MappingTiles.split_dx`:
+sweep candidates)."""
 
 
 def test_plan_covers_every_kernel_and_n():
@@ -29,6 +31,34 @@ def test_plan_covers_every_kernel_and_n():
         assert kernels == want, f"n={n}: missing {want - kernels}, unexpected {kernels - want}"
     alternative = {p.kernel_name for p in alternative_plan()}
     assert ALTERNATIVE_ONLY <= alternative, f"alternative plan lacks {ALTERNATIVE_ONLY - alternative}"
+
+
+@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
+def test_onchip_sinkhorn_backward_compiles_in_the_pair_count(variant):
+    """`checkpoint` tiles launch the checkpointed backward with the pair count and a stride clamped to it
+    as constants and `cdiv(pairs, stride)` workspace rows; past `MAX_ONCHIP_PAIRS` pairs the
+    stored-trajectory backward (a row per pair) instead."""
+    shapes = []
+
+    class Shapes(RecordingRuntime):
+        def launch(self, grid, kernel_name, args):
+            shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+            super().launch(grid, kernel_name, args)
+
+    rec = Shapes()
+    ops = make_ops(rec)
+    dev = variant is Variant.MEGATRON_DEV  # its start map ends with a column step: one pair fewer
+    limit = tiling.MAX_ONCHIP_PAIRS + 2
+    with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, per_element=True, checkpoint=4)):
+        for iterations in (20, 2, limit):
+            z = torch.zeros(40, 4, 4, requires_grad=True)
+            ops.sinkhorn(z, iterations, None, variant).sum().backward()
+    bwd = [(la, sh) for la, sh in zip(rec.launches, shapes, strict=True) if "bwd" in la.kernel_name]
+    assert [la.kernel_name for la, _ in bwd] == ["sinkhorn_bwd_onchip_kernel"] * 2 + ["sinkhorn_bwd_elem_kernel"]
+    pairs = [20 - dev, 2 - dev, limit - dev]
+    consts = [[a.value for a in la.args if isinstance(a, ConstArg)][-2:] for la, _ in bwd[:2]]  # PAIRS, STRIDE
+    assert consts == [[pairs[0], 4], [pairs[1], pairs[1]]]
+    assert [sh[3] for _, sh in bwd] == [(5, 16, 40), (1, 16, 40), (pairs[2], 16, 40)]
 
 
 def test_plan_ids_are_unique_and_readable():
