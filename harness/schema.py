@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
@@ -125,13 +126,25 @@ def series_from_list(values: Sequence[float], *, start_step: int = 1, step_inter
     return MetricSeries(start_step=start_step, end_step=max(steps), step_interval=step_interval, values=steps)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise GoldenFormatError(f"duplicate key {k!r}")
+            raise _DuplicateKey(k)
         out[k] = v
     return out
+
+
+def _key_lines(text: str, key: str) -> list[int]:
+    """The lines of `text` where `key` is written as an object key (as `json.dumps` spells it)."""
+    pattern = re.compile(re.escape(json.dumps(key)) + r"\s*:")
+    return [text.count("\n", 0, m.start()) + 1 for m in pattern.finditer(text)]
 
 
 def parse_json(text: str, *, source: str) -> Any:
@@ -142,8 +155,11 @@ def parse_json(text: str, *, source: str) -> Any:
         raise GoldenFormatError(
             f"{source}: malformed JSON at line {exc.lineno} column {exc.colno} (char {exc.pos}): {exc.msg}"
         ) from None
-    except GoldenFormatError as exc:
-        raise GoldenFormatError(f"{source}: {exc}") from None
+    except _DuplicateKey as exc:
+        lines = _key_lines(text, exc.key)
+        shown = ", ".join(map(str, lines[:10])) + (", ..." if len(lines) > 10 else "")
+        where = f" (the key is written at lines {shown})" if len(lines) > 1 else ""
+        raise GoldenFormatError(f"{source}: duplicate key {exc.key!r} in one object{where}") from None
 
 
 def _parse_metric(name: str, raw: Any, *, source: str, allow_nan_strings: bool) -> MetricSeries:

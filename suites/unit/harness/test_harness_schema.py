@@ -82,6 +82,13 @@ class TestParseErrors:
         with pytest.raises(GoldenFormatError, match=r"f\.json: malformed JSON at line 2 column 1"):
             parse_golden('{"lm loss":\n}', source="f.json")
 
+    def test_duplicate_key_names_its_lines(self):
+        """A key written twice in one object is named with the lines it is written at."""
+        text = '{"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1,\n  "values": {"1": 2.0}},\n "lm loss": {}}'
+        with pytest.raises(GoldenFormatError, match=r"f\.json: duplicate key 'lm loss' in one object "
+                                                    r"\(the key is written at lines 1, 3\)"):
+            parse_golden(text, source="f.json")
+
     def test_extra_top_level_key_rejected(self):
         """A non-metric top-level key (e.g. embedded meta) is rejected by name."""
         with pytest.raises(GoldenFormatError, match="metric 'meta': expected an object"):
