@@ -11,14 +11,24 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-__all__ = ["PAD_ZERO", "F32", "load_f32", "load_mix", "load_branch", "load_stream", "stream_slice"]
+__all__ = ["PAD_ZERO", "F32", "load_raw", "load_f32", "load_mix", "load_branch", "load_stream", "stream_slice"]
 
 PAD_ZERO = ct.PaddingMode.ZERO
 F32 = ct.float32
 
 
-def load_f32(arr, index, shape):
-    return ct.astype(ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO), F32)
+def load_raw(arr, index, shape, latency=0):
+    """A zero-padded tile load; `latency` 1-10 is cuTile's DRAM-latency hint (`StreamTiles.latency`:
+    the depth of the compiler's load pipeline), 0 leaves it to the compiler."""
+    if latency > 0:
+        t = ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO, latency=latency)
+    else:
+        t = ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO)
+    return t
+
+
+def load_f32(arr, index, shape, latency=0):
+    return ct.astype(load_raw(arr, index, shape, latency), F32)
 
 
 def load_mix(h_res, pt, N, TILE_T, TRANSPOSED):
@@ -30,17 +40,17 @@ def load_mix(h_res, pt, N, TILE_T, TRANSPOSED):
     return ct.astype(m, F32)
 
 
-def load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS):
-    """`y + bias` as `[TILE_T, 1, TILE_C]` fp32."""
-    yb = load_f32(y, (pt, pc), (TILE_T, TILE_C))
+def load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, latency=0):
+    """`y + bias` as `[TILE_T, 1, TILE_C]` fp32 (`latency` for `y`: `load_raw`)."""
+    yb = load_f32(y, (pt, pc), (TILE_T, TILE_C), latency)
     if HAS_BIAS:
         yb = yb + ct.reshape(load_f32(bias, (pc,), (TILE_C,)), (1, TILE_C))
     return ct.reshape(yb, (TILE_T, 1, TILE_C))
 
 
-def load_stream(arr, pt, i, pc, TILE_T, TILE_C):
+def load_stream(arr, pt, i, pc, TILE_T, TILE_C, latency=0):
     """Stream `i` of `arr [T, n, C]` at tile `(pt, pc)` as `[TILE_T, TILE_C]` fp32."""
-    return ct.reshape(load_f32(arr, (pt, i, pc), (TILE_T, 1, TILE_C)), (TILE_T, TILE_C))
+    return ct.reshape(load_f32(arr, (pt, i, pc), (TILE_T, 1, TILE_C), latency), (TILE_T, TILE_C))
 
 
 def stream_slice(t, i):

@@ -93,6 +93,14 @@ CANDIDATES["h_aggregate_bwd_occupancy"] += _hinted("h_aggregate_bwd", (4,), _S(1
     "h_aggregate_bwd", (2, 4), _S(8, 128, mma=True))
 # The split-dx mapping backward's grad_x kernel also compiles to 255 registers x 256 threads unhinted.
 CANDIDATES["mapping_bwd_occupancy"] += _hinted("mapping_bwd", (2, 4), tiling.MappingTiles(32, 128, True))
+# DRAM-latency hints (`StreamTiles.latency`) on the two h_post_bda kernels still short of their H200 targets. The
+# backward winner's TMA pipeline deepens with the hint (sm_90, occupancy 2: 34 KB of shared memory at 0-5, 43 KB at
+# 6-8, 62 at 9, 71 at 10, still 2 CTAs per SM); the forward winner (plain loads) prefetches further into registers
+# (LDG 30 -> 35 -> 50, registers 123 -> 149 -> 209 at 0 / 6 / 10). The tensor-core backward: 51 -> 78 KB at 10.
+CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
+    c for lat in (6, 9, 10) for c in _hinted("h_post_bda_bwd", (2,), _S(8, 64, 2, latency=lat))) + _hinted(
+    "h_post_bda_bwd", (2,), _S(8, 128, mma=True, latency=10))
+CANDIDATES["h_post_bda_fwd"] += (_S(4, 256, 2, True, latency=6), _S(4, 256, 2, True, latency=10))
 # Most expected gain first, so that a sweep its timeout cuts short has timed these: the kernels furthest
 # from their targets (h_post_bda and mapping backward at ~25 % and ~11 % of copy, Sinkhorn at 2-16x its
 # 10 us) before the forwards.

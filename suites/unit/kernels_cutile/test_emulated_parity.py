@@ -175,6 +175,36 @@ def test_stream_formulations(emu, op, mode, n, variant, with_bias, loop_c):
         compare(f"{op} {tiles} n{n} {variant}", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 
 
+@pytest.mark.parametrize(("mode", "mma"), [(0, False), (1, False), (2, False), (0, True)],
+                         ids=["whole", "per_stream", "tuple", "mma"])
+def test_stream_latency_hint(mode, mma):
+    """`StreamTiles.latency` reaches all four stream kernels as their `LATENCY` constant (the
+    interpreter's `ct.load` refuses a hint outside 1-10) and changes no result."""
+    seen = {}
+
+    class Spy(EmulatedRuntime):
+        def launch(self, grid, kernel_name, args):
+            seen[kernel_name] = args[-1]
+            super().launch(grid, kernel_name, args)
+
+    spy = make_ops(Spy(num_sms=4))
+    t, n, c, variant = 21, 4, 300, Variant.MEGATRON_DEV
+    fwd = tiling.StreamTiles(8, 128, per_stream=mode, loop_c=True, mma=mma, latency=10)
+    bwd = tiling.StreamTiles(8, 128, per_stream=mode, mma=mma, latency=10)
+    with tiling.overridden(h_aggregate_fwd=fwd, h_post_bda_fwd=fwd, h_aggregate_bwd=bwd, h_post_bda_bwd=bwd):
+        compare(f"h_aggregate latency {fwd}", spy.h_aggregate, ref.h_aggregate,
+                aggregate_inputs(t, n, c, torch.bfloat16, torch.float32, "cpu"), torch.bfloat16, input_names=("x", "h_pre"))
+        compare(f"h_post_bda latency {fwd}", lambda *a: spy.h_post_bda(*a, 0.0, False, variant),
+                lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+                post_bda_inputs(t, n, c, torch.bfloat16, torch.float32, True, "cpu"), torch.bfloat16,
+                input_names=POST_BDA_INPUT_NAMES)
+    assert seen == dict.fromkeys(("h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel", "h_post_bda_fwd_kernel",
+                                  "h_post_bda_bwd_kernel"), 10)
+    with pytest.raises(ValueError, match="latency must be an integer in 0-10"):
+        with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(8, 64, latency=11)):
+            pass
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "variant", "with_bias"),
                          [pytest.param(n, v, b, id=f"n{n}-{v.value}{'-bias' if b else ''}") for n, v, b in _POST_BDA_CASES])

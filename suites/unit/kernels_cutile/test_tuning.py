@@ -385,3 +385,16 @@ def test_gpu_runtime_puts_the_device_tuning_in_force(tmp_path, monkeypatch, capl
             f"cuTile tuning: {tuning.describe(tuning.load(shipped / 'nvidia_h200.json'))}"]
     finally:
         cutile._default_runtime.cache_clear()
+
+
+def test_recorded_h200_sweep_still_adopts_the_shipped_tuning(tmp_path):
+    """The 11-30 H200 sweep file, read by this version (its bounds, its candidates' reprs), adopts the
+    tiles and hints of the shipped `tuned/nvidia_h200.json`: fields added to the tile types since
+    (`StreamTiles.latency`, `SinkhornTiles.checkpoint`) keep the recorded rows naming today's candidates."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    out = tmp_path / "tuning.json"
+    assert main(["--adopt", str(root / "docs/measurements/h200-2026-11-30/run1-sweep.json"), "--out", str(out)]) == 0
+    got, shipped = tuning.load(out), tuning.load(root / "mhc_core/kernels/cutile/tuned/nvidia_h200.json")
+    assert (got.tiles, got.occupancy) == (shipped.tiles, shipped.occupancy)
