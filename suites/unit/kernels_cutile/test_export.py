@@ -18,7 +18,7 @@ ct = pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip in
 from cuda.tile.compilation import export_kernel  # noqa: E402
 
 from mhc_core.kernels.cutile import tiling, toolchain, tuning  # noqa: E402
-from mhc_core.kernels.cutile.runtime import ArrayArg  # noqa: E402
+from mhc_core.kernels.cutile.runtime import ArrayArg, ConstArg  # noqa: E402
 from mhc_core.kernels.cutile.signatures import (  # noqa: E402
     alternative_plan,
     kernel_object,
@@ -70,15 +70,18 @@ ALT_PLAN = alternative_plan()
 
 
 def test_alternative_plan_holds_each_formulation():
-    """The sweep's alternative formulations (batch-last and per-element Sinkhorn, whole-tile and
-    C-looping and tensor-core stream forwards, per-stream, tuple and tensor-core h_post_bda backwards,
-    the tensor-core h_aggregate backward, split-dx and 16 x 64 mapping backwards) are listed."""
+    """The sweep's alternative formulations (batch-last, per-element and checkpointed Sinkhorn, whole-tile
+    and C-looping and tensor-core stream forwards, per-stream, tuple and tensor-core h_post_bda backwards,
+    the tensor-core h_aggregate backward, split-dx and 16 x 64 mapping backwards, latency-hinted h_post_bda)
+    are listed."""
     kernels = {p.kernel_name for p in ALT_PLAN}
     assert kernels == {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel",
-                       "sinkhorn_bwd_elem_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel",
+                       "sinkhorn_bwd_elem_kernel", "sinkhorn_bwd_onchip_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel",
                        "h_post_bda_fwd_kernel",
                        "h_post_bda_bwd_kernel", "mapping_bwd_coef_kernel", "mapping_bwd_dx_kernel",
                        "mapping_bwd_dx_dw_kernel"}
+    hinted = {p.kernel_name for p in ALT_PLAN if p.args[-1] == ConstArg(10)}  # LATENCY, last of a stream kernel's
+    assert hinted == {"h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel"}
 
 
 @pytest.mark.slow
