@@ -179,6 +179,12 @@ STREAM_FORMS = [
                   "occupancy": {"h_aggregate_fwd_kernel": 4, "h_post_bda_fwd_kernel": 4}}, id="mma_fwd-occupancy4"),
     pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 64, mma=True), "h_aggregate_bwd": tiling.StreamTiles(16, 128, mma=True),
                   "occupancy": {"h_post_bda_bwd_kernel": 4, "h_aggregate_bwd_kernel": 4}}, id="mma_bwd-occupancy4"),
+    pytest.param({"h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=2, loop_c=True, latency=10),
+                  "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=2, latency=10),
+                  "occupancy": {"h_post_bda_bwd_kernel": 2}}, id="latency10"),
+    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 128, mma=True, latency=10),
+                  "h_aggregate_bwd": tiling.StreamTiles(8, 256, latency=10),
+                  "occupancy": {"h_post_bda_bwd_kernel": 2}}, id="mma_bwd-latency10"),
 ]
 
 
