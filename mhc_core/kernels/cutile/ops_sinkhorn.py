@@ -4,8 +4,8 @@ Forward and backward are one launch each (`sinkhorn_fwd_kernel`, `sinkhorn_bwd_k
 per-element `*_elem_kernel` pair with `SinkhornTiles.per_element`); only the
 logits are saved, the backward kernel replays the iterations from them into an fp32 workspace
 (`[P, B, n, n]`, per-element `[P, n*n, B]`; allocated per call) and walks them backwards. With
-`SinkhornTiles.checkpoint` (per-element) and at most `tiling.MAX_ONCHIP_PAIRS` pairs the backward
-is `sinkhorn_bwd_onchip_kernel`: the pair count `P` compiled in, a workspace of checkpoints only
+`SinkhornTiles.checkpoint` (per-element) and at most `tiling.MAX_CHECKPOINT_PAIRS` pairs the backward
+is `sinkhorn_bwd_checkpoint_kernel`: the pair count `P` compiled in, a workspace of checkpoints only
 (`[cdiv(P, checkpoint), n*n, B]`).
 """
 
@@ -53,11 +53,11 @@ class _SinkhornFn(torch.autograd.Function):
         grad = torch.empty_like(z)
         tile = tiling.sinkhorn_tile(n)
         pairs = num_pairs(iterations, code)
-        if tile.per_element and tile.checkpoint and pairs <= tiling.MAX_ONCHIP_PAIRS:
+        if tile.per_element and tile.checkpoint and pairs <= tiling.MAX_CHECKPOINT_PAIRS:
             stride = max(1, min(tile.checkpoint, pairs))  # a stride past the last pair: one checkpoint
             work = torch.empty((max(cdiv(pairs, stride), 1), n * n, z.shape[0]), dtype=torch.float32, device=z.device)
             if z.shape[0]:
-                rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_bwd_onchip_kernel",
+                rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_bwd_checkpoint_kernel",
                           (z, g, grad, work, eps, n, tile.tile_b, code, int(tile.approx_div), pairs, stride))
             return grad.view(logits.shape), None, None, None, None
         # The kernel's scratch: the input of every normalisation pair, fp32, [max(P, 1), B, n, n]

@@ -161,7 +161,7 @@ ALTERNATIVE_TILES = (
 )
 """The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
 (each with a stored trajectory and with recompute; per-element also with approximate division and with
-the trajectory on chip), the whole-tile (not per-stream) stream
+a checkpointed backward), the whole-tile (not per-stream) stream
 forwards, the per-stream h_post_bda backward, the stream-by-stream-loading h_post_bda forward and backward, the
 C-looping stream forwards, the mapping backward with its own grad_x kernel and with a spill-free 16 x 64 tile,
 the h_post_bda and h_aggregate backwards with tensor-core channel sums and both forwards with their stream sums

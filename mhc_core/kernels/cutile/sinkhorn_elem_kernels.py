@@ -93,7 +93,7 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
 
 
 @ct.kernel
-def sinkhorn_bwd_onchip_kernel(logits, grad_out, grad_logits, work, eps: float,
+def sinkhorn_bwd_checkpoint_kernel(logits, grad_out, grad_logits, work, eps: float,
                                N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, APPROX: ConstInt,
                                PAIRS: ConstInt, STRIDE: ConstInt):
     """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]`, checkpointed; grid `(cdiv(B, TILE_B),)`;

@@ -50,7 +50,7 @@ __all__ = [
     "SUPPORTED_N",
     "next_pow2",
     "SinkhornTiles",
-    "MAX_ONCHIP_PAIRS",
+    "MAX_CHECKPOINT_PAIRS",
     "sinkhorn_tile",
     "StreamTiles",
     "aggregate_tiles",
@@ -82,7 +82,7 @@ applies at launch."""
 
 KERNELS_OF = {
     "sinkhorn": ("sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel",
-                 "sinkhorn_bwd_onchip_kernel"),
+                 "sinkhorn_bwd_checkpoint_kernel"),
     "h_aggregate_fwd": ("h_aggregate_fwd_kernel",),
     "h_aggregate_bwd": ("h_aggregate_bwd_kernel",),
     "h_post_bda_fwd": ("h_post_bda_fwd_kernel",),
@@ -231,10 +231,10 @@ class SinkhornTiles:
     input from the start instead of storing the trajectory (see `sinkhorn_kernels`);
     `per_element`: the kernels of `sinkhorn_elem_kernels` (one `[TILE_B]` tile per matrix element,
     `batch_last` does not apply); `approx_div` (per-element only): fp32 `div.approx` divisions
-    (<= 2 ulp) instead of IEEE ones; `checkpoint` (per-element only; 0: off): the backward keeps
-    the trajectory on chip (`sinkhorn_bwd_onchip_kernel`, the pair count compiled in), every
-    `checkpoint`-th pair input stored and the rest replayed per segment, for runs of at most
-    `MAX_ONCHIP_PAIRS` pairs (longer runs take the `recompute` / stored backward)."""
+    (<= 2 ulp) instead of IEEE ones; `checkpoint` (per-element only; 0: off): the backward is
+    checkpointed (`sinkhorn_bwd_checkpoint_kernel`, the pair count compiled in): every
+    `checkpoint`-th pair input stored, the others replayed in registers per segment, for runs of at most
+    `MAX_CHECKPOINT_PAIRS` pairs (longer runs take the `recompute` / stored backward)."""
 
     tile_b: int
     batch_last: bool = False
@@ -247,8 +247,8 @@ class SinkhornTiles:
         return _repr_since(self, "checkpoint")
 
 
-MAX_ONCHIP_PAIRS = 32
-"""The most normalisation pairs the on-chip Sinkhorn backward unrolls (`SinkhornTiles.checkpoint`):
+MAX_CHECKPOINT_PAIRS = 32
+"""The most normalisation pairs the checkpointed Sinkhorn backward unrolls (`SinkhornTiles.checkpoint`):
 20 iterations (the default) are 20 pairs; each pair unrolls to ~100 instructions per walk."""
 
 

@@ -139,7 +139,7 @@ SINKHORN_FORMS = {
     "per_element-recompute": {"recompute": True, "per_element": True},
     "per_element-approx": {"per_element": True, "approx_div": True},
     "per_element-recompute-approx": {"recompute": True, "per_element": True, "approx_div": True},
-    "per_element-onchip2-approx": {"per_element": True, "approx_div": True, "checkpoint": 2},
-    "per_element-onchip4-approx": {"per_element": True, "approx_div": True, "checkpoint": 4},
+    "per_element-checkpoint2-approx": {"per_element": True, "approx_div": True, "checkpoint": 2},
+    "per_element-checkpoint4-approx": {"per_element": True, "approx_div": True, "checkpoint": 4},
 }
 """The Sinkhorn formulations besides the default, as `SinkhornTiles` keywords (tile_b is each test's)."""

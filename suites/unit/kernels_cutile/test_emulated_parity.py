@@ -72,7 +72,7 @@ def test_sinkhorn(emu, n, variant, dtype, tiles):
 
 @pytest.mark.parametrize("tiles", [None, tiling.SinkhornTiles(64, per_element=True),
                                    tiling.SinkhornTiles(64, per_element=True, checkpoint=3)],
-                         ids=["default", "per_element", "per_element-onchip3"])
+                         ids=["default", "per_element", "per_element-checkpoint3"])
 @pytest.mark.parametrize("iterations", [1, 20])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sinkhorn_iterations(emu, variant, iterations, tiles):
@@ -337,7 +337,7 @@ def test_tile_override_is_scoped_and_checked():
     (tiling.SinkhornTiles(64, per_element=True, checkpoint=True), "integer >= 0"),
 ], ids=["not-per-element", "negative", "bool"])
 def test_sinkhorn_checkpoint_is_checked(tile, match):
-    """An on-chip Sinkhorn backward (`checkpoint`) is refused outside the per-element kernels or below 0."""
+    """A checkpointed Sinkhorn backward (`checkpoint`) is refused outside the per-element kernels or below 0."""
     with pytest.raises(ValueError, match=match):
         with tiling.overridden(sinkhorn=tile):
             pass

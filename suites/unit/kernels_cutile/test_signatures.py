@@ -16,7 +16,7 @@ from mhc_core.variants import Variant
 ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
 
 
-ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "sinkhorn_bwd_onchip_kernel",
+ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "sinkhorn_bwd_checkpoint_kernel",
                     "mapping_bwd_dx_kernel"}
 """Kernels the default tiles never launch (`SinkhornTiles.per_element` and `checkpoint`, `MappingTiles.split_dx`:
 sweep candidates)."""
@@ -34,9 +34,9 @@ def test_plan_covers_every_kernel_and_n():
 
 
 @pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
-def test_onchip_sinkhorn_backward_compiles_in_the_pair_count(variant):
+def test_checkpointed_sinkhorn_backward_compiles_in_the_pair_count(variant):
     """`checkpoint` tiles launch the checkpointed backward with the pair count and a stride clamped to it
-    as constants and `cdiv(pairs, stride)` workspace rows; past `MAX_ONCHIP_PAIRS` pairs the
+    as constants and `cdiv(pairs, stride)` workspace rows; past `MAX_CHECKPOINT_PAIRS` pairs the
     stored-trajectory backward (a row per pair) instead."""
     shapes = []
 
@@ -48,13 +48,13 @@ def test_onchip_sinkhorn_backward_compiles_in_the_pair_count(variant):
     rec = Shapes()
     ops = make_ops(rec)
     dev = variant is Variant.MEGATRON_DEV  # its start map ends with a column step: one pair fewer
-    limit = tiling.MAX_ONCHIP_PAIRS + 2
+    limit = tiling.MAX_CHECKPOINT_PAIRS + 2
     with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, per_element=True, checkpoint=4)):
         for iterations in (20, 2, limit):
             z = torch.zeros(40, 4, 4, requires_grad=True)
             ops.sinkhorn(z, iterations, None, variant).sum().backward()
     bwd = [(la, sh) for la, sh in zip(rec.launches, shapes, strict=True) if "bwd" in la.kernel_name]
-    assert [la.kernel_name for la, _ in bwd] == ["sinkhorn_bwd_onchip_kernel"] * 2 + ["sinkhorn_bwd_elem_kernel"]
+    assert [la.kernel_name for la, _ in bwd] == ["sinkhorn_bwd_checkpoint_kernel"] * 2 + ["sinkhorn_bwd_elem_kernel"]
     pairs = [20 - dev, 2 - dev, limit - dev]
     consts = [[a.value for a in la.args if isinstance(a, ConstArg)][-2:] for la, _ in bwd[:2]]  # PAIRS, STRIDE
     assert consts == [[pairs[0], 4], [pairs[1], pairs[1]]]
