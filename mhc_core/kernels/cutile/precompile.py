@@ -91,15 +91,21 @@ def record(rec: LaunchRecorder, set_name: str, label: str, fn: Callable[[], obje
 
 
 def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, variant: str,
-                   iterations: int = 20) -> list[Recorded]:
-    """Every launch of the tile sweep (`sweep.CANDIDATES`, in `KEY_ORDER`) at its shape, as the sweep
-    runs them: against the heuristics, whatever tuning is in force (`tiling.tuned(None)`)."""
+                   iterations: int = 20, keys: Sequence[str] | None = None) -> list[Recorded]:
+    """Every launch of the tile sweep (`sweep.CANDIDATES`, in `KEY_ORDER`; only `keys` when given) at
+    its shape, as the sweep runs them: against the heuristics, whatever tuning is in force
+    (`tiling.tuned(None)`). Ids `key[i]-kernel`, `i` the candidate's index."""
     from mhc_core.kernels.cutile import sweep
     from mhc_core.kernels.cutile.ops import make_ops
 
+    unknown = sorted(set(keys or ()) - set(sweep.CANDIDATES))
+    if unknown:
+        raise ValueError(f"sweep keys {unknown} are not in the sweep; valid: {', '.join(sweep.CANDIDATES)}")
     rec = LaunchRecorder()
     ops = make_ops(rec)
     for key, cands in sweep.CANDIDATES.items():
+        if keys is not None and key not in keys:
+            continue
         for i, cand in enumerate(cands):
             with tiling.tuned(None), tiling.overridden(**sweep.override(key, cand)):
                 def run(key=key):  # building the backward timer already runs the forward

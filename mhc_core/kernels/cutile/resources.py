@@ -4,6 +4,9 @@ plain loads / stores, shuffles, barriers).
 
     python -m mhc_core.kernels.cutile.resources                 # every n = 4 kernel, sm_90
     python -m mhc_core.kernels.cutile.resources --match h_aggregate --arch sm_100
+    python -m mhc_core.kernels.cutile.resources --sweep --keys sinkhorn,h_post_bda_bwd_occupancy
+        # the sweep's candidates at its shape (T 8192, C 4096, n 4, bf16, megatron_dev, 20 iterations),
+        # each with the occupancy hint it sets; a legend names each `key[i]`
 
 Each planned launch (`signatures.signature_plan` at n = 4 and C = 512, plus the sweep's
 `alternative_plan`) is exported to TileIR bytecode and compiled by `tileiras` with its remarks on;
@@ -175,24 +178,61 @@ def table(rows: list[KernelResources]) -> str:
     return "\n".join(out)
 
 
+def _sweep_plan(args: argparse.Namespace) -> tuple[list[tuple[PlannedLaunch, int | None]], list[str]]:
+    """The sweep's launches at its shape with their candidates' occupancy hints, and a legend line
+    per candidate (`key[i]: tiles`)."""
+    from mhc_core.kernels.cutile import precompile
+    from mhc_core.kernels.cutile.bench import ACT_DTYPES
+    from mhc_core.kernels.cutile.sweep import CANDIDATES
+
+    keys = [k for k in args.keys.split(",") if k] if args.keys else None
+    recorded = precompile.distinct(precompile.sweep_launches(
+        tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=ACT_DTYPES[args.dtype], variant=args.variant,
+        keys=keys))
+    plan = [(PlannedLaunch(id=r.id, kernel_name=r.kernel_name, args=r.args), r.occupancy) for r in recorded
+            if args.match in r.id]
+    legend = [f"{key}[{i}]: {cand!r}" for key, cands in CANDIDATES.items() if keys is None or key in keys
+              for i, cand in enumerate(cands) if any(pl.id.startswith(f"{key}[{i}]-") for pl, _ in plan)]
+    return plan, legend
+
+
 def main(argv: list[str] | None = None) -> int:
+    from mhc_core.kernels.cutile.bench import add_shape_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm_90", help="sm_90 (Hopper) or sm_100 (Blackwell)")
     p.add_argument("--match", default="", help="only launch ids containing this")
     p.add_argument("--occupancy", type=int, help="compile with this occupancy hint (CTAs per SM, 1-32), "
-                   "as the sweep's *_occupancy candidates")
+                   "as the sweep's *_occupancy candidates (with --sweep: instead of each candidate's)")
+    p.add_argument("--sweep", action="store_true", help="the tile sweep's candidates at the shape below "
+                   "(ids key[i]-kernel) instead of the signature plan at C = 512")
+    p.add_argument("--keys", default="", help="with --sweep: only these sweep keys (comma-separated)")
+    add_shape_args(p)
     args = p.parse_args(argv)
     if args.occupancy is not None and not 1 <= args.occupancy <= 32:
         p.error(f"--occupancy {args.occupancy}: must be 1-32")
-    launches = [pl for pl in signature_plan((4,), cs=(512,)) + alternative_plan() if args.match in pl.id]
-    if not launches:
+    if args.keys and not args.sweep:
+        p.error("--keys goes with --sweep")
+    legend: list[str] = []
+    if args.sweep:
+        try:
+            plan, legend = _sweep_plan(args)
+        except ValueError as exc:
+            p.error(str(exc))
+        if args.occupancy is not None:
+            plan = [(pl, args.occupancy) for pl, _ in plan]
+    else:
+        plan = [(pl, args.occupancy) for pl in signature_plan((4,), cs=(512,)) + alternative_plan() if args.match in pl.id]
+    if not plan:
         p.error(f"--match {args.match!r}: no planned launch id contains it")
     try:
-        rows = [inspect_launch(pl, arch=args.arch, occupancy=args.occupancy) for pl in launches]
+        rows = [inspect_launch(pl, arch=args.arch, occupancy=occ) for pl, occ in plan]
     except FileNotFoundError as exc:
         print(f"resources: {exc}", file=sys.stderr)
         return 2
     print(table(rows))
+    if legend:
+        print("\n" + "\n".join(legend))
     return 0
 
 

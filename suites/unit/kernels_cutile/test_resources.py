@@ -106,3 +106,24 @@ def test_missing_cuobjdump_names_the_wheel(monkeypatch):
     monkeypatch.setattr(resources.shutil, "which", lambda name: None)
     with pytest.raises(FileNotFoundError, match="nvidia-cuda-cuobjdump"):
         resources.find_cuobjdump()
+
+
+@pytest.mark.slow
+def test_sweep_report_names_candidates_at_the_sweep_shape(tools, capsys):
+    """`--sweep` compiles the sweep's candidates at its shape (here a small one) and names each `key[i]`
+    in a legend: the checkpointed Sinkhorn backward with its `checkpoint`."""
+    from mhc_core.kernels.cutile.sweep import CANDIDATES
+
+    i = next(i for i, c in enumerate(CANDIDATES["sinkhorn"]) if getattr(c, "checkpoint", 0))
+    assert resources.main(["--sweep", "--keys", "sinkhorn", "--match", f"sinkhorn[{i}]-sinkhorn_bwd",
+                           "--tokens", "256", "--hidden", "512"]) == 0
+    out = capsys.readouterr().out
+    assert f"| sinkhorn[{i}]-sinkhorn_bwd_checkpoint | " in out
+    assert f"sinkhorn[{i}]: {CANDIDATES['sinkhorn'][i]!r}" in out and "checkpoint=" in out
+
+
+def test_sweep_report_refuses_unknown_keys(capsys):
+    """An unknown sweep key is a usage error naming it, before anything compiles."""
+    with pytest.raises(SystemExit) as exc:
+        resources.main(["--sweep", "--keys", "sinkhorn,nope"])
+    assert exc.value.code == 2 and "['nope'] are not in the sweep" in capsys.readouterr().err
