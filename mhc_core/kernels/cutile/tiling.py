@@ -53,6 +53,8 @@ __all__ = [
     "MAX_CHECKPOINT_PAIRS",
     "sinkhorn_tile",
     "StreamTiles",
+    "ADDED_FIELDS",
+    "tile_fields",
     "aggregate_tiles",
     "post_bda_tiles",
     "MappingTiles",
@@ -211,12 +213,22 @@ def occupancy(kernel_name: str) -> int | None:
     return DEFAULT_OCCUPANCY.get(kernel_name)
 
 
-def _repr_since(tile: Any, *added: str) -> str:
-    """The dataclass repr without the fields `added` later while they hold their default (0): the
-    sweep keys its rows by a candidate's repr, so older sweep files still name today's candidates."""
-    parts = [f"{f.name}={getattr(tile, f.name)!r}" for f in fields(tile)
-             if not (f.name in added and getattr(tile, f.name) == f.default)]
-    return f"{type(tile).__name__}({', '.join(parts)})"
+ADDED_FIELDS = {"SinkhornTiles": ("checkpoint",), "StreamTiles": ("latency",)}
+"""Tile fields added after the first H200 sweep and tuning (11-30): `tile_fields` and the tiles'
+reprs leave them out while they hold their default, so the sweep files and tunings written before
+still name, and digest to, the same tiles."""
+
+
+def tile_fields(tile: Any) -> dict[str, Any]:
+    """A tile's fields as a dict (`dataclasses.asdict`) without its `ADDED_FIELDS` at their defaults."""
+    added = ADDED_FIELDS.get(type(tile).__name__, ())
+    return {f.name: getattr(tile, f.name) for f in fields(tile)
+            if not (f.name in added and getattr(tile, f.name) == f.default)}
+
+
+def _repr(tile: Any) -> str:
+    """The dataclass repr of `tile_fields` (the sweep keys its rows by a candidate's repr)."""
+    return f"{type(tile).__name__}({', '.join(f'{k}={v!r}' for k, v in tile_fields(tile).items())})"
 
 
 def next_pow2(v: int) -> int:
@@ -244,7 +256,7 @@ class SinkhornTiles:
     checkpoint: int = 0
 
     def __repr__(self) -> str:
-        return _repr_since(self, "checkpoint")
+        return _repr(self)
 
 
 MAX_CHECKPOINT_PAIRS = 32
@@ -289,7 +301,7 @@ class StreamTiles:
     latency: int = 0
 
     def __repr__(self) -> str:
-        return _repr_since(self, "latency")
+        return _repr(self)
 
 
 def _stream_tiles(n: int, c: int, cap_c: int, elems: int, per_stream: int = 0) -> StreamTiles:

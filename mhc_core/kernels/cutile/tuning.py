@@ -27,7 +27,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ class Tuning:
     def to_json(self) -> dict:
         """The file's contents (schema 1)."""
         return {"schema": SCHEMA, "device": self.device, "n": self.n, "measured": dict(self.measured),
-                "tiles": {k: {type(t).__name__: asdict(t)} for k, t in self.tiles.items()},
+                "tiles": {k: {type(t).__name__: tiling.tile_fields(t)} for k, t in self.tiles.items()},
                 "occupancy": dict(self.occupancy), "gains": dict(self.gains)}
 
     @classmethod

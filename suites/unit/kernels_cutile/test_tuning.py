@@ -398,3 +398,17 @@ def test_recorded_h200_sweep_still_adopts_the_shipped_tuning(tmp_path):
     assert main(["--adopt", str(root / "docs/measurements/h200-2026-11-30/run1-sweep.json"), "--out", str(out)]) == 0
     got, shipped = tuning.load(out), tuning.load(root / "mhc_core/kernels/cutile/tuned/nvidia_h200.json")
     assert (got.tiles, got.occupancy) == (shipped.tiles, shipped.occupancy)
+    assert shipped.digest() == "0fd90d0bd282"  # its digest as shipped (11-30): the fields added since change nothing
+
+
+def test_added_tile_fields_are_written_when_set(tmp_path):
+    """A tuning with `latency` / `checkpoint` set writes and reads them back; at 0 they are left out."""
+    tiles = {"h_post_bda_bwd": tiling.StreamTiles(8, 64, 2, latency=9),
+             "sinkhorn": tiling.SinkhornTiles(64, per_element=True, approx_div=True, checkpoint=4),
+             "h_post_bda_fwd": tiling.StreamTiles(4, 256, 2, True)}
+    t = tuning.Tuning(device="X", n=4, tiles=tiles)
+    tuning.save(t, tmp_path / "t.json")
+    raw = json.loads((tmp_path / "t.json").read_text())["tiles"]
+    assert raw["h_post_bda_bwd"]["StreamTiles"]["latency"] == 9 and raw["sinkhorn"]["SinkhornTiles"]["checkpoint"] == 4
+    assert "latency" not in raw["h_post_bda_fwd"]["StreamTiles"]
+    assert tuning.load(tmp_path / "t.json").tiles == tiles
