@@ -17,8 +17,9 @@ _S = tiling.StreamTiles
 CANDIDATES: dict[str, tuple] = {
     # Sinkhorn: on the H200 (11-30) the batch-last 256, batch-last recompute 128, per-element 256 and
     # per-element IEEE recompute tiles lost by 5-17x (left out). The checkpointed backwards
-    # (`checkpoint`, 20 iterations, sm_90, `resources`): 64 x every 4th 244 registers, every 2nd 216,
-    # 128 x every 3rd 255, 32 x every 2nd 182 (256 threads), none spilling; 2 CTAs per SM (32: 1).
+    # (`checkpoint`; sm_90 at the sweep's shape, `resources --sweep --keys sinkhorn`): 64 x every 4th 255
+    # registers and a 24 B stack (5 spill stores), every 2nd 229, 128 x every 3rd 254, 32 x every 2nd 220
+    # (256 threads), no other spills; 2 CTAs per SM (32: 1). The per-element stored / recomputing: 112-136.
     "sinkhorn": (tiling.SinkhornTiles(64), tiling.SinkhornTiles(8), tiling.SinkhornTiles(32, True),
                  tiling.SinkhornTiles(64, True), tiling.SinkhornTiles(128, True),
                  tiling.SinkhornTiles(64, True, True),
@@ -94,9 +95,10 @@ CANDIDATES["h_aggregate_bwd_occupancy"] += _hinted("h_aggregate_bwd", (4,), _S(1
 # The split-dx mapping backward's grad_x kernel also compiles to 255 registers x 256 threads unhinted.
 CANDIDATES["mapping_bwd_occupancy"] += _hinted("mapping_bwd", (2, 4), tiling.MappingTiles(32, 128, True))
 # DRAM-latency hints (`StreamTiles.latency`) on the two h_post_bda kernels still short of their H200 targets. The
-# backward winner's TMA pipeline deepens with the hint (sm_90, occupancy 2: 34 KB of shared memory at 0-5, 43 KB at
-# 6-8, 62 at 9, 71 at 10, still 2 CTAs per SM); the forward winner (plain loads) prefetches further into registers
-# (LDG 30 -> 35 -> 50, registers 123 -> 149 -> 209 at 0 / 6 / 10). The tensor-core backward: 51 -> 78 KB at 10.
+# backward winner's TMA pipeline deepens with the hint (sm_90 at the sweep's shape, occupancy 2: 36 KB of shared memory
+# unhinted, 46 KB at 6, 64 at 9, 74 at 10, still 2 CTAs per SM); the forward winner (plain loads) prefetches further
+# into registers (LDG 32 -> 38 -> 56, registers 127 -> 158 -> 200 at 0 / 6 / 10: 4 -> 3 -> 2 CTAs per SM). The
+# tensor-core backward 8 x 128: 56 -> 82 KB at 10 (`resources --sweep --keys h_post_bda_fwd,h_post_bda_bwd_occupancy`).
 CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
     c for lat in (6, 9, 10) for c in _hinted("h_post_bda_bwd", (2,), _S(8, 64, 2, latency=lat))) + _hinted(
     "h_post_bda_bwd", (2,), _S(8, 128, mma=True, latency=10))

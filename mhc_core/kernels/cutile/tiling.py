@@ -289,8 +289,8 @@ class StreamTiles:
     smaller tiles keep the CUDA-core formulation.
     `latency` (0: the compiler's inference; 1-10): cuTile's DRAM-latency hint on the kernel's
     streaming loads, which sets how deep the compiler pipelines them (sm_90, the tuple-of-streams
-    h_post_bda backward 8 x 64 at occupancy 2: 34 KB of shared memory at 0-5, 43 KB at 6-8, 62 KB
-    at 9, 71 KB at 10: more loads in flight per SM).
+    h_post_bda backward 8 x 64 at occupancy 2, T 8192 C 4096 bf16: 36 KB of shared memory unhinted, 46 KB
+    at 6, 64 KB at 9, 74 KB at 10: more loads in flight per SM).
     """
 
     tile_t: int
