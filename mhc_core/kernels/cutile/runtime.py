@@ -37,6 +37,7 @@ KERNEL_MODULES: dict[str, str] = {
     "sinkhorn_bwd_kernel": "sinkhorn_kernels",
     "sinkhorn_fwd_elem_kernel": "sinkhorn_elem_kernels",
     "sinkhorn_bwd_elem_kernel": "sinkhorn_elem_kernels",
+    "sinkhorn_fwd_checkpoint_kernel": "sinkhorn_elem_kernels",
     "sinkhorn_bwd_checkpoint_kernel": "sinkhorn_elem_kernels",
     "h_aggregate_fwd_kernel": "stream_kernels",
     "h_aggregate_bwd_kernel": "stream_kernels",

@@ -145,6 +145,7 @@ ALTERNATIVE_TILES = (
     {"sinkhorn": tiling.SinkhornTiles(tile_b=128, per_element=True, approx_div=True)},
     {"sinkhorn": tiling.SinkhornTiles(tile_b=128, recompute=True, per_element=True, approx_div=True)},
     {"sinkhorn": tiling.SinkhornTiles(tile_b=64, per_element=True, approx_div=True, checkpoint=4)},
+    {"sinkhorn": tiling.SinkhornTiles(tile_b=64, per_element=True, approx_div=True, checkpoint=4, fwd_checkpoints=True)},
     {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2),
      "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2)},
     {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, per_stream=1, loop_c=True),
@@ -161,7 +162,7 @@ ALTERNATIVE_TILES = (
 )
 """The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
 (each with a stored trajectory and with recompute; per-element also with approximate division and with
-a checkpointed backward), the whole-tile (not per-stream) stream
+a checkpointed backward, with and without the forward's checkpoints), the whole-tile (not per-stream) stream
 forwards, the per-stream h_post_bda backward, the stream-by-stream-loading h_post_bda forward and backward, the
 C-looping stream forwards, the mapping backward with its own grad_x kernel and with a spill-free 16 x 64 tile,
 the h_post_bda and h_aggregate backwards with tensor-core channel sums and both forwards with their stream sums

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from mhc_core.kernels.cutile.sinkhorn_common import PAPER, num_pairs
+from mhc_core.kernels.cutile.sinkhorn_common import num_pairs
 from mhc_core.kernels.cutile.sinkhorn_elem_math import (
     exit_grad,
     load_elems,
     load_state,
+    output_map,
     pair,
     pair_vjp,
     start,
@@ -48,12 +49,7 @@ def sinkhorn_fwd_elem_kernel(logits, out, iterations: int, eps: float,
     s = start(load_elems(logits, pid, N, TILE_B), eps, VARIANT, N, APPROX)
     for _ in range(num_pairs(iterations, VARIANT)):
         s = pair(s, eps, VARIANT, N, APPROX)
-    if VARIANT == PAPER:
-        ex = ()
-        for idx in ct.static_iter(range(N * N)):
-            ex = ex + (ct.exp(s[idx]),)
-        s = ex
-    store_elems(out, pid, s, N, TILE_B)
+    store_elems(out, pid, output_map(s, VARIANT, N), N, TILE_B)
 
 
 @ct.kernel
@@ -92,10 +88,34 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
     store_elems(grad_logits, pid, start_vjp(z, g, eps, VARIANT, N, APPROX), N, TILE_B)
 
 
+def _checkpointed_walk(work, pid, z, eps, N, TILE_B, VARIANT, APPROX, PAIRS, STRIDE):
+    """The start map and `PAIRS` pairs (unrolled) from the logits `z`, storing every `STRIDE`-th pair
+    input to `work` (checkpoint `q // STRIDE`); the last pair's output."""
+    st = start(z, eps, VARIANT, N, APPROX)
+    for q in ct.static_iter(range(PAIRS)):
+        if q % STRIDE == 0:
+            store_state(work, q // STRIDE, pid, st, N, TILE_B)
+        st = pair(st, eps, VARIANT, N, APPROX)
+    return st
+
+
+@ct.kernel
+def sinkhorn_fwd_checkpoint_kernel(logits, out, work, eps: float,
+                                   N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, APPROX: ConstInt,
+                                   PAIRS: ConstInt, STRIDE: ConstInt):
+    """`logits [B, n, n]` -> `out [B, n, n]`, and the checkpoints of `sinkhorn_bwd_checkpoint_kernel`
+    (`SAVED`) into `work [cdiv(PAIRS, STRIDE), n*n, B]` fp32 (`SinkhornTiles.fwd_checkpoints`);
+    grid `(cdiv(B, TILE_B),)`, `PAIRS >= 1`."""
+    pid = ct.bid(0)
+    st = _checkpointed_walk(work, pid, load_elems(logits, pid, N, TILE_B), eps, N, TILE_B, VARIANT, APPROX, PAIRS,
+                            STRIDE)
+    store_elems(out, pid, output_map(st, VARIANT, N), N, TILE_B)
+
+
 @ct.kernel
 def sinkhorn_bwd_checkpoint_kernel(logits, grad_out, grad_logits, work, eps: float,
-                               N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, APPROX: ConstInt,
-                               PAIRS: ConstInt, STRIDE: ConstInt):
+                                   N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt, APPROX: ConstInt,
+                                   PAIRS: ConstInt, STRIDE: ConstInt, SAVED: ConstInt):
     """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]`, checkpointed; grid `(cdiv(B, TILE_B),)`;
     `work [cdiv(PAIRS, STRIDE), n*n, B]` fp32, element-major like `sinkhorn_bwd_elem_kernel`'s.
 
@@ -108,18 +128,23 @@ def sinkhorn_bwd_checkpoint_kernel(logits, grad_out, grad_logits, work, eps: flo
     through memory on purpose: a replay from a value still in the program is the forward's own
     computation again, which the compiler merges with it (then all `PAIRS` states stay live and
     spill: sm_90, 20 pairs, 255 registers and a 2.3-3 KB stack per thread).
+
+    `SAVED` (`PAIRS >= 1`): `work` already holds the checkpoints (`sinkhorn_fwd_checkpoint_kernel`),
+    so the forward walk is skipped; the last pair's output is the last segment replayed one pair
+    further. Pair evaluations then `PAIRS - cdiv(PAIRS, STRIDE) + 1`.
     """
     pid = ct.bid(0)
     z = load_elems(logits, pid, N, TILE_B)
     NN = N * N
-    st = start(z, eps, VARIANT, N, APPROX)
-    for q in ct.static_iter(range(PAIRS)):
-        if q % STRIDE == 0:
-            store_state(work, q // STRIDE, pid, st, N, TILE_B)
-        st = pair(st, eps, VARIANT, N, APPROX)
+    segments = (PAIRS + STRIDE - 1) // STRIDE
+    if SAVED:
+        st = load_state(work, segments - 1, pid, N, TILE_B)
+        for _ in ct.static_iter(range(PAIRS - (segments - 1) * STRIDE)):
+            st = pair(st, eps, VARIANT, N, APPROX)
+    else:
+        st = _checkpointed_walk(work, pid, z, eps, N, TILE_B, VARIANT, APPROX, PAIRS, STRIDE)
     after = st
     g = exit_grad(st, load_elems(grad_out, pid, N, TILE_B), VARIANT, N)
-    segments = (PAIRS + STRIDE - 1) // STRIDE
     for kk in ct.static_iter(range(segments)):
         k = segments - 1 - kk
         count = PAIRS - k * STRIDE

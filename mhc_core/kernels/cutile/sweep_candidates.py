@@ -27,7 +27,9 @@ CANDIDATES: dict[str, tuple] = {
                  *(tiling.SinkhornTiles(b, per_element=True, approx_div=True) for b in (32, 64, 128)),
                  tiling.SinkhornTiles(128, recompute=True, per_element=True, approx_div=True),
                  *(tiling.SinkhornTiles(b, per_element=True, approx_div=True, checkpoint=k)
-                   for b, k in ((64, 4), (64, 2), (128, 3), (32, 2)))),
+                   for b, k in ((64, 4), (64, 2), (128, 3), (32, 2))),
+                 *(tiling.SinkhornTiles(64, per_element=True, approx_div=True, checkpoint=k, fwd_checkpoints=True)
+                   for k in (4, 2))),
     # `mma` forwards: whole tiles in and out by TMA, the stream sum on the tensor cores (sm_90: 8-9 TMA
     # loads, 2-4 TMA stores, no shuffles, 0-8 shared loads / stores, no spills; the per-stream
     # defaults: 16-26 plain loads, h_post_bda 88 shared stores).

@@ -84,7 +84,7 @@ applies at launch."""
 
 KERNELS_OF = {
     "sinkhorn": ("sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel",
-                 "sinkhorn_bwd_checkpoint_kernel"),
+                 "sinkhorn_fwd_checkpoint_kernel", "sinkhorn_bwd_checkpoint_kernel"),
     "h_aggregate_fwd": ("h_aggregate_fwd_kernel",),
     "h_aggregate_bwd": ("h_aggregate_bwd_kernel",),
     "h_post_bda_fwd": ("h_post_bda_fwd_kernel",),
@@ -133,6 +133,8 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
             raise ValueError(f"{where}: {key}={value!r}: checkpoint must be an integer >= 0 (0: off)")
         if ck and not value.per_element:
             raise ValueError(f"{where}: {key}={value!r}: checkpoint applies to the per-element kernels only")
+        if value.fwd_checkpoints is not False and (value.fwd_checkpoints is not True or not ck):
+            raise ValueError(f"{where}: {key}={value!r}: fwd_checkpoints is a bool and needs checkpoint >= 1")
 
 
 @contextmanager
@@ -213,7 +215,7 @@ def occupancy(kernel_name: str) -> int | None:
     return DEFAULT_OCCUPANCY.get(kernel_name)
 
 
-ADDED_FIELDS = {"SinkhornTiles": ("checkpoint",), "StreamTiles": ("latency",)}
+ADDED_FIELDS = {"SinkhornTiles": ("checkpoint", "fwd_checkpoints"), "StreamTiles": ("latency",)}
 """Tile fields added after the first H200 sweep and tuning (11-30): `tile_fields` and the tiles'
 reprs leave them out while they hold their default, so the sweep files and tunings written before
 still name, and digest to, the same tiles."""
@@ -246,7 +248,11 @@ class SinkhornTiles:
     (<= 2 ulp) instead of IEEE ones; `checkpoint` (per-element only; 0: off): the backward is
     checkpointed (`sinkhorn_bwd_checkpoint_kernel`, the pair count compiled in): every
     `checkpoint`-th pair input stored, the others replayed in registers per segment, for runs of at most
-    `MAX_CHECKPOINT_PAIRS` pairs (longer runs take the `recompute` / stored backward)."""
+    `MAX_CHECKPOINT_PAIRS` pairs (longer runs take the `recompute` / stored backward);
+    `fwd_checkpoints` (with `checkpoint`): the forward stores the checkpoints
+    (`sinkhorn_fwd_checkpoint_kernel`) and autograd keeps them for the backward, which then skips its
+    own forward walk (pair evaluations per backward at 20 pairs, every 4th: 16 + the VJPs' instead
+    of 35 +), for `cdiv(P, checkpoint) * n*n` fp32 more saved per matrix (5 x 64 B at n = 4)."""
 
     tile_b: int
     batch_last: bool = False
@@ -254,6 +260,7 @@ class SinkhornTiles:
     per_element: bool = False
     approx_div: bool = False
     checkpoint: int = 0
+    fwd_checkpoints: bool = False
 
     def __repr__(self) -> str:
         return _repr(self)

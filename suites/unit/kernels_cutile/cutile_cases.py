@@ -141,5 +141,7 @@ SINKHORN_FORMS = {
     "per_element-recompute-approx": {"recompute": True, "per_element": True, "approx_div": True},
     "per_element-checkpoint2-approx": {"per_element": True, "approx_div": True, "checkpoint": 2},
     "per_element-checkpoint4-approx": {"per_element": True, "approx_div": True, "checkpoint": 4},
+    "per_element-checkpoint4-approx-fwd": {"per_element": True, "approx_div": True, "checkpoint": 4,
+                                           "fwd_checkpoints": True},
 }
 """The Sinkhorn formulations besides the default, as `SinkhornTiles` keywords (tile_b is each test's)."""

@@ -335,9 +335,12 @@ def test_tile_override_is_scoped_and_checked():
     (tiling.SinkhornTiles(64, checkpoint=2), "per-element kernels only"),
     (tiling.SinkhornTiles(64, per_element=True, checkpoint=-1), "integer >= 0"),
     (tiling.SinkhornTiles(64, per_element=True, checkpoint=True), "integer >= 0"),
-], ids=["not-per-element", "negative", "bool"])
+    (tiling.SinkhornTiles(64, per_element=True, fwd_checkpoints=True), "needs checkpoint >= 1"),
+    (tiling.SinkhornTiles(64, per_element=True, checkpoint=2, fwd_checkpoints=1), "fwd_checkpoints is a bool"),
+], ids=["not-per-element", "negative", "bool", "fwd-without-checkpoint", "fwd-not-bool"])
 def test_sinkhorn_checkpoint_is_checked(tile, match):
-    """A checkpointed Sinkhorn backward (`checkpoint`) is refused outside the per-element kernels or below 0."""
+    """A checkpointed Sinkhorn backward (`checkpoint`) is refused outside the per-element kernels or below 0,
+    and forward checkpoints (`fwd_checkpoints`) without it."""
     with pytest.raises(ValueError, match=match):
         with tiling.overridden(sinkhorn=tile):
             pass

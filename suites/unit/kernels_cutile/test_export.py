@@ -76,7 +76,7 @@ def test_alternative_plan_holds_each_formulation():
     are listed."""
     kernels = {p.kernel_name for p in ALT_PLAN}
     assert kernels == {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel",
-                       "sinkhorn_bwd_elem_kernel", "sinkhorn_bwd_checkpoint_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel",
+                       "sinkhorn_bwd_elem_kernel", "sinkhorn_fwd_checkpoint_kernel", "sinkhorn_bwd_checkpoint_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel",
                        "h_post_bda_fwd_kernel",
                        "h_post_bda_bwd_kernel", "mapping_bwd_coef_kernel", "mapping_bwd_dx_kernel",
                        "mapping_bwd_dx_dw_kernel"}

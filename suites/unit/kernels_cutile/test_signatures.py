@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -16,8 +17,8 @@ from mhc_core.variants import Variant
 ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
 
 
-ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "sinkhorn_bwd_checkpoint_kernel",
-                    "mapping_bwd_dx_kernel"}
+ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "sinkhorn_fwd_checkpoint_kernel",
+                    "sinkhorn_bwd_checkpoint_kernel", "mapping_bwd_dx_kernel"}
 """Kernels the default tiles never launch (`SinkhornTiles.per_element` and `checkpoint`, `MappingTiles.split_dx`:
 sweep candidates)."""
 
@@ -56,9 +57,51 @@ def test_checkpointed_sinkhorn_backward_compiles_in_the_pair_count(variant):
     bwd = [(la, sh) for la, sh in zip(rec.launches, shapes, strict=True) if "bwd" in la.kernel_name]
     assert [la.kernel_name for la, _ in bwd] == ["sinkhorn_bwd_checkpoint_kernel"] * 2 + ["sinkhorn_bwd_elem_kernel"]
     pairs = [20 - dev, 2 - dev, limit - dev]
-    consts = [[a.value for a in la.args if isinstance(a, ConstArg)][-2:] for la, _ in bwd[:2]]  # PAIRS, STRIDE
-    assert consts == [[pairs[0], 4], [pairs[1], pairs[1]]]
+    consts = [[a.value for a in la.args if isinstance(a, ConstArg)][-3:] for la, _ in bwd[:2]]  # PAIRS, STRIDE, SAVED
+    assert consts == [[pairs[0], 4, 0], [pairs[1], pairs[1], 0]]
     assert [sh[3] for _, sh in bwd] == [(5, 16, 40), (1, 16, 40), (pairs[2], 16, 40)]
+
+
+class _Tensors(RecordingRuntime):
+    """Records like `RecordingRuntime` and keeps each launch's tensor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: list[list[torch.Tensor]] = []
+
+    def launch(self, grid, kernel_name, args):
+        self.tensors.append([a for a in args if isinstance(a, torch.Tensor)])
+        super().launch(grid, kernel_name, args)
+
+
+@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
+def test_forward_checkpoints_reach_the_backward(variant):
+    """`fwd_checkpoints`: a forward whose logits need a gradient stores the checkpoints
+    (`sinkhorn_fwd_checkpoint_kernel`) and the backward reads that same workspace (`SAVED` 1) with the
+    forward's stride, even after the tile changed; without a gradient, or with no pair to checkpoint
+    (megatron_dev at 1 iteration), the plain forward and a backward that walks itself."""
+    rec = _Tensors()
+    ops = make_ops(rec)
+    tile = tiling.SinkhornTiles(32, per_element=True, approx_div=True, checkpoint=4, fwd_checkpoints=True)
+    z = torch.zeros(40, 4, 4, requires_grad=True)
+    with tiling.overridden(sinkhorn=tile):
+        out = ops.sinkhorn(z, 20, None, variant)
+        ops.sinkhorn(z.detach(), 20, None, variant)  # no gradient wanted: nothing to keep
+    with tiling.overridden(sinkhorn=dataclasses.replace(tile, checkpoint=2)):
+        out.sum().backward()
+    names = [la.kernel_name for la in rec.launches]
+    assert names == ["sinkhorn_fwd_checkpoint_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_checkpoint_kernel"]
+    fwd_work, bwd_work = rec.tensors[0][2], rec.tensors[2][3]
+    assert bwd_work is fwd_work and tuple(fwd_work.shape) == (5, 16, 40)
+    consts = [[a.value for a in la.args if isinstance(a, ConstArg)][-3:] for la in rec.launches[::2]]
+    pairs = 19 if variant is Variant.MEGATRON_DEV else 20
+    assert consts == [[1, pairs, 4], [pairs, 4, 1]]  # fwd: APPROX, PAIRS, STRIDE; bwd: PAIRS, STRIDE, SAVED
+    if variant is Variant.MEGATRON_DEV:
+        rec.launches.clear()
+        with tiling.overridden(sinkhorn=tile):
+            ops.sinkhorn(z, 1, None, variant).sum().backward()
+        assert [la.kernel_name for la in rec.launches] == ["sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_checkpoint_kernel"]
+        assert rec.launches[1].args[-1] == ConstArg(0)
 
 
 def test_plan_ids_are_unique_and_readable():
