@@ -20,6 +20,8 @@ CANDIDATES: dict[str, tuple] = {
     # (`checkpoint`; sm_90 at the sweep's shape, `resources --sweep --keys sinkhorn`): 64 x every 4th 255
     # registers and a 24 B stack (5 spill stores), every 2nd 229, 128 x every 3rd 254, 32 x every 2nd 220
     # (256 threads), no other spills; 2 CTAs per SM (32: 1). The per-element stored / recomputing: 112-136.
+    # With the forward's checkpoints kept (`fwd_checkpoints`) the backward skips its forward walk: 208 / 184
+    # registers at every 4th / 2nd, no spills; that forward 128 / 224.
     "sinkhorn": (tiling.SinkhornTiles(64), tiling.SinkhornTiles(8), tiling.SinkhornTiles(32, True),
                  tiling.SinkhornTiles(64, True), tiling.SinkhornTiles(128, True),
                  tiling.SinkhornTiles(64, True, True),
