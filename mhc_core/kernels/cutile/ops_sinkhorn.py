@@ -77,10 +77,12 @@ class _SinkhornFn(torch.autograd.Function):
         g = grad_out.to(logits.dtype).reshape(-1, n, n).contiguous()
         grad = torch.empty_like(z)
         pairs = num_pairs(iterations, code)
-        # The forward's checkpoints with its stride and tile (whatever tile is in force now), else this tile's plan.
-        stride, tile = kept_plan if kept else (None, tiling.sinkhorn_tile(n))
-        stride = stride if kept else _checkpoint_stride(tile, pairs)
-        if stride is not None:
+        if kept:  # the forward's checkpoints, with its stride and tile (whatever tile is in force now)
+            stride, tile = kept_plan
+        else:
+            tile = tiling.sinkhorn_tile(n)
+            stride = _checkpoint_stride(tile, pairs)
+        if stride is not None:  # the checkpointed backward (reads `work` only when it was kept)
             work = kept[0] if kept else _checkpoint_work(pairs, stride, n, z.shape[0], z.device)
             if z.shape[0]:
                 rt.launch((cdiv(z.shape[0], tile.tile_b),), "sinkhorn_bwd_checkpoint_kernel",
