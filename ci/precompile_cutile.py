@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from mhc_core.kernels.cutile import precompile, tiling, tuning  # noqa: E402
-from mhc_core.kernels.cutile.bench import add_shape_args  # noqa: E402
+from mhc_core.kernels.cutile.bench import ACT_DTYPES, add_shape_args  # noqa: E402
 from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
 from mhc_core.kernels.preflight import cutile_gap  # noqa: E402
 from suites.perf.registry import cases_for  # noqa: E402
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=tuning.REFERENCE_DEVICE, help="the GPU model the run will see (its tuning applies)")
     add_shape_args(p)
     args = p.parse_args(argv)
-    act = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    act = ACT_DTYPES[args.dtype]
     start = time.time()
     launches = precompile.sweep_launches(tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=act,
                                          variant=args.variant)

@@ -101,6 +101,11 @@ def _is_pow2(v: int) -> bool:
     return isinstance(v, int) and v > 0 and v & (v - 1) == 0
 
 
+def _is_int_in(v: object, low: int, high: float = float("inf")) -> bool:
+    """`v` is an integer (not a bool) in `[low, high]`."""
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
 def check_tile(key: str, value: object, where: str = "tiling.overridden") -> None:
     """Raise `ValueError` (prefixed by `where`) unless `value` is a legal choice for tile key `key`:
     the key's tile type with power-of-two sizes, or for `occupancy` a `{kernel name: 1-32}` dict."""
@@ -113,7 +118,7 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
         unknown = sorted(k for k in value if k not in known)
         if unknown:
             raise ValueError(f"{where}: occupancy names unknown kernels {unknown}; valid: {', '.join(sorted(known))}")
-        bad = {k: v for k, v in value.items() if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 32)}
+        bad = {k: v for k, v in value.items() if not _is_int_in(v, 1, 32)}
         if bad:
             raise ValueError(f"{where}: occupancy={bad!r}: CTAs per SM must be an integer in 1-32")
         return
@@ -124,12 +129,11 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
         (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
     if not all(_is_pow2(d) for d in dims):
         raise ValueError(f"{where}: {key}={value!r}: tile sizes must be powers of two")
-    if isinstance(value, StreamTiles) and (
-            not isinstance(value.latency, int) or isinstance(value.latency, bool) or not 0 <= value.latency <= 10):
+    if isinstance(value, StreamTiles) and not _is_int_in(value.latency, 0, 10):
         raise ValueError(f"{where}: {key}={value!r}: latency must be an integer in 0-10 (0: the compiler's choice)")
     if key == "sinkhorn":
         ck = value.checkpoint
-        if not isinstance(ck, int) or isinstance(ck, bool) or ck < 0:
+        if not _is_int_in(ck, 0):
             raise ValueError(f"{where}: {key}={value!r}: checkpoint must be an integer >= 0 (0: off)")
         if ck and not value.per_element:
             raise ValueError(f"{where}: {key}={value!r}: checkpoint applies to the per-element kernels only")
