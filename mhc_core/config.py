@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from mhc_core.ops._checks import as_int
 from mhc_core.variants import Variant, get_variant
 
 __all__ = ["HyperConnectionConfig"]
@@ -42,8 +43,10 @@ class HyperConnectionConfig:
 
         for field in ("hidden_size", "num_residual_streams", "sinkhorn_iterations"):
             v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            iv = as_int(v)
+            if iv is None or iv < 1:
                 raise bad(field, v, "must be an integer >= 1")
+            object.__setattr__(self, field, iv)  # a NumPy integer becomes an int
         if not (self.init_gating_factor >= 0 and math.isfinite(self.init_gating_factor)):
             raise bad("init_gating_factor", self.init_gating_factor, "must be a finite number >= 0")
         if not (self.norm_eps >= 0 and math.isfinite(self.norm_eps)):

@@ -146,7 +146,7 @@ def mapping(
     """
     op = "mapping"
     spec = get_variant(variant)
-    check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
+    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
     if x.shape[0] == 0:
         return ops.mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, spec, norm_eps)
     return _Mapping.apply(

@@ -135,7 +135,7 @@ def sinkhorn(
         `[..., n, n]` in `logits.dtype`.
     """
     spec = get_variant(variant)
-    eps = check_sinkhorn_args(logits, iterations, eps, spec, op="sinkhorn")
+    iterations, eps = check_sinkhorn_args(logits, iterations, eps, spec, op="sinkhorn")
     n = logits.shape[-1]
     if logits.numel() == 0 or n == 1:
         # n = 1: the result does not depend on the logits, and Inductor would inline the

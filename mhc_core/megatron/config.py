@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mhc_core.ops._checks import as_int
 from mhc_core.variants import Variant, get_variant
 
 __all__ = ["MHCTransformerConfig"]
@@ -24,7 +25,8 @@ def _bad(field: str, value: Any, rule: str) -> str:
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer (NumPy integers too), not a bool."""
+    return as_int(v) is not None
 
 
 @dataclass
@@ -105,12 +107,14 @@ class MHCTransformerConfig(TransformerConfig):
             v = getattr(self, field)
             if not _is_int(v) or v < 1:
                 raise ValueError(_bad(field, v, "must be an integer >= 1"))
+            setattr(self, field, as_int(v))
         g = self.mhc_init_gating_factor
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise ValueError(_bad("mhc_init_gating_factor", g, "must be a finite number >= 0"))
         k = self.mhc_recompute_layer_num
         if k is not None and (not _is_int(k) or k < 1):
             raise ValueError(_bad("mhc_recompute_layer_num", k, "must be None or an integer >= 1"))
+        self.mhc_recompute_layer_num = None if k is None else as_int(k)
         try:
             self.mhc_variant = get_variant(self.mhc_variant).variant.value
         except (ValueError, TypeError):

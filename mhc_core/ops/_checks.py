@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
 
 __all__ = ["NonFiniteError", "check_rank", "check_dim", "check_streams", "check_finite", "check_floating",
-           "check_int", "check_number", "shape_str"]
+           "check_int", "check_number", "shape_str", "as_int"]
 
 
 class NonFiniteError(ValueError):
@@ -21,10 +22,20 @@ def shape_str(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(d) for d in t.shape) + "]"
 
 
-def check_streams(n: int, *, op: str) -> None:
-    """`n` is an int >= 1."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+def as_int(value: object) -> int | None:
+    """`value` as a Python int if it is an integer (`int`, a NumPy integer, any `numbers.Integral`) and
+    not a bool; else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return operator.index(value)
+
+
+def check_streams(n: object, *, op: str) -> int:
+    """`n`, an integer >= 1 (NumPy integers too), as a Python int."""
+    v = as_int(n)
+    if v is None or v < 1:
         raise ValueError(f"{op}: n={n!r} must be an integer >= 1 (number of residual streams)")
+    return v
 
 
 def check_rank(t: torch.Tensor, rank: int, *, name: str, op: str, layout: str) -> None:
@@ -52,10 +63,12 @@ def check_floating(*, op: str, **tensors: torch.Tensor | None) -> None:
 
 
 def check_int(value: object, *, name: str, op: str, low: int = 1) -> int:
-    """`value`, an int (not a bool) >= `low`; else `ValueError` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    """`value` as a Python int: an integer (NumPy integers too; not a bool) >= `low`; else `ValueError`
+    naming it."""
+    v = as_int(value)
+    if v is None or v < low:
         raise ValueError(f"{op}: {name}={value!r} must be an integer >= {low}")
-    return value
+    return v
 
 
 def check_number(value: object, *, name: str, op: str, low: float, high: float = math.inf,

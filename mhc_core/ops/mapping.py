@@ -36,8 +36,8 @@ def num_mapping_outputs(n: int) -> int:
 
 def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, op: str = "mapping",
                        norm_eps: float = NORM_EPS) -> int:
-    """The argument checks of `mapping`, shared by every backend; returns N = n*n + 2n."""
-    check_streams(n, op=op)
+    """The argument checks of `mapping`, shared by every backend; returns `n` as a Python int."""
+    n = check_streams(n, op=op)
     check_number(norm_eps, name="norm_eps", op=op, low=0.0)
     check_rank(x, 2, name="x", op=op, layout="[T, n*C]")
     width = x.shape[1]
@@ -50,7 +50,7 @@ def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, 
     check_dim(bias, (big_n,), name="bias", op=op, layout="[N]")
     check_floating(op=op, x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res,
                    bias=bias)
-    return big_n
+    return n
 
 
 def mapping(
@@ -78,7 +78,7 @@ def mapping(
     """
     op = "mapping"
     spec = get_variant(variant)
-    check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
+    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
     width = x.shape[1]
 
     compute = torch.promote_types(x.dtype, torch.float32) if spec.mapping_fp32 else x.dtype

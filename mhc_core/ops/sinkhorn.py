@@ -30,8 +30,9 @@ __all__ = ["sinkhorn", "sinkhorn_iterate", "check_sinkhorn_args"]
 
 def check_sinkhorn_args(
     logits: torch.Tensor, iterations: int, eps: float | None, spec: VariantSpec, *, op: str = "sinkhorn"
-) -> float:
-    """The argument checks of `sinkhorn`, shared by every backend; returns the eps to use.
+) -> tuple[int, float]:
+    """The argument checks of `sinkhorn`, shared by every backend; returns `(iterations, eps)` to use:
+    `iterations` as a Python int, `eps` resolved.
 
     `logits` must be a floating `[..., n, n]` tensor with n >= 1, `iterations` an int >= 1 and
     `eps` None (the variant's `spec.sinkhorn_eps`) or >= 0. No NaN / inf scan: that is the
@@ -41,10 +42,10 @@ def check_sinkhorn_args(
         check_rank(logits, 2, name="logits", op=op, layout="[..., n, n]")
     if logits.shape[-1] != logits.shape[-2] or logits.shape[-1] < 1:
         raise ValueError(f"{op}: logits must have shape [..., n, n] with n >= 1, got {shape_str(logits)}")
-    check_int(iterations, name="iterations", op=op)
+    iterations = check_int(iterations, name="iterations", op=op)
     eps = spec.sinkhorn_eps if eps is None else check_number(eps, name="eps", op=op, low=0.0)
     check_floating(op=op, logits=logits)
-    return eps
+    return iterations, eps
 
 
 def _normalise(m: torch.Tensor, dim: int, guard: str, eps: float) -> torch.Tensor:
@@ -122,7 +123,7 @@ def sinkhorn(
     """
     spec = get_variant(variant)
     op = "sinkhorn"
-    eps = check_sinkhorn_args(logits, iterations, eps, spec, op=op)
+    iterations, eps = check_sinkhorn_args(logits, iterations, eps, spec, op=op)
     check_finite(logits, name="logits", op=op)
     compute = torch.promote_types(logits.dtype, torch.float32)
     out = _SinkhornRecompute.apply(logits.to(compute), iterations, eps, spec)

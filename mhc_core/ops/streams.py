@@ -16,18 +16,19 @@ from mhc_core.ops._checks import check_dim, check_rank, check_streams, shape_str
 __all__ = ["expand", "contract", "learned_contract"]
 
 
-def _split_width(x: torch.Tensor, n: int, op: str) -> int:
-    check_streams(n, op=op)
+def _split_width(x: torch.Tensor, n: int, op: str) -> tuple[int, int]:
+    """`(n, C)` of `x [s, b, n*C]`, `n` as a Python int."""
+    n = check_streams(n, op=op)
     check_rank(x, 3, name="x", op=op, layout="[s, b, n*C]")
     if x.shape[-1] % n != 0 or x.shape[-1] == 0:
         raise ValueError(f"{op}: hidden width {x.shape[-1]} of x {shape_str(x)} is not a positive multiple of n={n}")
-    return x.shape[-1] // n
+    return n, x.shape[-1] // n
 
 
 def expand(x: torch.Tensor, n: int) -> torch.Tensor:
     """`[s, b, C] -> [s, b, n*C]`: every stream a copy of `x`."""
     op = "expand"
-    check_streams(n, op=op)
+    n = check_streams(n, op=op)
     check_rank(x, 3, name="x", op=op, layout="[s, b, C]")
     s, b, c = x.shape
     return x.unsqueeze(-2).expand(s, b, n, c).reshape(s, b, n * c)
@@ -35,7 +36,7 @@ def expand(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def contract(x: torch.Tensor, n: int) -> torch.Tensor:
     """`[s, b, n*C] -> [s, b, C]`: mean over the streams."""
-    c = _split_width(x, n, "contract")
+    n, c = _split_width(x, n, "contract")
     s, b, _ = x.shape
     return x.view(s, b, n, c).mean(dim=-2)
 
@@ -50,7 +51,7 @@ def learned_contract(
 ) -> torch.Tensor:
     """`[s, b, n*C] -> [s, b, C]` with learned, input-dependent stream weights (`megatron_dev`)."""
     op = "learned_contract"
-    c = _split_width(x, n, op)
+    n, c = _split_width(x, n, op)
     s, b, _ = x.shape
     check_dim(head_fn, (n, n * c), name="head_fn", op=op, layout="[n, n*C]")
     check_dim(head_base, (n,), name="head_base", op=op, layout="[n]")

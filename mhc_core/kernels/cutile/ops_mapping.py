@@ -143,7 +143,7 @@ def mapping(
     """
     op = "mapping"
     spec = get_variant(variant)
-    check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
+    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
     require_n(n, op)
     tensors = dict(x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias)
     require_dtypes(op, **tensors)

@@ -112,7 +112,7 @@ def sinkhorn(rt: Callable[[], Any], logits, iterations=20, eps=None, variant=Var
     """`mhc_core.ops.sinkhorn` on the runtime `rt()`: `logits[..., n, n] -> [..., n, n]`."""
     op = "sinkhorn"
     spec = get_variant(variant)
-    eps = check_sinkhorn_args(logits, iterations, eps, spec, op=op)
+    iterations, eps = check_sinkhorn_args(logits, iterations, eps, spec, op=op)
     require_n(logits.shape[-1], op)
     require_dtypes(op, logits=logits)
     runtime = rt()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,3 +71,35 @@ def test_post_residual_bda_wants_the_pair():
     with pytest.raises(ValueError, match=r"output_with_bias must be the pair \(y \[s, b, C\], bias \[C\] or None\) "
                                          r"a Megatron sublayer returns, got a tensor \[5, 2, 16\]"):
         hc.post_residual_bda(h_res, res, h_post, agg)
+
+
+@pytest.mark.parametrize("as_int", [np.int64, np.int32, np.uint8], ids=["int64", "int32", "uint8"])
+def test_numpy_integers_count_as_integers(as_int):
+    """NumPy integers for n / iterations / config counts give the same result as Python ints (as a config read
+    with NumPy would pass them); the config stores a Python int."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, N * C)
+    assert torch.equal(expand(x[..., :C], as_int(N)), expand(x[..., :C], N))
+    assert torch.equal(ops.contract(x, as_int(N)), ops.contract(x, N))
+    torch.manual_seed(1)
+    got = _mapping(n=as_int(N))
+    torch.manual_seed(1)
+    assert all(torch.equal(a, b) for a, b in zip(got, _mapping(), strict=True))
+    logits = torch.randn(2, N, N)
+    assert torch.equal(ops.sinkhorn(logits, as_int(5)), ops.sinkhorn(logits, 5))
+    cfg = HyperConnectionConfig(hidden_size=as_int(C), num_residual_streams=as_int(N), sinkhorn_iterations=as_int(3))
+    assert (type(cfg.hidden_size), type(cfg.num_residual_streams), type(cfg.sinkhorn_iterations)) == (int, int, int)
+    assert cfg == HyperConnectionConfig(hidden_size=C, num_residual_streams=N, sinkhorn_iterations=3)
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: expand(torch.randn(3, 2, C), True), r"expand: n=True must be an integer >= 1"),
+    (lambda: expand(torch.randn(3, 2, C), np.float64(4.0)), r"expand: n=(np\.float64\()?4\.0\)? must be an integer"),
+    (lambda: ops.sinkhorn(torch.randn(2, N, N), np.bool_(True)), r"sinkhorn: iterations=(np\.)?True_? must be an integer"),
+    (lambda: ops.sinkhorn(torch.randn(2, N, N), np.int64(0)), r"sinkhorn: iterations=(np\.int64\()?0\)? must be an integer >= 1"),
+    (lambda: _mapping(n=4.0), r"mapping: n=4.0 must be an integer >= 1"),
+], ids=["bool", "np-float", "np-bool", "np-zero", "float"])
+def test_non_integers_are_still_refused(call, match):
+    """Bools (Python or NumPy), floats and NumPy zero are refused as counts, by name."""
+    with pytest.raises(ValueError, match=match):
+        call()

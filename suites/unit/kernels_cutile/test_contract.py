@@ -139,3 +139,28 @@ def test_default_occupancy_reaches_runtime_and_offline_compile(monkeypatch):
     with tiling.overridden(occupancy={"h_post_bda_fwd_kernel": 2}):
         assert tiling.occupancy("h_post_bda_bwd_kernel") is None  # the override names the hints in force
         assert kernel_object("h_post_bda_fwd_kernel")._compiler_options.occupancy == 2
+
+
+def test_numpy_integers_reach_the_kernels_as_python_ints():
+    """n / iterations given as NumPy integers launch exactly what Python ints launch, every constant a Python
+    scalar (cuTile's launch and its JIT keys take int / float / bool, not NumPy scalars)."""
+    import numpy as np
+
+    from mhc_core.kernels.cutile.runtime import ConstArg, RecordingRuntime
+
+    def record(as_int):
+        rt = RecordingRuntime()
+        ops = make_ops(rt)
+        t, n, c = 4, 4, 16
+        x = torch.randn(t, n * c, requires_grad=True)
+        outs = ops.mapping(x, torch.randn(n * n + 2 * n, n * c), torch.ones(1), torch.ones(1), torch.ones(1),
+                           torch.zeros(n * n + 2 * n), as_int(n))
+        logits = torch.randn(t, n, n, requires_grad=True)
+        outs = (*outs, ops.sinkhorn(logits, as_int(5)))
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return rt.launches
+
+    want, got = record(int), record(np.int64)
+    assert got == want and len(want) >= 4
+    consts = [a.value for launch in got for a in launch.args if isinstance(a, ConstArg)]
+    assert consts and all(type(v) in (int, float, bool) for v in consts), sorted({type(v).__name__ for v in consts})

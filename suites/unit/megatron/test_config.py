@@ -144,3 +144,13 @@ def test_unknown_recompute_module_lists_mhc_among_the_valid(make_config):
     """megatron's list of recompute modules lacks 'mhc'; the error this config raises adds it."""
     with pytest.raises(ValueError, match=r"Allowed modules are: .*, and 'mhc'"):
         make_config(n=4, recompute_granularity="selective", recompute_modules=["MHC"])
+
+
+def test_numpy_integers_are_stored_as_ints(make_config):
+    """NumPy integers for the mHC counts are accepted and stored as Python ints."""
+    import numpy as np
+
+    cfg = make_config(enable_mhc_connections=True, mhc_num_residual_streams=np.int64(4),
+                      mhc_sinkhorn_iterations=np.int32(7))
+    assert (cfg.mhc_num_residual_streams, cfg.mhc_sinkhorn_iterations) == (4, 7)
+    assert type(cfg.mhc_num_residual_streams) is int and type(cfg.mhc_sinkhorn_iterations) is int
