@@ -20,12 +20,12 @@
 # and runs from there with the cache as CUDA_TILE_CACHE_DIR (`precompile check` into env.txt,
 # `precompile report`, entries used and kernels still JIT-compiled, into summary.txt).
 #
-# Steps (MHC_GPU_STEPS, default "parity sweep perf"; they run in the order below, whatever the order
+# Steps (MHC_GPU_STEPS, default "parity sweep perf host"; they run in the order below, whatever the order
 # named: the sweep first, which writes its checked winners as tuning.json, then every later step
 # under that file (MHC_CUTILE_TUNING), so that the parity tests check what would ship and the perf
 # suite times it, all in one call; to ship them, copy tuning.json to
 # mhc_core/kernels/cutile/tuned/nvidia_h200.json, after which every run on the device uses them
-# ("parity" alone then tests them). Each step has its own timeout; the defaults sum to 500 s, under
+# ("parity" alone then tests them). Each step has its own timeout; the defaults sum to 530 s, under
 # the 600 s a device command may run; MHC_GPU_TIMEOUT_<STEP> overrides one, e.g. MHC_GPU_TIMEOUT_PARITY=150):
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
 #           (the emulated and export tests are CPU CI's), 140 s (317 tests, 99 s on 11-30; the JIT's
@@ -49,16 +49,20 @@
 #   compiled suites/unit/kernels without the cuTile params and the `slow` tests: the compiled
 #           backend (Inductor / Triton) vs reference on CUDA, its fused dropout, T = 0, dynamic T and
 #           the module on top, 4 xdist workers x 4 compile threads, 150 s; not a default step.
-#           "compiled megatron functional" sums to 480 s (the defaults: 500 s)
+#           "compiled megatron functional" sums to 480 s (the defaults: 530 s)
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
 #           for reference + cutile (130 s; under this call's tuning.json when the sweep ran), to its own
 #           pytest-benchmark JSON; records
 #           golden/<hw>/perf/*.json, one perf-history record per JSON, and the Markdown table.
 #   perf-compiled  the same for the compiled backend (Inductor/Triton compiles, 110 s); not a default
 #           step (its kernels do not change with the cuTile work; h200 goldens exist).
+#   host    python -m mhc_core.kernels.host_profile --backend cutile at the sweep's shape, 50 calls per op
+#           and direction: the host's time per call (device drained, not counted) and a cProfile of it by
+#           function and area (mhc_core, torch, cuda.tile, C functions: ct.launch, torch's ops); host.txt,
+#           host.json in gpu_check.tgz, one line per op and direction in summary.txt; 30 s
 # Output ($OUT, default ./gpu_check_out, at most 8 files come back): summary.txt, env.txt,
 # perf-table.md, bench.json, sweep.json, tuning.json and gpu_check.tgz (everything else: parity.txt/.xml, bench.txt,
-# megatron.txt/.xml, perf*.json, perf*.txt, golden/<hw>/perf/, perf-history.jsonl). To land the figures:
+# megatron.txt/.xml, perf*.json, perf*.txt, host.txt/.json, golden/<hw>/perf/, perf-history.jsonl). To land the figures:
 # `tar -xzf gpu_check.tgz` and copy golden/<hw>/perf/ into golden/.
 set -uo pipefail
 
@@ -173,7 +177,7 @@ EOF
 "$PY" -m mhc_core.kernels >> "$OUT/env.txt" 2>&1  # where each op runs, the cuTile tuning in force
 cat "$OUT/env.txt"
 
-STEPS="${MHC_GPU_STEPS:-parity sweep perf}"
+STEPS="${MHC_GPU_STEPS:-parity sweep perf host}"
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
 limit() {  # limit <step> <default seconds>: MHC_GPU_TIMEOUT_<STEP> or the default
     local var="MHC_GPU_TIMEOUT_${1^^}"
@@ -320,6 +324,16 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
 has_step perf && perf_run perf 130 "not compiled"
 has_step perf-compiled && perf_run perf-compiled 110 "compiled"
 cat "$OUT/perf-table.md" 2>/dev/null
+fi
+
+# 5. the host side of each cuTile op (the per-call time a kernel's GPU time does not explain), after the
+#    perf step, whose kernels are then in the JIT cache
+if has_step host; then
+timeout "$(limit host 30)" "$PY" -m mhc_core.kernels.host_profile --backend cutile $SWEEP_SHAPE --calls 50 \
+    --out "$OUT/host.json" > "$OUT/host.txt" 2>&1
+rc=$?
+grep " host " "$OUT/host.txt" | tee -a "$OUT/summary.txt"
+record host $rc
 fi
 
 [[ -n "$PRE_TAR" ]] && "$PY" -m mhc_core.kernels.cutile.precompile report "$PRE_DIR" "$CUDA_TILE_CACHE_DIR" \

@@ -35,23 +35,33 @@ def _grp(idx, axis, N):
     return r
 
 
-def _sums(e, axis, N):
+def _fold(e, axis, N, MAX):
+    """Per group, the sum (`MAX` false) or the maximum of its members: a chain over whole tiles."""
     out = ()
     for g in ct.static_iter(range(N)):
-        s = e[_idx(axis, g, 0, N)]
+        r = e[_idx(axis, g, 0, N)]
         for k in ct.static_iter(range(1, N)):
-            s = s + e[_idx(axis, g, k, N)]
-        out = out + (s,)
+            if MAX:
+                r = ct.maximum(r, e[_idx(axis, g, k, N)])
+            else:
+                r = r + e[_idx(axis, g, k, N)]
+        out = out + (r,)
     return out
 
 
+def _sums(e, axis, N):
+    return _fold(e, axis, N, False)
+
+
 def _maxes(e, axis, N):
+    return _fold(e, axis, N, True)
+
+
+def _mul(a, b, N):
+    """The element-wise product of two tuples of `n*n` tiles."""
     out = ()
-    for g in ct.static_iter(range(N)):
-        m = e[_idx(axis, g, 0, N)]
-        for k in ct.static_iter(range(1, N)):
-            m = ct.maximum(m, e[_idx(axis, g, k, N)])
-        out = out + (m,)
+    for idx in ct.static_iter(range(N * N)):
+        out = out + (a[idx] * b[idx],)
     return out
 
 
@@ -158,15 +168,8 @@ def second_axis(VARIANT):
 
 
 def _softmax_rows(z, N, APPROX):
-    m = _maxes(z, ROW, N)
-    ex = ()
-    for idx in ct.static_iter(range(N * N)):
-        ex = ex + (ct.exp(z[idx] - m[idx // N]),)
-    s = _sums(ex, ROW, N)
-    out = ()
-    for idx in ct.static_iter(range(N * N)):
-        out = out + (_div(ex[idx], s[idx // N], APPROX),)
-    return out
+    ex = _exp_rows_shifted(z, N)
+    return scaled(ex, _sums(ex, ROW, N), ROW, N, APPROX)
 
 
 def _shift(e, c, N):
@@ -266,10 +269,7 @@ def exit_grad(st, g, VARIANT, N):
     """The gradient of the last pair's output from that of the op's output: `paper`'s output is
     `exp(L_P)`, so its gradient enters the log domain as `g * exp(L_P)`; the others pass it through."""
     if VARIANT == PAPER:
-        gl = ()
-        for idx in ct.static_iter(range(N * N)):
-            gl = gl + (g[idx] * ct.exp(st[idx]),)
-        g = gl
+        g = _mul(g, output_map(st, VARIANT, N), N)
     return g
 
 
@@ -277,18 +277,11 @@ def start_vjp(z, g, eps, VARIANT, N, APPROX):
     """Gradient w.r.t. the logits `z`, given the gradient `g` of the start map's output."""
     if VARIANT == MAIN:
         # exp(Z - rowmax), rowmax treated as a constant (the first row step cancels it).
-        s0 = _exp_rows_shifted(z, N)
-        gz = ()
-        for idx in ct.static_iter(range(N * N)):
-            gz = gz + (g[idx] * s0[idx],)
-        g = gz
+        g = _mul(g, _exp_rows_shifted(z, N), N)
     elif VARIANT == DEV:
         p = _softmax_rows(z, N, APPROX)
         g = norm_vjp(_shift(p, eps, N), g, COL, eps, VARIANT, N, APPROX)
-        gp = ()
-        for idx in ct.static_iter(range(N * N)):
-            gp = gp + (g[idx] * p[idx],)
-        rs = _sums(gp, ROW, N)
+        rs = _sums(_mul(g, p, N), ROW, N)
         gz = ()
         for idx in ct.static_iter(range(N * N)):
             gz = gz + (p[idx] * (g[idx] - rs[idx // N]),)
