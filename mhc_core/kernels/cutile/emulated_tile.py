@@ -173,9 +173,12 @@ class EmulatedTile(types.ModuleType):
 
     # -- memory -------------------------------------------------------------------------------
     @staticmethod
-    def load(array, index, shape, *, order="C", padding_mode=_PaddingMode.UNDETERMINED, latency=None, **_):
+    def load(array, index, shape, *, order="C", padding_mode=_PaddingMode.UNDETERMINED, latency=None, allow_tma=None,
+             **_):
         if latency is not None and (isinstance(latency, bool) or not isinstance(latency, int) or not 1 <= latency <= 10):
             raise ValueError(f"emulator: load latency={latency!r}: cuTile takes an integer in 1-10 (or None)")
+        if not (allow_tma is None or isinstance(allow_tma, bool)):
+            raise ValueError(f"emulator: load allow_tma={allow_tma!r}: cuTile takes a bool (or None)")
         view = array.permute(_perm(order, array.dim()))
         src, dst = _region(view, index, shape)
         fill = _pad_fill(padding_mode, array.dtype)

@@ -48,7 +48,7 @@ class _AggregateFn(torch.autograd.Function):
                 "h_aggregate_fwd_kernel",
                 (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.per_stream), int(tl.loop_c),
                  _mma_code(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t), x.dtype, h_pre.dtype == torch.bfloat16),
-                 tl.latency),
+                 tiling.load_code(tl)),
             )
         ctx.save_for_backward(x, h_pre)
         ctx.rt = rt
@@ -67,7 +67,7 @@ class _AggregateFn(torch.autograd.Function):
                 (cdiv(t, tl.tile_t),),
                 "h_aggregate_bwd_kernel",
                 (go, x, h_pre, grad_x, grad_h, n, tl.tile_t, tl.tile_c,
-                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n, tl.tile_t), x.dtype, True), tl.latency),
+                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n, tl.tile_t), x.dtype, True), tiling.load_code(tl)),
             )
         else:
             grad_h.zero_()
@@ -120,7 +120,7 @@ class _PostBdaFn(torch.autograd.Function):
                 (h_res, residual, h_post, y, bias_arg, out, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias),
                  int(tl.per_stream), int(tl.loop_c),
                  _mma_code(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t * n), residual.dtype,
-                           h_res.dtype == torch.bfloat16), tl.latency),
+                           h_res.dtype == torch.bfloat16), tiling.load_code(tl)),
             )
         ctx.save_for_backward(h_res, residual, h_post, y, bias_arg)
         ctx.args = (has_bias, transposed, rt)
@@ -147,7 +147,7 @@ class _PostBdaFn(torch.autograd.Function):
                 (go, h_res, residual, h_post, y, bias_arg, grad_h_res, grad_residual, grad_h_post, grad_y,
                  bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias), int(tl.per_stream),
                  # right operand: the residual, bf16-exact (the kernel splits its y + bias one itself)
-                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n,), residual.dtype, True), tl.latency),
+                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n,), residual.dtype, True), tiling.load_code(tl)),
             )
         else:
             grad_h_res.zero_()

@@ -17,18 +17,26 @@ PAD_ZERO = ct.PaddingMode.ZERO
 F32 = ct.float32
 
 
-def load_raw(arr, index, shape, latency=0):
-    """A zero-padded tile load; `latency` 1-10 is cuTile's DRAM-latency hint (`StreamTiles.latency`:
-    the depth of the compiler's load pipeline), 0 leaves it to the compiler."""
-    if latency > 0:
+def load_raw(arr, index, shape, loads=0):
+    """A zero-padded tile load under the load code `loads` (`tiling.load_code`): `loads % 16` is
+    cuTile's DRAM-latency hint, 1-10 (`StreamTiles.latency`: the depth of the compiler's load
+    pipeline; 0 leaves it to the compiler), and `loads >= 16` forbids TMA (`StreamTiles.tma` False:
+    plain global loads, which the compiler prefetches into registers instead of shared memory)."""
+    latency = loads % 16
+    if loads >= 16:
+        if latency > 0:
+            t = ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO, latency=latency, allow_tma=False)
+        else:
+            t = ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO, allow_tma=False)
+    elif latency > 0:
         t = ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO, latency=latency)
     else:
         t = ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO)
     return t
 
 
-def load_f32(arr, index, shape, latency=0):
-    return ct.astype(load_raw(arr, index, shape, latency), F32)
+def load_f32(arr, index, shape, loads=0):
+    return ct.astype(load_raw(arr, index, shape, loads), F32)
 
 
 def load_mix(h_res, pt, N, TILE_T, TRANSPOSED):
@@ -40,17 +48,17 @@ def load_mix(h_res, pt, N, TILE_T, TRANSPOSED):
     return ct.astype(m, F32)
 
 
-def load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, latency=0):
-    """`y + bias` as `[TILE_T, 1, TILE_C]` fp32 (`latency` for `y`: `load_raw`)."""
-    yb = load_f32(y, (pt, pc), (TILE_T, TILE_C), latency)
+def load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, loads=0):
+    """`y + bias` as `[TILE_T, 1, TILE_C]` fp32 (`loads` for `y`: `load_raw`)."""
+    yb = load_f32(y, (pt, pc), (TILE_T, TILE_C), loads)
     if HAS_BIAS:
         yb = yb + ct.reshape(load_f32(bias, (pc,), (TILE_C,)), (1, TILE_C))
     return ct.reshape(yb, (TILE_T, 1, TILE_C))
 
 
-def load_stream(arr, pt, i, pc, TILE_T, TILE_C, latency=0):
+def load_stream(arr, pt, i, pc, TILE_T, TILE_C, loads=0):
     """Stream `i` of `arr [T, n, C]` at tile `(pt, pc)` as `[TILE_T, TILE_C]` fp32."""
-    return ct.reshape(load_f32(arr, (pt, i, pc), (TILE_T, 1, TILE_C), latency), (TILE_T, TILE_C))
+    return ct.reshape(load_f32(arr, (pt, i, pc), (TILE_T, 1, TILE_C), loads), (TILE_T, TILE_C))
 
 
 def stream_slice(t, i):

@@ -7,9 +7,10 @@ streams, `TILE_T` tokens and `TILE_C` channels form one tile; arrays are token-m
 The residual mix uses `M = H` (`paper`, `megatron_main`) or `M = H^T` (`megatron_dev`,
 `TRANSPOSED=1`): `mix_i = sum_j M[i, j] x_j`, loaded by `stream_common.load_mix`; `grad_h_res`
 is stored back through the same transposed view. The loads live in `stream_common`, the
-tensor-core formulations (`StreamTiles.mma`) in `stream_mma`. Every kernel's `LATENCY`
-(`StreamTiles.latency`, 0: the compiler's inference) is cuTile's DRAM-latency hint on its streaming
-loads (activations and gradients, not the per-token coefficients): `stream_common.load_raw`.
+tensor-core formulations (`StreamTiles.mma`) in `stream_mma`. Every kernel's `LOADS`
+(`tiling.load_code`: `StreamTiles.latency`, cuTile's DRAM-latency hint, and `StreamTiles.tma`;
+0: the compiler decides both) applies to its streaming loads (activations and gradients, not the
+per-token coefficients): `stream_common.load_raw`.
 """
 
 from __future__ import annotations
@@ -36,25 +37,25 @@ from mhc_core.kernels.cutile.stream_mma import (
 ConstInt = ct.Constant[int]
 
 
-def _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM, MIX_MMA, LATENCY):
+def _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM, MIX_MMA, LOADS):
     """One `[TILE_T, TILE_C]` output tile of `h_aggregate`; `h [TILE_T, n]` fp32 (the block's `h_pre`),
     `h_diag` its block-diagonal form (`MIX_MMA >= 0`)."""
     if MIX_MMA >= 0:
-        aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA, LATENCY)
+        aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA, LOADS)
     else:
         if PER_STREAM:
             acc = ct.zeros((TILE_T, TILE_C), dtype=F32)
             for i in ct.static_iter(range(N)):
-                acc = acc + ct.extract(h, (0, i), shape=(TILE_T, 1)) * load_stream(x, pt, i, pc, TILE_T, TILE_C, LATENCY)
+                acc = acc + ct.extract(h, (0, i), shape=(TILE_T, 1)) * load_stream(x, pt, i, pc, TILE_T, TILE_C, LOADS)
         else:
-            xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
+            xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
             acc = ct.sum(xt * ct.reshape(h, (TILE_T, N, 1)), axis=1)
         ct.store(out, index=(pt, pc), tile=ct.astype(acc, out.dtype))
 
 
 @ct.kernel
 def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                           PER_STREAM: ConstInt, LOOP_C: ConstInt, MIX_MMA: ConstInt, LATENCY: ConstInt):
+                           PER_STREAM: ConstInt, LOOP_C: ConstInt, MIX_MMA: ConstInt, LOADS: ConstInt):
     """`out[t, c] = sum_i h_pre[t, i] x[t, i, c]`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`, or
     `(cdiv(T, TILE_T),)` with `LOOP_C`: each block walks all of C, a loop whose loads the compiler
     can pipeline across iterations (as in the backward kernels).
@@ -69,14 +70,14 @@ def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C:
     h_diag = block_diag(ct.reshape(h, (TILE_T, N, 1)), N, 1, TILE_T)  # used when MIX_MMA >= 0
     if LOOP_C:
         for pc in range(ct.num_tiles(out, axis=1, shape=(TILE_T, TILE_C))):
-            _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM, MIX_MMA, LATENCY)
+            _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM, MIX_MMA, LOADS)
     else:
-        _aggregate_tile(x, h, h_diag, out, pt, ct.bid(1), N, TILE_T, TILE_C, PER_STREAM, MIX_MMA, LATENCY)
+        _aggregate_tile(x, h, h_diag, out, pt, ct.bid(1), N, TILE_T, TILE_C, PER_STREAM, MIX_MMA, LOADS)
 
 
 @ct.kernel
 def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
-                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt, REDUCE_MMA: ConstInt, LATENCY: ConstInt):
+                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt, REDUCE_MMA: ConstInt, LOADS: ConstInt):
     """`grad_x[t, i, c] = h[t, i] go[t, c]`, `grad_h[t, i] = sum_c go[t, c] x[t, i, c]`.
 
     Grid `(cdiv(T, TILE_T),)`; each block walks all of `C`, so `grad_h` needs no second pass.
@@ -90,11 +91,11 @@ def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
     acc = ct.zeros((TILE_T * N, TILE_T), dtype=F32)  # used when REDUCE_MMA >= 0
     for pc in range(ct.num_tiles(grad_out, axis=1, shape=(TILE_T, TILE_C))):
         if REDUCE_MMA >= 0:
-            acc, go = aggregate_channel_products(grad_out, x, pt, pc, acc, N, TILE_T, TILE_C, REDUCE_MMA, LATENCY)
+            acc, go = aggregate_channel_products(grad_out, x, pt, pc, acc, N, TILE_T, TILE_C, REDUCE_MMA, LOADS)
             ct.store(grad_x, index=(pt, 0, pc), tile=ct.astype(go * h, grad_x.dtype))
         else:
-            go = ct.reshape(load_f32(grad_out, (pt, pc), (TILE_T, TILE_C), LATENCY), (TILE_T, 1, TILE_C))
-            xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
+            go = ct.reshape(load_f32(grad_out, (pt, pc), (TILE_T, TILE_C), LOADS), (TILE_T, 1, TILE_C))
+            xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
             ct.store(grad_x, index=(pt, 0, pc), tile=ct.astype(go * h, grad_x.dtype))
             gh = gh + ct.sum(go * xt, axis=2)
     if REDUCE_MMA >= 0:
@@ -103,17 +104,17 @@ def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
 
 
 def _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM,
-                   MIX_MMA, LATENCY):
+                   MIX_MMA, LOADS):
     """One `[TILE_T, n, TILE_C]` output tile of `h_post_bda` (modes: `h_post_bda_fwd_kernel`); the
     block's mix `m [TILE_T, n, n]`, its block-diagonal `M^T` `m_diag` (`MIX_MMA >= 0`) and
     `hp2 = h_post [TILE_T, n]`, fp32, come loaded."""
     if MIX_MMA >= 0:
-        post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA, LATENCY)
+        post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA, LOADS)
     elif PER_STREAM == 2:
-        yb2 = ct.reshape(load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LATENCY), (TILE_T, TILE_C))
+        yb2 = ct.reshape(load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS), (TILE_T, TILE_C))
         streams = ()
         for j in ct.static_iter(range(N)):
-            streams = streams + (load_stream(residual, pt, j, pc, TILE_T, TILE_C, LATENCY),)
+            streams = streams + (load_stream(residual, pt, j, pc, TILE_T, TILE_C, LOADS),)
         for i in ct.static_iter(range(N)):
             acc2 = ct.extract(hp2, (0, i), shape=(TILE_T, 1)) * yb2
             for j in ct.static_iter(range(N)):
@@ -121,8 +122,8 @@ def _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TI
                 acc2 = acc2 + m_ij * streams[j]
             ct.store(out, index=(pt, i, pc), tile=ct.astype(ct.reshape(acc2, (TILE_T, 1, TILE_C)), out.dtype))
     else:
-        res = load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
-        yb = load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LATENCY)
+        res = load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
+        yb = load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS)
         if PER_STREAM:
             for i in ct.static_iter(range(N)):
                 acc = ct.reshape(ct.extract(hp2, (0, i), shape=(TILE_T, 1)), (TILE_T, 1, 1)) * yb
@@ -144,7 +145,7 @@ def _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TI
 def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
                           TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt, LOOP_C: ConstInt,
-                          MIX_MMA: ConstInt, LATENCY: ConstInt):
+                          MIX_MMA: ConstInt, LOADS: ConstInt):
     """`out_i = sum_j M[i, j] residual_j + h_post_i (y + bias)`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`,
     or `(cdiv(T, TILE_T),)` with `LOOP_C` (each block walks all of C, as `h_aggregate_fwd_kernel`).
 
@@ -163,10 +164,10 @@ def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
     if LOOP_C:
         for pc in range(ct.num_tiles(y, axis=1, shape=(TILE_T, TILE_C))):
             _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM,
-                           MIX_MMA, LATENCY)
+                           MIX_MMA, LOADS)
     else:
         _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, ct.bid(1), N, TILE_T, TILE_C, HAS_BIAS, PER_STREAM,
-                       MIX_MMA, LATENCY)
+                       MIX_MMA, LOADS)
 
 
 def _stream_slices(t, N):
@@ -210,7 +211,7 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
                           grad_h_res, grad_residual, grad_h_post, grad_y, grad_bias_part,
                           N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
                           TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, PER_STREAM: ConstInt,
-                          REDUCE_MMA: ConstInt, LATENCY: ConstInt):
+                          REDUCE_MMA: ConstInt, LOADS: ConstInt):
     """All input gradients of `h_post_bda` in one pass over `grad_out`; grid `(cdiv(T, TILE_T),)`.
 
     - `grad_residual_j = sum_i M[i, j] go_i`, `grad_M[i, j] = sum_c go_i residual_j`
@@ -238,9 +239,9 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
         acc_m = ct.zeros((TILE_T * N, TILE_T * N), dtype=F32)
         acc_h = ct.zeros((TILE_T * N, TILE_T * N), dtype=F32)
         for pc in range(num_c):
-            yb = load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LATENCY)
+            yb = load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS)
             acc_m, acc_h, go = channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h,
-                                                 N, TILE_T, TILE_C, REDUCE_MMA, LATENCY)
+                                                 N, TILE_T, TILE_C, REDUCE_MMA, LOADS)
             _stream_grads(_stream_slices(go, N), m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
         g_m = token_diagonal(acc_m, N, N, TILE_T)
         g_hp = ct.reshape(ct.extract(token_diagonal(acc_h, N, N, TILE_T), (0, 0, 0), shape=(TILE_T, N, 1)), (TILE_T, N))
@@ -257,9 +258,9 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
             gos = ()
             ress = ()
             for i in ct.static_iter(range(N)):
-                gos = gos + (load_stream(grad_out, pt, i, pc, TILE_T, TILE_C, LATENCY),)
-                ress = ress + (load_stream(residual, pt, i, pc, TILE_T, TILE_C, LATENCY),)
-            yb2 = ct.reshape(load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LATENCY), (TILE_T, TILE_C))
+                gos = gos + (load_stream(grad_out, pt, i, pc, TILE_T, TILE_C, LOADS),)
+                ress = ress + (load_stream(residual, pt, i, pc, TILE_T, TILE_C, LOADS),)
+            yb2 = ct.reshape(load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS), (TILE_T, TILE_C))
             nxt_m = ()
             nxt_h = ()
             for i in ct.static_iter(range(N)):
@@ -277,13 +278,13 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
         g_m = ct.zeros((TILE_T, N, N), dtype=F32)
         g_hp = ct.zeros((TILE_T, N), dtype=F32)
         for pc in range(num_c):
-            go = load_f32(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
-            res = load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
+            go = load_f32(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
+            res = load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
             for j in ct.static_iter(range(N)):
                 col = ct.sum(go * ct.extract(res, (0, j, 0), shape=(TILE_T, 1, TILE_C)), axis=2, keepdims=True)
                 onehot = ct.reshape(ct.where(lanes == j, 1.0, 0.0), (1, 1, N))
                 g_m = g_m + col * onehot
-            g_hp = g_hp + ct.sum(go * load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LATENCY), axis=2)
+            g_hp = g_hp + ct.sum(go * load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS), axis=2)
             if PER_STREAM:
                 _stream_grads(_stream_slices(go, N), m, ct.reshape(hp, (TILE_T, N)), grad_residual, grad_y, grad_bias_part, pt, pc,
                               N, TILE_T, TILE_C, HAS_BIAS)

@@ -33,26 +33,26 @@ def block_diag(blocks, N, COLS, TILE_T):
     return ct.reshape(wide, (TILE_T * N, TILE_T * COLS))
 
 
-def aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA, LATENCY):
+def aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA, LOADS):
     """One output tile of `h_aggregate` on the tensor cores: `out^T [TILE_C, TILE_T] = x2^T @ h_diag`,
     `x2 [TILE_T*n, TILE_C]` the whole `[TILE_T, n, TILE_C]` tile, `h_diag [TILE_T*n, TILE_T]` the
     block's `h_pre` (`block_diag`); stored through a transposed view of `out`."""
-    xt = load_raw(x, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
+    xt = load_raw(x, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
     acc = mma_at(ct.transpose(ct.reshape(xt, (TILE_T * N, TILE_C))), h_diag, ct.zeros((TILE_C, TILE_T), dtype=F32),
                  MIX_MMA)
     ct.store(out, index=(pc, pt), tile=ct.astype(acc, out.dtype), order=(1, 0))
 
 
-def post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA, LATENCY):
+def post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA, LOADS):
     """One output tile of `h_post_bda` with the residual mix on the tensor cores:
     `mix^T [TILE_C, TILE_T*n] = res2^T @ m_diag`, `res2 [TILE_T*n, TILE_C]` the whole residual tile,
     `m_diag` the block-diagonal `M^T` (`m_diag[t*n + j, t*n + i] = M[t, i, j]`); then
     `+ h_post * (y + bias)` and one whole-tile store."""
-    res = load_raw(residual, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
+    res = load_raw(residual, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
     mix_t = mma_at(ct.transpose(ct.reshape(res, (TILE_T * N, TILE_C))), m_diag,
                    ct.zeros((TILE_C, TILE_T * N), dtype=F32), MIX_MMA)
     mix = ct.reshape(ct.transpose(mix_t), (TILE_T, N, TILE_C))
-    acc = mix + ct.reshape(hp2, (TILE_T, N, 1)) * load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LATENCY)
+    acc = mix + ct.reshape(hp2, (TILE_T, N, 1)) * load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS)
     ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
 
 
@@ -71,18 +71,18 @@ def token_diagonal(acc, N, COLS, TILE_T):
     return ct.sum(ct.reshape(acc, (TILE_T, N, TILE_T, COLS)) * token_eye(TILE_T), axis=2)
 
 
-def aggregate_channel_products(grad_out, x, pt, pc, acc, N, TILE_T, TILE_C, REDUCE_MMA, LATENCY):
+def aggregate_channel_products(grad_out, x, pt, pc, acc, N, TILE_T, TILE_C, REDUCE_MMA, LOADS):
     """One C tile of `h_aggregate`'s backward channel sum on the tensor cores: `acc += x2 @ go^T`
     (`x2 [TILE_T*n, TILE_C]`, `go [TILE_T, TILE_C]`: a `[TILE_T*n, TILE_T]` product whose diagonal
     blocks, `token_diagonal(acc, n, 1)`, are `grad_h_pre`). Returns `acc` and `grad_out`'s tile as
     fp32 `[TILE_T, 1, TILE_C]`."""
-    go = load_raw(grad_out, (pt, pc), (TILE_T, TILE_C), LATENCY)
-    xt = load_raw(x, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
+    go = load_raw(grad_out, (pt, pc), (TILE_T, TILE_C), LOADS)
+    xt = load_raw(x, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
     acc = mma_at(ct.reshape(xt, (TILE_T * N, TILE_C)), ct.transpose(go), acc, REDUCE_MMA)
     return acc, ct.reshape(ct.astype(go, F32), (TILE_T, 1, TILE_C))
 
 
-def channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h, N, TILE_T, TILE_C, REDUCE_MMA, LATENCY):
+def channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h, N, TILE_T, TILE_C, REDUCE_MMA, LOADS):
     """One C tile of the `n*n + n` channel sums of `h_post_bda`'s backward on the tensor cores.
 
     With the block's tokens and streams as rows (`go2, res2 [TILE_T*n, TILE_C]`, the `[T, n, C]`
@@ -90,8 +90,8 @@ def channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h, N, TILE_T, TI
     repeated for each stream) are `[TILE_T*n, TILE_T*n]` products whose diagonal blocks are
     `grad_M` and `grad_h_post` (`token_diagonal`); the rest is waste the tensor cores can afford.
     Returns the accumulators and `grad_out`'s tile as fp32 `[TILE_T, n, TILE_C]`."""
-    go = load_raw(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
-    res = load_raw(residual, (pt, 0, pc), (TILE_T, N, TILE_C), LATENCY)
+    go = load_raw(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
+    res = load_raw(residual, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
     go2 = ct.reshape(go, (TILE_T * N, TILE_C))
     acc_m = mma_at(go2, ct.transpose(ct.reshape(res, (TILE_T * N, TILE_C))), acc_m, REDUCE_MMA)
     ybx = ct.reshape(ct.broadcast_to(yb, (TILE_T, N, TILE_C)), (TILE_T * N, TILE_C))

@@ -47,10 +47,12 @@ CANDIDATES: dict[str, tuple] = {
                        _S(4, 256, 2), _S(8, 256, 2), _S(8, 128, 2), _S(4, 256, 2, True), _S(8, 256, 2, True),
                        _S(4, 256, True, True), _S(4, 256, mma=True), _S(4, 256, loop_c=True, mma=True),
                        _S(8, 128, mma=True), _S(8, 256, loop_c=True, mma=True)),
-    "h_post_bda_bwd": (_S(32, 64), _S(64, 32), _S(16, 64), _S(32, 64, True), _S(16, 64, True),
+    # Out after the H200 sweep of 11-30, slower than the default (0.90 ms): 16 x 64 (1.34), 32 x 64 per
+    # stream (1.07), 4 x 128 `mma` (3.91).
+    "h_post_bda_bwd": (_S(32, 64), _S(64, 32), _S(16, 64, True),
                        _S(16, 128, True), _S(8, 128, True), _S(8, 64, 2), _S(4, 64, 2), _S(8, 32, 2),
                        _S(4, 128, 2), _S(8, 64, mma=True), _S(8, 128, mma=True), _S(16, 64, mma=True),
-                       _S(4, 128, mma=True), _S(16, 128, mma=True)),
+                       _S(16, 128, mma=True)),
     "mapping_fwd": (tiling.MappingTiles(64, 128), tiling.MappingTiles(128, 64), tiling.MappingTiles(128, 128),
                     tiling.MappingTiles(64, 256)),
     # The dx/dW loop spills at the 32 x 128 default (sm_90: 536 B of stack, 193 STL, 152 LDL per
@@ -107,6 +109,13 @@ CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
     c for lat in (6, 9, 10) for c in _hinted("h_post_bda_bwd", (2,), _S(8, 64, 2, latency=lat))) + _hinted(
     "h_post_bda_bwd", (2,), _S(8, 128, mma=True, latency=10))
 CANDIDATES["h_post_bda_fwd"] += (_S(4, 256, 2, True, latency=6), _S(4, 256, 2, True, latency=10))
+# The same backwards without TMA (`StreamTiles.tma` False): plain global loads prefetched into registers, as
+# the forward winner (84-85 % of copy) loads unasked, where the TMA backward reaches ~61 %. sm_90, occupancy 2: the
+# tuple 8 x 64 has 15 LDG and no TMA load (TMA: 5 LDG + 10 TMA loads), 26 KB of shared memory instead of 36; with
+# latency 6 / 9, 25 / 45 LDG, no spills.
+CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
+    c for lat in (0, 6, 9) for c in _hinted("h_post_bda_bwd", (2,), _S(8, 64, 2, latency=lat, tma=False))) + _hinted(
+    "h_post_bda_bwd", (2,), _S(8, 128, mma=True, tma=False))
 # Most expected gain first, so that a sweep its timeout cuts short has timed these: the kernels furthest
 # from their targets (h_post_bda and mapping backward at ~25 % and ~11 % of copy, Sinkhorn at 2-16x its
 # 10 us) before the forwards.

@@ -53,6 +53,8 @@ __all__ = [
     "MAX_CHECKPOINT_PAIRS",
     "sinkhorn_tile",
     "StreamTiles",
+    "NO_TMA",
+    "load_code",
     "ADDED_FIELDS",
     "tile_fields",
     "aggregate_tiles",
@@ -131,6 +133,8 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
         raise ValueError(f"{where}: {key}={value!r}: tile sizes must be powers of two")
     if isinstance(value, StreamTiles) and not _is_int_in(value.latency, 0, 10):
         raise ValueError(f"{where}: {key}={value!r}: latency must be an integer in 0-10 (0: the compiler's choice)")
+    if isinstance(value, StreamTiles) and not isinstance(value.tma, bool):
+        raise ValueError(f"{where}: {key}={value!r}: tma must be True (the compiler may use TMA) or False")
     if key == "sinkhorn":
         ck = value.checkpoint
         if not _is_int_in(ck, 0):
@@ -219,7 +223,7 @@ def occupancy(kernel_name: str) -> int | None:
     return DEFAULT_OCCUPANCY.get(kernel_name)
 
 
-ADDED_FIELDS = {"SinkhornTiles": ("checkpoint", "fwd_checkpoints"), "StreamTiles": ("latency",)}
+ADDED_FIELDS = {"SinkhornTiles": ("checkpoint", "fwd_checkpoints"), "StreamTiles": ("latency", "tma")}
 """Tile fields added after the first H200 sweep and tuning (11-30): `tile_fields` and the tiles'
 reprs leave them out while they hold their default, so the sweep files and tunings written before
 still name, and digest to, the same tiles."""
@@ -302,6 +306,11 @@ class StreamTiles:
     streaming loads, which sets how deep the compiler pipelines them (sm_90, the tuple-of-streams
     h_post_bda backward 8 x 64 at occupancy 2, T 8192 C 4096 bf16: 36 KB of shared memory unhinted, 46 KB
     at 6, 64 KB at 9, 74 KB at 10: more loads in flight per SM).
+    `tma` False: the same streaming loads without TMA (cuTile's `allow_tma=False`): plain global
+    loads, prefetched into registers instead of copied into shared memory (sm_90, the same
+    backward: 15 LDG and no TMA load instead of 5 and 10, 26 KB of shared memory instead of 36; with
+    latency 9, 45 LDG). The h_post_bda forward winner loads that way unasked, at 84-85 % of copy,
+    where the TMA backward stays at ~61 %. True (default) leaves the choice to the compiler.
     """
 
     tile_t: int
@@ -310,9 +319,21 @@ class StreamTiles:
     loop_c: bool = False
     mma: bool = False
     latency: int = 0
+    tma: bool = True
 
     def __repr__(self) -> str:
         return _repr(self)
+
+
+NO_TMA = 16
+"""What `load_code` adds for `StreamTiles.tma` False (above any latency hint)."""
+
+
+def load_code(tile: StreamTiles) -> int:
+    """The stream kernels' `LOADS` constant for `tile`: its latency hint (0-10), plus `NO_TMA` when TMA
+    is forbidden (`stream_common.load_raw` takes it apart). One constant for both keeps the kernels'
+    signatures, and the recorded launches of tiles without them, as they were."""
+    return tile.latency + (0 if tile.tma else NO_TMA)
 
 
 def _stream_tiles(n: int, c: int, cap_c: int, elems: int, per_stream: int = 0) -> StreamTiles:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile import emulated_tile, tiling
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import EmulatedRuntime
 from mhc_core.variants import Variant
@@ -175,12 +175,22 @@ def test_stream_formulations(emu, op, mode, n, variant, with_bias, loop_c):
         compare(f"{op} {tiles} n{n} {variant}", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 
 
+@pytest.mark.parametrize(("latency", "tma"), [(10, True), (9, False)], ids=["latency10", "latency9-no_tma"])
 @pytest.mark.parametrize(("mode", "mma"), [(0, False), (1, False), (2, False), (0, True)],
                          ids=["whole", "per_stream", "tuple", "mma"])
-def test_stream_latency_hint(mode, mma):
-    """`StreamTiles.latency` reaches all four stream kernels as their `LATENCY` constant (the
-    interpreter's `ct.load` refuses a hint outside 1-10) and changes no result."""
-    seen = {}
+def test_stream_load_hints(mode, mma, latency, tma, monkeypatch):
+    """`StreamTiles.latency` and `.tma` reach all four stream kernels as their `LOADS` constant
+    (`tiling.load_code`) and every streaming load as `ct.load(latency=..., allow_tma=...)` (the
+    interpreter's `ct.load` refuses a hint outside 1-10), and change no result."""
+    seen, hints = {}, set()
+    real_load = emulated_tile.EmulatedTile.load
+
+    def load(array, index, shape, **kw):
+        if array.dim() == 3 and array.shape[-1] > 8 or array.dim() == 2 and array.shape[-1] > 8:  # [T, n, C], [T, C]
+            hints.add((kw.get("latency"), kw.get("allow_tma")))
+        return real_load(array, index, shape, **kw)
+
+    monkeypatch.setattr(emulated_tile.EmulatedTile, "load", staticmethod(load))
 
     class Spy(EmulatedRuntime):
         def launch(self, grid, kernel_name, args):
@@ -189,19 +199,24 @@ def test_stream_latency_hint(mode, mma):
 
     spy = make_ops(Spy(num_sms=4))
     t, n, c, variant = 21, 4, 300, Variant.MEGATRON_DEV
-    fwd = tiling.StreamTiles(8, 128, per_stream=mode, loop_c=True, mma=mma, latency=10)
-    bwd = tiling.StreamTiles(8, 128, per_stream=mode, mma=mma, latency=10)
+    fwd = tiling.StreamTiles(8, 128, per_stream=mode, loop_c=True, mma=mma, latency=latency, tma=tma)
+    bwd = tiling.StreamTiles(8, 128, per_stream=mode, mma=mma, latency=latency, tma=tma)
     with tiling.overridden(h_aggregate_fwd=fwd, h_post_bda_fwd=fwd, h_aggregate_bwd=bwd, h_post_bda_bwd=bwd):
-        compare(f"h_aggregate latency {fwd}", spy.h_aggregate, ref.h_aggregate,
+        compare(f"h_aggregate hints {fwd}", spy.h_aggregate, ref.h_aggregate,
                 aggregate_inputs(t, n, c, torch.bfloat16, torch.float32, "cpu"), torch.bfloat16, input_names=("x", "h_pre"))
-        compare(f"h_post_bda latency {fwd}", lambda *a: spy.h_post_bda(*a, 0.0, False, variant),
+        compare(f"h_post_bda hints {fwd}", lambda *a: spy.h_post_bda(*a, 0.0, False, variant),
                 lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
                 post_bda_inputs(t, n, c, torch.bfloat16, torch.float32, True, "cpu"), torch.bfloat16,
                 input_names=POST_BDA_INPUT_NAMES)
+    code = latency + (0 if tma else tiling.NO_TMA)
     assert seen == dict.fromkeys(("h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel", "h_post_bda_fwd_kernel",
-                                  "h_post_bda_bwd_kernel"), 10)
+                                  "h_post_bda_bwd_kernel"), code)
+    assert hints == {(latency, None if tma else False)}
     with pytest.raises(ValueError, match="latency must be an integer in 0-10"):
         with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(8, 64, latency=11)):
+            pass
+    with pytest.raises(ValueError, match="tma must be True"):
+        with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(8, 64, tma=0)):
             pass
 
 
