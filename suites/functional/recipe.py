@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ __all__ = [
     "MetricSpec",
     "Recipe",
     "RunPlan",
+    "CPU_ISA_PINS",
+    "cpu_isa_pins",
     "dump_plan",
     "load_plan",
     "load_recipe",
@@ -342,7 +345,24 @@ def resolve(recipe: Recipe, hw: str, *, variables: Mapping[str, str] | None = No
         raise _err(recipe.path, "MODEL_ARGS.--transformer-impl", args.transformer_impl,
                    f"only 'local' runs on {hw} (Transformer Engine needs CUDA)")
     return RunPlan(case=recipe.name, hw=hw, nproc=spec.nproc, backend=spec.backend,
-                   deterministic=spec.deterministic, timeout=spec.timeout, env=dict(recipe.env_vars), args=args)
+                   deterministic=spec.deterministic, timeout=spec.timeout,
+                   env={**cpu_isa_pins(spec.backend), **recipe.env_vars}, args=args)
+
+
+CPU_ISA_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+                "ONEDNN_MAX_CPU_ISA": "AVX2"}
+"""The vector code paths of a CPU run, pinned: torch's own kernels (ATen), MKL's BLAS (its conditional
+numerical reproducibility mode) and oneDNN at AVX2, whatever the machine has. Their AVX-512 paths sum
+in another order: an exact golden recorded on an AVX-512 machine missed on an AVX2 one by ~1e-7
+relative (lm loss, grad norm) and a num-zeros count (2026-11-30), and `ATEN_CPU_CAPABILITY=default`
+moves them again. Every x86-64 CI machine has AVX2."""
+
+
+def cpu_isa_pins(backend: str, machine: str | None = None) -> dict[str, str]:
+    """`CPU_ISA_PINS` for a CPU run (gloo) on x86-64, else none (GPU runs, other architectures); the
+    recipe's ENV_VARS still override them."""
+    machine = platform.machine() if machine is None else machine
+    return dict(CPU_ISA_PINS) if backend == "gloo" and machine.lower() in ("x86_64", "amd64") else {}
 
 
 def dump_plan(plan: RunPlan, path: Path) -> Path:

@@ -9,7 +9,14 @@ import yaml
 
 from harness.compare import ApproximateCheck, ExactCheck, TimingCheck
 from suites.functional.model_args import FLAGS, parse_model_args, render_cli
-from suites.functional.recipe import RECIPE_DIR, load_recipe, recipe_names, resolve
+from suites.functional.recipe import (
+    CPU_ISA_PINS,
+    RECIPE_DIR,
+    cpu_isa_pins,
+    load_recipe,
+    recipe_names,
+    resolve,
+)
 
 BASE = RECIPE_DIR / "gpt_tp1_pp1_mhc.yaml"
 HW = "cpu_x86_64"
@@ -79,6 +86,21 @@ def test_overrides_and_variables_apply():
                    overrides={"--mhc-sinkhorn-iterations": 1})
     assert plan.args.data_path == "/d/declaration_text_document"
     assert plan.args.mhc_sinkhorn_iterations == 1
+
+
+def test_cpu_runs_pin_the_vector_isa(tmp_path):
+    """A gloo run on x86-64 gets the AVX2 pins (recipe ENV_VARS on top of them); GPU runs and other
+    architectures get none."""
+    plan = resolve(load_recipe(BASE), HW, variables={"FUNCTIONAL_DATA": "/d"})
+    if cpu_isa_pins("gloo"):
+        assert {k: plan.env[k] for k in CPU_ISA_PINS} == CPU_ISA_PINS
+    assert plan.env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # the recipe's own still there
+    assert cpu_isa_pins("gloo", "x86_64") == CPU_ISA_PINS == cpu_isa_pins("gloo", "AMD64")
+    assert cpu_isa_pins("nccl", "x86_64") == {} == cpu_isa_pins("gloo", "aarch64")
+    doc = _base()
+    doc["ENV_VARS"]["ATEN_CPU_CAPABILITY"] = "default"
+    plan = resolve(load_recipe(_write(tmp_path, doc)), HW, variables={"FUNCTIONAL_DATA": "/d"})
+    assert plan.env["ATEN_CPU_CAPABILITY"] == "default"
 
 
 def test_render_cli_matches_upstream_rules():
