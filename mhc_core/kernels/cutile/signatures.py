@@ -159,6 +159,8 @@ ALTERNATIVE_TILES = (
      "h_aggregate_bwd": tiling.StreamTiles(tile_t=16, tile_c=128, mma=True)},
     {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2, loop_c=True, latency=10),
      "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2, latency=10)},
+    {"h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2, latency=9, tma=False),
+     "h_aggregate_bwd": tiling.StreamTiles(tile_t=16, tile_c=128, mma=True, tma=False)},
 )
 """The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
 (each with a stored trajectory and with recompute; per-element also with approximate division and with
@@ -166,7 +168,7 @@ a checkpointed backward, with and without the forward's checkpoints), the whole-
 forwards, the per-stream h_post_bda backward, the stream-by-stream-loading h_post_bda forward and backward, the
 C-looping stream forwards, the mapping backward with its own grad_x kernel and with a spill-free 16 x 64 tile,
 the h_post_bda and h_aggregate backwards with tensor-core channel sums and both forwards with their stream sums
-on the tensor cores, and the h_post_bda kernels with the DRAM-latency hint."""
+on the tensor cores, the h_post_bda kernels with the DRAM-latency hint, and backwards without TMA."""
 
 
 def plan_under(overrides: dict, n: int = 4, prefix: str = "") -> tuple[PlannedLaunch, ...]:

@@ -72,7 +72,7 @@ ALT_PLAN = alternative_plan()
 def test_alternative_plan_holds_each_formulation():
     """The sweep's alternative formulations (batch-last, per-element and checkpointed Sinkhorn, whole-tile
     and C-looping and tensor-core stream forwards, per-stream, tuple and tensor-core h_post_bda backwards,
-    the tensor-core h_aggregate backward, split-dx and 16 x 64 mapping backwards, latency-hinted h_post_bda)
+    the tensor-core h_aggregate backward, split-dx and 16 x 64 mapping backwards, latency-hinted h_post_bda, backwards without TMA)
     are listed."""
     kernels = {p.kernel_name for p in ALT_PLAN}
     assert kernels == {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel",
@@ -80,8 +80,11 @@ def test_alternative_plan_holds_each_formulation():
                        "h_post_bda_fwd_kernel",
                        "h_post_bda_bwd_kernel", "mapping_bwd_coef_kernel", "mapping_bwd_dx_kernel",
                        "mapping_bwd_dx_dw_kernel"}
-    hinted = {p.kernel_name for p in ALT_PLAN if p.args[-1] == ConstArg(10)}  # LATENCY, last of a stream kernel's
+    hinted = {p.kernel_name for p in ALT_PLAN if p.args[-1] == ConstArg(10)}  # LOADS, last of a stream kernel's
     assert hinted == {"h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel"}
+    no_tma = {p.kernel_name for p in ALT_PLAN if p.kernel_name.startswith("h_")
+              and p.args[-1].value >= tiling.NO_TMA}
+    assert no_tma == {"h_post_bda_bwd_kernel", "h_aggregate_bwd_kernel"}
 
 
 @pytest.mark.slow

@@ -185,6 +185,11 @@ STREAM_FORMS = [
     pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 128, mma=True, latency=10),
                   "h_aggregate_bwd": tiling.StreamTiles(8, 256, latency=10),
                   "occupancy": {"h_post_bda_bwd_kernel": 2}}, id="mma_bwd-latency10"),
+    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=2, latency=9, tma=False),
+                  "h_aggregate_fwd": tiling.StreamTiles(8, 256, loop_c=True, mma=True, tma=False),
+                  "occupancy": {"h_post_bda_bwd_kernel": 2}}, id="no_tma-latency9"),
+    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 128, mma=True, tma=False),
+                  "h_aggregate_bwd": tiling.StreamTiles(16, 128, mma=True, tma=False)}, id="mma_bwd-no_tma"),
 ]
 
 
