@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 SMALL_MACHINE_CPUS = 4
 
 
@@ -23,3 +25,19 @@ def pytest_configure(config):
         import torch._inductor.config as inductor_config
 
         inductor_config.compile_threads = 1
+
+
+@pytest.fixture
+def cutile_on_cpu(monkeypatch):
+    """cuTile "available" for CPU tensors, its ops the real kernels on the CPU interpreter (the
+    kernels' own coverage checks raise), the other backends as they are."""
+    from mhc_core.kernels import dispatch
+    from mhc_core.kernels.cutile.ops import make_ops
+    from mhc_core.kernels.cutile.runtime import EmulatedRuntime
+
+    emulated = make_ops(EmulatedRuntime(num_sms=4))
+    real_availability, real_impl = dispatch.availability, dispatch.get_impl
+    monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (
+        (True, "cuTile on the CPU interpreter (test)") if backend == "cutile" else real_availability(backend, device)))
+    monkeypatch.setattr(dispatch, "get_impl", lambda op, backend: (
+        getattr(emulated, op) if backend == "cutile" else real_impl(op, backend)))

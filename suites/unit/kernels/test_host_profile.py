@@ -68,3 +68,15 @@ def test_bad_arguments_exit_2(argv, named, capsys):
 def test_area_of(filename, area):
     """Functions are grouped by where their code lives; C functions have the file `~`."""
     assert host_profile.area_of(filename, "f") == area
+
+
+def test_cutile_wrappers_show_in_the_profile(cutile_on_cpu, tmp_path):
+    """The cuTile path end to end on CPU (the real launch wrappers, kernels on the interpreter): the forward and
+    the backward profiles name the wrappers' autograd functions, in the mhc_core area."""
+    out = tmp_path / "host.json"
+    assert host_profile.main([*SHAPE, "--backend", "cutile", "--device", "cpu", "--ops", "h_aggregate", "--top", "200",
+                              "--calls", "1", "--warmup", "0", "--out", str(out)]) == 0
+    fwd, bwd = json.loads(out.read_text())["rows"]
+    for row, method in ((fwd, "forward"), (bwd, "backward")):
+        names = [f["name"] for f in row["top"] if f["area"] == "mhc_core"]
+        assert any(n.startswith("ops_streams.py:") and f"({method})" in n for n in names), names

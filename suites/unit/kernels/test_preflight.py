@@ -10,8 +10,6 @@ import torch
 
 from mhc_core.kernels import dispatch, preflight
 from mhc_core.kernels.cutile import tuning
-from mhc_core.kernels.cutile.ops import make_ops
-from mhc_core.kernels.cutile.runtime import EmulatedRuntime
 
 COMPILED_OK, COMPILED_WHY = dispatch.availability("compiled", "cpu")
 needs_compiled = pytest.mark.skipif(not COMPILED_OK, reason=COMPILED_WHY)
@@ -27,18 +25,6 @@ def clean_env(monkeypatch):
     dispatch.reset()
     yield
     dispatch.reset()
-
-
-@pytest.fixture
-def cutile_on_cpu(monkeypatch):
-    """cuTile "available" for CPU tensors, its ops the real kernels on the CPU interpreter (the
-    kernels' own coverage checks raise), the other backends as they are."""
-    emulated = make_ops(EmulatedRuntime(num_sms=4))
-    real_availability, real_impl = dispatch.availability, dispatch.get_impl
-    monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (
-        (True, "cuTile on the CPU interpreter (test)") if backend == "cutile" else real_availability(backend, device)))
-    monkeypatch.setattr(dispatch, "get_impl", lambda op, backend: (
-        getattr(emulated, op) if backend == "cutile" else real_impl(op, backend)))
 
 
 @needs_compiled
