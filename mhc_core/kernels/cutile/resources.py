@@ -188,7 +188,7 @@ def _sweep_plan(args: argparse.Namespace) -> tuple[list[tuple[PlannedLaunch, int
     keys = [k for k in args.keys.split(",") if k] if args.keys else None
     recorded = precompile.distinct(precompile.sweep_launches(
         tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=ACT_DTYPES[args.dtype], variant=args.variant,
-        keys=keys))
+        iterations=args.iterations, keys=keys))
     plan = [(PlannedLaunch(id=r.id, kernel_name=r.kernel_name, args=r.args), r.occupancy) for r in recorded
             if args.match in r.id]
     legend = [f"{key}[{i}]: {cand!r}" for key, cands in CANDIDATES.items() if keys is None or key in keys
@@ -207,12 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="the tile sweep's candidates at the shape below "
                    "(ids key[i]-kernel) instead of the signature plan at C = 512")
     p.add_argument("--keys", default="", help="with --sweep: only these sweep keys (comma-separated)")
+    p.add_argument("--iterations", type=int, default=20, help="with --sweep: Sinkhorn iterations, as the sweep's "
+                   "(the checkpointed Sinkhorn kernels unroll them)")
     add_shape_args(p)
     args = p.parse_args(argv)
     if args.occupancy is not None and not 1 <= args.occupancy <= 32:
         p.error(f"--occupancy {args.occupancy}: must be 1-32")
     if args.keys and not args.sweep:
         p.error("--keys goes with --sweep")
+    if args.iterations < 1:
+        p.error(f"--iterations {args.iterations}: must be >= 1")
     legend: list[str] = []
     if args.sweep:
         try:

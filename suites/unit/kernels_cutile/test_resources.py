@@ -116,7 +116,7 @@ def test_sweep_report_names_candidates_at_the_sweep_shape(tools, capsys):
 
     i = next(i for i, c in enumerate(CANDIDATES["sinkhorn"]) if getattr(c, "checkpoint", 0))
     assert resources.main(["--sweep", "--keys", "sinkhorn", "--match", f"sinkhorn[{i}]-sinkhorn_bwd",
-                           "--tokens", "256", "--hidden", "512"]) == 0
+                           "--tokens", "256", "--hidden", "512", "--iterations", "3"]) == 0
     out = capsys.readouterr().out
     assert f"| sinkhorn[{i}]-sinkhorn_bwd_checkpoint | " in out
     assert f"sinkhorn[{i}]: {CANDIDATES['sinkhorn'][i]!r}" in out and "checkpoint=" in out
