@@ -24,6 +24,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -87,7 +89,7 @@ def host_us(fn: Callable[[], object], *, calls: int, warmup: int, device: str) -
     return statistics.median(times)
 
 
-def area_of(filename: str, name: str) -> str:
+def area_of(filename: str) -> str:
     """The area of a profiled function: where its code lives (`~` is a C function)."""
     if filename == "~":
         return "C functions"
@@ -117,9 +119,9 @@ def profile_calls(fn: Callable[[], object], *, calls: int, device: str, top: int
     areas = dict.fromkeys(AREAS, 0.0)
     rows = []
     for (filename, line, name), (_, ncalls, tottime, _, _) in stats.items():
-        area = area_of(filename, name)
+        area = area_of(filename)
         areas[area] += tottime * 1e6 / calls
-        label = name if filename == "~" else f"{filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line}({name})"
+        label = name if filename == "~" else f"{Path(filename).name}:{line}({name})"
         rows.append(FunctionCost(name=label, area=area, calls_per_op=ncalls / calls, own_us=tottime * 1e6 / calls))
     rows.sort(key=lambda r: r.own_us, reverse=True)
     return per_call, {k: round(v, 2) for k, v in areas.items()}, tuple(rows[:top])
@@ -129,7 +131,7 @@ def profile_op(op: str, backend: str, *, tokens: int, hidden: int, n: int, act: 
                iterations: int, device: str, calls: int, warmup: int, top: int) -> list[HostProfile]:
     """Forward and backward host profiles of `op` on `backend` (`dispatch.get_impl`)."""
     impl = dispatch.get_impl(op, backend)
-    fn = op_call(_Ops(op, impl), op, n, variant, iterations)
+    fn = op_call(SimpleNamespace(**{op: impl}), op, n, variant, iterations)
     inputs = [x.requires_grad_(True) if x is not None else None
               for x in make_inputs(op, tokens, n, hidden, act, variant, device=device)]
     out = []
@@ -139,13 +141,6 @@ def profile_op(op: str, backend: str, *, tokens: int, hidden: int, n: int, act: 
         out.append(HostProfile(op=op, direction=direction, backend=backend, host_us=round(host, 2),
                                profiled_us=round(profiled, 2), area_us=areas, top=top_rows))
     return out
-
-
-class _Ops:
-    """One op under its name, as `bench.op_call` expects an ops bundle."""
-
-    def __init__(self, op: str, impl: Callable) -> None:
-        setattr(self, op, impl)
 
 
 def _print(rows: list[HostProfile]) -> None:

@@ -105,16 +105,18 @@ class MHCTransformerConfig(TransformerConfig):
     def _validate_mhc_values(self) -> None:
         for field in ("mhc_num_residual_streams", "mhc_sinkhorn_iterations"):
             v = getattr(self, field)
-            if not _is_int(v) or v < 1:
+            iv = as_int(v)
+            if iv is None or iv < 1:
                 raise ValueError(_bad(field, v, "must be an integer >= 1"))
-            setattr(self, field, as_int(v))
+            setattr(self, field, iv)  # a NumPy integer becomes an int
         g = self.mhc_init_gating_factor
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise ValueError(_bad("mhc_init_gating_factor", g, "must be a finite number >= 0"))
         k = self.mhc_recompute_layer_num
-        if k is not None and (not _is_int(k) or k < 1):
+        ik = None if k is None else as_int(k)
+        if k is not None and (ik is None or ik < 1):
             raise ValueError(_bad("mhc_recompute_layer_num", k, "must be None or an integer >= 1"))
-        self.mhc_recompute_layer_num = None if k is None else as_int(k)
+        self.mhc_recompute_layer_num = ik
         try:
             self.mhc_variant = get_variant(self.mhc_variant).variant.value
         except (ValueError, TypeError):

@@ -111,8 +111,8 @@ CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
 CANDIDATES["h_post_bda_fwd"] += (_S(4, 256, 2, True, latency=6), _S(4, 256, 2, True, latency=10))
 # The same backwards without TMA (`StreamTiles.tma` False): plain global loads prefetched into registers, as
 # the forward winner (84-85 % of copy) loads unasked, where the TMA backward reaches ~61 %. sm_90, occupancy 2: the
-# tuple 8 x 64 has 15 LDG and no TMA load (TMA: 5 LDG + 10 TMA loads), 26 KB of shared memory instead of 36; with
-# latency 6 / 9, 25 / 45 LDG, no spills.
+# tuple 8 x 64 has 14 LDG and one TMA load, the bias's (TMA: 5 LDG + 10 TMA loads), 27 KB of shared memory instead
+# of 36; with latency 6 / 9, 23 / 41 LDG, no spills.
 CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
     c for lat in (0, 6, 9) for c in _hinted("h_post_bda_bwd", (2,), _S(8, 64, 2, latency=lat, tma=False))) + _hinted(
     "h_post_bda_bwd", (2,), _S(8, 128, mma=True, tma=False))

@@ -308,8 +308,8 @@ class StreamTiles:
     at 6, 64 KB at 9, 74 KB at 10: more loads in flight per SM).
     `tma` False: the same streaming loads without TMA (cuTile's `allow_tma=False`): plain global
     loads, prefetched into registers instead of copied into shared memory (sm_90, the same
-    backward: 15 LDG and no TMA load instead of 5 and 10, 26 KB of shared memory instead of 36; with
-    latency 9, 45 LDG). The h_post_bda forward winner loads that way unasked, at 84-85 % of copy,
+    backward: 14 LDG and one TMA load, the bias's, instead of 5 and 10, 27 KB of shared memory instead
+    of 36; with latency 9, 41 LDG). The h_post_bda forward winner loads that way unasked, at 84-85 % of copy,
     where the TMA backward stays at ~61 %. True (default) leaves the choice to the compiler.
     """
 

@@ -67,7 +67,7 @@ def test_bad_arguments_exit_2(argv, named, capsys):
 ])
 def test_area_of(filename, area):
     """Functions are grouped by where their code lives; C functions have the file `~`."""
-    assert host_profile.area_of(filename, "f") == area
+    assert host_profile.area_of(filename) == area
 
 
 def test_cutile_wrappers_show_in_the_profile(cutile_on_cpu, tmp_path):
