@@ -1,5 +1,11 @@
 #!/usr/bin/env bash
 # The test command: lint + every CPU suite through tox, on a fresh machine. Exit non-zero on any failure.
+#
+# Two lanes, so that a 2-core machine is kept busy: the `kernels` and `compat` envs (each with its
+# own environment and no tox package build, so nothing is shared with the other lane) run in the
+# background while the CPU envs run in the foreground. Their output goes to .tox/ci-side.log and is
+# printed when they finish. The perf env's figures from such a run are a smoke run, not a
+# measurement (run `tox -e perf` alone for those). MHC_CI_SERIAL=1 runs everything in one lane.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/bootstrap.sh
@@ -12,6 +18,38 @@ if [ -z "${MHC_PYTHON312:-}" ] && command -v pyenv >/dev/null 2>&1; then
     fi
 fi
 ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf,kernels,compat}
+SIDE_ENVS=" kernels compat "
+main=() side=()
+IFS=, read -ra requested <<< "$ENVS"
+for e in "${requested[@]}"; do
+    if [ "${MHC_CI_SERIAL:-0}" != 1 ] && [[ "$SIDE_ENVS" == *" $e "* ]]; then side+=("$e"); else main+=("$e"); fi
+done
+join() { local IFS=,; echo "$*"; }
+
 start=$(date +%s)
-.ci-venv/bin/tox run -e "$ENVS"
-echo "ci/test.sh: tox envs $ENVS passed in $(( $(date +%s) - start )) s"
+side_pid="" side_log=.tox/ci-side.log
+if [ ${#side[@]} -gt 0 ]; then
+    mkdir -p .tox
+    # Its own session, so that an interrupted run takes the whole lane (tox, pytest, its workers) down.
+    setsid .ci-venv/bin/tox run -e "$(join "${side[@]}")" > "$side_log" 2>&1 &
+    side_pid=$!
+    trap '[ -n "$side_pid" ] && kill -- -"$side_pid" 2>/dev/null || true' EXIT
+    echo "ci/test.sh: $(join "${side[@]}") running beside the other envs (output: $side_log, printed when done)"
+fi
+main_rc=0
+if [ ${#main[@]} -gt 0 ]; then
+    .ci-venv/bin/tox run -e "$(join "${main[@]}")" || main_rc=$?
+fi
+side_rc=0
+if [ -n "$side_pid" ]; then
+    wait "$side_pid" || side_rc=$?
+    side_pid=""
+    echo "===== ci/test.sh: output of $(join "${side[@]}") (exit $side_rc) ====="
+    cat "$side_log"
+fi
+took=$(( $(date +%s) - start ))
+if [ "$main_rc" -ne 0 ] || [ "$side_rc" -ne 0 ]; then
+    echo "ci/test.sh: FAILED in $took s (exit $main_rc for ${main[*]:-nothing}, $side_rc for ${side[*]:-nothing})"
+    exit 1
+fi
+echo "ci/test.sh: tox envs $ENVS passed in $took s"

@@ -24,6 +24,9 @@ from suites.unit.kernels_cutile import stub_driver
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = dict(n=4, t=64, c=512)
+# One worker runs this module under `--dist loadgroup` (the kernels env), so the `built` cache
+# (~50 s of tileiras) is compiled once, not once per xdist worker.
+pytestmark = pytest.mark.xdist_group("precompile_built")
 
 
 def test_sweep_launches_are_labelled_by_key_and_keep_their_hints():
