@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The test command: lint + every CPU suite through tox, on a fresh machine. Exit non-zero on any failure.
 #
-# Two lanes, so that a 2-core machine is kept busy: the `kernels` and `compat` envs (each with its
+# Two lanes, so that a 2-core machine is kept busy: the `compat` and `kernels` envs (each with its
 # own environment and no tox package build, so nothing is shared with the other lane) run in the
-# background while the CPU envs run in the foreground. Their output goes to .tox/ci-side.log and is
+# background, in that order, while the CPU envs run in the foreground. compat goes first: its
+# download of the CUDA torch wheel needs little CPU and overlaps the foreground, and the kernels
+# env, which keeps both cores busy, is the tail. Their output goes to .tox/ci-side.log and is
 # printed when they finish. The perf env's figures from such a run are a smoke run, not a
 # measurement (run `tox -e perf` alone for those). MHC_CI_SERIAL=1 runs everything in one lane.
 set -euo pipefail
@@ -18,12 +20,17 @@ if [ -z "${MHC_PYTHON312:-}" ] && command -v pyenv >/dev/null 2>&1; then
     fi
 fi
 ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf,kernels,compat}
-SIDE_ENVS=" kernels compat "
+SIDE_ENVS=(compat kernels)
 main=() side=()
 IFS=, read -ra requested <<< "$ENVS"
 for e in "${requested[@]}"; do
-    if [ "${MHC_CI_SERIAL:-0}" != 1 ] && [[ "$SIDE_ENVS" == *" $e "* ]]; then side+=("$e"); else main+=("$e"); fi
+    if [ "${MHC_CI_SERIAL:-0}" = 1 ] || [[ " ${SIDE_ENVS[*]} " != *" $e "* ]]; then main+=("$e"); fi
 done
+if [ "${MHC_CI_SERIAL:-0}" != 1 ]; then
+    for e in "${SIDE_ENVS[@]}"; do
+        if [[ ",$ENVS," == *",$e,"* ]]; then side+=("$e"); fi
+    done
+fi
 join() { local IFS=,; echo "$*"; }
 
 start=$(date +%s)

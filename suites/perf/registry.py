@@ -19,7 +19,7 @@ import torch
 
 from mhc_core.analysis import bytes_moved
 
-__all__ = ["PerfCase", "cases_for", "OPS"]
+__all__ = ["PerfCase", "cases_for", "cpu_gap", "OPS"]
 
 OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda")
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -90,3 +90,24 @@ def cases_for(device: str) -> list[PerfCase]:
     c, dt = sizes[0]
     out.append(PerfCase(op="h_post_bda", tokens=tokens, n=4, hidden=c, dtype=dt, device=device, dropout=0.1))
     return out
+
+
+def has_onednn_bf16() -> bool:
+    """Whether torch's CPU bf16 GEMMs go through oneDNN on this machine."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_gap(case: PerfCase, direction: str) -> str | None:
+    """Why `case` is not timed in `direction` on this CPU, or None.
+
+    The bf16 mapping backward (the `megatron_main` variant computes in the activation dtype) needs
+    dx = dh @ W, [T, N] @ [N, n*C] with K = N = 24. Where torch has no oneDNN bf16 path (CPUs
+    without AVX-512 / AVX-NE-CONVERT, `torch.ops.mkldnn._is_mkldnn_bf16_supported()` False), that
+    GEMM runs in torch's scalar fallback: 3.1 s at T 4096, C 2048 on an AVX2 EPYC against 0.05 s in
+    fp32, and ~40 s per benchmark. Timed there, the case measures that fallback, not the op's bytes.
+    """
+    if (case.device == "cpu" and case.op == "mapping" and case.dtype == torch.bfloat16 and direction == "fwdbwd"
+            and not has_onednn_bf16()):
+        return ("torch has no oneDNN bf16 GEMM on this CPU (torch.ops.mkldnn._is_mkldnn_bf16_supported() is "
+                "False): the bf16 mapping backward's dx GEMM (K = 24) would time torch's scalar fallback")
+    return None

@@ -24,7 +24,7 @@ from mhc_core.kernels import dispatch
 from mhc_core.kernels.device_time import device_busy_seconds
 from mhc_core.kernels.preflight import cutile_gap
 from suites.perf.nsys import RANGE_PREFIX
-from suites.perf.registry import PerfCase, cases_for
+from suites.perf.registry import PerfCase, cases_for, cpu_gap
 from suites.perf.timing import copy_fn, paired_samples, pipelined_seconds, synced
 
 pytestmark = pytest.mark.perf
@@ -83,6 +83,9 @@ def test_kernel(benchmark, golden_metrics, nsys_ranges, case, direction, backend
     gap = cutile_gap(case.op, n=case.n, dtype=case.dtype, dropout=case.dropout) if backend == "cutile" else None
     if gap:
         pytest.skip(f"no cuTile kernel for {case.id}: {gap}")
+    gap = cpu_gap(case, direction)
+    if gap:
+        pytest.skip(f"{case.id} {direction}: {gap}")
     fn = _runner(case, backend, direction)
     nbytes = _bytes(case, direction)
     cuda_graph = DEVICE == "cuda" and os.environ.get("MHC_PERF_CUDA_GRAPH") == "1"

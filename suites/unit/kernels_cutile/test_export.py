@@ -87,13 +87,34 @@ def test_alternative_plan_holds_each_formulation():
     assert no_tma == {"h_post_bda_bwd_kernel", "h_aggregate_bwd_kernel"}
 
 
+# The sweep launches its candidates in bf16 (`sweep --dtype`), so those compile; the fp32 launches
+# of the same formulations export (type and shape checks, ~0.1 s each instead of ~1 s of tileiras).
+# What a tuning ships compiles at every dtype (`test_compile_shipped_tuning_cubin`).
+ALT_COMPILED = [p for p in ALT_PLAN if "-bf16-" in p.id]
+ALT_EXPORTED = [p for p in ALT_PLAN if "-bf16-" not in p.id]
+
+
+def test_alternatives_split_by_dtype():
+    """Every alternative launch is compiled (bf16) or exported (fp32), and every formulation compiles."""
+    assert len(ALT_COMPILED) + len(ALT_EXPORTED) == len(ALT_PLAN)
+    assert ALT_EXPORTED and {"-fp32-" in p.id for p in ALT_EXPORTED} == {True}
+    formulations = {(p.id.split("-")[0], p.kernel_name) for p in ALT_PLAN}
+    assert {(p.id.split("-")[0], p.kernel_name) for p in ALT_COMPILED} == formulations
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", ALT_PLAN, ids=[p.id for p in ALT_PLAN])
+@pytest.mark.parametrize("launch", ALT_COMPILED, ids=[p.id for p in ALT_COMPILED])
 def test_compile_alternative_cubin(compiler, launch):
-    """tileiras compiles the sweep's alternative formulations for sm_90 (n = 4, all variants)."""
+    """tileiras compiles the sweep's alternative formulations for sm_90 (n = 4, bf16, all variants)."""
     buf = io.BytesIO()
     export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf, output_format="cubin", gpu_code="sm_90")
     assert len(buf.getvalue()) > 0
+
+
+@pytest.mark.parametrize("launch", ALT_EXPORTED, ids=[p.id for p in ALT_EXPORTED])
+def test_export_alternative_bytecode(launch):
+    """The sweep's alternative formulations type- and shape-check in fp32 and export TileIR bytecode."""
+    assert len(_bytecode(launch)) > 0
 
 
 SHIPPED = [(t, p) for t in (tuning.load(f) for f in sorted(tuning.TUNED_DIR.glob("*.json"))) for p in tuned_plan([t])]
