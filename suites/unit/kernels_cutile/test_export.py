@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 
 import pytest
 
@@ -87,43 +88,67 @@ def test_alternative_plan_holds_each_formulation():
     assert no_tma == {"h_post_bda_bwd_kernel", "h_aggregate_bwd_kernel"}
 
 
-# The sweep launches its candidates in bf16 (`sweep --dtype`), so those compile; the fp32 launches
-# of the same formulations export (type and shape checks, ~0.1 s each instead of ~1 s of tileiras).
-# What a tuning ships compiles at every dtype (`test_compile_shipped_tuning_cubin`).
-ALT_COMPILED = [p for p in ALT_PLAN if "-bf16-" in p.id]
-ALT_EXPORTED = [p for p in ALT_PLAN if "-bf16-" not in p.id]
+def _sweep_subset(plan) -> list:
+    """Per formulation and kernel, the bf16 launches labelled with the sweep's variant (`-dev`, with
+    and without bias), else the first bf16 one (a signature megatron_dev shares with it)."""
+    groups: dict[tuple[str, str], list] = {}
+    for p in plan:
+        if "-bf16-" in p.id:
+            groups.setdefault((p.id.split("-")[0], p.kernel_name), []).append(p)
+    return [q for group in groups.values() for q in ([p for p in group if "-dev" in p.id] or group[:1])]
 
 
-def test_alternatives_split_by_dtype():
-    """Every alternative launch is compiled (bf16) or exported (fp32), and every formulation compiles."""
-    assert len(ALT_COMPILED) + len(ALT_EXPORTED) == len(ALT_PLAN)
-    assert ALT_EXPORTED and {"-fp32-" in p.id for p in ALT_EXPORTED} == {True}
+# The sweep (`ci/gpu_check.sh`, `gpu_check prepare`) launches its candidates in bf16 for megatron_dev:
+# those launches compile here. The other dtypes and variants of a formulation are launched only once
+# a tuning adopts it, and then compile as part of what the tuning ships (`test_compile_shipped_tuning_cubin`,
+# every dtype and variant), as does the default plan (`test_compile_cubin`).
+ALT_COMPILED = _sweep_subset(ALT_PLAN)
+
+
+def test_every_alternative_formulation_compiles_as_the_sweep_launches_it():
+    """Each formulation and kernel of the alternative plan has a compiled bf16 launch, megatron_dev's where labelled."""
     formulations = {(p.id.split("-")[0], p.kernel_name) for p in ALT_PLAN}
     assert {(p.id.split("-")[0], p.kernel_name) for p in ALT_COMPILED} == formulations
+    assert all("-bf16-" in p.id for p in ALT_COMPILED)
+    h_post_bda = [p.id.split("-bf16-")[1] for p in ALT_COMPILED if p.id.startswith("alt0-h_post_bda-bwd")]
+    assert sorted(h_post_bda) == ["dev", "dev-bias"], h_post_bda
+    assert len(ALT_COMPILED) < len(ALT_PLAN) / 3
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ALT_COMPILED, ids=[p.id for p in ALT_COMPILED])
 def test_compile_alternative_cubin(compiler, launch):
-    """tileiras compiles the sweep's alternative formulations for sm_90 (n = 4, bf16, all variants)."""
+    """tileiras compiles the sweep's alternative formulations for sm_90 (n = 4, bf16, as the sweep launches them)."""
     buf = io.BytesIO()
     export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf, output_format="cubin", gpu_code="sm_90")
     assert len(buf.getvalue()) > 0
 
 
-@pytest.mark.parametrize("launch", ALT_EXPORTED, ids=[p.id for p in ALT_EXPORTED])
-def test_export_alternative_bytecode(launch):
-    """The sweep's alternative formulations type- and shape-check in fp32 and export TileIR bytecode."""
-    assert len(_bytecode(launch)) > 0
+_ARCH_OF_MODEL = ((re.compile(r"\b(G?H100|G?H200|H800|H20)\b", re.I), "sm_90"),
+                  (re.compile(r"\b(G?B100|G?B200|G?B300)\b", re.I), "sm_100"))
 
 
-SHIPPED = [(t, p) for t in (tuning.load(f) for f in sorted(tuning.TUNED_DIR.glob("*.json"))) for p in tuned_plan([t])]
+def tuning_archs(device: str) -> list[str]:
+    """The archs a tuning swept on `device` runs on: the model's own (a tuning applies on the GPU model
+    it was swept on, `tuning.resolve`), both for a model not listed here."""
+    return [arch for pattern, arch in _ARCH_OF_MODEL if pattern.search(device)][:1] or ["sm_90", "sm_100"]
 
 
-@pytest.mark.parametrize(("tuned", "launch"), SHIPPED, ids=[p.id for _, p in SHIPPED])
-@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_tuning_archs_follow_the_gpu_model():
+    """Hopper tunings compile for sm_90, Blackwell ones for sm_100, an unknown model for both."""
+    assert tuning_archs("NVIDIA H200") == tuning_archs("NVIDIA GH200 480GB") == ["sm_90"]
+    assert tuning_archs("NVIDIA B200") == ["sm_100"]
+    assert tuning_archs("NVIDIA RTX PRO 6000") == ["sm_90", "sm_100"]
+
+
+SHIPPED = [(t, p, arch) for t in (tuning.load(f) for f in sorted(tuning.TUNED_DIR.glob("*.json")))
+           for p in tuned_plan([t]) for arch in tuning_archs(t.device)]
+
+
+@pytest.mark.parametrize(("tuned", "launch", "arch"), SHIPPED, ids=[f"{p.id}-{arch}" for _, p, arch in SHIPPED])
 def test_compile_shipped_tuning_cubin(compiler, tuned, launch, arch):
-    """tileiras compiles what each tuning shipped in `tuned/` launches (its tiles and occupancy hints)."""
+    """tileiras compiles what each tuning shipped in `tuned/` launches (its tiles and occupancy hints) for
+    its GPU model's arch."""
     with tiling.tuned(tuned):
         kernel = kernel_object(launch.kernel_name)
     buf = io.BytesIO()

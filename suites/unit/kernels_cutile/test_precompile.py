@@ -7,8 +7,10 @@ Recording needs no `cuda.tile`; building needs `cuda.tile` and tileiras (the tox
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pickle
 import shutil
 import sqlite3
 import subprocess
@@ -24,9 +26,6 @@ from suites.unit.kernels_cutile import stub_driver
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = dict(n=4, t=64, c=512)
-# One worker runs this module under `--dist loadgroup` (the kernels env), so the `built` cache
-# (~50 s of tileiras) is compiled once, not once per xdist worker.
-pytestmark = pytest.mark.xdist_group("precompile_built")
 
 
 def test_sweep_launches_are_labelled_by_key_and_keep_their_hints():
@@ -54,13 +53,7 @@ def test_kernel_sources_follow_the_kernel_imports():
             "sinkhorn_common.py"} == names
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """The n = 4, T = 64, C = 512 bf16 launches of every op, compiled for sm_90, and the archive."""
-    pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
-    if toolchain.find_toolchain() is None:
-        pytest.skip("no tileiras (pip install 'cuda-tile[tileiras]==1.7.0', the tox env `kernels`)")
-    out = tmp_path_factory.mktemp("precompiled")
+def _build(out: Path) -> dict:
     launches = precompile.ops_launches("ops", (SHAPE["n"],), SHAPE["t"], (SHAPE["c"],), (torch.bfloat16,))
     entries, failures = precompile.build(launches, out, arch="sm_90", jobs=2)
     archive = out / "all.tar.xz"
@@ -69,6 +62,26 @@ def built(tmp_path_factory):
     shutil.unpack_archive(archive, unpacked)
     return {"launches": launches, "entries": entries, "failures": failures, "db": out / "cache.db",
             "archive": archive, "size": size, "kept": kept, "dir": unpacked}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The n = 4, T = 64, C = 512 bf16 launches of every op, compiled for sm_90, and the archive.
+
+    Built once per run: under xdist the first worker builds it (~50 s of tileiras) in the run's
+    shared base directory, under a file lock, and the others load what it recorded."""
+    pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+    if toolchain.find_toolchain() is None:
+        pytest.skip("no tileiras (pip install 'cuda-tile[tileiras]==1.7.0', the tox env `kernels`)")
+    base = tmp_path_factory.getbasetemp()
+    out = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "precompiled-shared"
+    record = out / "built.pickle"
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        if not record.exists():
+            out.mkdir()
+            record.write_bytes(pickle.dumps(_build(out)))
+    return pickle.loads(record.read_bytes())
 
 
 def test_every_distinct_launch_gets_one_entry(built):
