@@ -11,12 +11,23 @@ pytest.importorskip("megatron.core", reason="the pp suite needs megatron-core")
 from suites.pp.launch import run_worker  # noqa: E402
 
 
+class ReferenceRuns:
+    """Single-process (PP = TP = 1) runs, with (`"mhc"`) and without (`"no-mhc"`) mHC, each run on its
+    first lookup (so a selection without the no-mHC case launches one); each writes init.pt + rank0.pt."""
+
+    FLAGS = {"mhc": [], "no-mhc": ["--no-mhc"]}
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.done = root, set()
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self.done:
+            run_worker(self.root / name, 1, self.FLAGS[name])
+            self.done.add(name)
+        return self.root / name
+
+
 @pytest.fixture(scope="session")
-def reference_runs(tmp_path_factory) -> dict[str, Path]:
-    """Single-process (PP = TP = 1) runs, with and without mHC; each writes init.pt + rank0.pt."""
-    root = tmp_path_factory.mktemp("pp-reference")
-    runs = {}
-    for name, extra in (("mhc", []), ("no-mhc", ["--no-mhc"])):
-        run_worker(root / name, 1, extra)
-        runs[name] = root / name
-    return runs
+def reference_runs(tmp_path_factory) -> ReferenceRuns:
+    """The single-process reference runs (`ReferenceRuns`)."""
+    return ReferenceRuns(tmp_path_factory.mktemp("pp-reference"))
