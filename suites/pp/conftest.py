@@ -18,11 +18,17 @@ class ReferenceRuns:
     FLAGS = {"mhc": [], "no-mhc": ["--no-mhc"]}
 
     def __init__(self, root: Path) -> None:
-        self.root, self.done = root, set()
+        self.root, self.done, self.failed = root, set(), {}
 
     def __getitem__(self, name: str) -> Path:
+        if name in self.failed:  # a failed reference is launched once, its error raised for each test
+            raise self.failed[name]
         if name not in self.done:
-            run_worker(self.root / name, 1, self.FLAGS[name])
+            try:
+                run_worker(self.root / name, 1, self.FLAGS[name])
+            except Exception as exc:
+                self.failed[name] = exc
+                raise
             self.done.add(name)
         return self.root / name
 
