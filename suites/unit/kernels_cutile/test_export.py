@@ -88,13 +88,18 @@ def test_alternative_plan_holds_each_formulation():
     assert no_tma == {"h_post_bda_bwd_kernel", "h_aggregate_bwd_kernel"}
 
 
+def _formulation(launch) -> tuple[str, str]:
+    """(`alt<i>`, kernel name) of an alternative-plan launch."""
+    return launch.id.split("-")[0], launch.kernel_name
+
+
 def _sweep_subset(plan) -> list:
     """Per formulation and kernel, the bf16 launches labelled with the sweep's variant (`-dev`, with
     and without bias), else the first bf16 one (a signature megatron_dev shares with it)."""
     groups: dict[tuple[str, str], list] = {}
     for p in plan:
         if "-bf16-" in p.id:
-            groups.setdefault((p.id.split("-")[0], p.kernel_name), []).append(p)
+            groups.setdefault(_formulation(p), []).append(p)
     return [q for group in groups.values() for q in ([p for p in group if "-dev" in p.id] or group[:1])]
 
 
@@ -107,8 +112,7 @@ ALT_COMPILED = _sweep_subset(ALT_PLAN)
 
 def test_every_alternative_formulation_compiles_as_the_sweep_launches_it():
     """Each formulation and kernel of the alternative plan has a compiled bf16 launch, megatron_dev's where labelled."""
-    formulations = {(p.id.split("-")[0], p.kernel_name) for p in ALT_PLAN}
-    assert {(p.id.split("-")[0], p.kernel_name) for p in ALT_COMPILED} == formulations
+    assert {_formulation(p) for p in ALT_COMPILED} == {_formulation(p) for p in ALT_PLAN}
     assert all("-bf16-" in p.id for p in ALT_COMPILED)
     h_post_bda = [p.id.split("-bf16-")[1] for p in ALT_COMPILED if p.id.startswith("alt0-h_post_bda-bwd")]
     assert sorted(h_post_bda) == ["dev", "dev-bias"], h_post_bda
