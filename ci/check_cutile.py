@@ -38,7 +38,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BYTECODE_VERSION = "13.3"  # the first with Hopper support; exported without probing a compiler
 
 
 @dataclass
@@ -61,7 +60,7 @@ def _wants_cubin(ident: str, cubin_ns: tuple[int, ...], full: bool) -> bool:
 def _check(index: int, all_archs: tuple[str, ...], cubin_ns: tuple[int, ...], full: bool) -> Row:
     from cuda.tile.compilation import export_kernel
 
-    from mhc_core.kernels.cutile.signatures import kernel_object, to_signature
+    from mhc_core.kernels.cutile.signatures import export_bytecode, kernel_object, to_signature
 
     launch = _PLAN[index]
     archs = all_archs if _wants_cubin(launch.id, cubin_ns, full) else ()
@@ -70,9 +69,7 @@ def _check(index: int, all_archs: tuple[str, ...], cubin_ns: tuple[int, ...], fu
     try:
         kernel = kernel_object(launch.kernel_name)
         sig = to_signature(launch)
-        buf = io.BytesIO()
-        export_kernel(kernel, [sig], buf, output_format="tileir_bytecode", bytecode_version=BYTECODE_VERSION)
-        row.bytecode = len(buf.getvalue())
+        row.bytecode = len(export_bytecode(launch, kernel))
         for arch in archs:
             buf = io.BytesIO()
             export_kernel(kernel, [sig], buf, output_format="cubin", gpu_code=arch)
@@ -116,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"check_cutile: tileiras {tc.version} from {tc.source} ({tc.tileiras})")
             print(f"check_cutile: CUDA_HOME={os.environ.get('CUDA_HOME')}")
 
-    from mhc_core.kernels.cutile.signatures import signature_plan
+    from mhc_core.kernels.cutile.signatures import BYTECODE_VERSION, signature_plan
 
     global _PLAN
     ns = tuple(sorted(set(args.n))) if args.n else tiling.SUPPORTED_N
@@ -125,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     cubin_ns = ns if args.full else tuple(sorted(set(args.cubin_n or (4,))))
     indices = [i for i, p in enumerate(_PLAN) if args.filter in p.id]
     print(f"check_cutile: {len(indices)} signatures for n in {ns} (planned in {time.perf_counter() - t0:.1f}s); "
-          f"bytecode {BYTECODE_VERSION} for all"
+          f"bytecode {BYTECODE_VERSION} (13.4 with unchecked loads)"
           + (f", cubins {', '.join(archs)} for " + ("all" if args.full else f"n in {cubin_ns}, hidden >= 512")
              if archs else "") + f"; {args.jobs} job(s)")
 

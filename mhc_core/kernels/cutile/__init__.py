@@ -42,13 +42,6 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 HOPPER_MIN_TILEIRAS = (13, 3)
 
 
-def _version_tuple(v: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(p) for p in v.split(".")[:2])
-    except ValueError:
-        return (0,)
-
-
 @functools.cache
 def availability() -> tuple[bool, str]:
     """`(True, "...")` when the kernels can run here, else `(False, why not)` (cached)."""
@@ -76,7 +69,7 @@ def availability() -> tuple[bool, str]:
     tc = find_toolchain()
     if tc is None:
         reasons.append("no tileiras compiler (pip wheels, PATH or $CUDA_HOME/bin)")
-    elif cc is not None and cc[0] == 9 and _version_tuple(tc.version) < HOPPER_MIN_TILEIRAS:
+    elif cc is not None and cc[0] == 9 and tc.release < HOPPER_MIN_TILEIRAS:
         reasons.append(f"tileiras {tc.version} cannot target sm_90 (Hopper needs >= 13.3)")
     if reasons:
         return False, "; ".join(reasons)

@@ -8,6 +8,9 @@ named below; the kernels' exported TileIR was checked against the same points):
   `PaddingMode.UNDETERMINED`, is "undetermined" in cuTile (`_stub.py` `load`): the emulator reads
   NaN there (a poison value) so a kernel relying on it fails here too. A tile entirely out of
   bounds (undefined in cuTile) or a tile dimension that is not a power of two raises.
+  `check_bounds=False` (a const bool; "violating this assumption is undefined behavior", `_stub.py`
+  `load`) raises for a tile that is not entirely in bounds, so a wrapper that asks for unchecked
+  loads in a launch with a partial tile fails here.
 - `store`: out-of-bounds elements are dropped; the tile is cast to the array dtype only where
   cuTile's implicit cast allows it (`_ir/ops.py` `tile_store_impl` -> `implicit_cast`: the
   promotion of the two dtypes must be the array dtype, e.g. bf16 -> fp32 yes, fp32 -> bf16 no).
@@ -174,13 +177,18 @@ class EmulatedTile(types.ModuleType):
     # -- memory -------------------------------------------------------------------------------
     @staticmethod
     def load(array, index, shape, *, order="C", padding_mode=_PaddingMode.UNDETERMINED, latency=None, allow_tma=None,
-             **_):
+             check_bounds=True, **_):
+        if not isinstance(check_bounds, bool):
+            raise ValueError(f"emulator: load check_bounds={check_bounds!r}: cuTile takes a const bool")
         if latency is not None and (isinstance(latency, bool) or not isinstance(latency, int) or not 1 <= latency <= 10):
             raise ValueError(f"emulator: load latency={latency!r}: cuTile takes an integer in 1-10 (or None)")
         if not (allow_tma is None or isinstance(allow_tma, bool)):
             raise ValueError(f"emulator: load allow_tma={allow_tma!r}: cuTile takes a bool (or None)")
         view = array.permute(_perm(order, array.dim()))
         src, dst = _region(view, index, shape)
+        if not check_bounds and any(d.stop < int(s) for d, s in zip(dst, shape, strict=True)):
+            raise ValueError(f"emulator: unchecked load (check_bounds=False) of tile {tuple(int(i) for i in index)} "
+                             f"of shape {tuple(int(s) for s in shape)} runs past array {tuple(view.shape)}")
         fill = _pad_fill(padding_mode, array.dtype)
         out = torch.full(tuple(int(s) for s in shape), fill, dtype=array.dtype, device=array.device)
         out[dst] = view[src]

@@ -30,6 +30,11 @@ from mhc_core.variants import Variant, get_variant
 __all__ = ["h_aggregate", "h_post_bda"]
 
 
+def _loads(rt: Any, tl: tiling.StreamTiles, t: int, c: int) -> int:
+    """The kernel's `LOADS` constant (`tiling.load_code`) for a launch over `t` tokens x `c` channels on `rt`."""
+    return tiling.load_code(tl, tokens=t, hidden=c, unchecked_ok=rt.unchecked_loads)
+
+
 def _fwd_grid(t: int, c: int, tl: tiling.StreamTiles) -> tuple[int, ...]:
     """Token tiles x channel tiles, or token tiles only when each block walks C (`loop_c`)."""
     return (cdiv(t, tl.tile_t),) if tl.loop_c else (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c))
@@ -48,7 +53,7 @@ class _AggregateFn(torch.autograd.Function):
                 "h_aggregate_fwd_kernel",
                 (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.per_stream), int(tl.loop_c),
                  _mma_code(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t), x.dtype, h_pre.dtype == torch.bfloat16),
-                 tiling.load_code(tl)),
+                 _loads(rt, tl, t, c)),
             )
         ctx.save_for_backward(x, h_pre)
         ctx.rt = rt
@@ -67,7 +72,7 @@ class _AggregateFn(torch.autograd.Function):
                 (cdiv(t, tl.tile_t),),
                 "h_aggregate_bwd_kernel",
                 (go, x, h_pre, grad_x, grad_h, n, tl.tile_t, tl.tile_c,
-                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n, tl.tile_t), x.dtype, True), tiling.load_code(tl)),
+                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n, tl.tile_t), x.dtype, True), _loads(ctx.rt, tl, t, c)),
             )
         else:
             grad_h.zero_()
@@ -120,7 +125,7 @@ class _PostBdaFn(torch.autograd.Function):
                 (h_res, residual, h_post, y, bias_arg, out, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias),
                  int(tl.per_stream), int(tl.loop_c),
                  _mma_code(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t * n), residual.dtype,
-                           h_res.dtype == torch.bfloat16), tiling.load_code(tl)),
+                           h_res.dtype == torch.bfloat16), _loads(rt, tl, t, c)),
             )
         ctx.save_for_backward(h_res, residual, h_post, y, bias_arg)
         ctx.args = (has_bias, transposed, rt)
@@ -147,7 +152,7 @@ class _PostBdaFn(torch.autograd.Function):
                 (go, h_res, residual, h_post, y, bias_arg, grad_h_res, grad_residual, grad_h_post, grad_y,
                  bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias), int(tl.per_stream),
                  # right operand: the residual, bf16-exact (the kernel splits its y + bias one itself)
-                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n,), residual.dtype, True), tiling.load_code(tl)),
+                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n,), residual.dtype, True), _loads(rt, tl, t, c)),
             )
         else:
             grad_h_res.zero_()

@@ -1,6 +1,6 @@
 """What the cuTile compiler made of each kernel, read offline (no GPU): registers, threads per block,
 shared memory, spills, the CTAs per SM these allow, and which memory instructions it chose (TMA or
-plain loads / stores, shuffles, barriers).
+plain loads / stores, shuffles, barriers) among its SASS instructions (`insts`: all of them).
 
     python -m mhc_core.kernels.cutile.resources                 # every n = 4 kernel, sm_90
     python -m mhc_core.kernels.cutile.resources --match h_aggregate --arch sm_100
@@ -20,7 +20,6 @@ A static report, not a measurement.
 from __future__ import annotations
 
 import argparse
-import io
 import re
 import shutil
 import subprocess
@@ -54,6 +53,7 @@ class KernelResources:
     """The per-thread stack frame (`cuobjdump -res-usage` STACK), where register spills go: the
     SASS then holds `STL` / `LDL` (counted as `stl` / `ldl`); `local_bytes` stays 0 for spills."""
     counts: dict[str, int] = field(default_factory=dict)
+    """SASS instructions: `insts` all of them, the others per kind (`_COUNTED`)."""
     tma_refused: tuple[str, ...] = ()
     sass_error: str = ""
     """Why the SASS could not be read (nvdisasm 13.4 rejects some cubins); `counts` is then empty."""
@@ -93,15 +93,9 @@ def find_cuobjdump() -> Path:
 
 
 def _bytecode(launch: PlannedLaunch, occupancy: int | None = None) -> bytes:
-    from cuda.tile.compilation import export_kernel
+    from mhc_core.kernels.cutile.signatures import export_bytecode, kernel_object
 
-    from mhc_core.kernels.cutile.signatures import kernel_object, to_signature
-
-    kernel = kernel_object(launch.kernel_name) if occupancy is None else kernel_object(launch.kernel_name, occupancy)
-    buf = io.BytesIO()
-    export_kernel(kernel, [to_signature(launch)], buf,
-                  output_format="tileir_bytecode", bytecode_version="13.3")
-    return buf.getvalue()
+    return export_bytecode(launch, None if occupancy is None else kernel_object(launch.kernel_name, occupancy))
 
 
 class ToolFailed(RuntimeError):
@@ -159,7 +153,8 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int
     return KernelResources(
         id=launch.id, arch=arch, registers=num("REG"), threads=int(ntid.group(1), 16), shared_bytes=num("SHARED"),
         local_bytes=num("LOCAL"), stack_bytes=num("STACK"),
-        counts={name: ops.get(op, 0) for op, name in _COUNTED.items()} if ops is not None else {},
+        counts=({"insts": sum(ops.values())} | {name: ops.get(op, 0) for op, name in _COUNTED.items()}
+                if ops is not None else {}),
         sass_error=sass_error,
         tma_refused=tuple(sorted({re.sub(r"^loc\(.*?\):\s*", "", r) for r in refusals})),
     )
@@ -167,7 +162,7 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int
 
 def table(rows: list[KernelResources]) -> str:
     """Markdown: one row per kernel."""
-    names = list(_COUNTED.values())
+    names = ["insts", *_COUNTED.values()]
     out = ["| kernel | regs | threads | smem B | local B | stack B | CTAs/SM | " + " | ".join(names) + " | TMA refused |",
            "|---|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
@@ -176,6 +171,11 @@ def table(rows: list[KernelResources]) -> str:
                    + " | ".join(str(r.counts.get(n, "?")) for n in names)
                    + f" | {'; '.join(r.tma_refused) or '-'}{' (no SASS: ' + r.sass_error + ')' if r.sass_error else ''} |")
     return "\n".join(out)
+
+
+def _matches(match: str, ident: str) -> bool:
+    """Whether launch id `ident` contains `match`, or one of its comma-separated parts."""
+    return any(m in ident for m in match.split(","))
 
 
 def _sweep_plan(args: argparse.Namespace) -> tuple[list[tuple[PlannedLaunch, int | None]], list[str]]:
@@ -190,7 +190,7 @@ def _sweep_plan(args: argparse.Namespace) -> tuple[list[tuple[PlannedLaunch, int
         tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=ACT_DTYPES[args.dtype], variant=args.variant,
         iterations=args.iterations, keys=keys))
     plan = [(PlannedLaunch(id=r.id, kernel_name=r.kernel_name, args=r.args), r.occupancy) for r in recorded
-            if args.match in r.id]
+            if _matches(args.match, r.id)]
     legend = [f"{key}[{i}]: {cand!r}" for key, cands in CANDIDATES.items() if keys is None or key in keys
               for i, cand in enumerate(cands) if any(pl.id.startswith(f"{key}[{i}]-") for pl, _ in plan)]
     return plan, legend
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm_90", help="sm_90 (Hopper) or sm_100 (Blackwell)")
-    p.add_argument("--match", default="", help="only launch ids containing this")
+    p.add_argument("--match", default="", help="only launch ids containing this (or one of these, comma-separated)")
     p.add_argument("--occupancy", type=int, help="compile with this occupancy hint (CTAs per SM, 1-32), "
                    "as the sweep's *_occupancy candidates (with --sweep: instead of each candidate's)")
     p.add_argument("--sweep", action="store_true", help="the tile sweep's candidates at the shape below "
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.occupancy is not None:
             plan = [(pl, args.occupancy) for pl, _ in plan]
     else:
-        plan = [(pl, args.occupancy) for pl in signature_plan((4,), cs=(512,)) + alternative_plan() if args.match in pl.id]
+        plan = [(pl, args.occupancy) for pl in signature_plan((4,), cs=(512,)) + alternative_plan() if _matches(args.match, pl.id)]
     if not plan:
         p.error(f"--match {args.match!r}: no planned launch id contains it")
     try:

@@ -70,14 +70,19 @@ def kernel_object(kernel_name: str, occupancy: int | None | object = _AS_TILING)
 
 
 class CuTileRuntime:
-    """Launches on the current CUDA stream with `cuda.tile.launch` (JIT-compiled per signature)."""
+    """Launches on the current CUDA stream with `cuda.tile.launch` (JIT-compiled per signature).
+    `unchecked_loads`: whether its tileiras takes unchecked loads (`StreamTiles.unchecked`, >= 13.4)."""
 
     emulated = False
 
     def __init__(self) -> None:
         import cuda.tile as ct
 
+        from mhc_core.kernels.cutile.toolchain import UNCHECKED_MIN_TILEIRAS, find_toolchain
+
         self._ct = ct
+        tc = find_toolchain()
+        self.unchecked_loads = tc is not None and tc.release >= UNCHECKED_MIN_TILEIRAS
         for name in KERNEL_MODULES:  # import every kernel module now: a broken one fails here, not mid-step
             kernel_object(name, None)
 
@@ -108,9 +113,11 @@ class CuTileRuntime:
 
 
 class EmulatedRuntime:
-    """Runs the kernel source on the CPU interpreter in `emulator.py` (any device, slow)."""
+    """Runs the kernel source on the CPU interpreter in `emulator.py` (any device, slow); its `ct.load`
+    takes unchecked loads and raises for one that runs past its array."""
 
     emulated = True
+    unchecked_loads = True
 
     def __init__(self, num_sms: int = 4) -> None:
         from mhc_core.kernels.cutile import emulator
@@ -191,9 +198,12 @@ class Launch:
 
 
 class RecordingRuntime:
-    """Records launches (kernel, argument kinds) instead of running them; outputs stay empty."""
+    """Records launches (kernel, argument kinds) instead of running them; outputs stay empty. It records
+    unchecked loads as a runtime with tileiras >= 13.4 launches them (what the CI and precompile
+    toolchain, 13.4, compiles)."""
 
     emulated = True
+    unchecked_loads = True
 
     def __init__(self, num_sms: int = 132) -> None:
         from mhc_core.kernels.cutile import emulator

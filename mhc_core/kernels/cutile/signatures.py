@@ -32,7 +32,8 @@ from mhc_core.variants import Variant, get_variant
 
 __all__ = ["PlannedLaunch", "KernelCase", "kernel_object", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
            "ALTERNATIVE_TILES", "kernel_cases",
-           "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C"]
+           "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C", "BYTECODE_VERSION", "STREAM_KERNELS",
+           "bytecode_version", "export_bytecode"]
 
 REPRESENTATIVE_T = 64
 REPRESENTATIVE_C = (512, 64)
@@ -161,6 +162,10 @@ ALTERNATIVE_TILES = (
      "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2, latency=10)},
     {"h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2, latency=9, tma=False),
      "h_aggregate_bwd": tiling.StreamTiles(tile_t=16, tile_c=128, mma=True, tma=False)},
+    {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, mma=True, loop_c=True, unchecked=True),
+     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2, loop_c=True, unchecked=True),
+     "h_aggregate_bwd": tiling.StreamTiles(tile_t=8, tile_c=256, unchecked=True),
+     "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2, tma=False, unchecked=True)},
 )
 """The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
 (each with a stored trajectory and with recompute; per-element also with approximate division and with
@@ -168,7 +173,8 @@ a checkpointed backward, with and without the forward's checkpoints), the whole-
 forwards, the per-stream h_post_bda backward, the stream-by-stream-loading h_post_bda forward and backward, the
 C-looping stream forwards, the mapping backward with its own grad_x kernel and with a spill-free 16 x 64 tile,
 the h_post_bda and h_aggregate backwards with tensor-core channel sums and both forwards with their stream sums
-on the tensor cores, the h_post_bda kernels with the DRAM-latency hint, and backwards without TMA."""
+on the tensor cores, the h_post_bda kernels with the DRAM-latency hint, backwards without TMA, and all four stream kernels with
+unchecked loads (the plan's T 64 and C 512 divide into whole tiles)."""
 
 
 def plan_under(overrides: dict, n: int = 4, prefix: str = "") -> tuple[PlannedLaunch, ...]:
@@ -224,6 +230,36 @@ def tuned_plan(tunings: Iterable | None = None) -> tuple[PlannedLaunch, ...]:
 # ---------------------------------------------------------------------------------------------
 # conversion to cuda.tile signatures (imports cuda.tile)
 # ---------------------------------------------------------------------------------------------
+
+
+BYTECODE_VERSION = "13.3"
+"""The TileIR bytecode the offline checks export (the first with Hopper support), so that a kernel
+a 13.3 compiler cannot take fails here; launches with unchecked loads need 13.4 (`bytecode_version`)."""
+
+STREAM_KERNELS = ("h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel", "h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel")
+"""The kernels whose last constant is `LOADS` (`tiling.load_code`)."""
+
+
+def bytecode_version(launch: PlannedLaunch) -> str:
+    """`BYTECODE_VERSION`, or "13.4" for a stream-kernel launch with unchecked loads (its `LOADS` holds
+    `tiling.UNCHECKED`: `ct.load(check_bounds=False)` needs tileiras 13.4, which such a launch's runtime has)."""
+    loads = launch.args[-1]
+    unchecked = (launch.kernel_name in STREAM_KERNELS and isinstance(loads, ConstArg)
+                 and loads.value >= tiling.UNCHECKED)
+    return "13.4" if unchecked else BYTECODE_VERSION
+
+
+def export_bytecode(launch: PlannedLaunch, kernel=None) -> bytes:
+    """TileIR bytecode of `launch` at `bytecode_version(launch)`, for `kernel` (default
+    `kernel_object(launch.kernel_name)`, the hint in force; imports `cuda.tile`)."""
+    import io
+
+    from cuda.tile.compilation import export_kernel
+
+    buf = io.BytesIO()
+    export_kernel(kernel_object(launch.kernel_name) if kernel is None else kernel, [to_signature(launch)], buf,
+                  output_format="tileir_bytecode", bytecode_version=bytecode_version(launch))
+    return buf.getvalue()
 
 
 def _ct_dtype(ct, dtype: torch.dtype):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from mhc_core.kernels.cutile.load_codes import NO_TMA, UNCHECKED
+
 __all__ = ["PAD_ZERO", "F32", "load_raw", "load_f32", "load_mix", "load_branch", "load_stream", "stream_slice"]
 
 PAD_ZERO = ct.PaddingMode.ZERO
@@ -20,10 +22,18 @@ F32 = ct.float32
 def load_raw(arr, index, shape, loads=0):
     """A zero-padded tile load under the load code `loads` (`tiling.load_code`): `loads % 16` is
     cuTile's DRAM-latency hint, 1-10 (`StreamTiles.latency`: the depth of the compiler's load
-    pipeline; 0 leaves it to the compiler), and `loads >= 16` forbids TMA (`StreamTiles.tma` False:
-    plain global loads, which the compiler prefetches into registers instead of shared memory)."""
-    latency = loads % 16
-    if loads >= 16:
+    pipeline; 0 leaves it to the compiler); `loads % 32 >= 16` forbids TMA (`StreamTiles.tma` False:
+    plain global loads, which the compiler prefetches into registers instead of shared memory);
+    `loads >= 32` skips the bounds check (`StreamTiles.unchecked`, set only for a launch of whole tiles:
+    every tile is in bounds, so the padding never applies)."""
+    latency = loads % NO_TMA
+    if loads >= UNCHECKED:  # no padding either: tileiras 13.4 fails on a padded unchecked load
+        if latency > 0:
+            t = ct.load(arr, index=index, shape=shape, check_bounds=False, latency=latency,
+                        allow_tma=loads % UNCHECKED < NO_TMA)
+        else:
+            t = ct.load(arr, index=index, shape=shape, check_bounds=False, allow_tma=loads % UNCHECKED < NO_TMA)
+    elif loads >= NO_TMA:
         if latency > 0:
             t = ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO, latency=latency, allow_tma=False)
         else:

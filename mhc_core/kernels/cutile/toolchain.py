@@ -22,7 +22,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Toolchain", "find_toolchain", "apply_env"]
+__all__ = ["Toolchain", "find_toolchain", "apply_env", "UNCHECKED_MIN_TILEIRAS"]
+
+UNCHECKED_MIN_TILEIRAS = (13, 4)
+"""The first tileiras that takes unchecked loads (`ct.load(check_bounds=False)`, `StreamTiles.unchecked`)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,14 @@ class Toolchain:
             return "unknown"
         m = re.search(r"V(\d+\.\d+\.\d+)", out)
         return m.group(1) if m else "unknown"
+
+    @property
+    def release(self) -> tuple[int, ...]:
+        """`(major, minor)` of `version` (`(0,)` when unknown), for comparisons with `(13, 4)`."""
+        try:
+            return tuple(int(p) for p in self.version.split(".")[:2])
+        except ValueError:
+            return (0,)
 
 
 def _wheel_root() -> Path | None:

@@ -218,6 +218,64 @@ def test_stream_load_hints(mode, mma, latency, tma, monkeypatch):
     with pytest.raises(ValueError, match="tma must be True"):
         with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(8, 64, tma=0)):
             pass
+    with pytest.raises(ValueError, match="unchecked must be True"):
+        with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(8, 64, unchecked=1)):
+            pass
+
+
+@pytest.mark.parametrize("checks_ok", [True, False], ids=["tileiras13.4", "tileiras13.3"])
+@pytest.mark.parametrize(("t", "c"), [(32, 512), (21, 512), (32, 300)], ids=["whole", "partial_T", "partial_C"])
+@pytest.mark.parametrize(("mode", "mma"), [(2, False), (0, True)], ids=["tuple", "mma"])
+def test_unchecked_loads_only_in_launches_of_whole_tiles(mode, mma, t, c, checks_ok, monkeypatch):
+    """`StreamTiles.unchecked` reaches the four stream kernels as `tiling.UNCHECKED` in `LOADS`, and their
+    streaming loads as `ct.load(check_bounds=False)`, only in a launch of whole tiles on a runtime whose
+    compiler takes them; a partial tile keeps the checked loads (the interpreter's unchecked `ct.load`
+    raises past its array), and no result changes."""
+    seen, checks = {}, set()
+    real_load = emulated_tile.EmulatedTile.load
+
+    def load(array, index, shape, **kw):
+        if array.dim() == 3 and array.shape[-1] > 8 or array.dim() == 2 and array.shape[-1] > 8:  # [T, n, C], [T, C]
+            checks.add(kw.get("check_bounds", True))
+        return real_load(array, index, shape, **kw)
+
+    monkeypatch.setattr(emulated_tile.EmulatedTile, "load", staticmethod(load))
+
+    class Spy(EmulatedRuntime):
+        unchecked_loads = checks_ok
+
+        def launch(self, grid, kernel_name, args):
+            seen[kernel_name] = args[-1]
+            super().launch(grid, kernel_name, args)
+
+    spy = make_ops(Spy(num_sms=4))
+    variant = Variant.MEGATRON_DEV
+    fwd = tiling.StreamTiles(8, 128, per_stream=mode, loop_c=True, mma=mma, tma=False, unchecked=True)
+    bwd = tiling.StreamTiles(8, 128, per_stream=mode, mma=mma, unchecked=True)
+    with tiling.overridden(h_aggregate_fwd=fwd, h_post_bda_fwd=fwd, h_aggregate_bwd=bwd, h_post_bda_bwd=bwd):
+        compare(f"h_aggregate unchecked {fwd} T{t} C{c}", spy.h_aggregate, ref.h_aggregate,
+                aggregate_inputs(t, 4, c, torch.bfloat16, torch.float32, "cpu"), torch.bfloat16, input_names=("x", "h_pre"))
+        compare(f"h_post_bda unchecked {fwd} T{t} C{c}", lambda *a: spy.h_post_bda(*a, 0.0, False, variant),
+                lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+                post_bda_inputs(t, 4, c, torch.bfloat16, torch.float32, True, "cpu"), torch.bfloat16,
+                input_names=POST_BDA_INPUT_NAMES)
+    unchecked = checks_ok and t % 8 == 0 and c % 128 == 0
+    bit = tiling.UNCHECKED if unchecked else 0
+    assert seen == {"h_aggregate_fwd_kernel": tiling.NO_TMA + bit, "h_post_bda_fwd_kernel": tiling.NO_TMA + bit,
+                    "h_aggregate_bwd_kernel": bit, "h_post_bda_bwd_kernel": bit}
+    assert checks == {not unchecked}
+
+
+def test_unchecked_load_past_its_array_raises():
+    """The interpreter's `ct.load(check_bounds=False)` raises, naming the tile and the array, for a tile
+    that runs past the array (undefined behaviour on the GPU), and reads a whole tile as the checked load."""
+    shim = emulated_tile.EmulatedTile()
+    a = torch.arange(40.0).reshape(5, 8)
+    assert torch.equal(shim.load(a, (1, 0), (2, 8), check_bounds=False), a[2:4])
+    with pytest.raises(ValueError, match=r"unchecked load .* tile \(2, 0\) of shape \(2, 8\) runs past array \(5, 8\)"):
+        shim.load(a, (2, 0), (2, 8), check_bounds=False)
+    with pytest.raises(ValueError, match="check_bounds=1"):
+        shim.load(a, (0, 0), (2, 8), check_bounds=1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

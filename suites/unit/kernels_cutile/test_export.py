@@ -21,23 +21,23 @@ from cuda.tile.compilation import export_kernel  # noqa: E402
 from mhc_core.kernels.cutile import tiling, toolchain, tuning  # noqa: E402
 from mhc_core.kernels.cutile.runtime import ArrayArg, ConstArg  # noqa: E402
 from mhc_core.kernels.cutile.signatures import (  # noqa: E402
+    BYTECODE_VERSION,
+    STREAM_KERNELS,
     alternative_plan,
+    bytecode_version,
+    export_bytecode,
     kernel_object,
     signature_plan,
     to_signature,
     tuned_plan,
 )
 
-BYTECODE_VERSION = "13.3"
 PLAN = signature_plan()
 CUBIN_N = "-n4-"
 
 
 def _bytecode(launch) -> bytes:
-    buf = io.BytesIO()
-    export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf,
-                  output_format="tileir_bytecode", bytecode_version=BYTECODE_VERSION)
-    return buf.getvalue()
+    return export_bytecode(launch)
 
 
 @pytest.mark.parametrize("launch", PLAN, ids=[p.id for p in PLAN])
@@ -73,8 +73,8 @@ ALT_PLAN = alternative_plan()
 def test_alternative_plan_holds_each_formulation():
     """The sweep's alternative formulations (batch-last, per-element and checkpointed Sinkhorn, whole-tile
     and C-looping and tensor-core stream forwards, per-stream, tuple and tensor-core h_post_bda backwards,
-    the tensor-core h_aggregate backward, split-dx and 16 x 64 mapping backwards, latency-hinted h_post_bda, backwards without TMA)
-    are listed."""
+    the tensor-core h_aggregate backward, split-dx and 16 x 64 mapping backwards, latency-hinted h_post_bda, backwards without TMA,
+    stream kernels with unchecked loads) are listed."""
     kernels = {p.kernel_name for p in ALT_PLAN}
     assert kernels == {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel",
                        "sinkhorn_bwd_elem_kernel", "sinkhorn_fwd_checkpoint_kernel", "sinkhorn_bwd_checkpoint_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel",
@@ -83,9 +83,25 @@ def test_alternative_plan_holds_each_formulation():
                        "mapping_bwd_dx_dw_kernel"}
     hinted = {p.kernel_name for p in ALT_PLAN if p.args[-1] == ConstArg(10)}  # LOADS, last of a stream kernel's
     assert hinted == {"h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel"}
-    no_tma = {p.kernel_name for p in ALT_PLAN if p.kernel_name.startswith("h_")
-              and p.args[-1].value >= tiling.NO_TMA}
+    no_tma = {p.kernel_name for p in ALT_PLAN if p.kernel_name in STREAM_KERNELS
+              and p.args[-1].value % tiling.UNCHECKED >= tiling.NO_TMA}
     assert no_tma == {"h_post_bda_bwd_kernel", "h_aggregate_bwd_kernel"}
+    unchecked = {p.kernel_name for p in ALT_PLAN if p.kernel_name in STREAM_KERNELS and p.args[-1].value >= tiling.UNCHECKED}
+    assert unchecked == set(STREAM_KERNELS)
+
+
+def test_unchecked_loads_export_at_bytecode_13_4():
+    """Launches with unchecked loads (`tiling.UNCHECKED` in `LOADS`) export at bytecode 13.4
+    (`bytecode_version`), which `ct.load(check_bounds=False)` needs; the default plan stays at 13.3."""
+    unchecked = [p for p in ALT_PLAN if bytecode_version(p) == "13.4"]
+    assert {p.kernel_name for p in unchecked} == set(STREAM_KERNELS)
+    assert all(p.args[-1].value >= tiling.UNCHECKED for p in unchecked)
+    assert {bytecode_version(p) for p in PLAN} == {BYTECODE_VERSION} == {"13.3"}
+    launch = unchecked[0]
+    assert len(_bytecode(launch)) > 0
+    with pytest.raises(Exception, match="requires tileiras 13.4"):
+        export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], io.BytesIO(),
+                      output_format="tileir_bytecode", bytecode_version="13.3")
 
 
 def _formulation(launch) -> tuple[str, str]:

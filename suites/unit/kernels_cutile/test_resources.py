@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
 
-from mhc_core.kernels.cutile import resources, toolchain  # noqa: E402
-from mhc_core.kernels.cutile.signatures import signature_plan  # noqa: E402
+from mhc_core.kernels.cutile import resources, tiling, toolchain  # noqa: E402
+from mhc_core.kernels.cutile.signatures import plan_under, signature_plan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,9 @@ def test_report_reads_registers_and_memory_instructions(tools, ident):
     assert 32 <= r.threads <= 1024 and r.threads % 32 == 0 and r.ctas_per_sm >= 1, r
     assert r.counts["ldg"] + r.counts["tma_load"] >= 1, r
     assert r.counts["stg"] + r.counts["tma_store"] >= 1, r
+    assert r.counts["insts"] > sum(v for k, v in r.counts.items() if k != "insts"), r
     rows = resources.table([r]).splitlines()
-    assert rows[0].startswith("| kernel | regs | threads |")
+    assert rows[0].startswith("| kernel | regs | threads | smem B | local B | stack B | CTAs/SM | insts | ldg |")
     assert rows[2].startswith(f"| {ident} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | "
                               f"{r.stack_bytes} | {r.ctas_per_sm} |")
 
@@ -77,6 +78,22 @@ def test_occupancy_hint_caps_registers(tools):
     launch = next(p for p in signature_plan() if p.id == "h_aggregate-bwd-n4-bf16-main")
     free, hinted = (resources.inspect_launch(launch, arch="sm_90", occupancy=o) for o in (None, 4))
     assert hinted.ctas_per_sm >= 4 and hinted.registers < free.registers, (free, hinted)
+
+
+@pytest.mark.slow
+def test_unchecked_loads_drop_the_bounds_arithmetic(tools):
+    """`StreamTiles.unchecked` reaches the compiler: the plain-load h_post_bda forward (tuple of streams,
+    C loop) of whole tiles compiles to fewer SASS instructions with the same global loads."""
+    def inspect(unchecked: bool):
+        tiles = tiling.StreamTiles(4, 256, per_stream=2, loop_c=True, unchecked=unchecked)
+        launch = next(p for p in plan_under({"h_post_bda_fwd": tiles})
+                      if p.kernel_name == "h_post_bda_fwd_kernel" and "-bf16-dev" in p.id)
+        return launch.args[-1].value, resources.inspect_launch(launch, arch="sm_90")
+
+    (code, checked), (code_u, unchecked) = inspect(False), inspect(True)
+    assert (code, code_u) == (0, tiling.UNCHECKED)
+    assert unchecked.counts["insts"] < 0.95 * checked.counts["insts"], (checked, unchecked)
+    assert unchecked.counts["ldg"] == checked.counts["ldg"] > 0, (checked, unchecked)
 
 
 @pytest.mark.parametrize(("regs", "threads", "smem", "ctas"), [

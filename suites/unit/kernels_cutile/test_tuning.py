@@ -402,13 +402,15 @@ def test_recorded_h200_sweep_still_adopts_the_shipped_tuning(tmp_path):
 
 
 def test_added_tile_fields_are_written_when_set(tmp_path):
-    """A tuning with `latency` / `checkpoint` set writes and reads them back; at 0 they are left out."""
-    tiles = {"h_post_bda_bwd": tiling.StreamTiles(8, 64, 2, latency=9),
+    """A tuning with `latency` / `unchecked` / `checkpoint` set writes and reads them back; at their
+    defaults they are left out."""
+    tiles = {"h_post_bda_bwd": tiling.StreamTiles(8, 64, 2, latency=9, unchecked=True),
              "sinkhorn": tiling.SinkhornTiles(64, per_element=True, approx_div=True, checkpoint=4),
              "h_post_bda_fwd": tiling.StreamTiles(4, 256, 2, True)}
     t = tuning.Tuning(device="X", n=4, tiles=tiles)
     tuning.save(t, tmp_path / "t.json")
     raw = json.loads((tmp_path / "t.json").read_text())["tiles"]
     assert raw["h_post_bda_bwd"]["StreamTiles"]["latency"] == 9 and raw["sinkhorn"]["SinkhornTiles"]["checkpoint"] == 4
-    assert "latency" not in raw["h_post_bda_fwd"]["StreamTiles"]
+    assert raw["h_post_bda_bwd"]["StreamTiles"]["unchecked"] is True
+    assert not {"latency", "unchecked"} & set(raw["h_post_bda_fwd"]["StreamTiles"])
     assert tuning.load(tmp_path / "t.json").tiles == tiles
