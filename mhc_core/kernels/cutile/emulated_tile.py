@@ -11,7 +11,8 @@ named below; the kernels' exported TileIR was checked against the same points):
   `check_bounds=False` (a const bool; "violating this assumption is undefined behavior", `_stub.py`
   `load`) raises for a tile that is not entirely in bounds, so a wrapper that asks for unchecked
   loads in a launch with a partial tile fails here.
-- `store`: out-of-bounds elements are dropped; the tile is cast to the array dtype only where
+- `store`: out-of-bounds elements are dropped (an unchecked store past its array raises, as an
+  unchecked load does); the tile is cast to the array dtype only where
   cuTile's implicit cast allows it (`_ir/ops.py` `tile_store_impl` -> `implicit_cast`: the
   promotion of the two dtypes must be the array dtype, e.g. bf16 -> fp32 yes, fp32 -> bf16 no).
 - `astype(x, tfloat32)`: fp32 rounded to 10 mantissa bits (round to nearest even, the default
@@ -139,6 +140,19 @@ def _region(view: torch.Tensor, index, shape) -> tuple[tuple[slice, ...], tuple[
     return tuple(src), tuple(dst)
 
 
+def _check_bounds_flag(check_bounds, what: str) -> None:
+    if not isinstance(check_bounds, bool):
+        raise ValueError(f"emulator: {what} check_bounds={check_bounds!r}: cuTile takes a const bool")
+
+
+def _require_inside(what: str, index, shape, dst: tuple[slice, ...], view: torch.Tensor) -> None:
+    """Raise unless the tile (`dst`: its part inside the array, `_region`) is whole: an unchecked access
+    (`check_bounds=False`) past the array is undefined in cuTile."""
+    if any(d.stop < int(s) for d, s in zip(dst, shape, strict=True)):
+        raise ValueError(f"emulator: unchecked {what} (check_bounds=False) of tile {tuple(int(i) for i in index)} "
+                         f"of shape {tuple(int(s) for s in shape)} runs past array {tuple(view.shape)}")
+
+
 class EmulatedTile(types.ModuleType):
     """The stand-in for `cuda.tile`; one instance per emulated launch context."""
 
@@ -178,24 +192,23 @@ class EmulatedTile(types.ModuleType):
     @staticmethod
     def load(array, index, shape, *, order="C", padding_mode=_PaddingMode.UNDETERMINED, latency=None, allow_tma=None,
              check_bounds=True, **_):
-        if not isinstance(check_bounds, bool):
-            raise ValueError(f"emulator: load check_bounds={check_bounds!r}: cuTile takes a const bool")
+        _check_bounds_flag(check_bounds, "load")
         if latency is not None and (isinstance(latency, bool) or not isinstance(latency, int) or not 1 <= latency <= 10):
             raise ValueError(f"emulator: load latency={latency!r}: cuTile takes an integer in 1-10 (or None)")
         if not (allow_tma is None or isinstance(allow_tma, bool)):
             raise ValueError(f"emulator: load allow_tma={allow_tma!r}: cuTile takes a bool (or None)")
         view = array.permute(_perm(order, array.dim()))
         src, dst = _region(view, index, shape)
-        if not check_bounds and any(d.stop < int(s) for d, s in zip(dst, shape, strict=True)):
-            raise ValueError(f"emulator: unchecked load (check_bounds=False) of tile {tuple(int(i) for i in index)} "
-                             f"of shape {tuple(int(s) for s in shape)} runs past array {tuple(view.shape)}")
+        if not check_bounds:
+            _require_inside("load", index, shape, dst, view)
         fill = _pad_fill(padding_mode, array.dtype)
         out = torch.full(tuple(int(s) for s in shape), fill, dtype=array.dtype, device=array.device)
         out[dst] = view[src]
         return out
 
     @staticmethod
-    def store(array, index, tile, *, order="C", **_):
+    def store(array, index, tile, *, order="C", check_bounds=True, **_):
+        _check_bounds_flag(check_bounds, "store")
         if not isinstance(tile, torch.Tensor):  # a Python scalar: a loosely typed constant
             src_dtype = _scalar_dtype(tile)
             tile = torch.tensor(tile, dtype=src_dtype)
@@ -212,6 +225,8 @@ class EmulatedTile(types.ModuleType):
             tile = tile.reshape((1,) * array.dim())
         view = array.permute(_perm(order, array.dim()))
         src, dst = _region(view, index, tile.shape)
+        if not check_bounds:
+            _require_inside("store", index, tile.shape, dst, view)
         view[src] = tile[dst]
 
     @staticmethod

@@ -1,6 +1,6 @@
 """What the stream kernels share (a kernel-helper module: imports `cuda.tile`, see
-`emulator.HELPER_MODULES`): fp32 tile loads of the `[T, n, C]` arrays, the residual mix, the
-branch `y + bias`, single streams.
+`emulator.HELPER_MODULES`): fp32 tile loads of the `[T, n, C]` arrays and their stores, under the
+kernel's load code (`tiling.load_code`), the residual mix, the branch `y + bias`, single streams.
 
 The residual mix uses `M = H` (`paper`, `megatron_main`) or `M = H^T` (`megatron_dev`,
 `TRANSPOSED=1`): `mix_i = sum_j M[i, j] x_j`. The transpose is a load with axis order
@@ -13,7 +13,7 @@ import cuda.tile as ct
 
 from mhc_core.kernels.cutile.load_codes import NO_TMA, UNCHECKED
 
-__all__ = ["PAD_ZERO", "F32", "load_raw", "load_f32", "load_mix", "load_branch", "load_stream", "stream_slice"]
+__all__ = ["PAD_ZERO", "F32", "load_raw", "store_raw", "load_f32", "load_mix", "load_branch", "load_stream", "stream_slice"]
 
 PAD_ZERO = ct.PaddingMode.ZERO
 F32 = ct.float32
@@ -43,6 +43,12 @@ def load_raw(arr, index, shape, loads=0):
     else:
         t = ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO)
     return t
+
+
+def store_raw(arr, index, tile, loads=0, order="C"):
+    """`ct.store` of a streaming tile (an activation or gradient, `[T, n, C]` / `[T, C]`) under the load code
+    `loads`: without the bounds check with unchecked loads (`loads >= 32`, a launch of whole tiles)."""
+    ct.store(arr, index=index, tile=tile, order=order, check_bounds=loads < UNCHECKED)
 
 
 def load_f32(arr, index, shape, loads=0):

@@ -8,9 +8,10 @@ The residual mix uses `M = H` (`paper`, `megatron_main`) or `M = H^T` (`megatron
 `TRANSPOSED=1`): `mix_i = sum_j M[i, j] x_j`, loaded by `stream_common.load_mix`; `grad_h_res`
 is stored back through the same transposed view. The loads live in `stream_common`, the
 tensor-core formulations (`StreamTiles.mma`) in `stream_mma`. Every kernel's `LOADS`
-(`tiling.load_code`: `StreamTiles.latency`, cuTile's DRAM-latency hint, and `StreamTiles.tma`;
-0: the compiler decides both) applies to its streaming loads (activations and gradients, not the
-per-token coefficients): `stream_common.load_raw`.
+(`tiling.load_code`: `StreamTiles.latency`, cuTile's DRAM-latency hint, `StreamTiles.tma` and
+`StreamTiles.unchecked`; 0: the compiler decides the first two, every access is bounds-checked)
+applies to its streaming loads and stores (activations and gradients, not the per-token
+coefficients): `stream_common.load_raw`, `stream_common.store_raw` (bounds only).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mhc_core.kernels.cutile.stream_common import (
     load_f32,
     load_mix,
     load_stream,
+    store_raw,
     stream_slice,
 )
 from mhc_core.kernels.cutile.stream_mma import (
@@ -50,7 +52,7 @@ def _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, PER_STREAM, MI
         else:
             xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
             acc = ct.sum(xt * ct.reshape(h, (TILE_T, N, 1)), axis=1)
-        ct.store(out, index=(pt, pc), tile=ct.astype(acc, out.dtype))
+        store_raw(out, (pt, pc), ct.astype(acc, out.dtype), LOADS)
 
 
 @ct.kernel
@@ -92,11 +94,11 @@ def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h,
     for pc in range(ct.num_tiles(grad_out, axis=1, shape=(TILE_T, TILE_C))):
         if REDUCE_MMA >= 0:
             acc, go = aggregate_channel_products(grad_out, x, pt, pc, acc, N, TILE_T, TILE_C, REDUCE_MMA, LOADS)
-            ct.store(grad_x, index=(pt, 0, pc), tile=ct.astype(go * h, grad_x.dtype))
+            store_raw(grad_x, (pt, 0, pc), ct.astype(go * h, grad_x.dtype), LOADS)
         else:
             go = ct.reshape(load_f32(grad_out, (pt, pc), (TILE_T, TILE_C), LOADS), (TILE_T, 1, TILE_C))
             xt = load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
-            ct.store(grad_x, index=(pt, 0, pc), tile=ct.astype(go * h, grad_x.dtype))
+            store_raw(grad_x, (pt, 0, pc), ct.astype(go * h, grad_x.dtype), LOADS)
             gh = gh + ct.sum(go * xt, axis=2)
     if REDUCE_MMA >= 0:
         gh = ct.reshape(token_diagonal(acc, N, 1, TILE_T), (TILE_T, N))
@@ -120,7 +122,7 @@ def _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TI
             for j in ct.static_iter(range(N)):
                 m_ij = ct.reshape(ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)), (TILE_T, 1))
                 acc2 = acc2 + m_ij * streams[j]
-            ct.store(out, index=(pt, i, pc), tile=ct.astype(ct.reshape(acc2, (TILE_T, 1, TILE_C)), out.dtype))
+            store_raw(out, (pt, i, pc), ct.astype(ct.reshape(acc2, (TILE_T, 1, TILE_C)), out.dtype), LOADS)
     else:
         res = load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
         yb = load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS)
@@ -130,7 +132,7 @@ def _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TI
                 for j in ct.static_iter(range(N)):
                     acc = acc + ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)) * ct.extract(
                         res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
-                ct.store(out, index=(pt, i, pc), tile=ct.astype(acc, out.dtype))
+                store_raw(out, (pt, i, pc), ct.astype(acc, out.dtype), LOADS)
         else:
             hp = ct.reshape(hp2, (TILE_T, N, 1))
             mix = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
@@ -138,7 +140,7 @@ def _post_bda_tile(m, m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TI
                 mix = mix + ct.extract(m, (0, 0, j), shape=(TILE_T, N, 1)) * ct.extract(
                     res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
             acc = mix + hp * yb
-            ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
+            store_raw(out, (pt, 0, pc), ct.astype(acc, out.dtype), LOADS)
 
 
 @ct.kernel
@@ -179,7 +181,7 @@ def _stream_slices(t, N):
 
 
 def _stream_grads(gos, m, hp, grad_residual, grad_y, grad_bias_part, pt, pc,
-                  N, TILE_T, TILE_C, HAS_BIAS):
+                  N, TILE_T, TILE_C, HAS_BIAS, LOADS):
     """Store `grad_residual_j = sum_i M[i, j] go_i` per stream, `grad_y = sum_i h_post_i go_i` and
     its bias partial, from the tuple `gos` of `[TILE_T, TILE_C]` stream tiles; `hp [TILE_T, n]`."""
     g_y = ct.zeros((TILE_T, TILE_C), dtype=F32)
@@ -190,9 +192,9 @@ def _stream_grads(gos, m, hp, grad_residual, grad_y, grad_bias_part, pt, pc,
         for i in ct.static_iter(range(N)):
             m_ij = ct.reshape(ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)), (TILE_T, 1))
             g_res_j = g_res_j + m_ij * gos[i]
-        ct.store(grad_residual, index=(pt, j, pc),
-                 tile=ct.astype(ct.reshape(g_res_j, (TILE_T, 1, TILE_C)), grad_residual.dtype))
-    ct.store(grad_y, index=(pt, pc), tile=ct.astype(g_y, grad_y.dtype))
+        store_raw(grad_residual, (pt, j, pc),
+                  ct.astype(ct.reshape(g_res_j, (TILE_T, 1, TILE_C)), grad_residual.dtype), LOADS)
+    store_raw(grad_y, (pt, pc), ct.astype(g_y, grad_y.dtype), LOADS)
     if HAS_BIAS:
         ct.store(grad_bias_part, index=(pt, pc), tile=ct.sum(g_y, axis=0, keepdims=True))
 
@@ -242,7 +244,8 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
             yb = load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS)
             acc_m, acc_h, go = channel_products(grad_out, residual, yb, pt, pc, acc_m, acc_h,
                                                  N, TILE_T, TILE_C, REDUCE_MMA, LOADS)
-            _stream_grads(_stream_slices(go, N), m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
+            _stream_grads(_stream_slices(go, N), m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS,
+                          LOADS)
         g_m = token_diagonal(acc_m, N, N, TILE_T)
         g_hp = ct.reshape(ct.extract(token_diagonal(acc_h, N, N, TILE_T), (0, 0, 0), shape=(TILE_T, N, 1)), (TILE_T, N))
     elif PER_STREAM == 2:
@@ -269,7 +272,8 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
                 nxt_h = nxt_h + (part_h[i] + gos[i] * yb2,)
             part_m = nxt_m
             part_h = nxt_h
-            _stream_grads(gos, m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
+            _stream_grads(gos, m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS,
+                          LOADS)
         g_m = ct.reshape(_channel_sums(part_m, N * N, TILE_T), (TILE_T, N, N))
         g_hp = _channel_sums(part_h, N, TILE_T)
     else:
@@ -287,15 +291,15 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
             g_hp = g_hp + ct.sum(go * load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS), axis=2)
             if PER_STREAM:
                 _stream_grads(_stream_slices(go, N), m, ct.reshape(hp, (TILE_T, N)), grad_residual, grad_y, grad_bias_part, pt, pc,
-                              N, TILE_T, TILE_C, HAS_BIAS)
+                              N, TILE_T, TILE_C, HAS_BIAS, LOADS)
             else:
                 g_res = ct.zeros((TILE_T, N, TILE_C), dtype=F32)
                 for i in ct.static_iter(range(N)):
                     m_row = ct.reshape(ct.extract(m, (0, i, 0), shape=(TILE_T, 1, N)), (TILE_T, N, 1))
                     g_res = g_res + m_row * ct.extract(go, (0, i, 0), shape=(TILE_T, 1, TILE_C))
-                ct.store(grad_residual, index=(pt, 0, pc), tile=ct.astype(g_res, grad_residual.dtype))
+                store_raw(grad_residual, (pt, 0, pc), ct.astype(g_res, grad_residual.dtype), LOADS)
                 g_y = ct.sum(go * hp, axis=1)
-                ct.store(grad_y, index=(pt, pc), tile=ct.astype(g_y, grad_y.dtype))
+                store_raw(grad_y, (pt, pc), ct.astype(g_y, grad_y.dtype), LOADS)
                 if HAS_BIAS:
                     ct.store(grad_bias_part, index=(pt, pc), tile=ct.sum(g_y, axis=0, keepdims=True))
     if TRANSPOSED:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from mhc_core.kernels.cutile.mma_common import MMA_2XBF16, MMA_BF16, mma_at
-from mhc_core.kernels.cutile.stream_common import F32, load_branch, load_raw
+from mhc_core.kernels.cutile.stream_common import F32, load_branch, load_raw, store_raw
 
 __all__ = ["block_diag", "aggregate_tile_mma", "post_bda_tile_mma", "token_diagonal", "channel_products",
            "aggregate_channel_products"]
@@ -40,7 +40,7 @@ def aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MIX_MMA, LOADS
     xt = load_raw(x, (pt, 0, pc), (TILE_T, N, TILE_C), LOADS)
     acc = mma_at(ct.transpose(ct.reshape(xt, (TILE_T * N, TILE_C))), h_diag, ct.zeros((TILE_C, TILE_T), dtype=F32),
                  MIX_MMA)
-    ct.store(out, index=(pc, pt), tile=ct.astype(acc, out.dtype), order=(1, 0))
+    store_raw(out, (pc, pt), ct.astype(acc, out.dtype), LOADS, order=(1, 0))
 
 
 def post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, MIX_MMA, LOADS):
@@ -53,7 +53,7 @@ def post_bda_tile_mma(m_diag, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TI
                    ct.zeros((TILE_C, TILE_T * N), dtype=F32), MIX_MMA)
     mix = ct.reshape(ct.transpose(mix_t), (TILE_T, N, TILE_C))
     acc = mix + ct.reshape(hp2, (TILE_T, N, 1)) * load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS, LOADS)
-    ct.store(out, index=(pt, 0, pc), tile=ct.astype(acc, out.dtype))
+    store_raw(out, (pt, 0, pc), ct.astype(acc, out.dtype), LOADS)
 
 
 def branch_mma(REDUCE_MMA):

@@ -116,14 +116,14 @@ CANDIDATES["h_post_bda_fwd"] += (_S(4, 256, 2, True, latency=6), _S(4, 256, 2, T
 CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
     c for lat in (0, 6, 9) for c in _hinted("h_post_bda_bwd", (2,), _S(8, 64, 2, latency=lat, tma=False))) + _hinted(
     "h_post_bda_bwd", (2,), _S(8, 128, mma=True, tma=False))
-# Unchecked loads (`StreamTiles.unchecked`: `ct.load(check_bounds=False)` where the launch divides into whole tiles, as
-# the sweep's T 8192 and C 4096 do) on the kernels that load without TMA, whose bounds arithmetic goes (sm_90, the
+# Unchecked loads and stores (`StreamTiles.unchecked`: `check_bounds=False` where the launch divides into whole tiles,
+# as the sweep's T 8192 and C 4096 do) on the kernels that load without TMA, whose bounds arithmetic goes (sm_90, the
 # sweep's shape, SASS instructions checked -> unchecked): the tuple 8 x 64 backward without TMA at occupancy 2 1496 ->
 # 1296, with latency 6 2192 -> 1704, the tensor-core 8 x 128 without TMA 3296 -> 2904; the forward winner 4 x 256
-# 1376 -> 1152 (but 127 -> 138 registers: 3 CTAs per SM, so also at hint 4), its 8 x 128 neighbour 1216 -> 1016; the
-# h_aggregate backward 8 x 256 without TMA 1776 instructions, 168 registers x 384 threads (TMA: 2048, 255 x 256). TMA
-# loads compile to the same code either way (the copy engine checks the bounds; h_post_bda backward 8 x 64 1608, the
-# h_aggregate forward winner 736): not candidates.
+# 1376 -> 1072 (127 -> 128 registers; at hint 4 1096 in 95), its 8 x 128 neighbour 1216 -> 928; the h_aggregate
+# backward 8 x 256 without TMA 1776 instructions, 168 registers x 384 threads (TMA: 2048, 255 x 256). TMA copies
+# compile to the same code either way (the copy engine checks the bounds; h_post_bda backward 8 x 64 1608, the
+# h_aggregate forward winner 736, backward 2048): not candidates.
 CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
     c for tl in (_S(8, 64, 2, tma=False, unchecked=True), _S(8, 64, 2, latency=6, tma=False, unchecked=True),
                  _S(8, 128, mma=True, tma=False, unchecked=True))

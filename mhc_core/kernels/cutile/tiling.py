@@ -317,13 +317,13 @@ class StreamTiles:
     backward: 14 LDG and one TMA load, the bias's, instead of 5 and 10, 27 KB of shared memory instead
     of 36; with latency 9, 41 LDG). The h_post_bda forward winner loads that way unasked, at 84-85 % of copy,
     where the TMA backward stays at ~61 %. True (default) leaves the choice to the compiler.
-    `unchecked`: the streaming loads skip cuTile's bounds check (`ct.load(check_bounds=False)`, tileiras
+    `unchecked`: the streaming loads and stores skip cuTile's bounds check (`check_bounds=False`, tileiras
     >= 13.4) in a launch whose T and C are whole multiples of `TILE_T` and `TILE_C` (the wrapper decides per
     launch, `load_code`; a launch with a partial tile, or a runtime whose compiler is older, keeps the checked
-    loads, so the tile is right at every shape). It changes plain loads only (`tma` False, or what the
-    compiler loads without TMA): sm_90, the sweep's shape, the tuple 8 x 64 backward without TMA compiles
-    to 1296 SASS instructions instead of 1496, the h_post_bda forward winner to 1152 instead of 1376; TMA
-    loads compile to the same code (the copy engine checks the bounds).
+    accesses, so the tile is right at every shape). It changes plain loads and stores only (`tma` False, or
+    what the compiler does without TMA): sm_90, the sweep's shape, the tuple 8 x 64 backward without TMA
+    compiles to 1296 SASS instructions instead of 1496, the h_post_bda forward winner to 1072 instead of
+    1376; TMA copies compile to the same code (the copy engine checks the bounds).
     """
 
     tile_t: int

@@ -228,18 +228,25 @@ def test_stream_load_hints(mode, mma, latency, tma, monkeypatch):
 @pytest.mark.parametrize(("mode", "mma"), [(2, False), (0, True)], ids=["tuple", "mma"])
 def test_unchecked_loads_only_in_launches_of_whole_tiles(mode, mma, t, c, checks_ok, monkeypatch):
     """`StreamTiles.unchecked` reaches the four stream kernels as `tiling.UNCHECKED` in `LOADS`, and their
-    streaming loads as `ct.load(check_bounds=False)`, only in a launch of whole tiles on a runtime whose
-    compiler takes them; a partial tile keeps the checked loads (the interpreter's unchecked `ct.load`
-    raises past its array), and no result changes."""
-    seen, checks = {}, set()
-    real_load = emulated_tile.EmulatedTile.load
+    streaming loads and stores as `check_bounds=False`, only in a launch of whole tiles on a runtime whose
+    compiler takes them; a partial tile keeps the checked accesses (the interpreter's unchecked `ct.load` /
+    `ct.store` raise past their array), and no result changes."""
+    seen, checks, store_checks = {}, set(), set()
+    real_load, real_store = emulated_tile.EmulatedTile.load, emulated_tile.EmulatedTile.store
 
     def load(array, index, shape, **kw):
         if array.dim() == 3 and array.shape[-1] > 8 or array.dim() == 2 and array.shape[-1] > 8:  # [T, n, C], [T, C]
             checks.add(kw.get("check_bounds", True))
         return real_load(array, index, shape, **kw)
 
+    def store(array, index, tile, **kw):
+        # activations and gradients [T, n, C], [T, C] (bf16 here; not the fp32 bias partials [blocks, C])
+        if array.shape[-1] > 8 and (array.dim() == 3 or array.dtype == torch.bfloat16):
+            store_checks.add(kw.get("check_bounds", True))
+        return real_store(array, index, tile, **kw)
+
     monkeypatch.setattr(emulated_tile.EmulatedTile, "load", staticmethod(load))
+    monkeypatch.setattr(emulated_tile.EmulatedTile, "store", staticmethod(store))
 
     class Spy(EmulatedRuntime):
         unchecked_loads = checks_ok
@@ -263,19 +270,27 @@ def test_unchecked_loads_only_in_launches_of_whole_tiles(mode, mma, t, c, checks
     bit = tiling.UNCHECKED if unchecked else 0
     assert seen == {"h_aggregate_fwd_kernel": tiling.NO_TMA + bit, "h_post_bda_fwd_kernel": tiling.NO_TMA + bit,
                     "h_aggregate_bwd_kernel": bit, "h_post_bda_bwd_kernel": bit}
-    assert checks == {not unchecked}
+    assert checks == store_checks == {not unchecked}
 
 
-def test_unchecked_load_past_its_array_raises():
-    """The interpreter's `ct.load(check_bounds=False)` raises, naming the tile and the array, for a tile
-    that runs past the array (undefined behaviour on the GPU), and reads a whole tile as the checked load."""
+def test_unchecked_access_past_its_array_raises():
+    """The interpreter's `ct.load` / `ct.store` with `check_bounds=False` raise, naming the tile and the
+    array, for a tile that runs past the array (undefined behaviour on the GPU), and access a whole tile
+    as the checked ones do."""
     shim = emulated_tile.EmulatedTile()
     a = torch.arange(40.0).reshape(5, 8)
     assert torch.equal(shim.load(a, (1, 0), (2, 8), check_bounds=False), a[2:4])
     with pytest.raises(ValueError, match=r"unchecked load .* tile \(2, 0\) of shape \(2, 8\) runs past array \(5, 8\)"):
         shim.load(a, (2, 0), (2, 8), check_bounds=False)
-    with pytest.raises(ValueError, match="check_bounds=1"):
-        shim.load(a, (0, 0), (2, 8), check_bounds=1)
+    shim.store(a, (1, 0), torch.zeros(2, 8), check_bounds=False)
+    assert a[2:4].eq(0).all() and a[:2].ne(0).any()
+    with pytest.raises(ValueError, match=r"unchecked store .* tile \(2, 0\) of shape \(2, 8\) runs past array \(5, 8\)"):
+        shim.store(a, (2, 0), torch.ones(2, 8), check_bounds=False)
+    assert a[4].ne(1).any(), "nothing is written on the way to the error"
+    for access in (lambda: shim.load(a, (0, 0), (2, 8), check_bounds=1),
+                   lambda: shim.store(a, (0, 0), torch.ones(2, 8), check_bounds=1)):
+        with pytest.raises(ValueError, match="check_bounds=1"):
+            access()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
