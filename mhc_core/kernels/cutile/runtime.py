@@ -113,8 +113,8 @@ class CuTileRuntime:
 
 
 class EmulatedRuntime:
-    """Runs the kernel source on the CPU interpreter in `emulator.py` (any device, slow); its `ct.load`
-    takes unchecked loads and raises for one that runs past its array."""
+    """Runs the kernel source on the CPU interpreter in `emulator.py` (any device, slow); its `ct.load` /
+    `ct.store` take unchecked accesses and raise for one that runs past its array."""
 
     emulated = True
     unchecked_loads = True
