@@ -175,6 +175,45 @@ def test_stream_formulations(emu, op, mode, n, variant, with_bias, loop_c):
         compare(f"{op} {tiles} n{n} {variant}", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 
 
+def _spied_stream_ops(monkeypatch, fwd, bwd, t, c, unchecked_loads=True):
+    """Run h_aggregate and h_post_bda (megatron_dev, bias) forward and backward at `t` x `c`, n = 4, bf16,
+    under the stream tiles `fwd` / `bwd` on the interpreter (a runtime with `unchecked_loads`), each against
+    the reference; return each stream kernel's `LOADS` and the keyword arguments of its streaming loads and
+    stores (activations and gradients `[T, n, C]`, `[T, C]`; not the coefficients or the fp32 bias partials)."""
+    seen, loads, stores = {}, [], []
+    real_load, real_store = emulated_tile.EmulatedTile.load, emulated_tile.EmulatedTile.store
+
+    def load(array, index, shape, **kw):
+        if array.dim() in (2, 3) and array.shape[-1] > 8:
+            loads.append(kw)
+        return real_load(array, index, shape, **kw)
+
+    def store(array, index, tile, **kw):
+        if array.shape[-1] > 8 and (array.dim() == 3 or array.dtype == torch.bfloat16):
+            stores.append(kw)
+        return real_store(array, index, tile, **kw)
+
+    monkeypatch.setattr(emulated_tile.EmulatedTile, "load", staticmethod(load))
+    monkeypatch.setattr(emulated_tile.EmulatedTile, "store", staticmethod(store))
+
+    class Spy(EmulatedRuntime):
+        def launch(self, grid, kernel_name, args):
+            seen[kernel_name] = args[-1]
+            super().launch(grid, kernel_name, args)
+
+    runtime = Spy(num_sms=4)
+    runtime.unchecked_loads = unchecked_loads
+    spy, variant = make_ops(runtime), Variant.MEGATRON_DEV
+    with tiling.overridden(h_aggregate_fwd=fwd, h_post_bda_fwd=fwd, h_aggregate_bwd=bwd, h_post_bda_bwd=bwd):
+        compare(f"h_aggregate {fwd} {bwd} T{t} C{c}", spy.h_aggregate, ref.h_aggregate,
+                aggregate_inputs(t, 4, c, torch.bfloat16, torch.float32, "cpu"), torch.bfloat16, input_names=("x", "h_pre"))
+        compare(f"h_post_bda {fwd} {bwd} T{t} C{c}", lambda *a: spy.h_post_bda(*a, 0.0, False, variant),
+                lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+                post_bda_inputs(t, 4, c, torch.bfloat16, torch.float32, True, "cpu"), torch.bfloat16,
+                input_names=POST_BDA_INPUT_NAMES)
+    return seen, loads, stores
+
+
 @pytest.mark.parametrize(("latency", "tma"), [(10, True), (9, False)], ids=["latency10", "latency9-no_tma"])
 @pytest.mark.parametrize(("mode", "mma"), [(0, False), (1, False), (2, False), (0, True)],
                          ids=["whole", "per_stream", "tuple", "mma"])
@@ -182,36 +221,13 @@ def test_stream_load_hints(mode, mma, latency, tma, monkeypatch):
     """`StreamTiles.latency` and `.tma` reach all four stream kernels as their `LOADS` constant
     (`tiling.load_code`) and every streaming load as `ct.load(latency=..., allow_tma=...)` (the
     interpreter's `ct.load` refuses a hint outside 1-10), and change no result."""
-    seen, hints = {}, set()
-    real_load = emulated_tile.EmulatedTile.load
-
-    def load(array, index, shape, **kw):
-        if array.dim() == 3 and array.shape[-1] > 8 or array.dim() == 2 and array.shape[-1] > 8:  # [T, n, C], [T, C]
-            hints.add((kw.get("latency"), kw.get("allow_tma")))
-        return real_load(array, index, shape, **kw)
-
-    monkeypatch.setattr(emulated_tile.EmulatedTile, "load", staticmethod(load))
-
-    class Spy(EmulatedRuntime):
-        def launch(self, grid, kernel_name, args):
-            seen[kernel_name] = args[-1]
-            super().launch(grid, kernel_name, args)
-
-    spy = make_ops(Spy(num_sms=4))
-    t, n, c, variant = 21, 4, 300, Variant.MEGATRON_DEV
     fwd = tiling.StreamTiles(8, 128, per_stream=mode, loop_c=True, mma=mma, latency=latency, tma=tma)
     bwd = tiling.StreamTiles(8, 128, per_stream=mode, mma=mma, latency=latency, tma=tma)
-    with tiling.overridden(h_aggregate_fwd=fwd, h_post_bda_fwd=fwd, h_aggregate_bwd=bwd, h_post_bda_bwd=bwd):
-        compare(f"h_aggregate hints {fwd}", spy.h_aggregate, ref.h_aggregate,
-                aggregate_inputs(t, n, c, torch.bfloat16, torch.float32, "cpu"), torch.bfloat16, input_names=("x", "h_pre"))
-        compare(f"h_post_bda hints {fwd}", lambda *a: spy.h_post_bda(*a, 0.0, False, variant),
-                lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
-                post_bda_inputs(t, n, c, torch.bfloat16, torch.float32, True, "cpu"), torch.bfloat16,
-                input_names=POST_BDA_INPUT_NAMES)
+    seen, loads, _ = _spied_stream_ops(monkeypatch, fwd, bwd, 21, 300)
     code = latency + (0 if tma else tiling.NO_TMA)
     assert seen == dict.fromkeys(("h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel", "h_post_bda_fwd_kernel",
                                   "h_post_bda_bwd_kernel"), code)
-    assert hints == {(latency, None if tma else False)}
+    assert {(kw.get("latency"), kw.get("allow_tma")) for kw in loads} == {(latency, None if tma else False)}
     with pytest.raises(ValueError, match="latency must be an integer in 0-10"):
         with tiling.overridden(h_post_bda_bwd=tiling.StreamTiles(8, 64, latency=11)):
             pass
@@ -231,46 +247,15 @@ def test_unchecked_loads_only_in_launches_of_whole_tiles(mode, mma, t, c, checks
     streaming loads and stores as `check_bounds=False`, only in a launch of whole tiles on a runtime whose
     compiler takes them; a partial tile keeps the checked accesses (the interpreter's unchecked `ct.load` /
     `ct.store` raise past their array), and no result changes."""
-    seen, checks, store_checks = {}, set(), set()
-    real_load, real_store = emulated_tile.EmulatedTile.load, emulated_tile.EmulatedTile.store
-
-    def load(array, index, shape, **kw):
-        if array.dim() == 3 and array.shape[-1] > 8 or array.dim() == 2 and array.shape[-1] > 8:  # [T, n, C], [T, C]
-            checks.add(kw.get("check_bounds", True))
-        return real_load(array, index, shape, **kw)
-
-    def store(array, index, tile, **kw):
-        # activations and gradients [T, n, C], [T, C] (bf16 here; not the fp32 bias partials [blocks, C])
-        if array.shape[-1] > 8 and (array.dim() == 3 or array.dtype == torch.bfloat16):
-            store_checks.add(kw.get("check_bounds", True))
-        return real_store(array, index, tile, **kw)
-
-    monkeypatch.setattr(emulated_tile.EmulatedTile, "load", staticmethod(load))
-    monkeypatch.setattr(emulated_tile.EmulatedTile, "store", staticmethod(store))
-
-    class Spy(EmulatedRuntime):
-        unchecked_loads = checks_ok
-
-        def launch(self, grid, kernel_name, args):
-            seen[kernel_name] = args[-1]
-            super().launch(grid, kernel_name, args)
-
-    spy = make_ops(Spy(num_sms=4))
-    variant = Variant.MEGATRON_DEV
     fwd = tiling.StreamTiles(8, 128, per_stream=mode, loop_c=True, mma=mma, tma=False, unchecked=True)
     bwd = tiling.StreamTiles(8, 128, per_stream=mode, mma=mma, unchecked=True)
-    with tiling.overridden(h_aggregate_fwd=fwd, h_post_bda_fwd=fwd, h_aggregate_bwd=bwd, h_post_bda_bwd=bwd):
-        compare(f"h_aggregate unchecked {fwd} T{t} C{c}", spy.h_aggregate, ref.h_aggregate,
-                aggregate_inputs(t, 4, c, torch.bfloat16, torch.float32, "cpu"), torch.bfloat16, input_names=("x", "h_pre"))
-        compare(f"h_post_bda unchecked {fwd} T{t} C{c}", lambda *a: spy.h_post_bda(*a, 0.0, False, variant),
-                lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
-                post_bda_inputs(t, 4, c, torch.bfloat16, torch.float32, True, "cpu"), torch.bfloat16,
-                input_names=POST_BDA_INPUT_NAMES)
+    seen, loads, stores = _spied_stream_ops(monkeypatch, fwd, bwd, t, c, unchecked_loads=checks_ok)
     unchecked = checks_ok and t % 8 == 0 and c % 128 == 0
     bit = tiling.UNCHECKED if unchecked else 0
     assert seen == {"h_aggregate_fwd_kernel": tiling.NO_TMA + bit, "h_post_bda_fwd_kernel": tiling.NO_TMA + bit,
                     "h_aggregate_bwd_kernel": bit, "h_post_bda_bwd_kernel": bit}
-    assert checks == store_checks == {not unchecked}
+    assert {kw.get("check_bounds", True) for kw in loads} == {not unchecked}
+    assert {kw.get("check_bounds", True) for kw in stores} == {not unchecked}
 
 
 def test_unchecked_access_past_its_array_raises():
