@@ -134,13 +134,14 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
         (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
     if not all(_is_pow2(d) for d in dims):
         raise ValueError(f"{where}: {key}={value!r}: tile sizes must be powers of two")
-    if isinstance(value, StreamTiles) and not _is_int_in(value.latency, 0, 10):
-        raise ValueError(f"{where}: {key}={value!r}: latency must be an integer in 0-10 (0: the compiler's choice)")
-    if isinstance(value, StreamTiles) and not isinstance(value.tma, bool):
-        raise ValueError(f"{where}: {key}={value!r}: tma must be True (the compiler may use TMA) or False")
-    if isinstance(value, StreamTiles) and not isinstance(value.unchecked, bool):
-        raise ValueError(f"{where}: {key}={value!r}: unchecked must be True (unchecked loads where the launch "
-                         "divides into whole tiles) or False")
+    if isinstance(value, StreamTiles):
+        if not _is_int_in(value.latency, 0, 10):
+            raise ValueError(f"{where}: {key}={value!r}: latency must be an integer in 0-10 (0: the compiler's choice)")
+        if not isinstance(value.tma, bool):
+            raise ValueError(f"{where}: {key}={value!r}: tma must be True (the compiler may use TMA) or False")
+        if not isinstance(value.unchecked, bool):
+            raise ValueError(f"{where}: {key}={value!r}: unchecked must be True (unchecked loads where the launch "
+                             "divides into whole tiles) or False")
     if key == "sinkhorn":
         ck = value.checkpoint
         if not _is_int_in(ck, 0):
