@@ -27,7 +27,6 @@ disk cache is off unless `--cache`, so the timings are real compiles.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import time
@@ -57,9 +56,7 @@ def _wants_cubin(ident: str, cubin_ns: tuple[int, ...], full: bool) -> bool:
 
 
 def _check(index: int, all_archs: tuple[str, ...], cubin_ns: tuple[int, ...], full: bool) -> Row:
-    from cuda.tile.compilation import export_kernel
-
-    from mhc_core.kernels.cutile.signatures import export_bytecode, kernel_object, to_signature
+    from mhc_core.kernels.cutile.signatures import export_bytecode, export_cubin, kernel_object
 
     launch = _PLAN[index]
     archs = all_archs if _wants_cubin(launch.id, cubin_ns, full) else ()
@@ -67,12 +64,9 @@ def _check(index: int, all_archs: tuple[str, ...], cubin_ns: tuple[int, ...], fu
     start = time.perf_counter()
     try:
         kernel = kernel_object(launch.kernel_name)
-        sig = to_signature(launch)
         row.bytecode = len(export_bytecode(launch, kernel))
         for arch in archs:
-            buf = io.BytesIO()
-            export_kernel(kernel, [sig], buf, output_format="cubin", gpu_code=arch)
-            row.cubins[arch] = len(buf.getvalue())
+            row.cubins[arch] = len(export_cubin(launch, arch, kernel))
     except Exception as exc:  # report every failure, keep going
         first = str(exc).strip().splitlines()
         row.error = f"{type(exc).__name__}: {first[0] if first else ''}"[:300]

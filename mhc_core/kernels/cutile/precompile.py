@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import io
 import json
 import lzma
 import multiprocessing
@@ -180,9 +179,7 @@ def _keys(db: Path) -> set[str]:
 def _compile_chunk(cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]]) -> list[tuple[int, str | None, str]]:
     """Compile `chunk` into `cache_dir` (the process's `CUDA_TILE_CACHE_DIR`, which cuTile reads once,
     when it is first imported); per launch (index, its new cache key or None, error or "")."""
-    from cuda.tile.compilation import export_kernel
-
-    from mhc_core.kernels.cutile.signatures import PlannedLaunch, kernel_object, to_signature
+    from mhc_core.kernels.cutile.signatures import PlannedLaunch, export_cubin, kernel_object
 
     db = Path(cache_dir) / "cache.db"
     out = []
@@ -190,8 +187,7 @@ def _compile_chunk(cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]])
         before = _keys(db)
         kernel = kernel_object(r.kernel_name, r.occupancy)  # the hint it was recorded with
         try:
-            export_kernel(kernel, [to_signature(PlannedLaunch(r.id, r.kernel_name, r.args))], io.BytesIO(),
-                          output_format="cubin", gpu_code=arch)
+            export_cubin(PlannedLaunch(r.id, r.kernel_name, r.args), arch, kernel)
         except Exception as exc:  # reported per launch; the run JIT-compiles (and reports) it anyway
             out.append((index, None, f"{type(exc).__name__}: {exc}"[:300]))
             continue

@@ -33,7 +33,7 @@ from mhc_core.variants import Variant, get_variant
 __all__ = ["PlannedLaunch", "KernelCase", "kernel_object", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
            "ALTERNATIVE_TILES", "kernel_cases",
            "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C", "BYTECODE_VERSION", "STREAM_KERNELS",
-           "bytecode_version", "export_bytecode"]
+           "bytecode_version", "export_bytecode", "export_cubin"]
 
 REPRESENTATIVE_T = 64
 REPRESENTATIVE_C = (512, 64)
@@ -259,6 +259,20 @@ def export_bytecode(launch: PlannedLaunch, kernel=None) -> bytes:
     buf = io.BytesIO()
     export_kernel(kernel_object(launch.kernel_name) if kernel is None else kernel, [to_signature(launch)], buf,
                   output_format="tileir_bytecode", bytecode_version=bytecode_version(launch))
+    return buf.getvalue()
+
+
+def export_cubin(launch: PlannedLaunch, arch: str, kernel=None) -> bytes:
+    """The cubin tileiras builds for `launch` on `arch` ("sm_90", "sm_100"), for `kernel` (default
+    `kernel_object(launch.kernel_name)`, the hint in force); through cuTile's own export, so its cubin
+    disk cache (`CUDA_TILE_CACHE_DIR`) sees it. Imports `cuda.tile`; needs tileiras."""
+    import io
+
+    from cuda.tile.compilation import export_kernel
+
+    buf = io.BytesIO()
+    export_kernel(kernel_object(launch.kernel_name) if kernel is None else kernel, [to_signature(launch)], buf,
+                  output_format="cubin", gpu_code=arch)
     return buf.getvalue()
 
 

@@ -26,6 +26,7 @@ from mhc_core.kernels.cutile.signatures import (  # noqa: E402
     alternative_plan,
     bytecode_version,
     export_bytecode,
+    export_cubin,
     kernel_object,
     signature_plan,
     to_signature,
@@ -62,9 +63,7 @@ CUBIN_PLAN = [p for p in PLAN if CUBIN_N in p.id and "-c64" not in p.id]
 @pytest.mark.parametrize("launch", CUBIN_PLAN, ids=[p.id for p in CUBIN_PLAN])
 def test_compile_cubin(compiler, launch, arch):
     """tileiras compiles this signature to a cubin for `arch` (Hopper, Blackwell)."""
-    buf = io.BytesIO()
-    export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf, output_format="cubin", gpu_code=arch)
-    assert len(buf.getvalue()) > 0
+    assert len(export_cubin(launch, arch)) > 0
 
 
 ALT_PLAN = alternative_plan()
@@ -139,9 +138,7 @@ def test_every_alternative_formulation_compiles_as_the_sweep_launches_it():
 @pytest.mark.parametrize("launch", ALT_COMPILED, ids=[p.id for p in ALT_COMPILED])
 def test_compile_alternative_cubin(compiler, launch):
     """tileiras compiles the sweep's alternative formulations for sm_90 (n = 4, bf16, as the sweep launches them)."""
-    buf = io.BytesIO()
-    export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], buf, output_format="cubin", gpu_code="sm_90")
-    assert len(buf.getvalue()) > 0
+    assert len(export_cubin(launch, "sm_90")) > 0
 
 
 _ARCH_OF_MODEL = ((re.compile(r"\b(G?H100|G?H200|H800|H20)\b", re.I), "sm_90"),
@@ -171,9 +168,7 @@ def test_compile_shipped_tuning_cubin(compiler, tuned, launch, arch):
     its GPU model's arch."""
     with tiling.tuned(tuned):
         kernel = kernel_object(launch.kernel_name)
-    buf = io.BytesIO()
-    export_kernel(kernel, [to_signature(launch)], buf, output_format="cubin", gpu_code=arch)
-    assert len(buf.getvalue()) > 0
+    assert len(export_cubin(launch, arch, kernel)) > 0
 
 
 def test_tuning_launches_export_with_their_hints():
