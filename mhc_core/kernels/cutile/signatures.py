@@ -27,6 +27,7 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import ArrayArg, ConstArg, RecordingRuntime, ScalarArg, kernel_object
+from mhc_core.kernels.cutile.toolchain import UNCHECKED_MIN_TILEIRAS
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 
@@ -241,39 +242,39 @@ STREAM_KERNELS = ("h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel", "h_post_bd
 
 
 def bytecode_version(launch: PlannedLaunch) -> str:
-    """`BYTECODE_VERSION`, or "13.4" for a stream-kernel launch with unchecked loads (its `LOADS` holds
-    `tiling.UNCHECKED`: `ct.load(check_bounds=False)` needs tileiras 13.4, which such a launch's runtime has)."""
+    """`BYTECODE_VERSION`, or the first tileiras that takes unchecked loads (13.4,
+    `toolchain.UNCHECKED_MIN_TILEIRAS`) for a stream-kernel launch with unchecked loads (its `LOADS` holds
+    `tiling.UNCHECKED`: `ct.load(check_bounds=False)` needs that bytecode, which such a launch's runtime has)."""
     loads = launch.args[-1]
     unchecked = (launch.kernel_name in STREAM_KERNELS and isinstance(loads, ConstArg)
                  and loads.value >= tiling.UNCHECKED)
-    return "13.4" if unchecked else BYTECODE_VERSION
+    return ".".join(map(str, UNCHECKED_MIN_TILEIRAS)) if unchecked else BYTECODE_VERSION
 
 
-def export_bytecode(launch: PlannedLaunch, kernel=None) -> bytes:
-    """TileIR bytecode of `launch` at `bytecode_version(launch)`, for `kernel` (default
-    `kernel_object(launch.kernel_name)`, the hint in force; imports `cuda.tile`)."""
+def _export(launch: PlannedLaunch, kernel, **options) -> bytes:
+    """`export_kernel` of `launch` for `kernel` (default `kernel_object(launch.kernel_name)`, the hint in
+    force) with cuTile's output `options`; imports `cuda.tile`."""
     import io
 
     from cuda.tile.compilation import export_kernel
 
     buf = io.BytesIO()
     export_kernel(kernel_object(launch.kernel_name) if kernel is None else kernel, [to_signature(launch)], buf,
-                  output_format="tileir_bytecode", bytecode_version=bytecode_version(launch))
+                  **options)
     return buf.getvalue()
+
+
+def export_bytecode(launch: PlannedLaunch, kernel=None) -> bytes:
+    """TileIR bytecode of `launch` at `bytecode_version(launch)`, for `kernel` (default
+    `kernel_object(launch.kernel_name)`, the hint in force; imports `cuda.tile`)."""
+    return _export(launch, kernel, output_format="tileir_bytecode", bytecode_version=bytecode_version(launch))
 
 
 def export_cubin(launch: PlannedLaunch, arch: str, kernel=None) -> bytes:
     """The cubin tileiras builds for `launch` on `arch` ("sm_90", "sm_100"), for `kernel` (default
     `kernel_object(launch.kernel_name)`, the hint in force); through cuTile's own export, so its cubin
     disk cache (`CUDA_TILE_CACHE_DIR`) sees it. Imports `cuda.tile`; needs tileiras."""
-    import io
-
-    from cuda.tile.compilation import export_kernel
-
-    buf = io.BytesIO()
-    export_kernel(kernel_object(launch.kernel_name) if kernel is None else kernel, [to_signature(launch)], buf,
-                  output_format="cubin", gpu_code=arch)
-    return buf.getvalue()
+    return _export(launch, kernel, output_format="cubin", gpu_code=arch)
 
 
 def _ct_dtype(ct, dtype: torch.dtype):

@@ -37,14 +37,10 @@ PLAN = signature_plan()
 CUBIN_N = "-n4-"
 
 
-def _bytecode(launch) -> bytes:
-    return export_bytecode(launch)
-
-
 @pytest.mark.parametrize("launch", PLAN, ids=[p.id for p in PLAN])
 def test_export_bytecode(launch):
     """The kernel type- and shape-checks for this signature and exports TileIR bytecode."""
-    assert len(_bytecode(launch)) > 0
+    assert len(export_bytecode(launch)) > 0
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +93,7 @@ def test_unchecked_loads_export_at_bytecode_13_4():
     assert all(p.args[-1].value >= tiling.UNCHECKED for p in unchecked)
     assert {bytecode_version(p) for p in PLAN} == {BYTECODE_VERSION} == {"13.3"}
     launch = unchecked[0]
-    assert len(_bytecode(launch)) > 0
+    assert len(export_bytecode(launch)) > 0
     with pytest.raises(Exception, match="requires tileiras 13.4"):
         export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], io.BytesIO(),
                       output_format="tileir_bytecode", bytecode_version="13.3")
@@ -181,7 +177,7 @@ def test_tuning_launches_export_with_their_hints():
     with tiling.tuned(t):
         assert kernel_object("h_post_bda_bwd_kernel")._compiler_options.occupancy == 4  # cuda.tile 1.7 internals
         for launch in plan:
-            assert len(_bytecode(launch)) > 0
+            assert len(export_bytecode(launch)) > 0
 
 
 def test_misshaped_signature_fails():
@@ -193,7 +189,7 @@ def test_misshaped_signature_fails():
                                 shape_16=x.shape_16[1:])
     bad = dataclasses.replace(launch, args=(bad_x, *launch.args[1:]))
     with pytest.raises(Exception, match="does not match the array rank"):
-        _bytecode(bad)
+        export_bytecode(bad)
 
 
 def test_wrong_constant_fails():
@@ -202,4 +198,4 @@ def test_wrong_constant_fails():
     args = list(launch.args)
     args[5] = dataclasses.replace(args[5], value=96)  # (x, h_pre, out, N, TILE_T, TILE_C, PER_STREAM, LOOP_C)
     with pytest.raises(Exception, match="not a power of two"):
-        _bytecode(dataclasses.replace(launch, args=tuple(args)))
+        export_bytecode(dataclasses.replace(launch, args=tuple(args)))
