@@ -5,7 +5,11 @@ answering as one sm_90 device, launching nothing). Run as a script in a process 
 `LD_LIBRARY_PATH` holds that directory, this module runs the real launch wrappers on CPU tensors
 through `cuda.tile.launch` (tensors passed by DLPack, marked as CUDA memory), with tileiras
 replaced by a counter: every launch that does not find its kernel in `CUDA_TILE_CACHE_DIR` is a
-miss. It prints `{"launches", "misses", "errors"}` as JSON.
+miss. Then it replays the same plan once more, counting the JIT's compiles (`compile_tile`, what a
+launch calls when the kernel's in-memory cache has no entry for its arguments) in that second round:
+a kernel that re-specialises per call would pay a compile or a cache lookup on every GPU call. It
+prints `{"launches", "misses", "errors", "compiles", "recompiles"}` as JSON (`launches` and `compiles`:
+of the first round).
 
     python -m suites.unit.kernels_cutile.stub_driver N T C [bf16|fp32]
 """
@@ -102,6 +106,14 @@ def main(argv: list[str]) -> int:
         raise RuntimeError("cache miss: tileiras called")
 
     compile_mod.compile_cubin = no_tileiras
+    compiles: list[str] = []
+    compile_tile = compile_mod.compile_tile
+
+    def counted_compile_tile(*args, **kwargs):  # cuTile imports it at each call: the patch is seen
+        compiles.append("compile")
+        return compile_tile(*args, **kwargs)
+
+    compile_mod.compile_tile = counted_compile_tile
 
     class StubGpuRuntime(RecordingRuntime):
         """Records like the signature plan, and launches each kernel through `cuda.tile.launch`."""
@@ -123,7 +135,10 @@ def main(argv: list[str]) -> int:
         torch.bfloat16, torch.float32)
     rt = StubGpuRuntime()
     signatures.record_all(rt, (n,), t, (c,), acts)
-    print(json.dumps({"launches": len(rt.launches), "misses": len(misses), "errors": rt.errors[:20]}))
+    first_round, first_compiles = len(rt.launches), len(compiles)
+    signatures.record_all(rt, (n,), t, (c,), acts)  # new tensors, the same kinds: no compile expected
+    print(json.dumps({"launches": first_round, "misses": len(misses), "errors": rt.errors[:20],
+                      "compiles": first_compiles, "recompiles": len(compiles) - first_compiles}))
     return 0
 
 

@@ -140,7 +140,8 @@ def test_a_malformed_manifest_is_named(tmp_path):
 
 
 def test_jit_launches_find_the_precompiled_entries(built, tmp_path):
-    """cuTile's own launch path (stand-in driver) finds every launch's kernel in the built cache: no tileiras call."""
+    """cuTile's own launch path (stand-in driver) finds every launch's kernel in the built cache: no tileiras
+    call; and a second round of the same launches compiles nothing (no kernel re-specialises per call)."""
     lib = stub_driver.build_stub(tmp_path)
     if lib is None:
         pytest.skip("no C compiler to build the stand-in libcuda.so.1")
@@ -157,6 +158,7 @@ def test_jit_launches_find_the_precompiled_entries(built, tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["launches"] == len(built["launches"])
     assert result["misses"] == 0 and result["errors"] == [], result
+    assert result["compiles"] == len(built["entries"]) and result["recompiles"] == 0, result
     with sqlite3.connect(cache / "cache.db") as conn:
         used = conn.execute("SELECT COUNT(*) FROM cache WHERE atime > 0").fetchone()[0]
     assert used == len(built["entries"])
