@@ -38,12 +38,19 @@ def _split_pytest_args(text: str) -> list[str]:
 
 
 def _cmd_hw(args: argparse.Namespace) -> int:
+    from harness.fingerprint import current_fingerprint
     from harness.hardware import detect_hardware
 
     hw = detect_hardware(override=args.hw)
+    fp = current_fingerprint()
     print(hw.key)
     print(f"rule: {hw.rule}")
     print(f"known: {'yes' if hw.known else 'no (recalibration needs --allow-unknown-hw)'}")
+    print(f"numerics fingerprint: {fp.label}")
+    for k, v in fp.to_json().items():
+        if v not in (None, [], {}):
+            print(f"  {k}: {', '.join(v) if isinstance(v, list) else v}")
+    print("  (this process's; a functional CPU run pins its ISA first, see docs/functional.md)")
     return 0
 
 
@@ -58,8 +65,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from harness.runner import run_suites
 
     suites_dir, golden_dir = _dirs(args)
+    suite_args: dict[str, list[str]] = {}
+    for item in args.suite_args:
+        suite, sep, rest = item.partition("=")
+        if not sep or not suite:
+            raise ValueError(f"--suite-args {item!r}: expected SUITE=ARGS, e.g. unit='-n 2'")
+        suite_args.setdefault(suite, []).extend(_split_pytest_args(rest))
     summary = run_suites(args.suites, suites_dir=suites_dir, out_dir=args.out, golden_dir=golden_dir, hw=args.hw,
-                         pytest_args=_split_pytest_args(args.pytest_args), timeout_s=args.timeout)
+                         pytest_args=_split_pytest_args(args.pytest_args), timeout_s=args.timeout,
+                         suite_args=suite_args, out=lambda line: print(line, flush=True))
     for r in summary.runs:
         print(f"{r.suite}: pytest exit {r.returncode}, {r.tests} tests, {r.failures} failures, {r.errors} errors, "
               f"{r.skipped} skipped")
@@ -67,6 +81,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(r.output_tail[-2000:])
     rows = summary_rows(summary.cases)
     print(format_table(rows) if rows else "no golden cases were checked")
+    for o in summary.cases:
+        if o.lane_reason:
+            print(f"{o.suite}/{o.case}: decided by the {o.lane} lane; {o.lane_reason}")
     for o in summary.cases:
         if o.failed:
             print(f"\n{o.suite}/{o.case} {o.status}:\n{o.message}")
@@ -88,13 +105,16 @@ def _cmd_recalibrate(args: argparse.Namespace) -> int:
     suites_dir, golden_dir = _dirs(args)
     runner = pytest_case_runner(args.suite, args.case, suites_dir=suites_dir, golden_dir=golden_dir, hw=hw.key,
                                 pytest_args=_split_pytest_args(args.pytest_args), timeout_s=args.timeout)
+    if args.exact_only and args.only_failing:
+        raise ValueError("--exact-only and --only-failing are exclusive")
     recalibrate(store=GoldenStore(golden_dir), hw=hw, suite=args.suite, case=args.case, runner=runner,
                 repeats=args.repeats, only_failing=args.only_failing, allow_unknown_hw=args.allow_unknown_hw,
-                dry_run=args.dry_run, commit_cwd=suites_dir.parent)
+                dry_run=args.dry_run, commit_cwd=suites_dir.parent, exact_only=args.exact_only)
     return 0
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    from harness.bands import DEFAULT_BANDS, drift
     from harness.recalibrate import mean_relative_change
     from harness.schema import load_golden
 
@@ -102,18 +122,30 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     b = load_golden(args.b, allow_nan_strings=args.allow_nan_strings)
     print(f"A = {args.a}\nB = {args.b}")
     differ = False
+    rows = {r.metric: r for r in drift(a, b, DEFAULT_BANDS)}
+    worst = None
     for m in [*a, *(k for k in b if k not in a)]:
         if m not in b or m not in a:
             print(f"  {m}: only in {'A' if m in a else 'B'}")
             differ = True
             continue
         mr, mx, n = mean_relative_change(a[m], b[m])
-        only_a = sorted(set(a[m].steps) - set(b[m].steps))
-        only_b = sorted(set(b[m].steps) - set(a[m].steps))
-        differ |= bool(mx or only_a or only_b)
+        r = rows[m]
+        differ |= bool(mx or r.only_a or r.only_b)
         mr_s = "n/a" if mr is None else f"{mr:+.6e}"
-        print(f"  {m}: mean((A-B)/A) = {mr_s}, max |A-B| = {mx:.6g} over {n} common steps; "
-              f"steps only in A: {only_a or 'none'}; only in B: {only_b or 'none'}")
+        where = f" at step {r.worst_step}" if r.worst_step is not None else ""
+        rel = "" if r.max_rel is None else f", max |A-B|/|A| = {r.max_rel:.3e}"
+        band = ("no default band" if r.band is None else
+                f"{r.outside} step(s) outside the default band {r.band.describe()}")
+        print(f"  {m}: mean((A-B)/A) = {mr_s}, max |A-B| = {mx:.6g}{rel}{where} over {n} common steps; {band}; "
+              f"steps only in A: {list(r.only_a) or 'none'}; only in B: {list(r.only_b) or 'none'}")
+        if r.worst_step is not None and (worst is None or (r.max_rel or 0) > (worst.max_rel or 0)):
+            worst = r
+    if worst is not None:
+        print(f"worst: {worst.metric!r} at step {worst.worst_step} (|A-B|/|A| = "
+              f"{'n/a' if worst.max_rel is None else f'{worst.max_rel:.3e}'})")
+    outside = sum(r.outside or 0 for r in rows.values())
+    print(f"{outside} step(s) outside the default bands ({', '.join(sorted(DEFAULT_BANDS))})")
     print("files differ" if differ else "identical values")
     return 1 if differ else 0
 
@@ -200,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     dirs(s)
     s.add_argument("--out", default="results", help="report directory (default: ./results)")
     s.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    s.add_argument("--suite-args", action="append", default=[], metavar="SUITE=ARGS",
+                   help="extra pytest arguments for one suite, one shell-quoted string (repeatable), "
+                        "e.g. unit='-n 2 --ignore=suites/unit/kernels'")
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("recalibrate", help="run a case N times and rewrite its golden values")
@@ -209,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--only-failing", action="store_true", help="rewrite only if the current golden file fails")
     s.add_argument("--allow-unknown-hw", action="store_true", help="allow a hardware key outside the known list")
     s.add_argument("--dry-run", action="store_true", help="print the changes, write nothing")
+    s.add_argument("--exact-only", action="store_true",
+                   help="add this machine's exact values (its numerics fingerprint) beside the reference; the "
+                        "reference and other machines' exact values stay")
     dirs(s)
     s.set_defaults(func=_cmd_recalibrate)
 

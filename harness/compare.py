@@ -43,7 +43,9 @@ __all__ = [
 MAX_LISTED_STEPS = 10
 """Failing steps printed per check before '... and N more'."""
 
-Status = Literal["pass", "fail", "refresh", "missing", "misaligned"]
+Status = Literal["pass", "fail", "refresh", "missing", "misaligned", "n/a"]
+"""``n/a``: an exact check on a machine whose numerics fingerprint has no exact values (see
+:mod:`harness.case_check`); it neither passes nor fails, and another lane decides."""
 
 
 def _nonneg(obj: object, *names: str) -> None:
@@ -177,7 +179,8 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        return self.status == "pass"
+        """Passed, or not applicable here (``n/a``)."""
+        return self.status in ("pass", "n/a")
 
 
 def _fmt(v: float) -> str:

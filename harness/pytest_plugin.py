@@ -23,6 +23,8 @@ import pytest
 if TYPE_CHECKING:
     from harness.case_check import GoldenSettings
     from harness.compare import Check
+    from harness.fingerprint import NumericsFingerprint
+    from harness.progress import ProgressWriter
     from harness.results import CaseOutcome
 
 __all__ = ["GoldenMetrics", "suite_from_path"]
@@ -43,6 +45,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="record actual values without failing on golden values (used by recalibrate)")
     g.addoption("--mhc-case", action="append", default=[], metavar="CASE",
                 help="run only tests that may hand this case to golden_metrics (repeatable)")
+    g.addoption("--mhc-progress-file", default=None, metavar="PATH",
+                help="keep the run's progress (tests done / total, failures) in this JSON file (mhc-harness run)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -51,6 +55,33 @@ def pytest_configure(config: pytest.Config) -> None:
         "(lets --mhc-case select it without running the others)")
     if config.getoption("update_golden") and config.getoption("mhc_record_only"):
         raise pytest.UsageError("--update-golden and --mhc-record-only are exclusive")
+    path = config.getoption("mhc_progress_file")
+    if path and not hasattr(config, "workerinput"):  # under xdist, the controller counts the workers' reports
+        from harness.progress import ProgressWriter
+
+        config.pluginmanager.register(_ProgressHooks(ProgressWriter(Path(config.invocation_params.dir, path))),
+                                      "mhc-progress")
+
+
+class _ProgressHooks:
+    """The hooks behind ``--mhc-progress-file`` (registered only when it is given)."""
+
+    def __init__(self, writer: ProgressWriter) -> None:
+        self.writer = writer
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if session.items:
+            self.writer.collected(len(session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: Sequence[str]) -> None:
+        self.writer.collected(len(ids))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.writer.report(report.nodeid, report.when, report.outcome)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.writer.finish()
 
 
 def _uses_fixture(item: pytest.Item) -> bool:
@@ -120,16 +151,21 @@ class GoldenMetrics:
         return _settings(self._request.config)
 
     def check(self, case: str, metrics: Mapping[str, Any], checks: Mapping[str, Check | Sequence[Check]], *,
-              suite: str | None = None) -> CaseOutcome:
+              suite: str | None = None, fingerprint: NumericsFingerprint | Mapping[str, Any] | None = None
+              ) -> CaseOutcome:
         """Compare ``metrics`` with ``golden/<hw>/<suite>/<case>.json`` using ``checks``; fail the test on mismatch.
 
         ``metrics``: ``{metric: [v_step1, v_step2, ...]}``, ``{metric: {step: v}}`` or golden schema.
         ``checks``: ``{metric: check or (checks...)}``; only these metrics are compared, all are stored.
         ``suite``: default ``suites/<suite>/...`` of the test file.
+        ``fingerprint``: the numerics fingerprint of the process that computed ``metrics`` (a worker's,
+        as ``NumericsFingerprint`` or its JSON); default: this process's. It decides the exact lane.
+        The JUnit entry of the test gets ``golden_lane``, ``golden_exact`` and ``numerics_fingerprint``.
         """
         __tracebackhide__ = True
         from harness.case_check import check_case
         from harness.errors import GoldenError
+        from harness.fingerprint import fingerprint_from_json
 
         node = self._request.node
         suite = suite or suite_from_path(node.path)
@@ -146,10 +182,17 @@ class GoldenMetrics:
                         "case names must be unique", pytrace=False)
         seen[(suite, case)] = node.nodeid
         try:
+            if fingerprint is not None and not hasattr(fingerprint, "id"):
+                fingerprint = fingerprint_from_json(fingerprint, source=f"{suite}/{case}: fingerprint")
             outcome = check_case(self.settings, suite=suite, case=case, metrics=metrics, checks=checks,
-                                 nodeid=node.nodeid)
+                                 nodeid=node.nodeid, fingerprint=fingerprint)
         except (GoldenError, ValueError) as exc:
             pytest.fail(f"{suite}/{case}: {exc}", pytrace=False)
+        node.user_properties += [("golden_case", f"{suite}/{case}"), ("golden_lane", outcome.lane or "-"),
+                                 ("golden_exact", outcome.lane_reason or "-")]
+        if outcome.fingerprint is not None:
+            node.user_properties.append(
+                ("numerics_fingerprint", fingerprint_from_json(outcome.fingerprint, source=case).label))
         if outcome.failed:
             pytest.fail(outcome.message, pytrace=False)
         return outcome

@@ -145,6 +145,14 @@ def write_report(summary: RunSummary, out_dir: str | Path, *, plots: bool = True
         md += ["| " + " | ".join(r) + " |" for r in rows]
     else:
         md.append("No case handed metrics to `golden_metrics`.")
+    decided = [o for o in summary.cases if o.lane]
+    if decided:
+        md += ["", "## Which lane decided", "",
+               "`exact` where this run's numerics fingerprint has exact values for the case, else the "
+               "approximate lane (the exact check reports `n/a`); `mhc-harness recalibrate <suite> <case> "
+               "--exact-only` adds this machine's.", "",
+               "| suite | case | decided by | why |", "|---|---|---|---|"]
+        md += [f"| {o.suite} | {o.case} | {o.lane} | {o.lane_reason or '-'} |" for o in decided]
     failed = [o for o in summary.cases if o.failed]
     bad_runs = [r for r in summary.runs if not r.ok]
     if failed or bad_runs:

@@ -41,6 +41,12 @@ class CaseOutcome:
     golden_passed: bool | None = None
     """Record-only mode: whether the values passed the existing golden file (None: not compared)."""
     checks: tuple[CheckResult, ...] = field(default_factory=tuple)
+    lane: str | None = None
+    """The lane that decided: ``exact``, ``approximate`` or ``timing`` (None: nothing was compared)."""
+    lane_reason: str = ""
+    """Whether the exact lane applied here and why (``exact: n/a, recorded on ...; this machine ...``)."""
+    fingerprint: dict[str, Any] | None = None
+    """The numerics fingerprint of the run that produced the values (``NumericsFingerprint.to_json``)."""
 
     @property
     def failed(self) -> bool:

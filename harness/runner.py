@@ -1,26 +1,34 @@
 """Run suites through pytest in subprocesses and collect what they left behind.
 
 ``run_suites`` backs ``mhc-harness run``: one ``python -m pytest suites/<suite>`` per suite with
-``--junitxml`` and ``--mhc-results-dir`` (the perf suite with ``-p no:xdist`` and
-``--benchmark-json``, ready for ``perf-history append``); the plugin does
-the golden comparisons during the run, this module gathers JUnit counts and case outcomes.
+``--junitxml``, ``--mhc-results-dir`` and ``--mhc-progress-file`` (the perf suite with ``-p no:xdist``
+and ``--benchmark-json``, ready for ``perf-history append``), plus that suite's own arguments
+(``suite_args``, e.g. xdist workers). The plugin does the golden comparisons during the run; the
+subprocess's output goes to ``<out>/pytest-<suite>.log`` while a progress line per suite is printed
+(:mod:`harness.progress`); this module then gathers JUnit counts and case outcomes.
 ``pytest_case_runner`` backs ``mhc-harness recalibrate``: it runs one case in record-only mode.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import RecalibrationError
+from harness.fingerprint import fingerprint_from_json
+from harness.progress import ProgressPrinter
 from harness.recalibrate import Repeat
 from harness.results import CaseOutcome, load_actual, read_outcomes
 
@@ -114,34 +122,68 @@ def _common_args(*, golden_dir: Path | None, hw: str | None) -> list[str]:
     return args
 
 
+def _run_logged(cmd: Sequence[str], *, cwd: Path, log: Path, timeout_s: float | None,
+                poll: Callable[[], None]) -> int:
+    """Run ``cmd`` with its output in ``log``, calling ``poll`` every second; at ``timeout_s`` its whole
+    process group is killed and 124 returned."""
+    with log.open("w", encoding="utf-8") as f:
+        proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    poll()
+                if deadline is not None and time.monotonic() > deadline:
+                    with suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    f.write(f"\ntimed out after {timeout_s} s\n")
+                    return 124
+        except BaseException:  # interrupted: take pytest and its workers down with us
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+
+
 def run_suites(suites: Sequence[str], *, suites_dir: str | Path, out_dir: str | Path, golden_dir: str | Path,
                hw: str | None = None, pytest_args: str | Sequence[str] = (), python: str = sys.executable,
-               timeout_s: float | None = None) -> RunSummary:
-    """Run each suite through pytest; return the JUnit counts and the per-case outcomes."""
+               timeout_s: float | None = None, suite_args: Mapping[str, Sequence[str]] | None = None,
+               out: Callable[[str], None] = print, progress_every_s: float = 10.0) -> RunSummary:
+    """Run each suite through pytest; return the JUnit counts and the per-case outcomes. ``suite_args``
+    adds arguments to one suite's command (``{"unit": ["-n", "2"]}``); ``out`` gets the progress lines."""
     suites_dir, out_dir, golden_dir = Path(suites_dir).resolve(), Path(out_dir).resolve(), Path(golden_dir).resolve()
     names = check_suites(suites, suites_dir)
+    unknown = sorted(set(suite_args or {}) - set(names))
+    if unknown:
+        raise ValueError(f"suite arguments for {unknown}, which this run does not run (it runs {', '.join(names)})")
     extra = shlex.split(pytest_args) if isinstance(pytest_args, str) else list(pytest_args)
     results_dir = out_dir / "cases"
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = []
     for suite in names:
         junit = out_dir / f"junit-{suite}.xml"
+        progress = out_dir / f".progress-{suite}.json"
+        log = out_dir / f"pytest-{suite}.log"
         shutil.rmtree(results_dir / suite, ignore_errors=True)  # no stale outcomes from an earlier run
         junit.unlink(missing_ok=True)
+        progress.unlink(missing_ok=True)
         cmd = [python, "-m", "pytest", str(suites_dir / suite), f"--junitxml={junit}",
-               f"--mhc-results-dir={results_dir}", *_common_args(golden_dir=golden_dir, hw=hw)]
+               f"--mhc-results-dir={results_dir}", f"--mhc-progress-file={progress}",
+               *_common_args(golden_dir=golden_dir, hw=hw)]
         if suite in NO_XDIST_SUITES:
             cmd += ["-p", "no:xdist"]
             if importlib.util.find_spec("pytest_benchmark") is not None:
                 cmd.append(f"--benchmark-json={out_dir / f'benchmark-{suite}.json'}")
-        cmd += extra
-        print(f"$ {shlex.join(cmd)}", flush=True)
-        try:
-            proc = subprocess.run(cmd, cwd=suites_dir.parent, capture_output=True, text=True, timeout=timeout_s,
-                                  check=False)
-            rc, output = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, output = 124, f"timed out after {timeout_s} s\n{exc.stdout or ''}"
+        cmd += [*(suite_args or {}).get(suite, ()), *extra]
+        out(f"$ {shlex.join(cmd)}")
+        printer = ProgressPrinter(suite, progress, out=out, every_s=progress_every_s)
+        rc = _run_logged(cmd, cwd=suites_dir.parent, log=log, timeout_s=timeout_s, poll=printer.poll)
+        printer.poll(final=True)
+        progress.unlink(missing_ok=True)
+        output = log.read_text(encoding="utf-8", errors="replace")
         runs.append(SuiteRun(suite=suite, command=tuple(cmd), returncode=rc, junit=junit,
                              output_tail=output[-4000:], **_junit_counts(junit)))
     return RunSummary(runs=tuple(runs), cases=tuple(read_outcomes(results_dir, names)), results_dir=results_dir,
@@ -183,6 +225,8 @@ def pytest_case_runner(suite: str, case: str, *, suites_dir: str | Path, golden_
             actual = load_actual(tmp, suite, case)
             if outcome.status == "error" or actual is None:
                 raise RecalibrationError(f"repeat {i + 1}: {outcome.message}; nothing written")
-            return Repeat(metrics=actual, golden_passed=outcome.golden_passed)
+            fingerprint = (None if outcome.fingerprint is None else
+                           fingerprint_from_json(outcome.fingerprint, source=f"{suite}/{case} repeat {i + 1}"))
+            return Repeat(metrics=actual, golden_passed=outcome.golden_passed, fingerprint=fingerprint)
 
     return run

@@ -9,7 +9,8 @@ ENV_VARS: {NCCL_ALGO: Ring}
 MODEL_ARGS: {--num-layers: 2, --enable-mhc-connections: true, ...}   # see model_args.FLAGS
 TEST_TYPE: regular            # or ckpt-resume
 METRICS:                      # every checked metric and its tolerances
-  lm loss: {exact: true, rtol: 0.05}
+  lm loss: {exact: true, band: default}       # harness.bands.DEFAULT_BANDS (measured)
+  mem-max-rss-bytes: {rtol: 0.10}
   iteration-time: {timing: {slow: 0.10, fast: 0.30}}
 HARDWARE:
   cpu_x86_64: {nproc: 1, backend: gloo, dtype: fp32, iterations: 24, check: [lm loss]}
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,8 +32,10 @@ from typing import Any
 
 import yaml
 
+from harness.bands import DEFAULT_BANDS
 from harness.compare import ApproximateCheck, Check, ExactCheck, TimingCheck
 from suites.functional.model_args import TrainArgs, parse_model_args
+from suites.functional.numerics import CpuNumerics, cpu_isa_pins
 
 __all__ = [
     "RECIPE_DIR",
@@ -53,7 +55,7 @@ __all__ = [
 RECIPE_DIR = Path(__file__).with_name("recipes")
 TOP_KEYS = ("DESCRIPTION", "ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS", "HARDWARE")
 TEST_TYPES = ("regular", "ckpt-resume")
-_METRIC_KEYS = ("exact", "rtol", "atol", "max_misses", "timing")
+_METRIC_KEYS = ("exact", "band", "rtol", "atol", "max_misses", "timing")
 _TIMING_KEYS = ("slow", "fast", "window")
 _HW_KEYS = ("nproc", "backend", "dtype", "iterations", "deterministic", "check", "timeout")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -65,6 +67,8 @@ class MetricSpec:
 
     name: str
     exact: bool = False
+    band: ApproximateCheck | None = None
+    """The measured default band (`band: default`, `harness.bands.DEFAULT_BANDS`)."""
     rtol: float | None = None
     atol: float = 0.0
     max_misses: int | None = None
@@ -77,7 +81,9 @@ class MetricSpec:
         out: list[Check] = []
         if self.exact and deterministic:
             out.append(ExactCheck())
-        if self.rtol is not None or self.atol:
+        if self.band is not None:
+            out.append(self.band)
+        elif self.rtol is not None or self.atol:
             out.append(ApproximateCheck(rtol=self.rtol or 0.0, atol=self.atol, max_misses=self.max_misses))
         if self.timing_slow is not None:
             out.append(TimingCheck(rel_band_slow=self.timing_slow, rel_band_fast=self.timing_fast,
@@ -199,6 +205,16 @@ def _metric(path: Path, name: Any, raw: Any) -> MetricSpec:
             kw[key] = _number(path, f"{where}.{key}", raw[key])
     if "max_misses" in raw:
         kw["max_misses"] = _int(path, f"{where}.max_misses", raw["max_misses"], minimum=0)
+    if "band" in raw:
+        if raw["band"] != "default":
+            raise _err(path, f"{where}.band", raw["band"], "the only named band is 'default' (harness.bands)")
+        if name not in DEFAULT_BANDS:
+            raise _err(path, f"{where}.band", raw["band"],
+                       f"no default band for {name!r} (defaults: {', '.join(DEFAULT_BANDS)}); give rtol / atol")
+        clash = [k for k in ("rtol", "atol", "max_misses") if k in raw]
+        if clash:
+            raise _err(path, where, dict(raw), f"band: default and {', '.join(clash)} are exclusive")
+        kw["band"] = DEFAULT_BANDS[name]
     if "timing" in raw:
         t = _mapping(path, f"{where}.timing", raw["timing"])
         _unknown(path, f"{where}.timing", t, _TIMING_KEYS)
@@ -312,13 +328,14 @@ def _expand(raw: Mapping[str, Any], variables: Mapping[str, str], path: Path, *,
 
 
 def resolve(recipe: Recipe, hw: str, *, variables: Mapping[str, str] | None = None,
-            overrides: Mapping[str, Any] | None = None) -> RunPlan:
+            overrides: Mapping[str, Any] | None = None, numerics: CpuNumerics | None = None) -> RunPlan:
     """The run plan of `recipe` on hardware `hw`.
 
     `variables` fill `${NAME}` in MODEL_ARGS values; `overrides` replace MODEL_ARGS entries
     (a test hook: e.g. `{"--mhc-sinkhorn-iterations": 1}` breaks the model on purpose).
     The hardware entry's `iterations` replaces `--train-iters` (a ckpt-resume case then saves at
-    half of it) and its `dtype` sets `--bf16`.
+    half of it) and its `dtype` sets `--bf16`. A CPU run gets the pins of the `numerics` profile
+    (default: `$MHC_CPU_NUMERICS`, else `avx2`; `suites/functional/numerics.py`).
     """
     spec = recipe.hardware_spec(hw)
     raw = dict(recipe.model_args)
@@ -346,23 +363,11 @@ def resolve(recipe: Recipe, hw: str, *, variables: Mapping[str, str] | None = No
                    f"only 'local' runs on {hw} (Transformer Engine needs CUDA)")
     return RunPlan(case=recipe.name, hw=hw, nproc=spec.nproc, backend=spec.backend,
                    deterministic=spec.deterministic, timeout=spec.timeout,
-                   env={**cpu_isa_pins(spec.backend), **recipe.env_vars}, args=args)
+                   env={**cpu_isa_pins(spec.backend, profile=numerics), **recipe.env_vars}, args=args)
 
 
-CPU_ISA_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
-                "ONEDNN_MAX_CPU_ISA": "AVX2"}
-"""The vector code paths of a CPU run, pinned: torch's own kernels (ATen), MKL's BLAS (its conditional
-numerical reproducibility mode) and oneDNN at AVX2, whatever the machine has. Their AVX-512 paths sum
-in another order: an exact golden recorded on an AVX-512 machine missed on an AVX2 one by ~1e-7
-relative (lm loss, grad norm) and a num-zeros count (2026-11-30), and `ATEN_CPU_CAPABILITY=default`
-moves them again. Every x86-64 CI machine has AVX2."""
-
-
-def cpu_isa_pins(backend: str, machine: str | None = None) -> dict[str, str]:
-    """`CPU_ISA_PINS` for a CPU run (gloo) on x86-64, else none (GPU runs, other architectures); the
-    recipe's ENV_VARS still override them."""
-    machine = platform.machine() if machine is None else machine
-    return dict(CPU_ISA_PINS) if backend == "gloo" and machine.lower() in ("x86_64", "amd64") else {}
+CPU_ISA_PINS = cpu_isa_pins("gloo", "x86_64", CpuNumerics.AVX2)
+"""The default profile's pins (``suites/functional/numerics.py``)."""
 
 
 def dump_plan(plan: RunPlan, path: Path) -> Path:

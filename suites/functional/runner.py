@@ -10,6 +10,7 @@ rank wrote (Megatron's golden schema). `run_ckpt_resume` is upstream's ckpt-resu
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import threading
@@ -23,6 +24,7 @@ from harness.torchrun import launch
 from suites.functional.checkpoint import rewind_tracker
 from suites.functional.data import ensure_indexed_dataset
 from suites.functional.metrics import read_metrics
+from suites.functional.numerics import CpuNumerics
 from suites.functional.recipe import RECIPE_DIR, RunPlan, dump_plan, load_recipe, resolve
 
 __all__ = ["REPO_ROOT", "WORKER", "RunResult", "plan_case", "run_case", "run_ckpt_resume", "run_plan"]
@@ -35,19 +37,21 @@ DATA_VARIABLE = "FUNCTIONAL_DATA"
 
 @dataclass(frozen=True, kw_only=True)
 class RunResult:
-    """One launch: its plan, the metrics `{metric: {step: value}}`, wall seconds, output dir."""
+    """One launch: its plan, the metrics `{metric: {step: value}}`, wall seconds, output dir, and the
+    numerics fingerprint of the rank that computed the metrics (`NumericsFingerprint.to_json`)."""
 
     plan: RunPlan
     metrics: dict[str, dict[int, float]]
     seconds: float
     out_dir: Path
+    fingerprint: dict[str, Any]
 
 
 def plan_case(case: str, hw: str, *, data_dir: Path, overrides: Mapping[str, Any] | None = None,
-              recipe_dir: Path = RECIPE_DIR) -> RunPlan:
-    """The resolved plan of `recipes/<case>.yaml` on `hw`."""
+              recipe_dir: Path = RECIPE_DIR, numerics: CpuNumerics | None = None) -> RunPlan:
+    """The resolved plan of `recipes/<case>.yaml` on `hw` (CPU runs under the `numerics` profile)."""
     recipe = load_recipe(recipe_dir / f"{case}.yaml")
-    return resolve(recipe, hw, variables={DATA_VARIABLE: str(data_dir)}, overrides=overrides)
+    return resolve(recipe, hw, variables={DATA_VARIABLE: str(data_dir)}, overrides=overrides, numerics=numerics)
 
 
 def _tail(log_dir: Path, rank: int, stop: threading.Event, echo: Callable[[str], None]) -> None:
@@ -107,13 +111,16 @@ def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None 
         tail.join(timeout=5)
     seconds = time.monotonic() - start
     echo(f"[functional] {plan.case}: done in {seconds:.1f} s")
-    return RunResult(plan=plan, metrics=read_metrics(out_dir / "metrics.json"), seconds=seconds, out_dir=out_dir)
+    fingerprint = json.loads((out_dir / "fingerprint.json").read_text(encoding="utf-8"))
+    return RunResult(plan=plan, metrics=read_metrics(out_dir / "metrics.json"), seconds=seconds, out_dir=out_dir,
+                     fingerprint=fingerprint)
 
 
 def run_case(case: str, hw: str, *, work_dir: Path, data_dir: Path, overrides: Mapping[str, Any] | None = None,
-             save: Path | None = None, echo: Callable[[str], None] | None = None) -> RunResult:
+             save: Path | None = None, echo: Callable[[str], None] | None = None,
+             numerics: CpuNumerics | None = None) -> RunResult:
     """Resolve and run `case` on `hw` into `work_dir`."""
-    plan = plan_case(case, hw, data_dir=data_dir, overrides=overrides)
+    plan = plan_case(case, hw, data_dir=data_dir, overrides=overrides, numerics=numerics)
     return run_plan(plan, work_dir, data_dir=data_dir, save=save, echo=echo)
 
 

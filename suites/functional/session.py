@@ -7,19 +7,41 @@ test needs.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from suites.functional.numerics import CpuNumerics
 from suites.functional.recipe import RECIPE_DIR, Recipe, load_recipe
 from suites.functional.runner import RunResult, run_case, run_ckpt_resume
 
-__all__ = ["STEP_TIME_RATIO", "FunctionalRuns"]
+__all__ = ["PLANT_ENV_VAR", "STEP_TIME_RATIO", "FunctionalRuns", "planted_overrides"]
 
 STEP_TIME_RATIO = pytest.StashKey[dict[str, float]]()
 """`{"gpt_tp1_pp1_mhc / gpt_tp1_pp1": ratio}`, printed in the terminal summary."""
+
+PLANT_ENV_VAR = "MHC_FUNCTIONAL_TEST_OVERRIDES"
+"""Test hook: a JSON object of MODEL_ARGS overrides planted into every cached run of the session (a
+regression planted into a whole main job, `test_other_machine.py`); each run says so when it starts."""
+
+
+def planted_overrides(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The overrides `$MHC_FUNCTIONAL_TEST_OVERRIDES` plants (empty when unset); `ValueError` naming it."""
+    raw = (os.environ if env is None else env).get(PLANT_ENV_VAR, "")
+    if not raw:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{PLANT_ENV_VAR}={raw!r} is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or not all(isinstance(k, str) and k.startswith("--") for k in doc):
+        raise ValueError(f"{PLANT_ENV_VAR}={raw!r} must be a JSON object of MODEL_ARGS flags, e.g. "
+                         '{"--lr-warmup-iters": 3}')
+    return doc
 
 
 class FunctionalRuns:
@@ -59,8 +81,11 @@ class FunctionalRuns:
         """The session's run of `case` (a ckpt-resume case saves its checkpoints on the way)."""
         if case not in self._runs:
             save = self.root / case / "checkpoints" if self.recipe(case).test_type == "ckpt-resume" else None
+            planted = planted_overrides()
+            if planted:
+                print(f"[functional] {case}: MODEL_ARGS planted by ${PLANT_ENV_VAR}: {planted}", flush=True)
             self._runs[case] = run_case(case, self.hw, work_dir=self.root / case / "run", data_dir=self.data_dir,
-                                        save=save)
+                                        save=save, overrides=planted or None)
         return self._runs[case]
 
     def resumed(self, case: str) -> RunResult:
@@ -72,6 +97,9 @@ class FunctionalRuns:
                                               data_dir=self.data_dir)
         return self._runs[key]
 
-    def fresh(self, case: str, tag: str, overrides: dict[str, Any] | None = None) -> RunResult:
-        """A new launch of `case` (never cached), e.g. a second run or a deliberately broken one."""
-        return run_case(case, self.hw, work_dir=self.root / case / tag, data_dir=self.data_dir, overrides=overrides)
+    def fresh(self, case: str, tag: str, overrides: dict[str, Any] | None = None,
+              numerics: CpuNumerics | None = None) -> RunResult:
+        """A new launch of `case` (never cached), e.g. a second run, a deliberately broken one, or one
+        under another CPU numerics profile."""
+        return run_case(case, self.hw, work_dir=self.root / case / tag, data_dir=self.data_dir, overrides=overrides,
+                        numerics=numerics)

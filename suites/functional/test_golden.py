@@ -16,4 +16,5 @@ def test_golden_case(case, functional_runs, golden_metrics):
     if reason:
         pytest.skip(reason)
     run = functional_runs.run(case)
-    golden_metrics.check(case, run.metrics, functional_runs.recipe(case).checks(functional_runs.hw))
+    golden_metrics.check(case, run.metrics, functional_runs.recipe(case).checks(functional_runs.hw),
+                         fingerprint=run.fingerprint)

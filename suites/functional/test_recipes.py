@@ -7,8 +7,10 @@ import re
 import pytest
 import yaml
 
+from harness.bands import DEFAULT_BANDS
 from harness.compare import ApproximateCheck, ExactCheck, TimingCheck
 from suites.functional.model_args import FLAGS, parse_model_args, render_cli
+from suites.functional.numerics import CPU_NUMERICS_ENV_VAR, CpuNumerics, cpu_numerics
 from suites.functional.recipe import (
     CPU_ISA_PINS,
     RECIPE_DIR,
@@ -67,7 +69,8 @@ def test_recipe_checks_follow_metrics_and_hardware():
     """METRICS become harness checks; the CPU entry checks only its `check` list."""
     checks = load_recipe(BASE).checks(HW)
     assert list(checks) == ["lm loss", "num-zeros", "grad-norm"]
-    assert checks["lm loss"] == (ExactCheck(), ApproximateCheck(rtol=0.05))
+    assert checks["lm loss"] == (ExactCheck(), DEFAULT_BANDS["lm loss"])  # band: default
+    assert checks["num-zeros"] == (ExactCheck(), ApproximateCheck(rtol=0.2, atol=4.0, max_misses=0))
     gpu = load_recipe(BASE).checks("dgx_h100")
     assert gpu["iteration-time"] == (TimingCheck(rel_band_slow=0.10, rel_band_fast=0.30),)
 
@@ -77,7 +80,27 @@ def test_nondeterministic_hardware_drops_exact_lane(tmp_path):
     doc = _base()
     doc["HARDWARE"][HW]["deterministic"] = False
     checks = load_recipe(_write(tmp_path, doc)).checks(HW)
-    assert checks["lm loss"] == (ApproximateCheck(rtol=0.05),)
+    assert checks["lm loss"] == (DEFAULT_BANDS["lm loss"],)
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"band": "wide"}, "METRICS.lm loss.band='wide': the only named band is 'default'"),
+    ({"band": "default", "rtol": 0.1}, "band: default and rtol are exclusive"),
+])
+def test_bad_band_is_named(tmp_path, entry, message):
+    """`band:` names the default band only, and not beside explicit tolerances."""
+    doc = _base()
+    doc["METRICS"]["lm loss"] = {"exact": True, **entry}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_recipe(_write(tmp_path, doc))
+
+
+def test_band_without_a_default_is_named(tmp_path):
+    """`band: default` on a metric without a measured default band is refused, naming the defaults."""
+    doc = _base()
+    doc["METRICS"]["mem-max-rss-bytes"] = {"band": "default"}
+    with pytest.raises(ValueError, match="no default band for 'mem-max-rss-bytes' \\(defaults: lm loss, grad-norm"):
+        load_recipe(_write(tmp_path, doc))
 
 
 def test_overrides_and_variables_apply():
@@ -101,6 +124,22 @@ def test_cpu_runs_pin_the_vector_isa(tmp_path):
     doc["ENV_VARS"]["ATEN_CPU_CAPABILITY"] = "default"
     plan = resolve(load_recipe(_write(tmp_path, doc)), HW, variables={"FUNCTIONAL_DATA": "/d"})
     assert plan.env["ATEN_CPU_CAPABILITY"] == "default"
+
+
+def test_numerics_profile_chooses_the_pins(monkeypatch):
+    """`$MHC_CPU_NUMERICS` (or `numerics=`) chooses the profile; an unknown name is an error naming it."""
+    monkeypatch.setenv(CPU_NUMERICS_ENV_VAR, "baseline")
+    assert cpu_numerics() is CpuNumerics.BASELINE
+    plan = resolve(load_recipe(BASE), HW, variables={"FUNCTIONAL_DATA": "/d"})
+    if cpu_isa_pins("gloo"):
+        assert plan.env["ATEN_CPU_CAPABILITY"] == "default" and plan.env["MKL_CBWR"] == "COMPATIBLE"
+    assert cpu_isa_pins("gloo", "x86_64", CpuNumerics.NATIVE) == {}
+    plan = resolve(load_recipe(BASE), HW, variables={"FUNCTIONAL_DATA": "/d"}, numerics=CpuNumerics.AVX2)
+    if cpu_isa_pins("gloo"):
+        assert plan.env["ATEN_CPU_CAPABILITY"] == "avx2"
+    monkeypatch.setenv(CPU_NUMERICS_ENV_VAR, "avx9")
+    with pytest.raises(ValueError, match="MHC_CPU_NUMERICS='avx9' is not a CPU numerics profile; valid: avx2, "):
+        cpu_numerics()
 
 
 def test_render_cli_matches_upstream_rules():

@@ -7,13 +7,15 @@ schedule of `get_forward_backward_func` with `finalize_model_grads`, the dataset
 `megatron.core.datasets`, and `megatron.core.dist_checkpointing` for `--save` / `--load`.
 
 The rank that holds the loss (the last one: last pipeline stage) prints one progress line per step
-and writes `<out>/metrics.json` (golden schema) at the end. Top-level imports stay light: the
+and writes `<out>/metrics.json` (golden schema) and `<out>/fingerprint.json` (the numerics
+fingerprint of the process that computed them, `harness.fingerprint`) at the end. Top-level imports stay light: the
 torch_dist checkpoint writer spawns a helper process that imports this module.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -61,10 +63,13 @@ def main(argv: list[str] | None = None) -> None:
         start = trainer.load(cli.load) if cli.load else 0
         records = trainer.train(start=start, save=cli.save)
         if trainer.holds_loss and dist.get_rank() == dist.get_world_size() - 1:
+            from harness.fingerprint import current_fingerprint
             from suites.functional.metrics import write_metrics
 
             cli.out.mkdir(parents=True, exist_ok=True)
             write_metrics(cli.out / "metrics.json", records)
+            (cli.out / "fingerprint.json").write_text(json.dumps(current_fingerprint().to_json(), indent=1) + "\n",
+                                                      encoding="utf-8")
         dist.barrier()
     finally:
         ps.destroy_model_parallel()

@@ -8,6 +8,7 @@ import pytest
 
 from harness.case_check import GoldenSettings, check_case
 from harness.compare import ApproximateCheck, ExactCheck
+from harness.fingerprint import current_fingerprint
 from harness.hardware import HardwareKey
 from harness.schema import series_from_list
 from harness.store import GoldenStore, build_meta
@@ -22,8 +23,9 @@ def golden_dir(tmp_path):
     """A store holding s/c with LOSS on cpu_x86_64 and on dgx_h100."""
     store = GoldenStore(tmp_path / "golden")
     g = {"lm loss": series_from_list(LOSS)}
-    for hw in (HW, "dgx_h100"):
-        store.write(hw, "s", "c", g, build_meta(hw=hw, suite="s", case="c", golden=g, source="test"))
+    for hw in (HW, "dgx_h100"):  # recorded by this process's fingerprint: the exact lane applies here
+        store.write(hw, "s", "c", g, build_meta(hw=hw, suite="s", case="c", golden=g, source="test",
+                                                numerics=current_fingerprint()))
     return tmp_path / "golden"
 
 

@@ -12,6 +12,14 @@ from harness.schema import dumps_golden, load_golden, series_from_list
 
 HW = "cpu_x86_64"
 FAST = "-p no:hypothesispytest -p no:benchmark"
+LANES_CASE = '''
+from harness import ApproximateCheck, ExactCheck
+
+
+def test_lanes(golden_metrics):
+    golden_metrics.check("tiny_lanes", {"lm loss": [4.0, 3.0, 2.0]},
+                         {"lm loss": (ExactCheck(), ApproximateCheck(rtol=1e-6, max_misses=0))})
+'''
 
 
 def _run(demo, *extra):
@@ -44,6 +52,44 @@ class TestRun:
         assert "| demo | tiny_mhc | lm loss | exact | fail | +5.000e-01 rel @ step 8 |" in report
         assert "step 8: actual 14.475, golden 9.65" in report
 
+    def test_progress_lines_and_suite_args(self, demo, capsys):
+        """``run`` prints a progress line per suite (done / total, failures, elapsed), each failure as it
+        happens, and passes --suite-args to that suite only."""
+        assert 0 == _run(demo, "--no-plots", "--pytest-args", f"{FAST} --update-golden=all")
+        out = capsys.readouterr().out
+        assert "[demo] 3/3 tests, 0 failed, 0 skipped, " in out
+        assert 1 == _run(demo, "--no-plots", "--suite-args", "demo=-k tiny_mhc", "--pytest-args", f"{FAST} --hw=bad/")
+        out = capsys.readouterr().out
+        assert "[demo] FAILED " in out and "[demo] 1/1 tests, 1 failed" in out
+        assert (demo.path / "out" / "pytest-demo.log").is_file()
+        assert 2 == _run(demo, "--suite-args", "unit=-n 2")
+        assert "suite arguments for ['unit'], which this run does not run" in capsys.readouterr().err
+
+    def test_the_lane_that_decided_is_reported(self, demo, capsys, monkeypatch):
+        """Recorded under one fingerprint and run under another (an ISA pin): the exact lane is n/a in the
+        summary, the report and JUnit, the approximate lane decides; --exact-only then enforces it here."""
+        (demo.path / "suites" / "demo" / "test_lanes.py").write_text(LANES_CASE, encoding="utf-8")
+        monkeypatch.delenv("MKL_CBWR", raising=False)
+        assert 0 == _run(demo, "--no-plots", "--pytest-args", f"{FAST} --update-golden=all")
+        monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")  # another numerics fingerprint for the same machine
+        assert 1 == _run(demo, "--no-plots", "--pytest-args", FAST)
+        out = capsys.readouterr().out
+        assert "demo/tiny_lanes: decided by the approximate lane; exact: n/a, recorded on " in out
+        assert "lm loss: no lane decides: its only check is exact, n/a on this machine" in out  # case tiny
+        row = "| demo | tiny_lanes | lm loss | exact | n/a | - |"
+        report = (demo.path / "out" / "report.md").read_text()
+        assert row in report and "| demo | tiny_lanes | approximate | exact: n/a, recorded on " in report
+        case = next(c for c in ET.parse(demo.path / "out" / "junit-demo.xml").getroot().iter("testcase")
+                    if c.get("name") == "test_lanes")
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        assert props["golden_lane"] == "approximate" and props["golden_exact"].startswith("exact: n/a")
+        assert f"; this machine {props['numerics_fingerprint']}" in props["golden_exact"]
+        assert 0 == main(["recalibrate", "demo", "tiny_lanes", "--exact-only", "--repeats", "2", "--hw", HW,
+                          "--suites-dir", str(demo.path / "suites"), "--pytest-args", FAST])
+        assert 1 == _run(demo, "--no-plots", "--pytest-args", FAST)
+        assert "demo/tiny_lanes: decided by the exact lane; exact: enforced, exact values of this fingerprint" \
+            in capsys.readouterr().out
+
     def test_unknown_suite_lists_valid(self, demo, capsys):
         """An unknown suite name is a usage error that lists the valid suites."""
         assert 2 == main(["run", "nope", "--suites-dir", str(demo.path / "suites")])
@@ -59,8 +105,25 @@ class TestDiff:
         b.write_text(dumps_golden({"lm loss": series_from_list([9.0, 9.0]), "num-zeros": series_from_list([1.0])}))
         assert 1 == main(["diff", str(a), str(b)])
         out = capsys.readouterr().out
-        assert "lm loss: mean((A-B)/A) = +1.000000e-01, max |A-B| = 1 over 2 common steps" in out
+        assert "lm loss: mean((A-B)/A) = +1.000000e-01, max |A-B| = 1, max |A-B|/|A| = 1.000e-01 at step 1" in out
+        assert "over 2 common steps; 2 step(s) outside the default band" in out
         assert "steps only in A: [3]" in out and "num-zeros: only in B" in out
+
+    def test_names_the_worst_metric_and_step(self, tmp_path, capsys):
+        """diff names the metric and step of the largest relative difference, and counts the steps outside
+        the default bands (harness.bands)."""
+        a, b = tmp_path / "a.json", tmp_path / "b.json"
+        loss = [5.0, 4.0, 3.0, 2.0]
+        a.write_text(dumps_golden({"lm loss": series_from_list(loss), "grad-norm": series_from_list([1.0] * 4)}))
+        shifted = list(loss)
+        shifted[2] *= 1 + 1e-3
+        b.write_text(dumps_golden({"lm loss": series_from_list(shifted),
+                                   "grad-norm": series_from_list([1.0, 1.0, 1.0, 1.0 + 1e-9])}))
+        assert 1 == main(["diff", str(a), str(b)])
+        out = capsys.readouterr().out
+        assert "worst: 'lm loss' at step 3 (|A-B|/|A| = 1.000e-03)" in out
+        assert "grad-norm: " in out and "at step 4" in out
+        assert "1 step(s) outside the default bands" in out
 
     def test_identical(self, data_dir, capsys):
         """A file diffed with itself is identical (exit 0)."""
