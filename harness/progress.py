@@ -93,13 +93,13 @@ class ProgressPrinter:
         self._last_done: int | None = None
         self._failures_seen = 0
 
-    def line(self, p: Progress | None) -> str:
+    def line(self, p: Progress | None, *, final: bool = False) -> str:
         elapsed = time.monotonic() - self.start
         if p is None:
-            return f"[{self.suite}] collecting ... {elapsed:.0f} s"
+            return f"[{self.suite}] {'no progress recorded' if final else 'collecting ...'} {elapsed:.0f} s"
         total = "?" if p.total is None else str(p.total)
-        return (f"[{self.suite}] {p.done}/{total} tests, {p.failed} failed, {p.skipped} skipped, "
-                f"{elapsed:.0f} s")
+        return (f"[{self.suite}] {'done: ' if final else ''}{p.done}/{total} tests, {p.failed} failed, "
+                f"{p.skipped} skipped, {elapsed:.0f} s")
 
     def poll(self, *, final: bool = False) -> None:
         p = read_progress(self.path)
@@ -110,6 +110,6 @@ class ProgressPrinter:
             self._failures_seen = len(p.failures)
         moved = p is not None and p.done != self._last_done
         if final or (moved and now - self._last_print >= self.every_s) or now - self._last_print >= self.heartbeat_s:
-            self.out(self.line(p))
+            self.out(self.line(p, final=final))
             self._last_print = now
             self._last_done = p.done if p is not None else None

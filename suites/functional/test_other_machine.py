@@ -66,7 +66,7 @@ def test_main_job_on_another_machine_passes_with_exact_na(recorded, tmp_path, hw
     assert line.startswith(f"functional/{CASE}: decided by the approximate lane; exact: n/a, recorded on {recorded_id} (")
     this = line.split("; this machine ")[1]
     assert not this.startswith(recorded_id) and "ATen AVX2" in this
-    assert "[functional] 1/1 tests, 0 failed" in proc.stdout
+    assert "[functional] done: 1/1 tests, 0 failed" in proc.stdout
     report = (tmp_path / "out" / "report.md").read_text()
     assert f"| functional | {CASE} | approximate | exact: n/a, recorded on {recorded_id}" in report
     assert f"| functional | {CASE} | lm loss | exact | n/a | - |" in report

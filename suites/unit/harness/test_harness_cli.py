@@ -57,10 +57,10 @@ class TestRun:
         happens, and passes --suite-args to that suite only."""
         assert 0 == _run(demo, "--no-plots", "--pytest-args", f"{FAST} --update-golden=all")
         out = capsys.readouterr().out
-        assert "[demo] 3/3 tests, 0 failed, 0 skipped, " in out
+        assert "[demo] done: 3/3 tests, 0 failed, 0 skipped, " in out
         assert 1 == _run(demo, "--no-plots", "--suite-args", "demo=-k tiny_mhc", "--pytest-args", f"{FAST} --hw=bad/")
         out = capsys.readouterr().out
-        assert "[demo] FAILED " in out and "[demo] 1/1 tests, 1 failed" in out
+        assert "[demo] FAILED " in out and "[demo] done: 1/1 tests, 1 failed" in out
         assert (demo.path / "out" / "pytest-demo.log").is_file()
         assert 2 == _run(demo, "--suite-args", "unit=-n 2")
         assert "suite arguments for ['unit'], which this run does not run" in capsys.readouterr().err

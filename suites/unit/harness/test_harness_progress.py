@@ -35,7 +35,7 @@ def test_printer_prints_failures_at_once_and_counts_when_they_move(tmp_path):
     printer.poll()  # nothing moved: nothing printed
     assert lines[1:] == ["[unit] FAILED t::x (call)", "[unit] 2/5 tests, 1 failed, 0 skipped, 0 s"]
     printer.poll(final=True)
-    assert lines[-1] == "[unit] 2/5 tests, 1 failed, 0 skipped, 0 s"
+    assert lines[-1] == "[unit] done: 2/5 tests, 1 failed, 0 skipped, 0 s"
 
 
 def test_plugin_writes_progress_under_xdist(pytester):

@@ -1,0 +1,124 @@
+"""The adapter interface every mHC implementation under test implements.
+
+An adapter maps the reference's parameters (:class:`SublayerParams`, upstream Megatron-LM main's
+names and layout) and tensor layout (flattened tokens, ``[T, n, C]``) onto the peer's own, runs the
+peer's own code, and hands the results back in the reference's layout. Gradients flow through
+autograd: the checks differentiate what an op returns with respect to what it was given.
+
+Ops (a peer implements those in :attr:`Peer.ops`):
+
+========================  ============================================================  ==========
+op                        signature                                                     returns
+========================  ============================================================  ==========
+``coefficients``          ``(x [T, n, C], params, iterations)``                         dict, below
+``aggregate``             ``(x [T, n, C], h_pre [T, n])``                               ``[T, C]``
+``mix``                   ``(h_res [T, n, n], residual [T, n, C], h_post [T, n], y [T, C])``  ``[T, n, C]``
+``sinkhorn``              ``(logits [T, n, n], iterations)``                            ``[T, n, n]``
+``layer``                 ``(x [T, n, C], attn, mlp, iterations)``: two sublayers        ``[T, n, C]``
+``block_exit``            ``(x [T, n, C], head_fn [n, n*C], head_base [n], head_scale [1])``  ``[T, C]``
+========================  ============================================================  ==========
+
+``coefficients`` returns the subset of ``{"h_pre" [T, n], "h_post" [T, n], "h_res" [T, n, n]
+(after Sinkhorn), "aggregate" [T, C]}`` the peer exposes (DeepSeek-V4 consumes ``h_pre`` itself and
+returns the aggregate). ``layer`` runs attention-like then MLP-like sublayers,
+``x -> mix(x, f(aggregate(x)))`` twice, with ``attn`` / ``mlp`` a :class:`Sublayer` each.
+``block_exit`` is the learned contraction of ``megatron_dev`` / DeepSeek-V4 (``hc_head``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["OPS", "Peer", "PeerError", "Sublayer", "SublayerParams"]
+
+OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit")
+
+
+class PeerError(RuntimeError):
+    """A peer raised on an input; the message names the peer, the op and the input shapes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SublayerParams:
+    """The reference's parameters of one mHC sublayer (``HyperConnectionModule``).
+
+    ``weight`` is ``mapping_proj.weight`` ``[N, n*C]`` (N = n*n + 2n), ``bias`` ``[N]`` laid out
+    ``[pre(n) | post(n) | res(n*n row-major)]``, the alphas ``[1]``.
+    """
+
+    n: int
+    weight: torch.Tensor
+    alpha_pre: torch.Tensor
+    alpha_post: torch.Tensor
+    alpha_res: torch.Tensor
+    bias: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """``{name: tensor}`` in the reference's state-dict names."""
+        return {"mapping_proj.weight": self.weight, "alpha_pre": self.alpha_pre, "alpha_post": self.alpha_post,
+                "alpha_res": self.alpha_res, "bias": self.bias}
+
+    def detached(self, dtype: torch.dtype) -> SublayerParams:
+        """Leaf copies in ``dtype`` that require grad (the checks differentiate with respect to them)."""
+        new = {k: v.detach().to(dtype).clone().requires_grad_(True)
+               for k, v in (("weight", self.weight), ("alpha_pre", self.alpha_pre), ("alpha_post", self.alpha_post),
+                            ("alpha_res", self.alpha_res), ("bias", self.bias))}
+        return SublayerParams(n=self.n, **new)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sublayer:
+    """One sublayer of a ``layer`` check: its mHC parameters and the function it wraps, ``f [T, C] -> [T, C]``."""
+
+    params: SublayerParams
+    f: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Peer(ABC):
+    """An mHC implementation under test. Subclasses set the fields and implement the ops in ``ops``."""
+
+    name: str
+    """Stable id, e.g. ``hf_deepseek_v4`` or ``mhc_core[megatron_dev]``."""
+    description: str
+    ops: frozenset[str]
+    dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
+    """The dtypes its checks run in (the peer's compute dtype: a peer that upcasts to fp32 lists fp32 only)."""
+    streams: tuple[int, ...] = (2, 4)
+    """The n it supports, among those the suite checks."""
+    differences: Mapping[str, str] = field(default_factory=dict)
+    """What differs from the reference, by op (its norm, its projection, ...): an op named here but not in
+    ``ops`` is reported not comparable with this reason; one in ``ops`` gets it beside a failing check."""
+    claims: str | None = None
+    """The variant it says it implements (None: let the matrix tell)."""
+
+    def version(self) -> str | None:
+        """The peer's version (package version, commit), or None."""
+        return None
+
+    def unavailable(self) -> str | None:
+        """None when the peer can run here, else why not (a missing package or GPU): a skip reason."""
+        return None
+
+    def coefficients(self, x: torch.Tensor, params: SublayerParams, iterations: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def aggregate(self, x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def mix(self, h_res: torch.Tensor, residual: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sinkhorn(self, logits: torch.Tensor, iterations: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layer(self, x: torch.Tensor, attn: Sublayer, mlp: Sublayer, iterations: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def block_exit(self, x: torch.Tensor, head_fn: torch.Tensor, head_base: torch.Tensor,
+                   head_scale: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError

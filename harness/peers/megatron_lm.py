@@ -1,0 +1,209 @@
+"""Upstream Megatron-LM's mHC, from a source tree the user points at (``--megatron-lm PATH``).
+
+No megatron-core release contains mHC, so the code under test is a checkout's
+``megatron/core/transformer/hyper_connection.py`` (``main``: config fields
+``enable_mhc_connections`` / ``mhc_num_residual_streams``; ``dev``: ``enable_hyper_connections`` /
+``num_residual_streams``, plus ``megatron/core/fusions/fused_mhc_kernels.py`` behind
+``use_fused_mhc``). What runs is upstream's own ``HyperConnectionModule``: ``compute_mappings``,
+``aggregate``, ``fused_h_res_h_post_bda`` and its ``forward`` for the layer; its Sinkhorn
+(``SinkhornKnopp`` on main, ``native_sinkhorn`` / ``fused_sinkhorn`` on dev); dev's
+``learned_output_contract`` for the block exit. Its parameters are replaced by the check's tensors,
+so gradients reach them. Layout: ``[T, n, C]`` -> ``[s = T, b = 1, n*C]``.
+
+The tree's ``megatron`` package must be the one imported, so this module runs in a process of its
+own: :func:`tree_peers` records a tree's results with ``python -m harness.peers.record_megatron_lm``
+in a subprocess and replays them (:mod:`harness.peers.recorded`). Upstream imports triton; a Python
+without it (the CPU CI's 3.11 env) cannot load the tree, and the error says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.peers.base import Peer, Sublayer, SublayerParams
+
+__all__ = ["MegatronLMTreePeer", "TreeError", "hashes", "load_tree", "make_peers", "tree_flavor", "tree_peers"]
+
+HC_FILE = Path("megatron/core/transformer/hyper_connection.py")
+FUSED_FILE = Path("megatron/core/fusions/fused_mhc_kernels.py")
+
+
+class TreeError(ValueError):
+    """A path that is not a usable Megatron-LM tree; the message names it and what is missing."""
+
+
+def tree_flavor(tree: Path) -> str:
+    """``main`` or ``dev`` from the tree's config fields; :class:`TreeError` for a path that is not a
+    Megatron-LM tree or a tree without mHC."""
+    tree = Path(tree)
+    if not tree.is_dir():
+        raise TreeError(f"--megatron-lm {tree}: not a directory")
+    if not (tree / "megatron" / "core" / "__init__.py").is_file():
+        raise TreeError(f"--megatron-lm {tree}: not a Megatron-LM tree (no megatron/core/__init__.py under it)")
+    if not (tree / HC_FILE).is_file():
+        raise TreeError(f"--megatron-lm {tree}: a Megatron-LM tree without mHC (no {HC_FILE}); mHC is on the "
+                        "main and dev branches since 2026-08")
+    config = (tree / "megatron/core/transformer/transformer_config.py").read_text(encoding="utf-8")
+    if "enable_mhc_connections" in config:
+        return "main"
+    if "enable_hyper_connections" in config:
+        return "dev"
+    raise TreeError(f"--megatron-lm {tree}: {HC_FILE} exists but transformer_config.py has neither "
+                    "enable_mhc_connections (main) nor enable_hyper_connections (dev)")
+
+
+def hashes(tree: Path) -> dict[str, str]:
+    """sha256 of the mHC source files of the tree (those that exist)."""
+    return {str(f): hashlib.sha256((Path(tree) / f).read_bytes()).hexdigest()
+            for f in (HC_FILE, FUSED_FILE) if (Path(tree) / f).is_file()}
+
+
+def load_tree(tree: Path) -> Any:
+    """Import the tree's ``hyper_connection`` module (the tree first on ``sys.path``); ``TreeError`` when
+    another ``megatron`` is already imported or the import fails."""
+    tree = Path(tree).resolve()
+    loaded = sys.modules.get("megatron")
+    if loaded is not None:
+        where = [str(p) for p in getattr(loaded, "__path__", [])] or [str(getattr(loaded, "__file__", ""))]
+        if not any(w.startswith(str(tree)) for w in where):
+            raise TreeError(f"--megatron-lm {tree}: this process already imported megatron from {where[0]}; the "
+                            "tree peers run in a process of their own (harness.peers.record_megatron_lm)")
+        import megatron.core.transformer.hyper_connection as hc
+
+        return hc
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # upstream's @torch.compile methods run eagerly
+    sys.path.insert(0, str(tree))
+    try:
+        import megatron.core.transformer.hyper_connection as hc
+    except Exception as exc:
+        raise TreeError(f"--megatron-lm {tree}: its megatron.core failed to import in {sys.executable}: "
+                        f"{type(exc).__name__}: {exc} (upstream imports triton: use a Python that has it, "
+                        "e.g. .tox/compat/bin/python, with --megatron-lm-python)") from None
+    return hc
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronLMTreePeer(Peer):
+    """Upstream's ``HyperConnectionModule`` from ``tree`` (see the module docstring)."""
+
+    tree: Path
+    flavor: str
+    fused: bool = False
+    commit: str | None = None
+    ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer"})
+    differences: dict[str, str] = field(default_factory=dict)
+
+    def version(self) -> str | None:
+        return self.commit
+
+    def _module(self, n: int, c: int, iterations: int, params: SublayerParams | None, dtype: torch.dtype):
+        hc = load_tree(self.tree)
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        names = ({"enable_mhc_connections": True, "mhc_num_residual_streams": n} if self.flavor == "main" else
+                 {"enable_hyper_connections": True, "num_residual_streams": n, "use_fused_mhc": self.fused})
+        config = TransformerConfig(num_layers=1, hidden_size=c, num_attention_heads=1, use_cpu_initialization=True,
+                                   mhc_sinkhorn_iterations=iterations, recompute_granularity="selective",
+                                   recompute_modules=["mhc"], **names)
+        mod = hc.HyperConnectionModule(config, layer_number=1).to(dtype)
+        if params is not None:
+            del mod.mapping_proj.weight, mod.alpha_pre, mod.alpha_post, mod.alpha_res, mod.bias
+            mod.mapping_proj.weight = params.weight
+            mod.alpha_pre, mod.alpha_post, mod.alpha_res = params.alpha_pre, params.alpha_post, params.alpha_res
+            mod.bias = params.bias
+        return hc, mod
+
+    def coefficients(self, x, params, iterations):
+        t, n, c = x.shape
+        _, mod = self._module(n, c, iterations, params, x.dtype)
+        flat = x.reshape(t, 1, n * c)
+        h_pre, h_post, h_res = mod.compute_mappings(flat)
+        return {"h_pre": h_pre.reshape(t, n), "h_post": h_post.reshape(t, n), "h_res": h_res.reshape(t, n, n),
+                "aggregate": mod.aggregate(flat, h_pre).reshape(t, c)}
+
+    def aggregate(self, x, h_pre):
+        t, n, c = x.shape
+        _, mod = self._module(n, c, 1, None, x.dtype)
+        return mod.aggregate(x.reshape(t, 1, n * c), h_pre.reshape(t, 1, n)).reshape(t, c)
+
+    def mix(self, h_res, residual, h_post, y):
+        t, n, c = residual.shape
+        _, mod = self._module(n, c, 1, None, residual.dtype)
+        out = mod.fused_h_res_h_post_bda(h_res.reshape(t, 1, n, n), residual.reshape(t, 1, n * c),
+                                         h_post.reshape(t, 1, n), (y.reshape(t, 1, c), None), 0.0, False, False)
+        return out.reshape(t, n, c)
+
+    def sinkhorn(self, logits, iterations):
+        t, n, _ = logits.shape
+        hc = load_tree(self.tree)
+        x = logits.reshape(t, 1, n, n)
+        if self.flavor == "main":
+            return hc.SinkhornKnopp.apply(x, iterations).reshape(t, n, n)
+        if self.fused:
+            from megatron.core.fusions.fused_mhc_kernels import fused_sinkhorn
+
+            return fused_sinkhorn(x, iterations, 1e-6).reshape(t, n, n)
+        return hc.native_sinkhorn(x, iterations, 1e-6).reshape(t, n, n)
+
+    def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):
+        t, n, c = x.shape
+        h = x.reshape(t, 1, n * c)
+        for sub in (attn, mlp):
+            _, mod = self._module(n, c, iterations, sub.params, x.dtype)
+            out = mod(h)
+            aggregated, h_res, h_post = out[:3]
+            residual = out[3] if len(out) == 4 else h  # dev returns its residual alias as a 4th output
+            y = sub.f(aggregated.reshape(t, c)).reshape(t, 1, c)
+            h = mod.fused_h_res_h_post_bda(h_res, residual, h_post, (y, None), 0.0, False, False)
+        return h.reshape(t, n, c)
+
+    def block_exit(self, x, head_fn, head_base, head_scale):
+        t, n, c = x.shape
+        hc = load_tree(self.tree)
+        return hc.learned_output_contract(x.reshape(t, 1, n * c), head_fn, head_base, head_scale, n,
+                                          1e-6).reshape(t, c)
+
+
+def make_peers(tree: Path, commit: str | None) -> list[MegatronLMTreePeer]:
+    """The peers of a tree: main's module, or dev's native and fused (``use_fused_mhc``) modules."""
+    flavor = tree_flavor(tree)
+    base = dict(tree=Path(tree), flavor=flavor, commit=commit)
+    if flavor == "main":
+        return [MegatronLMTreePeer(name="megatron_lm[main]", description="upstream Megatron-LM main, "
+                                   "HyperConnectionModule", claims="megatron_main", **base)]
+    dev_ops = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit"})
+    fp32 = (torch.float32,)  # dev upcasts its mapping to fp32 and casts the coefficients back
+    return [MegatronLMTreePeer(name="megatron_lm[dev]", description="upstream Megatron-LM dev, HyperConnectionModule "
+                               "(native ops)", claims="megatron_dev", ops=dev_ops, dtypes=fp32, **base),
+            MegatronLMTreePeer(name="megatron_lm[dev,fused]", description="upstream Megatron-LM dev, use_fused_mhc "
+                               "(fused_mhc_kernels; torch backend on CPU)", claims="megatron_dev", fused=True,
+                               ops=dev_ops, dtypes=fp32, **base)]
+
+
+def tree_peers(tree: Path, *, python: str | None = None, timeout_s: float = 900) -> list[Peer]:
+    """Record ``tree`` in a subprocess (``python``, default this interpreter) and return its replayed peers,
+    named ``megatron_lm_tree[...]``; ``TreeError`` naming the tree when it cannot be recorded."""
+    from harness.peers.recorded import load_recording
+
+    tree_flavor(tree)  # a bad path is named before anything runs
+    with tempfile.TemporaryDirectory(prefix="mhc-mlm-") as tmp:
+        out = Path(tmp) / "recording.json"
+        cmd = [python or sys.executable, "-m", "harness.peers.record_megatron_lm", "--megatron-lm", str(tree),
+               "--out", str(out)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                         os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise TreeError(f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): " + " | ".join(tail))
+        return load_recording(out, prefix="megatron_lm_tree")
+

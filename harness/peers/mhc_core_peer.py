@@ -1,0 +1,105 @@
+"""``mhc_core`` as a peer: every variant, on the reference or the compiled backend.
+
+The baseline the other peers are read against: each variant must match its own oracle on every
+check (the oracle is the reference backend in fp64; the compiled backend runs in the peer's dtype).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from dataclasses import dataclass
+
+import torch
+
+from harness.peers.base import Peer, Sublayer, SublayerParams
+
+__all__ = ["BLOCK_EXIT_EPS", "MhcCorePeer", "mhc_core_peers", "sublayer"]
+
+BLOCK_EXIT_EPS = 1e-6
+"""eps of the learned contraction in the checks: DeepSeek-V4's ``rms_norm_eps`` and ``hc_eps`` (both 1e-6);
+upstream dev passes ``layernorm_epsilon``."""
+
+
+def sublayer(x: torch.Tensor, sub: Sublayer, iterations: int, variant: str,
+             ops: object | None = None) -> torch.Tensor:
+    """``x [T, n, C] -> [T, n, C]``: one mHC sublayer around ``sub.f`` with ``mhc_core``'s ops (or ``ops``,
+    an object with ``mapping``, ``sinkhorn``, ``h_aggregate`` and ``h_post_bda``)."""
+    import mhc_core.ops as ref
+
+    o = ops or ref
+    p, (t, n, c) = sub.params, x.shape
+    h_pre, h_post, logits = o.mapping(x.reshape(t, n * c), p.weight, p.alpha_pre, p.alpha_post, p.alpha_res,
+                                      p.bias, n, variant=variant)
+    h_res = o.sinkhorn(logits, iterations, variant=variant)
+    y = sub.f(o.h_aggregate(x, h_pre))
+    return o.h_post_bda(h_res, x, h_post, y, None, variant=variant)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MhcCorePeer(Peer):
+    """One variant of ``mhc_core`` on one backend (``reference`` or ``compiled``)."""
+
+    variant: str
+    backend: str = "reference"
+
+    def version(self) -> str | None:
+        try:
+            return md.version("mhc-suite")
+        except md.PackageNotFoundError:
+            return None
+
+    def unavailable(self) -> str | None:
+        from mhc_core.kernels import dispatch
+
+        ok, why = dispatch.availability(self.backend, "cpu" if self.backend != "cutile" else "cuda")
+        return None if ok else f"mhc_core backend {self.backend!r} unavailable here: {why}"
+
+    def _ops(self):
+        from types import SimpleNamespace
+
+        from mhc_core.kernels import dispatch
+
+        return SimpleNamespace(**{op: dispatch.get_impl(op, self.backend) for op in dispatch.OPS})
+
+    def coefficients(self, x, params: SublayerParams, iterations):
+        o = self._ops()
+        t, n, c = x.shape
+        p = params
+        h_pre, h_post, logits = o.mapping(x.reshape(t, n * c), p.weight, p.alpha_pre, p.alpha_post, p.alpha_res,
+                                          p.bias, n, variant=self.variant)
+        h_res = o.sinkhorn(logits, iterations, variant=self.variant)
+        return {"h_pre": h_pre, "h_post": h_post, "h_res": h_res, "aggregate": o.h_aggregate(x, h_pre)}
+
+    def aggregate(self, x, h_pre):
+        return self._ops().h_aggregate(x, h_pre)
+
+    def mix(self, h_res, residual, h_post, y):
+        return self._ops().h_post_bda(h_res, residual, h_post, y, None, variant=self.variant)
+
+    def sinkhorn(self, logits, iterations):
+        return self._ops().sinkhorn(logits, iterations, variant=self.variant)
+
+    def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):
+        o = self._ops()
+        return sublayer(sublayer(x, attn, iterations, self.variant, o), mlp, iterations, self.variant, o)
+
+    def block_exit(self, x, head_fn, head_base, head_scale):
+        from mhc_core.ops import learned_contract
+
+        t, n, c = x.shape
+        return learned_contract(x.reshape(1, t, n * c), head_fn, head_base, head_scale, n, eps=BLOCK_EXIT_EPS)[0]
+
+
+def mhc_core_peers(backends: tuple[str, ...] = ("reference",)) -> list[MhcCorePeer]:
+    """``mhc_core[<variant>]`` (reference backend) and ``mhc_core[<variant>,<backend>]`` for the others."""
+    from mhc_core.variants import Variant
+
+    out = []
+    for backend in backends:
+        for v in Variant:
+            tag = v.value if backend == "reference" else f"{v.value},{backend}"
+            out.append(MhcCorePeer(name=f"mhc_core[{tag}]", variant=v.value, backend=backend, claims=v.value,
+                                   description=f"mhc_core's {v.value} variant, {backend} backend",
+                                   ops=frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer",
+                                                  "block_exit"})))
+    return out

@@ -1,0 +1,100 @@
+"""Record upstream Megatron-LM's mHC on the conformance checks' seeded inputs (numbers, not code).
+
+    python -m harness.peers.record_megatron_lm --megatron-lm /path/to/Megatron-LM --out FILE \\
+        [--branch main] [--commit SHA]
+
+Runs every check of the tree's peers (:mod:`harness.peers.megatron_lm`: main's module, or dev's native
+and fused modules) in this process, with the tree's ``megatron`` imported first, and writes what
+upstream returned (outputs and gradients per check, with the digest of the inputs) plus where it came
+from: repository, branch, commit (``--commit``, else ``git rev-parse HEAD`` in the tree), the sha256 of
+``hyper_connection.py`` and ``fused_mhc_kernels.py``, torch and Python versions, the command. A check
+that raises is recorded as an error with the message. The committed recordings
+(``harness/peers/recorded/``) were made with this from ``main`` and ``dev`` (``docs/conformance.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from harness.conformance.checks import check_specs, inputs_digest, run_side
+from harness.peers.megatron_lm import hashes, make_peers, tree_flavor
+from harness.peers.recorded import FORMAT, tensor_to_json
+from harness.provenance import utc_now
+
+__all__ = ["main", "record"]
+
+
+def _commit(tree: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, timeout=10,
+                             check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def record(tree: Path, *, branch: str | None, commit: str | None, command: str) -> dict:
+    """The recording document of ``tree`` (see the module docstring). Without a GPU, dev's fused module runs
+    its torch backend (``MHC_FORCE_BACKEND=native``, upstream's own switch; its Triton probe fails on CPU)."""
+    flavor = tree_flavor(tree)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("MHC_FORCE_BACKEND", "native")
+    commit = commit or _commit(tree)
+    peers = []
+    for peer in make_peers(tree, commit):
+        checks = {}
+        for spec in check_specs(peer):
+            if spec.op not in peer.ops:
+                continue
+            entry: dict = {"inputs_sha256": inputs_digest(spec)}
+            try:
+                outputs, grads = run_side(peer, spec, spec.dtype)
+            except Exception as exc:  # recorded, so that the matrix shows what upstream raised
+                entry["error"] = f"{type(exc).__name__} in {spec.op}: {exc}"
+            else:
+                entry["outputs"] = {k: tensor_to_json(v, spec.dtype) for k, v in outputs.items()}
+                entry["grads"] = {k: tensor_to_json(v, spec.dtype) for k, v in grads.items()}
+            checks[spec.id] = entry
+        peers.append({"name": peer.name, "description": peer.description, "claims": peer.claims,
+                      "ops": sorted(peer.ops), "dtypes": [str(d).removeprefix("torch.") for d in peer.dtypes],
+                      "streams": list(peer.streams), "differences": dict(peer.differences), "checks": checks})
+    return {"format": FORMAT,
+            "source": {"repository": "NVIDIA/Megatron-LM", "branch": branch or flavor, "flavor": flavor,
+                       "commit": commit, "files_sha256": hashes(tree), "recorded": utc_now(),
+                       "torch": torch.__version__, "python": platform.python_version(), "command": command,
+                       "device": "cuda" if torch.cuda.is_available() else "cpu",
+                       "MHC_FORCE_BACKEND": os.environ.get("MHC_FORCE_BACKEND")},
+            "peers": peers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM source tree (main or dev)")
+    p.add_argument("--out", required=True, type=Path, help="the recording (JSON)")
+    p.add_argument("--branch", default=None, help="the branch name to record (default: main / dev, by its config)")
+    p.add_argument("--commit", default=None, help="the tree's commit (default: git rev-parse HEAD in the tree)")
+    args = p.parse_args(argv)
+    command = shlex.join(["python", "-m", "harness.peers.record_megatron_lm", "--megatron-lm", "<tree>", "--out",
+                          str(args.out), *(["--branch", args.branch] if args.branch else [])])
+    doc = record(args.megatron_lm, branch=args.branch, commit=args.commit, command=command)
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n", encoding="utf-8")
+    tmp.replace(args.out)
+    errors = sum("error" in c for peer in doc["peers"] for c in peer["checks"].values())
+    print(f"recorded {', '.join(p['name'] for p in doc['peers'])} from {args.megatron_lm} "
+          f"({doc['source']['branch']}@{doc['source']['commit']}): "
+          f"{sum(len(p['checks']) for p in doc['peers'])} checks, {errors} raised -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
