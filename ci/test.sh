@@ -19,7 +19,7 @@ if [ -z "${MHC_PYTHON312:-}" ] && command -v pyenv >/dev/null 2>&1; then
         export MHC_PYTHON312="$(pyenv root)/versions/$v/bin/python3.12"
     fi
 fi
-ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf,kernels,compat}
+ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf,conformance,kernels,compat}
 SIDE_ENVS=(compat kernels)
 main=() side=()
 IFS=, read -ra requested <<< "$ENVS"

@@ -1,4 +1,4 @@
-"""``mhc-harness``: hw, run, recalibrate, diff, import-megatron, perf-history {append,check,plot}.
+"""``mhc-harness``: hw, run, recalibrate, diff, import-megatron, conformance, perf-history {append,check,plot}.
 
 Exit codes: 0 success; 1 a failure (test, golden mismatch, regression, differing files for
 ``diff``) or a refused input (any :class:`~harness.errors.GoldenError`: malformed or non-finite
@@ -9,6 +9,7 @@ writable); 2 bad usage (arguments, unknown suite).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,6 +72,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not sep or not suite:
             raise ValueError(f"--suite-args {item!r}: expected SUITE=ARGS, e.g. unit='-n 2'")
         suite_args.setdefault(suite, []).extend(_split_pytest_args(rest))
+    for stale in ("conformance.json", "conformance.md"):  # report.md embeds only this run's matrix
+        (Path(args.out) / stale).unlink(missing_ok=True)
     summary = run_suites(args.suites, suites_dir=suites_dir, out_dir=args.out, golden_dir=golden_dir, hw=args.hw,
                          pytest_args=_split_pytest_args(args.pytest_args), timeout_s=args.timeout,
                          suite_args=suite_args, out=lambda line: print(line, flush=True))
@@ -79,6 +82,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
               f"{r.skipped} skipped")
         if not r.ok:
             print(r.output_tail[-2000:])
+    if args.conformance:
+        _conformance(args, Path(args.out))
     rows = summary_rows(summary.cases)
     print(format_table(rows) if rows else "no golden cases were checked")
     for o in summary.cases:
@@ -91,6 +96,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"\nreport: {report}\nJUnit: {', '.join(str(r.junit) for r in summary.runs)}")
     print("PASS" if summary.ok else "FAIL")
     return 0 if summary.ok else 1
+
+
+def _conformance(args: argparse.Namespace, out_dir: Path):
+    """Run the conformance matrix for ``args`` (peers, tree), write it under ``out_dir``; the matrix."""
+    from harness.conformance.matrix import run_matrix
+    from harness.conformance.report import format_summary, write_outputs
+    from harness.peers.registry import select
+
+    tree = Path(args.megatron_lm) if args.megatron_lm else None
+    peers = select(list(args.peer), tree, python=args.megatron_lm_python)
+    matrix = run_matrix(peers)
+    print(format_summary(matrix))
+    js, md = write_outputs(matrix, out_dir)
+    print(f"conformance: {js}, {md}")
+    return matrix
+
+
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    matrix = _conformance(args, Path(args.out))
+    if args.strict:
+        bad = [p.peer for p in matrix.peers if not p.skipped and not p.conforms]
+        if bad:
+            print(f"--strict: {', '.join(bad)} do not conform to any variant on every check")
+            return 1
+    return 0
 
 
 def _cmd_recalibrate(args: argparse.Namespace) -> int:
@@ -220,6 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hw", help="override (else $MHC_HW, else detection)")
     s.set_defaults(func=_cmd_hw)
 
+    def peer_options(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--peer", action="append", default=[], metavar="NAME",
+                       help="a peer to check (repeatable; default: all but the compiled mhc_core ones)")
+        s.add_argument("--megatron-lm", default=os.environ.get("MHC_MEGATRON_LM"), metavar="PATH",
+                       help="a Megatron-LM source tree (main or dev) to check as megatron_lm_tree[...] "
+                            "(default: $MHC_MEGATRON_LM)")
+        s.add_argument("--megatron-lm-python", default=None, metavar="PYTHON",
+                       help="the interpreter that loads the tree (it imports triton; default: this one)")
+
     def dirs(s: argparse.ArgumentParser) -> None:
         s.add_argument("--suites-dir", default="suites", help="directory holding the suites (default: ./suites)")
         s.add_argument("--golden-dir", help="golden store (default: <suites-dir>/../golden)")
@@ -235,7 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--suite-args", action="append", default=[], metavar="SUITE=ARGS",
                    help="extra pytest arguments for one suite, one shell-quoted string (repeatable), "
                         "e.g. unit='-n 2 --ignore=suites/unit/kernels'")
+    s.add_argument("--conformance", action="store_true",
+                   help="also run the conformance matrix (the default peers) into the summary and report.md")
+    peer_options(s)
     s.set_defaults(func=_cmd_run)
+
+    s = sub.add_parser("conformance", help="every mHC implementation against every variant: the matrix")
+    peer_options(s)
+    s.add_argument("--out", default="results", help="writes conformance.json and conformance.md here (default: ./results)")
+    s.add_argument("--strict", action="store_true", help="exit 1 when an available peer does not conform fully")
+    s.set_defaults(func=_cmd_conformance)
 
     s = sub.add_parser("recalibrate", help="run a case N times and rewrite its golden values")
     s.add_argument("suite")

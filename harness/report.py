@@ -167,6 +167,9 @@ def write_report(summary: RunSummary, out_dir: str | Path, *, plots: bool = True
                f"Median `{STEP_TIME_METRIC}` after {WARMUP_STEPS} warm-up steps, measured in this run.", "",
                "| suite | baseline | mHC | baseline s | mHC s | mHC / baseline |", "|---|---|---|---|---|---|"]
         md += [f"| {su} | {b} | {m} | {tb:.4g} | {tm:.4g} | {r:.3f} |" for su, b, m, tb, tm, r in ratios]
+    conformance = out_dir / "conformance.md"
+    if conformance.is_file():
+        md += ["", conformance.read_text(encoding="utf-8").rstrip()]
     if plots:
         pngs = write_plots(summary, out_dir / "plots")
         if pngs:

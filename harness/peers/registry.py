@@ -16,8 +16,8 @@ from harness.peers.base import Peer
 __all__ = ["all_peers", "default_peers", "select"]
 
 
-def all_peers(megatron_lm: Path | None = None) -> list[Peer]:
-    """Every known peer (the tree peers only with ``megatron_lm``)."""
+def all_peers(megatron_lm: Path | None = None, *, python: str | None = None) -> list[Peer]:
+    """Every known peer (the tree peers only with ``megatron_lm``, recorded with ``python``)."""
     from harness.peers.gpu import gpu_peers
     from harness.peers.hf_deepseek_v4 import HfDeepseekV4Peer
     from harness.peers.lucidrains import LucidrainsPeer
@@ -29,20 +29,20 @@ def all_peers(megatron_lm: Path | None = None) -> list[Peer]:
     if megatron_lm is not None:
         from harness.peers.megatron_lm import tree_peers
 
-        peers += tree_peers(megatron_lm)
+        peers += tree_peers(megatron_lm, python=python)
     return peers
 
 
-def default_peers(megatron_lm: Path | None = None) -> list[Peer]:
+def default_peers(megatron_lm: Path | None = None, *, python: str | None = None) -> list[Peer]:
     """The peers a plain ``mhc-harness conformance`` runs (see the module docstring)."""
-    return [p for p in all_peers(megatron_lm) if not p.name.endswith(",compiled]")]
+    return [p for p in all_peers(megatron_lm, python=python) if not p.name.endswith(",compiled]")]
 
 
-def select(names: list[str], megatron_lm: Path | None = None) -> list[Peer]:
+def select(names: list[str], megatron_lm: Path | None = None, *, python: str | None = None) -> list[Peer]:
     """The named peers, in the order given; ``ValueError`` listing the known names for an unknown one."""
     if not names:
-        return default_peers(megatron_lm)
-    known = {p.name: p for p in all_peers(megatron_lm)}
+        return default_peers(megatron_lm, python=python)
+    known = {p.name: p for p in all_peers(megatron_lm, python=python)}
     unknown = [n for n in names if n not in known]
     if unknown:
         hint = "" if megatron_lm else " (the megatron_lm_tree peers need --megatron-lm PATH)"

@@ -1,0 +1,78 @@
+"""The conformance matrix as text (terminal), Markdown (a section of ``report.md``) and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from harness.conformance.matrix import Cell, Matrix, PeerResult
+
+__all__ = ["format_summary", "markdown", "read_matrix_json", "write_outputs"]
+
+
+def _cell_text(c: Cell) -> str:
+    if c.status in ("n/a", "error"):
+        return c.status
+    if c.observed is not None:
+        return f"{c.observed} ({c.status})"
+    return f"{c.max_abs:.1e} ({c.ratio:.2g}x bound) {c.status}" if c.max_abs is not None else c.status
+
+
+def _scores(p: PeerResult) -> str:
+    return ", ".join(f"{v} {p.score(v)[0]}/{len(cs)}" for v, cs in p.by_variant.items())
+
+
+def format_summary(matrix: Matrix) -> str:
+    """One line per peer (best variant, passes per variant), then every check that did not pass."""
+    lines = []
+    for p in matrix.peers:
+        if p.skipped:
+            lines.append(f"{p.peer}: skipped: {p.skipped}")
+            continue
+        verdict = "conforms to" if p.conforms else "best matches"
+        lines.append(f"{p.peer} ({p.version or 'no version'}): {verdict} {p.best} [{_scores(p)}]")
+        for c in p.cells():
+            if c.status != "pass":
+                lines.append(f"    {c.check}: {c.status}: {c.message}")
+    return "\n".join(lines)
+
+
+def markdown(matrix: Matrix) -> str:
+    """A ``## Conformance`` section: the summary table, then per peer every check against its best variant."""
+    md = ["## Conformance", "",
+          "Every peer's ops on the same seeded inputs, outputs and all gradients against the fp64 oracle of each "
+          "variant; the best-matching variant per peer, and each check against it (`docs/conformance.md`).", "",
+          "| peer | version | best variant | passes per variant | verdict |", "|---|---|---|---|---|"]
+    for p in matrix.peers:
+        if p.skipped:
+            md.append(f"| {p.peer} | {p.version or '-'} | - | - | skipped: {p.skipped} |")
+        else:
+            md.append(f"| {p.peer} | {p.version or '-'} | {p.best} | {_scores(p)} | "
+                      f"{'conforms' if p.conforms else 'differs'} |")
+    for p in matrix.peers:
+        if p.skipped:
+            continue
+        md += ["", f"### {p.peer} against {p.best}", "", "| check | result | bound | note |", "|---|---|---|---|"]
+        for c in p.cells():
+            note = (c.message or c.worst).replace("|", "\\|")
+            bound = (c.bound or "-").replace("|", "\\|")
+            md.append(f"| {c.check} | {_cell_text(c)} | {bound} | {note} |")
+    return "\n".join(md) + "\n"
+
+
+def write_outputs(matrix: Matrix, out_dir: str | Path) -> tuple[Path, Path]:
+    """``<out>/conformance.json`` and ``<out>/conformance.md``, each written atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = (out / "conformance.json", out / "conformance.md")
+    for path, text in zip(paths, (json.dumps(matrix.to_json(), indent=1) + "\n", markdown(matrix)), strict=True):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    return paths
+
+
+def read_matrix_json(path: str | Path) -> dict:
+    """The JSON a conformance run wrote (for reports that embed it)."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))

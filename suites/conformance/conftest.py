@@ -1,0 +1,14 @@
+"""The conformance suite: every peer's checks (harness.conformance), mutants, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.conformance.matrix import Matrix, run_matrix
+from harness.peers.registry import default_peers
+
+
+@pytest.fixture(scope="session")
+def matrix() -> Matrix:
+    """The default peers' matrix, once per session (a few seconds on CPU)."""
+    return run_matrix(default_peers())

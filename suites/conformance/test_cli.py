@@ -1,0 +1,83 @@
+"""``mhc-harness conformance``: the matrix as JSON and Markdown, peer selection, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from harness.cli import main
+from harness.peers.megatron_lm import TreeError, tree_flavor
+
+
+def test_writes_the_matrix_as_json_and_markdown(tmp_path, capsys):
+    """The matrix of the named peers goes to conformance.json / .md; the summary names each peer's best variant."""
+    assert 0 == main(["conformance", "--peer", "mhc_core[megatron_dev]", "--peer", "megatron_lm[main]",
+                      "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "mhc_core[megatron_dev] (0.1.0): conforms to megatron_dev" in out
+    assert "megatron_lm[main] (main@d98e8a64ddf3): conforms to megatron_main" in out
+    doc = json.loads((tmp_path / "conformance.json").read_text())
+    assert [p["best"] for p in doc["peers"]] == ["megatron_dev", "megatron_main"]
+    cell = doc["peers"][0]["cells"][0]
+    assert {"check", "status", "max_abs", "ratio", "bound"} <= set(cell)
+    md = (tmp_path / "conformance.md").read_text()
+    assert "| megatron_lm[main] | main@d98e8a64ddf3 | megatron_main | paper 15/48, megatron_main 48/48" in md
+
+
+def test_strict_fails_on_a_peer_that_differs(tmp_path, capsys):
+    """--strict exits 1 when an available peer does not pass every check of its best variant."""
+    code = main(["conformance", "--peer", "lucidrains", "--out", str(tmp_path), "--strict"])
+    out = capsys.readouterr().out
+    if "lucidrains: skipped" in out:
+        pytest.skip("hyper-connections is not installed here")
+    assert code == 1 and "--strict: lucidrains do not conform" in out
+
+
+def test_unknown_peer_lists_the_known_ones(tmp_path, capsys):
+    """An unknown peer name is a usage error listing every known peer."""
+    assert 2 == main(["conformance", "--peer", "nope", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "unknown peer(s) ['nope']; known: mhc_core[paper]" in err and "hf_deepseek_v4" in err
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    (None, "not a directory"),
+    ({}, "not a Megatron-LM tree (no megatron/core/__init__.py under it)"),
+    ({"megatron/core/__init__.py": ""}, "a Megatron-LM tree without mHC (no megatron/core/transformer/hyper_connection.py)"),
+    ({"megatron/core/__init__.py": "", "megatron/core/transformer/hyper_connection.py": "",
+      "megatron/core/transformer/transformer_config.py": "x = 1"}, "has neither enable_mhc_connections"),
+])
+def test_a_bad_megatron_tree_is_named(tmp_path, capsys, layout, message):
+    """A path that is not a Megatron-LM tree, or one without mHC, is refused naming it, before anything runs."""
+    tree = tmp_path / "tree"
+    if layout is not None:
+        tree.mkdir()
+        for rel, text in layout.items():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).write_text(text)
+    with pytest.raises(TreeError, match=re.escape(message)):
+        tree_flavor(tree)
+    assert 2 == main(["conformance", "--megatron-lm", str(tree), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert f"--megatron-lm {tree}" in err and message.split(" (")[0] in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_embeds_the_matrix_in_the_report(tmp_path, capsys):
+    """`mhc-harness run --conformance` puts the matrix in the summary and report.md."""
+    suites = tmp_path / "suites" / "tiny"
+    suites.mkdir(parents=True)
+    (suites / "test_tiny.py").write_text("def test_ok():\n    pass\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    out = tmp_path / "out"
+    assert 0 == main(["run", "tiny", "--suites-dir", str(tmp_path / "suites"), "--out", str(out), "--no-plots",
+                      "--conformance", "--peer", "mhc_core[paper]", "--pytest-args",
+                      "-p no:hypothesispytest -p no:benchmark -p no:xdist"])
+    assert "mhc_core[paper] (0.1.0): conforms to paper" in capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    assert "## Conformance" in report and "| mhc_core[paper] | 0.1.0 | paper |" in report
+    assert 0 == main(["run", "tiny", "--suites-dir", str(tmp_path / "suites"), "--out", str(out), "--no-plots",
+                      "--pytest-args", "-p no:hypothesispytest -p no:benchmark -p no:xdist"])
+    assert "## Conformance" not in (out / "report.md").read_text()  # no stale matrix

@@ -1,0 +1,126 @@
+"""What each peer matches, and how closely: the matrix of the default peers, asserted per peer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from harness.conformance.matrix import run_matrix
+from harness.peers.base import Peer
+from harness.peers.recorded import RECORDED_DIR, load_recording
+
+
+def _row(matrix, name):
+    row = matrix.peer(name)
+    if row.skipped:
+        pytest.skip(f"{name}: {row.skipped}")
+    return row
+
+
+def _not_passing(row):
+    return {c.check: c for c in row.cells() if c.status != "pass"}
+
+
+@pytest.mark.parametrize("variant", ["paper", "megatron_main", "megatron_dev"])
+def test_mhc_core_matches_its_own_variant_and_no_other(matrix, variant):
+    """Each mhc_core variant passes every check against itself and is told apart from the other two."""
+    row = matrix.peer(f"mhc_core[{variant}]")
+    assert row.best == variant and row.conforms, _not_passing(row)
+    for other in set(row.by_variant) - {variant}:
+        passes, total = row.score(other)[0], len(row.by_variant[other])
+        assert passes < total / 2, f"{variant} passes {passes}/{total} checks of {other}: the checks cannot tell them apart"
+
+
+def test_hf_deepseek_v4_matches_megatron_dev_but_its_norm(matrix):
+    """transformers' DeepSeek-V4 is megatron_dev (softmax-started Sinkhorn with eps, H^T mix, h_pre + eps)
+    on every check but the small-RMS coefficients, where its eps inside the square root shows."""
+    row = _row(matrix, "hf_deepseek_v4")
+    assert row.best == "megatron_dev"
+    bad = _not_passing(row)
+    assert set(bad) == {"coefficients@rms1e-2 n2 fp32", "coefficients@rms1e-2 n4 fp32"}, bad
+    assert all("eps inside the square root" in c.message for c in bad.values())
+    orientation = next(c for c in row.cells() if c.check.startswith("orientation"))
+    assert orientation.observed == "H^T @ x"
+    assert next(c for c in row.cells() if c.check.startswith("block-exit")).status == "pass"
+
+
+def test_lucidrains_has_papers_sinkhorn_a_transposed_mix_and_says_what_differs(matrix):
+    """lucidrains' Sinkhorn is the paper's (columns then rows, rows exact); its mix is H^T @ x; its
+    coefficients are reported not comparable, naming its norm and its projection."""
+    row = _row(matrix, "lucidrains")
+    assert row.best == "paper"
+    cells = {c.check: c for c in row.cells()}
+    assert all(c.status == "pass" for k, c in cells.items() if k.startswith(("sinkhorn", "exact-sums", "aggregate")))
+    assert cells["exact-sums n4 fp32"].observed == "rows"
+    assert cells["orientation n4 fp32"].observed == "H^T @ x" and cells["orientation n4 fp32"].status == "fail"
+    na = cells["coefficients"]
+    assert na.status == "n/a" and "RMSNorm over C with a learned gain" in na.message and "projection" in na.message
+    assert cells["layer"].status == "n/a" and cells["block_exit"].status == "n/a"
+
+
+@pytest.mark.parametrize(("peer", "variant", "checks"), [
+    ("megatron_lm[main]", "megatron_main", 48), ("megatron_lm[dev]", "megatron_dev", 24),
+    ("megatron_lm[dev,fused]", "megatron_dev", 24)])
+def test_upstream_recordings_conform(matrix, peer, variant, checks):
+    """The committed numbers of upstream main and dev (native and fused modules) pass every check of
+    the variant named after them."""
+    row = matrix.peer(peer)
+    assert row.best == variant and row.conforms, _not_passing(row)
+    assert len(row.by_variant[variant]) == checks
+
+
+def test_recordings_carry_their_provenance():
+    """Each committed recording names its repository, branch, commit and the sha256 of upstream's files."""
+    for path in sorted(RECORDED_DIR.glob("*.json")):
+        src = json.loads(path.read_text())["source"]
+        assert src["repository"] == "NVIDIA/Megatron-LM" and len(src["commit"]) == 40
+        assert "megatron/core/transformer/hyper_connection.py" in src["files_sha256"], path
+    assert {json.loads(p.read_text())["source"]["branch"] for p in RECORDED_DIR.glob("*.json")} == {"main", "dev"}
+
+
+def test_a_recording_on_other_inputs_is_an_error_naming_it():
+    """If the cases change after a recording, its checks are errors naming the file and how to re-record."""
+    (peer, *_) = load_recording(RECORDED_DIR / "megatron_lm_main.json")
+    checks = {k: {**v, "inputs_sha256": "0" * 64} for k, v in peer.checks.items()}
+    row = run_matrix([replace(peer, checks=checks)]).peer(peer.name)
+    cell = row.cells()[0]
+    assert cell.status == "error" and "was recorded on other inputs" in cell.message
+    assert "megatron_lm_main.json" in cell.message and "record_megatron_lm" in cell.message
+
+
+def test_gpu_peers_say_why_they_did_not_run(matrix):
+    """TransformerEngine's Triton mHC and TileKernels need a GPU: without one their row says so."""
+    for name in ("te_triton", "tile_kernels"):
+        row = matrix.peer(name)
+        if torch.cuda.is_available() and row.skipped is None:
+            assert row.best is not None
+            continue
+        assert row.skipped and ("CUDA GPU" in row.skipped or "not installed" in row.skipped), row.skipped
+
+
+class _Raising(Peer):
+    def mix(self, h_res, residual, h_post, y):
+        raise RuntimeError("kernel exploded")
+
+    def sinkhorn(self, logits, iterations):
+        from mhc_core.ops import sinkhorn
+
+        return sinkhorn(logits, iterations, variant="paper")
+
+
+def test_a_peer_that_raises_is_named_and_the_rest_still_runs():
+    """An op that raises gives error cells naming the peer, the op, the exception and the shapes; its
+    other checks and the other peers still run."""
+    from harness.peers.mhc_core_peer import mhc_core_peers
+
+    bad = _Raising(name="raising", description="raises in mix", ops=frozenset({"mix", "sinkhorn"}))
+    m = run_matrix([bad, mhc_core_peers()[0]])
+    row = m.peer("raising")
+    errors = [c for c in row.cells() if c.status == "error"]
+    assert errors and all(c.op == "mix" for c in errors)
+    assert "raising raised RuntimeError in mix (x [6, 2, 8], n=2, torch.float64): kernel exploded" in errors[0].message
+    assert row.best == "paper" and any(c.status == "pass" for c in row.cells() if c.op == "sinkhorn")
+    assert m.peer("mhc_core[paper]").conforms
