@@ -50,6 +50,10 @@
 #           backend (Inductor / Triton) vs reference on CUDA, its fused dropout, T = 0, dynamic T and
 #           the module on top, 4 xdist workers x 4 compile threads, 150 s; not a default step.
 #           "compiled megatron functional" sums to 480 s (the defaults: 530 s)
+#   conformance  python -m harness conformance: every peer against every variant, the GPU peers
+#           (te_triton, tile_kernels: fp32 and bf16 bounds) included where their packages are installed;
+#           conformance.txt and conformance/ in gpu_check.tgz, 120 s; not a default step (the carry
+#           has no TE / tile-kernels wheels yet: docs/conformance.md)
 #   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
 #           for reference + cutile (130 s; under this call's tuning.json when the sweep ran), to its own
 #           pytest-benchmark JSON; records
@@ -295,6 +299,16 @@ rc=$?
 pkill -f "suites/functional/worker.py" 2>/dev/null
 tail -8 "$OUT/functional.txt"
 record functional $rc
+fi
+
+# 3e. the conformance matrix on the GPU: the CPU peers again, and the GPU peers (TransformerEngine's
+#     Triton mHC, TileKernels) where their packages are installed (they skip with the reason otherwise)
+if has_step conformance; then
+timeout "$(limit conformance 120)" "$PY" -m harness conformance --out "$OUT/conformance" \
+    > "$OUT/conformance.txt" 2>&1
+rc=$?
+tail -20 "$OUT/conformance.txt"
+record conformance $rc
 fi
 
 # 4. the perf suite: roofline ratios, speed-ups, first perf goldens, history record, table

@@ -1,0 +1,95 @@
+"""The mHC parameters of a GPT built by ``mhc_core.megatron``, in Hugging Face DeepSeek-V4's names, and back.
+
+============================================================================  =====================================
+``mhc_core.megatron`` (upstream Megatron-LM's names)                          transformers ``DeepseekV4ForCausalLM``
+============================================================================  =====================================
+``decoder.layers.<i>.self_attention_hyper_connection.mapping_proj.weight``    ``model.layers.<i>.attn_hc.fn``
+``decoder.layers.<i>.self_attention_hyper_connection.bias``                   ``model.layers.<i>.attn_hc.base``
+``decoder.layers.<i>.self_attention_hyper_connection.alpha_{pre,post,res}``   ``model.layers.<i>.attn_hc.scale`` ``[3]``
+``decoder.layers.<i>.mlp_hyper_connection.*``                                 ``model.layers.<i>.ffn_hc.*``
+``decoder.hc_head_fn`` / ``hc_head_base`` / ``hc_head_scale``                 ``model.hc_head.hc_fn`` / ``hc_base`` / ``hc_scale``
+============================================================================  =====================================
+
+Both use the ``[pre(n) | post(n) | res(n*n row-major)]`` layout and stream-major flattening, so the
+tensors move unchanged (the three alphas become one ``scale`` vector). Only the mHC parameters are
+converted: attention and MLP weights are the caller's. DeepSeek-V4 computes the ``megatron_dev``
+convention (softmax-started Sinkhorn with eps, ``H_res^T`` mix, ``h_pre + eps``, learned block exit),
+so only a ``megatron_dev`` model converts; ``suites/unit/megatron/test_deepseek_v4_names.py`` checks
+on a real mini GPT that both sides then give the same coefficients and mixed streams.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["from_deepseek_v4", "to_deepseek_v4"]
+
+_SUBLAYERS = {"self_attention_hyper_connection": "attn_hc", "mlp_hyper_connection": "ffn_hc"}
+_MEGATRON = re.compile(r"^(?:module\.)?decoder\.layers\.(\d+)\.(self_attention_hyper_connection|mlp_hyper_connection)\."
+                       r"(mapping_proj\.weight|bias|alpha_pre|alpha_post|alpha_res)$")
+_HF = re.compile(r"^model\.layers\.(\d+)\.(attn_hc|ffn_hc)\.(fn|base|scale)$")
+_HEAD = {"decoder.hc_head_fn": "model.hc_head.hc_fn", "decoder.hc_head_base": "model.hc_head.hc_base",
+         "decoder.hc_head_scale": "model.hc_head.hc_scale"}
+_ALPHAS = ("alpha_pre", "alpha_post", "alpha_res")
+
+
+def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str) -> dict[str, torch.Tensor]:
+    """The mHC entries of a ``mhc_core.megatron`` state dict under DeepSeek-V4's names.
+
+    ``ValueError`` for a ``variant`` other than ``megatron_dev``, for a sublayer missing one of its five
+    parameters (naming the key), or for a state dict without mHC parameters.
+    """
+    if variant != "megatron_dev":
+        raise ValueError(f"variant={variant!r}: DeepSeek-V4 computes megatron_dev's convention (H_res^T mix, "
+                         "softmax-started Sinkhorn with eps, h_pre + eps); a model of another variant would compute "
+                         "another function under its names")
+    groups: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        m = _MEGATRON.match(key)
+        if m:
+            groups.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = value
+    if not groups:
+        raise ValueError("no mHC parameters (decoder.layers.<i>.*_hyper_connection.*) in the state dict")
+    out: dict[str, torch.Tensor] = {}
+    for (i, sub), p in sorted(groups.items()):
+        missing = sorted({"mapping_proj.weight", "bias", *_ALPHAS} - set(p))
+        if missing:
+            raise ValueError(f"decoder.layers.{i}.{sub}: missing {', '.join(missing)}")
+        prefix = f"model.layers.{i}.{_SUBLAYERS[sub]}"
+        out[f"{prefix}.fn"] = p["mapping_proj.weight"]
+        out[f"{prefix}.base"] = p["bias"]
+        out[f"{prefix}.scale"] = torch.cat([p[a].reshape(1) for a in _ALPHAS])
+    for ours, theirs in _HEAD.items():
+        for key in (ours, f"module.{ours}"):
+            if key in state:
+                out[theirs] = state[key]
+    return out
+
+
+def from_deepseek_v4(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The mHC entries of a DeepSeek-V4 state dict under ``mhc_core.megatron``'s names (a
+    ``megatron_dev`` model's); ``ValueError`` naming a bad ``scale`` shape or an empty result."""
+    inverse = {v: k for k, v in _SUBLAYERS.items()}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        m = _HF.match(key)
+        if m:
+            prefix = f"decoder.layers.{m.group(1)}.{inverse[m.group(2)]}"
+            if m.group(3) == "fn":
+                out[f"{prefix}.mapping_proj.weight"] = value
+            elif m.group(3) == "base":
+                out[f"{prefix}.bias"] = value
+            else:
+                if tuple(value.shape) != (3,):
+                    raise ValueError(f"{key}: scale must have shape [3] (pre, post, comb), got {list(value.shape)}")
+                for j, a in enumerate(_ALPHAS):
+                    out[f"{prefix}.{a}"] = value[j:j + 1].clone()
+        elif key in _HEAD.values():
+            out[next(k for k, v in _HEAD.items() if v == key)] = value
+    if not out:
+        raise ValueError("no DeepSeek-V4 mHC parameters (model.layers.<i>.attn_hc/ffn_hc.*, model.hc_head.*) in the "
+                         "state dict")
+    return out
