@@ -203,7 +203,9 @@ def tree_peers(tree: Path, *, python: str | None = None, timeout_s: float = 900)
                                                                          os.environ.get("PYTHONPATH")]))}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
         if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise TreeError(f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): " + " | ".join(tail))
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            errors = [x.removeprefix("error: ") for x in lines if x.startswith("error: ")]
+            raise TreeError(errors[-1] if errors else
+                            f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): " + " | ".join(lines[-3:]))
         return load_recording(out, prefix="megatron_lm_tree")
 

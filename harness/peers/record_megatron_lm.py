@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from harness.conformance.checks import check_specs, inputs_digest, run_side
-from harness.peers.megatron_lm import hashes, make_peers, tree_flavor
+from harness.peers.megatron_lm import TreeError, hashes, load_tree, make_peers, tree_flavor
 from harness.peers.recorded import FORMAT, tensor_to_json
 from harness.provenance import utc_now
 
@@ -48,6 +48,7 @@ def record(tree: Path, *, branch: str | None, commit: str | None, command: str) 
     flavor = tree_flavor(tree)
     if not torch.cuda.is_available():
         os.environ.setdefault("MHC_FORCE_BACKEND", "native")
+    load_tree(tree)  # a tree that does not import here fails once, with its reason, before any check
     commit = commit or _commit(tree)
     peers = []
     for peer in make_peers(tree, commit):
@@ -69,7 +70,8 @@ def record(tree: Path, *, branch: str | None, commit: str | None, command: str) 
                       "streams": list(peer.streams), "differences": dict(peer.differences), "checks": checks})
     return {"format": FORMAT,
             "source": {"repository": "NVIDIA/Megatron-LM", "branch": branch or flavor, "flavor": flavor,
-                       "commit": commit, "files_sha256": hashes(tree), "recorded": utc_now(),
+                       "commit": commit, "tree": str(Path(tree).resolve()), "files_sha256": hashes(tree),
+                       "recorded": utc_now(),
                        "torch": torch.__version__, "python": platform.python_version(), "command": command,
                        "device": "cuda" if torch.cuda.is_available() else "cpu",
                        "MHC_FORCE_BACKEND": os.environ.get("MHC_FORCE_BACKEND")},
@@ -85,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     command = shlex.join(["python", "-m", "harness.peers.record_megatron_lm", "--megatron-lm", "<tree>", "--out",
                           str(args.out), *(["--branch", args.branch] if args.branch else [])])
-    doc = record(args.megatron_lm, branch=args.branch, commit=args.commit, command=command)
+    try:
+        doc = record(args.megatron_lm, branch=args.branch, commit=args.commit, command=command)
+    except TreeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     tmp.write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n", encoding="utf-8")
     tmp.replace(args.out)

@@ -47,8 +47,8 @@ class RecordedPeer(Peer):
     path: Path = Path()
 
     def version(self) -> str | None:
-        commit = self.source.get("commit")
-        return f"{self.source.get('branch', '?')}@{commit[:12]}" if commit else None
+        commit, branch = self.source.get("commit"), self.source.get("branch", "?")
+        return f"{branch}@{commit[:12]}" if commit else f"{branch} tree {self.source.get('tree', '?')} (no commit)"
 
     def side(self, spec: CheckSpec) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The recorded outputs and gradients of ``spec``; ``PeerError`` naming the file otherwise."""

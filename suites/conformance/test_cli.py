@@ -81,3 +81,36 @@ def test_run_embeds_the_matrix_in_the_report(tmp_path, capsys):
     assert 0 == main(["run", "tiny", "--suites-dir", str(tmp_path / "suites"), "--out", str(out), "--no-plots",
                       "--pytest-args", "-p no:hypothesispytest -p no:benchmark -p no:xdist"])
     assert "## Conformance" not in (out / "report.md").read_text()  # no stale matrix
+
+
+def test_a_tree_that_does_not_import_says_why(tmp_path, capsys):
+    """A tree whose megatron.core fails to import (upstream needs triton) is refused with the import error
+    and the interpreter's name, before any check runs."""
+    core = tmp_path / "tree" / "megatron" / "core"
+    (core / "transformer").mkdir(parents=True)
+    (core / "__init__.py").write_text("raise ImportError('No module named triton (planted)')\n")
+    (core / "transformer" / "hyper_connection.py").write_text("")
+    (core / "transformer" / "transformer_config.py").write_text("enable_mhc_connections = True\n")
+    assert 2 == main(["conformance", "--megatron-lm", str(tmp_path / "tree"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "its megatron.core failed to import in" in err and "No module named triton (planted)" in err
+    assert "--megatron-lm-python" in err
+
+
+def test_a_live_tree_matches_its_branchs_recording(tmp_path):
+    """With MHC_MEGATRON_LM (a main or dev checkout) and a Python that loads it (MHC_MEGATRON_LM_PYTHON),
+    the tree's own modules give the variant its branch's recording gives."""
+    import os
+    from pathlib import Path
+
+    from harness.conformance.matrix import run_matrix
+    from harness.peers.megatron_lm import tree_flavor, tree_peers
+
+    tree = os.environ.get("MHC_MEGATRON_LM")
+    if not tree:
+        pytest.skip("MHC_MEGATRON_LM is not set (a Megatron-LM main or dev checkout; the committed recordings "
+                    "stand in for it)")
+    peers = tree_peers(Path(tree), python=os.environ.get("MHC_MEGATRON_LM_PYTHON"))
+    want = {"main": "megatron_main", "dev": "megatron_dev"}[tree_flavor(Path(tree))]
+    for row in run_matrix(peers).peers:
+        assert row.best == want and row.conforms, row.peer
