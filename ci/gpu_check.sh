@@ -54,7 +54,7 @@
 #           (te_triton, tile_kernels: fp32 and bf16 bounds) included where their packages are installed;
 #           conformance.txt and conformance/ in gpu_check.tgz, 120 s; not a default step (the carry
 #           has no TE / tile-kernels wheels yet: docs/conformance.md)
-#   perf    the perf suite (suites/perf, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
+#   perf    the perf suite (suites/perf: kernels, layer and the peers beside ours, never under xdist) with MHC_PERF_GOLDEN=1 --update-golden=all
 #           for reference + cutile (130 s; under this call's tuning.json when the sweep ran), to its own
 #           pytest-benchmark JSON; records
 #           golden/<hw>/perf/*.json, one perf-history record per JSON, and the Markdown table.
@@ -324,7 +324,7 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
     local golden=(--hw "$HW")
     [[ $RECORD -eq 1 ]] && golden+=(--golden-dir "$OUT/golden" --update-golden=all)
     MHC_PERF_GOLDEN=$RECORD TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-8}" timeout "$(limit "$1" "$2")" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" \
-        suites/perf/test_kernels.py suites/perf/test_layer.py -q -k "$3" "${golden[@]}" \
+        suites/perf/test_kernels.py suites/perf/test_layer.py suites/perf/test_peers.py -q -k "$3" "${golden[@]}" \
         --benchmark-json="$OUT/$1.json" > "$OUT/$1.txt" 2>&1
     local rc=$?
     tail -3 "$OUT/$1.txt"

@@ -1,8 +1,9 @@
 """GPU peers: TransformerEngine's Triton mHC and DeepSeek's TileKernels, at fp32 and bf16 bounds.
 
 Both run on CUDA only: on a machine without a GPU (or without the package) they are skipped with
-the reason. Inputs go to the GPU inside each op and the results come back to the CPU, so autograd
-and the checks are the CPU peers' own. Written against the APIs in ``docs/conformance.md``
+the reason. Inputs go to the GPU inside each op and the results come back to the inputs' device, so
+the conformance checks (CPU tensors) are the CPU peers' own and the perf suite (CUDA tensors) times
+the kernels without copies. Written against the APIs in ``docs/conformance.md``
 (TransformerEngine ``transformer_engine.pytorch.triton.mhc``, 2.20; ``tile-kernels`` 2.1.0); they
 first run where ``ci/gpu_check.sh`` gets a GPU (its ``conformance`` step).
 
@@ -84,13 +85,15 @@ class TeTritonPeer(Peer):
         h_res = te.mhc_fused_sinkhorn(logits.reshape(t, 1, n, n), n=n, iters=iterations).reshape(t, n, n)
         agg = te.mhc_fused_aggregate(_cuda(x).permute(0, 2, 1).reshape(t, 1, c, n), h_pre.reshape(t, 1, n), n,
                                      use_tf32=self._tf32(x))
-        return {"h_pre": h_pre.cpu(), "h_post": h_post.cpu(), "h_res": h_res.cpu(), "aggregate": agg.reshape(t, c).cpu()}
+        home = x.device
+        return {"h_pre": h_pre.to(home), "h_post": h_post.to(home), "h_res": h_res.to(home),
+                "aggregate": agg.reshape(t, c).to(home)}
 
     def aggregate(self, x, h_pre):
         t, n, c = x.shape
         out = self._te().mhc_fused_aggregate(_cuda(x).permute(0, 2, 1).reshape(t, 1, c, n),
                                              _cuda(h_pre).reshape(t, 1, n), n, use_tf32=self._tf32(x))
-        return out.reshape(t, c).cpu()
+        return out.reshape(t, c).to(x.device)
 
     def mix(self, h_res, residual, h_post, y):
         t, n, c = residual.shape
@@ -98,12 +101,12 @@ class TeTritonPeer(Peer):
             _cuda(y).reshape(t, 1, c), None, _cuda(h_post).reshape(t, 1, n),
             _cuda(residual).permute(0, 2, 1).reshape(t, 1, c, n), _cuda(h_res).reshape(t, 1, n, n), n,
             use_tf32=self._tf32(residual))
-        return out.reshape(t, c, n).permute(0, 2, 1).cpu()
+        return out.reshape(t, c, n).permute(0, 2, 1).to(residual.device)
 
     def sinkhorn(self, logits, iterations):
         t, n, _ = logits.shape
         return self._te().mhc_fused_sinkhorn(_cuda(logits).reshape(t, 1, n, n), n=n,
-                                             iters=iterations).reshape(t, n, n).cpu()
+                                             iters=iterations).reshape(t, n, n).to(logits.device)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,16 +137,17 @@ class TileKernelsPeer(Peer):
         layer_input, (post, comb) = self._tk().mhc_pre(
             _cuda(x), _cuda(params.weight.float()), _cuda(scale), _cuda(params.bias.float()), mhc_mult=n,
             post_mult_value=2.0, sinkhorn_repeat=iterations)
-        return {"h_post": post.reshape(t, n).cpu(), "h_res": comb.reshape(t, n, n).cpu(),
-                "aggregate": layer_input.reshape(t, c).cpu()}
+        home = x.device
+        return {"h_post": post.reshape(t, n).to(home), "h_res": comb.reshape(t, n, n).to(home),
+                "aggregate": layer_input.reshape(t, c).to(home)}
 
     def mix(self, h_res, residual, h_post, y):
         t, n, c = residual.shape
         out = self._tk().mhc_post(_cuda(y), _cuda(residual), _cuda(h_post.float()), _cuda(h_res.float()))
-        return out.reshape(t, n, c).cpu()
+        return out.reshape(t, n, c).to(residual.device)
 
     def sinkhorn(self, logits, iterations):
-        return self._tk().sinkhorn_normalize(_cuda(logits.float()), repeat=iterations).cpu()
+        return self._tk().sinkhorn_normalize(_cuda(logits.float()), repeat=iterations).to(logits.device)
 
 
 def gpu_peers() -> list[Peer]:

@@ -42,24 +42,43 @@ pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU_SHAPE = (2048, 2, 1024, 8, 4)
 """seq, batch, hidden, heads, n on a GPU (`ci/precompile_cutile.py` compiles its kernels ahead of time)."""
-SEQ, BATCH, HIDDEN, HEADS, N = GPU_SHAPE if DEVICE == "cuda" else (256, 2, 256, 4, 4)
+CPU_SHAPE = (256, 2, 1024, 8, 4)
+"""The largest CPU layer the 2-core box times in seconds: hidden 1024, 512 tokens."""
+SEQ, BATCH, HIDDEN, HEADS, N = GPU_SHAPE if DEVICE == "cuda" else CPU_SHAPE
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
 class Layer(nn.Module):
-    """Pre-norm attention + MLP on [s, b, C]; with `n`, an mHC connection around each sublayer ([s, b, n*C])."""
+    """Pre-norm attention + MLP on [s, b, C]; with `n`, an mHC connection around each sublayer ([s, b, n*C]);
+    with `peer="hf_deepseek_v4"`, the same sublayers inside transformers' `DeepseekV4DecoderLayer.forward`
+    (its `attn_hc` / `ffn_hc` and mixing; its own layout, `[b, s, n, C]`)."""
 
-    def __init__(self, n: int | None, use_fused: bool = False, recompute: bool = False):
+    def __init__(self, n: int | None, use_fused: bool = False, recompute: bool = False, peer: str | None = None):
         super().__init__()
-        self.recompute = recompute
+        self.recompute, self.peer = recompute, peer
         c = HIDDEN
         self.norm1, self.norm2 = nn.RMSNorm(c), nn.RMSNorm(c)
         self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
         self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
         self.n = n
-        if n:
+        if n and peer is None:
             cfg = HyperConnectionConfig(hidden_size=c, num_residual_streams=n, use_fused=use_fused)
             self.hc_attn, self.hc_mlp = HyperConnectionModule(cfg), HyperConnectionModule(cfg)
+        if peer == "hf_deepseek_v4":
+            from harness.peers.hf_deepseek_v4 import _decoder_layer, _hc
+
+            hcs = [_hc(n, c, 20, torch.float32) for _ in (0, 1)]
+            for hc in hcs:  # transformers leaves them uninitialised (torch.empty): the reference's init
+                nn.init.xavier_uniform_(hc.fn)
+                nn.init.zeros_(hc.base)
+                nn.init.constant_(hc.scale, 0.01)
+            self.hf = _decoder_layer(hcs[0], self._attention_bsc, hcs[1], self.mlp)
+        elif peer is not None:
+            raise ValueError(f"Layer(peer={peer!r}): the only layer peer is 'hf_deepseek_v4'")
+
+    def _attention_bsc(self, x: torch.Tensor) -> torch.Tensor:
+        """`attention` on DeepSeek-V4's `[b, s, C]` (the adapter flattens it to `[b*s, C]`)."""
+        return self.attention(x.view(BATCH, SEQ, -1).transpose(0, 1)).transpose(0, 1).reshape(x.shape)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         s, b, c = x.shape
@@ -71,6 +90,8 @@ class Layer(nn.Module):
         return self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.peer:
+            return self.hf(x.view(BATCH, SEQ, self.n, HIDDEN)).view(x.shape)
         if not self.n:
             x = x + self.attention(x)
             return x + self.mlp(x)
@@ -89,7 +110,8 @@ class Layer(nn.Module):
 
 
 def _step(layer: Layer, width: int):
-    x = torch.randn(SEQ, BATCH, width, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    shape = (BATCH, SEQ, width) if layer.peer else (SEQ, BATCH, width)
+    x = torch.randn(*shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
     g = torch.randn_like(x)
 
     def run():
@@ -106,12 +128,17 @@ def _memory(layer: Layer, run) -> dict[str, int | None]:
     return {"saved": saved, "peak": peak_bytes(run, DEVICE)}
 
 
-@pytest.mark.parametrize("backend", ["reference", "compiled", "cutile", "reference+recompute", "cutile+recompute"])
+@pytest.mark.parametrize("backend", ["reference", "compiled", "cutile", "reference+recompute", "cutile+recompute",
+                                     "hf_deepseek_v4"])
 def test_layer_overhead(benchmark, backend, reps, monkeypatch):
-    """mHC layer fwd+bwd time and its overhead over the plain layer, both measured in this run."""
+    """mHC layer fwd+bwd time and its overhead over the plain layer, both measured in this run; the
+    `hf_deepseek_v4` row is the same layer with DeepSeek-V4's mHC (transformers' code) instead of ours."""
     recompute = backend.endswith("+recompute")
     ops_backend = backend.removesuffix("+recompute")
     fused = ops_backend in ("compiled", "cutile")
+    peer = backend if backend == "hf_deepseek_v4" else None
+    if peer:
+        pytest.importorskip("transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed")
     if fused:
         ok, why = dispatch.availability(ops_backend, DEVICE)
         if not ok:
@@ -119,7 +146,7 @@ def test_layer_overhead(benchmark, backend, reps, monkeypatch):
         monkeypatch.setenv("MHC_BACKEND", ops_backend)  # use_fused=True would pick cutile on a GPU
     torch.manual_seed(0)
     plain = Layer(None).to(DEVICE, DTYPE)
-    mhc = Layer(N, use_fused=fused, recompute=recompute).to(DEVICE, DTYPE)
+    mhc = Layer(N, use_fused=fused, recompute=recompute, peer=peer).to(DEVICE, DTYPE)
     run, plain_run = _step(mhc, N * HIDDEN), _step(plain, HIDDEN)
     mhc_t, plain_t = paired_samples([run, plain_run], device=DEVICE, reps=reps, warmup=3)
     mem, plain_mem = _memory(mhc, run), _memory(plain, plain_run)
@@ -129,7 +156,7 @@ def test_layer_overhead(benchmark, backend, reps, monkeypatch):
     benchmark.group = "layer-fwdbwd"
     benchmark.pedantic(synced(run, device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
     benchmark.extra_info.update({
-        "op": "layer", "direction": "fwdbwd", "backend": backend, "device": DEVICE,
+        "op": "layer", "direction": "fwdbwd", "backend": backend, "device": DEVICE, **({"mhc_of": peer} if peer else {}),
         "shape": f"s{SEQ}-b{BATCH}-C{HIDDEN}-n{N}", "median_s": mhc_s, "plain_median_s": plain_s,
         "overhead_ratio": mhc_s / plain_s - 1.0, "plain_saved_bytes": plain_mem["saved"],
         "extra_bytes": extra, "floor_overhead_ratio": floor_s / plain_s,

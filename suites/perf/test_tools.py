@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from pathlib import Path
@@ -212,3 +213,42 @@ def test_saved_activation_bytes_counts_distinct_storages_without_params():
     assert saved_activation_bytes(lambda: lin(x), lin.parameters()) == 64 * 32 * 4  # input only
     assert saved_activation_bytes(lambda: lin(x)) == 64 * 32 * 4 + 16 * 32 * 4  # weight counted when not excluded
     assert peak_bytes(lambda: None, "cpu") is None
+
+
+def _peer(peer, median, ours, op="coefficients", shape="coefficients-T4-n4-C8-fp32", direction="fwd"):
+    return {"name": f"test_peer[{peer}]", "stats": {"median": median},
+            "extra_info": {"op": op, "direction": direction, "backend": peer, "peer": peer, "shape": shape,
+                           "median_s": median, "roofline_ratio": 0.1, "ours_compiled_s": ours,
+                           "ours_roofline_ratio": 0.4, "speedup_vs_peer": median / ours}}
+
+
+def test_peer_table_names_the_fastest_peer_and_our_ratio_to_it(tmp_path, capsys):
+    """Peer rows go to their own table, sorted fastest first per op / direction / shape, each with our
+    speed-up over that peer and over the fastest peer; the table of ours leaves them out."""
+    doc = {"benchmarks": [_peer("hf_deepseek_v4", 0.004, 0.002), _peer("hf_deepseek_v4[compiled]", 0.003, 0.002),
+                          _peer("lucidrains", 0.010, 0.001, op="sinkhorn", shape="sinkhorn-T4-n4-fp32")]}
+    path = tmp_path / "perf.json"
+    path.write_text(json.dumps(doc))
+    assert len(table.rows(path)) == 2  # header only: no peer row among ours
+    rows = table.peer_rows(path)
+    assert rows[2].startswith("| coefficients | fwd | T4-n4-C8-fp32 | hf_deepseek_v4[compiled] | 3.000 ms | 10 % |")
+    assert rows[2].endswith("| 1.50x | hf_deepseek_v4[compiled] | 1.50x |")
+    assert rows[3].endswith("| 2.00x | hf_deepseek_v4[compiled] | 1.50x |"), rows[3]
+    assert rows[4].endswith("| 10.00x | lucidrains | 10.00x |")
+    assert table.main([str(path)]) == 0 and "Peers beside ours" in capsys.readouterr().out
+
+
+def test_peer_cases_and_a_peer_that_does_not_conform_is_not_timed():
+    """Peer cases have unique ids and positive bytes; a peer compared with the wrong variant fails
+    `conforms_at` with its error (so it is skipped, not timed)."""
+    pytest.importorskip("transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed")
+    from suites.perf.peers import PEERS, PeerCase, peer_cases
+
+    cases = peer_cases("cpu")
+    assert len({c.id for c in cases}) == len(cases) and all(c.bytes(d) > 0 for c in cases for d in ("fwd", "fwdbwd"))
+    small = PeerCase(op="layer_mhc", tokens=8, n=4, hidden=8, dtype=torch.float32, device="cpu")
+    hf = next(p for p in PEERS if p.name == "hf_deepseek_v4")
+    assert hf.conforms_at(small)[0]
+    wrong = dataclasses.replace(hf, variant="megatron_main")  # untransposed mix: not DeepSeek-V4's
+    ok, why = wrong.conforms_at(small)
+    assert not ok and "its bound" in why

@@ -1,0 +1,273 @@
+"""What the perf suite times of each peer, beside ours on the same inputs: the peers' natural entry points.
+
+The conformance adapters (``harness.peers``) drive a peer through whatever reaches its code with given
+coefficients, one token at a time where they must; timing needs the calls a user makes, over all
+tokens at once. Per op (``PeerCase.op``):
+
+==================  ===================================================================================
+``coefficients``    H_pre / H_post / H_res (20 Sinkhorn iterations) and the aggregate from the streams:
+                    ours the mapping, Sinkhorn and aggregate ops in a row; DeepSeek-V4
+                    ``DeepseekV4HyperConnection.forward``; TransformerEngine projection, scale, Sinkhorn
+                    and aggregate; TileKernels ``mhc_pre``
+``layer_mhc``       the mHC part of one decoder layer (both sublayers' coefficients and mixes; the
+                    sublayers themselves the identity): ours the ops twice; DeepSeek-V4
+                    ``DeepseekV4DecoderLayer.forward`` with its attention, MoE and norms replaced
+``sinkhorn``        Sinkhorn of fp32 logits, 20 iterations: lucidrains ``sinkhorn_knopps``; TE
+                    ``mhc_fused_sinkhorn``
+==================  ===================================================================================
+
+Ours run the variant the peer conforms to (``megatron_dev`` for DeepSeek-V4, TE and TileKernels,
+``paper`` for lucidrains' Sinkhorn). Before a peer is timed at a shape, its outputs there are compared
+with our reference's (:meth:`PeerTimed.conforms_at`): a peer is timed only where it conforms.
+Bytes: ``mhc_core.analysis.bytes_moved`` of the ops ours runs (``layer_mhc``: twice coefficients +
+``h_post_bda`` without bias).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mhc_core.analysis import bytes_moved
+from mhc_core.kernels import dispatch
+from mhc_core.testing import tolerance
+
+__all__ = ["PEERS", "PeerCase", "PeerTimed", "peer_cases", "ours"]
+
+_DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+ITERATIONS = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerCase:
+    """One peer-comparable op at one size."""
+
+    op: str
+    tokens: int
+    n: int
+    hidden: int
+    dtype: torch.dtype
+    device: str
+
+    @property
+    def id(self) -> str:
+        size = f"T{self.tokens}-n{self.n}" if self.op == "sinkhorn" else f"T{self.tokens}-n{self.n}-C{self.hidden}"
+        return f"{self.op}-{size}-{_DTYPE_NAME[self.dtype]}"
+
+    def bytes(self, direction: str) -> int:
+        act = torch.empty((), dtype=self.dtype).element_size()
+
+        def b(op: str, d: str) -> int:
+            return bytes_moved(op, d, tokens=self.tokens, n=self.n, hidden=self.hidden, act_bytes=act,
+                               with_bias=False).total
+
+        dirs = ("fwd",) if direction == "fwd" else ("fwd", "bwd")
+        if self.op == "sinkhorn":
+            return sum(b("sinkhorn", d) for d in dirs)
+        coeff = sum(b(op, d) for op in ("mapping", "sinkhorn", "h_aggregate") for d in dirs)
+        if self.op == "coefficients":
+            return coeff
+        return 2 * (coeff + sum(b("h_post_bda", d) for d in dirs))
+
+    def inputs(self, requires_grad: bool) -> dict[str, torch.Tensor]:
+        """Seeded inputs: streams ``x [T, n, C]`` in the case dtype, fp32 parameters (two sets for the
+        layer), fp32 ``logits [T, n, n]`` for Sinkhorn."""
+        g = torch.Generator().manual_seed(0)
+        t, n, c = self.tokens, self.n, self.hidden
+        big = n * n + 2 * n
+
+        def rnd(*shape, dtype=torch.float32, scale=1.0):
+            x = (torch.randn(*shape, generator=g) * scale).to(device=self.device, dtype=dtype)
+            return x.requires_grad_(requires_grad)
+
+        if self.op == "sinkhorn":
+            return {"logits": rnd(t, n, n)}
+        out = {"x": rnd(t, n, c, dtype=self.dtype)}
+        for k in range(2 if self.op == "layer_mhc" else 1):
+            out.update({f"w{k}": rnd(big, n * c, scale=0.05), f"a{k}": rnd(3, scale=0.5), f"b{k}": rnd(big, scale=0.5)})
+        return out
+
+
+def peer_cases(device: str) -> list[PeerCase]:
+    """The sizes: the CPU perf registry's largest fp32 and bf16 (T 4096, C 1024 fp32 and 2048 bf16); on a
+    GPU T 8192, C 4096, bf16."""
+    if device == "cuda":
+        sizes, tokens = ((4096, torch.bfloat16),), 8192
+    else:
+        sizes, tokens = ((1024, torch.float32), (2048, torch.bfloat16)), 4096
+    out = [PeerCase(op=op, tokens=tokens, n=4, hidden=c, dtype=dt, device=device)
+           for op in ("coefficients", "layer_mhc") for c, dt in sizes]
+    out.append(PeerCase(op="sinkhorn", tokens=tokens, n=4, hidden=sizes[0][0], dtype=torch.float32, device=device))
+    return out
+
+
+def _coeffs(o, x, w, a, b, variant):
+    t, n, c = x.shape
+    h_pre, h_post, logits = o.mapping(x.reshape(t, n * c), w, a[0:1], a[1:2], a[2:3], b, n, variant=variant)
+    h_res = o.sinkhorn(logits, ITERATIONS, None, variant)
+    return h_pre, h_post, h_res, o.h_aggregate(x, h_pre)
+
+
+def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torch.Tensor]], tuple]:
+    """Our ops on ``backend`` for ``case`` in ``variant``: ``fn(inputs) -> outputs``."""
+    from types import SimpleNamespace
+
+    o = SimpleNamespace(**{op: dispatch.get_impl(op, backend) for op in dispatch.OPS})
+    if case.op == "sinkhorn":
+        return lambda d: (o.sinkhorn(d["logits"], ITERATIONS, None, variant),)
+    if case.op == "coefficients":
+        def coefficients(d):
+            _, h_post, h_res, agg = _coeffs(o, d["x"], d["w0"], d["a0"], d["b0"], variant)
+            return h_post, h_res, agg
+        return coefficients
+
+    def layer(d):
+        x = d["x"]
+        for k in (0, 1):
+            _, h_post, h_res, agg = _coeffs(o, x, d[f"w{k}"], d[f"a{k}"], d[f"b{k}"], variant)
+            x = o.h_post_bda(h_res, x, h_post, agg, None, 0.0, False, variant)
+        return (x,)
+    return layer
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerTimed:
+    """A peer's timed entry points: ``build(case) -> fn(inputs) -> outputs`` in ours' output order."""
+
+    name: str
+    conformance_peer: str
+    """Its row in the conformance matrix (``harness.peers``)."""
+    variant: str
+    ops: frozenset[str]
+    package: str | None = None
+    """The import that must succeed (None: always)."""
+    gpu: bool = False
+    compiled: bool = False
+    cases: Callable[[PeerCase], bool] = lambda case: True
+    """Which cases it is timed at (a compiled peer only at the largest fp32 size, for CI's time)."""
+
+    def unavailable(self, case: PeerCase) -> str | None:
+        if self.gpu and case.device != "cuda":
+            return f"{self.name} runs on NVIDIA GPUs only"
+        if self.package and importlib.util.find_spec(self.package.split(".")[0]) is None:
+            return f"{self.name}: {self.package} is not installed"
+        if case.op not in self.ops:
+            return f"{self.name} has no {case.op} entry point"
+        if not self.cases(case):
+            return f"{self.name} is timed at other sizes (its compiles cost minutes per shape on CPU)"
+        return None
+
+    def build(self, case: PeerCase) -> Callable[[dict[str, torch.Tensor]], tuple]:
+        fn = _BUILDERS[self.name.removesuffix("[compiled]")](case)
+        return torch.compile(fn) if self.compiled else fn
+
+    def conforms_at(self, case: PeerCase) -> tuple[bool, str]:
+        """The peer against our reference on this case's inputs (forward): ``(ok, worst error text)``."""
+        d = case.inputs(requires_grad=False)
+        with torch.no_grad():
+            got, want = self.build(case)(d), ours(case, "reference", self.variant)(d)
+        worst, text = 0.0, ""
+        tol = tolerance(case.dtype, "proj")  # the activation dtype bounds both sides' rounding
+        for i, (a, e) in enumerate(zip(got, want, strict=True)):
+            a64, e64 = a.detach().double().reshape(e.shape), e.detach().double()
+            ratio = float(((a64 - e64).abs() / (tol.atol + tol.rtol * e64.abs())).max())
+            if ratio > worst:
+                worst, text = ratio, f"output {i}: max abs err {float((a64 - e64).abs().max()):.2e}, {ratio:.3g}x its bound"
+        return worst <= 1, text or "exact"
+
+
+def _hf_coefficients(case: PeerCase):
+    from harness.peers.hf_deepseek_v4 import _hc
+
+    n, c = case.n, case.hidden
+    hc = _hc(n, c, ITERATIONS, torch.float32)
+    del hc.fn, hc.base, hc.scale
+
+    def fn(d):
+        hc.fn, hc.base, hc.scale = d["w0"], d["b0"], d["a0"]
+        post, comb, collapsed = hc(d["x"].unsqueeze(0))
+        return post[0], comb[0], collapsed[0]
+    return fn
+
+
+def _hf_layer(case: PeerCase):
+    from harness.peers.hf_deepseek_v4 import _decoder_layer, _hc
+
+    n, c = case.n, case.hidden
+    hcs = [_hc(n, c, ITERATIONS, torch.float32) for _ in (0, 1)]
+    for hc in hcs:
+        del hc.fn, hc.base, hc.scale
+    layer = _decoder_layer(hcs[0], lambda y: y, hcs[1], lambda y: y)
+
+    def fn(d):
+        for k, hc in enumerate(hcs):
+            hc.fn, hc.base, hc.scale = d[f"w{k}"], d[f"b{k}"], d[f"a{k}"]
+        return (layer(d["x"].unsqueeze(0))[0],)
+    return fn
+
+
+def _lucidrains_sinkhorn(case: PeerCase):
+    from hyper_connections.manifold_constrained_hyper_connections import sinkhorn_knopps
+
+    return lambda d: (sinkhorn_knopps(d["logits"], iters=ITERATIONS),)
+
+
+def _te_coefficients(case: PeerCase):
+    from harness.peers.base import SublayerParams
+    from harness.peers.gpu import TeTritonPeer
+
+    te = TeTritonPeer()
+
+    def fn(d):
+        a = d["a0"]
+        p = SublayerParams(n=case.n, weight=d["w0"], alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3],
+                           bias=d["b0"])
+        out = te.coefficients(d["x"], p, ITERATIONS)
+        return out["h_post"], out["h_res"], out["aggregate"]
+    return fn
+
+
+def _te_sinkhorn(case: PeerCase):
+    from harness.peers.gpu import TeTritonPeer
+
+    return lambda d: (TeTritonPeer().sinkhorn(d["logits"], ITERATIONS),)
+
+
+def _tile_kernels_coefficients(case: PeerCase):
+    from harness.peers.base import SublayerParams
+    from harness.peers.gpu import TileKernelsPeer
+
+    tk = TileKernelsPeer()
+
+    def fn(d):
+        a = d["a0"]
+        p = SublayerParams(n=case.n, weight=d["w0"], alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3],
+                           bias=d["b0"])
+        out = tk.coefficients(d["x"], p, ITERATIONS)
+        return out["h_post"], out["h_res"], out["aggregate"]
+    return fn
+
+
+_BUILDERS = {
+    "hf_deepseek_v4": lambda case: _hf_coefficients(case) if case.op == "coefficients" else _hf_layer(case),
+    "lucidrains": _lucidrains_sinkhorn,
+    "te_triton": lambda case: _te_coefficients(case) if case.op == "coefficients" else _te_sinkhorn(case),
+    "tile_kernels": _tile_kernels_coefficients,
+}
+
+PEERS: tuple[PeerTimed, ...] = (
+    PeerTimed(name="hf_deepseek_v4", conformance_peer="hf_deepseek_v4", variant="megatron_dev",
+              ops=frozenset({"coefficients", "layer_mhc"}), package="transformers.models.deepseek_v4"),
+    PeerTimed(name="hf_deepseek_v4[compiled]", conformance_peer="hf_deepseek_v4", variant="megatron_dev",
+              ops=frozenset({"coefficients", "layer_mhc"}), package="transformers.models.deepseek_v4", compiled=True,
+              cases=lambda case: case.device == "cuda" or case.dtype == torch.float32),
+    PeerTimed(name="lucidrains", conformance_peer="lucidrains", variant="paper", ops=frozenset({"sinkhorn"}),
+              package="hyper_connections"),
+    PeerTimed(name="te_triton", conformance_peer="te_triton", variant="megatron_dev",
+              ops=frozenset({"coefficients", "sinkhorn"}), package="transformer_engine", gpu=True),
+    PeerTimed(name="tile_kernels", conformance_peer="tile_kernels", variant="megatron_dev",
+              ops=frozenset({"coefficients"}), package="tile_kernels", gpu=True),
+)

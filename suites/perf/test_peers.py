@@ -1,0 +1,98 @@
+"""Peers beside ours: each peer's op timed in the same run as ours and a same-bytes copy.
+
+Per benchmark (`suites/perf/peers.py` says what runs): the peer's median, bytes/s under the bytes
+model of the ops ours runs, its roofline ratio against the copy timed in the same run, ours on the
+compiled and reference backends in the same alternation, and `speedup_vs_peer` (the peer's time
+over our compiled backend's: > 1 is ours faster). A peer is timed only where its outputs at this
+shape match our reference within the bound (`conforms_at`), and `extra_info["conformance"]` says
+so, with the conformance matrix's verdict for that op. Nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import pytest
+import torch
+
+from harness import TimingCheck
+from mhc_core.kernels import dispatch
+from suites.perf.peers import PEERS, PeerCase, PeerTimed, ours, peer_cases
+from suites.perf.timing import copy_fn, paired_samples, synced
+
+pytestmark = pytest.mark.perf
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_MATRIX: dict[str, object] = {}
+
+
+def _matrix_verdict(peer: PeerTimed, case: PeerCase) -> str:
+    """The conformance matrix's verdict for this op family and dtype (cached per peer)."""
+    from harness.conformance.matrix import run_matrix
+    from harness.peers.registry import select
+
+    if peer.conformance_peer not in _MATRIX:
+        _MATRIX[peer.conformance_peer] = run_matrix(select([peer.conformance_peer])).peers[0]
+    row = _MATRIX[peer.conformance_peer]
+    if row.skipped:
+        return f"matrix: skipped ({row.skipped})"
+    family = {"coefficients": ("coefficients",), "layer_mhc": ("layer", "mix"), "sinkhorn": ("sinkhorn",)}[case.op]
+    cells = [c for c in row.cells(peer.variant) if c.check.startswith(family)]
+    bad = [c.check for c in cells if c.status != "pass"]
+    return (f"matrix vs {peer.variant}: {len(cells) - len(bad)}/{len(cells)} {'/'.join(family)} checks pass"
+            + (f" (not: {', '.join(bad)})" if bad else ""))
+
+
+def _runner(fn, inputs: dict[str, torch.Tensor], direction: str):
+    if direction == "fwd":
+        def fwd():
+            with torch.no_grad():
+                return fn(inputs)
+        return fwd
+    leaves = [v for v in inputs.values() if v.requires_grad]
+    outs = fn(inputs)
+    cot = [torch.randn_like(o) for o in outs]
+
+    def fwdbwd():
+        return torch.autograd.grad(fn(inputs), leaves, cot, allow_unused=True)
+    return fwdbwd
+
+
+@pytest.mark.parametrize("peer", PEERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("direction", ["fwd", "fwdbwd"])
+@pytest.mark.parametrize("case", peer_cases(DEVICE), ids=lambda c: c.id)
+def test_peer(benchmark, golden_metrics, case, direction, peer, reps):
+    """Time one peer's op beside ours (compiled and reference) and a copy of the same bytes."""
+    why = peer.unavailable(case)
+    if why:
+        pytest.skip(why)
+    ok, why = dispatch.availability("compiled", DEVICE)
+    if not ok:
+        pytest.skip(f"our compiled backend is unavailable here: {why}")
+    conforms, worst = peer.conforms_at(case)
+    verdict = _matrix_verdict(peer, case)
+    if not conforms:
+        pytest.skip(f"{peer.name} does not conform to {peer.variant} at {case.id} ({worst}); not timed. {verdict}")
+    inputs = case.inputs(requires_grad=direction == "fwdbwd")
+    nbytes = case.bytes(direction)
+    fns = [_runner(peer.build(case), inputs, direction), copy_fn(nbytes, device=DEVICE),
+           _runner(ours(case, "compiled", peer.variant), inputs, direction),
+           _runner(ours(case, "reference", peer.variant), inputs, direction)]
+    timed = paired_samples(fns, device=DEVICE, reps=reps, warmup=2)  # warm-up 1 compiles, 2 settles
+    peer_s, copy_s, ours_s, ref_s = (statistics.median(t) for t in timed)
+    benchmark.group = f"peer-{case.op}-{direction}"
+    benchmark.pedantic(synced(fns[0], device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
+    benchmark.extra_info.update({
+        "op": case.op, "direction": direction, "backend": peer.name, "peer": peer.name, "shape": case.id,
+        "device": DEVICE, "variant": peer.variant, "median_s": peer_s, "bytes": nbytes,
+        "bytes_per_s": nbytes / peer_s, "copy_bytes_per_s": nbytes / copy_s, "roofline_ratio": copy_s / peer_s,
+        "ours_compiled_s": ours_s, "ours_reference_s": ref_s, "ours_roofline_ratio": copy_s / ours_s,
+        "speedup_vs_peer": peer_s / ours_s, "reference_speedup_vs_peer": peer_s / ref_s,
+        "conformance": f"at {case.id}: {worst}; {verdict}",
+    })
+    assert peer_s > 0 and ours_s > 0 and copy_s > 0
+    if os.environ.get("MHC_PERF_GOLDEN") == "1":
+        golden_metrics.check(
+            f"peer-{case.id}-{direction}-{peer.name}", {"iteration-time": timed[0]},
+            {"iteration-time": TimingCheck(rel_band_slow=0.15, rel_band_fast=0.30, window=(1, len(timed[0])))},
+        )
