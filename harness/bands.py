@@ -28,6 +28,10 @@ DEFAULT_BANDS: Mapping[str, ApproximateCheck] = {
     "lm loss": ApproximateCheck(rtol=1e-5, atol=0.0, max_misses=0),
     "grad-norm": ApproximateCheck(rtol=1e-3, atol=0.0, max_misses=0),
     "num-zeros": ApproximateCheck(rtol=0.2, atol=4.0, max_misses=0),
+    "mhc-amax-gain-fwd": ApproximateCheck(rtol=1e-5, atol=0.0, max_misses=0),
+    "mhc-amax-gain-bwd": ApproximateCheck(rtol=1e-5, atol=0.0, max_misses=0),
+    "mhc-layer-gain-max": ApproximateCheck(rtol=1e-5, atol=0.0, max_misses=0),
+    "mhc-sum-dev-max": ApproximateCheck(rtol=0.0, atol=1e-5, max_misses=0),
 }
 """Measured bands (see the module docstring); a recipe names them with ``band: default``."""
 

@@ -1,4 +1,4 @@
-"""``mhc-harness``: hw, run, recalibrate, diff, import-megatron, conformance, perf-history {append,check,plot}.
+"""``mhc-harness``: hw, run, recalibrate, diff, import-megatron, import-log, conformance, perf-history {append,check,plot}.
 
 Exit codes: 0 success; 1 a failure (test, golden mismatch, regression, differing files for
 ``diff``) or a refused input (any :class:`~harness.errors.GoldenError`: malformed or non-finite
@@ -210,6 +210,26 @@ def _cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import_log(args: argparse.Namespace) -> int:
+    from harness.megatron_log import read_log
+    from harness.schema import dumps_golden
+
+    golden = read_log(args.log)
+    if args.metric:
+        missing = [m for m in args.metric if m not in golden]
+        if missing:
+            raise ValueError(f"{args.log}: no {', '.join(map(repr, missing))} in the log (it has: {', '.join(golden)})")
+        golden = {m: golden[m] for m in args.metric}
+    out = Path(args.out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(dumps_golden(golden, target=str(out)), encoding="utf-8")
+    tmp.replace(out)
+    for m, ser in golden.items():
+        print(f"  {m}: {len(ser.values)} steps ({ser.start_step}..{ser.end_step})")
+    print(f"wrote {out}")
+    return 0
+
+
 def _cmd_perf(args: argparse.Namespace) -> int:
     from harness import perf_history as ph
 
@@ -312,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--golden-dir", default="golden")
     s.add_argument("--allow-unknown-hw", action="store_true")
     s.set_defaults(func=_cmd_import)
+
+    s = sub.add_parser("import-log", help="a Megatron training log (stdout) as a result file (golden schema)")
+    s.add_argument("log")
+    s.add_argument("--out", required=True, help="the result file to write (e.g. results/my_run.json)")
+    s.add_argument("--metric", action="append", default=[], help="keep only these metrics (repeatable)")
+    s.set_defaults(func=_cmd_import_log)
 
     s = sub.add_parser("perf-history", help="append / check / plot the perf history")
     ps = s.add_subparsers(dest="perf_cmd", required=True)

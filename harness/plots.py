@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness.schema import Golden, MetricSeries
 
-__all__ = ["loss_metrics", "mhc_pairs", "plot_case", "plot_overlay"]
+__all__ = ["hc_pairs", "loss_metrics", "mhc_pairs", "plot_case", "plot_overlay", "stability_metrics"]
 
 
 def _figure(n_panels: int = 1):
@@ -37,6 +37,11 @@ def _save(fig, path: str | Path) -> Path:
 def loss_metrics(golden: Mapping[str, MetricSeries]) -> list[str]:
     """Metric names that are losses (contain ``loss``), in order."""
     return [m for m in golden if "loss" in m]
+
+
+def stability_metrics(golden: Mapping[str, MetricSeries]) -> list[str]:
+    """The mHC stability monitor's composite Amax gains (``mhc-amax-gain-*``), in order."""
+    return [m for m in golden if m.startswith("mhc-amax-gain")]
 
 
 def plot_overlay(series: Mapping[str, MetricSeries], *, metric: str, path: str | Path,
@@ -80,3 +85,10 @@ def mhc_pairs(cases: Iterable[str]) -> list[tuple[str, str]]:
     """``(baseline, mhc)`` pairs by name: ``gpt_tp1_mhc`` pairs with ``gpt_tp1``."""
     names = set(cases)
     return sorted((c.replace("_mhc", "", 1), c) for c in names if "_mhc" in c and c.replace("_mhc", "", 1) in names)
+
+
+def hc_pairs(cases: Iterable[str]) -> list[tuple[str, str]]:
+    """``(hc, mhc)`` pairs by name: ``gpt_tp1_hc`` (unconstrained Hyper-Connections) pairs with ``gpt_tp1_mhc``."""
+    names = set(cases)
+    return sorted((c, c.replace("_hc", "_mhc", 1)) for c in names
+                  if "_hc" in c and "_mhc" not in c and c.replace("_hc", "_mhc", 1) in names)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness.errors import GoldenError
-from harness.plots import loss_metrics, mhc_pairs, plot_case, plot_overlay
+from harness.plots import hc_pairs, loss_metrics, mhc_pairs, plot_case, plot_overlay, stability_metrics
 from harness.provenance import utc_now
 from harness.results import CaseOutcome, load_actual
 from harness.runner import RunSummary
@@ -110,7 +110,7 @@ def write_plots(summary: RunSummary, plots_dir: Path) -> list[tuple[str, Path]]:
         if actual is None:
             continue
         by_suite.setdefault(o.suite, {})[o.case] = actual
-        metrics = loss_metrics(actual)
+        metrics = loss_metrics(actual) + stability_metrics(actual)
         if metrics:
             png = plot_case(actual, golden, metrics=metrics, path=plots_dir / f"{_slug(o.suite, o.case)}.png",
                             title=f"{o.suite}/{o.case} on {o.hw}: golden vs actual")
@@ -123,6 +123,13 @@ def write_plots(summary: RunSummary, plots_dir: Path) -> list[tuple[str, Path]]:
                                        path=plots_dir / f"{_slug(suite, base, 'vs', mhc, m)}.png",
                                        title=f"{suite}: {base} vs {mhc} ({m})")
                     out.append((f"{suite}: {base} vs {mhc} ({m})", png))
+        for hc, mhc in hc_pairs(cases):  # the paper's stability figure: HC's gain against mHC's
+            for m in stability_metrics(cases[mhc]):
+                if m in cases[hc]:
+                    png = plot_overlay({hc: cases[hc][m], mhc: cases[mhc][m]}, metric=m,
+                                       path=plots_dir / f"{_slug(suite, hc, 'vs', mhc, m)}.png",
+                                       title=f"{suite}: {hc} (unconstrained) vs {mhc} ({m})")
+                    out.append((f"{suite}: {hc} vs {mhc} ({m})", png))
     return out
 
 

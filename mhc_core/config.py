@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mhc_core.ops._checks import as_int
-from mhc_core.variants import Variant, get_variant
+from mhc_core.variants import ResidualConstraint, Variant, get_variant
 
 __all__ = ["HyperConnectionConfig"]
 
@@ -36,6 +36,9 @@ class HyperConnectionConfig:
     """Initialise `mapping_proj.weight` with xavier-uniform (else leave it zero)."""
     sequence_parallel: bool = False
     """Tag the parameters `sequence_parallel=True` so Megatron all-reduces their grads over TP."""
+    h_res_constraint: ResidualConstraint = ResidualConstraint.SINKHORN
+    """`sinkhorn` (mHC) or `none`: unconstrained Hyper-Connections, `H_res = I + logits` (the baseline of
+    the paper's stability comparison)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, rule: str) -> ValueError:
@@ -55,6 +58,11 @@ class HyperConnectionConfig:
             object.__setattr__(self, "variant", get_variant(self.variant).variant)
         except ValueError:
             raise bad("variant", self.variant, f"valid: {', '.join(v.value for v in Variant)}") from None
+        try:
+            object.__setattr__(self, "h_res_constraint", ResidualConstraint(self.h_res_constraint))
+        except ValueError:
+            raise bad("h_res_constraint", self.h_res_constraint,
+                      f"valid: {', '.join(c.value for c in ResidualConstraint)}") from None
 
     @property
     def num_mapping_outputs(self) -> int:
@@ -73,6 +81,7 @@ class HyperConnectionConfig:
             use_fused=getattr(config, "use_fused_mhc", False),
             perform_initialization=getattr(config, "perform_initialization", True),
             sequence_parallel=getattr(config, "sequence_parallel", False),
+            h_res_constraint=getattr(config, "mhc_h_res_constraint", ResidualConstraint.SINKHORN),
         )
 
 

@@ -21,7 +21,7 @@ from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
 from mhc_core.kernels import select_ops
 from mhc_core.ops._checks import NonFiniteError, check_dim, check_finite, check_rank, shape_str
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
-from mhc_core.variants import get_variant
+from mhc_core.variants import ResidualConstraint, get_variant
 
 __all__ = ["HyperConnectionModule"]
 
@@ -33,7 +33,8 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         mapping_proj.weight `[N, n*C]` xavier-uniform, no bias;
         alpha_pre, alpha_post, alpha_res `[1]` = `init_gating_factor`;
         bias `[N]` zeros, laid out `[pre(n) | post(n) | res(n*n row-major)]`.
-    Under `paper` and `megatron_dev` they stay fp32 when the module is cast to bf16 / fp16
+    With `h_res_constraint="none"` H_res is `I + logits` (unconstrained Hyper-Connections) instead of
+    the Sinkhorn projection. Under `paper` and `megatron_dev` they stay fp32 when the module is cast to bf16 / fp16
     (megatron's `Float16Module`), as upstream dev's `mark_keep_in_fp32`; under `megatron_main`
     they are cast with the model, as upstream main (`mhc_core.precision`).
 
@@ -113,7 +114,10 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
             cfg.norm_eps,
         )
         try:
-            h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, cfg.variant)
+            if cfg.h_res_constraint == ResidualConstraint.NONE:  # unconstrained Hyper-Connections
+                h_res = torch.eye(n, dtype=logits.dtype, device=logits.device) + logits
+            else:
+                h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, cfg.variant)
         except NonFiniteError:  # the reference scans the logits; name where the NaN / inf came from
             check_finite(hidden_states, name="hidden_states", op="HyperConnectionModule.forward")
             for name, p in self.named_parameters():

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Variant", "VariantSpec", "VARIANTS", "get_variant"]
+__all__ = ["ResidualConstraint", "Variant", "VariantSpec", "VARIANTS", "get_variant"]
 
 
 class Variant(enum.StrEnum):
@@ -30,6 +30,19 @@ class Variant(enum.StrEnum):
     MEGATRON_DEV = "megatron_dev"
 
     def __str__(self) -> str:  # "paper", not "Variant.PAPER", in ids and messages
+        return self.value
+
+
+class ResidualConstraint(enum.StrEnum):
+    """How H_res is formed from its logits."""
+
+    SINKHORN = "sinkhorn"
+    """mHC: Sinkhorn-Knopp onto (approximately) doubly stochastic matrices."""
+    NONE = "none"
+    """Unconstrained Hyper-Connections, the HC paper's dynamic form: ``H_res = I + logits`` (identity at
+    init, then whatever training makes of it). The baseline the mHC paper's stability figure compares."""
+
+    def __str__(self) -> str:
         return self.value
 
 

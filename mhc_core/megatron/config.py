@@ -49,6 +49,9 @@ class MHCTransformerConfig(TransformerConfig):
     """Initial value of `alpha_pre`, `alpha_post`, `alpha_res` (>= 0)."""
     mhc_variant: str = Variant.MEGATRON_MAIN.value
     """Numeric convention: `paper`, `megatron_main` (upstream main) or `megatron_dev`."""
+    mhc_h_res_constraint: str = "sinkhorn"
+    """`sinkhorn` (mHC) or `none`: unconstrained Hyper-Connections, `H_res = I + logits` (no upstream
+    equivalent: the baseline of the paper's stability figure)."""
     use_fused_mhc: bool = False
     """Route the mHC ops through `mhc_core.kernels` (requires `enable_mhc_connections`)."""
     mhc_learned_contraction: bool = False
@@ -122,6 +125,8 @@ class MHCTransformerConfig(TransformerConfig):
         except (ValueError, TypeError):
             valid = ", ".join(v.value for v in Variant)
             raise ValueError(_bad("mhc_variant", self.mhc_variant, f"valid: {valid}")) from None
+        if self.mhc_h_res_constraint not in ("sinkhorn", "none"):
+            raise ValueError(_bad("mhc_h_res_constraint", self.mhc_h_res_constraint, "valid: sinkhorn, none"))
 
     def _validate_mhc_compatibility(self) -> None:
         on = "with enable_mhc_connections=True"

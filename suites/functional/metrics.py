@@ -63,6 +63,8 @@ class StepRecord:
     seconds: float
     learning_rate: float
     memory: dict[str, float] = field(default_factory=dict)
+    stability: dict[str, float] = field(default_factory=dict)
+    """The mHC stability monitor's metrics of this step (`mhc_core.monitor.METRICS`), on mHC runs."""
 
     def metrics(self) -> dict[str, float]:
         out = {LM_LOSS: self.loss, ITERATION_TIME: self.seconds}
@@ -71,6 +73,7 @@ class StepRecord:
         if self.num_zeros is not None:
             out[NUM_ZEROS] = self.num_zeros
         out.update(self.memory)
+        out.update(self.stability)
         return out
 
 
@@ -84,6 +87,8 @@ def progress_line(rec: StepRecord, total: int) -> str:
         parts.append(f"grad norm: {rec.grad_norm:.3f}")
     if rec.num_zeros is not None:
         parts.append(f"num zeros: {rec.num_zeros:.0f}")
+    if rec.stability:
+        parts.append(f"mhc amax gain: {rec.stability['mhc-amax-gain-fwd']:.4f}/{rec.stability['mhc-amax-gain-bwd']:.4f}")
     return " | ".join(parts) + " |"
 
 

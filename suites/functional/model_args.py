@@ -52,6 +52,7 @@ class TrainArgs:
     mhc_sinkhorn_iterations: int = 20
     mhc_init_gating_factor: float = 0.01
     mhc_variant: str = "megatron_main"
+    mhc_h_res_constraint: str = "sinkhorn"
     use_fused_mhc: bool = False
     """The fused mHC ops (`mhc_core.kernels` dispatch: cuTile on an NVIDIA GPU, else compiled)."""
     # parallelism
@@ -146,6 +147,7 @@ FLAGS: dict[str, _Flag] = {
     "--mhc-sinkhorn-iterations": _f(int, minimum=1),
     "--mhc-init-gating-factor": _f(float, minimum=0.0),
     "--mhc-variant": _f(str, choices=("paper", "megatron_main", "megatron_dev")),
+    "--mhc-h-res-constraint": _f(str, choices=("sinkhorn", "none")),
     "--use-fused-mhc": _f(bool),
     "--tensor-model-parallel-size": _f(int, minimum=1),
     "--pipeline-model-parallel-size": _f(int, minimum=1),

@@ -68,7 +68,8 @@ def test_upstream_size_recipe_is_gpu_only():
 def test_recipe_checks_follow_metrics_and_hardware():
     """METRICS become harness checks; the CPU entry checks only its `check` list."""
     checks = load_recipe(BASE).checks(HW)
-    assert list(checks) == ["lm loss", "num-zeros", "grad-norm"]
+    assert list(checks) == ["lm loss", "num-zeros", "grad-norm", "mhc-amax-gain-fwd", "mhc-amax-gain-bwd",
+                            "mhc-layer-gain-max", "mhc-sum-dev-max"]
     assert checks["lm loss"] == (ExactCheck(), DEFAULT_BANDS["lm loss"])  # band: default
     assert checks["num-zeros"] == (ExactCheck(), ApproximateCheck(rtol=0.2, atol=4.0, max_misses=0))
     gpu = load_recipe(BASE).checks("dgx_h100")

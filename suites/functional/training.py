@@ -11,6 +11,7 @@ clipping, num-zeros). Loss: Megatron's per-token loss (sum over unmasked tokens,
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -68,7 +69,7 @@ def _config(a: TrainArgs, backend: str) -> Any:
         deterministic_mode=a.deterministic_mode, gradient_accumulation_fusion=False,
         enable_mhc_connections=a.enable_mhc_connections, mhc_num_residual_streams=a.mhc_num_residual_streams,
         mhc_sinkhorn_iterations=a.mhc_sinkhorn_iterations, mhc_init_gating_factor=a.mhc_init_gating_factor,
-        mhc_variant=a.mhc_variant, use_fused_mhc=a.use_fused_mhc,
+        mhc_variant=a.mhc_variant, mhc_h_res_constraint=a.mhc_h_res_constraint, use_fused_mhc=a.use_fused_mhc,
         deallocate_pipeline_outputs=False,
         # gloo matches messages between a pair of ranks first-in-first-out; batched P2P posts sends and
         # receives in one fixed order, which gloo cannot match for PP = 2 (see suites/pp/pp_worker.py).
@@ -140,6 +141,11 @@ class Trainer:
         self.config.no_sync_func = self.chunks[0].no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.dataset = build_train_dataset(a, num_samples=a.train_iters * a.global_batch_size, cache_dir=data_cache)
+        self.monitor = None
+        if a.enable_mhc_connections:  # every step, 64 tokens: the stability curve beside lm loss
+            from mhc_core.monitor import MonitorConfig, StabilityMonitor
+
+            self.monitor = StabilityMonitor(self.chunks, MonitorConfig(every=1, tokens=64))
 
     def load(self, root: Path) -> int:
         """Resume from the checkpoint the tracker in `root` names; returns its iteration."""
@@ -164,11 +170,16 @@ class Trainer:
         self.optimizer.zero_grad()
         data = microbatches(self.dataset, step=step, args=a, dp_rank=ps.get_data_parallel_rank(),
                             dp_size=plan.data_parallel_size, num_microbatches=plan.num_microbatches)
-        reports = get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=data, model=self.chunks[0],
-            num_microbatches=plan.num_microbatches, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
-            forward_only=False,
-        )
+        with self.monitor.sampling(step) if self.monitor else contextlib.nullcontext():
+            reports = get_forward_backward_func()(
+                forward_step_func=self._forward_step, data_iterator=data, model=self.chunks[0],
+                num_microbatches=plan.num_microbatches, seq_length=a.seq_length,
+                micro_batch_size=a.micro_batch_size, forward_only=False,
+            )
+        stability = {}
+        if self.monitor:
+            rep = self.monitor.report(step, group=ps.get_pipeline_model_parallel_group())
+            stability = rep.metrics() if rep else {}
         ok, grad_norm, num_zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -182,7 +193,8 @@ class Trainer:
         return StepRecord(step=step, loss=loss, grad_norm=None if grad_norm is None else float(grad_norm),
                           num_zeros=None if num_zeros is None else float(num_zeros),
                           seconds=time.perf_counter() - start,
-                          learning_rate=self.optimizer.param_groups[0]["lr"], memory=memory_metrics())
+                          learning_rate=self.optimizer.param_groups[0]["lr"], memory=memory_metrics(),
+                          stability=stability)
 
     def train(self, *, start: int = 0, save: Path | None = None) -> list[StepRecord]:
         """Steps start+1 .. train_iters; saves every --save-interval steps into `save` (when given)."""
