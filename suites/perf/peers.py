@@ -26,6 +26,7 @@ Bytes: ``mhc_core.analysis.bytes_moved`` of the ops ours runs (``layer_mhc``: tw
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from mhc_core.analysis import bytes_moved
 from mhc_core.kernels import dispatch
 from mhc_core.testing import tolerance
 
-__all__ = ["PEERS", "PeerCase", "PeerTimed", "peer_cases", "ours"]
+__all__ = ["PEERS", "SMOKE_ENV_VAR", "PeerCase", "PeerTimed", "peer_cases", "ours", "smoke"]
 
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 ITERATIONS = 20
@@ -91,11 +92,22 @@ class PeerCase:
         return out
 
 
+SMOKE_ENV_VAR = "MHC_PERF_SMOKE"
+"""`1`: CI's smoke run (`ci/test.sh`): T 1024, the fp32 size only, DeepSeek-V4 compiled for its
+coefficients only (each compile costs tens of seconds on two cores)."""
+
+
+def smoke() -> bool:
+    return os.environ.get(SMOKE_ENV_VAR) == "1"
+
+
 def peer_cases(device: str) -> list[PeerCase]:
     """The sizes: the CPU perf registry's largest fp32 and bf16 (T 4096, C 1024 fp32 and 2048 bf16); on a
-    GPU T 8192, C 4096, bf16."""
+    GPU T 8192, C 4096, bf16; in a smoke run (`MHC_PERF_SMOKE=1`) T 1024 at C 1024 fp32."""
     if device == "cuda":
         sizes, tokens = ((4096, torch.bfloat16),), 8192
+    elif smoke():
+        sizes, tokens = ((1024, torch.float32),), 1024
     else:
         sizes, tokens = ((1024, torch.float32), (2048, torch.bfloat16)), 4096
     out = [PeerCase(op=op, tokens=tokens, n=4, hidden=c, dtype=dt, device=device)
@@ -263,7 +275,8 @@ PEERS: tuple[PeerTimed, ...] = (
               ops=frozenset({"coefficients", "layer_mhc"}), package="transformers.models.deepseek_v4"),
     PeerTimed(name="hf_deepseek_v4[compiled]", conformance_peer="hf_deepseek_v4", variant="megatron_dev",
               ops=frozenset({"coefficients", "layer_mhc"}), package="transformers.models.deepseek_v4", compiled=True,
-              cases=lambda case: case.device == "cuda" or case.dtype == torch.float32),
+              cases=lambda case: case.device == "cuda" or (case.dtype == torch.float32
+                                                          and not (smoke() and case.op == "layer_mhc"))),
     PeerTimed(name="lucidrains", conformance_peer="lucidrains", variant="paper", ops=frozenset({"sinkhorn"}),
               package="hyper_connections"),
     PeerTimed(name="te_triton", conformance_peer="te_triton", variant="megatron_dev",
