@@ -333,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-unknown-hw", action="store_true")
     s.set_defaults(func=_cmd_import)
 
-    s = sub.add_parser("import-log", help="a Megatron training log (stdout) as a result file (golden schema)")
-    s.add_argument("log")
+    s = sub.add_parser("import-log", help="a Megatron training log (stdout, or a TensorBoard log directory) as a "
+                                          "result file (golden schema)")
+    s.add_argument("log", help="a text log, a TensorBoard log directory or an events.out.tfevents.* file")
     s.add_argument("--out", required=True, help="the result file to write (e.g. results/my_run.json)")
     s.add_argument("--metric", action="append", default=[], help="keep only these metrics (repeatable)")
     s.set_defaults(func=_cmd_import_log)

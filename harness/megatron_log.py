@@ -1,4 +1,5 @@
-"""A Megatron training log (its stdout) as golden-schema series, so ``diff`` and the plots work on a user's run.
+"""A Megatron training log (its stdout, or its TensorBoard event files) as golden-schema series, so ``diff``
+and the plots work on a user's run.
 
 Megatron-LM's ``training_log`` prints one line per logged step::
 
@@ -11,6 +12,10 @@ run logs the same through ``log_report``). Every ``key: number`` field becomes a
 golden files name it (``lm loss``, ``grad-norm``, ``num-zeros``, ``iteration-time`` in seconds,
 ``mhc-amax-gain-fwd`` / ``-bwd``; any other key with spaces turned into dashes). Lines without
 ``iteration N/M`` are ignored; a step logged twice (a resumed run) keeps its last value.
+
+A TensorBoard log directory (or one ``events.out.tfevents.*`` file) is read with TensorBoard's own
+``EventAccumulator``: every scalar tag becomes a series under its tag, ``mhc/<metric>`` (what
+``mhc_core.monitor.log_report`` writes) under ``<metric>``. Needs the ``tensorboard`` package.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 from harness.errors import GoldenFormatError
 from harness.schema import Golden, MetricSeries
 
-__all__ = ["parse_log", "read_log"]
+__all__ = ["parse_log", "read_log", "read_tensorboard"]
 
 _ITER = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
 _FIELD = re.compile(r"^\s*([A-Za-z][A-Za-z0-9 ()/_.-]*?)\s*:\s*([-+0-9.eEinfINFnaN/]+)\s*$")
@@ -75,8 +80,35 @@ def parse_log(lines: Iterable[str], *, source: str) -> Golden:
     return {name: MetricSeries.from_steps(values) for name, values in series.items()}
 
 
+def read_tensorboard(path: str | Path) -> Golden:
+    """The scalar series of a TensorBoard log directory or event file (see the module docstring)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise GoldenFormatError(f"{path}: reading TensorBoard event files needs the tensorboard package "
+                                "(pip install tensorboard)") from None
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags().get("scalars", [])
+    if not tags:
+        raise GoldenFormatError(f"{path}: no TensorBoard scalars (not an event file or log directory?)")
+    out: Golden = {}
+    for tag in tags:
+        values = {}
+        for event in acc.Scalars(tag):
+            if not math.isfinite(event.value):
+                raise GoldenFormatError(f"{path}: tag {tag!r} step {event.step} is {event.value}; a result file "
+                                        "holds finite values only")
+            values[int(event.step)] = float(event.value)
+        out[tag.removeprefix("mhc/")] = MetricSeries.from_steps(values)
+    return out
+
+
 def read_log(path: str | Path) -> Golden:
-    """:func:`parse_log` of a file (decoded as UTF-8, undecodable bytes replaced)."""
+    """A TensorBoard directory or ``events.out.tfevents.*`` file (:func:`read_tensorboard`), else a text log
+    (:func:`parse_log`, decoded as UTF-8, undecodable bytes replaced)."""
     path = Path(path)
+    if path.is_dir() or path.name.startswith("events.out.tfevents"):
+        return read_tensorboard(path)
     with path.open(encoding="utf-8", errors="replace") as f:
         return parse_log(f, source=str(path))

@@ -44,3 +44,27 @@ def test_import_log_writes_a_result_file_diff_can_read(tmp_path, capsys):
     assert 0 == main(["diff", str(out), str(out)])
     assert 2 == main(["import-log", str(log), "--out", str(out), "--metric", "nope"])
     assert "no 'nope' in the log" in capsys.readouterr().err
+
+
+def test_a_tensorboard_run_reads_back(tmp_path):
+    """The monitor's scalars written through a real SummaryWriter (log_report) come back under their
+    metric names, beside Megatron's own tags."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (the test extra has it)")
+    from torch.utils.tensorboard import SummaryWriter
+
+    from harness.megatron_log import read_log
+    from mhc_core.monitor import StabilityReport, log_report
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step in (10, 20):
+        writer.add_scalar("lm loss", 5.0 - step / 10, step)
+        log_report(StabilityReport(step=step, forward_gain=1.0 + step / 1000, backward_gain=1.0, worst_layer_gain=1.0,
+                                   worst_layer="hc", sum_deviation=0.0, orientation_error=0.0, sublayers=4,
+                                   tokens=64, seconds=0.001), tensorboard=writer)
+    writer.close()
+    g = read_log(tmp_path / "tb")
+    assert g["lm loss"].values == {10: 4.0, 20: 3.0}
+    assert g["mhc-amax-gain-fwd"].values == pytest.approx({10: 1.01, 20: 1.02})
+    out = tmp_path / "run.json"
+    assert 0 == main(["import-log", str(tmp_path / "tb"), "--out", str(out), "--metric", "mhc-amax-gain-fwd"])
+    assert list(load_golden(out)) == ["mhc-amax-gain-fwd"]
