@@ -256,7 +256,10 @@ def _cmd_perf(args: argparse.Namespace) -> int:
         print(ph.format_verdicts(verdicts))
         bad = {"regression"} | ({"improved"} if args.fail_on_improvement else set())
         return 1 if any(v.status in bad for v in verdicts) else 0
-    for p in ph.plot_history(records, args.out):
+    from harness.perf_page import write_pages
+
+    pngs = ph.plot_history(records, args.out)
+    for p in [*pngs, *write_pages(records, pngs, args.out)]:
         print(f"wrote {p}")
     return 0
 
@@ -353,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--band-slow", type=float, default=0.10, help="regression band (default 0.10)")
     c.add_argument("--band-fast", type=float, default=0.20, help="improvement band (default 0.20)")
     c.add_argument("--fail-on-improvement", action="store_true")
-    pl = ps.add_parser("plot", help="one trend PNG per hardware and benchmark group")
+    pl = ps.add_parser("plot", help="one trend PNG per hardware and benchmark group, and a summary page "
+                                    "(<hw>.md) per hardware")
     pl.add_argument("--history", required=True)
     pl.add_argument("--out", required=True)
     s.set_defaults(func=_cmd_perf)
