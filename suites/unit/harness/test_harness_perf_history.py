@@ -109,10 +109,11 @@ class TestCheck:
 
 class TestPlot:
     def test_png_per_group(self, history, tmp_path, capsys):
-        """plot writes one trend PNG per hardware and benchmark group."""
+        """plot writes one trend PNG per hardware and benchmark group, and the hardware's summary page."""
         assert 0 == main(["perf-history", "plot", "--history", str(history), "--out", str(tmp_path / "plots")])
-        pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+        pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
         assert ["perf_cpu_x86_64_sinkhorn.png"] == pngs
+        assert sorted(p.name for p in (tmp_path / "plots").glob("*.md")) == ["cpu_x86_64.md"]
         assert (tmp_path / "plots" / pngs[0]).read_bytes().startswith(b"\x89PNG")
 
 
