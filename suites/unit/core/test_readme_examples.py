@@ -45,3 +45,21 @@ def test_megatron_gpt_example_builds_an_mhc_model():
             + "print(type(model).__name__, len(keys), keys[0])\n")
     assert _run(code).split("\n")[-2] == (
         "MHCGPTModel 24 decoder.layers.0.self_attention_hyper_connection.mapping_proj.weight")
+
+
+def test_stability_example_reports_a_gain():
+    """'Stability in your run' runs around a real mHC stack (its `model`, `train_step` and writers stood
+    in) and reports a composite gain of 1 for mHC."""
+    setup = (
+        "import torch\nfrom mhc_core import HyperConnectionConfig, HyperConnectionModule, expand\n"
+        "cfg = HyperConnectionConfig(hidden_size=16, num_residual_streams=4)\n"
+        "model = torch.nn.ModuleList(HyperConnectionModule(cfg) for _ in range(4))\n"
+        "def train_step(*args):\n"
+        "    x = expand(torch.randn(8, 2, 16), 4)\n"
+        "    for hc in model:\n"
+        "        agg, h_res, h_post, residual = hc(x)\n"
+        "        x = hc.post_residual_bda(h_res, residual, h_post, (torch.tanh(agg), None))\n"
+        "    return x.sum()\n"
+        "step, pipeline_group, tb_writer, wandb_run = 100, None, None, None\n")
+    code = setup + _example("Stability in your run") + "print(report.sublayers, round(report.forward_gain, 4))\n"
+    assert _run(code).split("\n")[-2] == "4 1.0"
