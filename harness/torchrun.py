@@ -1,12 +1,16 @@
 """Launch a script under `torchrun` in a subprocess with a timeout; never leave a process behind.
 
-A crashed rank fails the launch with that rank's stderr; a hung run is killed (its whole process
-group) at the timeout, also with every rank's stderr tail.
+One node by default (`--standalone`); with a `harness.rendezvous.Rendezvous` the agent joins a
+multi-node job instead (c10d or static rendezvous), refusing a taken store port up front and naming
+how many nodes had joined when the rendezvous times out. A crashed rank fails the launch with that
+rank's stderr; a hung run is killed (its whole process group) at the timeout, also with every rank's
+stderr tail. `harness.local_nodes` starts several agents on one machine.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LaunchError", "LaunchResult", "launch", "rank_logs"]
+from harness.rendezvous import JoinWatcher, Rendezvous, check_port_free, diagnose
+
+__all__ = ["LaunchError", "LaunchResult", "failed_ranks", "kill_group", "launch", "rank_logs", "torchrun_command", "worker_env"]
 
 _TAIL = 4000
 
@@ -36,6 +42,8 @@ class LaunchResult:
     log_dir: Path
     seconds: float
     timed_out: bool
+    cause: str | None = None
+    """A rendezvous diagnosis (`harness.rendezvous.diagnose`), when the launch failed in the rendezvous."""
 
 
 def rank_logs(log_dir: Path) -> dict[int, str]:
@@ -50,7 +58,8 @@ def rank_logs(log_dir: Path) -> dict[int, str]:
     return out
 
 
-def _kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL, the process group of `proc` (started with `start_new_session`)."""
     try:
         pgid = os.getpgid(proc.pid)
     except ProcessLookupError:
@@ -78,6 +87,26 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def torchrun_command(script: str | Path, args: list[str] | tuple[str, ...] = (), *, nproc: int, log_dir: Path,
+                     rendezvous: Rendezvous | None = None) -> list[str]:
+    """The torchrun command line: `--standalone` on one node, else the rendezvous's flags."""
+    where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
+    return [
+        sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
+        f"--log-dir={log_dir}", "--redirects=3", "--tee=3", str(script), *map(str, args),
+    ]
+
+
+def worker_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with one BLAS thread per rank, unbuffered output, and `env` on top."""
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    return full_env
+
+
 def launch(
     script: str | Path,
     args: list[str] | tuple[str, ...] = (),
@@ -87,58 +116,85 @@ def launch(
     log_dir: str | Path,
     env: dict[str, str] | None = None,
     check: bool = True,
+    rendezvous: Rendezvous | None = None,
 ) -> LaunchResult:
-    """Run `torchrun --standalone --nproc-per-node nproc script args` and wait at most `timeout` s.
+    """Run `torchrun --nproc-per-node nproc script args` and wait at most `timeout` s.
 
+    One node (`--standalone`) unless `rendezvous` says which multi-node job this agent joins; a host
+    agent whose store port is taken raises `OSError` naming the endpoint before anything starts.
     Every rank's stdout/stderr is redirected into `log_dir` (and tee'd to the combined output).
     On a non-zero exit or a timeout, raises `LaunchError` (when `check`) whose message names the
-    failing ranks and shows the tail of their stderr. The whole process group is killed on the way
-    out, so no rank outlives the call.
+    failing ranks and shows the tail of their stderr (or the rendezvous's failure: how many nodes
+    joined before its timeout). The whole process group is killed on the way out, so no rank
+    outlives the call.
     """
+    if rendezvous is not None and rendezvous.hosts_store:
+        check_port_free(rendezvous.endpoint)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        f"--log-dir={log_dir}", "--redirects=3", "--tee=3", str(script), *map(str, args),
-    ]
-    full_env = dict(os.environ)
-    full_env.setdefault("OMP_NUM_THREADS", "1")
-    full_env["PYTHONUNBUFFERED"] = "1"
-    if env:
-        full_env.update(env)
+    cmd = torchrun_command(script, args, nproc=nproc, log_dir=log_dir, rendezvous=rendezvous)
+    watcher = JoinWatcher(rendezvous) if rendezvous is not None else None
     start = time.monotonic()
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, text=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=worker_env(env), start_new_session=True, text=True
     )
+    if watcher is not None:
+        watcher.start()
     timed_out = False
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc)
+        kill_group(proc)
         output, _ = proc.communicate()
     finally:
-        _kill_group(proc)
+        kill_group(proc)
+        if watcher is not None:
+            watcher.stop()
+    output = output or ""
+    failed = timed_out or proc.returncode != 0
+    cause = diagnose(output, rendezvous, watcher.joined) if failed and rendezvous is not None else None
     result = LaunchResult(
-        returncode=proc.returncode, output=output or "", log_dir=log_dir,
-        seconds=time.monotonic() - start, timed_out=timed_out,
+        returncode=proc.returncode, output=output, log_dir=log_dir,
+        seconds=time.monotonic() - start, timed_out=timed_out, cause=cause,
     )
-    if check and (timed_out or proc.returncode != 0):
-        raise LaunchError(_describe(script, nproc, timeout, result), result)
+    if check and failed:
+        raise LaunchError(_describe(script, nproc, timeout, result, rendezvous), result)
     return result
 
 
-def _describe(script, nproc: int, timeout: float, result: LaunchResult) -> str:
+_FAILURE_ROW = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+_ROOT_CAUSE = "Root Cause (first observed failure)"
+
+
+def failed_ranks(output: str) -> list[tuple[int, int, int]]:
+    """`[(rank, local_rank, exitcode)]` from torchrun's failure table (`ChildFailedError`) in `output`,
+    the root cause (torchrun's first observed failure) first."""
+    head, _, root = output.rpartition(_ROOT_CAUSE) if _ROOT_CAUSE in output else ("", "", output)
+    rows = [(int(r), int(lr), int(code)) for r, lr, code in _FAILURE_ROW.findall(root)]
+    return rows + [row for row in ((int(r), int(lr), int(c)) for r, lr, c in _FAILURE_ROW.findall(head))
+                   if row not in rows]
+
+
+def _describe(script, nproc: int, timeout: float, result: LaunchResult, rendezvous: Rendezvous | None = None) -> str:
     logs = rank_logs(result.log_dir)
+    where = f"{nproc} ranks" if rendezvous is None else f"{nproc} ranks on {rendezvous.node} of {rendezvous.nnodes} nodes"
     head = (
-        f"torchrun {Path(script).name} ({nproc} ranks) timed out after {timeout:.0f} s and was killed"
+        f"torchrun {Path(script).name} ({where}) timed out after {timeout:.0f} s and was killed"
         if result.timed_out
-        else f"torchrun {Path(script).name} ({nproc} ranks) exited with code {result.returncode}"
+        else f"torchrun {Path(script).name} ({where}) exited with code {result.returncode}"
     )
+    if result.cause:  # the ranks never started (or never got the store): the agent's output says why
+        return f"{head}: {result.cause}\n--- torchrun output (tail) ---\n{result.output[-_TAIL:]}"
     failing = [r for r, text in logs.items() if "Traceback" in text or "Error" in text]
-    parts = [head + (f"; failing ranks: {failing}" if failing else "")]
+    which = "ranks" if rendezvous is None else "local ranks"
+    parts = [head + (f"; failing {which}: {failing}" if failing else "")]
+    if rendezvous is not None:
+        parts += [f"rank {r} (local rank {lr}) exited with code {code}" for r, lr, code in failed_ranks(result.output)]
     for rank in failing or sorted(logs):
-        parts.append(f"--- rank {rank} stderr (tail) ---\n{logs[rank][-_TAIL:]}")
+        parts.append(f"--- {which[:-1]} {rank} stderr (tail) ---\n{logs[rank][-_TAIL:]}")
     if not logs:
         parts.append(f"--- torchrun output (tail) ---\n{result.output[-_TAIL:]}")
     return "\n".join(parts)

@@ -14,7 +14,7 @@ METRICS:                      # every checked metric and its tolerances
   iteration-time: {timing: {slow: 0.10, fast: 0.30}}
 HARDWARE:
   cpu_x86_64: {nproc: 1, backend: gloo, dtype: fp32, iterations: 24, check: [lm loss]}
-  dgx_h100:   {nproc: 8, backend: nccl, dtype: bf16}
+  dgx_h100:   {nproc: 8, backend: nccl, dtype: bf16, nnodes: 2}   # nproc per node
 ```
 
 Every error is a `ValueError` naming the file and the key (and the bad value).
@@ -44,6 +44,7 @@ __all__ = [
     "Recipe",
     "RunPlan",
     "CPU_ISA_PINS",
+    "as_nodes",
     "cpu_isa_pins",
     "dump_plan",
     "load_plan",
@@ -57,7 +58,7 @@ TOP_KEYS = ("DESCRIPTION", "ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS", "HA
 TEST_TYPES = ("regular", "ckpt-resume")
 _METRIC_KEYS = ("exact", "band", "rtol", "atol", "max_misses", "timing")
 _TIMING_KEYS = ("slow", "fast", "window")
-_HW_KEYS = ("nproc", "backend", "dtype", "iterations", "deterministic", "check", "timeout")
+_HW_KEYS = ("nproc", "nnodes", "backend", "dtype", "iterations", "deterministic", "check", "timeout")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -97,6 +98,9 @@ class HardwareSpec:
 
     key: str
     nproc: int
+    """Processes per node (torchrun's `--nproc-per-node`)."""
+    nnodes: int = 1
+    """Nodes; the job has `nnodes * nproc` ranks."""
     backend: str
     """`gloo` (CPU) or `nccl` (GPU)."""
     dtype: str
@@ -146,6 +150,8 @@ class RunPlan:
     case: str
     hw: str
     nproc: int
+    """Ranks per node."""
+    nnodes: int = 1
     backend: str
     deterministic: bool
     timeout: float
@@ -153,8 +159,12 @@ class RunPlan:
     args: TrainArgs
 
     @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.nproc // self.args.model_parallel_size
+        return self.world_size // self.args.model_parallel_size
 
     @property
     def num_microbatches(self) -> int:
@@ -246,6 +256,8 @@ def _hardware(path: Path, key: Any, raw: Any, metrics: tuple[MetricSpec, ...]) -
         if req not in raw:
             raise ValueError(f"{path}: {where}: missing required key {req!r}")
     kw: dict[str, Any] = {"key": key, "nproc": _int(path, f"{where}.nproc", raw["nproc"])}
+    if "nnodes" in raw:
+        kw["nnodes"] = _int(path, f"{where}.nnodes", raw["nnodes"])
     if raw["backend"] not in ("gloo", "nccl"):
         raise _err(path, f"{where}.backend", raw["backend"], "valid: gloo, nccl")
     if raw["dtype"] not in ("fp32", "bf16"):
@@ -347,23 +359,34 @@ def resolve(recipe: Recipe, hw: str, *, variables: Mapping[str, str] | None = No
     for flag, value in (overrides or {}).items():
         raw[flag] = value
     args = parse_model_args(_expand(raw, variables or {}, recipe.path), source=str(recipe.path))
-    if spec.nproc % args.model_parallel_size:
+    world = spec.nproc * spec.nnodes
+    ranks = f"nproc {spec.nproc}" + (f" x nnodes {spec.nnodes}" if spec.nnodes > 1 else "")
+    if world % args.model_parallel_size:
         raise _err(recipe.path, f"HARDWARE.{hw}.nproc", spec.nproc,
-                   f"must be a multiple of TP*PP = {args.model_parallel_size}")
-    dp = spec.nproc // args.model_parallel_size
+                   f"{ranks} = {world} ranks must be a multiple of TP*PP = {args.model_parallel_size}")
+    dp = world // args.model_parallel_size
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise _err(recipe.path, "MODEL_ARGS.--global-batch-size", args.global_batch_size,
                    f"must be a multiple of --micro-batch-size * DP = {args.micro_batch_size} * {dp} "
-                   f"(DP = nproc {spec.nproc} / TP*PP {args.model_parallel_size} on {hw})")
+                   f"(DP = {ranks} / TP*PP {args.model_parallel_size} on {hw})")
     if spec.backend == "gloo" and args.sequence_parallel:
         raise _err(recipe.path, "MODEL_ARGS.--sequence-parallel", True,
                    f"not possible on {hw} (gloo, no Transformer Engine / apex)")
     if spec.backend == "gloo" and args.transformer_impl != "local":
         raise _err(recipe.path, "MODEL_ARGS.--transformer-impl", args.transformer_impl,
                    f"only 'local' runs on {hw} (Transformer Engine needs CUDA)")
-    return RunPlan(case=recipe.name, hw=hw, nproc=spec.nproc, backend=spec.backend,
+    return RunPlan(case=recipe.name, hw=hw, nproc=spec.nproc, nnodes=spec.nnodes, backend=spec.backend,
                    deterministic=spec.deterministic, timeout=spec.timeout,
                    env={**cpu_isa_pins(spec.backend, profile=numerics), **recipe.env_vars}, args=args)
+
+
+def as_nodes(plan: RunPlan, nnodes: int) -> RunPlan:
+    """`plan` with the same ranks spread over `nnodes` nodes (same world, TP, PP, DP and batches,
+    so the same golden values); `ValueError` when the world does not divide."""
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1 or plan.world_size % nnodes:
+        raise ValueError(f"{plan.case}: cannot spread {plan.world_size} ranks over nnodes={nnodes!r} "
+                         f"(the world size must be a multiple of the node count)")
+    return dataclasses.replace(plan, nproc=plan.world_size // nnodes, nnodes=nnodes)
 
 
 CPU_ISA_PINS = cpu_isa_pins("gloo", "x86_64", CpuNumerics.AVX2)

@@ -5,6 +5,10 @@ step, from the text the repository ships), writes the run plan, starts `worker.p
 `harness.torchrun.launch` (gloo on CPU, NCCL on GPU; a timeout kills the whole launch), echoes
 the progress lines of the rank that holds the loss while it runs, and returns the metrics that
 rank wrote (Megatron's golden schema). `run_ckpt_resume` is upstream's ckpt-resume flow.
+
+A plan of several nodes (`nnodes`) runs as that many torchrun agents on this machine
+(`harness.local_nodes`, a c10d rendezvous on 127.0.0.1); on a cluster each node runs its own
+agent instead (`run_node`, driven by `suites/functional/multinode.py` and `ci/slurm/`).
 """
 
 from __future__ import annotations
@@ -20,17 +24,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.torchrun import launch
+from harness.local_nodes import launch_nodes
+from harness.rendezvous import Rendezvous, check_port_free
+from harness.torchrun import LaunchResult, launch
 from suites.functional.checkpoint import rewind_tracker
 from suites.functional.data import ensure_indexed_dataset
 from suites.functional.metrics import read_metrics
 from suites.functional.numerics import CpuNumerics
 from suites.functional.recipe import RECIPE_DIR, RunPlan, dump_plan, load_recipe, resolve
 
-__all__ = ["REPO_ROOT", "WORKER", "RunResult", "plan_case", "run_case", "run_ckpt_resume", "run_plan"]
+__all__ = ["CRASH_RANK_ENV_VAR", "REPO_ROOT", "WORKER", "RunResult", "plan_case", "run_case", "run_ckpt_resume",
+           "prepare_out_dir", "run_node", "run_plan"]
 
 WORKER = Path(__file__).with_name("worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CRASH_RANK_ENV_VAR = "MHC_FUNCTIONAL_TEST_CRASH_RANK"
+"""Test hook: the global rank that raises right after joining the process group (worker.py)."""
 DATA_VARIABLE = "FUNCTIONAL_DATA"
 """`${FUNCTIONAL_DATA}` in MODEL_ARGS: where the runner builds the indexed datasets."""
 
@@ -54,20 +63,18 @@ def plan_case(case: str, hw: str, *, data_dir: Path, overrides: Mapping[str, Any
     return resolve(recipe, hw, variables={DATA_VARIABLE: str(data_dir)}, overrides=overrides, numerics=numerics)
 
 
-def _tail(log_dir: Path, rank: int, stop: threading.Event, echo: Callable[[str], None]) -> None:
-    """Echo the progress lines of `rank` from torchrun's per-rank stdout log while it grows."""
-    offset, path = 0, None
+def _tail(log_dir: Path, stop: threading.Event, echo: Callable[[str], None]) -> None:
+    """Echo the progress lines (only the rank that holds the loss prints them) from torchrun's
+    per-rank stdout logs under `log_dir`, one agent's or several nodes', while they grow."""
+    offsets: dict[Path, int] = {}
     while True:
         done = stop.is_set()
-        if path is None:
-            found = sorted(log_dir.glob(f"*/attempt_*/{rank}/stdout.log"))
-            path = found[-1] if found else None
-        if path is not None:
+        for path in sorted(log_dir.glob("**/attempt_*/*/stdout.log")):
             with path.open(encoding="utf-8", errors="replace") as f:
-                f.seek(offset)
+                f.seek(offsets.get(path, 0))
                 chunk = f.read()
             complete = chunk[: chunk.rfind("\n") + 1]
-            offset += len(complete.encode("utf-8"))
+            offsets[path] = offsets.get(path, 0) + len(complete.encode("utf-8"))
             for line in complete.splitlines():
                 if " iteration " in line:
                     echo(line)
@@ -76,36 +83,54 @@ def _tail(log_dir: Path, rank: int, stop: threading.Event, echo: Callable[[str],
         stop.wait(0.25)
 
 
-def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None = None, load: Path | None = None,
-             echo: Callable[[str], None] | None = None, timeout: float | None = None) -> RunResult:
-    """Launch `plan` into `out_dir`; raises `LaunchError` (with the failing ranks' stderr) on failure."""
-    if save is not None and importlib.util.find_spec("psutil") is None:
-        raise RuntimeError(f"{plan.case}: saving a torch_dist checkpoint needs psutil (megatron-core 0.16.1's "
-                           "filesystem_async writer imports it without declaring it); install the test extra")
+def prepare_out_dir(plan: RunPlan, out_dir: Path, data_dir: Path, plan_name: str = "plan.json") -> list[str]:
+    """Build the plan's dataset, write the plan into `out_dir`; the worker's arguments."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if not plan.args.mock_data:
         ensure_indexed_dataset(plan.args.data_path)
-    plan_file = dump_plan(plan, out_dir / "plan.json")
-    args = ["--plan", plan_file, "--out", out_dir, "--data-cache", data_dir / "cache"]
+    plan_file = dump_plan(plan, out_dir / plan_name)
+    return [str(x) for x in ("--plan", plan_file, "--out", out_dir, "--data-cache", data_dir / "cache")]
+
+
+def _worker_env(plan: RunPlan) -> dict[str, str]:
+    return {**plan.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def _describe_plan(plan: RunPlan) -> str:
+    ranks = f"{plan.nnodes} nodes x {plan.nproc} ranks" if plan.nnodes > 1 else f"{plan.nproc} rank(s)"
+    return (f"{plan.case} on {plan.hw}: {ranks}, {plan.backend}, TP{plan.args.tensor_model_parallel_size} "
+            f"PP{plan.args.pipeline_model_parallel_size} DP{plan.data_parallel_size}, {plan.args.train_iters} iterations")
+
+
+def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None = None, load: Path | None = None,
+             echo: Callable[[str], None] | None = None, timeout: float | None = None,
+             env: Mapping[str, str] | None = None) -> RunResult:
+    """Launch `plan` into `out_dir`; raises `LaunchError` (with the failing ranks' stderr) on failure.
+    A plan of `nnodes > 1` runs as that many torchrun agents on this machine (c10d on 127.0.0.1).
+    `env` adds to the ranks' environment (test hooks)."""
+    if save is not None and importlib.util.find_spec("psutil") is None:
+        raise RuntimeError(f"{plan.case}: saving a torch_dist checkpoint needs psutil (megatron-core 0.16.1's "
+                           "filesystem_async writer imports it without declaring it); install the test extra")
+    args = prepare_out_dir(plan, out_dir, data_dir)
     if save is not None:
-        args += ["--save", save]
+        args += ["--save", str(save)]
     if load is not None:
-        args += ["--load", load]
-    env = {**plan.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        args += ["--load", str(load)]
+    env = {**_worker_env(plan), **(env or {})}
     echo = echo or (lambda line: print(line, file=sys.stdout, flush=True))
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
-    tail = threading.Thread(target=_tail, args=(log_dir, plan.nproc - 1, stop, echo), daemon=True)
-    echo(f"[functional] {plan.case} on {plan.hw}: {plan.nproc} rank(s), {plan.backend}, "
-         f"TP{plan.args.tensor_model_parallel_size} PP{plan.args.pipeline_model_parallel_size} "
-         f"DP{plan.data_parallel_size}, {plan.args.train_iters} iterations"
-         + (f", resuming from {load}" if load else ""))
+    tail = threading.Thread(target=_tail, args=(log_dir, stop, echo), daemon=True)
+    echo(f"[functional] {_describe_plan(plan)}" + (f", resuming from {load}" if load else ""))
     start = time.monotonic()
     tail.start()
     try:
-        launch(WORKER, [str(x) for x in args], nproc=plan.nproc, timeout=timeout or plan.timeout,
-               log_dir=log_dir, env=env)
+        if plan.nnodes > 1:
+            launch_nodes(WORKER, args, nnodes=plan.nnodes, nproc=plan.nproc, timeout=timeout or plan.timeout,
+                         log_dir=log_dir, env=env, run_id=f"{plan.case}-local")
+        else:
+            launch(WORKER, args, nproc=plan.nproc, timeout=timeout or plan.timeout, log_dir=log_dir, env=env)
     finally:
         stop.set()
         tail.join(timeout=5)
@@ -114,6 +139,35 @@ def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None 
     fingerprint = json.loads((out_dir / "fingerprint.json").read_text(encoding="utf-8"))
     return RunResult(plan=plan, metrics=read_metrics(out_dir / "metrics.json"), seconds=seconds, out_dir=out_dir,
                      fingerprint=fingerprint)
+
+
+def run_node(plan: RunPlan, out_dir: Path, rendezvous: Rendezvous, *, data_dir: Path,
+             echo: Callable[[str], None] | None = None, timeout: float | None = None,
+             env: Mapping[str, str] | None = None) -> LaunchResult:
+    """This node's agent of a multi-node run of `plan` (one call per node, e.g. one `srun` task each):
+    `plan.nproc` ranks joining `rendezvous`; the rank that holds the loss writes `out_dir/metrics.json`
+    (a directory every node sees). Logs go to `out_dir/logs/node<rank>`; raises `LaunchError`."""
+    if rendezvous.nnodes != plan.nnodes:
+        raise ValueError(f"{plan.case}: the rendezvous joins {rendezvous.nnodes} nodes, the plan has "
+                         f"nnodes={plan.nnodes}")
+    if rendezvous.hosts_store:
+        check_port_free(rendezvous.endpoint)
+    label = rendezvous.node_rank if rendezvous.node_rank is not None else os.getpid()
+    args = prepare_out_dir(plan, out_dir, data_dir, plan_name=f"plan.node{label}.json")
+    echo = echo or (lambda line: print(line, file=sys.stdout, flush=True))
+    log_dir = out_dir / "logs" / f"node{label}"
+    stop = threading.Event()
+    tail = threading.Thread(target=_tail, args=(log_dir, stop, echo), daemon=True)
+    echo(f"[functional] {_describe_plan(plan)}; {rendezvous.node} joins {rendezvous.run_id} at {rendezvous.endpoint}")
+    tail.start()
+    try:
+        result = launch(WORKER, args, nproc=plan.nproc, timeout=timeout or plan.timeout, log_dir=log_dir,
+                        env={**_worker_env(plan), **(env or {})}, rendezvous=rendezvous)
+    finally:
+        stop.set()
+        tail.join(timeout=5)
+    echo(f"[functional] {plan.case}: {rendezvous.node} done in {result.seconds:.1f} s")
+    return result
 
 
 def run_case(case: str, hw: str, *, work_dir: Path, data_dir: Path, overrides: Mapping[str, Any] | None = None,

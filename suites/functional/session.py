@@ -16,13 +16,16 @@ import pytest
 import torch
 
 from suites.functional.numerics import CpuNumerics
-from suites.functional.recipe import RECIPE_DIR, Recipe, load_recipe
-from suites.functional.runner import RunResult, run_case, run_ckpt_resume
+from suites.functional.recipe import RECIPE_DIR, Recipe, RunPlan, load_recipe
+from suites.functional.runner import RunResult, plan_case, run_case, run_ckpt_resume
 
-__all__ = ["PLANT_ENV_VAR", "STEP_TIME_RATIO", "FunctionalRuns", "planted_overrides"]
+__all__ = ["MULTINODE_TIMES", "PLANT_ENV_VAR", "STEP_TIME_RATIO", "FunctionalRuns", "planted_overrides"]
 
 STEP_TIME_RATIO = pytest.StashKey[dict[str, float]]()
 """`{"gpt_tp1_pp1_mhc / gpt_tp1_pp1": ratio}`, printed in the terminal summary."""
+
+MULTINODE_TIMES = pytest.StashKey[dict[str, tuple[float, float]]]()
+"""`{case: (two-agent seconds, one-node seconds)}` of test_multinode, printed in the terminal summary."""
 
 PLANT_ENV_VAR = "MHC_FUNCTIONAL_TEST_OVERRIDES"
 """Test hook: a JSON object of MODEL_ARGS overrides planted into every cached run of the session (a
@@ -62,6 +65,9 @@ class FunctionalRuns:
             where = ", ".join(f"{k} ({h.nproc} ranks, {h.backend}, {h.dtype})" for k, h in recipe.hardware.items())
             return f"{case}: the recipe has no HARDWARE entry for {self.hw}; it runs on {where}"
         spec = recipe.hardware[self.hw]
+        if spec.backend == "nccl" and spec.nnodes > 1:
+            return (f"{case}: {spec.nnodes} nodes x {spec.nproc} GPUs on {self.hw}; run it across nodes with "
+                    "ci/slurm/functional.sbatch (docs/functional.md, 'Several nodes')")
         if spec.backend == "nccl" and torch.cuda.device_count() < spec.nproc:
             return f"{case}: needs {spec.nproc} GPUs on {self.hw}, {torch.cuda.device_count()} visible"
         return None
@@ -76,6 +82,10 @@ class FunctionalRuns:
         if not run.plan.deterministic:
             pytest.skip(f"{case} is not deterministic on {self.hw} (recipe HARDWARE entry)")
         return run
+
+    def plan(self, case: str) -> RunPlan:
+        """The resolved plan of `case` on this session's hardware (with any planted overrides)."""
+        return plan_case(case, self.hw, data_dir=self.data_dir, overrides=planted_overrides() or None)
 
     def run(self, case: str) -> RunResult:
         """The session's run of `case` (a ckpt-resume case saves its checkpoints on the way)."""

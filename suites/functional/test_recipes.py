@@ -14,7 +14,10 @@ from suites.functional.numerics import CPU_NUMERICS_ENV_VAR, CpuNumerics, cpu_nu
 from suites.functional.recipe import (
     CPU_ISA_PINS,
     RECIPE_DIR,
+    as_nodes,
     cpu_isa_pins,
+    dump_plan,
+    load_plan,
     load_recipe,
     recipe_names,
     resolve,
@@ -41,7 +44,7 @@ def test_shipped_recipe_loads_and_resolves(case):
     assert recipe.name == case and recipe.description
     for hw in recipe.hardware:
         plan = resolve(recipe, hw, variables={"FUNCTIONAL_DATA": "/data"})
-        assert plan.nproc == plan.data_parallel_size * plan.args.model_parallel_size
+        assert plan.world_size == plan.nproc * plan.nnodes == plan.data_parallel_size * plan.args.model_parallel_size
         assert plan.num_microbatches >= 1
         assert recipe.checks(hw)
 
@@ -182,6 +185,7 @@ BAD = [
     ("bad-dtype", lambda d: d["HARDWARE"][HW].update(dtype="fp16"), "HARDWARE.cpu_x86_64.dtype='fp16': valid: fp32, bf16"),
     ("check-unknown-metric", lambda d: d["HARDWARE"][HW].update(check=["loss"]), "HARDWARE.cpu_x86_64.check=['loss']"),
     ("missing-nproc", lambda d: d["HARDWARE"][HW].pop("nproc"), "HARDWARE.cpu_x86_64: missing required key 'nproc'"),
+    ("zero-nnodes", lambda d: d["HARDWARE"][HW].update(nnodes=0), "HARDWARE.cpu_x86_64.nnodes=0: must be an integer >= 1"),
 ]
 
 
@@ -198,7 +202,9 @@ def test_bad_recipe_names_file_and_key(tmp_path, mutate, expected):
 
 RESOLVE_BAD = [
     ("nproc-vs-parallelism", {"HARDWARE": {HW: {"nproc": 3}}}, {"--tensor-model-parallel-size": 2},
-     "HARDWARE.cpu_x86_64.nproc=3: must be a multiple of TP*PP = 2"),
+     "HARDWARE.cpu_x86_64.nproc=3: nproc 3 = 3 ranks must be a multiple of TP*PP = 2"),
+    ("world-vs-parallelism", {"HARDWARE": {HW: {"nproc": 1, "nnodes": 3}}}, {"--tensor-model-parallel-size": 2},
+     "HARDWARE.cpu_x86_64.nproc=1: nproc 1 x nnodes 3 = 3 ranks must be a multiple of TP*PP = 2"),
     ("batch-vs-dp", {"HARDWARE": {HW: {"nproc": 3}}}, {},
      "MODEL_ARGS.--global-batch-size=8: must be a multiple of --micro-batch-size * DP = 2 * 3"),
     ("unknown-variable", {}, {"--data-path": "${NOPE}/x_text_document"}, "unknown variable ${NOPE}"),
@@ -218,6 +224,32 @@ def test_bad_resolution_names_file_and_key(tmp_path, hw_patch, args_patch, expec
     with pytest.raises(ValueError) as err:
         resolve(load_recipe(path), HW, variables={"FUNCTIONAL_DATA": "/d"})
     assert str(path) in str(err.value) and expected in str(err.value), str(err.value)
+
+
+def test_nnodes_multiplies_the_world_and_keeps_the_batches(tmp_path):
+    """`nnodes: 2, nproc: 2` is the world of `nproc: 4`: same DP and microbatches."""
+    doc = _base()
+    doc["MODEL_ARGS"].update({"--tensor-model-parallel-size": 2})
+    doc["HARDWARE"][HW].update({"nproc": 2, "nnodes": 2})
+    two = resolve(load_recipe(_write(tmp_path, doc)), HW, variables={"FUNCTIONAL_DATA": "/d"})
+    doc["HARDWARE"][HW].update({"nproc": 4, "nnodes": 1})
+    one = resolve(load_recipe(_write(tmp_path, doc)), HW, variables={"FUNCTIONAL_DATA": "/d"})
+    assert (two.nnodes, two.nproc, two.world_size) == (2, 2, 4)
+    assert (two.data_parallel_size, two.num_microbatches) == (one.data_parallel_size, one.num_microbatches) == (2, 2)
+    assert as_nodes(one, 2) == two and as_nodes(two, 1) == one
+
+
+def test_as_nodes_refuses_a_world_that_does_not_divide():
+    """Spreading 4 ranks over 3 nodes is a ValueError naming both numbers."""
+    plan = resolve(load_recipe(RECIPE_DIR / "gpt_tp2_pp2_mhc.yaml"), HW)
+    with pytest.raises(ValueError, match=r"gpt_tp2_pp2_mhc: cannot spread 4 ranks over nnodes=3"):
+        as_nodes(plan, 3)
+
+
+def test_plan_round_trips_with_its_node_count(tmp_path):
+    """dump_plan / load_plan keep nnodes (what every node's worker reads)."""
+    plan = as_nodes(resolve(load_recipe(RECIPE_DIR / "gpt_tp2_pp2_mhc.yaml"), HW), 2)
+    assert load_plan(dump_plan(plan, tmp_path / "plan.json")) == plan
 
 
 def test_hardware_without_entry_is_an_error_naming_the_keys():

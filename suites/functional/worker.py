@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         torch.set_num_threads(1)
     dist.init_process_group(plan.backend)
+    if os.environ.get("MHC_FUNCTIONAL_TEST_CRASH_RANK") == str(dist.get_rank()):
+        raise RuntimeError(f"rank {dist.get_rank()} of {dist.get_world_size()}: crash planted by "
+                           "$MHC_FUNCTIONAL_TEST_CRASH_RANK (a test of the launcher)")
 
     from megatron.core import parallel_state as ps
 
