@@ -200,13 +200,17 @@ def _poll(endpoint: str, run_id: str, interval: float) -> None:
                 store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2),
                                       wait_for_workers=False)
             if store.check([key]):
-                state = pickle.loads(base64.b64decode(store.get(key)))
-                now = (len(state.participants) + len(state.wait_list), "complete" if state.complete else "open")
-                if now != last:
-                    print(*now, flush=True)
-                    last = now
-                if state.complete:
-                    return
+                try:
+                    state = pickle.loads(base64.b64decode(store.get(key)))
+                except (pickle.UnpicklingError, EOFError, ValueError):  # the backend's "no state yet" sentinel
+                    state = None
+                if state is not None:
+                    now = (len(state.participants) + len(state.wait_list), "complete" if state.complete else "open")
+                    if now != last:
+                        print(*now, flush=True)
+                        last = now
+                    if state.complete:
+                        return
         except Exception:
             if store is not None:  # the host went away
                 return
