@@ -252,13 +252,20 @@ def _cmd_perf(args: argparse.Namespace) -> int:
         return 0
     records = ph.read_history(args.history)
     if args.perf_cmd == "check":
+        from harness import peer_trend
+
         verdicts = ph.check_history(records, window=args.window, band_slow=args.band_slow, band_fast=args.band_fast)
         print(ph.format_verdicts(verdicts))
+        peers = peer_trend.check_peers(records, window=args.window, band=args.peer_band)
+        if peers:
+            print("ours against the peers (same-run ratios):")
+            print(peer_trend.format_peer_verdicts(peers))
         bad = {"regression"} | ({"improved"} if args.fail_on_improvement else set())
-        return 1 if any(v.status in bad for v in verdicts) else 0
+        return 1 if any(v.status in bad for v in verdicts) or any(v.status == "fell_behind" for v in peers) else 0
+    from harness import peer_trend
     from harness.perf_page import write_pages
 
-    pngs = ph.plot_history(records, args.out)
+    pngs = ph.plot_history(records, args.out) + peer_trend.plot_peers(records, args.out)
     for p in [*pngs, *write_pages(records, pngs, args.out)]:
         print(f"wrote {p}")
     return 0
@@ -356,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--band-slow", type=float, default=0.10, help="regression band (default 0.10)")
     c.add_argument("--band-fast", type=float, default=0.20, help="improvement band (default 0.20)")
     c.add_argument("--fail-on-improvement", action="store_true")
+    c.add_argument("--peer-band", type=float, default=0.10,
+                   help="how far our same-run speed-up over a peer may drop below its baseline (default 0.10)")
     pl = ps.add_parser("plot", help="one trend PNG per hardware and benchmark group, and a summary page "
                                     "(<hw>.md) per hardware")
     pl.add_argument("--history", required=True)

@@ -3,7 +3,7 @@
     python -m mhc_core.kernels.host_profile --backend cutile --tokens 8192 --hidden 4096 --n 4 --dtype bf16
 
 A kernel that takes 80 us on the GPU can still cost 380 us per call when the host needs longer to
-issue it (the H200 run of 2026-11-30: the cuTile mapping forward). This tool separates the two:
+issue it (the cuTile mapping forward on an H200, `docs/measurements/h200-2026-11-30/`). This tool separates the two:
 for each op it times the Python call alone on the host clock (forward; backward replayed on a
 retained graph), with the device drained between calls and outside the timed span, so a call
 never waits on a full launch queue; then it runs the same calls under `cProfile` (the backward on

@@ -28,9 +28,9 @@ hold them to a cosine similarity instead (`mhc_core.testing`)."""
 SINKHORN_RTOL = 1e-3
 """`CHECK_RTOL` for Sinkhorn, whatever the activation dtype: its math is fp32 in the kernels and the
 reference alike (its logits are bf16 in a bf16 sweep under megatron_main / megatron_dev, whose
-coefficients are in the activation dtype, so the two round the same fp32 result). On the H200 (11-30,
-bf16 logits) the right candidates showed at most 3.8e-5 (approximate division included) and a wrong
-per-element backward 6.9e-3 to 7.6e-3, which the bf16 bound (2e-2) had let through."""
+coefficients are in the activation dtype, so the two round the same fp32 result). It separates the
+right candidates (at most 3.8e-5 on an H200 with bf16 logits, approximate division included) from a
+wrong backward (6.9e-3 to 7.6e-3), which the bf16 bound (2e-2) lets through (`docs/measurements/h200-2026-11-30/`)."""
 
 
 def check_rtol(key: str, act: torch.dtype) -> float:

@@ -231,8 +231,8 @@ def occupancy(kernel_name: str) -> int | None:
 
 
 ADDED_FIELDS = {"SinkhornTiles": ("checkpoint", "fwd_checkpoints"), "StreamTiles": ("latency", "tma", "unchecked")}
-"""Tile fields added after the first H200 sweep and tuning (11-30): `tile_fields` and the tiles'
-reprs leave them out while they hold their default, so the sweep files and tunings written before
+"""Tile fields newer than the shipped H200 sweep and tuning: `tile_fields` and the tiles' reprs
+leave them out while they hold their default, so sweep files and tunings written without them
 still name, and digest to, the same tiles."""
 
 

@@ -176,9 +176,9 @@ def _positive(x: object) -> bool:
 
 
 def rank_ms(row: Mapping) -> object:
-    """What a sweep row is ranked by: its GPU busy time (`device_ms`, rows since 11-30), else the
+    """What a sweep row is ranked by: its GPU busy time (`device_ms`), else (older sweep files) the
     back-to-back time (`pipelined_ms`), which equals the host's time per call whenever the host is the
-    slower side (the 11-29 Sinkhorn rows: 42-46 us for every TILE_B)."""
+    slower side (their Sinkhorn rows read 42-46 us for every TILE_B)."""
     return row.get("device_ms", row.get("pipelined_ms"))
 
 
@@ -198,7 +198,7 @@ def check_sweep(data: object, source: str) -> list[dict]:
         where = f"{source}: rows[{i}] ({r['key']} {r['tiles']})"
         if r.get("direction") not in ("fwd", "bwd") or r.get("check", "ok") not in ("ok", "fail"):
             raise ValueError(f"{where}: direction={r.get('direction')!r} / check={r.get('check')!r}: "
-                             "expected fwd|bwd and ok|fail (or no check: rows before 11-30)")
+                             "expected fwd|bwd and ok|fail (or no check: a sweep file older than the checks)")
         ms = rank_ms(r)
         if not _positive(ms):
             raise ValueError(f"{where}: its time (device_ms, else pipelined_ms) is {ms!r}, not a finite number > 0")
