@@ -121,7 +121,7 @@ def _compute_availability(backend: str, device_type: str) -> tuple[bool, str]:
     if backend == "reference":
         return True, "eager PyTorch reference (mhc_core.ops)"
     if backend == "compiled":
-        from mhc_core.kernels.compiled_common import availability as compiled_availability
+        from mhc_core.kernels.compiled.common import availability as compiled_availability
 
         return compiled_availability(device_type)
     return _cutile_availability(device_type)
@@ -249,7 +249,7 @@ def reset() -> None:
     with _LOCK:
         _AVAILABILITY.clear()
         _LOGGED.clear()
-    from mhc_core.kernels.compiled_common import availability as compiled_availability
+    from mhc_core.kernels.compiled.common import availability as compiled_availability
 
     compiled_availability.cache_clear()
 

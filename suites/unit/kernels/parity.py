@@ -8,7 +8,7 @@ upstream's fused-kernel tests do (elementwise, a bf16 reference is off by whole 
 largest terms wherever those sums cancel).
 
 Compile budget: the compiled backend builds one graph per static configuration (op, variant, n,
-dtypes, flags; see `mhc_core.kernels.compiled_common`). The cases below are chosen so that the
+dtypes, flags; see `mhc_core.kernels.compiled.common`). The cases below are chosen so that the
 whole directory builds a few dozen small graphs; keep C = 64 and reuse the listed
 (variant, n, dtype) combinations when adding tests.
 """

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from mhc_core import ops
-from mhc_core.kernels.compiled_common import acc_dtype, compile_for, mark_dynamic
+from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
 from mhc_core.ops.sinkhorn import check_sinkhorn_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 

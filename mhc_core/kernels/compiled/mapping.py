@@ -26,7 +26,7 @@ import math
 import torch
 
 from mhc_core import ops
-from mhc_core.kernels.compiled_common import acc_dtype, compile_for, mark_dynamic
+from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
 from mhc_core.ops.mapping import NORM_EPS, check_mapping_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 

@@ -7,10 +7,10 @@ on CPU, Triton on CUDA). What each one fuses, and the compile policy, are in `do
 
 from __future__ import annotations
 
-from mhc_core.kernels.compiled_aggregate import h_aggregate
-from mhc_core.kernels.compiled_common import availability, compiled_cache_size
-from mhc_core.kernels.compiled_mapping import mapping
-from mhc_core.kernels.compiled_post_bda import h_post_bda
-from mhc_core.kernels.compiled_sinkhorn import sinkhorn
+from mhc_core.kernels.compiled.aggregate import h_aggregate
+from mhc_core.kernels.compiled.common import availability, compiled_cache_size
+from mhc_core.kernels.compiled.mapping import mapping
+from mhc_core.kernels.compiled.post_bda import h_post_bda
+from mhc_core.kernels.compiled.sinkhorn import sinkhorn
 
 __all__ = ["availability", "compiled_cache_size", "h_aggregate", "h_post_bda", "mapping", "sinkhorn"]

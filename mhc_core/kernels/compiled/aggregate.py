@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mhc_core import ops
-from mhc_core.kernels.compiled_common import acc_dtype, compile_for, mark_dynamic
+from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
 from mhc_core.ops.aggregate import check_h_aggregate_args
 
 __all__ = ["h_aggregate"]
