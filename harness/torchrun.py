@@ -47,15 +47,14 @@ class LaunchResult:
 
 
 def rank_logs(log_dir: Path) -> dict[int, str]:
-    """`{rank: stderr text}` from torchrun's `--log-dir` layout (`<run>/attempt_*/<rank>/stderr.log`)."""
-    out: dict[int, str] = {}
-    for f in sorted(Path(log_dir).glob("**/stderr.log")):
-        try:
-            rank = int(f.parent.name)
-        except ValueError:
-            continue
-        out[rank] = f.read_text(errors="replace")
-    return out
+    """`{rank: stderr text}` of the newest launch in torchrun's `--log-dir` layout
+    (`<run>/attempt_*/<rank>/stderr.log`; a directory reused by several launches holds several runs)."""
+    files = [f for f in Path(log_dir).glob("**/attempt_*/*/stderr.log") if f.parent.name.isdigit()]
+    if not files:
+        return {}
+    runs = {f.parents[2] for f in files}
+    newest = max(runs, key=lambda d: d.stat().st_mtime)
+    return {int(f.parent.name): f.read_text(errors="replace") for f in sorted(files) if f.parents[2] == newest}
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:

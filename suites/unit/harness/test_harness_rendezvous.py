@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from harness.rendezvous import Rendezvous, RendezvousBackend, check_port_free, diagnose, split_endpoint
-from harness.torchrun import failed_ranks, torchrun_command
+from harness.torchrun import failed_ranks, rank_logs, torchrun_command
 
 # The failure table torchrun 2.13 printed when rank 3 (local rank 1) of a 2 x 2 job raised and the
 # agent then stopped its sibling (suites/functional/test_multinode.py provokes the same).
@@ -110,3 +110,17 @@ def test_taken_port_is_refused_naming_the_endpoint():
         with pytest.raises(OSError, match=rf"endpoint 127.0.0.1:{port}: port {port} is already in use"):
             check_port_free(f"127.0.0.1:{port}")
     check_port_free(f"127.0.0.1:{port}")
+
+
+def test_rank_logs_read_the_newest_launch_of_a_reused_directory(tmp_path):
+    """A log directory that two launches wrote into yields the ranks of the newer one only."""
+    import os
+
+    for run, text, age in (("job_a1", "first", 100), ("job_b2", "second", 0)):
+        for rank in (0, 1):
+            d = tmp_path / run / "attempt_0" / str(rank)
+            d.mkdir(parents=True)
+            (d / "stderr.log").write_text(f"{text} {rank}")
+        os.utime(tmp_path / run, (os.path.getmtime(tmp_path / run) - age,) * 2)
+    assert rank_logs(tmp_path) == {0: "second 0", 1: "second 1"}
+    assert rank_logs(tmp_path / "nothing") == {}
