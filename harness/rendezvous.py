@@ -170,7 +170,8 @@ class JoinWatcher(threading.Thread):
             return
         env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "FATAL"}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.rendezvous", self.rdzv.endpoint, self.rdzv.run_id, str(self.interval)],
+            [sys.executable, "-m", "harness.rendezvous", self.rdzv.endpoint, self.rdzv.run_id, str(self.interval),
+             f"{self.rdzv.join_timeout + 60:g}", str(os.getpid())],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=env,
             cwd=Path(__file__).resolve().parents[1])
         for line in self._proc.stdout:
@@ -181,18 +182,23 @@ class JoinWatcher(threading.Thread):
         self._proc.wait()
 
 
-def _poll(endpoint: str, run_id: str, interval: float) -> None:
+def _poll(endpoint: str, run_id: str, interval: float, lifetime: float, parent: int) -> None:
     """Print `<joined> <open|complete>` whenever the count of rendezvous `run_id` changes; return
-    when it completes or the store goes away (the child process of `JoinWatcher`)."""
+    when it completes, the store goes away, the parent process is gone, or after `lifetime`
+    seconds (the child process of `JoinWatcher`, which outlives no launch; `parent`: the pid of the
+    process that started it, so that a parent gone before this one started is noticed too)."""
     import time
     from datetime import timedelta
 
+    if os.getppid() != parent:  # the launcher is already gone: nothing to watch for
+        return
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous  # noqa: F401  (unpickling)
 
     host, port = split_endpoint(endpoint)
     key, store, last = f"torch.rendezvous.{run_id}", None, None
-    while True:
+    deadline = time.monotonic() + lifetime
+    while os.getppid() == parent and time.monotonic() < deadline:
         try:
             if store is None:
                 with socket.create_connection((host, port), timeout=1):
@@ -218,4 +224,4 @@ def _poll(endpoint: str, run_id: str, interval: float) -> None:
 
 
 if __name__ == "__main__":
-    _poll(sys.argv[1], sys.argv[2], float(sys.argv[3]))
+    _poll(sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))

@@ -124,3 +124,31 @@ def test_rank_logs_read_the_newest_launch_of_a_reused_directory(tmp_path):
         os.utime(tmp_path / run, (os.path.getmtime(tmp_path / run) - age,) * 2)
     assert rank_logs(tmp_path) == {0: "second 0", 1: "second 1"}
     assert rank_logs(tmp_path / "nothing") == {}
+
+
+def test_the_join_watcher_outlives_no_launcher(tmp_path):
+    """The watcher's polling child exits by itself once the process that started it is gone, even
+    when the store it waits for never appears."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    starter = ("import subprocess, sys\n"
+               "import os\n"
+               "c = subprocess.Popen([sys.executable, '-m', 'harness.rendezvous', '127.0.0.1:9', 'x', '0.2', '600',\n"
+               "                      str(os.getpid())])\n"
+               "print(c.pid, flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", starter], cwd=root, capture_output=True, text=True, timeout=60)
+    child = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(child, 9)
+    raise AssertionError(f"the watcher child {child} still ran 60 s after its parent exited")
