@@ -30,9 +30,9 @@
 #   parity  suites/unit/kernels_cutile/test_gpu_parity.py + test_contract.py on 16 xdist workers
 #           (the emulated and export tests are CPU CI's), 140 s (317 tests, 99 s on 11-30; the JIT's
 #           compiles come from the precompiled cache, except a newly adopted tuning's)
-#   bench   python -m mhc_core.kernels.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
+#   bench   python -m tools.cutile.bench at T=8192, C=4096, n=4, bf16, 30 s
 #   bench   (not a default step: the sweep's first candidate per key is the default)
-#   sweep   python -m mhc_core.kernels.cutile.sweep (tile candidates, compiled in parallel, then timed;
+#   sweep   python -m tools.cutile.sweep (tile candidates, compiled in parallel, then timed;
 #           keys from MHC_SWEEP_KEYS, in sweep_candidates.KEY_ORDER; warm-up one process per key, 60 s, then
 #           timing 150 s, each candidate checked against the reference on the same inputs; sweep.json
 #           is rewritten after every candidate, so a timeout keeps what was timed; then the fastest
@@ -60,7 +60,7 @@
 #           golden/<hw>/perf/*.json, one perf-history record per JSON, and the Markdown table.
 #   perf-compiled  the same for the compiled backend (Inductor/Triton compiles, 110 s); not a default
 #           step (its kernels do not change with the cuTile work; h200 goldens exist).
-#   host    python -m mhc_core.kernels.host_profile --backend cutile at the sweep's shape, 50 calls per op
+#   host    python -m tools.host_profile --backend cutile at the sweep's shape, 50 calls per op
 #           and direction: the host's time per call (device drained, not counted) and a cProfile of it by
 #           function and area (mhc_core, torch, cuda.tile, C functions: ct.launch, torch's ops); host.txt,
 #           host.json in gpu_check.tgz, one line per op and direction in summary.txt; 30 s
@@ -169,7 +169,7 @@ export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_TILE_CACHE_DIR="$OUT/.cutile-cache-not-returned"
 if [[ -n "$PRE_TAR" ]]; then
     mkdir -p "$CUDA_TILE_CACHE_DIR" && cp "$PRE_DIR/cache.db" "$CUDA_TILE_CACHE_DIR/"
-    "$PY" -m mhc_core.kernels.cutile.precompile check "$PRE_DIR" >> "$OUT/env.txt" 2>&1
+    "$PY" -m tools.cutile.precompile check "$PRE_DIR" >> "$OUT/env.txt" 2>&1
 fi
 "$PY" - >> "$OUT/env.txt" 2>&1 <<'EOF'
 import cuda.tile, mhc_core.kernels.cutile as c
@@ -198,8 +198,8 @@ record() {  # record <step> <exit code>: one line in summary.txt; a failed step 
 ADOPTED=""  # set when this call's sweep wrote tuning.json (an $OUT reused from an earlier call may hold one)
 if has_step sweep; then
 rm -f "$OUT/tuning.json" "$OUT/sweep.json"
-SWEEP=(-m mhc_core.kernels.cutile.sweep $SWEEP_SHAPE --iters 10)  # ranked by GPU busy time; 10 timed calls suffice
-SWEEP_KEYS="${MHC_SWEEP_KEYS:-$("$PY" -c 'from mhc_core.kernels.cutile.sweep import CANDIDATES; print(*CANDIDATES)')}"
+SWEEP=(-m tools.cutile.sweep $SWEEP_SHAPE --iters 10)  # ranked by GPU busy time; 10 timed calls suffice
+SWEEP_KEYS="${MHC_SWEEP_KEYS:-$("$PY" -c 'from tools.cutile.sweep import CANDIDATES; print(*CANDIDATES)')}"
 # One warm-up process per key, all keys at once (14 <= 16 cores): each JIT-compiles its key's
 # candidates one after the other into the on-disk cache (one process per candidate, 16 at a time,
 # meant ~150 Python + CUDA start-ups for kernels that compile in 0.3-1.1 s each offline on this CPU).
@@ -208,7 +208,7 @@ export MHC_SWEEP_PY="$PY" MHC_SWEEP_OUT="$OUT" MHC_SWEEP_LIMIT="$(limit sweep-wa
 "$PY" "${SWEEP[@]}" --list | while read -r key idx; do
     if [[ " $SWEEP_KEYS " == *" $key "* ]]; then echo "$key"; fi
 done | uniq | timeout "$MHC_SWEEP_LIMIT" xargs -P 16 -L 1 bash -c \
-    'timeout "$MHC_SWEEP_LIMIT" "$MHC_SWEEP_PY" -m mhc_core.kernels.cutile.sweep $MHC_SWEEP_SHAPE \
+    'timeout "$MHC_SWEEP_LIMIT" "$MHC_SWEEP_PY" -m tools.cutile.sweep $MHC_SWEEP_SHAPE \
      --keys "$0" --warm-only > "$MHC_SWEEP_OUT/sweep-warm-$0.txt" 2>&1'
 timeout "$(limit sweep 150)" "$PY" "${SWEEP[@]}" --keys "$(echo $SWEEP_KEYS | tr ' ' ,)" --out "$OUT/sweep.json" \
     > "$OUT/sweep.txt" 2>&1
@@ -225,7 +225,7 @@ if [[ -s "$OUT/sweep.json" ]]; then
     [[ $rc -eq 0 && -s "$OUT/tuning.json" ]] && ADOPTED=1
     sed -n 's/^wrote /tuning: /p' "$OUT/sweep.txt" >> "$OUT/summary.txt"  # which tuning, where to ship it
 fi
-timeout "$(limit probe 20)" "$PY" -m mhc_core.kernels.cutile.precision_probe --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
+timeout "$(limit probe 20)" "$PY" -m tools.cutile.precision_probe --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
 rc=$?
 cat "$OUT/probe.txt"
 record probe $rc
@@ -254,7 +254,7 @@ fi
 
 # 3'. timing at T=8192, C=4096, n=4, bf16
 if has_step bench; then
-timeout "$(limit bench 30)" "$PY" -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 \
+timeout "$(limit bench 30)" "$PY" -m tools.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 \
     --iters 10 --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
 rc=$?
 cat "$OUT/bench.txt"
@@ -343,14 +343,14 @@ fi
 # 5. the host side of each cuTile op (the per-call time a kernel's GPU time does not explain), after the
 #    perf step, whose kernels are then in the JIT cache
 if has_step host; then
-timeout "$(limit host 30)" "$PY" -m mhc_core.kernels.host_profile --backend cutile $SWEEP_SHAPE --calls 50 \
+timeout "$(limit host 30)" "$PY" -m tools.host_profile --backend cutile $SWEEP_SHAPE --calls 50 \
     --out "$OUT/host.json" > "$OUT/host.txt" 2>&1
 rc=$?
 grep " host " "$OUT/host.txt" | tee -a "$OUT/summary.txt"
 record host $rc
 fi
 
-[[ -n "$PRE_TAR" ]] && "$PY" -m mhc_core.kernels.cutile.precompile report "$PRE_DIR" "$CUDA_TILE_CACHE_DIR" \
+[[ -n "$PRE_TAR" ]] && "$PY" -m tools.cutile.precompile report "$PRE_DIR" "$CUDA_TILE_CACHE_DIR" \
     2>&1 | tee -a "$OUT/summary.txt"
 rm -rf "$OUT/.cutile-cache-not-returned"
 (

@@ -5,7 +5,7 @@
         [--tokens 8192 --hidden 4096 --n 4 --dtype bf16 --variant megatron_dev]   # the sweep's shape
 
 Writes `<out>/cutile-precompiled-<arch>.tar.xz` (cache.db + manifest.json, see
-`mhc_core.kernels.cutile.precompile`). Run it from the copy of the tree at the path the GPU run
+`tools.cutile.precompile`). Run it from the copy of the tree at the path the GPU run
 will import `mhc_core` from (`bash ci/gpu_check.sh prepare` does): the entries hold that path.
 Launch sets, in priority order (the size cap keeps a prefix; a GPU run JIT-compiles the rest):
 
@@ -34,13 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mhc_core.kernels.cutile import precompile, tiling, tuning  # noqa: E402
-from mhc_core.kernels.cutile.bench import ACT_DTYPES, add_shape_args  # noqa: E402
+from mhc_core.kernels.cutile import tiling, tuning  # noqa: E402
 from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
 from mhc_core.kernels.preflight import cutile_gap  # noqa: E402
 from suites.perf.registry import cases_for  # noqa: E402
 from suites.perf.test_layer import GPU_SHAPE  # noqa: E402
 from suites.unit.kernels_cutile import test_gpu_parity as parity  # noqa: E402
+from tools.cutile import precompile  # noqa: E402
+from tools.cutile.bench import ACT_DTYPES, add_shape_args  # noqa: E402
 
 
 def perf_launches() -> list[precompile.Recorded]:

@@ -5,7 +5,7 @@ Same math, variants and backward schemes as `sinkhorn_kernels` (see there), with
 row-major (`e[i*n + j]`). Every row or column sum is then a chain of adds of whole tiles that share
 one layout: no reduction across a tile axis, so no lane shuffles or shared-memory round trips per
 step (the `[TILE_B, n, n]` kernels compile to 32-48 shuffles per step loop on sm_90; this one to
-none: `python -m mhc_core.kernels.cutile.resources --match sinkhorn`). The tuple is built with
+none: `python -m tools.cutile.resources --match sinkhorn`). The tuple is built with
 static loops over `n`, so each `n` compiles its own unrolled code.
 
 Loads read the whole `[TILE_B, n, n]` tile once and split it; stores write one `[TILE_B]` column

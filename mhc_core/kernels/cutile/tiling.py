@@ -16,7 +16,7 @@ below depend only on `n` and on `C` / `K` through a cap, so every hidden size fr
 | mapping bwd | `TILE_M = 32`, `TILE_K = 128` | token splits are a runtime value |
 
 The constants at n = 4, C >= 256 are the fastest candidates of the tile sweep
-(`mhc_core.kernels.cutile.sweep`) on an H200 at T = 8192, C = 4096, bf16 (ms of the
+(`tools.cutile.sweep`) on an H200 at T = 8192, C = 4096, bf16 (ms of the
 pipelined op; the first column was the previous default):
 
 | key | previous | chosen | speed-up |
@@ -31,7 +31,7 @@ Split counts (mapping only) are runtime arguments, not constants: enough blocks 
 two waves of the GPU's SMs, while each split keeps at least four K (or token) tiles.
 
 `overridden(...)` replaces any of these choices inside a `with` block (the tile sweep,
-`mhc_core.kernels.cutile.sweep`, uses it to time candidates through the real wrappers).
+`tools.cutile.sweep`, uses it to time candidates through the real wrappers).
 
 A tuning (`mhc_core.kernels.cutile.tuning`: a sweep's winners on one GPU model, as JSON) sits
 between the two: `set_tuning(t)` / `tuned(t)` make its tiles the defaults for its `n` (a stream
@@ -67,6 +67,7 @@ __all__ = [
     "split_count",
     "TILE_KEYS",
     "KERNELS_OF",
+    "override",
     "overridden",
     "occupancy",
     "DEFAULT_OCCUPANCY",
@@ -150,6 +151,11 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
             raise ValueError(f"{where}: {key}={value!r}: checkpoint applies to the per-element kernels only")
         if value.fwd_checkpoints is not False and (value.fwd_checkpoints is not True or not ck):
             raise ValueError(f"{where}: {key}={value!r}: fwd_checkpoints is a bool and needs checkpoint >= 1")
+
+
+def override(key: str, cand) -> dict:
+    """The `overridden` keywords of one candidate tile (or override dict) of key `key`."""
+    return cand if isinstance(cand, dict) else {key: cand}
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """Tuned tiles per GPU model: a tile sweep's winners as a JSON file, found by device name.
 
-    python -m mhc_core.kernels.cutile.sweep --out sweep.json                    # GPU: time every candidate
-    python -m mhc_core.kernels.cutile.sweep --adopt sweep.json --out tuning.json  # no GPU: keep the winners
+    python -m tools.cutile.sweep --out sweep.json                    # GPU: time every candidate
+    python -m tools.cutile.sweep --adopt sweep.json --out tuning.json  # no GPU: keep the winners
     MHC_CUTILE_TUNING=tuning.json python train.py                               # run with them
 
 Which tuning is in force (`resolve`, on the GPU runtime's first launch; logged once on
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.sweep_candidates import override
+from mhc_core.kernels.cutile.tiling import override
 
 __all__ = ["ENV", "SCHEMA", "TUNED_DIR", "REFERENCE_DEVICE", "Tuning", "device_slug", "load", "save", "packaged", "resolve", "describe",
            "check_sweep", "rank_ms", "from_sweep", "tiles_in_force", "main"]
@@ -137,7 +137,7 @@ def load(path: str | os.PathLike) -> Tuning:
 
 def save(tuning: Tuning, path: str | os.PathLike) -> None:
     """Write `tuning` to `path` atomically."""
-    from mhc_core.kernels.cutile.bench import write_json
+    from mhc_core.kernels.cutile.jsonfile import write_json
 
     write_json(str(path), tuning.to_json())
 

@@ -1,4 +1,4 @@
-"""`python -m mhc_core.kernels.host_profile`: host time per call and where it goes, per op and backend."""
+"""`python -m tools.host_profile`: host time per call and where it goes, per op and backend."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from mhc_core.kernels import dispatch, host_profile
+from mhc_core.kernels import dispatch
+from tools import host_profile
 
 SHAPE = ["--tokens", "16", "--hidden", "8", "--n", "4", "--dtype", "fp32", "--calls", "3", "--warmup", "1"]
 

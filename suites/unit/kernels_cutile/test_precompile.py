@@ -1,4 +1,4 @@
-"""Ahead-of-time cuTile compilation (`mhc_core.kernels.cutile.precompile`): recording, the cache it
+"""Ahead-of-time cuTile compilation (`tools.cutile.precompile`): recording, the cache it
 builds, the size cap, the checks a GPU run makes, and that cuTile's own JIT launch path finds its
 entries (a stand-in driver, `stub_driver.py`; no GPU).
 
@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhc_core.kernels.cutile import precompile, sweep, toolchain
+from mhc_core.kernels.cutile import toolchain
 from mhc_core.kernels.cutile.runtime import ArrayArg
 from suites.unit.kernels_cutile import stub_driver
+from tools.cutile import precompile, sweep
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = dict(n=4, t=64, c=512)
@@ -170,7 +171,7 @@ import sys
 from pathlib import Path
 import cuda.tile  # noqa: F401  (ci/precompile_cutile.py's imports pull it in too)
 import torch
-from mhc_core.kernels.cutile import precompile
+from tools.cutile import precompile
 
 if __name__ == "__main__":
     launches = precompile.ops_launches("ops", (4,), 64, (512,), (torch.bfloat16,))[:4]

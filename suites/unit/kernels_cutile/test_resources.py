@@ -1,4 +1,4 @@
-"""The offline resource report (`mhc_core.kernels.cutile.resources`): compile, read, tabulate."""
+"""The offline resource report (`tools.cutile.resources`): compile, read, tabulate."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 
 pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
 
-from mhc_core.kernels.cutile import resources, tiling, toolchain  # noqa: E402
+from mhc_core.kernels.cutile import tiling, toolchain  # noqa: E402
 from mhc_core.kernels.cutile.signatures import plan_under, signature_plan  # noqa: E402
+from tools.cutile import resources  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,7 @@ def test_missing_cuobjdump_names_the_wheel(monkeypatch):
 def test_sweep_report_names_candidates_at_the_sweep_shape(tools, capsys):
     """`--sweep` compiles the sweep's candidates at its shape (here a small one) and names each `key[i]`
     in a legend: the checkpointed Sinkhorn backward with its `checkpoint`."""
-    from mhc_core.kernels.cutile.sweep import CANDIDATES
+    from tools.cutile.sweep import CANDIDATES
 
     i = next(i for i, c in enumerate(CANDIDATES["sinkhorn"]) if getattr(c, "checkpoint", 0))
     assert resources.main(["--sweep", "--keys", "sinkhorn", "--match", f"sinkhorn[{i}]-sinkhorn_bwd",

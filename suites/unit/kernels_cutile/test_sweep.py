@@ -11,7 +11,7 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import EmulatedRuntime
-from mhc_core.kernels.cutile.sweep import CANDIDATES, KEY_ORDER, override, timers
+from tools.cutile.sweep import CANDIDATES, KEY_ORDER, override, timers
 
 # Kernel outputs start as NaN: an unwritten tile fails (conftest.poisoned_empty).
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
@@ -79,7 +79,7 @@ def test_every_key_is_swept_in_priority_order():
 
 def test_list_prints_every_candidate(capsys):
     """`--list` prints one `key index` line per candidate (what gpu_check's parallel warm-up reads), no GPU needed."""
-    from mhc_core.kernels.cutile.sweep import main
+    from tools.cutile.sweep import main
 
     assert main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -90,7 +90,7 @@ def test_list_prints_every_candidate(capsys):
 def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
     """`--summary` names the fastest candidate per key and direction, its speed-up over the key's
     default (for `*_occupancy` keys: the unhinted default), and counts failures."""
-    from mhc_core.kernels.cutile.sweep import main
+    from tools.cutile.sweep import main
 
     default = repr(CANDIDATES["h_aggregate_fwd"][0])
 
@@ -137,7 +137,7 @@ def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
 @pytest.mark.parametrize("flag", ["--summary", "--adopt"])
 def test_malformed_sweep_rows_are_named_not_a_traceback(tmp_path, capsys, rows, message, flag):
     """--summary and --adopt refuse a malformed row naming the file and the row (exit 2), and write nothing."""
-    from mhc_core.kernels.cutile.sweep import main
+    from tools.cutile.sweep import main
 
     path, out = tmp_path / "sweep.json", tmp_path / "tuning.json"
     path.write_text(json.dumps({"n": 4, "device": "test", "rows": rows}))
@@ -148,7 +148,7 @@ def test_malformed_sweep_rows_are_named_not_a_traceback(tmp_path, capsys, rows, 
 
 def test_adopt_names_the_sweep_not_the_output_and_writes_nothing_when_nothing_wins(tmp_path, capsys):
     """A bad device or n is reported against the sweep file; a sweep with no usable winner writes no tuning."""
-    from mhc_core.kernels.cutile.sweep import main
+    from tools.cutile.sweep import main
 
     path, out = tmp_path / "sweep.json", tmp_path / "tuning.json"
     path.write_text(json.dumps({"n": 4, "device": 7, "rows": []}))
@@ -177,7 +177,7 @@ def test_tuning_cli_refuses_an_n_without_kernels(capsys):
 
 def test_write_json_replaces_the_file_whole(tmp_path):
     """The GPU tools' `--out` writer replaces the file atomically and leaves no temporary behind."""
-    from mhc_core.kernels.cutile.bench import write_json
+    from tools.cutile.bench import write_json
 
     path = tmp_path / "out.json"
     path.write_text("old")
@@ -195,7 +195,7 @@ def test_whole_sweep_loop_runs_on_the_interpreter(tmp_path, capsys):
     """`sweep --emulate` runs the GPU tool's own loop on the CPU interpreter: every candidate of the keys
     is checked against the reference (all pass) and written; `--summary` and `--adopt` read the file."""
     from mhc_core.kernels.cutile import tuning
-    from mhc_core.kernels.cutile.sweep import main
+    from tools.cutile.sweep import main
 
     torch.manual_seed(0)
     out = tmp_path / "sweep.json"

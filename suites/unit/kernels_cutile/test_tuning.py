@@ -11,8 +11,8 @@ from mhc_core import ops as ref
 from mhc_core.kernels.cutile import signatures, tiling, tuning
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import EmulatedRuntime
-from mhc_core.kernels.cutile.sweep import CANDIDATES, CHECK_RTOL, deviation, main, override, regrade
-from mhc_core.kernels.cutile.sweep_check import SINKHORN_RTOL, check_rtol, grade
+from tools.cutile.sweep import CANDIDATES, CHECK_RTOL, deviation, main, override, regrade
+from tools.cutile.sweep_check import SINKHORN_RTOL, check_rtol, grade
 
 _S = tiling.StreamTiles
 MMA_FWD = _S(8, 256, mma=True)  # a sweep candidate of h_aggregate_fwd, not the default
@@ -320,7 +320,7 @@ def test_sweep_check_refuses_a_wrong_result(emu):
 def test_precompiled_sweep_ignores_the_tuning():
     """The ahead-of-time cache records the sweep's launches as the sweep runs them: against the
     heuristics, so a shipped tuning changes none of them."""
-    from mhc_core.kernels.cutile import precompile
+    from tools.cutile import precompile
 
     def launches():
         recs = precompile.sweep_launches(tokens=32, n=4, hidden=256, dtype=torch.bfloat16, variant="megatron_dev")

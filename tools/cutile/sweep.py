@@ -1,7 +1,7 @@
 """Tile-size sweep of the cuTile kernels (GPU only): time each candidate through the real wrappers.
 
-    python -m mhc_core.kernels.cutile.sweep --tokens 8192 --hidden 4096 --n 4 --dtype bf16 --out sweep.json
-    python -m mhc_core.kernels.cutile.sweep --keys sinkhorn,mapping --warm-only   # JIT-compile only
+    python -m tools.cutile.sweep --tokens 8192 --hidden 4096 --n 4 --dtype bf16 --out sweep.json
+    python -m tools.cutile.sweep --keys sinkhorn,mapping --warm-only   # JIT-compile only
 
 Each candidate replaces one `tiling` choice (`tiling.overridden`) and times the op it drives:
 `*_fwd` keys the forward, `*_bwd` keys the backward alone (replayed on a retained graph), and
@@ -17,7 +17,7 @@ over outputs, or over input gradients for the backward; `check` ok within `sweep
 candidate of each key is the heuristic's default; the sweep times under `tiling.tuned(None)`, so a
 shipped tuning does not change what "default" means. `--warm-only` runs each candidate once (JIT compile into the on-disk
 cache), so several processes can compile disjoint `--keys` / `--index` in parallel before one
-timing run (`python -m mhc_core.kernels.cutile.sweep --list` prints the `key index` pairs).
+timing run (`python -m tools.cutile.sweep --list` prints the `key index` pairs).
 `--summary sweep.json` (no GPU) prints, per key and direction, the default's time, the fastest
 candidate and the speed-up; `--adopt sweep.json --out tuning.json` (no GPU) writes the winners
 that passed their check as a tuning file (`mhc_core.kernels.cutile.tuning`), which
@@ -38,7 +38,8 @@ import torch
 
 from mhc_core.analysis import bytes_moved
 from mhc_core.kernels.cutile import tiling, tuning
-from mhc_core.kernels.cutile.bench import (
+from mhc_core.kernels.device_time import device_busy_seconds
+from tools.cutile.bench import (
     ACT_DTYPES,
     add_shape_args,
     backward_fn,
@@ -49,7 +50,7 @@ from mhc_core.kernels.cutile.bench import (
     time_ms,
     write_json,
 )
-from mhc_core.kernels.cutile.sweep_candidates import (
+from tools.cutile.sweep_candidates import (
     CANDIDATES,
     KEY_ORDER,
     directions,
@@ -57,8 +58,7 @@ from mhc_core.kernels.cutile.sweep_candidates import (
     override,
     tile_key,
 )
-from mhc_core.kernels.cutile.sweep_check import CHECK_RTOL, deviation, grade
-from mhc_core.kernels.device_time import device_busy_seconds
+from tools.cutile.sweep_check import CHECK_RTOL, deviation, grade
 
 # CANDIDATES, KEY_ORDER, override (sweep_candidates) and CHECK_RTOL, deviation (sweep_check) stay importable here.
 __all__ = ["CANDIDATES", "KEY_ORDER", "CHECK_RTOL", "main", "timers", "deviation", "override", "regrade", "summary"]

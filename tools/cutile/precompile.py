@@ -1,8 +1,8 @@
 """Ahead-of-time cuTile compilation without a GPU: the kernels a GPU run will launch, compiled here
 into a cuTile disk cache that the run reads instead of JIT-compiling them.
 
-    python -m mhc_core.kernels.cutile.precompile check DIR            # can this process use DIR's entries?
-    python -m mhc_core.kernels.cutile.precompile report DIR CACHE_DIR  # after a run: entries used, JIT-compiled
+    python -m tools.cutile.precompile check DIR            # can this process use DIR's entries?
+    python -m tools.cutile.precompile report DIR CACHE_DIR  # after a run: entries used, JIT-compiled
 
 (building: `ci/precompile_cutile.py`, which `bash ci/gpu_check.sh prepare` runs.)
 
@@ -50,7 +50,9 @@ __all__ = ["Recorded", "LaunchRecorder", "record", "sweep_launches", "ops_launch
            "kernel_sources", "sources_digest", "ARCHIVE_NAME"]
 
 ARCHIVE_NAME = "cutile-precompiled-{arch}.tar.xz"
-_PACKAGE = Path(__file__).resolve().parent
+_REPO = Path(__file__).resolve().parents[2]
+_PACKAGE = _REPO / "mhc_core" / "kernels" / "cutile"
+"""The product's cuTile package, whose kernel sources the cache is keyed on."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,8 @@ def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, vari
     """Every launch of the tile sweep (`sweep.CANDIDATES`, in `KEY_ORDER`; only `keys` when given) at
     its shape, as the sweep runs them: against the heuristics, whatever tuning is in force
     (`tiling.tuned(None)`). Ids `key[i]-kernel`, `i` the candidate's index."""
-    from mhc_core.kernels.cutile import sweep
     from mhc_core.kernels.cutile.ops import make_ops
+    from tools.cutile import sweep
 
     unknown = sorted(set(keys or ()) - set(sweep.CANDIDATES))
     if unknown:
@@ -139,7 +141,7 @@ def distinct(launches: Sequence[Recorded]) -> list[Recorded]:
 def kernel_sources() -> list[Path]:
     """The kernel modules and the package modules they import, transitively: what the kernels'
     bytecode is compiled from (their text, line numbers and paths)."""
-    prefix = f"{__package__}."
+    prefix = "mhc_core.kernels.cutile."
     todo, seen = list(dict.fromkeys(KERNEL_MODULES.values())), set()
     while todo:
         name = todo.pop()
@@ -161,7 +163,7 @@ def sources_digest() -> str:
 
 
 def _root() -> str:
-    return str(_PACKAGE.parents[2])
+    return str(_REPO)
 
 
 # ---------------------------------------------------------------------------------------------

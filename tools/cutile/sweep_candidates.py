@@ -10,6 +10,7 @@ by `precompile`, adopted into a tuning by `tuning.from_sweep`.
 from __future__ import annotations
 
 from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.tiling import override
 
 __all__ = ["CANDIDATES", "KEY_ORDER", "override", "tile_key", "directions", "op_of"]
 
@@ -147,11 +148,6 @@ an H200 is in `tiling`'s docstring."""
 def tile_key(key: str) -> str:
     """The `tiling` key a sweep key drives (`h_aggregate_fwd_occupancy` -> `h_aggregate_fwd`)."""
     return key.removesuffix("_occupancy")
-
-
-def override(key: str, cand) -> dict:
-    """The `tiling.overridden` keywords of one candidate."""
-    return cand if isinstance(cand, dict) else {key: cand}
 
 
 def directions(key: str) -> tuple[str, ...]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile.bench import make_inputs, op_call
-from mhc_core.kernels.cutile.sweep_candidates import directions, op_of
+from tools.cutile.bench import make_inputs, op_call
+from tools.cutile.sweep_candidates import directions, op_of
 
 __all__ = ["CHECK_RTOL", "SINKHORN_RTOL", "SMALL_TENSOR", "check_rtol", "deviation", "grade"]
 

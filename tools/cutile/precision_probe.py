@@ -1,6 +1,6 @@
 """How exact the fp32 mapping projection is on this GPU, per tensor-core mode (GPU only).
 
-    python -m mhc_core.kernels.cutile.precision_probe --tokens 1100 --hidden 1024 --n 4
+    python -m tools.cutile.precision_probe --tokens 1100 --hidden 1024 --n 4
 
 Runs the cuTile `mapping` forward with fp32 activations twice, 3xTF32 (the default) and plain TF32
 (`torch.backends.cuda.matmul.allow_tf32 = True`), and torch's own fp32 reference, and prints the
@@ -15,7 +15,7 @@ import sys
 import torch
 
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile.bench import add_shape_args, cutile_or_none, write_json
+from tools.cutile.bench import add_shape_args, cutile_or_none, write_json
 
 __all__ = ["main"]
 

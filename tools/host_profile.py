@@ -1,6 +1,6 @@
 """Where an op's host time goes: the CPU side of one call, per backend, and a profile of it.
 
-    python -m mhc_core.kernels.host_profile --backend cutile --tokens 8192 --hidden 4096 --n 4 --dtype bf16
+    python -m tools.host_profile --backend cutile --tokens 8192 --hidden 4096 --n 4 --dtype bf16
 
 A kernel that takes 80 us on the GPU can still cost 380 us per call when the host needs longer to
 issue it (the cuTile mapping forward on an H200, `docs/measurements/h200-2026-11-30/`). This tool separates the two:
@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from mhc_core.kernels import dispatch
-from mhc_core.kernels.cutile.bench import (
+from tools.cutile.bench import (
     ACT_DTYPES,
     add_shape_args,
     backward_fn,

@@ -1,6 +1,6 @@
 """Quick CUDA-event timing of the cuTile ops against the reference ops (GPU only).
 
-    python -m mhc_core.kernels.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 --out out.json
+    python -m tools.cutile.bench --tokens 8192 --hidden 4096 --n 4 --dtype bf16 --out out.json
 
 For each op and direction (fwd; bwd alone, replayed on a retained graph) and each backend
 (cutile, reference): median milliseconds over `--iters` timed calls after `--warmup` untimed ones
@@ -11,67 +11,19 @@ Benchmarks measure; nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 
 import torch
 
 from mhc_core import ops as ref
 from mhc_core.analysis import bytes_moved
+from mhc_core.kernels.cutile.jsonfile import write_json
+from mhc_core.kernels.timing import pipelined_ms, time_ms
 from mhc_core.variants import get_variant
 
 __all__ = ["ACT_DTYPES", "main", "time_ms", "pipelined_ms", "backward_fn", "make_inputs", "op_call", "add_shape_args",
            "cutile_or_none", "write_json"]
-
-
-def time_ms(fn: Callable[[], object], warmup: int, iters: int, device: str = "cuda") -> float:
-    """Median milliseconds of `iters` single calls after `warmup` untimed ones: CUDA events on a GPU,
-    the host clock on `device="cpu"` (the CPU interpreter: what the tests run the tools with)."""
-    for _ in range(warmup):
-        fn()
-    if device != "cuda":
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def pipelined_ms(fn: Callable[[], object], iters: int, device: str = "cuda") -> float:
-    """Milliseconds per call of `iters` back-to-back calls between one pair of CUDA events, after
-    one untimed call: the kernels' own time once the host's launch cost is hidden (host clock on
-    `device="cpu"`)."""
-    fn()
-    if device != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / iters
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 ACT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -98,27 +50,6 @@ def cutile_or_none(tool: str):
         print(f"{tool}: cuTile unavailable: {why}", file=sys.stderr)
         return None
     return cutile
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_json(path: str, data: dict) -> None:
-    """The `--out` file of the GPU tools, replaced atomically (a reader never sees half a file)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would otherwise be the file's mode
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:  # nothing left behind on the way to an error
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def backward_fn(fn: Callable, inputs: list[torch.Tensor | None]) -> Callable[[], object]:

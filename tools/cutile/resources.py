@@ -2,9 +2,9 @@
 shared memory, spills, the CTAs per SM these allow, and which memory instructions it chose (TMA or
 plain loads / stores, shuffles, barriers) among its SASS instructions (`insts`: all of them).
 
-    python -m mhc_core.kernels.cutile.resources                 # every n = 4 kernel, sm_90
-    python -m mhc_core.kernels.cutile.resources --match h_aggregate --arch sm_100
-    python -m mhc_core.kernels.cutile.resources --sweep --keys sinkhorn,h_post_bda_bwd_occupancy
+    python -m tools.cutile.resources                 # every n = 4 kernel, sm_90
+    python -m tools.cutile.resources --match h_aggregate --arch sm_100
+    python -m tools.cutile.resources --sweep --keys sinkhorn,h_post_bda_bwd_occupancy
         # the sweep's candidates at its shape (T 8192, C 4096, n 4, bf16, megatron_dev, 20 iterations),
         # each with the occupancy hint it sets; a legend names each `key[i]`
 
@@ -181,9 +181,9 @@ def _matches(match: str, ident: str) -> bool:
 def _sweep_plan(args: argparse.Namespace) -> tuple[list[tuple[PlannedLaunch, int | None]], list[str]]:
     """The sweep's launches at its shape with their candidates' occupancy hints, and a legend line
     per candidate (`key[i]: tiles`)."""
-    from mhc_core.kernels.cutile import precompile
-    from mhc_core.kernels.cutile.bench import ACT_DTYPES
-    from mhc_core.kernels.cutile.sweep import CANDIDATES
+    from tools.cutile import precompile
+    from tools.cutile.bench import ACT_DTYPES
+    from tools.cutile.sweep import CANDIDATES
 
     keys = [k for k in args.keys.split(",") if k] if args.keys else None
     recorded = precompile.distinct(precompile.sweep_launches(
@@ -197,7 +197,7 @@ def _sweep_plan(args: argparse.Namespace) -> tuple[list[tuple[PlannedLaunch, int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mhc_core.kernels.cutile.bench import add_shape_args
+    from tools.cutile.bench import add_shape_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm_90", help="sm_90 (Hopper) or sm_100 (Blackwell)")

@@ -1,0 +1,1 @@
+"""Tools for kernel developers (not installed): run from the repository root, `python -m tools.<tool>`."""
