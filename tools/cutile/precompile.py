@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+import mhc_core.kernels.cutile as _cutile
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
@@ -50,9 +51,9 @@ __all__ = ["Recorded", "LaunchRecorder", "record", "sweep_launches", "ops_launch
            "kernel_sources", "sources_digest", "ARCHIVE_NAME"]
 
 ARCHIVE_NAME = "cutile-precompiled-{arch}.tar.xz"
-_REPO = Path(__file__).resolve().parents[2]
-_PACKAGE = _REPO / "mhc_core" / "kernels" / "cutile"
-"""The product's cuTile package, whose kernel sources the cache is keyed on."""
+_PACKAGE = Path(_cutile.__file__).resolve().parent
+"""The product's cuTile package (as imported here), whose kernel sources the cache is keyed on."""
+_REPO = _PACKAGE.parents[2]
 
 
 @dataclass(frozen=True)
