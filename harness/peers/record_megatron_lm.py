@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--branch", default=None, help="the branch name to record (default: main / dev, by its config)")
     p.add_argument("--commit", default=None, help="the tree's commit (default: git rev-parse HEAD in the tree)")
     args = p.parse_args(argv)
+    # Placeholders and the file's name only: a path of the recording machine means nothing elsewhere.
     command = shlex.join(["python", "-m", "harness.peers.record_megatron_lm", "--megatron-lm", "<tree>", "--out",
-                          str(args.out), *(["--branch", args.branch] if args.branch else [])])
+                          args.out.name, *(["--branch", args.branch] if args.branch else [])])
     try:
         doc = record(args.megatron_lm, branch=args.branch, commit=args.commit, command=command)
     except TreeError as exc:
