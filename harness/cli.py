@@ -231,6 +231,7 @@ def _cmd_import_log(args: argparse.Namespace) -> int:
 
 
 def _cmd_perf(args: argparse.Namespace) -> int:
+    from harness import peer_trend
     from harness import perf_history as ph
 
     if args.perf_cmd == "append":
@@ -252,8 +253,6 @@ def _cmd_perf(args: argparse.Namespace) -> int:
         return 0
     records = ph.read_history(args.history)
     if args.perf_cmd == "check":
-        from harness import peer_trend
-
         verdicts = ph.check_history(records, window=args.window, band_slow=args.band_slow, band_fast=args.band_fast)
         print(ph.format_verdicts(verdicts))
         peers = peer_trend.check_peers(records, window=args.window, band=args.peer_band)
@@ -262,7 +261,6 @@ def _cmd_perf(args: argparse.Namespace) -> int:
             print(peer_trend.format_peer_verdicts(peers))
         bad = {"regression"} | ({"improved"} if args.fail_on_improvement else set())
         return 1 if any(v.status in bad for v in verdicts) or any(v.status == "fell_behind" for v in peers) else 0
-    from harness import peer_trend
     from harness.perf_page import write_pages
 
     pngs = ph.plot_history(records, args.out) + peer_trend.plot_peers(records, args.out)

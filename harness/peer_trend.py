@@ -12,12 +12,13 @@ fast as we are.
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from harness.perf_history import save_trend, slug
 
 __all__ = ["PeerVerdict", "check_peers", "format_peer_verdicts", "peer_ratios", "plot_peers"]
 
@@ -98,30 +99,13 @@ def format_peer_verdicts(verdicts: Sequence[PeerVerdict]) -> str:
 
 def plot_peers(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
     """`perf_<hw>_peers.png` per hardware key with peer rows: our speed-up over each peer per record."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     series: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for i, r in enumerate(records):
         for key, (_peer, ratio) in peer_ratios(r).items():
             series.setdefault(str(r.get("hardware")), {}).setdefault(key.split("::", 1)[-1], []).append((i, ratio))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for hw, lines in sorted(series.items()):
-        fig = Figure(figsize=(8, 4), dpi=100, layout="constrained")
-        FigureCanvasAgg(fig)
-        ax = fig.subplots()
-        for name, pts in sorted(lines.items()):
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=name)
-        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-        idx = sorted({p[0] for pts in lines.values() for p in pts})
-        ax.set_xticks(idx, [str(records[i].get("date", i))[:10] for i in idx], rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel("ours (compiled) speed-up over the peer [x]")
-        ax.set_title(f"ours vs peers on {hw} (same-run ratios; below 1: the peer is faster)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6)
-        path = out_dir / f"perf_{re.sub(r'[^A-Za-z0-9_.-]+', '_', hw)}_peers.png"
-        fig.savefig(path)
-        paths.append(path)
-    return paths
+    return [save_trend(records, lines, out_dir / f"perf_{slug(hw)}_peers.png",
+                       ylabel="ours (compiled) speed-up over the peer [x]", reference=1.0,
+                       title=f"ours vs peers on {hw} (same-run ratios; below 1: the peer is faster)")
+            for hw, lines in sorted(series.items())]

@@ -40,6 +40,9 @@ __all__ = [
     "plot_history",
     "read_history",
     "record_from_benchmark_json",
+    "save_trend",
+    "slug",
+    "format_seconds",
 ]
 
 
@@ -181,8 +184,14 @@ def check_history(records: Sequence[Mapping[str, Any]], *, window: int = 5, band
     return out
 
 
-def _t(s: float) -> str:
+def format_seconds(s: float) -> str:
+    """`1.234 ms` / `56.7 us`: a benchmark time as the reports print it."""
     return f"{s * 1e3:.4g} ms" if s >= 1e-3 else f"{s * 1e6:.4g} us"
+
+
+def slug(text: str) -> str:
+    """`text` with every run of characters outside `[A-Za-z0-9_.-]` made one `_` (file names of the plots)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
 
 
 def format_verdicts(verdicts: Sequence[PerfVerdict]) -> str:
@@ -191,9 +200,9 @@ def format_verdicts(verdicts: Sequence[PerfVerdict]) -> str:
     for v in verdicts:
         band = f"band -{v.band_fast:.0%}..+{v.band_slow:.0%}"
         if v.baseline_s is None:
-            body = f"measured {_t(v.measured_s)}, no baseline yet (no earlier record on this hardware)"
+            body = f"measured {format_seconds(v.measured_s)}, no baseline yet (no earlier record on this hardware)"
         else:
-            body = (f"measured {_t(v.measured_s)}, baseline {_t(v.baseline_s)} (median of {v.n_baseline}), "
+            body = (f"measured {format_seconds(v.measured_s)}, baseline {format_seconds(v.baseline_s)} (median of {v.n_baseline}), "
                     f"delta {v.delta:+.1%}, {band}")
             if v.status == "improved":
                 body += " -> faster than the band: check the change and refresh expectations"
@@ -202,35 +211,41 @@ def format_verdicts(verdicts: Sequence[PerfVerdict]) -> str:
     return "\n".join(lines)
 
 
+def save_trend(records: Sequence[Mapping[str, Any]], lines: Mapping[str, Sequence[tuple[int, float]]], path: Path, *,
+               ylabel: str, title: str, reference: float | None = None) -> Path:
+    """One trend PNG at `path`: a line per `{name: [(record index, value)]}`, the records' dates on the x
+    axis, and a dashed horizontal line at `reference` when given."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for name, pts in sorted(lines.items()):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=name)
+    if reference is not None:
+        ax.axhline(reference, color="black", linewidth=0.8, linestyle="--")
+    idx = sorted({p[0] for pts in lines.values() for p in pts})
+    ax.set_xticks(idx, [str(records[i].get("date", i))[:10] for i in idx], rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.savefig(path)
+    return path
+
+
 def plot_history(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
     """One trend PNG per (hardware, group): median time per record, one line per benchmark."""
     if not records:
         raise ValueError("the history has no records: nothing to plot")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     series: dict[tuple[str, str], dict[str, list[tuple[int, float]]]] = {}
     for i, r in enumerate(records):
         for b in r["benchmarks"]:
             key = (str(r.get("hardware")), str(b.get("group") or "ungrouped"))
-            series.setdefault(key, {}).setdefault(b["name"], []).append((i, b["median_s"]))
+            series.setdefault(key, {}).setdefault(b["name"], []).append((i, b["median_s"] * 1e3))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for (hw, group), lines in sorted(series.items()):
-        fig = Figure(figsize=(8, 4), dpi=100, layout="constrained")
-        FigureCanvasAgg(fig)
-        ax = fig.subplots()
-        for name, pts in sorted(lines.items()):
-            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", markersize=3, label=name)
-        idx = sorted({p[0] for pts in lines.values() for p in pts})
-        ax.set_xticks(idx, [str(records[i].get("date", i))[:10] for i in idx], rotation=45, ha="right",
-                      fontsize=7)
-        ax.set_ylabel("median time [ms]")
-        ax.set_title(f"{group} on {hw}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        path = out_dir / f"perf_{re.sub(r'[^A-Za-z0-9_.-]+', '_', hw)}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', group)}.png"
-        fig.savefig(path)
-        paths.append(path)
-    return paths
+    return [save_trend(records, lines, out_dir / f"perf_{slug(hw)}_{slug(group)}.png", ylabel="median time [ms]",
+                       title=f"{group} on {hw}")
+            for (hw, group), lines in sorted(series.items())]

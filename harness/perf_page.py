@@ -8,22 +8,13 @@ the history (date, commit, dirty flag, torch / CUDA / cuda-tile versions, how ma
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.perf_history import PerfVerdict, check_history
+from harness.perf_history import PerfVerdict, check_history, format_seconds, slug
 
 __all__ = ["write_pages"]
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
-
-
-def _ms(s: float) -> str:
-    return f"{s * 1e3:.4g} ms" if s >= 1e-3 else f"{s * 1e6:.4g} us"
 
 
 def _verdict(v: PerfVerdict) -> str:
@@ -51,7 +42,7 @@ def _page(hw: str, records: Sequence[Mapping[str, Any]], pngs: Sequence[Path], o
         speed = f"{e['speedup_vs_reference']:.2f}x" if isinstance(e.get("speedup_vs_reference"), int | float) else "-"
         shape = str(e.get("shape", "-")).removeprefix(f"{e.get('op', '')}-")
         md.append(f"| {e.get('op', b.get('group', '-'))} | {e.get('direction', '-')} | {e.get('backend', '-')} | "
-                  f"{shape} | {_ms(b['median_s'])} | {roof} | {speed} | {_verdict(verdicts[b['key']])} |")
+                  f"{shape} | {format_seconds(b['median_s'])} | {roof} | {speed} | {_verdict(verdicts[b['key']])} |")
     md += ["", "## Trends", ""]
     md += [f"![{p.stem}]({p.relative_to(out_dir).as_posix()})\n" for p in pngs] or ["No plot (one point per benchmark)."]
     md += ["", "## Points", "", "| date | commit | dirty | torch | CUDA | cuda-tile | benchmarks |",
@@ -71,8 +62,8 @@ def write_pages(records: Sequence[Mapping[str, Any]], pngs: Sequence[Path], out_
     paths = []
     for hw in sorted({str(r.get("hardware")) for r in records}):
         mine = [r for r in records if str(r.get("hardware")) == hw]
-        own = [p for p in pngs if p.name.startswith(f"perf_{_slug(hw)}_")]
-        path = out_dir / f"{_slug(hw)}.md"
+        own = [p for p in pngs if p.name.startswith(f"perf_{slug(hw)}_")]
+        path = out_dir / f"{slug(hw)}.md"
         path.write_text(_page(hw, mine, own, out_dir), encoding="utf-8")
         paths.append(path)
     return paths
