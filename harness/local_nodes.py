@@ -100,11 +100,8 @@ def launch_nodes(script: str | Path, args: list[str] | tuple[str, ...] = (), *, 
         for f in files:
             f.close()
     seconds = time.monotonic() - start
-    nodes = tuple(
-        LaunchResult(returncode=p.returncode, output=(d / "agent.log").read_text(encoding="utf-8", errors="replace"),
-                     log_dir=d, seconds=seconds, timed_out=timed_out)
-        for p, d in zip(procs, dirs, strict=True))
-    nodes = tuple(_with_cause(n, r, watcher.joined) for n, r in zip(nodes, plans, strict=True))
+    nodes = tuple(_node_result(p, d, rdzv, seconds=seconds, timed_out=timed_out, joined=watcher.joined)
+                  for p, d, rdzv in zip(procs, dirs, plans, strict=True))
     if first_failed is not None:
         first_failed = _primary(nodes, first_failed)
     result = NodesResult(nodes=nodes, seconds=seconds, timed_out=timed_out)
@@ -114,19 +111,16 @@ def launch_nodes(script: str | Path, args: list[str] | tuple[str, ...] = (), *, 
 
 
 def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[int | None, bool]:
-    """Wait until every agent exits, or one fails (then stop the rest), or `deadline` passes."""
+    """Wait until every agent exits, or one fails, or `deadline` passes: `(first failing agent, timed out)`.
+    The caller then stops every agent still running."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            for p in procs:
-                kill_group(p)
             return failed[0], False
         if all(c == 0 for c in codes):
             return None, False
         if time.monotonic() > deadline:
-            for p in procs:
-                kill_group(p)
             return None, True
         time.sleep(0.1)
 
@@ -150,12 +144,12 @@ def _primary(nodes: tuple[LaunchResult, ...], first: int) -> int:
     return next((i for i, n in enumerate(nodes) if i != first and n.returncode > 0 and not collateral(i)), first)
 
 
-def _with_cause(node: LaunchResult, rdzv: Rendezvous, joined: int | None) -> LaunchResult:
-    if node.returncode == 0:
-        return node
-    cause = diagnose(node.output, rdzv, joined)
-    return LaunchResult(returncode=node.returncode, output=node.output, log_dir=node.log_dir, seconds=node.seconds,
-                        timed_out=node.timed_out, cause=cause)
+def _node_result(proc: subprocess.Popen, log_dir: Path, rdzv: Rendezvous, *, seconds: float, timed_out: bool,
+                 joined: int | None) -> LaunchResult:
+    """One agent's launch: its exit code and output, and the rendezvous's diagnosis when it failed."""
+    output = (log_dir / "agent.log").read_text(encoding="utf-8", errors="replace")
+    return LaunchResult(returncode=proc.returncode, output=output, log_dir=log_dir, seconds=seconds,
+                        timed_out=timed_out, cause=None if proc.returncode == 0 else diagnose(output, rdzv, joined))
 
 
 def _describe(script, result: NodesResult, first: int | None, plans: list[Rendezvous], timeout: float,

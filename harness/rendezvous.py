@@ -174,6 +174,8 @@ class JoinWatcher(threading.Thread):
              f"{self.rdzv.join_timeout + 60:g}", str(os.getpid())],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=env,
             cwd=Path(__file__).resolve().parents[1])
+        if self._stopped.is_set():  # stop() came while the child started: it saw no child to kill
+            self._proc.kill()
         for line in self._proc.stdout:
             count, _, state = line.strip().partition(" ")
             if count.isdigit():

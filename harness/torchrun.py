@@ -20,7 +20,8 @@ from pathlib import Path
 
 from harness.rendezvous import JoinWatcher, Rendezvous, check_port_free, diagnose
 
-__all__ = ["LaunchError", "LaunchResult", "failed_ranks", "kill_group", "launch", "rank_logs", "torchrun_command", "worker_env"]
+__all__ = ["LaunchError", "LaunchResult", "failed_ranks", "kill_group", "launch", "live_pids", "rank_logs", "torchrun_command",
+           "worker_env"]
 
 _TAIL = 4000
 
@@ -55,6 +56,21 @@ def rank_logs(log_dir: Path) -> dict[int, str]:
     runs = {f.parents[2] for f in files}
     newest = max(runs, key=lambda d: d.stat().st_mtime)
     return {int(f.parent.name): f.read_text(errors="replace") for f in sorted(files) if f.parents[2] == newest}
+
+
+def live_pids(*needles: str) -> list[int]:
+    """Running processes whose command line holds every one of `needles` (e.g. a worker script and its
+    output directory): what a test checks to know that no rank or agent outlived its launch."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:  # gone meanwhile
+                continue
+            if all(n in cmd for n in needles):
+                pids.append(int(proc.name))
+    return pids
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:

@@ -13,13 +13,14 @@ agent instead (`run_node`, driven by `suites/functional/multinode.py` and `ci/sl
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,24 @@ def _tail(log_dir: Path, stop: threading.Event, echo: Callable[[str], None]) -> 
         stop.wait(0.25)
 
 
+@contextlib.contextmanager
+def _echoing(log_dir: Path, echo: Callable[[str], None]) -> Iterator[None]:
+    """Echo the progress lines under `log_dir` (`_tail`, in a thread) while the block runs, and the last
+    ones after it."""
+    stop = threading.Event()
+    tail = threading.Thread(target=_tail, args=(log_dir, stop, echo), daemon=True)
+    tail.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        tail.join(timeout=5)
+
+
+def _print(line: str) -> None:
+    print(line, file=sys.stdout, flush=True)
+
+
 def prepare_out_dir(plan: RunPlan, out_dir: Path, data_dir: Path, plan_name: str = "plan.json") -> list[str]:
     """Build the plan's dataset, write the plan into `out_dir`; the worker's arguments."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -117,23 +136,17 @@ def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None 
     if load is not None:
         args += ["--load", str(load)]
     env = {**_worker_env(plan), **(env or {})}
-    echo = echo or (lambda line: print(line, file=sys.stdout, flush=True))
+    echo = echo or _print
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    stop = threading.Event()
-    tail = threading.Thread(target=_tail, args=(log_dir, stop, echo), daemon=True)
     echo(f"[functional] {_describe_plan(plan)}" + (f", resuming from {load}" if load else ""))
     start = time.monotonic()
-    tail.start()
-    try:
+    with _echoing(log_dir, echo):
         if plan.nnodes > 1:
             launch_nodes(WORKER, args, nnodes=plan.nnodes, nproc=plan.nproc, timeout=timeout or plan.timeout,
                          log_dir=log_dir, env=env, run_id=f"{plan.case}-local")
         else:
             launch(WORKER, args, nproc=plan.nproc, timeout=timeout or plan.timeout, log_dir=log_dir, env=env)
-    finally:
-        stop.set()
-        tail.join(timeout=5)
     seconds = time.monotonic() - start
     echo(f"[functional] {plan.case}: done in {seconds:.1f} s")
     fingerprint = json.loads((out_dir / "fingerprint.json").read_text(encoding="utf-8"))
@@ -154,18 +167,12 @@ def run_node(plan: RunPlan, out_dir: Path, rendezvous: Rendezvous, *, data_dir: 
         check_port_free(rendezvous.endpoint)
     label = rendezvous.node_rank if rendezvous.node_rank is not None else os.getpid()
     args = prepare_out_dir(plan, out_dir, data_dir, plan_name=f"plan.node{label}.json")
-    echo = echo or (lambda line: print(line, file=sys.stdout, flush=True))
+    echo = echo or _print
     log_dir = out_dir / "logs" / f"node{label}"
-    stop = threading.Event()
-    tail = threading.Thread(target=_tail, args=(log_dir, stop, echo), daemon=True)
     echo(f"[functional] {_describe_plan(plan)}; {rendezvous.node} joins {rendezvous.run_id} at {rendezvous.endpoint}")
-    tail.start()
-    try:
+    with _echoing(log_dir, echo):
         result = launch(WORKER, args, nproc=plan.nproc, timeout=timeout or plan.timeout, log_dir=log_dir,
                         env={**_worker_env(plan), **(env or {})}, rendezvous=rendezvous)
-    finally:
-        stop.set()
-        tail.join(timeout=5)
     echo(f"[functional] {plan.case}: {rendezvous.node} done in {result.seconds:.1f} s")
     return result
 

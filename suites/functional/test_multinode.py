@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from harness.local_nodes import NodesLaunchError, free_endpoint, launch_nodes
+from harness.torchrun import live_pids
 from suites.functional.metrics import GRAD_NORM, LM_LOSS, NUM_ZEROS, read_metrics
 from suites.functional.recipe import as_nodes
 from suites.functional.runner import CRASH_RANK_ENV_VAR, REPO_ROOT, WORKER, run_plan
@@ -58,20 +59,6 @@ def _golden_digest(hw: str) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob(f"{CASE}*")) if p.is_file()}
 
 
-def _workers(out: Path) -> list[int]:
-    """Live processes whose command line names the worker and `out` (ranks and agents of this test)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if "worker.py" in cmd and str(out) in cmd:
-                pids.append(int(proc.name))
-    return pids
-
-
 @pytest.fixture
 def planned(tmp_path, functional_runs) -> Path:
     """`multinode plan` of the case over two nodes, in a fresh directory."""
@@ -106,7 +93,7 @@ def test_two_agents_reproduce_the_one_node_run_bit_for_bit(functional_runs, tmp_
     assert f"functional/{CASE} on {functional_runs.hw}: pass" in proc.stdout, proc.stdout[-3000:]
     assert (out / "results").is_dir()
     assert _golden_digest(functional_runs.hw) == before
-    assert not _workers(out)
+    assert not live_pids("worker.py", str(out))
     request.config.stash.setdefault(MULTINODE_TIMES, {})[CASE] = (seconds, one.seconds)
 
 
@@ -130,7 +117,7 @@ def test_a_rank_that_crashes_on_the_second_node_ends_the_job(functional_runs, tm
     assert f"node{node} rank 3 (local rank 1, group rank 1) exited with code 1, the first observed failure" in message
     assert "rank 3 of 4: crash planted by $MHC_FUNCTIONAL_TEST_CRASH_RANK" in message
     assert all(n.returncode is not None for n in err.value.nodes.nodes)
-    assert not _workers(out) and not (out / "metrics.json").exists()
+    assert not live_pids("worker.py", str(out)) and not (out / "metrics.json").exists()
     assert _golden_digest(functional_runs.hw) == before
     assert seconds < 120, f"the job took {seconds:.0f} s to end after the crash"
 
@@ -144,7 +131,7 @@ def test_a_node_that_never_joins_times_out_naming_the_count(planned):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert re.search(r"rendezvous alone at 127\.0\.0\.1:\d+ timed out after 8 s: 1 of 2 nodes joined", proc.stderr), \
         proc.stderr[-3000:]
-    assert seconds < 60 and not _workers(planned) and not (planned / "metrics.json").exists()
+    assert seconds < 60 and not live_pids("worker.py", str(planned)) and not (planned / "metrics.json").exists()
 
 
 def test_a_node_whose_host_never_starts_names_the_store(planned):
@@ -154,7 +141,7 @@ def test_a_node_whose_host_never_starts_names_the_store(planned):
                 "--join-timeout", "6", timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert f"rendezvous hostless: the store at {endpoint} did not answer within 6 s" in proc.stderr
-    assert "0 of 2 nodes joined" in proc.stderr and not _workers(planned)
+    assert "0 of 2 nodes joined" in proc.stderr and not live_pids("worker.py", str(planned))
 
 
 def test_a_taken_port_is_an_error_naming_the_endpoint(planned, tmp_path):

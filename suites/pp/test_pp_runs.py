@@ -3,15 +3,13 @@ single-process run, and every P2P hop carries the n-stream width."""
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from harness.torchrun import LaunchError
+from harness.torchrun import LaunchError, live_pids
 from suites.pp.compare_runs import compare_to_reference, load_run
 from suites.pp.launch import run_worker
 
@@ -64,30 +62,6 @@ def test_pipelined_run_reproduces_single_process(case, reference_runs, tmp_path)
     assert sends == recvs, f"sent shapes {sends} != received shapes {recvs}"
 
 
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
-
-
-def _worker_pids(root: Path) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if "pp_worker.py" in cmd and str(root) in cmd:
-                pids.append(int(proc.name))
-    return pids
-
-
 def test_crashed_rank_fails_with_its_stderr_and_leaves_nothing(reference_runs, tmp_path):
     """Rank 1 dies mid-run: the launch fails fast, names the failure, and no worker survives."""
     init = reference_runs["mhc"] / "init.pt"
@@ -98,7 +72,7 @@ def test_crashed_rank_fails_with_its_stderr_and_leaves_nothing(reference_runs, t
     message = str(err.value)
     assert "exited with code" in message and "2 ranks" in message
     assert re.search(r"exitcode\s*:\s*17\b", err.value.result.output), err.value.result.output[-2000:]
-    assert not _alive(_worker_pids(tmp_path))
+    assert not live_pids("pp_worker.py", str(tmp_path))
 
 
 def test_hung_rank_is_killed_at_the_timeout(reference_runs, tmp_path):
@@ -110,4 +84,4 @@ def test_hung_rank_is_killed_at_the_timeout(reference_runs, tmp_path):
     assert err.value.result.timed_out
     assert "timed out after 25 s and was killed" in str(err.value)
     assert "--- rank 0 stderr" in str(err.value)
-    assert not _alive(_worker_pids(tmp_path))
+    assert not live_pids("pp_worker.py", str(tmp_path))
