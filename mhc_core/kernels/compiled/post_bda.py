@@ -13,16 +13,17 @@ Products and sums in fp32 at least (the reference's accumulation dtype), unrolle
 `n` so that the forward is one pointwise kernel over `[T, n, C]`.
 
 Dropout (`training and dropout_p > 0`), on the expanded branch as the reference and Megatron's
-bias-dropout-add: fused too. The keep mask is drawn inside the compiled forward by Inductor's
-in-kernel random numbers (Philox in Triton on GPU), seeded from the default generator of the
-device, so `torch.manual_seed` and a restored RNG state replay it, as mHC recompute needs; it is
-saved as `bool [T, n, C]` for the backward, as eager dropout saves its mask:
+bias-dropout-add: fused too. The keep mask comes from a counter-based hash of the element index and an
+int32 seed drawn from the device's default generator (`dropout.keep_mask`), so `torch.manual_seed`
+and a restored RNG state replay it, as mHC recompute needs. Only the seed is saved: the backward
+recomputes the mask in its own kernel, so no `[T, n, C]` mask is written or read:
 
     out_i   = mix_i + keep_i * h_post_i (y + bias) / (1 - p)
     g_hp_i  = sum_c g_i keep_i (y + bias) / (1 - p),   g_y = sum_i h_post_i keep_i g_i / (1 - p)
 
 The draw is not eager's: the same seed gives another mask than `mhc_core.ops.h_post_bda`, so
-parity is checked against the reference formulation with the compiled backend's own mask.
+parity is checked against the reference formulation with the mask `dropout.keep_mask` rebuilds from
+the saved seed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from mhc_core import ops
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
+from mhc_core.kernels.compiled.dropout import draw_seed, keep_mask
 from mhc_core.ops.post_bda import check_h_post_bda_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
@@ -41,40 +43,57 @@ def _acc(h_res: torch.Tensor, res: torch.Tensor) -> torch.dtype:
     return acc_dtype(res.dtype, h_res.dtype)
 
 
-def _fwd(h_res, res, h_post, y, bias, transposed: bool, p: float):
-    """`out [T, n, C]`, or `(out, keep [T, n, C] bool)` when `p > 0` (dropout on the branch)."""
+def _fwd(h_res, res, h_post, y, bias, seed, transposed: bool, p: float):
+    """`out [T, n, C]`; with `p > 0` the branch is dropped where `keep_mask(seed, ...)` is False."""
     acc = _acc(h_res, res)
     m = h_res.to(acc)
     if transposed:
         m = m.transpose(1, 2)
     branch_in = y.to(acc) if bias is None else y.to(acc) + bias.to(acc)
     out = h_post.to(acc)[:, :, None] * branch_in[:, None, :]  # [T, n, C]
-    keep = None
     if p > 0:
-        keep = torch.rand_like(out) >= p
-        out = torch.where(keep, out * (1.0 / (1.0 - p)), 0.0)
+        out = torch.where(keep_mask(seed, out.shape, p), out * (1.0 / (1.0 - p)), 0.0)
     for j in range(res.shape[1]):
         out = out + m[:, :, j, None] * res[:, None, j, :].to(acc)
-    return out.to(res.dtype) if keep is None else (out.to(res.dtype), keep)
+    return out.to(res.dtype)
 
 
-def _bwd(g, h_res, res, h_post, y, bias, keep, transposed: bool, needs: tuple[bool, ...], p: float):
+_TOKEN_BLOCK = 16
+
+
+def _sum_tokens(t: torch.Tensor) -> torch.Tensor:
+    """`[T, C] -> [C]`, the sum over tokens in two levels (blocks of 16 tokens, then the blocks, then the
+    remainder): Inductor's C++ backend vectorises a reduction over the inner dim of a block far better than
+    one over all T rows."""
+    tokens = t.shape[0]
+    blocks = tokens // _TOKEN_BLOCK
+    whole = blocks * _TOKEN_BLOCK
+    out = t[:whole].reshape(blocks, _TOKEN_BLOCK, t.shape[1]).sum(1).sum(0)
+    return out + t[whole:].sum(0)
+
+
+def _bwd(g, h_res, res, h_post, y, bias, seed, transposed: bool, needs: tuple[bool, ...], p: float):
     acc = _acc(h_res, res)
     need_hres, need_res, need_hpost, need_y, need_bias = needs
     n = res.shape[1]
     gf = g.to(acc)
-    gb = gf if keep is None else torch.where(keep, gf * (1.0 / (1.0 - p)), 0.0)  # the branch's gradient
+    # The branch's gradient: the forward's mask, rebuilt from its seed.
+    gb = gf if p == 0 else torch.where(keep_mask(seed, gf.shape, p), gf * (1.0 / (1.0 - p)), 0.0)
     m = h_res.to(acc)
     if transposed:
         m = m.transpose(1, 2)
     g_res = g_hres = g_hpost = g_y = g_bias = None
+    # g_M is built one row i at a time, as n reductions of the [T, n(j)] x C group: Inductor's C++ backend
+    # fuses the n of them into one loop nest (one load of each residual stream per n products), where
+    # one [T, n, n] x C reduction reloads both operands for every product.
     if need_res:
         out = m[:, 0, :, None] * gf[:, 0, None, :]
         for i in range(1, n):
             out = out + m[:, i, :, None] * gf[:, i, None, :]
         g_res = out.to(res.dtype)
     if need_hres:
-        g_m = (gf[:, :, None, :] * res.to(acc)[:, None, :, :]).sum(-1)  # [T, n(i), n(j)]
+        resf = res.to(acc)
+        g_m = torch.stack([(gf[:, i, None, :] * resf).sum(-1) for i in range(n)], dim=1)  # [T, n(i), n(j)]
         g_hres = (g_m.transpose(1, 2) if transposed else g_m).to(h_res.dtype)
     if need_hpost:
         branch_in = y.to(acc) if bias is None else y.to(acc) + bias.to(acc)
@@ -87,7 +106,7 @@ def _bwd(g, h_res, res, h_post, y, bias, keep, transposed: bool, needs: tuple[bo
         if need_y:
             g_y = g_branch.to(y.dtype)
         if need_bias:
-            g_bias = g_branch.sum(0).to(bias.dtype)
+            g_bias = _sum_tokens(g_branch).to(bias.dtype)
     return g_hres, g_res, g_hpost, g_y, g_bias
 
 
@@ -98,22 +117,21 @@ class _HPostBDA(torch.autograd.Function):
         dtypes = tuple(None if t is None else t.dtype for t in (h_res, res, h_post, y, bias))
         key = (*dtypes, res.shape[1], transposed, p, res.device.type)
         h_res_d, res_d, h_post_d, y_d = (mark_dynamic(t, 0) for t in (h_res, res, h_post, y))
-        out = compile_for(_fwd, key)(h_res_d, res_d, h_post_d, y_d, bias, transposed, p)
-        out, keep = out if p > 0 else (out, None)
-        ctx.save_for_backward(h_res, res, h_post, y, bias, keep)
+        seed = draw_seed(res.device) if p > 0 else None
+        out = compile_for(_fwd, key)(h_res_d, res_d, h_post_d, y_d, bias, seed, transposed, p)
+        ctx.save_for_backward(h_res, res, h_post, y, bias, seed)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        h_res, res, h_post, y, bias, keep = ctx.saved_tensors
+        h_res, res, h_post, y, bias, seed = ctx.saved_tensors
         needs = tuple(bool(v) for v in ctx.needs_input_grad[:5])
         needs = needs[:4] + (needs[4] and bias is not None,)
         dtypes = tuple(None if t is None else t.dtype for t in (g, h_res, res, h_post, y, bias))
         key = (*dtypes, res.shape[1], ctx.transposed, needs, ctx.p, res.device.type)
         g, h_res, res, h_post, y = (mark_dynamic(t, 0) for t in (g.contiguous(), h_res, res, h_post, y))
-        keep = None if keep is None else mark_dynamic(keep, 0)
-        grads = compile_for(_bwd, key)(g, h_res, res, h_post, y, bias, keep, ctx.transposed, needs, ctx.p)
+        grads = compile_for(_bwd, key)(g, h_res, res, h_post, y, bias, seed, ctx.transposed, needs, ctx.p)
         return (*grads, None, None)
 
 

@@ -7,6 +7,7 @@ import torch
 
 from mhc_core import ops
 from mhc_core.kernels import dispatch
+from mhc_core.kernels.compiled.dropout import draw_seed, keep_mask
 from mhc_core.ops.post_bda import apply_h_res
 from mhc_core.variants import Variant, get_variant
 from suites.unit.kernels.parity import Case, backend_params, check_parity, device_for
@@ -112,19 +113,20 @@ def _seeded_compiled(seed: int, **fixed):
 
 
 def _mask(inputs: dict, seed: int, variant: Variant, training: bool = True) -> torch.Tensor | None:
-    """The keep mask the compiled backend draws under `seed` and saves for its backward (None: no mask)."""
+    """The keep mask the compiled backend draws under `seed`, rebuilt from the int32 seed it saves for
+    its backward (None: no dropout, no seed saved)."""
     leaves = {k: None if v is None else v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
     out = _seeded_compiled(seed, dropout_p=P, training=training, variant=variant)(**leaves)
-    keep = out.grad_fn.saved_tensors[-1]
-    assert keep is None or (keep.dtype == torch.bool and keep.shape == out.shape), keep
-    return keep
+    saved = out.grad_fn.saved_tensors[-1]
+    assert saved is None or (saved.dtype == torch.int32 and saved.dim() == 0), saved
+    return None if saved is None else keep_mask(saved, tuple(out.shape), P)
 
 
 @needs_compiled
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=str)
 def test_compiled_h_post_bda_dropout_matches_the_formula_with_its_mask(case):
     """Training dropout (p = 0.25) is fused: the output and all five grads equal the reference
-    formulation with the keep mask the compiled backend drew and saved for backward."""
+    formulation with the keep mask rebuilt from the seed the compiled backend saved for backward."""
     inputs = _inputs(case, device_for("compiled"))
     keep = _mask(inputs, 11, case.variant)
     check_parity(f"h_post_bda[compiled, dropout {P}, {case}]", _with_mask(keep, P),
@@ -146,3 +148,28 @@ def test_compiled_h_post_bda_dropout_mask_is_seeded_with_rate_p():
     assert _mask(inputs, 11, case.variant, training=False) is None
 
 
+
+
+def test_keep_mask_is_uniform_and_uncorrelated():
+    """The hash mask keeps 1 - p at several p, and neighbours along C, across streams and across
+    tokens agree as often as independent draws would (within 5 sigma)."""
+    torch.manual_seed(3)
+    shape = (256, 4, 512)
+    for p in (0.1, 0.25, 0.5):
+        keep = keep_mask(draw_seed("cpu"), shape, p).float()
+        sigma = ((1 - p) * p / keep.numel()) ** 0.5
+        assert abs(keep.mean().item() - (1 - p)) < 5 * sigma, f"p={p}: kept {keep.mean().item():.4f}"
+        agree = p * p + (1 - p) * (1 - p)  # P(two independent draws agree)
+        for name, a, b in (("C", keep[:, :, 1:], keep[:, :, :-1]), ("streams", keep[:, 1:], keep[:, :-1]),
+                           ("tokens", keep[1:], keep[:-1])):
+            got = (a == b).float().mean().item()
+            bound = 5 * (agree * (1 - agree) / a.numel()) ** 0.5
+            assert abs(got - agree) < bound, f"p={p}: neighbours along {name} agree {got:.4f}, expected {agree:.4f}"
+
+
+def test_keep_mask_rejects_bad_seed_and_rate():
+    """A seed that is not a 0-d int32 tensor, or p outside [0, 1), is a ValueError naming it."""
+    with pytest.raises(ValueError, match="seed must be a 0-d int32"):
+        keep_mask(torch.tensor(3), (2, 4, 8), 0.1)
+    with pytest.raises(ValueError, match="p=1.0"):
+        keep_mask(torch.tensor(3, dtype=torch.int32), (2, 4, 8), 1.0)
