@@ -27,16 +27,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from harness import TimingCheck
 from mhc_core.analysis import bytes_moved
 from mhc_core.kernels import dispatch
 from mhc_core.testing import tolerance
 
-__all__ = ["PEERS", "SMOKE_ENV_VAR", "PeerCase", "PeerTimed", "peer_cases", "ours", "smoke"]
+__all__ = ["PEERS", "SMOKE_ENV_VAR", "PeerCase", "PeerTimed", "conforms", "peer_cases", "peer_golden", "peer_golden_case", "peer_info",
+           "ours", "runner", "smoke"]
 
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 ITERATIONS = 20
@@ -178,17 +182,23 @@ class PeerTimed:
 
     def conforms_at(self, case: PeerCase) -> tuple[bool, str]:
         """The peer against our reference on this case's inputs (forward): ``(ok, worst error text)``."""
-        d = case.inputs(requires_grad=False)
-        with torch.no_grad():
-            got, want = self.build(case)(d), ours(case, "reference", self.variant)(d)
-        worst, text = 0.0, ""
-        tol = tolerance(case.dtype, "proj")  # the activation dtype bounds both sides' rounding
-        for i, (a, e) in enumerate(zip(got, want, strict=True)):
-            a64, e64 = a.detach().double().reshape(e.shape), e.detach().double()
-            ratio = float(((a64 - e64).abs() / (tol.atol + tol.rtol * e64.abs())).max())
-            if ratio > worst:
-                worst, text = ratio, f"output {i}: max abs err {float((a64 - e64).abs().max()):.2e}, {ratio:.3g}x its bound"
-        return worst <= 1, text or "exact"
+        return conforms(self.build(case), case, self.variant)
+
+
+def conforms(fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCase, variant: str) -> tuple[bool, str]:
+    """``fn``'s outputs (ours' order) against our reference in ``variant`` on the case's inputs, forward, within
+    the activation dtype's bound: ``(ok, worst error text)``."""
+    d = case.inputs(requires_grad=False)
+    with torch.no_grad():
+        got, want = fn(d), ours(case, "reference", variant)(d)
+    worst, text = 0.0, ""
+    tol = tolerance(case.dtype, "proj")  # the activation dtype bounds both sides' rounding
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        a64, e64 = a.detach().double().reshape(e.shape), e.detach().double()
+        ratio = float(((a64 - e64).abs() / (tol.atol + tol.rtol * e64.abs())).max())
+        if ratio > worst:
+            worst, text = ratio, f"output {i}: max abs err {float((a64 - e64).abs().max()):.2e}, {ratio:.3g}x its bound"
+    return worst <= 1, text or "exact"
 
 
 def _hf_coefficients(case: PeerCase):
@@ -284,3 +294,58 @@ PEERS: tuple[PeerTimed, ...] = (
     PeerTimed(name="tile_kernels", conformance_peer="tile_kernels", variant="megatron_dev",
               ops=frozenset({"coefficients"}), package="tile_kernels", gpu=True),
 )
+
+
+def peer_golden_case(case: PeerCase, direction: str, peer: str) -> str:
+    """The golden case name of a peer row: ``peer-<case id>-<direction>-<peer>`` with the peer's brackets and
+    commas as dashes (a case name is one path component: ``hf_deepseek_v4[compiled]`` ->
+    ``hf_deepseek_v4-compiled``)."""
+    return f"peer-{case.id}-{direction}-" + re.sub(r"[^A-Za-z0-9_.+-]+", "-", peer).strip("-")
+
+
+def peer_golden(peer_s: list[float], ours_s: list[float], device: str) -> tuple[dict, dict]:
+    """The metrics and checks of a peer row's golden: the peer's time per rep (`iteration-time`) and our
+    speed-up over it per paired rep (`speedup-vs-peer`), both in the two-sided band of our own perf goldens
+    (15 % slower / 30 % faster). The speed-up, a ratio of two times taken under the same load, is checked
+    everywhere; the peer's time only on a GPU, where a hardware key is one device model (a CPU key groups
+    machines of different speeds)."""
+    window = (1, len(peer_s))
+    ratios = [p / o for p, o in zip(peer_s, ours_s, strict=True)]
+    checks = {"speedup-vs-peer": TimingCheck(rel_band_slow=0.15, rel_band_fast=0.30, window=window,
+                                             higher_is_better=True)}
+    if device == "cuda":
+        checks["iteration-time"] = TimingCheck(rel_band_slow=0.15, rel_band_fast=0.30, window=window)
+    return {"iteration-time": peer_s, "speedup-vs-peer": ratios}, checks
+
+
+def peer_info(case: PeerCase, direction: str, peer: str, variant: str, timed: list[list[float]],
+              conformance: str) -> dict:
+    """A peer row's ``extra_info`` from the paired samples ``timed = [peer, copy, ours compiled, ours
+    reference]`` (seconds per rep, one run): times, bytes/s under our bytes model, roofline ratios against
+    the copy, our speed-ups over the peer."""
+    peer_s, copy_s, ours_s, ref_s = (statistics.median(t) for t in timed)
+    nbytes = case.bytes(direction)
+    return {"op": case.op, "direction": direction, "backend": peer, "peer": peer, "shape": case.id,
+            "device": case.device, "variant": variant, "median_s": peer_s, "bytes": nbytes,
+            "bytes_per_s": nbytes / peer_s, "copy_bytes_per_s": nbytes / copy_s, "roofline_ratio": copy_s / peer_s,
+            "ours_compiled_s": ours_s, "ours_reference_s": ref_s, "ours_roofline_ratio": copy_s / ours_s,
+            "speedup_vs_peer": peer_s / ours_s, "reference_speedup_vs_peer": peer_s / ref_s,
+            "conformance": conformance}
+
+
+def runner(fn: Callable[[dict[str, torch.Tensor]], tuple], inputs: dict[str, torch.Tensor], direction: str
+           ) -> Callable[[], object]:
+    """``fn`` on ``inputs`` as one timed call: forward under ``no_grad``, or forward + backward to every input
+    that requires grad (fixed random cotangents)."""
+    if direction == "fwd":
+        def fwd():
+            with torch.no_grad():
+                return fn(inputs)
+        return fwd
+    leaves = [v for v in inputs.values() if v.requires_grad]
+    outs = fn(inputs)
+    cot = [torch.randn_like(o) for o in outs]
+
+    def fwdbwd():
+        return torch.autograd.grad(fn(inputs), leaves, cot, allow_unused=True)
+    return fwdbwd

@@ -11,14 +11,22 @@ so, with the conformance matrix's verdict for that op. Nothing here asserts a sp
 from __future__ import annotations
 
 import os
-import statistics
 
 import pytest
 import torch
 
-from harness import TimingCheck
 from mhc_core.kernels import dispatch
-from suites.perf.peers import PEERS, PeerCase, PeerTimed, ours, peer_cases
+from suites.perf.peers import (
+    PEERS,
+    PeerCase,
+    PeerTimed,
+    ours,
+    peer_cases,
+    peer_golden,
+    peer_golden_case,
+    peer_info,
+    runner,
+)
 from suites.perf.timing import copy_fn, paired_samples, synced
 
 pytestmark = pytest.mark.perf
@@ -43,21 +51,6 @@ def _matrix_verdict(peer: PeerTimed, case: PeerCase) -> str:
             + (f" (not: {', '.join(bad)})" if bad else ""))
 
 
-def _runner(fn, inputs: dict[str, torch.Tensor], direction: str):
-    if direction == "fwd":
-        def fwd():
-            with torch.no_grad():
-                return fn(inputs)
-        return fwd
-    leaves = [v for v in inputs.values() if v.requires_grad]
-    outs = fn(inputs)
-    cot = [torch.randn_like(o) for o in outs]
-
-    def fwdbwd():
-        return torch.autograd.grad(fn(inputs), leaves, cot, allow_unused=True)
-    return fwdbwd
-
-
 @pytest.mark.parametrize("peer", PEERS, ids=lambda p: p.name)
 @pytest.mark.parametrize("direction", ["fwd", "fwdbwd"])
 @pytest.mark.parametrize("case", peer_cases(DEVICE), ids=lambda c: c.id)
@@ -75,24 +68,14 @@ def test_peer(benchmark, golden_metrics, case, direction, peer, reps):
         pytest.skip(f"{peer.name} does not conform to {peer.variant} at {case.id} ({worst}); not timed. {verdict}")
     inputs = case.inputs(requires_grad=direction == "fwdbwd")
     nbytes = case.bytes(direction)
-    fns = [_runner(peer.build(case), inputs, direction), copy_fn(nbytes, device=DEVICE),
-           _runner(ours(case, "compiled", peer.variant), inputs, direction),
-           _runner(ours(case, "reference", peer.variant), inputs, direction)]
+    fns = [runner(peer.build(case), inputs, direction), copy_fn(nbytes, device=DEVICE),
+           runner(ours(case, "compiled", peer.variant), inputs, direction),
+           runner(ours(case, "reference", peer.variant), inputs, direction)]
     timed = paired_samples(fns, device=DEVICE, reps=reps, warmup=2)  # warm-up 1 compiles, 2 settles
-    peer_s, copy_s, ours_s, ref_s = (statistics.median(t) for t in timed)
     benchmark.group = f"peer-{case.op}-{direction}"
     benchmark.pedantic(synced(fns[0], device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
-    benchmark.extra_info.update({
-        "op": case.op, "direction": direction, "backend": peer.name, "peer": peer.name, "shape": case.id,
-        "device": DEVICE, "variant": peer.variant, "median_s": peer_s, "bytes": nbytes,
-        "bytes_per_s": nbytes / peer_s, "copy_bytes_per_s": nbytes / copy_s, "roofline_ratio": copy_s / peer_s,
-        "ours_compiled_s": ours_s, "ours_reference_s": ref_s, "ours_roofline_ratio": copy_s / ours_s,
-        "speedup_vs_peer": peer_s / ours_s, "reference_speedup_vs_peer": peer_s / ref_s,
-        "conformance": f"at {case.id}: {worst}; {verdict}",
-    })
-    assert peer_s > 0 and ours_s > 0 and copy_s > 0
+    info = peer_info(case, direction, peer.name, peer.variant, timed, f"at {case.id}: {worst}; {verdict}")
+    benchmark.extra_info.update(info)
+    assert info["median_s"] > 0 and info["ours_compiled_s"] > 0 and info["roofline_ratio"] > 0
     if os.environ.get("MHC_PERF_GOLDEN") == "1":
-        golden_metrics.check(
-            f"peer-{case.id}-{direction}-{peer.name}", {"iteration-time": timed[0]},
-            {"iteration-time": TimingCheck(rel_band_slow=0.15, rel_band_fast=0.30, window=(1, len(timed[0])))},
-        )
+        golden_metrics.check(peer_golden_case(case, direction, peer.name), *peer_golden(timed[0], timed[2], DEVICE))

@@ -252,3 +252,49 @@ def test_peer_cases_and_a_peer_that_does_not_conform_is_not_timed():
     wrong = dataclasses.replace(hf, variant="megatron_main")  # untransposed mix: not DeepSeek-V4's
     ok, why = wrong.conforms_at(small)
     assert not ok and "its bound" in why
+
+
+def test_peer_table_reads_several_files_as_one_run(tmp_path):
+    """The upstream tree's rows, written to a file of their own, join the peer table of the main run."""
+    main, tree = tmp_path / "perf.json", tmp_path / "perf_megatron_lm.json"
+    main.write_text(json.dumps({"benchmarks": [_peer("hf_deepseek_v4", 0.004, 0.002)]}))
+    tree.write_text(json.dumps({"benchmarks": [_peer("megatron_lm[main]", 0.001, 0.002)]}))
+    rows = table.peer_rows([main, tree])
+    assert len(rows) == 4 and "megatron_lm[main]" in rows[2] and rows[2].endswith("| 0.50x | megatron_lm[main] | 0.50x |")
+    assert rows[3].endswith("| 2.00x | megatron_lm[main] | 0.50x |"), rows[3]
+
+
+def test_peer_golden_band_holds_a_slower_machine_and_fails_a_lost_lead():
+    """A peer row's golden checks our speed-up over the peer (two-sided, as our own perf goldens) on every
+    device, the peer's time only on a GPU: a machine twice as slow with the ratio held passes on a CPU, a
+    lead that drops from 1.3x to 1.0x fails, and a 1.3x -> 2.0x jump fails too (asks for a refresh)."""
+    from harness.compare import compare_metric
+    from harness.schema import series_from_list
+    from suites.perf.peers import peer_golden
+
+    peer, ours = [0.013] * 5, [0.010] * 5
+    golden, checks = peer_golden(peer, ours, "cpu")
+    assert set(checks) == {"speedup-vs-peer"} and set(golden) == {"iteration-time", "speedup-vs-peer"}
+    assert set(peer_golden(peer, ours, "cuda")[1]) == {"speedup-vs-peer", "iteration-time"}
+    want = series_from_list(golden["speedup-vs-peer"])
+
+    def verdict(peer_s, ours_s):
+        got = series_from_list(peer_golden(peer_s, ours_s, "cpu")[0]["speedup-vs-peer"])
+        return compare_metric("speedup-vs-peer", got, want, checks["speedup-vs-peer"])
+
+    assert verdict([0.026] * 5, [0.020] * 5).ok
+    lost = verdict([0.010] * 5, [0.010] * 5)
+    assert not lost.ok and "speedup-vs-peer" in lost.message, lost.message
+    assert not verdict([0.020] * 5, [0.010] * 5).ok
+
+
+def test_tree_peers_refuses_a_path_that_is_no_megatron_lm_tree(tmp_path, capsys):
+    """`python -m suites.perf.tree_peers` names a bad --megatron-lm path and writes nothing."""
+    from suites.perf import tree_peers
+
+    out = tmp_path / "rows.json"
+    assert tree_peers.main(["--megatron-lm", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+    assert "not a directory" in capsys.readouterr().err and not out.exists()
+    (tmp_path / "empty").mkdir()
+    assert tree_peers.main(["--megatron-lm", str(tmp_path / "empty"), "--out", str(out)]) == 2
+    assert "not a Megatron-LM tree" in capsys.readouterr().err and not out.exists()

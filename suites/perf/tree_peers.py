@@ -1,0 +1,155 @@
+"""Upstream Megatron-LM's mHC from a source tree, timed beside ours: the perf suite's peer rows for a tree.
+
+    python -m suites.perf.tree_peers --megatron-lm PATH --out results/perf_megatron_lm.json [--smoke]
+
+Runs in a process of its own, under a Python that can import the tree (upstream imports triton: the
+compat env's `.tox/compat/bin/python`, or a GPU node's), because the tree's `megatron` must be the one
+imported. Upstream's `@torch.compile` methods stay compiled (upstream's own choice, as a user runs them);
+dev's fused module runs its torch backend on CPU (`MHC_FORCE_BACKEND=native`, upstream's switch).
+
+Per peer of the tree (main's `HyperConnectionModule`; dev's native and fused modules) and per op of
+`suites.perf.peers` (`coefficients`: `compute_mappings` + `aggregate`; `layer_mhc`: the module's forward
+and `fused_h_res_h_post_bda` for both sublayers, the sublayers the identity), forward and forward +
+backward: a conformance check at the shape against our reference in the variant the tree claims, then
+the peer, a same-bytes copy and ours (compiled, reference) timed rep by rep in alternation. The output is
+a pytest-benchmark-shaped JSON (`benchmarks[*].stats` from those samples, `extra_info` as
+`test_peers.py` writes it), which `python -m suites.perf.table` and `mhc-harness perf-history` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from harness.peers.base import SublayerParams
+from harness.peers.megatron_lm import (
+    MegatronLMTreePeer,
+    TreeError,
+    hashes,
+    load_tree,
+    make_peers,
+    tree_flavor,
+)
+from harness.provenance import utc_now
+from suites.perf.peers import ITERATIONS, PeerCase, conforms, ours, peer_info, runner
+from suites.perf.timing import copy_fn, paired_samples
+
+__all__ = ["VARIANT", "main", "tree_rows", "upstream"]
+
+VARIANT = {"main": "megatron_main", "dev": "megatron_dev"}
+"""The variant each tree flavour conforms to (the conformance matrix: 48/48 and 24/24)."""
+
+
+def _params(d: dict[str, torch.Tensor], k: int) -> SublayerParams:
+    a = d[f"a{k}"]
+    return SublayerParams(n=d["x"].shape[1], weight=d[f"w{k}"], alpha_pre=a[0:1], alpha_post=a[1:2],
+                          alpha_res=a[2:3], bias=d[f"b{k}"])
+
+
+def upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.Tensor]):
+    """Upstream's entry points for ``case`` on ``inputs`` (modules built once, parameters bound to the
+    inputs' tensors so gradients reach them): ``fn(inputs) -> outputs`` in ours' order."""
+    t, n, c = case.tokens, case.n, case.hidden
+    mods = [peer._module(n, c, ITERATIONS, _params(inputs, k), case.dtype)[1]
+            for k in range(2 if case.op == "layer_mhc" else 1)]
+
+    if case.op == "coefficients":
+        def coefficients(d):
+            flat = d["x"].reshape(t, 1, n * c)
+            h_pre, h_post, h_res = mods[0].compute_mappings(flat)
+            return h_post.reshape(t, n), h_res.reshape(t, n, n), mods[0].aggregate(flat, h_pre).reshape(t, c)
+        return coefficients
+
+    def layer(d):
+        h = d["x"].reshape(t, 1, n * c)
+        for mod in mods:
+            out = mod(h)
+            aggregated, h_res, h_post = out[:3]
+            residual = out[3] if len(out) == 4 else h  # dev returns its residual alias as a 4th output
+            h = mod.fused_h_res_h_post_bda(h_res, residual, h_post, (aggregated, None), 0.0, False, False)
+        return (h.reshape(t, n, c),)
+    return layer
+
+
+def _cases(smoke: bool) -> list[PeerCase]:
+    tokens = 1024 if smoke else 4096
+    return [PeerCase(op=op, tokens=tokens, n=4, hidden=1024, dtype=torch.float32, device="cpu")
+            for op in ("coefficients", "layer_mhc")]
+
+
+def _stats(samples: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(samples), "mean": statistics.fmean(samples),
+            "stddev": statistics.stdev(samples) if len(samples) > 1 else 0.0, "min": min(samples),
+            "max": max(samples), "rounds": len(samples), "iterations": 1}
+
+
+def tree_rows(tree: Path, *, reps: int, smoke: bool) -> list[dict]:
+    """One benchmark entry per peer, op and direction that conforms at its shape (see the module docstring)."""
+    flavor = tree_flavor(tree)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("MHC_FORCE_BACKEND", "native")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "0")  # load_tree would otherwise switch upstream's compile off
+    load_tree(tree)
+    variant = VARIANT[flavor]
+    rows = []
+    for peer in make_peers(tree, None):
+        for case in _cases(smoke):
+            ok, worst = conforms(lambda d, case=case, peer=peer: upstream(peer, case, d)(d), case, variant)
+            if not ok:
+                print(f"{peer.name} does not conform to {variant} at {case.id} ({worst}); not timed", file=sys.stderr)
+                continue
+            for direction in ("fwd", "fwdbwd"):
+                inputs = case.inputs(requires_grad=direction == "fwdbwd")
+                fns = [runner(upstream(peer, case, inputs), inputs, direction),
+                       copy_fn(case.bytes(direction), device=case.device),
+                       runner(ours(case, "compiled", variant), inputs, direction),
+                       runner(ours(case, "reference", variant), inputs, direction)]
+                timed = paired_samples(fns, device=case.device, reps=reps, warmup=2)
+                info = peer_info(case, direction, peer.name, variant, timed, f"at {case.id}: {worst}")
+                rows.append({"name": f"test_peer[{case.id}-{direction}-{peer.name}]",
+                             "fullname": f"suites/perf/tree_peers.py::test_peer[{case.id}-{direction}-{peer.name}]",
+                             "group": f"peer-{case.op}-{direction}", "params": None, "stats": _stats(timed[0]),
+                             "extra_info": info})
+                print(f"{peer.name} {case.id} {direction}: peer {info['median_s'] * 1e3:.2f} ms, ours "
+                      f"{info['ours_compiled_s'] * 1e3:.2f} ms, ours vs peer {info['speedup_vs_peer']:.2f}x",
+                      file=sys.stderr)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM source tree (main or dev)")
+    p.add_argument("--out", required=True, type=Path, help="the benchmark JSON to write")
+    p.add_argument("--reps", type=int, default=int(os.environ.get("MHC_PERF_REPS", "5")))
+    p.add_argument("--smoke", action="store_true", help="T 1024 instead of 4096")
+    args = p.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        rows = tree_rows(args.megatron_lm, reps=args.reps, smoke=args.smoke)
+    except TreeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"error: --megatron-lm {args.megatron_lm}: no peer of the tree conforms at the timed shapes",
+              file=sys.stderr)
+        return 1
+    doc = {"machine_info": {"python_version": platform.python_version(), "torch": torch.__version__,
+                            "megatron_lm": {"tree_sha256": hashes(args.megatron_lm)}},
+           "commit_info": {}, "datetime": utc_now(), "version": "mhc-suite tree_peers 1", "benchmarks": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(args.out)
+    print(f"{len(rows)} rows -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
