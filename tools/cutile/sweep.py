@@ -39,6 +39,7 @@ import torch
 from mhc_core.analysis import bytes_moved
 from mhc_core.kernels.cutile import tiling, tuning
 from mhc_core.kernels.device_time import device_busy_seconds
+from tools.cutile import adopt
 from tools.cutile.bench import (
     ACT_DTYPES,
     add_shape_args,
@@ -97,13 +98,13 @@ def summary(rows: list[dict]) -> str:
         groups.setdefault((r["key"], r["direction"]), []).append(r)
         base_key = tile_key(r["key"])
         if r["key"] == base_key and r["tiles"] == repr(CANDIDATES.get(base_key, (None,))[0]):
-            default_ms[(base_key, r["direction"])] = tuning.rank_ms(r)
+            default_ms[(base_key, r["direction"])] = adopt.rank_ms(r)
     out = ["| key | dir | default ms | fastest | ms | GB/s | speed-up | failed |", "|---|---|---|---|---|---|---|---|"]
     for (key, direction), rs in groups.items():
-        best = min(rs, key=tuning.rank_ms)
+        best = min(rs, key=adopt.rank_ms)
         base = default_ms.get((tile_key(key), direction))
-        base_s, gain = ("-", "-") if base is None else (f"{base:.4f}", f"{base / tuning.rank_ms(best):.2f}x")
-        out.append(f"| {key} | {direction} | {base_s} | {best['tiles']} | {tuning.rank_ms(best):.4f} | "
+        base_s, gain = ("-", "-") if base is None else (f"{base:.4f}", f"{base / adopt.rank_ms(best):.2f}x")
+        out.append(f"| {key} | {direction} | {base_s} | {best['tiles']} | {adopt.rank_ms(best):.4f} | "
                    f"{best['gb_per_s']:.0f} | {gain} | {len(failed.get(key, ()))} |")
     out += [f"| {key} | - | - | all {len(k)} candidates failed | - | - | - | {len(k)} |" for key, k in failed.items()
             if not any(g[0] == key for g in groups)]
@@ -111,7 +112,7 @@ def summary(rows: list[dict]) -> str:
 
 
 def _read_sweep(path: str, flag: str) -> dict | None:
-    """A sweep's `--out` file, checked (`tuning.check_sweep`); None after printing why not."""
+    """A sweep's `--out` file, checked (`adopt.check_sweep`); None after printing why not."""
     try:
         with open(path) as f:
             text = f.read()
@@ -119,7 +120,7 @@ def _read_sweep(path: str, flag: str) -> dict | None:
             data = json.loads(text)
         except ValueError as exc:
             raise ValueError(f"{path}: not JSON: {exc}") from None
-        tuning.check_sweep(data, path)
+        adopt.check_sweep(data, path)
     except (OSError, ValueError) as exc:
         print(f"sweep {flag}: " + (f"{path}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)), file=sys.stderr)
         return None
@@ -173,7 +174,7 @@ def _adopt(path: str, out: str | None, min_gain: float) -> int:
     if data is None:
         return 2
     try:
-        tuned, lines = tuning.from_sweep(data, CANDIDATES, min_gain=min_gain, source=out, sweep=path)
+        tuned, lines = adopt.from_sweep(data, CANDIDATES, min_gain=min_gain, source=out, sweep=path)
     except ValueError as exc:
         print(f"sweep --adopt: {exc}", file=sys.stderr)
         return 2
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                                "max_rel_err": err if err == float("inf") else float(f"{err:.3g}"),
                                "check": grade(key, act, err)}
                         row.update({"device_error": device_error} if busy_ms is None else {"device_ms": round(busy_ms, 4)})
-                        row["gb_per_s"] = round(model / (tuning.rank_ms(row) * 1e6), 1)
+                        row["gb_per_s"] = round(model / (adopt.rank_ms(row) * 1e6), 1)
                         rows.append(row)
                         busy = "-" if busy_ms is None else f"{busy_ms:8.4f} ms"
                         print(f"{label:60s} {direction} single {single:8.4f} ms  pipelined {piped:8.4f} ms "

@@ -4,7 +4,7 @@
 n = 4, C >= 256 (the default a winner must beat). A candidate is a tile object for its key, or a
 whole `tiling.overridden` dict (the `*_occupancy` keys: hints, with the heuristic's or given tiles);
 `override` turns either into `tiling.overridden` keywords. Timed by `sweep`, compiled ahead of time
-by `precompile`, adopted into a tuning by `tuning.from_sweep`.
+by `precompile`, adopted into a tuning by `adopt.from_sweep`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from mhc_core import ops as ref
 from mhc_core.kernels.cutile import signatures, tiling, tuning
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import EmulatedRuntime
+from tools.cutile import adopt
 from tools.cutile.sweep import CANDIDATES, CHECK_RTOL, deviation, main, override, regrade
 from tools.cutile.sweep_check import SINKHORN_RTOL, check_rtol, grade
 
@@ -156,7 +157,7 @@ def test_from_sweep_adopts_checked_winners():
     """Per tile key the fastest candidate that matched the reference, over the key and its occupancy key
     (Sinkhorn: fwd + bwd), is adopted when it beats the default by the minimum gain; else the heuristic stays."""
     data = _sweep_doc(_sweep_rows())
-    t, lines = tuning.from_sweep(data, CANDIDATES, min_gain=1.03, source="t.json")
+    t, lines = adopt.from_sweep(data, CANDIDATES, min_gain=1.03, source="t.json")
     occ_winner = CANDIDATES["h_post_bda_bwd_occupancy"][-1]
     assert t.tiles == {"h_aggregate_fwd": CANDIDATES["h_aggregate_fwd"][1],
                        "h_post_bda_bwd": occ_winner["h_post_bda_bwd"], "sinkhorn": CANDIDATES["sinkhorn"][2]}
@@ -165,10 +166,10 @@ def test_from_sweep_adopts_checked_winners():
     assert t.measured == {"tokens": 8192, "hidden": 4096, "dtype": "bf16", "variant": "megatron_dev"}
     text = "\n".join(lines)
     assert "mapping_fwd: default not timed" in text and "mapping_bwd: default not timed" in text
-    t2, lines2 = tuning.from_sweep(data, CANDIDATES, min_gain=1.5)
+    t2, lines2 = adopt.from_sweep(data, CANDIDATES, min_gain=1.5)
     assert set(t2.tiles) == {"h_post_bda_bwd"}, lines2  # 1.33x (agg) and 1.33x (sinkhorn) are below 1.5
     with pytest.raises(ValueError, match="missing"):
-        tuning.from_sweep({"rows": []}, CANDIDATES)
+        adopt.from_sweep({"rows": []}, CANDIDATES)
 
 
 def test_adopt_cli_writes_a_loadable_tuning(tmp_path, capsys):
@@ -259,11 +260,11 @@ def test_sinkhorn_has_its_own_bound_and_old_files_are_refused_by_it():
     rows = _sweep_rows()
     wrong = _stale_sinkhorn_rows()
     data = _sweep_doc(rows + wrong)
-    t, _ = tuning.from_sweep(json.loads(json.dumps(data)), CANDIDATES, source="t.json")
+    t, _ = adopt.from_sweep(json.loads(json.dumps(data)), CANDIDATES, source="t.json")
     assert t.tiles["sinkhorn"] == sk[3]  # as recorded, the wrong candidate would win
     changed = regrade(data)
     assert len(changed) == 1 and "-> fail (0.0076)" in changed[0] and wrong[1]["check"] == "fail"
-    t, _ = tuning.from_sweep(data, CANDIDATES, source="t.json")
+    t, _ = adopt.from_sweep(data, CANDIDATES, source="t.json")
     assert t.tiles["sinkhorn"] == sk[2]
     assert regrade(data) == [] and regrade({**data, "dtype": "fp8"}) == []
 
