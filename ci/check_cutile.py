@@ -2,7 +2,7 @@
 """Export every cuTile kernel signature to TileIR bytecode and, with tileiras, compile cubins.
 
 No GPU needed. For every launch signature the dispatch can produce
-(`mhc_core.kernels.cutile.signatures`), this script
+(`tools/cutile/signatures.py`), this script
 1. exports TileIR bytecode (`export_kernel(..., output_format="tileir_bytecode")`): type and
    shape checks of the kernel, no toolkit needed;
 2. when a `tileiras` is found (pip wheels of `cuda-tile[tileiras]`, PATH or $CUDA_HOME/bin),
@@ -56,7 +56,7 @@ def _wants_cubin(ident: str, cubin_ns: tuple[int, ...], full: bool) -> bool:
 
 
 def _check(index: int, all_archs: tuple[str, ...], cubin_ns: tuple[int, ...], full: bool) -> Row:
-    from mhc_core.kernels.cutile.signatures import export_bytecode, export_cubin, kernel_object
+    from tools.cutile.signatures import export_bytecode, export_cubin, kernel_object
 
     launch = _PLAN[index]
     archs = all_archs if _wants_cubin(launch.id, cubin_ns, full) else ()
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"check_cutile: tileiras {tc.version} from {tc.source} ({tc.tileiras})")
             print(f"check_cutile: CUDA_HOME={os.environ.get('CUDA_HOME')}")
 
-    from mhc_core.kernels.cutile.signatures import BYTECODE_VERSION, signature_plan
+    from tools.cutile.signatures import BYTECODE_VERSION, signature_plan
 
     global _PLAN
     ns = tuple(sorted(set(args.n))) if args.n else tiling.SUPPORTED_N

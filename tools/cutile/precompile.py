@@ -122,7 +122,7 @@ def ops_launches(set_name: str, ns: Sequence[int], tokens: int, hidden: Sequence
     """Every op forward and backward at `[tokens, n, c]` for each `n` in `ns`, `c` in `hidden` and
     activation dtype (all variants, bias or not: `signatures.record_all`), inside
     `tiling.overridden(**overrides)`."""
-    from mhc_core.kernels.cutile.signatures import record_all
+    from tools.cutile.signatures import record_all
 
     rec = LaunchRecorder()
     rec.set = set_name
@@ -182,7 +182,7 @@ def _keys(db: Path) -> set[str]:
 def _compile_chunk(cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]]) -> list[tuple[int, str | None, str]]:
     """Compile `chunk` into `cache_dir` (the process's `CUDA_TILE_CACHE_DIR`, which cuTile reads once,
     when it is first imported); per launch (index, its new cache key or None, error or "")."""
-    from mhc_core.kernels.cutile.signatures import PlannedLaunch, export_cubin, kernel_object
+    from tools.cutile.signatures import PlannedLaunch, export_cubin, kernel_object
 
     db = Path(cache_dir) / "cache.db"
     out = []

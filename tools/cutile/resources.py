@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mhc_core.kernels.cutile import toolchain
-from mhc_core.kernels.cutile.signatures import PlannedLaunch, alternative_plan, signature_plan
+from tools.cutile.signatures import PlannedLaunch, alternative_plan, signature_plan
 
 __all__ = ["KernelResources", "ToolFailed", "ctas_per_sm", "find_cuobjdump", "inspect_launch", "main", "table"]
 
@@ -93,7 +93,7 @@ def find_cuobjdump() -> Path:
 
 
 def _bytecode(launch: PlannedLaunch, occupancy: int | None = None) -> bytes:
-    from mhc_core.kernels.cutile.signatures import export_bytecode, kernel_object
+    from tools.cutile.signatures import export_bytecode, kernel_object
 
     return export_bytecode(launch, None if occupancy is None else kernel_object(launch.kernel_name, occupancy))
 

@@ -7,7 +7,8 @@ Importing this package needs neither `cuda.tile` nor a GPU: the kernel modules
   importable and a `tileiras` compiler found (see `toolchain.py`).
 - `sinkhorn`, `mapping`, `h_aggregate`, `h_post_bda`: the reference signatures, autograd-capable;
   uncovered cases raise `NotImplementedError` naming the case (see `ops.py`).
-- `iter_signatures()` / `KERNEL_SIGNATURES`: every launch signature, for export / compile checks.
+- Every launch signature, for the export / compile checks, is listed by the lab's
+  `tools/cutile/signatures.py` (from the launch wrappers themselves).
 - Tiles: `tiling` heuristics, or the tuning for this GPU model that `tuning.resolve` finds
   (`MHC_CUTILE_TUNING`, else a file shipped in `tuned/`), put in force on the first launch.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from typing import Any
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import CuTileOps, make_ops
@@ -33,8 +33,6 @@ __all__ = [
     "h_post_bda",
     "OPS",
     "SUPPORTED_N",
-    "iter_signatures",
-    "KERNEL_SIGNATURES",
 ]
 
 SUPPORTED_N = tiling.SUPPORTED_N
@@ -100,18 +98,3 @@ sinkhorn = OPS.sinkhorn
 mapping = OPS.mapping
 h_aggregate = OPS.h_aggregate
 h_post_bda = OPS.h_post_bda
-
-
-def iter_signatures(ns: tuple[int, ...] = SUPPORTED_N):
-    """`(id, kernel object, [KernelSignature])` for every launch the dispatch can produce (imports cuda.tile)."""
-    from mhc_core.kernels.cutile.signatures import iter_signatures as _iter
-
-    return _iter(ns)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "KERNEL_SIGNATURES":
-        from mhc_core.kernels.cutile.signatures import kernel_cases
-
-        return kernel_cases()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

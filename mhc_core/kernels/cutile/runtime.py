@@ -5,7 +5,7 @@ The launch wrappers in `ops_*.py` call `runtime.launch(grid, kernel_name, args)`
 - runs on a GPU (`CuTileRuntime`: `ct.launch` on the current torch stream),
 - runs on CPU through the kernel interpreter (`EmulatedRuntime`, tests without a GPU),
 - or only records which kernels it would launch with which argument kinds
-  (`RecordingRuntime`, the source of the CI signature list in `signatures.py`).
+  (`RecordingRuntime`, the source of the CI signature list in `tools/cutile/signatures.py`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 cuTile tile dimensions are compile-time constants and must be powers of two. The heuristics
 below depend only on `n` and on `C` / `K` through a cap, so every hidden size from 256 up
 (all real models) gets the same constants, the JIT compiles each kernel once per
-(n, dtypes, variant), and `signatures.py` can list the whole set for CI.
+(n, dtypes, variant), and `tools/cutile/signatures.py` can list the whole set for CI.
 
 | kernel | constants | rule |
 |---|---|---|

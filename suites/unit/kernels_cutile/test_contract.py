@@ -141,7 +141,7 @@ def test_occupancy_hint_reaches_the_kernel_object():
 def test_default_occupancy_reaches_runtime_and_offline_compile(monkeypatch):
     """A hint in `tiling.DEFAULT_OCCUPANCY` is what the runtime launches and CI compiles; an override replaces it."""
     from mhc_core.kernels.cutile import tiling
-    from mhc_core.kernels.cutile.signatures import kernel_object
+    from tools.cutile.signatures import kernel_object
 
     monkeypatch.setitem(tiling.DEFAULT_OCCUPANCY, "h_post_bda_bwd_kernel", 4)
     monkeypatch.setattr(tiling, "_TUNING", None)  # on a GPU, the device's shipped tuning may be in force

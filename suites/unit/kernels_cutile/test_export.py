@@ -20,7 +20,7 @@ from cuda.tile.compilation import export_kernel  # noqa: E402
 
 from mhc_core.kernels.cutile import tiling, toolchain, tuning  # noqa: E402
 from mhc_core.kernels.cutile.runtime import ArrayArg, ConstArg  # noqa: E402
-from mhc_core.kernels.cutile.signatures import (  # noqa: E402
+from tools.cutile.signatures import (  # noqa: E402
     BYTECODE_VERSION,
     STREAM_KERNELS,
     alternative_plan,

@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
 
 from mhc_core.kernels.cutile import tiling, toolchain  # noqa: E402
-from mhc_core.kernels.cutile.signatures import plan_under, signature_plan  # noqa: E402
 from tools.cutile import resources  # noqa: E402
+from tools.cutile.signatures import plan_under, signature_plan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,8 @@ def test_report_shows_register_spills(tools):
     """Spills are reported: the mapping backward's dx/dW kernel at 32 x 128 tokens x K (the 11-29
     default) compiles with a stack frame on sm_90 and STL / LDL in its SASS, the 16 x 64 tile
     without any (a kernel that only ever reported `local B` showed 0 for both)."""
-    from mhc_core.kernels.cutile import signatures, tiling
+    from mhc_core.kernels.cutile import tiling
+    from tools.cutile import signatures
 
     def dx_dw(tiles):
         plan = signatures.plan_under({"mapping_bwd": tiles})

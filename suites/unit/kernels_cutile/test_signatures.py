@@ -11,8 +11,8 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, RecordingRuntime
-from mhc_core.kernels.cutile.signatures import alternative_plan, signature_plan
 from mhc_core.variants import Variant
+from tools.cutile.signatures import alternative_plan, signature_plan
 
 ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
 
