@@ -38,7 +38,7 @@ from mhc_core.kernels.cutile import tiling, tuning  # noqa: E402
 from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
 from mhc_core.kernels.preflight import cutile_gap  # noqa: E402
 from suites.perf.registry import cases_for  # noqa: E402
-from suites.perf.test_layer import GPU_SHAPE  # noqa: E402
+from suites.perf.test_layer import GPU_SHAPES  # noqa: E402
 from suites.unit.kernels_cutile import test_gpu_parity as parity  # noqa: E402
 from tools.cutile import precompile  # noqa: E402
 from tools.cutile.bench import ACT_DTYPES, add_shape_args  # noqa: E402
@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tuning on {args.device}: {tuning.describe(tuned)}", flush=True)
     with tiling.tuned(tuned):
         launches += perf_launches()
-        seq, batch, hidden, _, n = GPU_SHAPE
-        launches += precompile.ops_launches("layer", (n,), seq * batch, (hidden,), (torch.bfloat16,))
+        for shape in GPU_SHAPES:
+            launches += precompile.ops_launches("layer", (shape.n,), shape.seq * shape.batch, (shape.hidden,),
+                                                (torch.bfloat16,))
         for t, c in dict.fromkeys(tuple(p.values) for p in (*parity.SIZES, *parity.MAPPING_SIZES)):
             launches += precompile.ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
         launches += forms_launches()

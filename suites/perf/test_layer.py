@@ -24,6 +24,7 @@ see inside the group's hooks).
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -40,11 +41,28 @@ from suites.perf.timing import copy_seconds, paired_samples, synced
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-GPU_SHAPE = (2048, 2, 1024, 8, 4)
-"""seq, batch, hidden, heads, n on a GPU (`ci/precompile_cutile.py` compiles its kernels ahead of time)."""
-CPU_SHAPE = (256, 2, 1024, 8, 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """One timed layer: `[seq, batch, hidden]` activations, `heads` attention heads, `n` streams."""
+
+    seq: int
+    batch: int
+    hidden: int
+    heads: int
+    n: int = 4
+
+    @property
+    def id(self) -> str:
+        return f"s{self.seq}-b{self.batch}-C{self.hidden}-n{self.n}"
+
+
+GPU_SHAPES = (LayerShape(seq=1024, batch=2, hidden=4096, heads=32), LayerShape(seq=1024, batch=2, hidden=7168, heads=56))
+"""On a GPU, the paper's and Megatron's hidden sizes (`ci/precompile_cutile.py` compiles their kernels ahead of time)."""
+CPU_SHAPE = LayerShape(seq=256, batch=2, hidden=1024, heads=8)
 """The largest CPU layer the 2-core box times in seconds: hidden 1024, 512 tokens."""
-SEQ, BATCH, HIDDEN, HEADS, N = GPU_SHAPE if DEVICE == "cuda" else CPU_SHAPE
+SHAPES = GPU_SHAPES if DEVICE == "cuda" else (CPU_SHAPE,)
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
@@ -53,10 +71,11 @@ class Layer(nn.Module):
     with `peer="hf_deepseek_v4"`, the same sublayers inside transformers' `DeepseekV4DecoderLayer.forward`
     (its `attn_hc` / `ffn_hc` and mixing; its own layout, `[b, s, n, C]`)."""
 
-    def __init__(self, n: int | None, use_fused: bool = False, recompute: bool = False, peer: str | None = None):
+    def __init__(self, shape: LayerShape, n: int | None, use_fused: bool = False, recompute: bool = False,
+                 peer: str | None = None):
         super().__init__()
-        self.recompute, self.peer = recompute, peer
-        c = HIDDEN
+        self.shape, self.recompute, self.peer = shape, recompute, peer
+        c = shape.hidden
         self.norm1, self.norm2 = nn.RMSNorm(c), nn.RMSNorm(c)
         self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
         self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
@@ -78,11 +97,12 @@ class Layer(nn.Module):
 
     def _attention_bsc(self, x: torch.Tensor) -> torch.Tensor:
         """`attention` on DeepSeek-V4's `[b, s, C]` (the adapter flattens it to `[b*s, C]`)."""
-        return self.attention(x.view(BATCH, SEQ, -1).transpose(0, 1)).transpose(0, 1).reshape(x.shape)
+        return self.attention(x.view(self.shape.batch, self.shape.seq, -1).transpose(0, 1)).transpose(0, 1).reshape(x.shape)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         s, b, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(s, b, 3, HEADS, c // HEADS).permute(2, 1, 3, 0, 4)
+        heads = self.shape.heads
+        q, k, v = self.qkv(self.norm1(x)).view(s, b, 3, heads, c // heads).permute(2, 1, 3, 0, 4)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(o.permute(2, 0, 1, 3).reshape(s, b, c))
 
@@ -91,7 +111,7 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.peer:
-            return self.hf(x.view(BATCH, SEQ, self.n, HIDDEN)).view(x.shape)
+            return self.hf(x.view(self.shape.batch, self.shape.seq, self.n, self.shape.hidden)).view(x.shape)
         if not self.n:
             x = x + self.attention(x)
             return x + self.mlp(x)
@@ -110,7 +130,8 @@ class Layer(nn.Module):
 
 
 def _step(layer: Layer, width: int):
-    shape = (BATCH, SEQ, width) if layer.peer else (SEQ, BATCH, width)
+    sh = layer.shape
+    shape = (sh.batch, sh.seq, width) if layer.peer else (sh.seq, sh.batch, width)
     x = torch.randn(*shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
     g = torch.randn_like(x)
 
@@ -128,9 +149,10 @@ def _memory(layer: Layer, run) -> dict[str, int | None]:
     return {"saved": saved, "peak": peak_bytes(run, DEVICE)}
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.id)
 @pytest.mark.parametrize("backend", ["reference", "compiled", "cutile", "reference+recompute", "cutile+recompute",
                                      "hf_deepseek_v4"])
-def test_layer_overhead(benchmark, backend, reps, monkeypatch):
+def test_layer_overhead(benchmark, backend, shape, reps, monkeypatch):
     """mHC layer fwd+bwd time and its overhead over the plain layer, both measured in this run; the
     `hf_deepseek_v4` row is the same layer with DeepSeek-V4's mHC (transformers' code) instead of ours."""
     recompute = backend.endswith("+recompute")
@@ -145,19 +167,20 @@ def test_layer_overhead(benchmark, backend, reps, monkeypatch):
             pytest.skip(f"backend {ops_backend} unavailable: {why}")
         monkeypatch.setenv("MHC_BACKEND", ops_backend)  # use_fused=True would pick cutile on a GPU
     torch.manual_seed(0)
-    plain = Layer(None).to(DEVICE, DTYPE)
-    mhc = Layer(N, use_fused=fused, recompute=recompute, peer=peer).to(DEVICE, DTYPE)
-    run, plain_run = _step(mhc, N * HIDDEN), _step(plain, HIDDEN)
+    plain = Layer(shape, None).to(DEVICE, DTYPE)
+    mhc = Layer(shape, shape.n, use_fused=fused, recompute=recompute, peer=peer).to(DEVICE, DTYPE)
+    run, plain_run = _step(mhc, shape.n * shape.hidden), _step(plain, shape.hidden)
     mhc_t, plain_t = paired_samples([run, plain_run], device=DEVICE, reps=reps, warmup=3)
     mem, plain_mem = _memory(mhc, run), _memory(plain, plain_run)
     mhc_s, plain_s = statistics.median(mhc_t), statistics.median(plain_t)
-    extra = layer_extra_bytes(tokens=SEQ * BATCH, n=N, hidden=HIDDEN, act_bytes=torch.empty((), dtype=DTYPE).element_size())
+    extra = layer_extra_bytes(tokens=shape.seq * shape.batch, n=shape.n, hidden=shape.hidden,
+                              act_bytes=torch.empty((), dtype=DTYPE).element_size())
     floor_s = copy_seconds(extra, device=DEVICE, reps=reps)
     benchmark.group = "layer-fwdbwd"
     benchmark.pedantic(synced(run, device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
     benchmark.extra_info.update({
         "op": "layer", "direction": "fwdbwd", "backend": backend, "device": DEVICE, **({"mhc_of": peer} if peer else {}),
-        "shape": f"s{SEQ}-b{BATCH}-C{HIDDEN}-n{N}", "median_s": mhc_s, "plain_median_s": plain_s,
+        "shape": shape.id, "median_s": mhc_s, "plain_median_s": plain_s,
         "overhead_ratio": mhc_s / plain_s - 1.0, "plain_saved_bytes": plain_mem["saved"],
         "extra_bytes": extra, "floor_overhead_ratio": floor_s / plain_s,
     })
