@@ -3,7 +3,8 @@
 Per benchmark (`suites/perf/peers.py` says what runs): the peer's median, bytes/s under the bytes
 model of the ops ours runs, its roofline ratio against the copy timed in the same run, ours on the
 compiled and reference backends in the same alternation, and `speedup_vs_peer` (the peer's time
-over our compiled backend's: > 1 is ours faster). A peer is timed only where its outputs at this
+over our compiled backend's: > 1 is ours faster); on a GPU also ours on cutile (`speedup_vs_peer_cutile`)
+and both GPU busy times and their ratio. A peer is timed only where its outputs at this
 shape match our reference within the bound (`conforms_at`), and `extra_info["conformance"]` says
 so, with the conformance matrix's verdict for that op. Nothing here asserts a speed.
 """
@@ -11,11 +12,13 @@ so, with the conformance matrix's verdict for that op. Nothing here asserts a sp
 from __future__ import annotations
 
 import os
+import statistics
 
 import pytest
 import torch
 
 from mhc_core.kernels import dispatch
+from mhc_core.kernels.device_time import device_busy_seconds
 from suites.perf.peers import (
     PEERS,
     PeerCase,
@@ -71,10 +74,20 @@ def test_peer(benchmark, golden_metrics, case, direction, peer, reps):
     fns = [runner(peer.build(case), inputs, direction), copy_fn(nbytes, device=DEVICE),
            runner(ours(case, "compiled", peer.variant), inputs, direction),
            runner(ours(case, "reference", peer.variant), inputs, direction)]
+    cutile, _ = dispatch.availability("cutile", DEVICE)
+    if cutile:  # on an NVIDIA GPU, ours as a run would pick it too
+        fns.append(runner(ours(case, "cutile", peer.variant), inputs, direction))
     timed = paired_samples(fns, device=DEVICE, reps=reps, warmup=2)  # warm-up 1 compiles, 2 settles
     benchmark.group = f"peer-{case.op}-{direction}"
     benchmark.pedantic(synced(fns[0], device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
-    info = peer_info(case, direction, peer.name, peer.variant, timed, f"at {case.id}: {worst}; {verdict}")
+    info = peer_info(case, direction, peer.name, peer.variant, timed[:4], f"at {case.id}: {worst}; {verdict}")
+    if cutile:
+        cutile_s = statistics.median(timed[4])
+        info.update({"ours_cutile_s": cutile_s, "speedup_vs_peer_cutile": info["median_s"] / cutile_s})
+    busy, ours_busy = (device_busy_seconds(fn, DEVICE, calls=5) for fn in (fns[0], fns[2]))
+    if busy is not None:
+        # GPU busy time per call (the kernels alone), the peer's and ours, and the ratio of the two.
+        info.update({"device_busy_s": busy, "ours_device_busy_s": ours_busy, "speedup_vs_peer_busy": busy / ours_busy})
     benchmark.extra_info.update(info)
     assert info["median_s"] > 0 and info["ours_compiled_s"] > 0 and info["roofline_ratio"] > 0
     if os.environ.get("MHC_PERF_GOLDEN") == "1":
