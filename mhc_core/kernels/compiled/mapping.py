@@ -49,7 +49,7 @@ _SQUARES_BLOCK = 256
 def _sum_squares(xa: torch.Tensor) -> torch.Tensor:
     """`[T, K] -> [T, 1]`, the row sums of squares, in blocks of 256 columns first where K allows: Inductor's
     C++ backend vectorises a short inner reduction without its cascade-summation helper, which makes the
-    pass over `x` faster (`docs/measurements/cpu-2026-12-02/`)."""
+    pass over `x` faster (`docs/kernels.md`, the CPU targets)."""
     t, k = xa.shape
     sq = xa * xa
     if k % _SQUARES_BLOCK == 0:
