@@ -19,14 +19,20 @@ cat "$OUT/backends.txt"
 #    a first run on new hardware records them: MHC_PERF_GOLDEN=1 ... --update-golden=all
 # Inductor compiles in a worker pool here (a GPU node has the cores; the perf conftest's default of
 # one in-process compile thread is for 2-core CI boxes).
-MHC_PERF_GOLDEN=${MHC_PERF_GOLDEN:-1} MHC_PERF_CUDA_GRAPH=${MHC_PERF_CUDA_GRAPH:-0} \
+# With MHC_MEGATRON_LM (a Megatron-LM checkout on the node), upstream's mHC is timed beside ours too
+# (suites/perf/test_peers_tree.py); its rows join this night's record and table.
+TREE_JSON="$OUT/perf_megatron_lm.json"
+rm -f "$TREE_JSON"
+MHC_PERF_GOLDEN=${MHC_PERF_GOLDEN:-1} MHC_PERF_CUDA_GRAPH=${MHC_PERF_CUDA_GRAPH:-0} MHC_PERF_TREE_JSON="$TREE_JSON" \
 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8} \
     "$PY" -m pytest -p no:xdist suites/perf --hw "$HW" --benchmark-json="$OUT/perf.json" "$@" || status=$?
+also=()
+[ -f "$TREE_JSON" ] && also=(--also "$TREE_JSON")
 
 # 2. History, regression check, trend plots, and the table for the README.
-"$PY" -m harness perf-history append "$OUT/perf.json" --history "$HISTORY" --hw "$HW"
+"$PY" -m harness perf-history append "$OUT/perf.json" "${also[@]}" --history "$HISTORY" --hw "$HW"
 "$PY" -m harness perf-history check --history "$HISTORY" || status=${status:-$?}
 "$PY" -m harness perf-history plot --history "$HISTORY" --out "$OUT/trends"
-"$PY" -m suites.perf.table "$OUT/perf.json" > "$OUT/perf-table.md"
+"$PY" -m suites.perf.table "$OUT/perf.json" ${also[1]:+"${also[1]}"} > "$OUT/perf-table.md"
 echo "nightly: hardware $HW, table in $OUT/perf-table.md, history $HISTORY"
 exit "${status:-0}"

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.errors import GoldenError
+from harness.errors import GoldenError, GoldenFormatError
 
 __all__ = ["build_parser", "main"]
 
@@ -246,6 +246,11 @@ def _cmd_perf(args: argparse.Namespace) -> int:
         hw = validate_hw_key(args.hw or (machine or {}).get("mhc_hw") or detect_hardware().key,
                              field="--hw" if args.hw else "machine_info.mhc_hw")
         versions = (machine or {}).get("mhc_versions")
+        for extra in args.also:  # benchmarks of the same run written apart (the upstream tree's rows)
+            more = parse_json(Path(extra).read_text(encoding="utf-8"), source=extra)
+            if not isinstance(more, dict) or not isinstance(more.get("benchmarks"), list):
+                raise GoldenFormatError(f"{extra}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
+            doc = {**doc, "benchmarks": [*doc.get("benchmarks", []), *more["benchmarks"]]}
         rec = ph.record_from_benchmark_json(doc, source=str(src), hw=hw, commit=args.commit,
                                             versions=versions if isinstance(versions, dict) else None)
         ph.append_record(args.history, rec)
@@ -355,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--history", required=True, help="JSONL history file")
     a.add_argument("--hw", help="hardware key (else machine_info.mhc_hw, else detection)")
     a.add_argument("--commit", help="commit (else commit_info.id)")
+    a.add_argument("--also", action="append", default=[], metavar="JSON",
+                   help="another benchmark file of the same run, merged into the record (repeatable)")
     c = ps.add_parser("check", help="newest record against the trailing median")
     c.add_argument("--history", required=True)
     c.add_argument("--window", type=int, default=5, help="previous records in the baseline (default 5)")

@@ -84,3 +84,22 @@ def test_plot_draws_the_ratios_per_hardware(tmp_path):
     png = tmp_path / "plots" / "perf_cpu_x86_64_peers.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "perf_cpu_x86_64_peers.png" in (tmp_path / "plots" / "cpu_x86_64.md").read_text()
+
+
+def test_rows_written_apart_join_the_same_record(tmp_path, capsys):
+    """`perf-history append --also` merges another benchmark file of the same run (the upstream tree's rows)
+    into one record, so its peer ratio is checked with the others; a file without benchmarks is refused."""
+    main_run = _bench_json(tmp_path / "perf.json", peer_s=1.3e-3, ours_s=1e-3)
+    tree = json.loads(_bench_json(tmp_path / "tree.json", peer_s=2e-3, ours_s=1e-3).read_text())
+    tree["benchmarks"] = [dict(tree["benchmarks"][1], name="test_peer[T4096-n4-C1024-fp32-fwd-megatron_lm[main]]")]
+    (tmp_path / "tree.json").write_text(json.dumps(tree))
+    h = tmp_path / "history.jsonl"
+    assert 0 == main(["perf-history", "append", str(main_run), "--also", str(tmp_path / "tree.json"),
+                      "--history", str(h), "--hw", "cpu_x86_64"])
+    (rec,) = [json.loads(line) for line in h.read_text().splitlines()]
+    assert len(rec["benchmarks"]) == 3 and sorted(r for _, r in peer_ratios(rec).values()) == pytest.approx([1.3, 2.0])
+    (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
+    assert main(["perf-history", "append", str(main_run), "--also", str(tmp_path / "bad.json"), "--history",
+                 str(h), "--hw", "cpu_x86_64"]) != 0
+    assert "bad.json: not a pytest-benchmark JSON file" in capsys.readouterr().err
+    assert len(h.read_text().splitlines()) == 1  # nothing written on the way to the error
