@@ -80,8 +80,8 @@ def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, work, iterations: in
             # Pair q's input, loaded where it is used: a one-step-ahead load (`prev = ahead;
             # ahead = load(q - 1)`) next to the carried `after` computes wrong gradients on an H200
             # for megatron_main / megatron_dev (tileiras 13.4) while the CPU interpreter, the paper
-            # variant (no `after`) and recompute (no `ahead`) are right (`docs/measurements/h200-2026-11-30/`). This form has
-            # not had its GPU parity run (docs/cutile.md, "Status").
+            # variant (no `after`) and recompute (no `ahead`) are right. This form has not had its
+            # GPU parity run (docs/cutile.md, "Status").
             prev = load_state(work, q, pid, N, TILE_B)
         g = pair_vjp(prev, after, g, eps, VARIANT, N, APPROX)
         after = prev
