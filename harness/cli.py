@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.errors import GoldenError, GoldenFormatError
+from harness.errors import GoldenError
 
 __all__ = ["build_parser", "main"]
 
@@ -246,11 +246,12 @@ def _cmd_perf(args: argparse.Namespace) -> int:
         hw = validate_hw_key(args.hw or (machine or {}).get("mhc_hw") or detect_hardware().key,
                              field="--hw" if args.hw else "machine_info.mhc_hw")
         versions = (machine or {}).get("mhc_versions")
-        for extra in args.also:  # benchmarks of the same run written apart (the upstream tree's rows)
-            more = parse_json(Path(extra).read_text(encoding="utf-8"), source=extra)
-            if not isinstance(more, dict) or not isinstance(more.get("benchmarks"), list):
-                raise GoldenFormatError(f"{extra}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
-            doc = {**doc, "benchmarks": [*doc.get("benchmarks", []), *more["benchmarks"]]}
+        if args.also:  # benchmarks of the same run written apart (the upstream tree's rows)
+            merged = list(ph.benchmark_list(doc, source=str(src)))
+            for extra in args.also:
+                more = parse_json(Path(extra).read_text(encoding="utf-8"), source=extra)
+                merged += ph.benchmark_list(more, source=extra)
+            doc = {**doc, "benchmarks": merged}
         rec = ph.record_from_benchmark_json(doc, source=str(src), hw=hw, commit=args.commit,
                                             versions=versions if isinstance(versions, dict) else None)
         ph.append_record(args.history, rec)

@@ -35,6 +35,7 @@ from harness.schema import parse_json
 __all__ = [
     "PerfVerdict",
     "append_record",
+    "benchmark_list",
     "check_history",
     "format_verdicts",
     "plot_history",
@@ -50,12 +51,18 @@ def _num(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def benchmark_list(doc: Any, *, source: str) -> list:
+    """The ``benchmarks`` list of a parsed pytest-benchmark JSON document; ``GoldenFormatError`` naming
+    ``source`` when it has none."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
+        raise GoldenFormatError(f"{source}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
+    return doc["benchmarks"]
+
+
 def record_from_benchmark_json(doc: Any, *, source: str, hw: str, commit: str | None = None,
                                versions: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Build a history record from a parsed pytest-benchmark JSON document; errors name ``source``."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
-        raise GoldenFormatError(f"{source}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
-    if not doc["benchmarks"]:
+    if not benchmark_list(doc, source=source):
         raise GoldenFormatError(f"{source}: 'benchmarks' is empty")
     commit_info = doc.get("commit_info") if isinstance(doc.get("commit_info"), dict) else {}
     benches = []

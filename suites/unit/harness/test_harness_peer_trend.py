@@ -88,7 +88,8 @@ def test_plot_draws_the_ratios_per_hardware(tmp_path):
 
 def test_rows_written_apart_join_the_same_record(tmp_path, capsys):
     """`perf-history append --also` merges another benchmark file of the same run (the upstream tree's rows)
-    into one record, so its peer ratio is checked with the others; a file without benchmarks is refused."""
+    into one record, so its peer ratio is checked with the others; a file without benchmarks, the extra or
+    the main one, is refused."""
     main_run = _bench_json(tmp_path / "perf.json", peer_s=1.3e-3, ours_s=1e-3)
     tree = json.loads(_bench_json(tmp_path / "tree.json", peer_s=2e-3, ours_s=1e-3).read_text())
     tree["benchmarks"] = [dict(tree["benchmarks"][1], name="test_peer[T4096-n4-C1024-fp32-fwd-megatron_lm[main]]")]
@@ -102,4 +103,7 @@ def test_rows_written_apart_join_the_same_record(tmp_path, capsys):
     assert main(["perf-history", "append", str(main_run), "--also", str(tmp_path / "bad.json"), "--history",
                  str(h), "--hw", "cpu_x86_64"]) != 0
     assert "bad.json: not a pytest-benchmark JSON file" in capsys.readouterr().err
-    assert len(h.read_text().splitlines()) == 1  # nothing written on the way to the error
+    assert main(["perf-history", "append", str(tmp_path / "bad.json"), "--also", str(tmp_path / "tree.json"),
+                 "--history", str(h), "--hw", "cpu_x86_64"]) != 0  # the main file is checked too
+    assert "bad.json: not a pytest-benchmark JSON file" in capsys.readouterr().err
+    assert len(h.read_text().splitlines()) == 1  # nothing written on the way to either error
