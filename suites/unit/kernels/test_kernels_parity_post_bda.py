@@ -148,8 +148,6 @@ def test_compiled_h_post_bda_dropout_mask_is_seeded_with_rate_p():
     assert _mask(inputs, 11, case.variant, training=False) is None
 
 
-
-
 def test_keep_mask_is_uniform_and_uncorrelated():
     """The hash mask keeps 1 - p at several p, and neighbours along C, across streams and across
     tokens agree as often as independent draws would (within 5 sigma)."""
