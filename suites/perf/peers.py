@@ -38,9 +38,10 @@ from harness import TimingCheck
 from mhc_core.analysis import bytes_moved
 from mhc_core.kernels import dispatch
 from mhc_core.testing import tolerance
+from suites.perf.timing import copy_fn
 
-__all__ = ["PEERS", "SMOKE_ENV_VAR", "PeerCase", "PeerTimed", "conforms", "peer_cases", "peer_golden", "peer_golden_case", "peer_info",
-           "ours", "runner", "smoke"]
+__all__ = ["PEERS", "SMOKE_ENV_VAR", "PeerCase", "PeerTimed", "conforms", "peer_cases", "paired_fns", "peer_golden", "peer_golden_case",
+           "peer_info", "ours", "runner", "smoke"]
 
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 ITERATIONS = 20
@@ -331,6 +332,15 @@ def peer_info(case: PeerCase, direction: str, peer: str, variant: str, timed: li
             "ours_compiled_s": ours_s, "ours_reference_s": ref_s, "ours_roofline_ratio": copy_s / ours_s,
             "speedup_vs_peer": peer_s / ours_s, "reference_speedup_vs_peer": peer_s / ref_s,
             "conformance": conformance}
+
+
+def paired_fns(peer_fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCase, inputs: dict[str, torch.Tensor],
+               direction: str, variant: str) -> list[Callable[[], object]]:
+    """The timed calls of a peer row, in the order `peer_info` reads their samples: the peer, a copy of the
+    case's bytes, ours on the compiled and on the reference backend in `variant`."""
+    return [runner(peer_fn, inputs, direction), copy_fn(case.bytes(direction), device=case.device),
+            runner(ours(case, "compiled", variant), inputs, direction),
+            runner(ours(case, "reference", variant), inputs, direction)]
 
 
 def runner(fn: Callable[[dict[str, torch.Tensor]], tuple], inputs: dict[str, torch.Tensor], direction: str

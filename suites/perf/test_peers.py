@@ -24,13 +24,14 @@ from suites.perf.peers import (
     PeerCase,
     PeerTimed,
     ours,
+    paired_fns,
     peer_cases,
     peer_golden,
     peer_golden_case,
     peer_info,
     runner,
 )
-from suites.perf.timing import copy_fn, paired_samples, synced
+from suites.perf.timing import paired_samples, synced
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,10 +71,7 @@ def test_peer(benchmark, golden_metrics, case, direction, peer, reps):
     if not conforms:
         pytest.skip(f"{peer.name} does not conform to {peer.variant} at {case.id} ({worst}); not timed. {verdict}")
     inputs = case.inputs(requires_grad=direction == "fwdbwd")
-    nbytes = case.bytes(direction)
-    fns = [runner(peer.build(case), inputs, direction), copy_fn(nbytes, device=DEVICE),
-           runner(ours(case, "compiled", peer.variant), inputs, direction),
-           runner(ours(case, "reference", peer.variant), inputs, direction)]
+    fns = paired_fns(peer.build(case), case, inputs, direction, peer.variant)
     cutile, _ = dispatch.availability("cutile", DEVICE)
     if cutile:  # on an NVIDIA GPU, ours as a run would pick it too
         fns.append(runner(ours(case, "cutile", peer.variant), inputs, direction))

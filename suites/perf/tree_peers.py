@@ -38,8 +38,8 @@ from harness.peers.megatron_lm import (
     tree_flavor,
 )
 from harness.provenance import utc_now
-from suites.perf.peers import ITERATIONS, PeerCase, conforms, ours, peer_info, runner
-from suites.perf.timing import copy_fn, paired_samples
+from suites.perf.peers import ITERATIONS, PeerCase, conforms, paired_fns, peer_info
+from suites.perf.timing import paired_samples
 
 __all__ = ["VARIANT", "main", "tree_rows", "upstream"]
 
@@ -107,10 +107,7 @@ def tree_rows(tree: Path, *, reps: int, smoke: bool) -> list[dict]:
                 continue
             for direction in ("fwd", "fwdbwd"):
                 inputs = case.inputs(requires_grad=direction == "fwdbwd")
-                fns = [runner(upstream(peer, case, inputs), inputs, direction),
-                       copy_fn(case.bytes(direction), device=case.device),
-                       runner(ours(case, "compiled", variant), inputs, direction),
-                       runner(ours(case, "reference", variant), inputs, direction)]
+                fns = paired_fns(upstream(peer, case, inputs), case, inputs, direction, variant)
                 timed = paired_samples(fns, device=case.device, reps=reps, warmup=2)
                 info = peer_info(case, direction, peer.name, variant, timed, f"at {case.id}: {worst}")
                 rows.append({"name": f"test_peer[{case.id}-{direction}-{peer.name}]",
