@@ -45,7 +45,8 @@ import torch
 
 import mhc_core.kernels.cutile as _cutile
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, RecordingRuntime, ScalarArg
+from mhc_core.kernels.cutile.runtime import KERNEL_MODULES
+from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
 __all__ = ["Recorded", "LaunchRecorder", "record", "sweep_launches", "ops_launches", "build", "pack", "check", "report",
            "kernel_sources", "sources_digest", "ARCHIVE_NAME"]

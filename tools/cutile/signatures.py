@@ -26,10 +26,11 @@ import torch
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
-from mhc_core.kernels.cutile.runtime import ArrayArg, ConstArg, RecordingRuntime, ScalarArg, kernel_object
+from mhc_core.kernels.cutile.runtime import kernel_object
 from mhc_core.kernels.cutile.toolchain import UNCHECKED_MIN_TILEIRAS
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
+from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
 __all__ = ["PlannedLaunch", "KernelCase", "kernel_object", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
            "ALTERNATIVE_TILES", "kernel_cases",

@@ -1,7 +1,7 @@
 """Tensor-core products at a chosen precision, for the kernels: `mma_at(a, b, acc, MMA)`.
 
 A kernel helper module (imports `cuda.tile`; the CPU interpreter loads it with its stand-in, see
-`emulator.HELPER_MODULES`). The codes are in `mma_codes` (no `cuda.tile`), which the launch
+`tools.cutile.emulator.HELPER_MODULES`). The codes are in `mma_codes` (no `cuda.tile`), which the launch
 wrappers use.
 """
 

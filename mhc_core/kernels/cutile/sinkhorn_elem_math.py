@@ -1,5 +1,5 @@
 """The per-element Sinkhorn kernels' math (a kernel-helper module: imports `cuda.tile`, see
-`emulator.HELPER_MODULES`): a block's `TILE_B` matrices as a tuple of `n*n` fp32 tiles `[TILE_B]`,
+`tools.cutile.emulator.HELPER_MODULES`): a block's `TILE_B` matrices as a tuple of `n*n` fp32 tiles `[TILE_B]`,
 one per matrix element, row-major (`e[i*n + j]`), and the start map, normalisation pairs and their
 vector-Jacobian products on such tuples. Every row or column sum is a chain of adds of whole tiles
 that share one layout (no reduction across a tile axis). The kernels are in `sinkhorn_elem_kernels`.

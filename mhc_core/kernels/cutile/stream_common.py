@@ -1,5 +1,5 @@
 """What the stream kernels share (a kernel-helper module: imports `cuda.tile`, see
-`emulator.HELPER_MODULES`): fp32 tile loads of the `[T, n, C]` arrays and their stores, under the
+`tools.cutile.emulator.HELPER_MODULES`): fp32 tile loads of the `[T, n, C]` arrays and their stores, under the
 kernel's load code (`tiling.load_code`), the residual mix, the branch `y + bias`, single streams.
 
 The residual mix uses `M = H` (`paper`, `megatron_main`) or `M = H^T` (`megatron_dev`,

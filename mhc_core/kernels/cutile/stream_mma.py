@@ -1,5 +1,5 @@
 """The tensor-core formulations of the stream kernels (`StreamTiles.mma`; a kernel-helper module:
-imports `cuda.tile`, see `emulator.HELPER_MODULES`).
+imports `cuda.tile`, see `tools.cutile.emulator.HELPER_MODULES`).
 
 The block's `TILE_T` tokens and `n` streams are the rows of `[TILE_T*n, TILE_C]` matrices (the
 `[TILE_T, n, TILE_C]` tiles reshaped). The forwards multiply them by the block-diagonal matrix of

@@ -33,7 +33,7 @@ def cutile_on_cpu(monkeypatch):
     kernels' own coverage checks raise), the other backends as they are."""
     from mhc_core.kernels import dispatch
     from mhc_core.kernels.cutile.ops import make_ops
-    from mhc_core.kernels.cutile.runtime import EmulatedRuntime
+    from tools.cutile.emulator import EmulatedRuntime
 
     emulated = make_ops(EmulatedRuntime(num_sms=4))
     real_availability, real_impl = dispatch.availability, dispatch.get_impl

@@ -96,8 +96,8 @@ def main(argv: list[str]) -> int:
     import cuda.tile._compile as compile_mod
     import torch
 
-    from mhc_core.kernels.cutile.runtime import RecordingRuntime
     from tools.cutile import signatures
+    from tools.cutile.recording import RecordingRuntime
 
     misses: list[str] = []
 

@@ -12,7 +12,8 @@ import mhc_core.kernels.cutile as cutile
 from mhc_core import ops as ref
 from mhc_core.kernels.cutile import toolchain
 from mhc_core.kernels.cutile.ops import make_ops
-from mhc_core.kernels.cutile.runtime import CuTileRuntime, EmulatedRuntime
+from mhc_core.kernels.cutile.runtime import CuTileRuntime
+from tools.cutile.emulator import EmulatedRuntime
 
 
 def _has_cuda_tile() -> bool:
@@ -159,7 +160,7 @@ def test_numpy_integers_reach_the_kernels_as_python_ints():
     scalar (cuTile's launch and its JIT keys take int / float / bool, not NumPy scalars)."""
     import numpy as np
 
-    from mhc_core.kernels.cutile.runtime import ConstArg, RecordingRuntime
+    from tools.cutile.recording import ConstArg, RecordingRuntime
 
     def record(as_int):
         rt = RecordingRuntime()

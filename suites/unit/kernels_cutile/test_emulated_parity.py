@@ -1,7 +1,7 @@
 """cuTile kernels run on the CPU kernel interpreter, forward and backward, against the reference ops.
 
 No GPU and no `cuda.tile` needed: `EmulatedRuntime` executes the kernel source block by block
-with torch ops (see `mhc_core/kernels/cutile/emulator.py`). This checks the kernels' algorithm
+with torch ops (see `tools/cutile/emulator.py`). This checks the kernels' algorithm
 and indexing on every machine; the GPU parity tests (`test_gpu_parity.py`) check the compiled
 kernels where a GPU is present.
 """
@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile import emulated_tile, tiling
+from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
-from mhc_core.kernels.cutile.runtime import EmulatedRuntime
 from mhc_core.variants import Variant
 from suites.unit.kernels_cutile.cutile_cases import (
     DTYPE_NAMES,
@@ -33,6 +32,8 @@ from suites.unit.kernels_cutile.cutile_cases import (
     post_bda_inputs,
     sinkhorn_inputs,
 )
+from tools.cutile import emulated_tile
+from tools.cutile.emulator import EmulatedRuntime
 
 VARIANTS = [pytest.param(v, id=VARIANT_NAMES[v]) for v in Variant]
 DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (torch.float32, torch.bfloat16)]

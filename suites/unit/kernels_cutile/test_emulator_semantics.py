@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from mhc_core.kernels.cutile.emulator import EmulatedTile, emulate_launch
+from tools.cutile.emulator import EmulatedTile, emulate_launch
 
 ct = EmulatedTile()
 

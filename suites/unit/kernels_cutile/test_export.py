@@ -19,7 +19,7 @@ ct = pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip in
 from cuda.tile.compilation import export_kernel  # noqa: E402
 
 from mhc_core.kernels.cutile import tiling, toolchain, tuning  # noqa: E402
-from mhc_core.kernels.cutile.runtime import ArrayArg, ConstArg  # noqa: E402
+from tools.cutile.recording import ArrayArg, ConstArg  # noqa: E402
 from tools.cutile.signatures import (  # noqa: E402
     BYTECODE_VERSION,
     STREAM_KERNELS,

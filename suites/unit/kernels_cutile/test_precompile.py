@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from mhc_core.kernels.cutile import toolchain
-from mhc_core.kernels.cutile.runtime import ArrayArg
 from suites.unit.kernels_cutile import stub_driver
 from tools.cutile import precompile, sweep
+from tools.cutile.recording import ArrayArg
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = dict(n=4, t=64, c=512)

@@ -10,8 +10,9 @@ import torch
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
-from mhc_core.kernels.cutile.runtime import KERNEL_MODULES, ArrayArg, ConstArg, RecordingRuntime
+from mhc_core.kernels.cutile.runtime import KERNEL_MODULES
 from mhc_core.variants import Variant
+from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime
 from tools.cutile.signatures import alternative_plan, signature_plan
 
 ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
@@ -152,7 +153,7 @@ def test_plan_covers_other_production_shapes(t, c):
 
 def test_constants_are_recorded_as_constants():
     """`ct.Constant` parameters become compile-time constants of the signature, runtime ints scalars."""
-    from mhc_core.kernels.cutile.runtime import ConstArg, ScalarArg
+    from tools.cutile.recording import ConstArg, ScalarArg
 
     launch = next(p for p in signature_plan() if p.id == "mapping-fwd-n4-bf16-main-partial")
     # (x, w_pp, w_res, part_pp, part_res, part_sq, k_tiles_per_split, N, TILE_M, TILE_K, MMA)

@@ -10,7 +10,7 @@ import torch
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
-from mhc_core.kernels.cutile.runtime import EmulatedRuntime
+from tools.cutile.emulator import EmulatedRuntime
 from tools.cutile.sweep import CANDIDATES, KEY_ORDER, override, timers
 
 # Kernel outputs start as NaN: an unwritten tile fails (conftest.poisoned_empty).

@@ -10,8 +10,8 @@ import torch
 from mhc_core import ops as ref
 from mhc_core.kernels.cutile import tiling, tuning
 from mhc_core.kernels.cutile.ops import make_ops
-from mhc_core.kernels.cutile.runtime import EmulatedRuntime
 from tools.cutile import adopt, signatures
+from tools.cutile.emulator import EmulatedRuntime
 from tools.cutile.sweep import CANDIDATES, CHECK_RTOL, deviation, main, override, regrade
 from tools.cutile.sweep_check import SINKHORN_RTOL, check_rtol, grade
 

@@ -1,4 +1,4 @@
-"""A CPU interpreter for this package's cuTile kernels (torch ops in place of `cuda.tile`).
+"""A CPU interpreter for `mhc_core.kernels.cutile`'s kernels (torch ops in place of `cuda.tile`).
 
 cuTile has no simulator, so without a GPU the kernels can only be compiled. This module runs the
 same kernel source with a small stand-in for the `cuda.tile` API subset the kernels use, block by
@@ -15,6 +15,7 @@ loads a kernel module with it and runs launches block by block. Launch semantics
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import itertools
@@ -24,9 +25,12 @@ import types
 from pathlib import Path
 from typing import Any
 
-from mhc_core.kernels.cutile.emulated_tile import ConstantAnnotation, EmulatedTile
+import torch
 
-__all__ = ["EmulatedTile", "load_kernel_module", "emulate_launch"]
+from mhc_core.kernels.cutile.runtime import KERNEL_MODULES
+from tools.cutile.emulated_tile import ConstantAnnotation, EmulatedTile
+
+__all__ = ["EmulatedTile", "EmulatedRuntime", "load_kernel_module", "emulate_launch"]
 
 _MAX_GRID = 2**24 - 1
 """cuTile's launch rejects a grid dimension above 2**24 - 1 ("Grid[i] exceeds 24-bit limit")."""
@@ -53,7 +57,7 @@ def load_kernel_module(name: str) -> tuple[types.ModuleType, EmulatedTile]:
         return _MODULE_CACHE[name]
     deps = HELPER_MODULES[:HELPER_MODULES.index(name)] if name in HELPER_MODULES else HELPER_MODULES
     helpers = {f"{_PACKAGE}.{h}": load_kernel_module(h)[0] for h in deps}
-    path = Path(__file__).with_name(f"{name}.py")
+    path = Path(importlib.import_module(_PACKAGE).__file__).with_name(f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"{_PACKAGE}._emulated_{name}", path)
     if spec is None or spec.loader is None:
         raise ImportError(f"emulator: cannot load kernel module {path}")
@@ -104,3 +108,28 @@ def emulate_launch(shim: EmulatedTile, grid: tuple[int, ...], kernel, args: tupl
     for bid in itertools.product(*(range(g) for g in grid3)):
         shim._bid = bid
         kernel(*args)
+
+
+class EmulatedRuntime:
+    """Runs the kernel source on the CPU interpreter in this module (any device, slow); its `ct.load` /
+    `ct.store` take unchecked accesses and raise for one that runs past its array."""
+
+    unchecked_loads = True
+
+    def __init__(self, num_sms: int = 4) -> None:
+        self._sms = num_sms
+        self._kernels = {}
+        for name, mod in KERNEL_MODULES.items():
+            module, shim = load_kernel_module(mod)
+            self._kernels[name] = (getattr(module, name), shim)
+
+    def launch(self, grid: tuple[int, ...], kernel_name: str, args: tuple[Any, ...]) -> None:
+        kernel, shim = self._kernels[kernel_name]
+        emulate_launch(shim, grid, kernel, args)
+
+    def num_sms(self, device: torch.device) -> int:
+        return self._sms
+
+    @staticmethod
+    def check_tensor(t: torch.Tensor, name: str, op: str) -> None:
+        return None
