@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     cubin_ns = ns if args.full else tuple(sorted(set(args.cubin_n or (4,))))
     indices = [i for i, p in enumerate(_PLAN) if args.filter in p.id]
     print(f"check_cutile: {len(indices)} signatures for n in {ns} (planned in {time.perf_counter() - t0:.1f}s); "
-          f"bytecode {BYTECODE_VERSION} (13.4 with unchecked loads)"
+          f"bytecode {BYTECODE_VERSION}"
           + (f", cubins {', '.join(archs)} for " + ("all" if args.full else f"n in {cubin_ns}, hidden >= 512")
              if archs else "") + f"; {args.jobs} job(s)")
 

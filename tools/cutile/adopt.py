@@ -7,6 +7,7 @@ found, how it is put in force) stays in `mhc_core.kernels.cutile.tuning`.
 
 from __future__ import annotations
 
+import ast
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -14,8 +15,54 @@ from typing import Any
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.tiling import override
 from mhc_core.kernels.cutile.tuning import Tuning
+from tools.cutile.retired import RETIRED_FIELDS, implied_value
 
-__all__ = ["check_sweep", "from_sweep", "rank_ms"]
+__all__ = ["check_sweep", "from_sweep", "rank_ms", "canonical_tiles"]
+
+_TILE_TYPES = {cls.__name__: cls for cls in (tiling.SinkhornTiles, tiling.StreamTiles, tiling.MappingTiles)}
+
+
+class _RetiredFormulation(Exception):
+    """A sweep row's tile holds a retired field at a value this version's tiles do not imply."""
+
+
+def _literal(node: ast.AST) -> object:
+    """The value of a tile repr's syntax tree: constants, `StreamLayout.X`, dicts, and tile calls
+    with keyword fields (retired fields dropped where they hold the value the tile implies)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "StreamLayout":
+        return tiling.StreamLayout[node.attr]
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _TILE_TYPES \
+            and not node.args and all(kw.arg for kw in node.keywords):
+        name = node.func.id
+        fields = {kw.arg: _literal(kw.value) for kw in node.keywords}
+        for f in [f for f in fields if f in RETIRED_FIELDS.get(name, {})]:
+            if fields[f] != implied_value(name, f, fields):
+                raise _RetiredFormulation(f"{name}.{f}={fields[f]!r}")
+        return _TILE_TYPES[name](**{f: v for f, v in fields.items() if f not in RETIRED_FIELDS.get(name, {})})
+    raise ValueError(f"not a tile: {ast.unparse(node)[:80]!r}")
+
+
+def canonical_tiles(key: str, text: str) -> str | None:
+    """A sweep row's `tiles` (`text`, the repr of its candidate for sweep key `key`) as this version
+    writes that candidate; None when it names a formulation the kernels no longer have
+    (`tools.cutile.retired`). Sweep files written before a retirement thus still name today's tiles.
+    `ValueError` for text that is not a tile, or an override dict, at all."""
+    try:
+        value = _literal(ast.parse(text, mode="eval").body)
+    except _RetiredFormulation:
+        return None
+    except (SyntaxError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{key}: tiles {text!r} is not a tile of this version: {exc}") from None
+    try:
+        for k, v in override(key.removesuffix("_occupancy"), value).items():
+            tiling.check_tile(k, v)
+    except ValueError:
+        return None
+    return repr(value)
 
 
 def _positive(x: object) -> bool:
@@ -58,6 +105,7 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
     key, the fastest candidate (over the key and its `*_occupancy` key; GPU busy time, else
     back-to-back; Sinkhorn: forward + backward) among the rows whose result matched the reference
     (`check == "ok"`), adopted when it beats the key's default (the first candidate) by `min_gain`.
+    Rows are matched to candidates by `canonical_tiles`; rows of retired formulations are left out.
     Returns the tuning (its `source`: the file it will be written to) and one line per key."""
     if not (isinstance(min_gain, int | float) and math.isfinite(min_gain) and min_gain >= 1):
         raise ValueError(f"min_gain={min_gain!r} must be a finite number >= 1")
@@ -71,12 +119,17 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError(f"{sweep}: n={n!r} must be an integer")
     times: dict[str, dict[tuple[str, str], dict[str, float]]] = {}
-    for r in rows:
+    for i, r in enumerate(rows):
         if "error" in r or r.get("check") != "ok":
             continue
-        ms = rank_ms(r)
+        try:
+            tiles = canonical_tiles(r["key"], r["tiles"])
+        except ValueError as exc:
+            raise ValueError(f"{sweep}: rows[{i}]: {exc}") from None
+        if tiles is None:  # a retired formulation
+            continue
         tile_key = r["key"].removesuffix("_occupancy")
-        times.setdefault(tile_key, {}).setdefault((r["key"], r["tiles"]), {})[r["direction"]] = ms
+        times.setdefault(tile_key, {}).setdefault((r["key"], tiles), {})[r["direction"]] = rank_ms(r)
     tiles: dict[str, Any] = {}
     occupancy: dict[str, int] = {}
     gains: dict[str, Any] = {}

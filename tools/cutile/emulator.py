@@ -111,10 +111,7 @@ def emulate_launch(shim: EmulatedTile, grid: tuple[int, ...], kernel, args: tupl
 
 
 class EmulatedRuntime:
-    """Runs the kernel source on the CPU interpreter in this module (any device, slow); its `ct.load` /
-    `ct.store` take unchecked accesses and raise for one that runs past its array."""
-
-    unchecked_loads = True
+    """Runs the kernel source on the CPU interpreter in this module (any device, slow)."""
 
     def __init__(self, num_sms: int = 4) -> None:
         self._sms = num_sms

@@ -76,11 +76,7 @@ class Launch:
 
 
 class RecordingRuntime:
-    """Records launches (kernel, argument kinds) instead of running them; outputs stay empty. It records
-    unchecked loads as a runtime with tileiras >= 13.4 launches them (what the CI and precompile
-    toolchain, 13.4, compiles)."""
-
-    unchecked_loads = True
+    """Records launches (kernel, argument kinds) instead of running them; outputs stay empty."""
 
     def __init__(self, num_sms: int = 132) -> None:
         self._sms = num_sms

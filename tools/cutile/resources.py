@@ -207,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="the tile sweep's candidates at the shape below "
                    "(ids key[i]-kernel) instead of the signature plan at C = 512")
     p.add_argument("--keys", default="", help="with --sweep: only these sweep keys (comma-separated)")
-    p.add_argument("--iterations", type=int, default=20, help="with --sweep: Sinkhorn iterations, as the sweep's "
-                   "(the checkpointed Sinkhorn kernels unroll them)")
+    p.add_argument("--iterations", type=int, default=20, help="with --sweep: Sinkhorn iterations, as the sweep's")
     add_shape_args(p)
     args = p.parse_args(argv)
     if args.occupancy is not None and not 1 <= args.occupancy <= 32:

@@ -27,15 +27,14 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.ops import make_ops
 from mhc_core.kernels.cutile.runtime import kernel_object
-from mhc_core.kernels.cutile.toolchain import UNCHECKED_MIN_TILEIRAS
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
 __all__ = ["PlannedLaunch", "KernelCase", "kernel_object", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
            "ALTERNATIVE_TILES", "kernel_cases",
-           "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C", "BYTECODE_VERSION", "STREAM_KERNELS",
-           "bytecode_version", "export_bytecode", "export_cubin"]
+           "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C", "BYTECODE_VERSION",
+           "export_bytecode", "export_cubin"]
 
 REPRESENTATIVE_T = 64
 REPRESENTATIVE_C = (512, 64)
@@ -48,7 +47,6 @@ _ROLE = {
     "mapping_fwd_epilogue_kernel": "epilogue",
     "mapping_bwd_coef_kernel": "coef",
     "mapping_bwd_dx_dw_kernel": "dx_dw",
-    "mapping_bwd_dx_kernel": "dx",
 }
 
 
@@ -135,48 +133,24 @@ def signature_plan(ns: tuple[int, ...] = tiling.SUPPORTED_N, t: int = REPRESENTA
     return _distinct(rec)
 
 
+_SLICES, _TUPLE = tiling.StreamLayout.SLICES, tiling.StreamLayout.TUPLE
 ALTERNATIVE_TILES = (
     {
-        "sinkhorn": tiling.SinkhornTiles(tile_b=64, batch_last=True),
-        "h_aggregate_fwd": tiling.StreamTiles(tile_t=2, tile_c=512),
-        "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256),
-        "h_post_bda_bwd": tiling.StreamTiles(tile_t=32, tile_c=64, per_stream=True),
+        "sinkhorn": tiling.SinkhornTiles(tile_b=128, per_element=True),
+        "h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, per_stream=_SLICES, loop_c=True),
+        "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=_TUPLE),
+        "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=_TUPLE),
+        "mapping_bwd": tiling.MappingTiles(tile_m=16, tile_k=64),
     },
-    {"sinkhorn": tiling.SinkhornTiles(tile_b=64, batch_last=True, recompute=True)},
-    {"sinkhorn": tiling.SinkhornTiles(tile_b=128, per_element=True)},
-    {"sinkhorn": tiling.SinkhornTiles(tile_b=128, recompute=True, per_element=True)},
-    {"sinkhorn": tiling.SinkhornTiles(tile_b=128, per_element=True, approx_div=True)},
-    {"sinkhorn": tiling.SinkhornTiles(tile_b=128, recompute=True, per_element=True, approx_div=True)},
-    {"sinkhorn": tiling.SinkhornTiles(tile_b=64, per_element=True, approx_div=True, checkpoint=4)},
-    {"sinkhorn": tiling.SinkhornTiles(tile_b=64, per_element=True, approx_div=True, checkpoint=4, fwd_checkpoints=True)},
-    {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2),
-     "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2)},
-    {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, per_stream=1, loop_c=True),
-     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2, loop_c=True)},
-    {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=1, loop_c=True),
-     "mapping_bwd": tiling.MappingTiles(tile_m=32, tile_k=128, split_dx=True)},
-    {"h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, mma=True),
-     "mapping_bwd": tiling.MappingTiles(tile_m=16, tile_k=64)},
+    {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, mma=True),
+     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=_TUPLE, loop_c=True)},
     {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, mma=True, loop_c=True),
-     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, mma=True),
-     "h_aggregate_bwd": tiling.StreamTiles(tile_t=16, tile_c=128, mma=True)},
-    {"h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2, loop_c=True, latency=10),
-     "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2, latency=10)},
-    {"h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2, latency=9, tma=False),
-     "h_aggregate_bwd": tiling.StreamTiles(tile_t=16, tile_c=128, mma=True, tma=False)},
-    {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, mma=True, loop_c=True, unchecked=True),
-     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=2, loop_c=True, unchecked=True),
-     "h_aggregate_bwd": tiling.StreamTiles(tile_t=8, tile_c=256, unchecked=True),
-     "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=2, tma=False, unchecked=True)},
+     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=_SLICES, loop_c=True)},
 )
-"""The formulations the tile sweep can pick besides the defaults: batch-last and per-element Sinkhorn
-(each with a stored trajectory and with recompute; per-element also with approximate division and with
-a checkpointed backward, with and without the forward's checkpoints), the whole-tile (not per-stream) stream
-forwards, the per-stream h_post_bda backward, the stream-by-stream-loading h_post_bda forward and backward, the
-C-looping stream forwards, the mapping backward with its own grad_x kernel and with a spill-free 16 x 64 tile,
-the h_post_bda and h_aggregate backwards with tensor-core channel sums and both forwards with their stream sums
-on the tensor cores, the h_post_bda kernels with the DRAM-latency hint, backwards without TMA, and all four stream kernels with
-unchecked loads (the plan's T 64 and C 512 divide into whole tiles)."""
+"""The formulations the tile sweep can pick besides the defaults: per-element Sinkhorn, the C-looping
+stream forwards, the h_aggregate forward with its stream sum on the tensor cores (with and without the C
+loop), the stream-by-stream-loading h_post_bda forward (with and without the C loop) and backward, and the
+spill-free 16 x 64 mapping backward."""
 
 
 def plan_under(overrides: dict, n: int = 4, prefix: str = "") -> tuple[PlannedLaunch, ...]:
@@ -236,21 +210,7 @@ def tuned_plan(tunings: Iterable | None = None) -> tuple[PlannedLaunch, ...]:
 
 BYTECODE_VERSION = "13.3"
 """The TileIR bytecode the offline checks export (the first with Hopper support), so that a kernel
-a 13.3 compiler cannot take fails here; launches with unchecked loads need 13.4 (`bytecode_version`)."""
-
-STREAM_KERNELS = ("h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel", "h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel")
-"""The kernels whose last constant is `LOADS` (`tiling.load_code`)."""
-
-
-def bytecode_version(launch: PlannedLaunch) -> str:
-    """`BYTECODE_VERSION`, or the first tileiras that takes unchecked loads (13.4,
-    `toolchain.UNCHECKED_MIN_TILEIRAS`) for a stream-kernel launch with unchecked loads (its `LOADS` holds
-    `tiling.UNCHECKED`: `ct.load(check_bounds=False)` needs that bytecode, which such a launch's runtime has)."""
-    loads = launch.args[-1]
-    unchecked = (launch.kernel_name in STREAM_KERNELS and isinstance(loads, ConstArg)
-                 and loads.value >= tiling.UNCHECKED)
-    return ".".join(map(str, UNCHECKED_MIN_TILEIRAS)) if unchecked else BYTECODE_VERSION
-
+a 13.3 compiler cannot take fails here."""
 
 def _export(launch: PlannedLaunch, kernel, **options) -> bytes:
     """`export_kernel` of `launch` for `kernel` (default `kernel_object(launch.kernel_name)`, the hint in
@@ -266,9 +226,9 @@ def _export(launch: PlannedLaunch, kernel, **options) -> bytes:
 
 
 def export_bytecode(launch: PlannedLaunch, kernel=None) -> bytes:
-    """TileIR bytecode of `launch` at `bytecode_version(launch)`, for `kernel` (default
+    """TileIR bytecode of `launch` at `BYTECODE_VERSION`, for `kernel` (default
     `kernel_object(launch.kernel_name)`, the hint in force; imports `cuda.tile`)."""
-    return _export(launch, kernel, output_format="tileir_bytecode", bytecode_version=bytecode_version(launch))
+    return _export(launch, kernel, output_format="tileir_bytecode", bytecode_version=BYTECODE_VERSION)
 
 
 def export_cubin(launch: PlannedLaunch, arch: str, kernel=None) -> bytes:

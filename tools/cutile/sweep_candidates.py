@@ -4,8 +4,9 @@
 n = 4, C >= 256 (the default a winner must beat). A candidate is a tile object for its key, or a
 whole `tiling.overridden` dict (the `*_occupancy` keys: hints, with the heuristic's or given tiles);
 `override` turns either into `tiling.overridden` keywords. Timed by `sweep`, compiled ahead of time
-by `precompile`, adopted into a tuning by `adopt.from_sweep`. Why each candidate is here (the
-resource report of its compiled kernel, the sweeps it won or lost):
+by `precompile`, adopted into a tuning by `adopt.from_sweep`. Only formulations the product kernels
+have are here; the others are declared in `retired.py`. Why each candidate is here (the resource
+report of its compiled kernel, the sweeps it won or lost):
 `docs/measurements/h200-2026-11-30/sweep-candidates.md`.
 """
 
@@ -19,65 +20,39 @@ __all__ = ["CANDIDATES", "KEY_ORDER", "override", "tile_key", "directions", "op_
 _S = tiling.StreamTiles
 _SK = tiling.SinkhornTiles
 _M = tiling.MappingTiles
+_SLICES, _TUPLE = tiling.StreamLayout.SLICES, tiling.StreamLayout.TUPLE
 CANDIDATES: dict[str, tuple] = {
-    # Batch-first tiles; batch-last; per-element (one matrix per thread), with approximate division,
-    # recomputing, checkpointed (every k-th pair input stored) and with the forward's checkpoints kept.
+    # Batch-first tiles; per-element (one matrix per thread).
     "sinkhorn": (
-        _SK(tile_b=64), _SK(tile_b=8), _SK(tile_b=32, batch_last=True), _SK(tile_b=64, batch_last=True),
-        _SK(tile_b=128, batch_last=True), _SK(tile_b=64, batch_last=True, recompute=True),
-        _SK(tile_b=64, per_element=True), _SK(tile_b=128, per_element=True),
-        *(_SK(tile_b=b, per_element=True, approx_div=True) for b in (32, 64, 128)),
-        _SK(tile_b=128, recompute=True, per_element=True, approx_div=True),
-        *(_SK(tile_b=b, per_element=True, approx_div=True, checkpoint=k) for b, k in ((64, 4), (64, 2), (128, 3), (32, 2))),
-        *(_SK(tile_b=64, per_element=True, approx_div=True, checkpoint=k, fwd_checkpoints=True) for k in (4, 2)),
+        _SK(tile_b=64), _SK(tile_b=8), _SK(tile_b=32), *(_SK(tile_b=b, per_element=True) for b in (32, 64, 128, 256)),
     ),
-    # Per-stream loads, with and without the C loop; `mma`: whole tiles in and out by TMA, the stream
+    # Per-stream slices, with and without the C loop; `mma`: whole tiles in and out by TMA, the stream
     # sum on the tensor cores.
     "h_aggregate_fwd": (
-        _S(tile_t=8, tile_c=256, per_stream=True), _S(tile_t=4, tile_c=512, per_stream=True),
-        _S(tile_t=4, tile_c=256, per_stream=True), _S(tile_t=16, tile_c=128, per_stream=True),
-        _S(tile_t=2, tile_c=512),
-        *(_S(tile_t=t, tile_c=c, per_stream=True, loop_c=True) for t, c in ((8, 256), (4, 256), (16, 256), (8, 512))),
+        _S(tile_t=8, tile_c=256, per_stream=_SLICES), _S(tile_t=4, tile_c=512, per_stream=_SLICES),
+        _S(tile_t=4, tile_c=256, per_stream=_SLICES), _S(tile_t=16, tile_c=128, per_stream=_SLICES),
+        *(_S(tile_t=t, tile_c=c, per_stream=_SLICES, loop_c=True) for t, c in ((8, 256), (4, 256), (16, 256), (8, 512))),
         _S(tile_t=8, tile_c=256, mma=True), _S(tile_t=8, tile_c=256, loop_c=True, mma=True),
         _S(tile_t=16, tile_c=128, mma=True), _S(tile_t=16, tile_c=256, loop_c=True, mma=True),
     ),
-    # `mma`: the channel sum x2 @ go^T on the tensor cores.
-    "h_aggregate_bwd": (
-        _S(tile_t=8, tile_c=256), _S(tile_t=4, tile_c=256), _S(tile_t=16, tile_c=256),
-        _S(tile_t=16, tile_c=128, mma=True), _S(tile_t=8, tile_c=128, mma=True),
-    ),
+    "h_aggregate_bwd": (_S(tile_t=8, tile_c=256), _S(tile_t=4, tile_c=256), _S(tile_t=16, tile_c=256)),
     "h_post_bda_fwd": (
-        _S(tile_t=4, tile_c=256, per_stream=True), _S(tile_t=2, tile_c=256, per_stream=True),
-        _S(tile_t=4, tile_c=128, per_stream=True), _S(tile_t=2, tile_c=512, per_stream=True),
-        _S(tile_t=4, tile_c=256),
-        _S(tile_t=4, tile_c=256, per_stream=2), _S(tile_t=8, tile_c=256, per_stream=2),
-        _S(tile_t=8, tile_c=128, per_stream=2), _S(tile_t=4, tile_c=256, per_stream=2, loop_c=True),
-        _S(tile_t=8, tile_c=256, per_stream=2, loop_c=True), _S(tile_t=4, tile_c=256, per_stream=True, loop_c=True),
-        _S(tile_t=4, tile_c=256, mma=True), _S(tile_t=4, tile_c=256, loop_c=True, mma=True),
-        _S(tile_t=8, tile_c=128, mma=True), _S(tile_t=8, tile_c=256, loop_c=True, mma=True),
-        # The C-looping tuple-of-streams winner's neighbours, with the DRAM-latency hint, and unchecked.
-        _S(tile_t=8, tile_c=128, per_stream=2, loop_c=True), _S(tile_t=2, tile_c=256, per_stream=2, loop_c=True),
-        _S(tile_t=4, tile_c=256, per_stream=2, loop_c=True, latency=6),
-        _S(tile_t=4, tile_c=256, per_stream=2, loop_c=True, latency=10),
-        _S(tile_t=4, tile_c=256, per_stream=2, loop_c=True, unchecked=True),
-        _S(tile_t=8, tile_c=128, per_stream=2, loop_c=True, unchecked=True),
+        _S(tile_t=4, tile_c=256, per_stream=_SLICES), _S(tile_t=2, tile_c=256, per_stream=_SLICES),
+        _S(tile_t=4, tile_c=128, per_stream=_SLICES), _S(tile_t=2, tile_c=512, per_stream=_SLICES),
+        _S(tile_t=4, tile_c=256, per_stream=_SLICES, loop_c=True),
+        *(_S(tile_t=t, tile_c=c, per_stream=_TUPLE) for t, c in ((4, 256), (8, 256), (8, 128))),
+        *(_S(tile_t=t, tile_c=c, per_stream=_TUPLE, loop_c=True) for t, c in ((4, 256), (8, 256), (8, 128), (2, 256))),
     ),
     "h_post_bda_bwd": (
-        _S(tile_t=32, tile_c=64), _S(tile_t=64, tile_c=32), _S(tile_t=16, tile_c=64, per_stream=True),
-        _S(tile_t=16, tile_c=128, per_stream=True), _S(tile_t=8, tile_c=128, per_stream=True),
-        _S(tile_t=8, tile_c=64, per_stream=2), _S(tile_t=4, tile_c=64, per_stream=2),
-        _S(tile_t=8, tile_c=32, per_stream=2), _S(tile_t=4, tile_c=128, per_stream=2),
-        _S(tile_t=8, tile_c=64, mma=True), _S(tile_t=8, tile_c=128, mma=True), _S(tile_t=16, tile_c=64, mma=True),
-        _S(tile_t=16, tile_c=128, mma=True),
+        _S(tile_t=32, tile_c=64), _S(tile_t=64, tile_c=32), _S(tile_t=16, tile_c=64),
+        *(_S(tile_t=t, tile_c=c, per_stream=_TUPLE) for t, c in ((8, 64), (4, 64), (8, 32), (4, 128))),
     ),
     "mapping_fwd": (_M(tile_m=64, tile_k=128), _M(tile_m=128, tile_k=64), _M(tile_m=128, tile_k=128),
                     _M(tile_m=64, tile_k=256)),
-    # The first is the default; the others compile without spills; `split_dx`: grad_x in a kernel of its own.
+    # The first is the default; the others compile without spills.
     "mapping_bwd": (
         _M(tile_m=32, tile_k=128), _M(tile_m=16, tile_k=64), _M(tile_m=64, tile_k=64), _M(tile_m=16, tile_k=256),
         _M(tile_m=32, tile_k=32), _M(tile_m=32, tile_k=64), _M(tile_m=16, tile_k=128),
-        _M(tile_m=16, tile_k=64, split_dx=True), _M(tile_m=32, tile_k=64, split_dx=True),
-        _M(tile_m=32, tile_k=128, split_dx=True),
     ),
 }
 
@@ -93,41 +68,17 @@ for _key in ("h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda
     # The same op with its default tiles and the occupancy hint on its kernels (2, 4, 8 CTAs per SM).
     CANDIDATES[f"{_key}_occupancy"] = _hinted(_key, (2, 4, 8))
 # Kernels that compile to 255 registers x 256 threads unhinted, at occupancy 2 / 3 / 4: the tuple-of-streams
-# and the tensor-core h_post_bda backwards (with the DRAM-latency hint, without TMA, unchecked), the
-# C-looping h_post_bda and h_aggregate forwards, the tensor-core h_aggregate backwards, the split-dx mapping.
+# h_post_bda backward and the C-looping h_post_bda and h_aggregate forwards.
 CANDIDATES["h_post_bda_bwd_occupancy"] += (
-    _hinted("h_post_bda_bwd", (2, 4), _S(tile_t=8, tile_c=64, per_stream=2))
-    + _hinted("h_post_bda_bwd", (4,), _S(tile_t=16, tile_c=64, per_stream=2))
-    + _hinted("h_post_bda_bwd", (2, 4), _S(tile_t=8, tile_c=64, mma=True))
-    + _hinted("h_post_bda_bwd", (2, 4), _S(tile_t=8, tile_c=128, mma=True))
-    + _hinted("h_post_bda_bwd", (3,), _S(tile_t=8, tile_c=64, per_stream=2))
-    + _hinted("h_post_bda_bwd", (2,), _S(tile_t=4, tile_c=128, per_stream=2))
-    + _hinted("h_post_bda_bwd", (2,), _S(tile_t=4, tile_c=64, per_stream=2))
-    + _hinted("h_post_bda_bwd", (2,), _S(tile_t=8, tile_c=128, per_stream=True))
+    _hinted("h_post_bda_bwd", (2, 3, 4), _S(tile_t=8, tile_c=64, per_stream=_TUPLE))
+    + _hinted("h_post_bda_bwd", (4,), _S(tile_t=16, tile_c=64, per_stream=_TUPLE))
+    + _hinted("h_post_bda_bwd", (2,), _S(tile_t=4, tile_c=128, per_stream=_TUPLE))
+    + _hinted("h_post_bda_bwd", (2,), _S(tile_t=4, tile_c=64, per_stream=_TUPLE))
 )
 CANDIDATES["h_post_bda_fwd_occupancy"] += _hinted(
-    "h_post_bda_fwd", (2, 4), _S(tile_t=4, tile_c=256, per_stream=2, loop_c=True))
+    "h_post_bda_fwd", (2, 4), _S(tile_t=4, tile_c=256, per_stream=_TUPLE, loop_c=True))
 CANDIDATES["h_aggregate_fwd_occupancy"] += _hinted(
     "h_aggregate_fwd", (2, 4), _S(tile_t=8, tile_c=256, loop_c=True, mma=True))
-CANDIDATES["h_post_bda_fwd_occupancy"] += _hinted("h_post_bda_fwd", (2, 4), _S(tile_t=4, tile_c=256, loop_c=True, mma=True))
-CANDIDATES["h_aggregate_bwd_occupancy"] += (_hinted("h_aggregate_bwd", (4,), _S(tile_t=16, tile_c=128, mma=True))
-                                            + _hinted("h_aggregate_bwd", (2, 4), _S(tile_t=8, tile_c=128, mma=True)))
-CANDIDATES["mapping_bwd_occupancy"] += _hinted("mapping_bwd", (2, 4), _M(tile_m=32, tile_k=128, split_dx=True))
-CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
-    c for lat in (6, 9, 10) for c in _hinted("h_post_bda_bwd", (2,), _S(tile_t=8, tile_c=64, per_stream=2, latency=lat))
-) + _hinted("h_post_bda_bwd", (2,), _S(tile_t=8, tile_c=128, mma=True, latency=10))
-CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
-    c for lat in (0, 6, 9)
-    for c in _hinted("h_post_bda_bwd", (2,), _S(tile_t=8, tile_c=64, per_stream=2, latency=lat, tma=False))
-) + _hinted("h_post_bda_bwd", (2,), _S(tile_t=8, tile_c=128, mma=True, tma=False))
-CANDIDATES["h_post_bda_bwd_occupancy"] += tuple(
-    c for tl in (_S(tile_t=8, tile_c=64, per_stream=2, tma=False, unchecked=True),
-                 _S(tile_t=8, tile_c=64, per_stream=2, latency=6, tma=False, unchecked=True),
-                 _S(tile_t=8, tile_c=128, mma=True, tma=False, unchecked=True))
-    for c in _hinted("h_post_bda_bwd", (2,), tl))
-CANDIDATES["h_post_bda_fwd_occupancy"] += _hinted(
-    "h_post_bda_fwd", (4,), _S(tile_t=4, tile_c=256, per_stream=2, loop_c=True, unchecked=True))
-CANDIDATES["h_aggregate_bwd"] += (_S(tile_t=8, tile_c=256, tma=False, unchecked=True),)
 # Most expected gain first, so that a sweep its timeout cuts short has timed these: the kernels furthest
 # from their targets before the forwards.
 KEY_ORDER = ("h_post_bda_bwd", "mapping_bwd", "sinkhorn", "h_post_bda_fwd", "h_aggregate_fwd",

@@ -20,8 +20,7 @@ Backward (two launches):
    for the gradients of `bias` and the three alphas.
 2. `mapping_bwd_dx_dw_kernel`, grid `(cdiv(K, TILE_K), S)`: `grad_x = gp @ W + cx * x`
    (stored per tile) and `grad_W = gp^T @ x`, accumulated over this split's token tiles into
-   fp32 partials `[S, N, K]`. With `MappingTiles.split_dx` (a sweep candidate), `grad_x` comes
-   from its own grid-parallel `mapping_bwd_dx_kernel` instead (three launches, `x` read twice).
+   fp32 partials `[S, N, K]`.
 
 `MMA` selects the tensor-core precision: 0 = bf16 operands (forward of the `megatron_main` bf16
 path, whose reference rounds the weight to bf16), 1 = TF32, 2 = 3xTF32 (hi/lo split, about fp32
@@ -38,6 +37,7 @@ from mhc_core.kernels.cutile.mma_common import MMA_3XTF32, mma_at
 ConstInt = ct.Constant[int]
 PAD_ZERO = ct.PaddingMode.ZERO
 F32 = ct.float32
+
 
 def _fma_rows(g, w, acc, J, TILE_M):
     """`acc + g @ w` as `J` broadcast FMAs: `g [TILE_M, J]` fp32, `w [J, TILE_K]`."""
@@ -220,27 +220,10 @@ def _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA):
 
 
 @ct.kernel
-def mapping_bwd_dx_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x,
-                          N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
-    """`grad_x = gp @ W + cx * x`, one tile per block; grid `(cdiv(T, TILE_M), cdiv(K, TILE_K))`
-    (`MappingTiles.split_dx`: no loop, no carried accumulator; `grad_W` then comes from
-    `mapping_bwd_dx_dw_kernel` with `DX = 0`, which reads `x` a second time)."""
-    mt = ct.bid(0)
-    pk = ct.bid(1)
-    wt_pp, wt_res, wt_all = _bwd_weights(w_pp, w_res, pk, N, TILE_K)
-    a = ct.load(x, index=(mt, pk), shape=(TILE_M, TILE_K), padding_mode=PAD_ZERO)
-    g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
-    g_res = _load_f32(gp_res, (mt, 0), (TILE_M, N * N))
-    c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
-    gx = _grad_x(a, g_pp, g_res, _joined(g_pp, g_res, N, MMA), c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
-    ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
-
-
-@ct.kernel
 def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_part, gw_res_part,
                              m_tiles_per_split: int,
-                             N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt, DX: ConstInt):
-    """`grad_x = gp @ W + cx * x` (when `DX`) and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
+                             N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
+    """`grad_x = gp @ W + cx * x` and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
     pk = ct.bid(0)
     ps = ct.bid(1)
     m_tiles = ct.num_tiles(x, axis=0, shape=(TILE_M, TILE_K))
@@ -255,10 +238,9 @@ def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_pa
         g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
         g_res = _load_f32(gp_res, (mt, 0), (TILE_M, N * N))
         g_all = _joined(g_pp, g_res, N, MMA)
-        if DX:
-            c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
-            gx = _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
-            ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
+        c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
+        gx = _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
+        ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
         if N == 2 and MMA == MMA_3XTF32:
             af = ct.astype(a, F32)
             acc_pp = acc_pp + _fma_cols(g_pp, af, 2 * N, TILE_M)

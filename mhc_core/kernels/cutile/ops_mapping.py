@@ -99,17 +99,11 @@ class _MappingFn(torch.autograd.Function):
                 (*grads, proj_pp, proj_res, rms, alpha_pre, alpha_post, alpha_res, bias[: 2 * n], bias[2 * n :],
                  gp_pp, gp_res, cx, gbias_pp, gbias_res, galpha, 1.0 / k, norm_eps, n, tl.tile_m),
             )
-            if tl.split_dx:
-                rt.launch(
-                    (m_blocks, k_tiles),
-                    "mapping_bwd_dx_kernel",
-                    (x, weight[: 2 * n], weight[2 * n :], gp_pp, gp_res, cx, grad_x, n, tl.tile_m, tl.tile_k, mma),
-                )
             rt.launch(
                 (k_tiles, splits),
                 "mapping_bwd_dx_dw_kernel",
                 (x, weight[: 2 * n], weight[2 * n :], gp_pp, gp_res, cx, grad_x, gw_part[:, : 2 * n],
-                 gw_part[:, 2 * n :], per_split, n, tl.tile_m, tl.tile_k, mma, int(not tl.split_dx)),
+                 gw_part[:, 2 * n :], per_split, n, tl.tile_m, tl.tile_k, mma),
             )
         grad_w = (gw_part.sum(dim=0) if splits > 1 else gw_part[0]).to(weight.dtype)
         grad_bias = torch.cat((gbias_pp.sum(dim=0), gbias_res.sum(dim=0))).to(bias.dtype)

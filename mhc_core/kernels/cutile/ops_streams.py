@@ -30,11 +30,6 @@ from mhc_core.variants import Variant, get_variant
 __all__ = ["h_aggregate", "h_post_bda"]
 
 
-def _loads(rt: Any, tl: tiling.StreamTiles, t: int, c: int) -> int:
-    """The kernel's `LOADS` constant (`tiling.load_code`) for a launch over `t` tokens x `c` channels on `rt`."""
-    return tiling.load_code(tl, tokens=t, hidden=c, unchecked_ok=rt.unchecked_loads)
-
-
 def _fwd_grid(t: int, c: int, tl: tiling.StreamTiles) -> tuple[int, ...]:
     """Token tiles x channel tiles, or token tiles only when each block walks C (`loop_c`)."""
     return (cdiv(t, tl.tile_t),) if tl.loop_c else (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c))
@@ -51,9 +46,8 @@ class _AggregateFn(torch.autograd.Function):
             rt.launch(
                 _fwd_grid(t, c, tl),
                 "h_aggregate_fwd_kernel",
-                (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.per_stream), int(tl.loop_c),
-                 _mma_code(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t), x.dtype, h_pre.dtype == torch.bfloat16),
-                 _loads(rt, tl, t, c)),
+                (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.loop_c),
+                 *_tensor_cores(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t), x.dtype, h_pre.dtype == torch.bfloat16)),
             )
         ctx.save_for_backward(x, h_pre)
         ctx.rt = rt
@@ -71,8 +65,7 @@ class _AggregateFn(torch.autograd.Function):
             ctx.rt.launch(
                 (cdiv(t, tl.tile_t),),
                 "h_aggregate_bwd_kernel",
-                (go, x, h_pre, grad_x, grad_h, n, tl.tile_t, tl.tile_c,
-                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n, tl.tile_t), x.dtype, True), _loads(ctx.rt, tl, t, c)),
+                (go, x, h_pre, grad_x, grad_h, n, tl.tile_t, tl.tile_c),
             )
         else:
             grad_h.zero_()
@@ -91,22 +84,22 @@ def h_aggregate(rt: Callable[[], Any], x, h_pre):
 
 
 MMA_MIN_K, MMA_MIN_MN = 16, 8
-"""The smallest tensor-core shape the MMA formulations feed (bf16 m16n8k16): a reduction (K) of at
+"""The smallest tensor-core shape the MMA formulation feeds (bf16 m16n8k16): a reduction (K) of at
 least 16 and output edges of at least 8; smaller tiles keep the CUDA-core formulation (sm_90 gave
 wrong products for a K = 4 MMA in the mapping backward)."""
 
 
-def _mma_code(use: bool, k: int, mn: tuple[int, ...], act: torch.dtype, right_exact: bool) -> int:
-    """The `MIX_MMA` / `REDUCE_MMA` constant of a stream kernel: -1 (CUDA cores) unless `use` and
-    the tile's MMA has `k >= 16` and every edge in `mn` >= 8; else bf16 products for bf16
-    activations when the right operand is exact in bf16 (bf16 coefficients), bf16 hi + lo of it
-    when it is fp32 (2xBF16), and for fp32 activations TF32 when torch's own fp32 matmuls may use
-    it, else 3xTF32."""
+def _tensor_cores(use: bool, k: int, mn: tuple[int, ...], act: torch.dtype, right_exact: bool) -> tuple[int, int]:
+    """The `TENSOR_CORES, MMA` constants of the `h_aggregate` forward: `(0, MMA_BF16)` (CUDA cores; `MMA`
+    unused) unless `use` and the tile's MMA has `k >= 16` and every edge in `mn` >= 8; else `(1, MMA)`
+    with bf16 products for bf16 activations when the right operand is exact in bf16 (bf16
+    coefficients), bf16 hi + lo of it when it is fp32 (2xBF16), and for fp32 activations TF32 when
+    torch's own fp32 matmuls may use it, else 3xTF32."""
     if not use or k < MMA_MIN_K or min(mn) < MMA_MIN_MN:
-        return -1
+        return 0, MMA_BF16
     if act == torch.bfloat16:
-        return MMA_BF16 if right_exact else MMA_2XBF16
-    return MMA_TF32 if torch.backends.cuda.matmul.allow_tf32 else MMA_3XTF32
+        return 1, MMA_BF16 if right_exact else MMA_2XBF16
+    return 1, MMA_TF32 if torch.backends.cuda.matmul.allow_tf32 else MMA_3XTF32
 
 
 class _PostBdaFn(torch.autograd.Function):
@@ -123,9 +116,7 @@ class _PostBdaFn(torch.autograd.Function):
                 _fwd_grid(t, c, tl),
                 "h_post_bda_fwd_kernel",
                 (h_res, residual, h_post, y, bias_arg, out, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias),
-                 int(tl.per_stream), int(tl.loop_c),
-                 _mma_code(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t * n), residual.dtype,
-                           h_res.dtype == torch.bfloat16), _loads(rt, tl, t, c)),
+                 int(tl.loop_c), int(tl.per_stream == tiling.StreamLayout.TUPLE)),
             )
         ctx.save_for_backward(h_res, residual, h_post, y, bias_arg)
         ctx.args = (has_bias, transposed, rt)
@@ -150,9 +141,8 @@ class _PostBdaFn(torch.autograd.Function):
                 (blocks,),
                 "h_post_bda_bwd_kernel",
                 (go, h_res, residual, h_post, y, bias_arg, grad_h_res, grad_residual, grad_h_post, grad_y,
-                 bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias), int(tl.per_stream),
-                 # right operand: the residual, bf16-exact (the kernel splits its y + bias one itself)
-                 _mma_code(tl.mma, tl.tile_c, (tl.tile_t * n,), residual.dtype, True), _loads(rt, tl, t, c)),
+                 bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias),
+                 int(tl.per_stream == tiling.StreamLayout.TUPLE)),
             )
         else:
             grad_h_res.zero_()

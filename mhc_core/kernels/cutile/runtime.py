@@ -28,8 +28,6 @@ KERNEL_MODULES: dict[str, str] = {
     "sinkhorn_bwd_kernel": "sinkhorn_kernels",
     "sinkhorn_fwd_elem_kernel": "sinkhorn_elem_kernels",
     "sinkhorn_bwd_elem_kernel": "sinkhorn_elem_kernels",
-    "sinkhorn_fwd_checkpoint_kernel": "sinkhorn_elem_kernels",
-    "sinkhorn_bwd_checkpoint_kernel": "sinkhorn_elem_kernels",
     "h_aggregate_fwd_kernel": "stream_kernels",
     "h_aggregate_bwd_kernel": "stream_kernels",
     "h_post_bda_fwd_kernel": "stream_kernels",
@@ -38,7 +36,6 @@ KERNEL_MODULES: dict[str, str] = {
     "mapping_fwd_epilogue_kernel": "mapping_kernels",
     "mapping_bwd_coef_kernel": "mapping_kernels",
     "mapping_bwd_dx_dw_kernel": "mapping_kernels",
-    "mapping_bwd_dx_kernel": "mapping_kernels",
 }
 """Every kernel of the package and the module (in this package) that defines it."""
 
@@ -61,17 +58,12 @@ def kernel_object(kernel_name: str, occupancy: int | None | object = _AS_TILING)
 
 
 class CuTileRuntime:
-    """Launches on the current CUDA stream with `cuda.tile.launch` (JIT-compiled per signature).
-    `unchecked_loads`: whether its tileiras takes unchecked loads (`StreamTiles.unchecked`, >= 13.4)."""
+    """Launches on the current CUDA stream with `cuda.tile.launch` (JIT-compiled per signature)."""
 
     def __init__(self) -> None:
         import cuda.tile as ct
 
-        from mhc_core.kernels.cutile.toolchain import UNCHECKED_MIN_TILEIRAS, find_toolchain
-
         self._ct = ct
-        tc = find_toolchain()
-        self.unchecked_loads = tc is not None and tc.release >= UNCHECKED_MIN_TILEIRAS
         for name in KERNEL_MODULES:  # import every kernel module now: a broken one fails here, not mid-step
             kernel_object(name, None)
 

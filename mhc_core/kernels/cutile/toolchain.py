@@ -22,10 +22,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Toolchain", "find_toolchain", "apply_env", "UNCHECKED_MIN_TILEIRAS"]
-
-UNCHECKED_MIN_TILEIRAS = (13, 4)
-"""The first tileiras that takes unchecked loads (`ct.load(check_bounds=False)`, `StreamTiles.unchecked`)."""
+__all__ = ["Toolchain", "find_toolchain", "apply_env"]
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ class Tuning:
             kind = _TILE_TYPES[name]
             unknown = set(values) - {f.name for f in fields(kind)}
             if unknown:
-                raise ValueError(f"{where}: tiles[{key!r}]: {name} has no field(s) {', '.join(sorted(unknown))}")
+                raise ValueError(f"{where}: tiles[{key!r}]: {name} has no field(s) {', '.join(sorted(unknown))} "
+                                 "(formulations the kernels no longer have: tools/cutile/retired.py)")
             try:
                 tiles[key] = kind(**values)
             except TypeError as exc:

@@ -132,16 +132,5 @@ MAPPING_INPUT_NAMES = ("x", "weight", "alpha_pre", "alpha_post", "alpha_res", "b
 MAPPING_COSINE = ("alpha_pre", "alpha_post", "alpha_res", "bias")
 POST_BDA_INPUT_NAMES = ("h_res", "residual", "h_post", "y", "bias")
 
-SINKHORN_FORMS = {
-    "batch_last": {"batch_last": True},
-    "batch_last-recompute": {"batch_last": True, "recompute": True},
-    "per_element": {"per_element": True},
-    "per_element-recompute": {"recompute": True, "per_element": True},
-    "per_element-approx": {"per_element": True, "approx_div": True},
-    "per_element-recompute-approx": {"recompute": True, "per_element": True, "approx_div": True},
-    "per_element-checkpoint2-approx": {"per_element": True, "approx_div": True, "checkpoint": 2},
-    "per_element-checkpoint4-approx": {"per_element": True, "approx_div": True, "checkpoint": 4},
-    "per_element-checkpoint4-approx-fwd": {"per_element": True, "approx_div": True, "checkpoint": 4,
-                                           "fwd_checkpoints": True},
-}
+SINKHORN_FORMS = {"per_element": {"per_element": True}}
 """The Sinkhorn formulations besides the default, as `SinkhornTiles` keywords (tile_b is each test's)."""

@@ -109,17 +109,18 @@ def test_toolchain_env_puts_its_bin_first(tmp_path):
     assert env["LD_LIBRARY_PATH"] == str(tmp_path / "lib")
 
 
-@pytest.mark.parametrize(("version", "release", "unchecked"),
-                         [("13.4.92", (13, 4), True), ("13.10.1", (13, 10), True), ("13.3.1", (13, 3), False),
+@pytest.mark.parametrize(("version", "release", "hopper"),
+                         [("13.4.92", (13, 4), True), ("13.10.1", (13, 10), True), ("13.2.1", (13, 2), False),
                           ("unknown", (0,), False)])
-def test_toolchain_release_gates_unchecked_loads(tmp_path, version, release, unchecked):
-    """`Toolchain.release` is `(major, minor)` of the tileiras version, compared as numbers; unchecked
-    loads need >= 13.4 (`UNCHECKED_MIN_TILEIRAS`, the GPU runtime's `unchecked_loads`), a version that
-    cannot be read counts as too old."""
+def test_toolchain_release_compares_as_numbers(tmp_path, version, release, hopper):
+    """`Toolchain.release` is `(major, minor)` of the tileiras version, compared as numbers (sm_90 needs
+    >= 13.3, `HOPPER_MIN_TILEIRAS`); a version that cannot be read counts as too old."""
+    from mhc_core.kernels.cutile import HOPPER_MIN_TILEIRAS
+
     tc = toolchain.Toolchain(tileiras=tmp_path / "tileiras", ptxas=None, libnvvm=None, cuda_home=None, source="test")
     tc.__dict__["version"] = version  # what the cached `tileiras --version` parse returned
     assert tc.release == release
-    assert (tc.release >= toolchain.UNCHECKED_MIN_TILEIRAS) is unchecked
+    assert (tc.release >= HOPPER_MIN_TILEIRAS) is hopper
 
 
 @pytest.mark.skipif(not _has_cuda_tile(), reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")

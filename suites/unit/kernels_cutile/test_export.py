@@ -22,9 +22,7 @@ from mhc_core.kernels.cutile import tiling, toolchain, tuning  # noqa: E402
 from tools.cutile.recording import ArrayArg, ConstArg  # noqa: E402
 from tools.cutile.signatures import (  # noqa: E402
     BYTECODE_VERSION,
-    STREAM_KERNELS,
     alternative_plan,
-    bytecode_version,
     export_bytecode,
     export_cubin,
     kernel_object,
@@ -66,37 +64,30 @@ ALT_PLAN = alternative_plan()
 
 
 def test_alternative_plan_holds_each_formulation():
-    """The sweep's alternative formulations (batch-last, per-element and checkpointed Sinkhorn, whole-tile
-    and C-looping and tensor-core stream forwards, per-stream, tuple and tensor-core h_post_bda backwards,
-    the tensor-core h_aggregate backward, split-dx and 16 x 64 mapping backwards, latency-hinted h_post_bda, backwards without TMA,
-    stream kernels with unchecked loads) are listed."""
+    """The sweep's alternative formulations (per-element Sinkhorn, C-looping and tensor-core h_aggregate
+    forwards, the tuple and C-looping h_post_bda forwards, the tuple h_post_bda backward, the 16 x 64 mapping
+    backward) are listed, each kernel with the constants that select it."""
     kernels = {p.kernel_name for p in ALT_PLAN}
-    assert kernels == {"sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel",
-                       "sinkhorn_bwd_elem_kernel", "sinkhorn_fwd_checkpoint_kernel", "sinkhorn_bwd_checkpoint_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel",
-                       "h_post_bda_fwd_kernel",
-                       "h_post_bda_bwd_kernel", "mapping_bwd_coef_kernel", "mapping_bwd_dx_kernel",
+    assert kernels == {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "h_aggregate_fwd_kernel",
+                       "h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel", "mapping_bwd_coef_kernel",
                        "mapping_bwd_dx_dw_kernel"}
-    hinted = {p.kernel_name for p in ALT_PLAN if p.args[-1] == ConstArg(10)}  # LOADS, last of a stream kernel's
-    assert hinted == {"h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel"}
-    no_tma = {p.kernel_name for p in ALT_PLAN if p.kernel_name in STREAM_KERNELS
-              and p.args[-1].value % tiling.UNCHECKED >= tiling.NO_TMA}
-    assert no_tma == {"h_post_bda_bwd_kernel", "h_aggregate_bwd_kernel"}
-    unchecked = {p.kernel_name for p in ALT_PLAN if p.kernel_name in STREAM_KERNELS and p.args[-1].value >= tiling.UNCHECKED}
-    assert unchecked == set(STREAM_KERNELS)
+    consts = {p.kernel_name: set() for p in ALT_PLAN}
+    for p in ALT_PLAN:
+        consts[p.kernel_name].add(tuple(a.value for a in p.args if isinstance(a, ConstArg))[3:])  # after N, TILE_T, TILE_C
+    # h_aggregate fwd (LOOP_C, TENSOR_CORES, MMA): C-looping slices, tensor cores with and without the loop
+    assert {c[:2] for c in consts["h_aggregate_fwd_kernel"]} == {(1, 0), (0, 1), (1, 1)}
+    # h_post_bda fwd (TRANSPOSED, HAS_BIAS, LOOP_C, TUPLE): the tuple with and without the loop, looping slices
+    assert {c[-2:] for c in consts["h_post_bda_fwd_kernel"]} == {(0, 1), (1, 1), (1, 0)}
+    assert {c[-1] for c in consts["h_post_bda_bwd_kernel"]} == {1}
 
 
-def test_unchecked_loads_export_at_bytecode_13_4():
-    """Launches with unchecked loads (`tiling.UNCHECKED` in `LOADS`) export at bytecode 13.4
-    (`bytecode_version`), which `ct.load(check_bounds=False)` needs; the default plan stays at 13.3."""
-    unchecked = [p for p in ALT_PLAN if bytecode_version(p) == "13.4"]
-    assert {p.kernel_name for p in unchecked} == set(STREAM_KERNELS)
-    assert all(p.args[-1].value >= tiling.UNCHECKED for p in unchecked)
-    assert {bytecode_version(p) for p in PLAN} == {BYTECODE_VERSION} == {"13.3"}
-    launch = unchecked[0]
-    assert len(export_bytecode(launch)) > 0
-    with pytest.raises(Exception, match="requires tileiras 13.4"):
-        export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], io.BytesIO(),
-                      output_format="tileir_bytecode", bytecode_version="13.3")
+def test_plan_exports_at_one_bytecode_version():
+    """Every launch of the default plan exports at `BYTECODE_VERSION` (13.3, the first with Hopper), which
+    a 13.3 tileiras takes."""
+    assert BYTECODE_VERSION == "13.3"
+    launch = PLAN[0]
+    export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], io.BytesIO(),
+                  output_format="tileir_bytecode", bytecode_version="13.3")
 
 
 def _formulation(launch) -> tuple[str, str]:
@@ -168,9 +159,10 @@ def test_compile_shipped_tuning_cubin(compiler, tuned, launch, arch):
 
 
 def test_tuning_launches_export_with_their_hints():
-    """A tuning's launches (tensor-core h_post_bda backward, occupancy 4) export under the tuning, at
+    """A tuning's launches (tuple h_post_bda backward, occupancy 4) export under the tuning, at
     every dtype and variant, and the hinted kernel object is the tuning's."""
-    t = tuning.Tuning(device="test", n=4, tiles={"h_post_bda_bwd": tiling.StreamTiles(8, 64, mma=True)},
+    t = tuning.Tuning(device="test", n=4,
+                      tiles={"h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=tiling.StreamLayout.TUPLE)},
                       occupancy={"h_post_bda_bwd_kernel": 4})
     plan = tuned_plan([t])
     assert {p.kernel_name for p in plan} == {"h_post_bda_bwd_kernel"} and len(plan) >= 6
@@ -196,6 +188,6 @@ def test_wrong_constant_fails():
     """A tile constant that is not a power of two (TILE_C = 96) is rejected at export."""
     launch = next(p for p in PLAN if p.kernel_name == "h_aggregate_fwd_kernel")
     args = list(launch.args)
-    args[5] = dataclasses.replace(args[5], value=96)  # (x, h_pre, out, N, TILE_T, TILE_C, PER_STREAM, LOOP_C)
+    args[5] = dataclasses.replace(args[5], value=96)  # (x, h_pre, out, N, TILE_T, TILE_C, LOOP_C, ...)
     with pytest.raises(Exception, match="not a power of two"):
         export_bytecode(dataclasses.replace(launch, args=tuple(args)))

@@ -115,9 +115,8 @@ def test_mapping(n, variant, dtype, t, c):
 
 
 MAPPING_BWD_TILES = [
-    pytest.param(tiling.MappingTiles(tile_m=32, tile_k=128, split_dx=True), id="split_dx"),
     pytest.param(tiling.MappingTiles(tile_m=16, tile_k=64), id="16x64"),
-    pytest.param(tiling.MappingTiles(tile_m=16, tile_k=64, split_dx=True), id="16x64-split_dx"),
+    pytest.param(tiling.MappingTiles(tile_m=16, tile_k=256), id="16x256"),
 ]
 
 
@@ -126,8 +125,7 @@ MAPPING_BWD_TILES = [
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
 def test_mapping_bwd_tiles(n, variant, dtype, tiles):
-    """The mapping backward's sweep candidates: grad_x from its own kernel (`MappingTiles.split_dx`) and
-    the spill-free 16 x 64 tile (with and without)."""
+    """The mapping backward's sweep candidates: the spill-free 16 x 64 tile and the shipped H200 tuning's 16 x 256."""
     oracle = mapping_oracle(n, variant) if (variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16) else None
     with tiling.overridden(mapping_bwd=tiles):
         compare(
@@ -162,34 +160,17 @@ def test_sinkhorn_formulations(n, variant, tiles):
         )
 
 
+_SLICES, _TUPLE = tiling.StreamLayout.SLICES, tiling.StreamLayout.TUPLE
 STREAM_FORMS = [
-    pytest.param({"h_aggregate_fwd": tiling.StreamTiles(2, 512), "h_post_bda_fwd": tiling.StreamTiles(4, 256)},
-                 id="whole_tile_fwd"),
-    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(32, 64, per_stream=True)}, id="per_stream_bwd"),
-    pytest.param({"h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=2),
-                  "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=2)}, id="stream_loads"),
-    pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, per_stream=1, loop_c=True),
-                  "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=2, loop_c=True)}, id="loop_c_fwd"),
-    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 64, mma=True),
-                  "h_aggregate_bwd": tiling.StreamTiles(16, 128, mma=True)}, id="mma_bwd"),
+    pytest.param({"h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_TUPLE),
+                  "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=_TUPLE)}, id="stream_loads"),
+    pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, per_stream=_SLICES, loop_c=True),
+                  "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_TUPLE, loop_c=True)}, id="loop_c_fwd"),
     pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, mma=True),
-                  "h_post_bda_fwd": tiling.StreamTiles(4, 256, loop_c=True, mma=True)}, id="mma_fwd"),
+                  "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_SLICES, loop_c=True)}, id="mma_fwd"),
     pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, loop_c=True, mma=True),
-                  "h_post_bda_fwd": tiling.StreamTiles(4, 256, mma=True),
-                  "occupancy": {"h_aggregate_fwd_kernel": 4, "h_post_bda_fwd_kernel": 4}}, id="mma_fwd-occupancy4"),
-    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 64, mma=True), "h_aggregate_bwd": tiling.StreamTiles(16, 128, mma=True),
-                  "occupancy": {"h_post_bda_bwd_kernel": 4, "h_aggregate_bwd_kernel": 4}}, id="mma_bwd-occupancy4"),
-    pytest.param({"h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=2, loop_c=True, latency=10),
-                  "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=2, latency=10),
-                  "occupancy": {"h_post_bda_bwd_kernel": 2}}, id="latency10"),
-    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 128, mma=True, latency=10),
-                  "h_aggregate_bwd": tiling.StreamTiles(8, 256, latency=10),
-                  "occupancy": {"h_post_bda_bwd_kernel": 2}}, id="mma_bwd-latency10"),
-    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=2, latency=9, tma=False),
-                  "h_aggregate_fwd": tiling.StreamTiles(8, 256, loop_c=True, mma=True, tma=False),
-                  "occupancy": {"h_post_bda_bwd_kernel": 2}}, id="no_tma-latency9"),
-    pytest.param({"h_post_bda_bwd": tiling.StreamTiles(8, 128, mma=True, tma=False),
-                  "h_aggregate_bwd": tiling.StreamTiles(16, 128, mma=True, tma=False)}, id="mma_bwd-no_tma"),
+                  "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=_TUPLE),
+                  "occupancy": {"h_aggregate_fwd_kernel": 4, "h_post_bda_bwd_kernel": 2}}, id="tuned-occupancy"),
 ]
 
 

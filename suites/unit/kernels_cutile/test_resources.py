@@ -8,7 +8,7 @@ pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install
 
 from mhc_core.kernels.cutile import tiling, toolchain  # noqa: E402
 from tools.cutile import resources  # noqa: E402
-from tools.cutile.signatures import plan_under, signature_plan  # noqa: E402
+from tools.cutile.signatures import signature_plan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,6 @@ def test_report_shows_register_spills(tools):
     """Spills are reported: the mapping backward's dx/dW kernel at 32 x 128 tokens x K (the 11-29
     default) compiles with a stack frame on sm_90 and STL / LDL in its SASS, the 16 x 64 tile
     without any (a kernel that only ever reported `local B` showed 0 for both)."""
-    from mhc_core.kernels.cutile import tiling
     from tools.cutile import signatures
 
     def dx_dw(tiles):
@@ -82,22 +81,6 @@ def test_occupancy_hint_caps_registers(tools):
     assert hinted.ctas_per_sm >= 4 and hinted.registers < free.registers, (free, hinted)
 
 
-@pytest.mark.slow
-def test_unchecked_loads_drop_the_bounds_arithmetic(tools):
-    """`StreamTiles.unchecked` reaches the compiler: the plain-load h_post_bda forward (tuple of streams,
-    C loop) of whole tiles compiles to fewer SASS instructions with the same global loads."""
-    def inspect(unchecked: bool):
-        tiles = tiling.StreamTiles(4, 256, per_stream=2, loop_c=True, unchecked=unchecked)
-        launch = next(p for p in plan_under({"h_post_bda_fwd": tiles})
-                      if p.kernel_name == "h_post_bda_fwd_kernel" and "-bf16-dev" in p.id)
-        return launch.args[-1].value, resources.inspect_launch(launch, arch="sm_90")
-
-    (code, checked), (code_u, unchecked) = inspect(False), inspect(True)
-    assert (code, code_u) == (0, tiling.UNCHECKED)
-    assert unchecked.counts["insts"] < 0.95 * checked.counts["insts"], (checked, unchecked)
-    assert unchecked.counts["ldg"] == checked.counts["ldg"] > 0, (checked, unchecked)
-
-
 @pytest.mark.parametrize(("regs", "threads", "smem", "ctas"), [
     (255, 256, 0, 1),        # 64 Ki registers: one block of 8 warps at 255 (256 per thread allocated)
     (64, 256, 0, 4),
@@ -130,15 +113,15 @@ def test_missing_cuobjdump_names_the_wheel(monkeypatch):
 @pytest.mark.slow
 def test_sweep_report_names_candidates_at_the_sweep_shape(tools, capsys):
     """`--sweep` compiles the sweep's candidates at its shape (here a small one) and names each `key[i]`
-    in a legend: the checkpointed Sinkhorn backward with its `checkpoint`."""
+    in a legend: the per-element Sinkhorn backward with its tile."""
     from tools.cutile.sweep import CANDIDATES
 
-    i = next(i for i, c in enumerate(CANDIDATES["sinkhorn"]) if getattr(c, "checkpoint", 0))
+    i = next(i for i, c in enumerate(CANDIDATES["sinkhorn"]) if c.per_element)
     assert resources.main(["--sweep", "--keys", "sinkhorn", "--match", f"sinkhorn[{i}]-sinkhorn_bwd",
                            "--tokens", "256", "--hidden", "512", "--iterations", "3"]) == 0
     out = capsys.readouterr().out
-    assert f"| sinkhorn[{i}]-sinkhorn_bwd_checkpoint | " in out
-    assert f"sinkhorn[{i}]: {CANDIDATES['sinkhorn'][i]!r}" in out and "checkpoint=" in out
+    assert f"| sinkhorn[{i}]-sinkhorn_bwd_elem | " in out
+    assert f"sinkhorn[{i}]: {CANDIDATES['sinkhorn'][i]!r}" in out and "per_element=True" in out
 
 
 def test_sweep_report_refuses_unknown_keys(capsys):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
@@ -18,10 +17,8 @@ from tools.cutile.signatures import alternative_plan, signature_plan
 ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
 
 
-ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "sinkhorn_fwd_checkpoint_kernel",
-                    "sinkhorn_bwd_checkpoint_kernel", "mapping_bwd_dx_kernel"}
-"""Kernels the default tiles never launch (`SinkhornTiles.per_element` and `checkpoint`, `MappingTiles.split_dx`:
-sweep candidates)."""
+ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel"}
+"""Kernels the default tiles never launch (`SinkhornTiles.per_element`: a shipped tuning's)."""
 
 
 def test_plan_covers_every_kernel_and_n():
@@ -33,34 +30,6 @@ def test_plan_covers_every_kernel_and_n():
         assert kernels == want, f"n={n}: missing {want - kernels}, unexpected {kernels - want}"
     alternative = {p.kernel_name for p in alternative_plan()}
     assert ALTERNATIVE_ONLY <= alternative, f"alternative plan lacks {ALTERNATIVE_ONLY - alternative}"
-
-
-@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
-def test_checkpointed_sinkhorn_backward_compiles_in_the_pair_count(variant):
-    """`checkpoint` tiles launch the checkpointed backward with the pair count and a stride clamped to it
-    as constants and `cdiv(pairs, stride)` workspace rows; past `MAX_CHECKPOINT_PAIRS` pairs the
-    stored-trajectory backward (a row per pair) instead."""
-    shapes = []
-
-    class Shapes(RecordingRuntime):
-        def launch(self, grid, kernel_name, args):
-            shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
-            super().launch(grid, kernel_name, args)
-
-    rec = Shapes()
-    ops = make_ops(rec)
-    dev = variant is Variant.MEGATRON_DEV  # its start map ends with a column step: one pair fewer
-    limit = tiling.MAX_CHECKPOINT_PAIRS + 2
-    with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, per_element=True, checkpoint=4)):
-        for iterations in (20, 2, limit):
-            z = torch.zeros(40, 4, 4, requires_grad=True)
-            ops.sinkhorn(z, iterations, None, variant).sum().backward()
-    bwd = [(la, sh) for la, sh in zip(rec.launches, shapes, strict=True) if "bwd" in la.kernel_name]
-    assert [la.kernel_name for la, _ in bwd] == ["sinkhorn_bwd_checkpoint_kernel"] * 2 + ["sinkhorn_bwd_elem_kernel"]
-    pairs = [20 - dev, 2 - dev, limit - dev]
-    consts = [[a.value for a in la.args if isinstance(a, ConstArg)][-3:] for la, _ in bwd[:2]]  # PAIRS, STRIDE, SAVED
-    assert consts == [[pairs[0], 4, 0], [pairs[1], pairs[1], 0]]
-    assert [sh[3] for _, sh in bwd] == [(5, 16, 40), (1, 16, 40), (pairs[2], 16, 40)]
 
 
 class _Tensors(RecordingRuntime):
@@ -76,33 +45,20 @@ class _Tensors(RecordingRuntime):
 
 
 @pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
-def test_forward_checkpoints_reach_the_backward(variant):
-    """`fwd_checkpoints`: a forward whose logits need a gradient stores the checkpoints
-    (`sinkhorn_fwd_checkpoint_kernel`) and the backward reads that same workspace (`SAVED` 1) with the
-    forward's stride, even after the tile changed; without a gradient, or with no pair to checkpoint
-    (megatron_dev at 1 iteration), the plain forward and a backward that walks itself."""
+def test_sinkhorn_workspace_only_for_the_stored_backward(variant):
+    """The `[TILE_B, n, n]` backward gets a `[max(P, 1), B, n, n]` fp32 workspace, a row per pair
+    (megatron_dev: one pair fewer); the per-element backward, which recomputes, gets none."""
     rec = _Tensors()
     ops = make_ops(rec)
-    tile = tiling.SinkhornTiles(32, per_element=True, approx_div=True, checkpoint=4, fwd_checkpoints=True)
     z = torch.zeros(40, 4, 4, requires_grad=True)
-    with tiling.overridden(sinkhorn=tile):
-        out = ops.sinkhorn(z, 20, None, variant)
-        ops.sinkhorn(z.detach(), 20, None, variant)  # no gradient wanted: nothing to keep
-    with tiling.overridden(sinkhorn=dataclasses.replace(tile, checkpoint=2)):
-        out.sum().backward()
+    ops.sinkhorn(z, 20, None, variant).sum().backward()
+    with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, per_element=True)):
+        ops.sinkhorn(z, 20, None, variant).sum().backward()
     names = [la.kernel_name for la in rec.launches]
-    assert names == ["sinkhorn_fwd_checkpoint_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_checkpoint_kernel"]
-    fwd_work, bwd_work = rec.tensors[0][2], rec.tensors[2][3]
-    assert bwd_work is fwd_work and tuple(fwd_work.shape) == (5, 16, 40)
-    consts = [[a.value for a in la.args if isinstance(a, ConstArg)][-3:] for la in rec.launches[::2]]
+    assert names == ["sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel"]
     pairs = 19 if variant is Variant.MEGATRON_DEV else 20
-    assert consts == [[1, pairs, 4], [pairs, 4, 1]]  # fwd: APPROX, PAIRS, STRIDE; bwd: PAIRS, STRIDE, SAVED
-    if variant is Variant.MEGATRON_DEV:
-        rec.launches.clear()
-        with tiling.overridden(sinkhorn=tile):
-            ops.sinkhorn(z, 1, None, variant).sum().backward()
-        assert [la.kernel_name for la in rec.launches] == ["sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_checkpoint_kernel"]
-        assert rec.launches[1].args[-1] == ConstArg(0)
+    assert tuple(rec.tensors[1][3].shape) == (pairs, 40, 4, 4) and rec.tensors[1][3].dtype == torch.float32
+    assert len(rec.tensors[3]) == 3  # logits, grad_out, grad_logits
 
 
 def test_plan_ids_are_unique_and_readable():
@@ -153,7 +109,7 @@ def test_plan_covers_other_production_shapes(t, c):
 
 def test_constants_are_recorded_as_constants():
     """`ct.Constant` parameters become compile-time constants of the signature, runtime ints scalars."""
-    from tools.cutile.recording import ConstArg, ScalarArg
+    from tools.cutile.recording import ScalarArg
 
     launch = next(p for p in signature_plan() if p.id == "mapping-fwd-n4-bf16-main-partial")
     # (x, w_pp, w_res, part_pp, part_res, part_sq, k_tiles_per_split, N, TILE_M, TILE_K, MMA)

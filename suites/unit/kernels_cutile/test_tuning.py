@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -28,13 +29,15 @@ def _tuning(**kw) -> tuning.Tuning:
 def test_file_round_trip(tmp_path):
     """A saved tuning loads back equal, with every tile type and the occupancy hints."""
     t = _tuning(tiles={"h_aggregate_fwd": MMA_FWD, "sinkhorn": tiling.SinkhornTiles(128, per_element=True),
-                       "mapping_bwd": tiling.MappingTiles(16, 64, True)})
+                       "mapping_bwd": tiling.MappingTiles(16, 64),
+                       "h_post_bda_bwd": _S(8, 64, per_stream=tiling.StreamLayout.TUPLE)})
     path = tmp_path / "t.json"
     tuning.save(t, path)
     back = tuning.load(path)
     assert back == t and back.source == str(path)
-    assert json.loads(path.read_text())["tiles"]["mapping_bwd"] == {
-        "MappingTiles": {"tile_m": 16, "tile_k": 64, "split_dx": True}}
+    raw = json.loads(path.read_text())["tiles"]
+    assert raw["mapping_bwd"] == {"MappingTiles": {"tile_m": 16, "tile_k": 64}}
+    assert raw["h_post_bda_bwd"]["StreamTiles"]["per_stream"] == 2  # a StreamLayout is written as its number
 
 
 @pytest.mark.parametrize(("content", "match"), [
@@ -79,13 +82,13 @@ def test_tuning_sits_between_overrides_and_heuristics():
     with tiling.tuned(_tuning()):
         assert tiling.aggregate_tiles(4, 4096, "fwd") == MMA_FWD
         assert tiling.aggregate_tiles(4, 256, "fwd") == MMA_FWD
-        assert tiling.aggregate_tiles(4, 64, "fwd") == _S(tile_t=32, tile_c=64, per_stream=True)  # TILE_C 256 > 64
+        assert tiling.aggregate_tiles(4, 64, "fwd") == _S(tile_t=32, tile_c=64, per_stream=tiling.StreamLayout.SLICES)  # TILE_C 256 > 64
         assert tiling.aggregate_tiles(2, 4096, "fwd") == default_n2  # another n: heuristic
         assert tiling.aggregate_tiles(4, 4096, "bwd") == tiling.StreamTiles(8, 256)  # not tuned: heuristic
         assert tiling.sinkhorn_tile(4) == tiling.SinkhornTiles(128) and tiling.sinkhorn_tile(8).tile_b == 16
         assert tiling.occupancy("h_post_bda_bwd_kernel") == 4 and tiling.occupancy("h_aggregate_fwd_kernel") is None
-        with tiling.overridden(h_aggregate_fwd=_S(2, 512), occupancy={}):
-            assert tiling.aggregate_tiles(4, 4096, "fwd") == _S(2, 512)
+        with tiling.overridden(h_aggregate_fwd=_S(2, 512, per_stream=tiling.StreamLayout.SLICES), occupancy={}):
+            assert tiling.aggregate_tiles(4, 4096, "fwd") == _S(2, 512, per_stream=tiling.StreamLayout.SLICES)
             assert tiling.occupancy("h_post_bda_bwd_kernel") is None
     assert tiling.aggregate_tiles(4, 4096, "fwd") == default and tiling.active_tuning() is None
 
@@ -341,7 +344,7 @@ def test_show_cli_lists_tiles_in_force(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"| h_aggregate_fwd | {tiling.aggregate_tiles(4, 4096, 'fwd')} | {MMA_FWD} | - |" in out
     assert "| h_post_bda_bwd |" in out and "{'h_post_bda_bwd_kernel': 4}" in out
-    assert "| mapping_fwd | MappingTiles(tile_m=64, tile_k=128, split_dx=False) | (same) | - |" in out
+    assert "| mapping_fwd | MappingTiles(tile_m=64, tile_k=128) | (same) | - |" in out
     assert tuning.main([str(path), "--n", "2"]) == 0
     assert str(MMA_FWD) not in capsys.readouterr().out  # another n: heuristics
     assert tuning.main([str(tmp_path / "missing.json")]) == 2
@@ -389,9 +392,9 @@ def test_gpu_runtime_puts_the_device_tuning_in_force(tmp_path, monkeypatch, capl
 
 
 def test_recorded_h200_sweep_still_adopts_the_shipped_tuning(tmp_path):
-    """The 11-30 H200 sweep file, read by this version (its bounds, its candidates' reprs), adopts the
-    tiles and hints of the shipped `tuned/nvidia_h200.json`: fields added to the tile types since
-    (`StreamTiles.latency`, `SinkhornTiles.checkpoint`) keep the recorded rows naming today's candidates."""
+    """The 11-30 H200 sweep file, read by this version (its bounds; its rows' tiles in this version's
+    reprs, `adopt.canonical_tiles`, rows of retired formulations left out), adopts the tiles and hints of
+    the shipped `tuned/nvidia_h200.json`."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
@@ -399,19 +402,75 @@ def test_recorded_h200_sweep_still_adopts_the_shipped_tuning(tmp_path):
     assert main(["--adopt", str(root / "docs/measurements/h200-2026-11-30/run1-sweep.json"), "--out", str(out)]) == 0
     got, shipped = tuning.load(out), tuning.load(root / "mhc_core/kernels/cutile/tuned/nvidia_h200.json")
     assert (got.tiles, got.occupancy) == (shipped.tiles, shipped.occupancy)
-    assert shipped.digest() == "0fd90d0bd282"  # its digest as shipped (11-30): the fields added since change nothing
+    assert shipped.digest() == "987e463037a3"  # the file as shipped: a change to it is a change of the product
 
 
-def test_added_tile_fields_are_written_when_set(tmp_path):
-    """A tuning with `latency` / `unchecked` / `checkpoint` set writes and reads them back; at their
-    defaults they are left out."""
-    tiles = {"h_post_bda_bwd": tiling.StreamTiles(8, 64, 2, latency=9, unchecked=True),
-             "sinkhorn": tiling.SinkhornTiles(64, per_element=True, approx_div=True, checkpoint=4),
-             "h_post_bda_fwd": tiling.StreamTiles(4, 256, 2, True)}
-    t = tuning.Tuning(device="X", n=4, tiles=tiles)
-    tuning.save(t, tmp_path / "t.json")
-    raw = json.loads((tmp_path / "t.json").read_text())["tiles"]
-    assert raw["h_post_bda_bwd"]["StreamTiles"]["latency"] == 9 and raw["sinkhorn"]["SinkhornTiles"]["checkpoint"] == 4
-    assert raw["h_post_bda_bwd"]["StreamTiles"]["unchecked"] is True
-    assert not {"latency", "unchecked"} & set(raw["h_post_bda_fwd"]["StreamTiles"])
-    assert tuning.load(tmp_path / "t.json").tiles == tiles
+@pytest.mark.parametrize(("key", "text", "want"), [
+    ("sinkhorn", "SinkhornTiles(tile_b=128, batch_last=False, recompute=True, per_element=True, approx_div=True)",
+     "SinkhornTiles(tile_b=128, per_element=True)"),
+    ("sinkhorn", "SinkhornTiles(tile_b=64, batch_last=False, recompute=False, per_element=False, approx_div=False)",
+     "SinkhornTiles(tile_b=64, per_element=False)"),
+    ("sinkhorn", "SinkhornTiles(tile_b=64, batch_last=True, recompute=False, per_element=False, approx_div=False)", None),
+    ("sinkhorn", "SinkhornTiles(tile_b=64, batch_last=False, recompute=False, per_element=True, approx_div=True)", None),
+    ("h_post_bda_bwd", "StreamTiles(tile_t=8, tile_c=128, per_stream=True, loop_c=False, mma=False)", None),
+    ("h_post_bda_bwd", "StreamTiles(tile_t=8, tile_c=64, per_stream=2, loop_c=False, mma=False, latency=9)", None),
+    ("h_post_bda_fwd", "StreamTiles(tile_t=4, tile_c=256, per_stream=2, loop_c=True, mma=False)",
+     "StreamTiles(tile_t=4, tile_c=256, per_stream=StreamLayout.TUPLE, loop_c=True, mma=False)"),
+    ("mapping_bwd", "MappingTiles(tile_m=16, tile_k=256, split_dx=False)", "MappingTiles(tile_m=16, tile_k=256)"),
+    ("mapping_bwd", "MappingTiles(tile_m=32, tile_k=128, split_dx=True)", None),
+    ("h_aggregate_fwd_occupancy",
+     "{'h_aggregate_fwd': StreamTiles(tile_t=8, tile_c=256, per_stream=0, loop_c=True, mma=True), "
+     "'occupancy': {'h_aggregate_fwd_kernel': 4}}",
+     "{'h_aggregate_fwd': StreamTiles(tile_t=8, tile_c=256, per_stream=StreamLayout.WHOLE, loop_c=True, mma=True), "
+     "'occupancy': {'h_aggregate_fwd_kernel': 4}}"),
+    ("mapping_bwd_occupancy", "{'occupancy': {'mapping_bwd_coef_kernel': 2, 'mapping_bwd_dx_kernel': 2}}", None),
+], ids=["sinkhorn-tuned", "sinkhorn-default", "batch-last", "per-element-stored", "bwd-slices", "latency",
+        "fwd-tuple", "mapping", "split-dx", "occupancy-dict", "retired-kernel-hint"])
+def test_canonical_tiles_reads_rows_written_before_a_retirement(key, text, want):
+    """A sweep row's tiles read in this version's repr: retired fields at the value the tiles imply are
+    dropped, a `per_stream` number becomes its `StreamLayout`, a retired formulation (a retired field at
+    another value, a layout or kernel the kernels lack) reads as None."""
+    assert adopt.canonical_tiles(key, text) == want
+
+
+def test_canonical_tiles_refuses_text_that_is_no_tile():
+    """Text that is no tile at all is an error naming the key and the text."""
+    for text in ("StreamTiles(8, 64)", "__import__('os')", "SinkhornTiles(tile_b=8, colour=1)"):
+        with pytest.raises(ValueError, match=r"h_post_bda_bwd: tiles .* is not a tile of this version"):
+            adopt.canonical_tiles("h_post_bda_bwd", text)
+
+
+def test_retired_registry_declares_every_retired_field():
+    """Each retired tile field is selected by some declared formulation, names are unique, every entry
+    names a tile key, fields the tile types no longer have (or layouts / mma they lack), and a verdict."""
+    from tools.cutile import retired
+
+    names = [r.name for r in retired.RETIRED]
+    assert len(names) == len(set(names))
+    declared = {f for r in retired.RETIRED for f in r.fields}
+    for type_name, fields in retired.RETIRED_FIELDS.items():
+        assert set(fields) <= declared, f"{type_name}: {set(fields) - declared} retired without a declared formulation"
+        have = {f.name for f in dataclasses.fields(getattr(tiling, type_name))}
+        assert not set(fields) & have, f"{type_name} still has {set(fields) & have}"
+    for r in retired.RETIRED:
+        assert r.key in tiling.TILE_KEYS and isinstance(r.verdict, retired.Verdict) and r.measured
+    assert retired.by_name("stream-no-tma").verdict is retired.Verdict.UNTIMED
+    with pytest.raises(KeyError, match="no retired formulation 'nope'"):
+        retired.by_name("nope")
+
+
+def test_retired_formulations_are_in_the_holding_commit():
+    """`HOLDING_COMMIT` is a commit of this repository whose kernels still have the retired formulations
+    (skips where the clone has no history)."""
+    import subprocess
+    from pathlib import Path
+
+    from tools.cutile import retired
+
+    root = Path(__file__).resolve().parents[3]
+    show = subprocess.run(["git", "-C", str(root), "show", f"{retired.HOLDING_COMMIT}:mhc_core/kernels/cutile/tiling.py"],
+                          capture_output=True, text=True, check=False)
+    if show.returncode != 0:
+        pytest.skip(f"git cannot show {retired.HOLDING_COMMIT} here (no history?): {show.stderr.strip()[:120]}")
+    for field in ("batch_last", "checkpoint", "fwd_checkpoints", "latency", "tma", "unchecked", "split_dx"):
+        assert f"    {field}: " in show.stdout, field
