@@ -2,11 +2,11 @@
 
 The product kernels (`mhc_core/kernels/cutile/`) keep what the heuristics or a shipped tuning select.
 Every other formulation the tile sweep tried, or was set to try, is listed here with the tile key
-it served, the tile fields that selected it, what it did, how it fared, and `HOLDING_COMMIT`, the
-last commit whose kernels, wrappers, sweep candidates and parity tests still have all of them. To
-time one again, sweep it from that commit in a scratch tree, on a GPU:
+it served, the tile fields that selected it, what it did, how it fared, and its `commit`, the last
+commit whose kernels, wrappers, sweep candidates and parity tests still have it (`HOLDING_COMMIT` for
+those retired together). To time one again, sweep it from that commit in a scratch tree, on a GPU:
 
-    git worktree add /tmp/lab HOLDING_COMMIT && cd /tmp/lab
+    git worktree add /tmp/lab <commit> && cd /tmp/lab
     python -m tools.cutile.sweep --keys h_post_bda_bwd_occupancy --out sweep.json
 
 A formulation that wins comes back into the product kernels with its parity test and leaves this
@@ -26,7 +26,7 @@ from mhc_core.kernels.cutile import tiling
 __all__ = ["HOLDING_COMMIT", "Verdict", "Retired", "RETIRED", "SameAs", "RETIRED_FIELDS", "implied_value", "by_name"]
 
 HOLDING_COMMIT = "a49a7c5"
-"""The last commit whose cuTile kernels have every formulation below."""
+"""The last commit whose cuTile kernels have every formulation retired with the cut to the selected ones."""
 
 
 class Verdict(enum.Enum):
@@ -42,7 +42,8 @@ class Verdict(enum.Enum):
 @dataclass(frozen=True, kw_only=True)
 class Retired:
     """One formulation: `name`, the tile `key` it served, the tile `fields` that selected it (the
-    names the tile types had at `HOLDING_COMMIT`), `what` it did, its `verdict` and the numbers."""
+    names the tile types had at `commit`), `what` it did, its `verdict`, the numbers, and `commit`,
+    the last commit whose kernels have it."""
 
     name: str
     key: str
@@ -50,6 +51,7 @@ class Retired:
     what: str
     verdict: Verdict
     measured: str
+    commit: str = HOLDING_COMMIT
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ RETIRED: tuple[Retired, ...] = (
             what="per-element backward walking an element-major stored trajectory [P, n*n, B]",
             verdict=Verdict.UNTIMED, measured=f"{_H}: 64 timed 0.0072 + 0.0148 ms (the fastest Sinkhorn) in a form "
             "that computed wrong gradients for megatron_main / megatron_dev (a one-step-ahead load); the form at "
-            "HOLDING_COMMIT loads each pair's input where it is used and has had no GPU parity run"),
+            "its commit loads each pair's input where it is used and has had no GPU parity run"),
     Retired(name="sinkhorn-checkpoint", key="sinkhorn", fields={"per_element": True, "checkpoint": 4},
             what="per-element backward storing every k-th pair input and replaying each segment in registers "
             "(pair count compiled in, at most 32 pairs)", verdict=Verdict.UNTIMED,
