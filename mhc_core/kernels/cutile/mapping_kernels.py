@@ -204,7 +204,7 @@ def _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA):
 
     At n = 2 both heads are 4 wide, under the MMA's k = 8: a K = 4 MMA gave a wrong grad_x on
     sm_90. With TF32 operands the two heads are joined into one 8-wide operand (ct.cat; the shape
-    n = 4 uses; passed the H200 parity run); with 3xTF32 that join hit a tileiras 13.4 loop
+    n = 4 uses; passes the GPU parity test); with 3xTF32 that join hit a tileiras 13.4 loop
     scheduling error, so the fp32 path does eight fp32 FMAs per element instead (exact fp32).
     """
     gx = ct.astype(a, F32) * c

@@ -22,7 +22,7 @@ two waves of the GPU's SMs, while each split keeps at least four K (or token) ti
 `tools.cutile.sweep`, uses it to time candidates through the real wrappers).
 
 The heuristics at n = 4, C >= 256 were the fastest candidates of the tile sweep on an H200 at
-T = 8192, C = 4096, bf16, before a tuning file existed (`docs/measurements/h200-2026-11-30/`).
+T = 8192, C = 4096, bf16, before a tuning file existed (`docs/cutile.md`, "Tiling").
 A tuning (`mhc_core.kernels.cutile.tuning`: a sweep's winners on one GPU model, as JSON) sits
 between the two: `set_tuning(t)` / `tuned(t)` make its tiles the defaults for its `n` (a stream
 tile only where `TILE_C <= pow2(C)`), and its occupancy hints the defaults of their kernels. The
