@@ -14,7 +14,7 @@ File, schema 1 (`Tuning.to_json`): `device` (the name it was swept on), `n`, `me
 sweep's shape, dtype, variant), `tiles` (`{tile key: {type name: fields}}`), `occupancy`
 (`{kernel name: CTAs per SM}`), `gains` (per adopted key: the default's and the winner's GPU ms).
 
-`python -m mhc_core.kernels.cutile.tuning [FILE] [--device NAME] [--n 4 --hidden 4096]` prints the
+`python -m tools.cutile.tiles [FILE] [--device NAME] [--n 4 --hidden 4096]` (the lab) prints the
 tiles in force against the heuristics (no GPU needed).
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 from mhc_core.kernels.cutile import tiling
 
 __all__ = ["ENV", "SCHEMA", "TUNED_DIR", "REFERENCE_DEVICE", "Tuning", "device_slug", "load", "save", "packaged",
-           "resolve", "describe", "tiles_in_force", "main"]
+           "resolve", "describe"]
 
 ENV = "MHC_CUTILE_TUNING"
 SCHEMA = 1
@@ -168,59 +168,3 @@ def describe(tuning: Tuning | None) -> str:
     hints = f", {len(tuning.occupancy)} occupancy hint(s)" if tuning.occupancy else ""
     name = Path(tuning.source).name if tuning.source else "in memory"  # no machine paths in records
     return f"{name} sha256:{tuning.digest()} ({tuning.device}, n = {tuning.n}: {keys}{hints})"
-
-
-def _tile(key: str, n: int, hidden: int) -> object:
-    """The tile `tiling` gives tile key `key` at `[*, n, hidden]` now."""
-    direction = "fwd" if key.endswith("_fwd") else "bwd"
-    op = key.removesuffix("_fwd").removesuffix("_bwd")
-    if op == "sinkhorn":
-        return tiling.sinkhorn_tile(n)
-    if op == "mapping":
-        return tiling.mapping_tiles(n, n * hidden, direction)
-    return (tiling.aggregate_tiles if op == "h_aggregate" else tiling.post_bda_tiles)(n, hidden, direction)
-
-
-def tiles_in_force(tuning: Tuning | None, n: int, hidden: int) -> list[tuple[str, object, object, dict]]:
-    """`(key, heuristic tile, tile in force under tuning, its kernels' occupancy hints)` per tile key
-    at `[*, n, hidden]`."""
-    rows = []
-    for key, kernels in tiling.KERNELS_OF.items():
-        with tiling.tuned(None):
-            plain = _tile(key, n, hidden)
-        with tiling.tuned(tuning):
-            rows.append((key, plain, _tile(key, n, hidden),
-                         {k: tiling.occupancy(k) for k in kernels if tiling.occupancy(k) is not None}))
-    return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m mhc_core.kernels.cutile.tuning [FILE] [--device NAME] [--n 4 --hidden 4096]`: the
-    tiles in force (FILE, else what `resolve` finds for NAME) against the heuristics, per key."""
-    import argparse
-    import sys
-
-    p = argparse.ArgumentParser(description="cuTile tiles in force under a tuning, against the heuristics")
-    p.add_argument("file", nargs="?", help="a tuning file (default: what MHC_CUTILE_TUNING / tuned/ give for --device)")
-    p.add_argument("--device", default=REFERENCE_DEVICE, help="GPU model name, as torch.cuda.get_device_name() says it")
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=4096)
-    args = p.parse_args(argv)
-    if args.n not in tiling.SUPPORTED_N:
-        p.error(f"--n {args.n}: the cuTile kernels exist for n in {tiling.SUPPORTED_N}")
-    if args.hidden < 1:
-        p.error(f"--hidden {args.hidden}: must be >= 1")
-    try:
-        t = load(args.file) if args.file else resolve(args.device)
-    except ValueError as exc:
-        print(f"tuning: {exc}", file=sys.stderr)
-        return 2
-    print(f"tuning: {describe(t)}; n = {args.n}, C = {args.hidden}")
-    print("| key | heuristic | in force | occupancy hints |\n|---|---|---|---|")
-    for key, plain, used, hints in tiles_in_force(t, args.n, args.hidden):
-        print(f"| {key} | {plain} | {'(same)' if used == plain else used} | {hints or '-'} |")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -165,8 +165,8 @@ def test_adopt_names_the_sweep_not_the_output_and_writes_nothing_when_nothing_wi
 
 
 def test_tuning_cli_refuses_an_n_without_kernels(capsys):
-    """`python -m mhc_core.kernels.cutile.tuning --n 3` (no kernels) and --hidden 0 are usage errors."""
-    from mhc_core.kernels.cutile.tuning import main
+    """`python -m tools.cutile.tiles --n 3` (no kernels) and --hidden 0 are usage errors."""
+    from tools.cutile.tiles import main
 
     for argv, msg in ((["--n", "3"], "--n 3: the cuTile kernels exist for n in (2, 4, 8)"),
                       (["--n", "0"], "--n 0:"), (["--hidden", "0"], "--hidden 0: must be >= 1")):

@@ -337,17 +337,19 @@ def test_precompiled_sweep_ignores_the_tuning():
 
 
 def test_show_cli_lists_tiles_in_force(tmp_path, capsys):
-    """`python -m mhc_core.kernels.cutile.tuning FILE` shows, per key, the heuristic and what the tuning changes."""
+    """`python -m tools.cutile.tiles FILE` shows, per key, the heuristic and what the tuning changes."""
+    from tools.cutile.tiles import main as show
+
     path = tmp_path / "t.json"
     tuning.save(_tuning(), path)
-    assert tuning.main([str(path), "--n", "4", "--hidden", "4096"]) == 0
+    assert show([str(path), "--n", "4", "--hidden", "4096"]) == 0
     out = capsys.readouterr().out
     assert f"| h_aggregate_fwd | {tiling.aggregate_tiles(4, 4096, 'fwd')} | {MMA_FWD} | - |" in out
     assert "| h_post_bda_bwd |" in out and "{'h_post_bda_bwd_kernel': 4}" in out
     assert "| mapping_fwd | MappingTiles(tile_m=64, tile_k=128) | (same) | - |" in out
-    assert tuning.main([str(path), "--n", "2"]) == 0
+    assert show([str(path), "--n", "2"]) == 0
     assert str(MMA_FWD) not in capsys.readouterr().out  # another n: heuristics
-    assert tuning.main([str(tmp_path / "missing.json")]) == 2
+    assert show([str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
 
 
