@@ -6,7 +6,7 @@ it served, the tile fields that selected it, what it did, how it fared, and its 
 commit whose kernels, wrappers, sweep candidates and parity tests still have it (`HOLDING_COMMIT` for
 those retired together). To time one again, sweep it from that commit in a scratch tree, on a GPU:
 
-    git worktree add /tmp/lab <commit> && cd /tmp/lab
+    git worktree add ../mhc-lab <commit> && cd ../mhc-lab
     python -m tools.cutile.sweep --keys h_post_bda_bwd_occupancy --out sweep.json
 
 A formulation that wins comes back into the product kernels with its parity test and leaves this
