@@ -17,10 +17,7 @@ from mhc_core.kernels.cutile.tiling import override
 from mhc_core.kernels.cutile.tuning import Tuning
 from tools.cutile.retired import RETIRED_FIELDS, implied_value
 
-__all__ = ["check_sweep", "from_sweep", "rank_ms", "canonical_tiles"]
-
-_TILE_TYPES = {cls.__name__: cls for cls in (tiling.SinkhornTiles, tiling.StreamTiles, tiling.MappingTiles)}
-
+__all__ = ["check_sweep", "from_sweep", "rank_ms", "canonical_tiles", "names_candidate"]
 
 class _RetiredFormulation(Exception):
     """A sweep row's tile holds a retired field at a value this version's tiles do not imply."""
@@ -35,14 +32,14 @@ def _literal(node: ast.AST) -> object:
         return tiling.StreamLayout[node.attr]
     if isinstance(node, ast.Dict) and None not in node.keys:
         return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _TILE_TYPES \
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in tiling.TILE_TYPES \
             and not node.args and all(kw.arg for kw in node.keywords):
         name = node.func.id
         fields = {kw.arg: _literal(kw.value) for kw in node.keywords}
         for f in [f for f in fields if f in RETIRED_FIELDS.get(name, {})]:
             if fields[f] != implied_value(name, f, fields):
                 raise _RetiredFormulation(f"{name}.{f}={fields[f]!r}")
-        return _TILE_TYPES[name](**{f: v for f, v in fields.items() if f not in RETIRED_FIELDS.get(name, {})})
+        return tiling.TILE_TYPES[name](**{f: v for f, v in fields.items() if f not in RETIRED_FIELDS.get(name, {})})
     raise ValueError(f"not a tile: {ast.unparse(node)[:80]!r}")
 
 
@@ -63,6 +60,18 @@ def canonical_tiles(key: str, text: str) -> str | None:
     except ValueError:
         return None
     return repr(value)
+
+
+def names_candidate(key: str, text: str, candidate: object) -> bool:
+    """Whether a sweep row's `tiles` (`text`, for sweep key `key`) names `candidate`, in this version's
+    repr or, for rows written before a retirement, once read by `canonical_tiles` (text that is no
+    tile names no candidate)."""
+    if text == repr(candidate):
+        return True
+    try:
+        return canonical_tiles(key, text) == repr(candidate)
+    except ValueError:
+        return False
 
 
 def _positive(x: object) -> bool:

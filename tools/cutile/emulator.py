@@ -30,7 +30,7 @@ import torch
 from mhc_core.kernels.cutile.runtime import KERNEL_MODULES
 from tools.cutile.emulated_tile import ConstantAnnotation, EmulatedTile
 
-__all__ = ["EmulatedTile", "EmulatedRuntime", "load_kernel_module", "emulate_launch"]
+__all__ = ["EmulatedTile", "EmulatedRuntime", "load_kernel_module", "emulated_kernels", "emulate_launch"]
 
 _MAX_GRID = 2**24 - 1
 """cuTile's launch rejects a grid dimension above 2**24 - 1 ("Grid[i] exceeds 24-bit limit")."""
@@ -80,6 +80,15 @@ def load_kernel_module(name: str) -> tuple[types.ModuleType, EmulatedTile]:
     return module, shim
 
 
+def emulated_kernels() -> dict[str, tuple[Any, EmulatedTile]]:
+    """Every kernel of `KERNEL_MODULES` as loaded here: `{name: (kernel function, its module's stand-in)}`."""
+    out = {}
+    for name, mod in KERNEL_MODULES.items():
+        module, shim = load_kernel_module(mod)
+        out[name] = (getattr(module, name), shim)
+    return out
+
+
 _CONST_PARAMS: dict[Any, tuple[bool, ...]] = {}
 
 
@@ -115,10 +124,7 @@ class EmulatedRuntime:
 
     def __init__(self, num_sms: int = 4) -> None:
         self._sms = num_sms
-        self._kernels = {}
-        for name, mod in KERNEL_MODULES.items():
-            module, shim = load_kernel_module(mod)
-            self._kernels[name] = (getattr(module, name), shim)
+        self._kernels = emulated_kernels()
 
     def launch(self, grid: tuple[int, ...], kernel_name: str, args: tuple[Any, ...]) -> None:
         kernel, shim = self._kernels[kernel_name]

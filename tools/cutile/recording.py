@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from mhc_core.kernels.cutile.runtime import KERNEL_MODULES
-from tools.cutile.emulator import ConstantAnnotation, load_kernel_module
+from tools.cutile.emulator import ConstantAnnotation, emulated_kernels
 
 __all__ = ["ArrayArg", "ScalarArg", "ConstArg", "Launch", "RecordingRuntime"]
 
@@ -80,11 +79,8 @@ class RecordingRuntime:
 
     def __init__(self, num_sms: int = 132) -> None:
         self._sms = num_sms
-        self._params: dict[str, list[inspect.Parameter]] = {}
-        self._constant = ConstantAnnotation  # what `ct.Constant[...]` annotations are under the interpreter
-        for name, mod in KERNEL_MODULES.items():
-            module, _ = load_kernel_module(mod)
-            self._params[name] = list(inspect.signature(getattr(module, name), eval_str=True).parameters.values())
+        self._params = {name: list(inspect.signature(kernel, eval_str=True).parameters.values())
+                        for name, (kernel, _) in emulated_kernels().items()}
         self.label = ""
         self.launches: list[Launch] = []
 
@@ -94,7 +90,7 @@ class RecordingRuntime:
             raise TypeError(f"{kernel_name}: {len(args)} arguments for {len(params)} parameters")
         abstract = []
         for p, a in zip(params, args, strict=True):
-            if p.annotation is self._constant:
+            if p.annotation is ConstantAnnotation:  # `ct.Constant[...]` under the interpreter
                 abstract.append(ConstArg(a))
             elif isinstance(a, torch.Tensor):
                 abstract.append(ArrayArg.of(a))

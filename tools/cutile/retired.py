@@ -152,8 +152,6 @@ def implied_value(type_name: str, field: str, fields: Mapping[str, object]) -> o
     `fields` (`KeyError` for a field that is not retired)."""
     value = RETIRED_FIELDS[type_name][field]
     if isinstance(value, SameAs):
-        kind = {"SinkhornTiles": tiling.SinkhornTiles, "StreamTiles": tiling.StreamTiles,
-                "MappingTiles": tiling.MappingTiles}[type_name]
-        default = next(f.default for f in dataclasses.fields(kind) if f.name == value.field)
+        default = next(f.default for f in dataclasses.fields(tiling.TILE_TYPES[type_name]) if f.name == value.field)
         return fields.get(value.field, default)
     return value

@@ -97,7 +97,8 @@ def summary(rows: list[dict]) -> str:
             continue
         groups.setdefault((r["key"], r["direction"]), []).append(r)
         base_key = tile_key(r["key"])
-        if r["key"] == base_key and r["tiles"] == repr(CANDIDATES.get(base_key, (None,))[0]):
+        if r["key"] == base_key and base_key in CANDIDATES and adopt.names_candidate(base_key, r["tiles"],
+                                                                                 CANDIDATES[base_key][0]):
             default_ms[(base_key, r["direction"])] = adopt.rank_ms(r)
     out = ["| key | dir | default ms | fastest | ms | GB/s | speed-up | failed |", "|---|---|---|---|---|---|---|---|"]
     for (key, direction), rs in groups.items():

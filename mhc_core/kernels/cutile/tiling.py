@@ -49,6 +49,7 @@ __all__ = [
     "aggregate_tiles",
     "post_bda_tiles",
     "MappingTiles",
+    "TILE_TYPES",
     "mapping_tiles",
     "split_count",
     "TILE_KEYS",
@@ -326,6 +327,10 @@ class MappingTiles:
 
     tile_m: int = 64
     tile_k: int = 128
+
+
+TILE_TYPES = {cls.__name__: cls for cls in (SinkhornTiles, StreamTiles, MappingTiles)}
+"""The tile types by name, as tuning files and sweep rows write them."""
 
 
 def mapping_tiles(n: int, k: int, direction: str) -> MappingTiles:

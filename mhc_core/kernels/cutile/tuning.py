@@ -42,7 +42,6 @@ TUNED_DIR = Path(__file__).parent / "tuned"
 REFERENCE_DEVICE = "NVIDIA H200"
 """The GPU model the heuristics were tuned on and the lent GPU machine has (the tools' default `--device`)."""
 
-_TILE_TYPES = {cls.__name__: cls for cls in (tiling.SinkhornTiles, tiling.StreamTiles, tiling.MappingTiles)}
 logger = logging.getLogger("mhc_core.kernels")
 
 
@@ -102,12 +101,12 @@ class Tuning:
             raise ValueError(f"{where}: {', '.join(not_objects)} must be JSON objects")
         tiles = {}
         for key, spec in data["tiles"].items():
-            if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in _TILE_TYPES
+            if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in tiling.TILE_TYPES
                     and isinstance(next(iter(spec.values())), dict)):
                 raise ValueError(f"{where}: tiles[{key!r}] = {spec!r}: expected {{type: fields}} with a type "
-                                 f"from {', '.join(_TILE_TYPES)}")
+                                 f"from {', '.join(tiling.TILE_TYPES)}")
             (name, values), = spec.items()
-            kind = _TILE_TYPES[name]
+            kind = tiling.TILE_TYPES[name]
             unknown = set(values) - {f.name for f in fields(kind)}
             if unknown:
                 raise ValueError(f"{where}: tiles[{key!r}]: {name} has no field(s) {', '.join(sorted(unknown))} "

@@ -127,6 +127,21 @@ def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
     assert f"sweep --summary: {path}: not JSON" in capsys.readouterr().err
 
 
+def test_summary_finds_the_default_in_a_sweep_file_written_before_the_cut(tmp_path, capsys):
+    """A row naming the default in the repr of an older version (retired fields at the value the tiles
+    imply, `per_stream=True`) is still the default's time in `--summary`."""
+    from tools.cutile.sweep import main
+
+    old_default = "StreamTiles(tile_t=8, tile_c=256, per_stream=True, loop_c=False, mma=False, latency=0)"
+    assert repr(CANDIDATES["h_aggregate_fwd"][0]) != old_default
+    rows = [{"key": "h_aggregate_fwd", "tiles": t, "direction": "fwd", "single_ms": ms, "pipelined_ms": ms,
+             "gb_per_s": 1.0} for t, ms in ((old_default, 0.6), ("B", 0.2))]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert main(["--summary", str(path)]) == 0
+    assert "| h_aggregate_fwd | fwd | 0.6000 | B | 0.2000 | 1 | 3.00x | 0 |" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("rows", "message"), [
     ([{"tiles": "A"}], r"rows\[0\] is not a sweep row"),
     ([{"key": "sinkhorn", "tiles": "A", "direction": "fwd", "pipelined_ms": None}],
