@@ -79,6 +79,7 @@ def load_tree(tree: Path) -> Any:
                             "tree peers run in a process of their own (harness.peers.record_megatron_lm)")
         import megatron.core.transformer.hyper_connection as hc
 
+        _without_nvtx()
         return hc
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # upstream's @torch.compile methods run eagerly
     sys.path.insert(0, str(tree))
@@ -88,7 +89,16 @@ def load_tree(tree: Path) -> Any:
         raise TreeError(f"--megatron-lm {tree}: its megatron.core failed to import in {sys.executable}: "
                         f"{type(exc).__name__}: {exc} (upstream imports triton: use a Python that has it, "
                         "e.g. .tox/compat/bin/python, with --megatron-lm-python)") from None
+    _without_nvtx()
     return hc
+
+
+def _without_nvtx() -> None:
+    """Upstream's mHC ops open NVTX ranges, which torch's CPU wheel refuses: apply the `nvtx` CPU
+    workaround (explicit, reversible, a no-op where torch has NVTX or CUDA; `mhc_core.megatron.cpu_support`)."""
+    from mhc_core.megatron import cpu_support
+
+    cpu_support.install(["nvtx"])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ around a block. Nothing happens at import, and on a machine where `torch.cuda.is
 | `clip_grads` | `optimizer.step()` -> `get_grad_norm_fp32` / `count_zeros_fp32` create their buffers with `device='cuda'` | same shim in `megatron.core.optimizer.clip_grads` |
 | `clip_assert` | `optimizer.step()` with `clip_grad > 0` -> `clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'` | `megatron.core.optimizer.optimizer` calls a copy that asserts fp32 grads on any device and scales them the same way |
 | `dist_ckpt` | `dist_checkpointing.save` (torch_dist) calls `torch.cuda.synchronize()` after staging the tensors (`...strategies.filesystem_async`) and reduces / broadcasts its flags on the CUDA device (`...strategies.state_dict_saver`) | same shim in both modules |
+| `nvtx` | upstream Megatron-LM's mHC ops (`hyper_connection.py` on main and dev) open profiling ranges with `torch.cuda.nvtx.range` / `nvtx_decorator`; torch's CPU wheel has no NVTX and raises `RuntimeError: NVTX functions not installed` | where torch has no NVTX (`torch.cuda.nvtx._nvtx` is torch's stub), the ranges are no-ops; a build with NVTX is left alone |
 
 The "shim" replaces the module-global name `torch` in that one megatron-core module by a thin
 proxy that forwards every attribute to torch except the CUDA-only calls above
@@ -267,6 +268,44 @@ def _patch_clip_assert() -> Callable[[], None]:
     return undo
 
 
+class _NoNvtx:
+    """NVTX on a torch without it: every range and mark is a no-op (push / pop report depth 0)."""
+
+    @staticmethod
+    def rangePushA(msg: str) -> int:  # noqa: N802 (torch._C._nvtx's names)
+        return 0
+
+    @staticmethod
+    def rangePop() -> int:  # noqa: N802
+        return 0
+
+    @staticmethod
+    def rangeStartA(msg: str) -> int:  # noqa: N802
+        return 0
+
+    @staticmethod
+    def rangeEnd(range_id: int) -> None:  # noqa: N802
+        return None
+
+    @staticmethod
+    def markA(msg: str) -> None:  # noqa: N802
+        return None
+
+
+def _patch_nvtx() -> Callable[[], None]:
+    import torch.cuda.nvtx as nvtx
+
+    original = nvtx._nvtx
+    if type(original).__name__ != "_NVTXStub":  # a torch with NVTX: its ranges work without a GPU
+        return lambda: None
+    nvtx._nvtx = _NoNvtx()
+
+    def undo() -> None:
+        nvtx._nvtx = original
+
+    return undo
+
+
 @dataclass(frozen=True)
 class Workaround:
     """One CPU patch: where megatron-core fails without CUDA, and how to apply it."""
@@ -336,6 +375,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "megatron.core.dist_checkpointing.strategies.filesystem_async",
             "megatron.core.dist_checkpointing.strategies.state_dict_saver",
         ),
+    ),
+    Workaround(
+        "nvtx",
+        "torch.cuda.nvtx.range (upstream's mHC ops) raises 'NVTX functions not installed' on the CPU wheel",
+        _patch_nvtx,
     ),
 )
 _BY_NAME = {w.name: w for w in WORKAROUNDS}

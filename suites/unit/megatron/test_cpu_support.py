@@ -460,6 +460,45 @@ class TestDistCkpt:
             "every parameter was perturbed, so every one had to be restored by the load"
 
 
+class TestNvtx:
+    """`nvtx`: profiling ranges (upstream's mHC ops open them) are no-ops on a torch without NVTX."""
+
+    @staticmethod
+    def _has_nvtx() -> bool:
+        import torch.cuda.nvtx as nvtx
+
+        with without("nvtx"):
+            return type(nvtx._nvtx).__name__ != "_NVTXStub"
+
+    def test_needed(self):
+        """Without it, torch.cuda.nvtx.range raises on torch's CPU wheel."""
+        if self._has_nvtx():
+            pytest.skip("this torch has NVTX (a CUDA build): its ranges work without a GPU, nothing to shim")
+        with without("nvtx"), pytest.raises(RuntimeError, match="NVTX functions not installed"):
+            with torch.cuda.nvtx.range("mhc-test"):
+                pass
+
+    def test_ranges_and_marks_run(self):
+        """With it, range / range_push / range_pop / mark / start / end all run and push reports a depth."""
+        with torch.cuda.nvtx.range("mhc-test"):
+            depth = torch.cuda.nvtx.range_push("inner")
+            torch.cuda.nvtx.mark("m")
+            torch.cuda.nvtx.range_pop()
+        torch.cuda.nvtx.range_end(torch.cuda.nvtx.range_start("r"))
+        assert isinstance(depth, int)
+
+    def test_torch_with_nvtx_is_left_alone(self, monkeypatch):
+        """Where torch has NVTX, the workaround replaces nothing (and its undo restores nothing)."""
+        import torch.cuda.nvtx as nvtx
+
+        with without("nvtx"), monkeypatch.context() as m:  # the stub is back before `without` re-installs
+            real = object()
+            m.setattr(nvtx, "_nvtx", real)
+            with cpu_support.cpu_support(["nvtx"]) as applied:
+                assert applied == {"nvtx"} and nvtx._nvtx is real
+            assert nvtx._nvtx is real
+
+
 class TestInstall:
     """install / uninstall / cpu_support(): explicit, idempotent, reversible."""
 
