@@ -18,7 +18,6 @@ without it (the CPU CI's 3.11 env) cannot load the tree, and the error says so.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -29,43 +28,11 @@ from typing import Any
 
 import torch
 
+from harness.megatron_tree import FUSED_FILE, HC_FILE, TreeError, hashes, tree_flavor
 from harness.peers.base import Peer, Sublayer, SublayerParams
 
-__all__ = ["MegatronLMTreePeer", "TreeError", "hashes", "load_tree", "make_peers", "tree_flavor", "tree_peers"]
-
-HC_FILE = Path("megatron/core/transformer/hyper_connection.py")
-FUSED_FILE = Path("megatron/core/fusions/fused_mhc_kernels.py")
-
-
-class TreeError(ValueError):
-    """A path that is not a usable Megatron-LM tree; the message names it and what is missing."""
-
-
-def tree_flavor(tree: Path) -> str:
-    """``main`` or ``dev`` from the tree's config fields; :class:`TreeError` for a path that is not a
-    Megatron-LM tree or a tree without mHC."""
-    tree = Path(tree)
-    if not tree.is_dir():
-        raise TreeError(f"--megatron-lm {tree}: not a directory")
-    if not (tree / "megatron" / "core" / "__init__.py").is_file():
-        raise TreeError(f"--megatron-lm {tree}: not a Megatron-LM tree (no megatron/core/__init__.py under it)")
-    if not (tree / HC_FILE).is_file():
-        raise TreeError(f"--megatron-lm {tree}: a Megatron-LM tree without mHC (no {HC_FILE}); mHC is on the "
-                        "main and dev branches since 2026-08")
-    config = (tree / "megatron/core/transformer/transformer_config.py").read_text(encoding="utf-8")
-    if "enable_mhc_connections" in config:
-        return "main"
-    if "enable_hyper_connections" in config:
-        return "dev"
-    raise TreeError(f"--megatron-lm {tree}: {HC_FILE} exists but transformer_config.py has neither "
-                    "enable_mhc_connections (main) nor enable_hyper_connections (dev)")
-
-
-def hashes(tree: Path) -> dict[str, str]:
-    """sha256 of the mHC source files of the tree (those that exist)."""
-    return {str(f): hashlib.sha256((Path(tree) / f).read_bytes()).hexdigest()
-            for f in (HC_FILE, FUSED_FILE) if (Path(tree) / f).is_file()}
-
+__all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeError", "hashes", "load_tree", "make_peers",
+           "tree_flavor", "tree_peers"]
 
 def load_tree(tree: Path) -> Any:
     """Import the tree's ``hyper_connection`` module (the tree first on ``sys.path``); ``TreeError`` when

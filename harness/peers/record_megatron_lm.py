@@ -19,27 +19,18 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 from harness.conformance.checks import check_specs, inputs_digest, run_side
+from harness.megatron_tree import tree_commit
 from harness.peers.megatron_lm import TreeError, hashes, load_tree, make_peers, tree_flavor
 from harness.peers.recorded import FORMAT, tensor_to_json
 from harness.provenance import utc_now
 
 __all__ = ["main", "record"]
-
-
-def _commit(tree: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, timeout=10,
-                             check=False)
-    except OSError:
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def record(tree: Path, *, branch: str | None, commit: str | None, command: str) -> dict:
@@ -49,7 +40,7 @@ def record(tree: Path, *, branch: str | None, commit: str | None, command: str) 
     if not torch.cuda.is_available():
         os.environ.setdefault("MHC_FORCE_BACKEND", "native")
     load_tree(tree)  # a tree that does not import here fails once, with its reason, before any check
-    commit = commit or _commit(tree)
+    commit = commit or tree_commit(tree)
     peers = []
     for peer in make_peers(tree, commit):
         checks = {}

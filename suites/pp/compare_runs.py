@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["RunRecord", "load_run", "compare_to_reference"]
+__all__ = ["RunRecord", "compare_to_reference", "load_run", "worst_differences"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,3 +93,27 @@ def compare_to_reference(run: RunRecord, ref: RunRecord, rtol: float) -> list[st
                             f"max |ref| {float(expected.abs().max()):.3e}"
                         )
     return problems
+
+
+def worst_differences(run: RunRecord, ref: RunRecord) -> dict[str, float]:
+    """The largest difference of each kind over every step: `{"loss": max relative, "grad": ..., "weight": ...}`,
+    tensors measured as `compare_to_reference` measures them (parameters missing on either side are skipped:
+    `compare_to_reference` names them)."""
+    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    for got, want in zip(run.losses, ref.losses, strict=False):
+        for a, e in zip(got, want, strict=False):
+            worst["loss"] = max(worst["loss"], abs(a - e) / max(abs(e), 1e-30))
+    for kind, mine, theirs in (("grad", run.grads, ref.grads), ("weight", run.weights, ref.weights)):
+        for got, want in zip(mine, theirs, strict=False):
+            model_scale = max(float(v[0]["value"].abs().max()) for v in want.values() if v[0]["value"].numel())
+            for name, entries in got.items():
+                if name not in want:
+                    continue
+                full = want[name][0]["value"]
+                for e in entries:
+                    expected = full
+                    if e["partition_dim"] is not None:
+                        expected = full.chunk(e["tp_size"], dim=e["partition_dim"])[e["tp_rank"]]
+                    if expected.shape == e["value"].shape:
+                        worst[kind] = max(worst[kind], _relative(e["value"], expected, model_scale))
+    return worst

@@ -37,3 +37,85 @@ class ReferenceRuns:
 def reference_runs(tmp_path_factory) -> ReferenceRuns:
     """The single-process reference runs (`ReferenceRuns`)."""
     return ReferenceRuns(tmp_path_factory.mktemp("pp-reference"))
+
+
+class TreeReport:
+    """Per case, the worst differences of the tree's run against its single process and against ours,
+    printed at the end of the session (and so in the harness's pytest-pp.log)."""
+
+    def __init__(self) -> None:
+        self.label: str | None = None
+        self.rows: list[tuple[str, dict[str, float] | None, dict[str, float]]] = []
+
+    def add(self, case: str, vs_single: dict[str, float] | None, vs_ours: dict[str, float]) -> None:
+        self.rows.append((case, vs_single, vs_ours))
+
+    def lines(self) -> list[str]:
+        def fmt(d: dict[str, float] | None) -> str:
+            return "-" if d is None else " / ".join(f"{d[k]:.1e}" for k in ("loss", "grad", "weight"))
+
+        out = [f"Megatron-LM tree {self.label}: worst relative difference, loss / grad / weight",
+               f"{'case':<28} {'tree vs its single process':<30} tree vs ours"]
+        out += [f"{case:<28} {fmt(a):<30} {fmt(b)}" for case, a, b in self.rows]
+        return out
+
+
+_TREE_REPORT = TreeReport()
+
+
+@pytest.fixture(scope="session")
+def tree_report() -> TreeReport:
+    """The session's tree table (`TreeReport`)."""
+    return _TREE_REPORT
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    if _TREE_REPORT.rows:
+        terminalreporter.section("Megatron-LM tree under the pp suite")
+        for line in _TREE_REPORT.lines():
+            terminalreporter.write_line(line)
+
+
+class TreeRuns:
+    """The tree of `$MHC_MEGATRON_LM` (validated and imported once) and its single-process reference run."""
+
+    def __init__(self, tree, root: Path) -> None:
+        self.tree, self.root, self._ref, self._failed = tree, root, None, None
+
+    def reference(self) -> Path:
+        """The tree's single-process run (init.pt + rank0.pt), launched on first use."""
+        from suites.pp.launch import run_worker
+
+        if self._failed is not None:
+            raise self._failed
+        if self._ref is None:
+            out = self.root / "tree-reference"
+            try:
+                run_worker(out, 1, ["--impl", "tree", "--flavor", self.tree.flavor], tree=self.tree.path)
+            except Exception as exc:
+                self._failed = exc
+                raise
+            self._ref = out
+        return self._ref
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_tree():
+    """The Megatron-LM tree under test (`harness.megatron_tree.tree_under_test`); skips without one, fails
+    naming the path for one that is not a usable tree or does not import here."""
+    from harness.megatron_tree import TreeError, tree_under_test
+
+    try:
+        tree = tree_under_test()
+    except TreeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    if tree is None:
+        pytest.skip("no Megatron-LM tree: pass --megatron-lm TREE to mhc-harness run (or set MHC_MEGATRON_LM)")
+    return tree
+
+
+@pytest.fixture(scope="session")
+def tree_runs(megatron_lm_tree, tmp_path_factory, tree_report) -> TreeRuns:
+    """The tree's runs of this session (`TreeRuns`)."""
+    tree_report.label = megatron_lm_tree.label
+    return TreeRuns(megatron_lm_tree, tmp_path_factory.mktemp("pp-tree"))

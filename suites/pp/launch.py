@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.megatron_tree import tree_env
 from harness.torchrun import LaunchResult, launch
 
 WORKER = Path(__file__).with_name("pp_worker.py")
@@ -16,9 +17,10 @@ TIMEOUT = 180.0
 RANK_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def run_worker(out: Path, nproc: int, args: list[str], timeout: float = TIMEOUT) -> LaunchResult:
-    """Run the worker into `out`, its ranks on the CPU (`RANK_ENV`); raises `LaunchError` with the
-    failing ranks' stderr."""
+def run_worker(out: Path, nproc: int, args: list[str], timeout: float = TIMEOUT, *,
+               tree: Path | None = None) -> LaunchResult:
+    """Run the worker into `out`, its ranks on the CPU (`RANK_ENV`; with `tree`, the tree's megatron:
+    `tree_env`); raises `LaunchError` with the failing ranks' stderr."""
     out.mkdir(parents=True, exist_ok=True)
-    return launch(WORKER, ["--out", str(out), *args], nproc=nproc, timeout=timeout, log_dir=out / "logs",
-                  env=RANK_ENV)
+    env = {**RANK_ENV, **(tree_env(tree) if tree is not None else {})}
+    return launch(WORKER, ["--out", str(out), *args], nproc=nproc, timeout=timeout, log_dir=out / "logs", env=env)

@@ -1,7 +1,10 @@
 """One rank of a pipeline-parallel mHC GPT training run (launched by `torchrun`; gloo on CPU).
 
 Every case (and the single-process reference) trains the same tiny mHC GPT for `--steps` steps of
-`--microbatches` microbatches with plain SGD. The reference (PP = TP = 1) also writes the initial
+`--microbatches` microbatches with plain SGD. `--impl ours` (default) builds it with `mhc_core.megatron`
+(`--numerics dev`: the `megatron_dev` variant with the learned block exit, as upstream dev trains);
+`--impl tree --flavor main|dev` with a Megatron-LM tree's own config, spec builder, `GPTModel` and
+schedules (`suites.pp.tree_model`; the launcher puts the tree first on `PYTHONPATH`). The reference (PP = TP = 1) also writes the initial
 full state dict, which every pipelined rank loads (layers mapped by global layer number, TP shards
 sliced), so all runs start from the same weights. Each rank writes `rank<r>.pt` with its
 microbatch losses, gradients and post-step weights (keyed by full parameter name, with the TP slice
@@ -19,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab=64, seq=16, mbs=2, n=4)
+REFUSED = 3
+"""Exit code of a `--impl tree` rank whose tree refused the configuration (its message in refusal-rank<r>.txt)."""
 
 
 def _recompute_kwargs(value: str | None) -> dict:
@@ -38,6 +43,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--embedding-stage", action="store_true", help="account_for_embedding_in_pipeline_split")
     p.add_argument("--loss-stage", action="store_true", help="account_for_loss_in_pipeline_split")
     p.add_argument("--no-mhc", action="store_true")
+    p.add_argument("--impl", choices=("ours", "tree"), default="ours", help="whose GPT and schedules run")
+    p.add_argument("--flavor", choices=("main", "dev"), default=None, help="--impl tree: the tree's branch")
+    p.add_argument("--numerics", choices=("main", "dev"), default="main",
+                   help="--impl ours: megatron_main, or megatron_dev with the learned block exit")
     p.add_argument("--mhc-recompute", default=None, metavar="LAYERS|chunk",
                    help='"mhc" in recompute_modules, LAYERS per recompute group or the whole chunk')
     p.add_argument("--init", default=None, help="state dict to start from (written by the reference)")
@@ -57,37 +66,25 @@ def main() -> None:
     rank = dist.get_rank()
 
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+    from megatron.core.pipeline_parallel import get_forward_backward_func, p2p_communication, schedules
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from mhc_core.megatron import cpu_support
-    from mhc_core.megatron.config import MHCTransformerConfig
-    from mhc_core.megatron.gpt import build_gpt_model
-    from mhc_core.megatron.pipeline import NStreamP2PCommunicator, enable_mhc_pipeline
 
     cpu_support.install()
-    enable_mhc_pipeline()
     shapes: list[tuple[str, tuple[int, ...]]] = []
+    shape_calls: list[dict] = []
+    if args.impl == "tree":
+        from suites.pp.tree_model import record_tensor_shapes
 
-    class RecordingP2P(NStreamP2PCommunicator):
-        """The installed communicator, recording every shape it receives or sends."""
+        base = p2p_communication.P2PCommunicator  # the tree's own: its schedules size n-stream buffers
+        record_tensor_shapes(schedules, shape_calls)
+    else:
+        from mhc_core.megatron.pipeline import NStreamP2PCommunicator, enable_mhc_pipeline
 
-        def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, **kw):
-            widened = self._widen(tensor_shape)
-            if recv_prev:
-                shapes.append(("recv_prev", tuple(widened)))
-            if recv_next:
-                shapes.append(("recv_next", tuple(widened)))
-            if tensor_send_next is not None:
-                shapes.append(("send_next", tuple(tensor_send_next.shape)))
-            if tensor_send_prev is not None:
-                shapes.append(("send_prev", tuple(tensor_send_prev.shape)))
-            return super()._communicate(
-                tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev, recv_prev=recv_prev,
-                recv_next=recv_next, tensor_shape=tensor_shape, **kw,
-            )
-
-    schedules.P2PCommunicator = RecordingP2P
+        enable_mhc_pipeline()
+        base = NStreamP2PCommunicator
+    schedules.P2PCommunicator = _recording(base, shapes)
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
@@ -98,7 +95,7 @@ def main() -> None:
     torch.manual_seed(1234)
 
     m = MODEL
-    config = MHCTransformerConfig(
+    common = dict(
         num_layers=m["num_layers"],
         hidden_size=m["hidden_size"],
         num_attention_heads=m["num_attention_heads"],
@@ -113,8 +110,6 @@ def main() -> None:
         sequence_parallel=args.sp,
         account_for_embedding_in_pipeline_split=args.embedding_stage,
         account_for_loss_in_pipeline_split=args.loss_stage,
-        enable_mhc_connections=not args.no_mhc,
-        mhc_num_residual_streams=m["n"],
         **_recompute_kwargs(args.mhc_recompute),
         deallocate_pipeline_outputs=False,
         # Unbatched P2P orders sends/receives by rank parity. Batched P2P posts them in one fixed
@@ -122,21 +117,17 @@ def main() -> None:
         # under VPP (both neighbours are the same rank) an activation lands in a gradient buffer.
         batch_p2p_comm=False,
     )
-    vpp = args.vpp or 1
-    chunks = []
-    for vp in range(vpp):
-        vp_stage = vp if args.vpp else None
-        chunks.append(
-            build_gpt_model(
-                config,
-                vocab_size=m["vocab"],
-                max_sequence_length=m["seq"],
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                vp_stage=vp_stage,
-                share_embeddings_and_output_weights=False,
-            )
-        )
+    if args.impl == "tree":
+        from suites.pp.tree_model import tree_chunks, tree_config
+
+        try:
+            config = tree_config(args.flavor, n=m["n"], **common)
+            chunks = tree_chunks(args.flavor, config, vocab=m["vocab"], seq=m["seq"], vpp=args.vpp)
+        except (ValueError, AssertionError, NotImplementedError) as exc:  # the tree's own validation
+            (Path(args.out) / f"refusal-rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n", encoding="utf-8")
+            raise SystemExit(REFUSED) from exc
+    else:
+        chunks = _our_chunks(args, common)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), args.tp
     names = [_full_names(c) for c in chunks]
 
@@ -146,6 +137,11 @@ def main() -> None:
         torch.save({k: v.clone() for k, v in chunks[0].state_dict().items() if v is not None}, out / "init.pt")
     else:
         full = torch.load(args.init)
+        missing = sorted({nm[local] for c, nm in zip(chunks, names, strict=True) for local, _ in c.named_parameters()}
+                         - set(full))
+        if missing:
+            raise SystemExit(f"--init {args.init}: {len(missing)} parameters of this model are not in it, e.g. "
+                             f"{missing[:3]}; it holds {len(full)} entries, e.g. {sorted(full)[:3]}")
         with torch.no_grad():
             for chunk, nm in zip(chunks, names, strict=True):
                 for local, p in chunk.named_parameters():
@@ -170,7 +166,8 @@ def main() -> None:
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
     fb = get_forward_backward_func()
-    record = {"losses": [], "grads": [], "weights": [], "shapes": shapes, "rank": rank}
+    record = {"losses": [], "grads": [], "weights": [], "shapes": shapes, "rank": rank,
+              "tensor_shape_calls": shape_calls}
     for step in range(args.steps):
         opt.zero_grad(set_to_none=False)
         for c in chunks:
@@ -200,6 +197,57 @@ def main() -> None:
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+
+def _recording(base: type, shapes: list) -> type:
+    """`base` (a P2P communicator class) recording every shape it receives or sends into `shapes`."""
+
+    class RecordingP2P(base):
+        def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, **kw):
+            widened = self._widen(tensor_shape) if hasattr(self, "_widen") else tensor_shape
+            if recv_prev:
+                shapes.append(("recv_prev", tuple(widened)))
+            if recv_next:
+                shapes.append(("recv_next", tuple(widened)))
+            if tensor_send_next is not None:
+                shapes.append(("send_next", tuple(tensor_send_next.shape)))
+            if tensor_send_prev is not None:
+                shapes.append(("send_prev", tuple(tensor_send_prev.shape)))
+            return super()._communicate(
+                tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev, recv_prev=recv_prev,
+                recv_next=recv_next, tensor_shape=tensor_shape, **kw,
+            )
+
+    return RecordingP2P
+
+
+def _our_chunks(args: argparse.Namespace, common: dict) -> list:
+    """This rank's chunks of the mhc_core GPT (one per virtual stage)."""
+    from megatron.core import parallel_state as ps
+
+    from mhc_core.megatron.config import MHCTransformerConfig
+    from mhc_core.megatron.gpt import build_gpt_model
+
+    m = MODEL
+    numerics = ({"mhc_variant": "megatron_dev", "mhc_learned_contraction": True} if args.numerics == "dev" else {})
+    config = MHCTransformerConfig(**common, enable_mhc_connections=not args.no_mhc, mhc_num_residual_streams=m["n"],
+                                  **(numerics if not args.no_mhc else {}))
+    chunks = []
+    for vp in range(args.vpp or 1):
+        vp_stage = vp if args.vpp else None
+        chunks.append(
+            build_gpt_model(
+                config,
+                vocab_size=m["vocab"],
+                max_sequence_length=m["seq"],
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                vp_stage=vp_stage,
+                share_embeddings_and_output_weights=False,
+            )
+        )
+    return chunks
 
 
 def _full_names(chunk) -> dict[str, str]:

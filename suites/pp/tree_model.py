@@ -1,0 +1,85 @@
+"""The GPT of a Megatron-LM source tree, built with the tree's own classes (the pp worker's `--impl tree`).
+
+The worker runs with the tree first on `PYTHONPATH`, so `megatron` here is the tree's package. `dev`
+builds its model the way a user of the tree does: `TransformerConfig(enable_hyper_connections=True,
+num_residual_streams=n)`, `get_gpt_layer_local_spec(enable_hyper_connection=True)` ->
+`HyperConnectionTransformerLayer`, `GPTModel`; its schedules are n-stream aware themselves (no
+`enable_mhc_pipeline`). `main` has the layer and the block hooks but no spec wiring, so the spec is
+built here from main's own classes (`MAIN_SPEC_NOTE`), and main's schedules carry C wide tensors
+(`MAIN_PP_NOTE`): main runs single-process only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["MAIN_PP_NOTE", "MAIN_SPEC_NOTE", "record_tensor_shapes", "tree_chunks", "tree_config"]
+
+MAIN_SPEC_NOTE = ("main has no mHC spec wiring (megatron/core/models/gpt/gpt_layer_specs.py has no "
+                  "enable_hyper_connection): the suite builds the layer spec from main's "
+                  "HyperConnectionTransformerLayer and HyperConnectionModule")
+MAIN_PP_NOTE = ("main's pipeline schedules are not n-stream aware (megatron/core/pipeline_parallel/schedules.py "
+                "get_tensor_shapes has no hyper-connection width): main runs single-process only")
+
+
+def tree_config(flavor: str, **kwargs: Any) -> Any:
+    """The tree's `TransformerConfig` with mHC on under the flavor's field names (n from `n`)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    n = kwargs.pop("n")
+    names = ({"enable_mhc_connections": True, "mhc_num_residual_streams": n} if flavor == "main" else
+             {"enable_hyper_connections": True, "num_residual_streams": n})
+    return TransformerConfig(**kwargs, **names)
+
+
+def _layer_spec(flavor: str) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if flavor == "dev":
+        return get_gpt_layer_local_spec(enable_hyper_connection=True)
+    from megatron.core.transformer.hyper_connection import HyperConnectionModule
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import HyperConnectionTransformerLayer
+
+    stock = get_gpt_layer_local_spec()
+    submodules = dataclasses.replace(stock.submodules, self_attention_hyper_connection=HyperConnectionModule,
+                                     mlp_hyper_connection=HyperConnectionModule)
+    return ModuleSpec(module=HyperConnectionTransformerLayer, submodules=submodules)
+
+
+def tree_chunks(flavor: str, config: Any, *, vocab: int, seq: int, vpp: int | None) -> list[Any]:
+    """The model chunks of this rank (one per virtual stage), each a tree `GPTModel`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    spec = _layer_spec(flavor)
+    chunks = []
+    for vp in range(vpp or 1):
+        vp_stage = vp if vpp else None
+        chunks.append(GPTModel(
+            config, spec, vocab_size=vocab, max_sequence_length=seq,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage, share_embeddings_and_output_weights=False))
+    return chunks
+
+
+def record_tensor_shapes(schedules: Any, calls: list[dict]) -> None:
+    """Wrap the tree's `schedules.get_tensor_shapes` so that every call appends what it was asked and
+    what it returned to `calls` (`{"is_recv", "pp_rank", "pp_size", "seq_length", "micro_batch_size",
+    "sequence_parallel", "tp_size", "cp_size", "shapes"}`)."""
+    stock = schedules.get_tensor_shapes
+
+    def get_tensor_shapes(*args: Any, **kwargs: Any) -> Any:
+        shapes = stock(*args, **kwargs)
+        pp, tp, cp = kwargs.get("pp_group"), kwargs.get("tp_group"), kwargs.get("cp_group")
+        calls.append({"is_recv": kwargs.get("is_recv", True), "pp_rank": pp.rank() if pp else None,
+                      "pp_size": pp.size() if pp else None, "seq_length": kwargs.get("seq_length"),
+                      "micro_batch_size": kwargs.get("micro_batch_size"),
+                      "sequence_parallel": bool(kwargs["config"].sequence_parallel),
+                      "tp_size": tp.size() if tp else 1, "cp_size": cp.size() if cp else 1,
+                      "shapes": [tuple(s) for s in shapes]})
+        return shapes
+
+    schedules.get_tensor_shapes = get_tensor_shapes
