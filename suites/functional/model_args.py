@@ -55,6 +55,8 @@ class TrainArgs:
     mhc_h_res_constraint: str = "sinkhorn"
     use_fused_mhc: bool = False
     """The fused mHC ops (`mhc_core.kernels` dispatch: cuTile on an NVIDIA GPU, else compiled)."""
+    mhc_learned_contraction: bool = False
+    """The learned block exit (`megatron_dev` only), as upstream dev's block contracts."""
     # parallelism
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -149,6 +151,7 @@ FLAGS: dict[str, _Flag] = {
     "--mhc-variant": _f(str, choices=("paper", "megatron_main", "megatron_dev")),
     "--mhc-h-res-constraint": _f(str, choices=("sinkhorn", "none")),
     "--use-fused-mhc": _f(bool),
+    "--mhc-learned-contraction": _f(bool),
     "--tensor-model-parallel-size": _f(int, minimum=1),
     "--pipeline-model-parallel-size": _f(int, minimum=1),
     "--sequence-parallel": _f(bool),

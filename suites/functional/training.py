@@ -50,13 +50,13 @@ def _seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def _config(a: TrainArgs, backend: str) -> Any:
+def _config(a: TrainArgs, backend: str, tree_flavor: str | None = None) -> Any:
+    """Our `MHCTransformerConfig`, or with `tree_flavor` the tree's own `TransformerConfig` (mHC fields under
+    that branch's names: `harness.tree_model.tree_config`)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    from mhc_core.megatron.config import MHCTransformerConfig
-
     dtype = torch.bfloat16 if a.bf16 else torch.float32
-    return MHCTransformerConfig(
+    common = dict(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         ffn_hidden_size=a.ffn_size, init_method_std=a.init_method_std, hidden_dropout=a.hidden_dropout,
         attention_dropout=a.attention_dropout, normalization=a.normalization,
@@ -67,13 +67,25 @@ def _config(a: TrainArgs, backend: str) -> Any:
         recompute_granularity=a.recompute_granularity,
         recompute_modules=list(a.recompute_modules) if a.recompute_modules else None,
         deterministic_mode=a.deterministic_mode, gradient_accumulation_fusion=False,
-        enable_mhc_connections=a.enable_mhc_connections, mhc_num_residual_streams=a.mhc_num_residual_streams,
         mhc_sinkhorn_iterations=a.mhc_sinkhorn_iterations, mhc_init_gating_factor=a.mhc_init_gating_factor,
-        mhc_variant=a.mhc_variant, mhc_h_res_constraint=a.mhc_h_res_constraint, use_fused_mhc=a.use_fused_mhc,
         deallocate_pipeline_outputs=False,
         # gloo matches messages between a pair of ranks first-in-first-out; batched P2P posts sends and
         # receives in one fixed order, which gloo cannot match for PP = 2 (see suites/pp/pp_worker.py).
         batch_p2p_comm=backend == "nccl",
+    )
+    if tree_flavor is not None:
+        from harness.tree_model import tree_config
+
+        if not a.enable_mhc_connections:
+            raise ValueError(f"a Megatron-LM tree is checked on mHC recipes; this one has mHC off ({tree_flavor})")
+        return tree_config(tree_flavor, n=a.mhc_num_residual_streams, **common)
+
+    from mhc_core.megatron.config import MHCTransformerConfig
+
+    return MHCTransformerConfig(
+        **common, enable_mhc_connections=a.enable_mhc_connections, mhc_num_residual_streams=a.mhc_num_residual_streams,
+        mhc_variant=a.mhc_variant, mhc_h_res_constraint=a.mhc_h_res_constraint, use_fused_mhc=a.use_fused_mhc,
+        mhc_learned_contraction=a.mhc_learned_contraction,
     )
 
 
@@ -90,7 +102,10 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 class Trainer:
     """Model chunks, optimizer, scheduler and data of one rank; `train` runs the steps."""
 
-    def __init__(self, plan: RunPlan, *, data_cache: Path):
+    def __init__(self, plan: RunPlan, *, data_cache: Path, tree_flavor: str | None = None,
+                 init: Path | None = None):
+        """`tree_flavor` (`main` / `dev`): the model is the Megatron-LM tree's own GPT (the tree is the
+        imported `megatron`); `init`: a full state dict (`harness.model_state`) to start from."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -105,16 +120,28 @@ class Trainer:
 
         self.plan, a = plan, plan.args
         _seed(a.seed)
-        self.config = _config(a, plan.backend)
+        self.config = _config(a, plan.backend, tree_flavor)
         self.holds_loss = ps.is_pipeline_last_stage()
-        model = build_gpt_model(
-            self.config, vocab_size=padded_vocab_size(make_tokenizer(a).vocab_size, a),
-            max_sequence_length=a.max_position_embeddings or a.seq_length,
-            pre_process=ps.is_pipeline_first_stage(), post_process=self.holds_loss,
-            spec="te" if a.transformer_impl == "transformer_engine" else "local",
-            share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
-            position_embedding_type=a.position_embedding_type,
-        )
+        sizes = dict(vocab_size=padded_vocab_size(make_tokenizer(a).vocab_size, a),
+                     max_sequence_length=a.max_position_embeddings or a.seq_length,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=self.holds_loss,
+                     share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+                     position_embedding_type=a.position_embedding_type)
+        if tree_flavor is not None:
+            from megatron.core.models.gpt import GPTModel
+
+            from harness.tree_model import layer_spec
+
+            model = GPTModel(self.config, layer_spec(tree_flavor), **sizes)
+        else:
+            model = build_gpt_model(self.config, spec="te" if a.transformer_impl == "transformer_engine" else "local",
+                                    **sizes)
+        if init is not None:
+            from harness.model_state import load_full_state
+
+            load_full_state([model], torch.load(init), source=f"--init {init}",
+                            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=a.tensor_model_parallel_size)
+        self.model = model
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if a.bf16:
@@ -142,7 +169,7 @@ class Trainer:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.dataset = build_train_dataset(a, num_samples=a.train_iters * a.global_batch_size, cache_dir=data_cache)
         self.monitor = None
-        if a.enable_mhc_connections:  # every step, 64 tokens: the stability curve beside lm loss
+        if a.enable_mhc_connections and tree_flavor is None:  # every step, 64 tokens: the stability curve
             from mhc_core.monitor import MonitorConfig, StabilityMonitor
 
             self.monitor = StabilityMonitor(self.chunks, MonitorConfig(every=1, tokens=64))

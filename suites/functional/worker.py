@@ -28,6 +28,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-cache", required=True, type=Path, help="dataset index cache directory")
     p.add_argument("--save", type=Path, default=None, help="checkpoint root: save every --save-interval steps")
     p.add_argument("--load", type=Path, default=None, help="checkpoint root: resume from its tracker's iteration")
+    p.add_argument("--tree-flavor", choices=("main", "dev"), default=None,
+                   help="train a Megatron-LM tree's own GPT (the tree is first on PYTHONPATH)")
+    p.add_argument("--init", type=Path, default=None, help="full state dict to start from (harness.model_state)")
+    p.add_argument("--dump-init", type=Path, default=None,
+                   help="write the initial full state dict here (rank 0) and stop before the first step")
     return p.parse_args(argv)
 
 
@@ -56,13 +61,26 @@ def main(argv: list[str] | None = None) -> None:
     from suites.functional.training import Trainer
 
     cpu_support.install()
-    enable_mhc_pipeline()
+    if cli.tree_flavor is None:  # a tree's schedules are its own (dev's are n-stream aware)
+        enable_mhc_pipeline()
     if a.deterministic_mode:
         torch.use_deterministic_algorithms(True)
     ps.initialize_model_parallel(tensor_model_parallel_size=a.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=a.pipeline_model_parallel_size)
     try:
-        trainer = Trainer(plan, data_cache=cli.data_cache)
+        trainer = Trainer(plan, data_cache=cli.data_cache, tree_flavor=cli.tree_flavor, init=cli.init)
+        if cli.dump_init is not None:
+            from harness.model_state import gather_full_state
+
+            full = gather_full_state([trainer.model], tp_rank=ps.get_tensor_model_parallel_rank(),
+                                     tp_size=a.tensor_model_parallel_size)
+            if full is not None:
+                cli.dump_init.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cli.dump_init.with_name(f".{cli.dump_init.name}.tmp")
+                torch.save(full, tmp)
+                os.replace(tmp, cli.dump_init)
+            dist.barrier()
+            return
         start = trainer.load(cli.load) if cli.load else 0
         records = trainer.train(start=start, save=cli.save)
         if trainer.holds_loss and dist.get_rank() == dist.get_world_size() - 1:

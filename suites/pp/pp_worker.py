@@ -4,7 +4,7 @@ Every case (and the single-process reference) trains the same tiny mHC GPT for `
 `--microbatches` microbatches with plain SGD. `--impl ours` (default) builds it with `mhc_core.megatron`
 (`--numerics dev`: the `megatron_dev` variant with the learned block exit, as upstream dev trains);
 `--impl tree --flavor main|dev` with a Megatron-LM tree's own config, spec builder, `GPTModel` and
-schedules (`suites.pp.tree_model`; the launcher puts the tree first on `PYTHONPATH`). The reference (PP = TP = 1) also writes the initial
+schedules (`harness.tree_model`; the launcher puts the tree first on `PYTHONPATH`). The reference (PP = TP = 1) also writes the initial
 full state dict, which every pipelined rank loads (layers mapped by global layer number, TP shards
 sliced), so all runs start from the same weights. Each rank writes `rank<r>.pt` with its
 microbatch losses, gradients and post-step weights (keyed by full parameter name, with the TP slice
@@ -69,13 +69,14 @@ def main() -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func, p2p_communication, schedules
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from harness.model_state import full_names, load_full_state
     from mhc_core.megatron import cpu_support
 
     cpu_support.install()
     shapes: list[tuple[str, tuple[int, ...]]] = []
     shape_calls: list[dict] = []
     if args.impl == "tree":
-        from suites.pp.tree_model import record_tensor_shapes
+        from harness.tree_model import record_tensor_shapes
 
         base = p2p_communication.P2PCommunicator  # the tree's own: its schedules size n-stream buffers
         record_tensor_shapes(schedules, shape_calls)
@@ -118,7 +119,7 @@ def main() -> None:
         batch_p2p_comm=False,
     )
     if args.impl == "tree":
-        from suites.pp.tree_model import tree_chunks, tree_config
+        from harness.tree_model import tree_chunks, tree_config
 
         try:
             config = tree_config(args.flavor, n=m["n"], **common)
@@ -129,23 +130,14 @@ def main() -> None:
     else:
         chunks = _our_chunks(args, common)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), args.tp
-    names = [_full_names(c) for c in chunks]
+    names = [full_names(c) for c in chunks]
 
     out = Path(args.out)
     if args.init is None:
         assert args.pp == 1 and args.tp == 1, "only the reference run writes the initial weights"
         torch.save({k: v.clone() for k, v in chunks[0].state_dict().items() if v is not None}, out / "init.pt")
     else:
-        full = torch.load(args.init)
-        missing = sorted({nm[local] for c, nm in zip(chunks, names, strict=True) for local, _ in c.named_parameters()}
-                         - set(full))
-        if missing:
-            raise SystemExit(f"--init {args.init}: {len(missing)} parameters of this model are not in it, e.g. "
-                             f"{missing[:3]}; it holds {len(full)} entries, e.g. {sorted(full)[:3]}")
-        with torch.no_grad():
-            for chunk, nm in zip(chunks, names, strict=True):
-                for local, p in chunk.named_parameters():
-                    p.copy_(_shard(full[nm[local]], p, tp_rank, tp_size))
+        load_full_state(chunks, torch.load(args.init), source=f"--init {args.init}", tp_rank=tp_rank, tp_size=tp_size)
 
     g = torch.Generator().manual_seed(99)
     total = args.steps * args.microbatches
@@ -248,28 +240,6 @@ def _our_chunks(args: argparse.Namespace, common: dict) -> list:
             )
         )
     return chunks
-
-
-def _full_names(chunk) -> dict[str, str]:
-    """Local parameter name -> name in the single-stage model (decoder layers by global number)."""
-    mapping = {}
-    layer_index = {}
-    for i, layer in enumerate(chunk.decoder.layers):
-        layer_index[f"decoder.layers.{i}."] = f"decoder.layers.{layer.layer_number - 1}."
-    for local, _ in chunk.named_parameters():
-        full = local
-        for prefix, global_prefix in layer_index.items():
-            if local.startswith(prefix):
-                full = global_prefix + local[len(prefix):]
-                break
-        mapping[local] = full
-    return mapping
-
-
-def _shard(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-        return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
-    return full
 
 
 def _collect(chunks, names, get):

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from harness.torchrun import LaunchError
+from harness.tree_model import MAIN_PP_NOTE, MAIN_SPEC_NOTE
 from mhc_core.megatron.config import MHCTransformerConfig
 from mhc_core.megatron.pipeline import get_tensor_shapes
 from suites.pp.compare_runs import compare_to_reference, load_run, worst_differences
 from suites.pp.launch import run_worker
 from suites.pp.pp_worker import MODEL
 from suites.pp.test_pp_shapes import Group
-from suites.pp.tree_model import MAIN_PP_NOTE, MAIN_SPEC_NOTE
 
 pytestmark = pytest.mark.distributed
 

@@ -1,4 +1,4 @@
-"""The GPT of a Megatron-LM source tree, built with the tree's own classes (the pp worker's `--impl tree`).
+"""The GPT of a Megatron-LM source tree, built with the tree's own classes (the pp and functional workers' `--impl tree`).
 
 The worker runs with the tree first on `PYTHONPATH`, so `megatron` here is the tree's package. `dev`
 builds its model the way a user of the tree does: `TransformerConfig(enable_hyper_connections=True,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["MAIN_PP_NOTE", "MAIN_SPEC_NOTE", "record_tensor_shapes", "tree_chunks", "tree_config"]
+__all__ = ["MAIN_PP_NOTE", "MAIN_SPEC_NOTE", "layer_spec", "record_tensor_shapes", "tree_chunks", "tree_config"]
 
 MAIN_SPEC_NOTE = ("main has no mHC spec wiring (megatron/core/models/gpt/gpt_layer_specs.py has no "
                   "enable_hyper_connection): the suite builds the layer spec from main's "
@@ -33,7 +33,8 @@ def tree_config(flavor: str, **kwargs: Any) -> Any:
     return TransformerConfig(**kwargs, **names)
 
 
-def _layer_spec(flavor: str) -> Any:
+def layer_spec(flavor: str) -> Any:
+    """The tree's mHC layer spec (local modules): dev's builder, or main's classes assembled here."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if flavor == "dev":
@@ -53,7 +54,7 @@ def tree_chunks(flavor: str, config: Any, *, vocab: int, seq: int, vpp: int | No
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    spec = _layer_spec(flavor)
+    spec = layer_spec(flavor)
     chunks = []
     for vp in range(vpp or 1):
         vp_stage = vp if vpp else None

@@ -1,0 +1,70 @@
+"""A Megatron-LM tree (`--megatron-lm TREE` / `$MHC_MEGATRON_LM`) trains the recipes beside ours.
+
+The tree's model, schedules, DDP and optimizer train each `tree_diff.CASES` recipe from the initial
+weights our model writes; every step of lm loss, grad norm and num-zeros must be inside the bands of our
+run of the same recipe (same weights, same data), and the tree's own ckpt-resume must reproduce its
+uninterrupted steps. Without a tree every test here skips, saying so.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.compare import compare, format_results
+from harness.schema import to_golden
+from suites.functional import tree_diff
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def tree():
+    from harness.megatron_tree import TreeError, tree_under_test
+
+    try:
+        found = tree_under_test()
+    except TreeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    if found is None:
+        pytest.skip("no Megatron-LM tree: pass --megatron-lm TREE to mhc-harness run (or set MHC_MEGATRON_LM)")
+    return found
+
+
+@pytest.mark.parametrize("case", tree_diff.CASES)
+def test_tree_training_matches_ours(case, tree, hw_key, tmp_path):
+    """The tree's training of `case` equals ours step by step within the bands; then its ckpt-resume."""
+    data = tmp_path / "data"
+    init = tree_diff.dump_init(case, hw_key, tree.flavor, work_dir=tmp_path / "init", data_dir=data)
+    ckpt = tmp_path / "tree-checkpoints"
+    theirs = tree_diff.run_tree(case, hw_key, tree, init, work_dir=tmp_path / "tree", data_dir=data, save=ckpt)
+    ours = tree_diff.run_ours(case, hw_key, tree.flavor, init, work_dir=tmp_path / "ours", data_dir=data)
+    rows = tree_diff.differences(ours.metrics, theirs.metrics)
+    report = f"ours vs {tree.label} on {case} ({theirs.seconds:.0f} s for the tree):\n" + tree_diff.describe(rows)
+    print(report)
+    assert all(r.outside == 0 and not r.only_a and not r.only_b for r in rows), report
+
+    from suites.functional.checkpoint import rewind_tracker
+
+    half = theirs.plan.args.save_interval
+    if half is None:
+        return
+    rewind_tracker(ckpt, half)
+    resumed = tree_diff.run_tree(case, hw_key, tree, init, work_dir=tmp_path / "tree-resumed", data_dir=data, load=ckpt)
+    checks = tree_diff.functional_checks(case, hw_key)
+    tail = {m: {s: v for s, v in theirs.metrics[m].items() if s > half} for m in checks}
+    results = compare(to_golden(resumed.metrics), to_golden(tail), checks, source=f"{tree.label} uninterrupted")
+    assert all(r.ok for r in results), f"{tree.label}: resumed from step {half} differs:\n" + format_results(results)
+
+
+def test_tree_run_that_raises_names_the_tree(tree, hw_key, tmp_path):
+    """A tree run whose rank raises fails with a LaunchError naming the tree, the case and the rank's error."""
+    from harness.torchrun import LaunchError
+    from suites.functional.runner import CRASH_RANK_ENV_VAR
+
+    case = tree_diff.CASES[0]
+    init = tree_diff.dump_init(case, hw_key, tree.flavor, work_dir=tmp_path / "init", data_dir=tmp_path / "data")
+    with pytest.raises(LaunchError) as err:
+        tree_diff.run_tree(case, hw_key, tree, init, work_dir=tmp_path / "tree", data_dir=tmp_path / "data",
+                           env={CRASH_RANK_ENV_VAR: "1"})
+    text = str(err.value)
+    assert tree.label in text and case in text and "crash planted" in text, text[-2000:]

@@ -1,0 +1,119 @@
+"""A Megatron-LM tree's training of a recipe against ours: same initial weights, same data, step by step.
+
+Three launches of one recipe on one hardware key (`suites.functional.runner`):
+
+1. `dump_init`: our model of the recipe (with the tree's numerics, `OUR_NUMERICS`) writes its initial
+   full state dict (`harness.model_state`) and stops;
+2. `run_ours`: our integration trains from it;
+3. `run_tree`: the tree trains from it with its own GPT, schedules, DDP and optimizer (the tree first on
+   `PYTHONPATH`: `harness.megatron_tree.tree_env`).
+
+`differences` puts 2 and 3 side by side per metric under the approximate bands (`harness.bands`).
+Recordings of 3 (`record_tree.py`) let a machine without a tree replay the comparison.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from harness.bands import DEFAULT_BANDS, MetricDrift, drift
+from harness.megatron_tree import Tree, tree_env
+from harness.schema import to_golden
+from harness.torchrun import LaunchError
+from suites.functional.recipe import RECIPE_DIR
+from suites.functional.runner import RunResult, plan_case, run_plan
+
+__all__ = ["CASES", "METRICS", "OUR_NUMERICS", "RECIPE_DIR", "differences", "dump_init", "file_sha256",
+           "functional_checks", "recipe_sha256",
+           "run_ours", "run_tree"]
+
+CASES = ("gpt_tp2_pp2_mhc",)
+"""The recipes a tree trains (TP 2 x PP 2, 4 ranks, 20 steps: upstream's gpt3_mcore_tp2_pp2_mhc at CPU size)."""
+
+METRICS = ("lm loss", "grad-norm", "num-zeros")
+"""Compared step by step. The stability metrics come from `mhc_core.monitor`, which reads mhc_core's
+`HyperConnectionModule`: the tree's module has no such hook, so they are ours only."""
+
+OUR_NUMERICS: Mapping[str, Mapping[str, Any]] = {
+    "dev": {"--mhc-variant": "megatron_dev", "--mhc-learned-contraction": True},
+    "main": {"--mhc-variant": "megatron_main"},
+}
+"""The MODEL_ARGS that make our integration compute what the tree's branch computes."""
+
+
+def recipe_sha256(case: str) -> str:
+    """sha256 of `recipes/<case>.yaml`: a recording is replayed only against the recipe it was made from."""
+    return file_sha256(RECIPE_DIR / f"{case}.yaml")
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def dump_init(case: str, hw: str, flavor: str, *, work_dir: Path, data_dir: Path) -> Path:
+    """Our model of `case` (the `flavor`'s numerics) writes its initial full state dict; its path."""
+    plan = plan_case(case, hw, data_dir=data_dir, overrides=OUR_NUMERICS[flavor])
+    out = Path(work_dir) / "init.pt"
+    run_plan(plan, Path(work_dir), data_dir=data_dir, worker_args=["--dump-init", out])
+    return out
+
+
+def run_ours(case: str, hw: str, flavor: str, init: Path, *, work_dir: Path, data_dir: Path) -> RunResult:
+    """Our integration trains `case` from `init` with the `flavor`'s numerics."""
+    plan = plan_case(case, hw, data_dir=data_dir, overrides=OUR_NUMERICS[flavor])
+    return run_plan(plan, Path(work_dir), data_dir=data_dir, worker_args=["--init", init])
+
+
+def run_tree(case: str, hw: str, tree: Tree, init: Path, *, work_dir: Path, data_dir: Path,
+             save: Path | None = None, load: Path | None = None, env: Mapping[str, str] | None = None) -> RunResult:
+    """The tree trains `case` from `init` with its own model, schedules, DDP and optimizer; a failed launch
+    is a `LaunchError` naming the tree (`env`: added to the ranks', e.g. a planted crash)."""
+    plan = plan_case(case, hw, data_dir=data_dir)
+    try:
+        return run_plan(plan, Path(work_dir), data_dir=data_dir, save=save, load=load, env={**tree_env(tree.path), **(env or {})},
+                        worker_args=["--tree-flavor", tree.flavor, "--init", init])
+    except LaunchError as err:
+        raise LaunchError(f"the Megatron-LM tree {tree.label} ({tree.path}) failed training {case} on {hw}: {err}",
+                          err.result) from None
+
+
+def differences(ours: Mapping[str, Mapping[int, float]], theirs: Mapping[str, Mapping[int, float]],
+                metrics: tuple[str, ...] = METRICS) -> list[MetricDrift]:
+    """Per metric, how far `ours` is from `theirs` (the reference) under the default bands."""
+    pick = {m: dict(theirs[m]) for m in metrics if m in theirs}
+    mine = {m: dict(ours[m]) for m in metrics if m in ours}
+    return drift(to_golden(pick, source="the tree's run"), to_golden(mine, source="our run"),
+                 {m: DEFAULT_BANDS[m] for m in metrics})
+
+
+def describe(rows: list[MetricDrift]) -> str:
+    """One line per metric: worst relative difference, its step, steps outside the band."""
+    out = []
+    for r in rows:
+        rel = "n/a" if r.max_rel is None else f"{r.max_rel:.2e}"
+        out.append(f"{r.metric}: worst rel {rel} (abs {r.max_abs:.2e}) at step {r.worst_step}, "
+                   f"{r.outside} of {r.n_steps} steps outside rtol {r.band.rtol:g} atol {r.band.atol:g}")
+    return "\n".join(out)
+
+
+def as_json(metrics: Mapping[str, Mapping[int, float]]) -> dict[str, dict[str, float]]:
+    return {m: {str(k): float(v) for k, v in sorted(s.items())} for m, s in metrics.items()}
+
+
+def from_json(doc: Mapping[str, Mapping[str, float]]) -> dict[str, dict[int, float]]:
+    return {m: {int(k): float(v) for k, v in s.items()} for m, s in doc.items()}
+
+
+def dumps(doc: Any) -> str:
+    return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+
+
+def functional_checks(case: str, hw: str) -> dict[str, Any]:
+    """The recipe's checks of `METRICS` on `hw` (exact lane and bands), for the tree's ckpt-resume."""
+    from suites.functional.recipe import load_recipe
+
+    return {m: c for m, c in load_recipe(RECIPE_DIR / f"{case}.yaml").checks(hw).items() if m in METRICS}
