@@ -72,6 +72,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not sep or not suite:
             raise ValueError(f"--suite-args {item!r}: expected SUITE=ARGS, e.g. unit='-n 2'")
         suite_args.setdefault(suite, []).extend(_split_pytest_args(rest))
+    if args.megatron_lm:  # the pp and functional suites run the tree beside ours (harness.megatron_tree)
+        os.environ["MHC_MEGATRON_LM"] = str(Path(args.megatron_lm).resolve())
     for stale in ("conformance.json", "conformance.md"):  # report.md embeds only this run's matrix
         (Path(args.out) / stale).unlink(missing_ok=True)
     summary = run_suites(args.suites, suites_dir=suites_dir, out_dir=args.out, golden_dir=golden_dir, hw=args.hw,
@@ -105,7 +107,7 @@ def _conformance(args: argparse.Namespace, out_dir: Path):
     from harness.peers.registry import select
 
     tree = Path(args.megatron_lm) if args.megatron_lm else None
-    peers = select(list(args.peer), tree, python=args.megatron_lm_python)
+    peers = select(list(args.peer), tree, python=args.megatron_lm_python, modules=args.peer_module)
     matrix = run_matrix(peers)
     print(format_summary(matrix))
     js, md = write_outputs(matrix, out_dir)
@@ -288,8 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--peer", action="append", default=[], metavar="NAME",
                        help="a peer to check (repeatable; default: all but the compiled mhc_core ones)")
         s.add_argument("--megatron-lm", default=os.environ.get("MHC_MEGATRON_LM"), metavar="PATH",
-                       help="a Megatron-LM source tree (main or dev) to check as megatron_lm_tree[...] "
+                       help="a Megatron-LM source tree (main or dev): a conformance peer megatron_lm_tree[...]; "
+                            "under `run`, also trained by the pp and functional suites beside ours "
                             "(default: $MHC_MEGATRON_LM)")
+        s.add_argument("--peer-module", action="append", default=[], metavar="MODULE:NAME",
+                       help="your own peer: a Peer instance, subclass or factory in an importable module "
+                            "(repeatable; the current directory is on the path; docs/conformance.md)")
         s.add_argument("--megatron-lm-python", default=None, metavar="PYTHON",
                        help="the interpreter that loads the tree (it imports triton; default: this one)")
 
