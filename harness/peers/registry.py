@@ -24,12 +24,14 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None,
     ``MODULE:NAME`` specs of the user's own peers)."""
     from harness.peers.gpu import gpu_peers
     from harness.peers.hf_deepseek_v4 import HfDeepseekV4Peer
+    from harness.peers.liger import LigerPeer
     from harness.peers.lucidrains import LucidrainsPeer
     from harness.peers.mhc_core_peer import mhc_core_peers
     from harness.peers.plugins import entry_point_peers, module_peers
     from harness.peers.recorded import recorded_peers
 
     peers: list[Peer] = [*mhc_core_peers(("reference", "compiled")), HfDeepseekV4Peer(), LucidrainsPeer(),
+                         LigerPeer(),
                          *recorded_peers(), *gpu_peers(), *entry_point_peers(), *module_peers(modules)]
     names = [p.name for p in peers]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -61,6 +61,26 @@ def test_lucidrains_has_papers_sinkhorn_a_transposed_mix_and_says_what_differs(m
     assert cells["layer"].status == "n/a" and cells["block_exit"].status == "n/a"
 
 
+def test_liger_has_devs_coefficients_and_mains_mix(matrix):
+    """Liger-Kernel (interpreted without a GPU): its coefficients are megatron_dev's (softmax-started
+    Sinkhorn with eps) but for its eps inside the square root, and it mixes H @ x as megatron_main does,
+    so its layer matches no variant."""
+    row = _row(matrix, "liger_kernel")
+    by = {v: {c.check: c for c in cells} for v, cells in row.by_variant.items()}
+    for n in (2, 4):
+        assert by["megatron_dev"][f"coefficients n{n} fp32"].status == "pass"
+        assert by["megatron_main"][f"coefficients n{n} fp32"].status == "fail"
+        assert all(by[v][f"aggregate n{n} fp32"].status == "pass" for v in by)
+        assert all(by[v][f"layer n{n} fp32"].status == "fail" for v in by)
+        small = by["megatron_dev"][f"coefficients@rms1e-2 n{n} fp32"]
+        assert small.status == "fail" and "eps inside the square root" in small.message
+    assert by["megatron_main"]["orientation n4 fp32"].status == "pass"
+    assert by["megatron_dev"]["orientation n4 fp32"].observed == "H @ x"
+    assert by["megatron_main"]["sinkhorn"].status == "n/a"
+    if not torch.cuda.is_available():
+        assert "interpreted" in (row.version or "")
+
+
 @pytest.mark.parametrize(("peer", "variant", "checks"), [
     ("megatron_lm[main]", "megatron_main", 48), ("megatron_lm[dev]", "megatron_dev", 24),
     ("megatron_lm[dev,fused]", "megatron_dev", 24)])
