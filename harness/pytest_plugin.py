@@ -204,3 +204,11 @@ def golden_metrics(request: pytest.FixtureRequest) -> GoldenMetrics:
     return GoldenMetrics(request)
 
 
+
+
+@pytest.fixture
+def tree_rows(request: pytest.FixtureRequest):
+    """Hand a Megatron-LM tree comparison to report.md: ``tree_rows(TreeRow(...))`` (`harness.tree_report`)."""
+    from harness.tree_report import record
+
+    return lambda row: record(_settings(request.config).results_dir, row)

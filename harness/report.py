@@ -17,6 +17,8 @@ from harness.provenance import utc_now
 from harness.results import CaseOutcome, load_actual
 from harness.runner import RunSummary
 from harness.schema import load_golden
+from harness.tree_report import markdown as tree_markdown
+from harness.tree_report import read_rows as read_tree_rows
 
 __all__ = ["format_table", "step_time_ratios", "summary_rows", "write_plots", "write_report"]
 
@@ -174,6 +176,9 @@ def write_report(summary: RunSummary, out_dir: str | Path, *, plots: bool = True
                f"Median `{STEP_TIME_METRIC}` after {WARMUP_STEPS} warm-up steps, measured in this run.", "",
                "| suite | baseline | mHC | baseline s | mHC s | mHC / baseline |", "|---|---|---|---|---|---|"]
         md += [f"| {su} | {b} | {m} | {tb:.4g} | {tm:.4g} | {r:.3f} |" for su, b, m, tb, tm, r in ratios]
+    tree_rows = tree_markdown(read_tree_rows(summary.results_dir, [r.suite for r in summary.runs]))
+    if tree_rows:
+        md += ["", *tree_rows]
     conformance = out_dir / "conformance.md"
     if conformance.is_file():
         md += ["", conformance.read_text(encoding="utf-8").rstrip()]

@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for case in args.case or tree_diff.CASES:
+        reason = tree_diff.skip_reason(case, args.hw, tree.flavor)
+        if reason:
+            print(f"not recorded: {tree.label}: {reason}")
+            continue
         with tempfile.TemporaryDirectory(prefix="mhc-record-tree-") as tmp:
             work, data = Path(tmp), Path(tmp) / "data"
             init = tree_diff.dump_init(case, args.hw, tree.flavor, work_dir=work / "init", data_dir=data)

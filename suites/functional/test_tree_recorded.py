@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.tree_report import TreeRow
 from suites.functional import tree_diff
 from suites.functional.record_tree import RECORDED_DIR
 from suites.functional.tree_recording import load_recording
@@ -28,7 +29,7 @@ def test_recordings_are_committed():
 
 
 @pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.stem)
-def test_our_training_matches_the_recorded_tree(path, hw_key, tmp_path):
+def test_our_training_matches_the_recorded_tree(path, hw_key, tmp_path, tree_rows):
     """Every step of our run is inside the bands of the tree's recorded step (lm loss, grad norm, num-zeros)."""
     rec = load_recording(path)
     if rec.hw != hw_key:
@@ -41,8 +42,11 @@ def test_our_training_matches_the_recorded_tree(path, hw_key, tmp_path):
     report = (f"ours vs {rec.label} recorded ({rec.case}, initial weights "
               f"{'identical' if same_init else 'NOT bitwise identical to the recording'}):\n" + tree_diff.describe(rows))
     print(report)
+    ok = all(r.outside == 0 and not r.only_a and not r.only_b for r in rows)
+    tree_rows(TreeRow(suite="functional", case=rec.case, comparison="ours vs recorded tree", tree=rec.label,
+                      worst=tree_diff.worst(rows), ok=ok, note="" if same_init else "initial weights differ"))
     assert {r.metric for r in rows} == set(tree_diff.METRICS), report
-    assert all(r.outside == 0 and not r.only_a and not r.only_b for r in rows), report
+    assert ok, report
 
 
 def _write(tmp_path: Path, **changes) -> Path:

@@ -28,11 +28,23 @@ from suites.functional.recipe import RECIPE_DIR
 from suites.functional.runner import RunResult, plan_case, run_plan
 
 __all__ = ["CASES", "METRICS", "OUR_NUMERICS", "RECIPE_DIR", "differences", "dump_init", "file_sha256",
-           "functional_checks", "recipe_sha256",
+           "functional_checks", "recipe_sha256", "skip_reason",
            "run_ours", "run_tree"]
 
-CASES = ("gpt_tp2_pp2_mhc",)
-"""The recipes a tree trains (TP 2 x PP 2, 4 ranks, 20 steps: upstream's gpt3_mcore_tp2_pp2_mhc at CPU size)."""
+CASES = ("gpt_tp2_pp2_mhc", "gpt_tp1_pp1_mhc", "gpt_tp1_pp1_mhc_gate1")
+"""The recipes a tree trains: TP 2 x PP 2 (4 ranks, 20 steps: upstream's gpt3_mcore_tp2_pp2_mhc at CPU
+size) and the one-rank mHC recipes (24 steps; gate1 starts the gates at 1.0, so that the mix is far from
+uniform from step 1 and an orientation or variant difference shows in the loss)."""
+
+
+def skip_reason(case: str, hw: str, flavor: str) -> str | None:
+    """Why the tree's `flavor` cannot train `case` (main's schedules carry C wide tensors), or None."""
+    from harness.tree_model import MAIN_PP_NOTE
+
+    plan = plan_case(case, hw, data_dir=Path("."))
+    if flavor == "main" and plan.args.pipeline_model_parallel_size > 1:
+        return f"{case} has PP {plan.args.pipeline_model_parallel_size}: {MAIN_PP_NOTE}"
+    return None
 
 METRICS = ("lm loss", "grad-norm", "num-zeros")
 """Compared step by step. The stability metrics come from `mhc_core.monitor`, which reads mhc_core's
@@ -117,3 +129,8 @@ def functional_checks(case: str, hw: str) -> dict[str, Any]:
     from suites.functional.recipe import load_recipe
 
     return {m: c for m, c in load_recipe(RECIPE_DIR / f"{case}.yaml").checks(hw).items() if m in METRICS}
+
+
+def worst(rows: list[MetricDrift]) -> dict[str, float]:
+    """`{metric: worst relative difference}` (the absolute one where the reference is 0 at every step)."""
+    return {r.metric: (r.max_rel if r.max_rel is not None else r.max_abs) for r in rows}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["RunRecord", "compare_to_reference", "load_run", "worst_differences"]
+__all__ = ["RunRecord", "compare_to_reference", "load_run", "unsharded", "worst_differences"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,6 +18,24 @@ class RunRecord:
     grads: list[dict[str, list[dict]]]
     weights: list[dict[str, list[dict]]]
     shapes: dict[int, list[tuple[str, tuple[int, ...]]]]
+
+
+def unsharded(run: RunRecord) -> RunRecord:
+    """`run` with every TP-split tensor joined whole (its slices concatenated in TP-rank order), one entry per
+    name: a TP run as the reference of another TP run."""
+
+    def join(step: dict[str, list[dict]]) -> dict[str, list[dict]]:
+        out = {}
+        for name, entries in step.items():
+            by_rank = {e["tp_rank"]: e for e in entries}
+            first = by_rank[min(by_rank)]
+            value = first["value"] if first["partition_dim"] is None else torch.cat(
+                [by_rank[r]["value"] for r in sorted(by_rank)], dim=first["partition_dim"])
+            out[name] = [{"value": value, "partition_dim": None, "tp_rank": 0, "tp_size": 1}]
+        return out
+
+    return RunRecord(losses=run.losses, grads=[join(g) for g in run.grads], weights=[join(w) for w in run.weights],
+                     shapes=run.shapes)
 
 
 def load_run(directory: Path) -> RunRecord:

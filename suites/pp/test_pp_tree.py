@@ -19,9 +19,10 @@ import torch
 
 from harness.torchrun import LaunchError
 from harness.tree_model import MAIN_PP_NOTE, MAIN_SPEC_NOTE
+from harness.tree_report import TreeRow
 from mhc_core.megatron.config import MHCTransformerConfig
 from mhc_core.megatron.pipeline import get_tensor_shapes
-from suites.pp.compare_runs import compare_to_reference, load_run, worst_differences
+from suites.pp.compare_runs import compare_to_reference, load_run, unsharded, worst_differences
 from suites.pp.launch import run_worker
 from suites.pp.pp_worker import MODEL
 from suites.pp.test_pp_shapes import Group
@@ -70,7 +71,7 @@ def _launch_tree(tree, out: Path, nproc: int, args: list[str]):
         raise
 
 
-def test_tree_single_process_matches_ours(tree_runs, tmp_path, tree_report):
+def test_tree_single_process_matches_ours(tree_runs, tmp_path, tree_report, tree_rows):
     """Our integration, from the tree's initial weights and on its microbatches, reproduces the tree's
     single-process losses, gradients and updated weights."""
     tree = tree_runs.tree
@@ -80,16 +81,20 @@ def test_tree_single_process_matches_ours(tree_runs, tmp_path, tree_report):
     worst = worst_differences(ours, theirs)
     tree_report.add("single process", None, worst)
     problems = compare_to_reference(ours, theirs, TREE_VS_OURS_RTOL)
+    tree_rows(TreeRow(suite="pp", case="single-process", comparison="tree vs ours", tree=tree.label, worst=worst,
+                      ok=not problems, note=f"bound {TREE_VS_OURS_RTOL:g}"))
     assert not problems, (f"ours vs the tree ({tree.label}): {len(problems)} mismatches, first "
                           f"{problems[0]}\n" + "\n".join(problems[1:20]))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_tree_pipelined_run(case, tree_runs, tmp_path, tree_report):
+def test_tree_pipelined_run(case, tree_runs, tmp_path, tree_report, tree_rows):
     """The tree's own PP run reproduces the tree's single process; its P2P shapes are the rule's; and our
     integration's run of the same case from the same weights matches it."""
     tree = tree_runs.tree
     if tree.flavor == "main":
+        tree_rows(TreeRow(suite="pp", case=case.name, comparison="not run", tree=tree.label, ok=True,
+                          note=MAIN_PP_NOTE))
         pytest.skip(f"{tree.label}: {MAIN_PP_NOTE}; {MAIN_SPEC_NOTE}")
     ref = tree_runs.reference()
     init = ["--init", str(ref / "init.pt")]
@@ -97,15 +102,19 @@ def test_tree_pipelined_run(case, tree_runs, tmp_path, tree_report):
     single, run = load_run(ref), load_run(tmp_path / "tree")
     vs_single = worst_differences(run, single)
     problems = compare_to_reference(run, single, case.rtol)
+    tree_rows(TreeRow(suite="pp", case=case.name, comparison="tree vs its single process", tree=tree.label,
+                      worst=vs_single, ok=not problems, note=f"bound {case.rtol:g}"))
     assert not problems, (f"the tree ({tree.label}) under {case.name} vs its single process: {len(problems)} "
                           "mismatches:\n" + "\n".join(problems[:20]))
     _check_shapes(case, tmp_path / "tree")
 
     run_worker(tmp_path / "ours", case.nproc, [*case.args, *_numerics(tree), *init])
-    ours = load_run(tmp_path / "ours")
-    vs_ours = worst_differences(ours, run)
+    ours, whole = load_run(tmp_path / "ours"), unsharded(run)
+    vs_ours = worst_differences(ours, whole)
     tree_report.add(case.name, vs_single, vs_ours)
-    problems = compare_to_reference(ours, run, TREE_VS_OURS_RTOL)
+    problems = compare_to_reference(ours, whole, TREE_VS_OURS_RTOL)
+    tree_rows(TreeRow(suite="pp", case=case.name, comparison="tree vs ours", tree=tree.label, worst=vs_ours,
+                      ok=not problems, note=f"bound {TREE_VS_OURS_RTOL:g}"))
     assert not problems, (f"ours vs the tree ({tree.label}) under {case.name}: {len(problems)} mismatches, first "
                           f"{problems[0]}\n" + "\n".join(problems[1:20]))
 
