@@ -212,3 +212,18 @@ def tree_rows(request: pytest.FixtureRequest):
     from harness.tree_report import record
 
     return lambda row: record(_settings(request.config).results_dir, row)
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_tree():
+    """The Megatron-LM tree under test (`harness.megatron_tree.tree_under_test`); skips without one, fails
+    naming the path for one that is not a usable tree or does not import here."""
+    from harness.megatron_tree import TreeError, tree_under_test
+
+    try:
+        tree = tree_under_test()
+    except TreeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    if tree is None:
+        pytest.skip("no Megatron-LM tree: pass --megatron-lm TREE to mhc-harness run (or set MHC_MEGATRON_LM)")
+    return tree

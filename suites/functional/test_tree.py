@@ -18,22 +18,10 @@ from suites.functional import tree_diff
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def tree():
-    from harness.megatron_tree import TreeError, tree_under_test
-
-    try:
-        found = tree_under_test()
-    except TreeError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    if found is None:
-        pytest.skip("no Megatron-LM tree: pass --megatron-lm TREE to mhc-harness run (or set MHC_MEGATRON_LM)")
-    return found
-
-
 @pytest.mark.parametrize("case", tree_diff.CASES)
-def test_tree_training_matches_ours(case, tree, hw_key, tmp_path, tree_rows):
+def test_tree_training_matches_ours(case, megatron_lm_tree, hw_key, tmp_path, tree_rows):
     """The tree's training of `case` equals ours step by step within the bands; then its ckpt-resume."""
+    tree = megatron_lm_tree
     reason = tree_diff.skip_reason(case, hw_key, tree.flavor)
     if reason:
         pytest.skip(f"{tree.label}: {reason}")
@@ -66,8 +54,9 @@ def test_tree_training_matches_ours(case, tree, hw_key, tmp_path, tree_rows):
     assert all(r.ok for r in results), f"{tree.label}: resumed from step {half} differs:\n" + format_results(results)
 
 
-def test_tree_run_that_raises_names_the_tree(tree, hw_key, tmp_path):
+def test_tree_run_that_raises_names_the_tree(megatron_lm_tree, hw_key, tmp_path):
     """A tree run whose rank raises fails with a LaunchError naming the tree, the case and the rank's error."""
+    tree = megatron_lm_tree
     from harness.torchrun import LaunchError
     from suites.functional.runner import CRASH_RANK_ENV_VAR
 

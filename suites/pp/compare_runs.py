@@ -72,6 +72,23 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor, model_scale: float) 
     return float((actual - expected).abs().max()) / scale
 
 
+def _tensor_pairs(run: RunRecord, ref: RunRecord):
+    """Each (kind, step, name, entry, expected slice, model scale) of the run's grads and weights that the
+    reference also holds, `expected` being the reference's slice for the entry's TP rank."""
+    for kind, mine, theirs in (("grad", run.grads, ref.grads), ("weight", run.weights, ref.weights)):
+        for step, (got, want) in enumerate(zip(mine, theirs, strict=True)):
+            model_scale = max(float(v[0]["value"].abs().max()) for v in want.values() if v[0]["value"].numel())
+            for name, entries in got.items():
+                if name not in want:
+                    continue
+                full = want[name][0]["value"]
+                for e in entries:
+                    expected = full
+                    if e["partition_dim"] is not None:
+                        expected = full.chunk(e["tp_size"], dim=e["partition_dim"])[e["tp_rank"]]
+                    yield kind, step, name, e, expected, model_scale
+
+
 def compare_to_reference(run: RunRecord, ref: RunRecord, rtol: float) -> list[str]:
     """Every mismatch as a line with the numbers; empty when the run reproduces the reference.
 
@@ -88,50 +105,32 @@ def compare_to_reference(run: RunRecord, ref: RunRecord, rtol: float) -> list[st
                 problems.append(f"loss step {step} microbatch {mb}: {a:.9g} vs reference {e:.9g}")
     for kind, mine, theirs in (("grad", run.grads, ref.grads), ("weight", run.weights, ref.weights)):
         for step, (got, want) in enumerate(zip(mine, theirs, strict=True)):
-            model_scale = max(float(v[0]["value"].abs().max()) for v in want.values() if v[0]["value"].numel())
             missing = sorted(set(want) - set(got))
             if missing:
                 problems.append(f"{kind} step {step}: parameters missing from the pipelined run: {missing[:5]}")
-            for name, entries in got.items():
-                if name not in want:
-                    problems.append(f"{kind} step {step}: {name} not in the reference")
-                    continue
-                full = want[name][0]["value"]
-                for e in entries:
-                    expected = full
-                    if e["partition_dim"] is not None:
-                        expected = full.chunk(e["tp_size"], dim=e["partition_dim"])[e["tp_rank"]]
-                    if expected.shape != e["value"].shape:
-                        problems.append(f"{kind} step {step} {name}: shape {list(e['value'].shape)} vs {list(expected.shape)}")
-                        continue
-                    rel = _relative(e["value"], expected, model_scale)
-                    if not rel <= rtol:
-                        problems.append(
-                            f"{kind} step {step} {name} (tp rank {e['tp_rank']}): max rel err {rel:.3e} > {rtol:g}; "
-                            f"max |ref| {float(expected.abs().max()):.3e}"
-                        )
+            problems += [f"{kind} step {step}: {name} not in the reference" for name in got if name not in want]
+    for kind, step, name, e, expected, model_scale in _tensor_pairs(run, ref):
+        if expected.shape != e["value"].shape:
+            problems.append(f"{kind} step {step} {name}: shape {list(e['value'].shape)} vs {list(expected.shape)}")
+            continue
+        rel = _relative(e["value"], expected, model_scale)
+        if not rel <= rtol:
+            problems.append(
+                f"{kind} step {step} {name} (tp rank {e['tp_rank']}): max rel err {rel:.3e} > {rtol:g}; "
+                f"max |ref| {float(expected.abs().max()):.3e}"
+            )
     return problems
 
 
 def worst_differences(run: RunRecord, ref: RunRecord) -> dict[str, float]:
     """The largest difference of each kind over every step: `{"loss": max relative, "grad": ..., "weight": ...}`,
-    tensors measured as `compare_to_reference` measures them (parameters missing on either side are skipped:
-    `compare_to_reference` names them)."""
+    tensors measured as `compare_to_reference` measures them (parameters missing on either side, or of
+    another shape, are skipped: `compare_to_reference` names them)."""
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     for got, want in zip(run.losses, ref.losses, strict=False):
         for a, e in zip(got, want, strict=False):
             worst["loss"] = max(worst["loss"], abs(a - e) / max(abs(e), 1e-30))
-    for kind, mine, theirs in (("grad", run.grads, ref.grads), ("weight", run.weights, ref.weights)):
-        for got, want in zip(mine, theirs, strict=False):
-            model_scale = max(float(v[0]["value"].abs().max()) for v in want.values() if v[0]["value"].numel())
-            for name, entries in got.items():
-                if name not in want:
-                    continue
-                full = want[name][0]["value"]
-                for e in entries:
-                    expected = full
-                    if e["partition_dim"] is not None:
-                        expected = full.chunk(e["tp_size"], dim=e["partition_dim"])[e["tp_rank"]]
-                    if expected.shape == e["value"].shape:
-                        worst[kind] = max(worst[kind], _relative(e["value"], expected, model_scale))
+    for kind, _step, _name, e, expected, model_scale in _tensor_pairs(run, ref):
+        if expected.shape == e["value"].shape:
+            worst[kind] = max(worst[kind], _relative(e["value"], expected, model_scale))
     return worst

@@ -100,21 +100,6 @@ class TreeRuns:
 
 
 @pytest.fixture(scope="session")
-def megatron_lm_tree():
-    """The Megatron-LM tree under test (`harness.megatron_tree.tree_under_test`); skips without one, fails
-    naming the path for one that is not a usable tree or does not import here."""
-    from harness.megatron_tree import TreeError, tree_under_test
-
-    try:
-        tree = tree_under_test()
-    except TreeError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    if tree is None:
-        pytest.skip("no Megatron-LM tree: pass --megatron-lm TREE to mhc-harness run (or set MHC_MEGATRON_LM)")
-    return tree
-
-
-@pytest.fixture(scope="session")
 def tree_runs(megatron_lm_tree, tmp_path_factory, tree_report) -> TreeRuns:
     """The tree's runs of this session (`TreeRuns`)."""
     tree_report.label = megatron_lm_tree.label
