@@ -9,7 +9,17 @@ from typing import Any
 import torch
 
 from mhc_core.ops._checks import as_int
-from mhc_core.variants import ResidualConstraint, Variant, get_variant
+from mhc_core.variants import (
+    MappingPrecision,
+    NormEpsPlacement,
+    NumericsOptions,
+    OutputContraction,
+    ResidualConstraint,
+    Variant,
+    VariantSpec,
+    configure,
+    get_variant,
+)
 
 __all__ = ["HyperConnectionConfig"]
 
@@ -27,9 +37,18 @@ class HyperConnectionConfig:
     init_gating_factor: float = 0.01
     """Initial value of the three alphas (upstream `mhc_init_gating_factor`); >= 0."""
     variant: Variant = Variant.MEGATRON_MAIN
-    """Numeric convention: `paper`, `megatron_main` or `megatron_dev`."""
+    """Numeric convention: `paper`, `megatron_main` or `megatron_dev` (a configuration name such as
+    `megatron_dev+eps_inside_sqrt` sets the option fields below, which must then be None)."""
     norm_eps: float = 1e-6
-    """eps added to the RMS of the mapping (outside the square root)."""
+    """eps of the RMS norm of the mapping."""
+    norm_eps_placement: NormEpsPlacement | None = None
+    """`outside_sqrt` or `inside_sqrt`; None: the variant's (outside for all three)."""
+    mapping_precision: MappingPrecision | None = None
+    """`fp32` or `activation`: the mapping's compute dtype and whether its parameters stay fp32 under a
+    half-precision cast; None: the variant's."""
+    output_contraction: OutputContraction | None = None
+    """`mean` or `learned`: the block exit a model built on this config uses (the module itself has no
+    exit; `mhc_core.contraction.LearnedContraction` is the learned one); None: the variant's (mean)."""
     use_fused: bool = False
     """Route the ops through `mhc_core.kernels` (upstream `use_fused_mhc`)."""
     perform_initialization: bool = True
@@ -55,14 +74,35 @@ class HyperConnectionConfig:
         if not (self.norm_eps >= 0 and math.isfinite(self.norm_eps)):
             raise bad("norm_eps", self.norm_eps, "must be a finite number >= 0")
         try:
-            object.__setattr__(self, "variant", get_variant(self.variant).variant)
-        except ValueError:
-            raise bad("variant", self.variant, f"valid: {', '.join(v.value for v in Variant)}") from None
+            spec = get_variant(self.variant)
+        except ValueError as exc:
+            raise bad("variant", self.variant, f"valid: {', '.join(v.value for v in Variant)}; {exc}") from None
+        for field, kind in (("norm_eps_placement", NormEpsPlacement), ("mapping_precision", MappingPrecision),
+                            ("output_contraction", OutputContraction)):
+            v = getattr(self, field)
+            if v is None:
+                if spec.options:  # a configuration name fills the options it names
+                    object.__setattr__(self, field, getattr(spec, field))
+                continue
+            if spec.options:
+                raise bad(field, v, f"is set twice: variant={spec.name!r} names the options already")
+            try:
+                object.__setattr__(self, field, kind(v))
+            except ValueError:
+                raise bad(field, v, f"valid: {', '.join(k.value for k in kind)}") from None
+        object.__setattr__(self, "variant", spec.variant)
         try:
             object.__setattr__(self, "h_res_constraint", ResidualConstraint(self.h_res_constraint))
         except ValueError:
             raise bad("h_res_constraint", self.h_res_constraint,
                       f"valid: {', '.join(c.value for c in ResidualConstraint)}") from None
+
+    @property
+    def numerics(self) -> VariantSpec:
+        """The variant with this config's options: what the ops are given (`spec.name` names it)."""
+        return configure(self.variant, NumericsOptions(norm_eps_placement=self.norm_eps_placement,
+                                                       mapping_precision=self.mapping_precision,
+                                                       output_contraction=self.output_contraction))
 
     @property
     def num_mapping_outputs(self) -> int:
@@ -78,11 +118,22 @@ class HyperConnectionConfig:
             sinkhorn_iterations=getattr(config, "mhc_sinkhorn_iterations", 20),
             init_gating_factor=getattr(config, "mhc_init_gating_factor", 0.01),
             variant=getattr(config, "mhc_variant", Variant.MEGATRON_MAIN),
+            norm_eps_placement=_flag(config, "mhc_norm_eps_inside_sqrt", NormEpsPlacement.INSIDE_SQRT,
+                                     NormEpsPlacement.OUTSIDE_SQRT),
+            mapping_precision=_flag(config, "mhc_keep_mappings_in_fp32", MappingPrecision.FP32,
+                                    MappingPrecision.ACTIVATION),
+            output_contraction=_flag(config, "mhc_learned_contraction", OutputContraction.LEARNED, None),
             use_fused=getattr(config, "use_fused_mhc", False),
             perform_initialization=getattr(config, "perform_initialization", True),
             sequence_parallel=getattr(config, "sequence_parallel", False),
             h_res_constraint=getattr(config, "mhc_h_res_constraint", ResidualConstraint.SINKHORN),
         )
+
+
+def _flag(config: Any, name: str, on: Any, off: Any) -> Any:
+    """A boolean upstream flag as an option: `on` when True, `off` when False, None when absent or None."""
+    v = getattr(config, name, None)
+    return None if v is None else (on if v else off)
 
 
 PARAM_DTYPE = torch.float32

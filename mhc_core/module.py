@@ -21,7 +21,7 @@ from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
 from mhc_core.kernels import select_ops
 from mhc_core.ops._checks import NonFiniteError, check_dim, check_finite, check_rank, shape_str
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
-from mhc_core.variants import ResidualConstraint, get_variant
+from mhc_core.variants import ResidualConstraint
 
 __all__ = ["HyperConnectionModule"]
 
@@ -34,9 +34,10 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         alpha_pre, alpha_post, alpha_res `[1]` = `init_gating_factor`;
         bias `[N]` zeros, laid out `[pre(n) | post(n) | res(n*n row-major)]`.
     With `h_res_constraint="none"` H_res is `I + logits` (unconstrained Hyper-Connections) instead of
-    the Sinkhorn projection. Under `paper` and `megatron_dev` they stay fp32 when the module is cast to bf16 / fp16
-    (megatron's `Float16Module`), as upstream dev's `mark_keep_in_fp32`; under `megatron_main`
-    they are cast with the model, as upstream main (`mhc_core.precision`).
+    the Sinkhorn projection. Under `paper` and `megatron_dev` (and any variant with `mapping_precision="fp32"`)
+    they stay fp32 when the module is cast to bf16 / fp16 (megatron's `Float16Module`), as upstream dev's
+    `mark_keep_in_fp32`; under `megatron_main` they are cast with the model, as upstream main
+    (`mhc_core.precision`). The ops get `config.numerics`: the variant with the config's options.
 
     Args:
         config: a `HyperConnectionConfig`, or a megatron-core `TransformerConfig` carrying the
@@ -59,13 +60,14 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         self.alpha_res = nn.Parameter(torch.full((1,), config.init_gating_factor, dtype=PARAM_DTYPE))
         self.bias = nn.Parameter(torch.zeros(big_n, dtype=PARAM_DTYPE))
         self.reset_parameters()
-        if get_variant(config.variant).params_fp32:
+        if config.numerics.params_fp32:
             for p in self.parameters():
                 mark_keep_in_fp32(p)
         if config.sequence_parallel:
             for p in self.parameters():
                 p.sequence_parallel = True
         self._ops = select_ops(config.use_fused)
+        self._spec = config.numerics
 
     def reset_parameters(self) -> None:
         """xavier-uniform projection (zero when `perform_initialization` is off), alphas, zero bias."""
@@ -110,14 +112,14 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
             self.alpha_res,
             self.bias,
             n,
-            cfg.variant,
+            self._spec,
             cfg.norm_eps,
         )
         try:
             if cfg.h_res_constraint == ResidualConstraint.NONE:  # unconstrained Hyper-Connections
                 h_res = torch.eye(n, dtype=logits.dtype, device=logits.device) + logits
             else:
-                h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, cfg.variant)
+                h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, self._spec)
         except NonFiniteError:  # the reference scans the logits; name where the NaN / inf came from
             check_finite(hidden_states, name="hidden_states", op="HyperConnectionModule.forward")
             for name, p in self.named_parameters():
@@ -174,13 +176,13 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
             bias,
             dropout_p,
             self.training if training is None else training,
-            self.hc_config.variant,
+            self._spec,
         )
         return out.view(s, b, n * c)
 
     def extra_repr(self) -> str:
         cfg = self.hc_config
         return (
-            f"n={self.n}, hidden_size={self.hidden_size}, variant={cfg.variant.value}, "
+            f"n={self.n}, hidden_size={self.hidden_size}, variant={self._spec.name}, "
             f"sinkhorn_iterations={cfg.sinkhorn_iterations}, fused={cfg.use_fused}"
         )

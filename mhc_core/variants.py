@@ -8,7 +8,15 @@
 | H_pre | `sigmoid` | `sigmoid` | `sigmoid + 1e-6` |
 | mapping precision | fp32 | activation dtype | fp32 |
 | params under a bf16 / fp16 cast | kept fp32 | cast with the model | kept fp32 |
-| block exit | mean | mean | mean, or learned contraction |
+| norm eps | outside the square root | outside | outside |
+| block exit | mean | mean | mean |
+
+Three numerics choices real models differ in are named options of any variant
+(`NumericsOptions`, `configure`): where the norm's eps sits (`eps_inside_sqrt`: `rsqrt(mean(x^2) + eps)`
+as DeepSeek-V4, TE and Liger), the mapping precision (`fp32_mappings` / `activation_mappings`: compute
+and parameters in fp32 or in the activation dtype) and the block exit (`learned_exit` / `mean_exit`).
+A configured spec is named `<variant>+<option>+...` (`megatron_dev+eps_inside_sqrt+learned_exit`),
+listing only the options that differ from the variant's own, and `get_variant` resolves such a name.
 
 The full list of differences is in `docs/variants.md`.
 """
@@ -16,10 +24,11 @@ The full list of differences is in `docs/variants.md`.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-__all__ = ["ResidualConstraint", "Variant", "VariantSpec", "VARIANTS", "get_variant"]
+__all__ = ["MappingPrecision", "NormEpsPlacement", "NumericsOptions", "OutputContraction", "ResidualConstraint",
+           "Variant", "VariantSpec", "VARIANTS", "configure", "get_variant"]
 
 
 class Variant(enum.StrEnum):
@@ -41,6 +50,44 @@ class ResidualConstraint(enum.StrEnum):
     NONE = "none"
     """Unconstrained Hyper-Connections, the HC paper's dynamic form: ``H_res = I + logits`` (identity at
     init, then whatever training makes of it). The baseline the mHC paper's stability figure compares."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class NormEpsPlacement(enum.StrEnum):
+    """Where the eps of the mapping's RMS norm sits."""
+
+    OUTSIDE_SQRT = "outside_sqrt"
+    """`r = 1 / (sqrt(mean(x^2)) + eps)`: upstream Megatron-LM main and dev, the paper."""
+    INSIDE_SQRT = "inside_sqrt"
+    """`r = rsqrt(mean(x^2) + eps)`: DeepSeek-V4, TE, Liger-Kernel, TileKernels (#7521's
+    `mhc_norm_eps_inside_sqrt`)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class MappingPrecision(enum.StrEnum):
+    """The dtype the mapping (projection, RMS, coefficients) computes in, and its parameters' dtype."""
+
+    FP32 = "fp32"
+    """Upcast to fp32; parameters stay fp32 under a half-precision cast (#7521's `mhc_keep_mappings_in_fp32`)."""
+    ACTIVATION = "activation"
+    """The activation dtype; parameters are cast with the model."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class OutputContraction(enum.StrEnum):
+    """How the block exit folds the n streams back to one."""
+
+    MEAN = "mean"
+    """The mean of the streams."""
+    LEARNED = "learned"
+    """The learned contraction `hc_head_fn / hc_head_base / hc_head_scale` (upstream dev's
+    `learned_output_contract`, DeepSeek-V4's `hc_head`)."""
 
     def __str__(self) -> str:
         return self.value
@@ -69,10 +116,65 @@ class VariantSpec:
     """Projection, RMS and coefficients in fp32 (True) or in the activation dtype (False)."""
     coefficients_in_activation_dtype: bool
     """Mapping outputs cast back to the activation dtype (True) or kept in the compute dtype."""
-    learned_contract: bool
-    """The block exit may use the learned contraction (`megatron_dev` only)."""
     params_fp32: bool
     """mHC parameters stay fp32 when the model is cast to fp16 / bf16 (`mhc_core.precision`)."""
+    norm_eps_placement: NormEpsPlacement = NormEpsPlacement.OUTSIDE_SQRT
+    """Where the RMS norm's eps sits (an option: `configure`)."""
+    output_contraction: OutputContraction = OutputContraction.MEAN
+    """The block exit (an option: `configure`)."""
+
+    @property
+    def mapping_precision(self) -> MappingPrecision:
+        """`fp32` when the mapping computes (and keeps its parameters) in fp32."""
+        return MappingPrecision.FP32 if self.mapping_fp32 else MappingPrecision.ACTIVATION
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The option names where this spec differs from its variant's own, in a fixed order."""
+        base = VARIANTS[self.variant]
+        out = []
+        if self.norm_eps_placement != base.norm_eps_placement:
+            out.append(f"eps_{self.norm_eps_placement.value}")
+        if self.mapping_precision != base.mapping_precision:
+            out.append(f"{self.mapping_precision.value}_mappings")
+        if self.output_contraction != base.output_contraction:
+            out.append(f"{self.output_contraction.value}_exit")
+        rest = [f.name for f in fields(self) if f.name not in _OPTION_FIELDS and getattr(self, f.name) != getattr(base, f.name)]
+        if rest:
+            raise ValueError(f"VariantSpec differs from {self.variant.value} in {', '.join(rest)}, which are not "
+                             f"options; options: {', '.join(_OPTION_NAMES)}")
+        return tuple(out)
+
+    @property
+    def name(self) -> str:
+        """`<variant>[+<option>...]`, e.g. `megatron_dev+eps_inside_sqrt`; resolvable by `get_variant`."""
+        return "+".join((self.variant.value, *self.options))
+
+    @property
+    def norm_eps_split(self) -> tuple[bool, bool]:
+        """`(inside, outside)`: which of `sqrt(mean(x^2) + eps_in)` and `1 / (rms + eps_out)` gets the eps."""
+        inside = self.norm_eps_placement == NormEpsPlacement.INSIDE_SQRT
+        return inside, not inside
+
+
+@dataclass(frozen=True, kw_only=True)
+class NumericsOptions:
+    """The named options of a variant; None keeps the variant's own choice."""
+
+    norm_eps_placement: NormEpsPlacement | None = None
+    mapping_precision: MappingPrecision | None = None
+    output_contraction: OutputContraction | None = None
+
+    def __post_init__(self) -> None:
+        for name, kind in (("norm_eps_placement", NormEpsPlacement), ("mapping_precision", MappingPrecision),
+                           ("output_contraction", OutputContraction)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            try:
+                object.__setattr__(self, name, kind(v))
+            except ValueError:
+                raise ValueError(f"NumericsOptions.{name}={v!r}: valid: {', '.join(k.value for k in kind)}") from None
 
 
 VARIANTS: dict[Variant, VariantSpec] = {
@@ -87,7 +189,6 @@ VARIANTS: dict[Variant, VariantSpec] = {
         h_pre_eps=0.0,
         mapping_fp32=True,
         coefficients_in_activation_dtype=False,
-        learned_contract=False,
         params_fp32=True,
     ),
     Variant.MEGATRON_MAIN: VariantSpec(
@@ -101,7 +202,6 @@ VARIANTS: dict[Variant, VariantSpec] = {
         h_pre_eps=0.0,
         mapping_fp32=False,
         coefficients_in_activation_dtype=True,
-        learned_contract=False,
         params_fp32=False,
     ),
     Variant.MEGATRON_DEV: VariantSpec(
@@ -115,18 +215,70 @@ VARIANTS: dict[Variant, VariantSpec] = {
         h_pre_eps=1e-6,
         mapping_fp32=True,
         coefficients_in_activation_dtype=True,
-        learned_contract=True,
         params_fp32=True,
     ),
 }
 
 
+_OPTION_FIELDS = ("norm_eps_placement", "mapping_fp32", "params_fp32", "output_contraction")
+"""The `VariantSpec` fields the options set (`mapping_precision` sets the two precision fields)."""
+
+_OPTION_NAMES: dict[str, tuple[str, str]] = {
+    "eps_inside_sqrt": ("norm_eps_placement", NormEpsPlacement.INSIDE_SQRT),
+    "eps_outside_sqrt": ("norm_eps_placement", NormEpsPlacement.OUTSIDE_SQRT),
+    "fp32_mappings": ("mapping_precision", MappingPrecision.FP32),
+    "activation_mappings": ("mapping_precision", MappingPrecision.ACTIVATION),
+    "learned_exit": ("output_contraction", OutputContraction.LEARNED),
+    "mean_exit": ("output_contraction", OutputContraction.MEAN),
+}
+"""Each option's name in a configuration name, and the `NumericsOptions` field and value it sets."""
+
+
+def configure(variant: str | Variant | VariantSpec, options: NumericsOptions | None = None) -> VariantSpec:
+    """`variant` with `options` applied (None fields keep the variant's choice)."""
+    spec = get_variant(variant)
+    if options is None:
+        return spec
+    changes: dict = {}
+    if options.norm_eps_placement is not None:
+        changes["norm_eps_placement"] = options.norm_eps_placement
+    if options.mapping_precision is not None:
+        fp32 = options.mapping_precision == MappingPrecision.FP32
+        changes["mapping_fp32"] = changes["params_fp32"] = fp32
+    if options.output_contraction is not None:
+        changes["output_contraction"] = options.output_contraction
+    out = replace(spec, **changes)
+    return VARIANTS[out.variant] if out == VARIANTS[out.variant] else out
+
+
+def _parse(name: str) -> VariantSpec:
+    base, *opts = name.split("+")
+    spec = VARIANTS[Variant(base)]
+    chosen: dict[str, str] = {}
+    for opt in opts:
+        if opt not in _OPTION_NAMES:
+            raise ValueError(f"variant={name!r}: unknown option {opt!r}; options: {', '.join(_OPTION_NAMES)}")
+        field_name, value = _OPTION_NAMES[opt]
+        if field_name in chosen:
+            raise ValueError(f"variant={name!r}: {chosen[field_name]!r} and {opt!r} set the same option")
+        chosen[field_name] = opt
+    return configure(spec, NumericsOptions(**{_OPTION_NAMES[o][0]: _OPTION_NAMES[o][1] for o in opts}))
+
+
 def get_variant(variant: str | Variant | VariantSpec) -> VariantSpec:
-    """Return the spec of `variant`; `ValueError` naming the argument for an unknown name."""
+    """Return the spec of `variant` (a variant, or a configuration name `<variant>+<option>...`);
+    `ValueError` naming the argument for an unknown name or option."""
     if isinstance(variant, VariantSpec):
         return variant
+    if isinstance(variant, str) and not isinstance(variant, Variant) and "+" in variant:
+        try:
+            return _parse(variant)
+        except ValueError as exc:
+            if str(exc).startswith("variant="):
+                raise
     try:
         return VARIANTS[Variant(variant)]
     except ValueError:
         valid = ", ".join(v.value for v in Variant)
-        raise ValueError(f"variant={variant!r} is not a known mHC variant; valid: {valid}") from None
+        raise ValueError(f"variant={variant!r} is not a known mHC variant; valid: {valid} (options, as "
+                         f"'+<option>': {', '.join(_OPTION_NAMES)})") from None

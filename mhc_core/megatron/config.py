@@ -15,7 +15,7 @@ from typing import Any
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mhc_core.ops._checks import as_int
-from mhc_core.variants import Variant, get_variant
+from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["MHCTransformerConfig"]
 
@@ -55,15 +55,23 @@ class MHCTransformerConfig(TransformerConfig):
     use_fused_mhc: bool = False
     """Route the mHC ops through `mhc_core.kernels` (requires `enable_mhc_connections`)."""
     mhc_learned_contraction: bool = False
-    """Block exit with the learned contraction (`hc_head_fn/base/scale`) instead of the mean;
-    `megatron_dev` only."""
+    """Block exit with the learned contraction (`hc_head_fn/base/scale`) instead of the mean (the option
+    `learned_exit`; upstream dev's default, #7521's `mhc_learned_output_contract`)."""
+    mhc_norm_eps_inside_sqrt: bool = False
+    """The mapping's RMS norm as `rsqrt(mean(x^2) + eps)` (the option `eps_inside_sqrt`, as DeepSeek-V4;
+    upstream PR #7521's name) instead of `1 / (rms + eps)`."""
+    mhc_keep_mappings_in_fp32: bool | None = None
+    """The mapping computed, and its parameters kept, in fp32 (True) or in the activation dtype (False);
+    None: the variant's (fp32 for `paper` and `megatron_dev`). Upstream PR #7521's name."""
     mhc_recompute_layer_num: int | None = None
     """With `"mhc"` in `recompute_modules`: layers per recompute group (None: the whole chunk)."""
 
     def __post_init__(self) -> None:
-        for field in ("enable_mhc_connections", "use_fused_mhc", "mhc_learned_contraction"):
+        for field in ("enable_mhc_connections", "use_fused_mhc", "mhc_learned_contraction",
+                      "mhc_norm_eps_inside_sqrt", "mhc_keep_mappings_in_fp32"):
             v = getattr(self, field)
-            if not isinstance(v, bool):  # "False" is truthy: it would switch the feature on
+            if not isinstance(v, bool) and not (v is None and field == "mhc_keep_mappings_in_fp32"):
+                # "False" is truthy: it would switch the feature on
                 raise ValueError(_bad(field, v, "must be True or False"))
         modules = self.recompute_modules
         if modules is not None and (not isinstance(modules, list | tuple) or not all(isinstance(m, str) for m in modules)):
@@ -85,7 +93,7 @@ class MHCTransformerConfig(TransformerConfig):
         if self.enable_mhc_connections:
             self._validate_mhc_compatibility()
         else:
-            for field in ("use_fused_mhc", "mhc_learned_contraction"):
+            for field in ("use_fused_mhc", "mhc_learned_contraction", "mhc_norm_eps_inside_sqrt"):
                 if getattr(self, field):
                     raise ValueError(_bad(field, getattr(self, field), "requires enable_mhc_connections=True"))
             if self._lists_mhc:
@@ -121,10 +129,15 @@ class MHCTransformerConfig(TransformerConfig):
             raise ValueError(_bad("mhc_recompute_layer_num", k, "must be None or an integer >= 1"))
         self.mhc_recompute_layer_num = ik
         try:
-            self.mhc_variant = get_variant(self.mhc_variant).variant.value
+            spec = get_variant(self.mhc_variant)
         except (ValueError, TypeError):
             valid = ", ".join(v.value for v in Variant)
             raise ValueError(_bad("mhc_variant", self.mhc_variant, f"valid: {valid}")) from None
+        if spec.options:
+            raise ValueError(_bad("mhc_variant", self.mhc_variant,
+                                  "name the variant alone and set its options with mhc_norm_eps_inside_sqrt, "
+                                  "mhc_keep_mappings_in_fp32 and mhc_learned_contraction"))
+        self.mhc_variant = spec.variant.value
         if self.mhc_h_res_constraint not in ("sinkhorn", "none"):
             raise ValueError(_bad("mhc_h_res_constraint", self.mhc_h_res_constraint, "valid: sinkhorn, none"))
 
@@ -159,11 +172,10 @@ class MHCTransformerConfig(TransformerConfig):
             if "mlp" in self.recompute_modules:
                 raise ValueError(_bad("recompute_modules", self.recompute_modules,
                                       "'mhc' cannot be combined with 'mlp' (as upstream main)"))
-        if self.mhc_learned_contraction and self.mhc_variant != Variant.MEGATRON_DEV.value:
-            raise ValueError(
-                _bad(
-                    "mhc_learned_contraction",
-                    True,
-                    f"needs mhc_variant='megatron_dev', got {self.mhc_variant!r}",
-                )
-            )
+
+    @property
+    def mhc_numerics(self) -> VariantSpec:
+        """The variant with its options (`.name`, e.g. `megatron_dev+eps_inside_sqrt+learned_exit`)."""
+        from mhc_core.config import HyperConnectionConfig
+
+        return HyperConnectionConfig.from_transformer_config(self).numerics

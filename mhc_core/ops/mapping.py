@@ -4,13 +4,14 @@
  -> h_pre[T, n], h_post[T, n], h_res_logits[T, n, n]`, with N = n*n + 2n.
 
     r     = 1 / (||x||_2 / sqrt(n*C) + norm_eps)        RMS over all n*C, eps outside the sqrt
+          = rsqrt(||x||_2^2 / (n*C) + norm_eps)         with the option `eps_inside_sqrt`
     h     = r * (x @ weight^T) * alpha + bias           RMS applied after the projection
     alpha = [alpha_pre x n | alpha_post x n | alpha_res x n*n]
     h_pre = sigmoid(h[:, :n]) (+ 1e-6 in megatron_dev), h_post = 2 * sigmoid(h[:, n:2n]),
     h_res_logits = h[:, 2n:].view(T, n, n)              row-major
 
 Precision per variant: `megatron_main` computes in the activation dtype (parameters cast to it);
-`paper` and `megatron_dev` upcast to fp32. Outputs are in the activation dtype for the two
+`paper` and `megatron_dev` upcast to fp32 (the option `fp32_mappings` / `activation_mappings` swaps). Outputs are in the activation dtype for the two
 Megatron variants and fp32 for `paper` (the paper keeps every coefficient in fp32).
 """
 
@@ -23,10 +24,22 @@ import torch
 from mhc_core.ops._checks import check_dim, check_floating, check_number, check_rank, check_streams, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "NORM_EPS"]
+__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "rms_and_scale", "NORM_EPS"]
 
 NORM_EPS = 1e-6
-"""eps added to the RMS (outside the square root), as upstream."""
+"""eps of the RMS norm (outside the square root, as upstream, unless the spec says inside)."""
+
+
+def rms_and_scale(sumsq: torch.Tensor, width: int, norm_eps: float,
+                  eps_inside: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms, r)` from the row sums of squares `sumsq [T, 1]`: `rms = sqrt(sumsq / K (+ eps inside))`,
+    `r = 1 / (rms (+ eps outside))`. With the eps outside, `rms` is `sqrt(sumsq) / sqrt(K)`, as upstream
+    computes it. Either way `dr/dx = -r^2 * x / (K * rms)`, so a backward needs only the saved `rms`."""
+    if eps_inside:
+        rms = torch.sqrt(sumsq / width + norm_eps)
+        return rms, 1.0 / rms
+    rms = torch.sqrt(sumsq) / math.sqrt(width)
+    return rms, 1.0 / (rms + norm_eps)
 
 
 def num_mapping_outputs(n: int) -> int:
@@ -84,8 +97,11 @@ def mapping(
     compute = torch.promote_types(x.dtype, torch.float32) if spec.mapping_fp32 else x.dtype
     xc = x.to(compute)
     proj = xc @ weight.to(compute).t()  # [T, N]
-    rms = torch.linalg.vector_norm(xc, dim=-1, keepdim=True) / math.sqrt(width)
-    r = 1.0 / (rms + norm_eps)  # [T, 1]
+    if spec.norm_eps_split[0]:
+        r = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + norm_eps)  # [T, 1]
+    else:
+        rms = torch.linalg.vector_norm(xc, dim=-1, keepdim=True) / math.sqrt(width)
+        r = 1.0 / (rms + norm_eps)  # [T, 1]
     alpha = torch.cat(
         [
             alpha_pre.to(compute).expand(n),

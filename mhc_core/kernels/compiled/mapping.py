@@ -4,6 +4,7 @@ Forward (x `[T, K]`, K = n*C, weight `[N, K]`, N = n*n + 2n):
 
     proj = x @ W^T                                  [T, N]    (compute dtype of the variant)
     rms  = ||x||_2 / sqrt(K);  r = 1 / (rms + eps)  [T, 1]    (sum of squares in fp32)
+    rms  = sqrt(||x||_2^2 / K + eps);  r = 1 / rms          with the eps inside the square root
     h    = r * proj * alpha + bias                  [T, N]    epilogue: gates, sigmoid, split
 
 `proj` and `rms` (`T * (N + 1)` values) are saved for the backward, so it never recomputes the
@@ -11,7 +12,7 @@ projection. Backward, with `gh` the gradient w.r.t. `h` (sigmoid derivatives app
 
     g_bias  = sum_t gh                 g_alpha_k = sum_t gh_k * r * proj_k (summed per gate)
     g_proj  = gh * r * alpha           g_r = sum_k gh_k * proj_k * alpha_k
-    g_x     = g_proj @ W - g_r * r^2 * x / (rms * K)    (0 where rms = 0, as autograd's norm)
+    g_x     = g_proj @ W - g_r * r^2 * x / (rms * K)    (0 where rms = 0, as autograd's norm; either eps)
     g_W     = g_proj^T @ x
 
 Precision per variant as the reference: parameters are rounded to the compute dtype
@@ -21,13 +22,11 @@ compute dtype, everything else accumulates in fp32.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mhc_core import ops
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops.mapping import NORM_EPS, check_mapping_args
+from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, rms_and_scale
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["mapping"]
@@ -57,13 +56,13 @@ def _sum_squares(xa: torch.Tensor) -> torch.Tensor:
     return sq.sum(-1, keepdim=True)
 
 
-def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pre_eps: float, norm_eps: float):
+def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pre_eps: float, norm_eps: float,
+         eps_inside: bool):
     acc = acc_dtype(compute)
     k = x.shape[1]
     xc = x.to(compute)
     proj = xc @ weight.to(compute).t()  # [T, N]
-    rms = torch.sqrt(_sum_squares(xc.to(acc))) / math.sqrt(k)  # [T, 1]
-    r = 1.0 / (rms + norm_eps)
+    rms, r = rms_and_scale(_sum_squares(xc.to(acc)), k, norm_eps, eps_inside)  # [T, 1] each
     h = r * proj.to(acc) * _alpha(a_pre, a_post, a_res, n, compute, acc) + bias.to(compute).to(acc)
     h_pre = torch.sigmoid(h[:, :n]) + h_pre_eps
     h_post = 2.0 * torch.sigmoid(h[:, n : 2 * n])
@@ -72,12 +71,12 @@ def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pr
 
 
 def _bwd(g_pre, g_post, g_logits, x, weight, a_pre, a_post, a_res, bias, proj, rms,
-         n: int, compute, norm_eps: float, need_x: bool, need_w: bool):
+         n: int, compute, eps_outside: float, need_x: bool, need_w: bool):
     acc = acc_dtype(compute)
     t, k = x.shape
     alpha = _alpha(a_pre, a_post, a_res, n, compute, acc)
     projf = proj.to(acc)
-    r = 1.0 / (rms + norm_eps)
+    r = 1.0 / (rms + eps_outside)
     h = r * projf * alpha + bias.to(compute).to(acc)
     s_pre = torch.sigmoid(h[:, :n])
     s_post = torch.sigmoid(h[:, n : 2 * n])
@@ -111,13 +110,14 @@ class _Mapping(torch.autograd.Function):
         compute = acc_dtype(x.dtype) if spec.mapping_fp32 else x.dtype
         out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
         params = (weight, a_pre, a_post, a_res, bias)
-        key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps, x.device.type)
+        key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps,
+               spec.norm_eps_placement, x.device.type)
         fwd = compile_for(_fwd, key)
         h_pre, h_post, logits, proj, rms = fwd(
-            mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps
+            mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps, spec.norm_eps_split[0]
         )
         ctx.save_for_backward(x, *params, proj, rms)
-        ctx.n, ctx.compute, ctx.norm_eps = n, compute, norm_eps
+        ctx.n, ctx.compute, ctx.norm_eps = n, compute, norm_eps if spec.norm_eps_split[1] else 0.0
         return h_pre, h_post, logits
 
     @staticmethod

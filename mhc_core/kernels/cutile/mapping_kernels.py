@@ -10,7 +10,8 @@ Forward (two launches):
    computes both projections with `ct.mma` (fp32 accumulators) and the sum of squares of `x`;
    writes fp32 partials `part_pp [S, T, 2n]`, `part_res [S, T, n*n]`, `part_sq [S, T]`.
 2. `mapping_fwd_epilogue_kernel`, grid `(cdiv(T, TILE_M),)`: sums the S partials,
-   `rms = sqrt(sumsq / K)`, `r = 1 / (rms + norm_eps)`, `h = r * proj * alpha + bias`,
+   `rms = sqrt(sumsq / K + eps_inside)`, `r = 1 / (rms + norm_eps)`, `h = r * proj * alpha + bias`
+   (the spec's eps placement gives the eps to one of `eps_inside` and `norm_eps`, the other is 0),
    `h_pre = sigmoid(h) + h_pre_eps`, `h_post = 2 sigmoid(h)`, `h_res = h`; also keeps the fp32
    `proj` and `rms` for the backward.
 
@@ -105,7 +106,7 @@ def mapping_fwd_partial_kernel(x, w_pp, w_res, part_pp, part_res, part_sq, k_til
 @ct.kernel
 def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
                                 bias_pp, bias_res, h_pre, h_post, h_res, proj_pp, proj_res, rms_out,
-                                inv_k: float, norm_eps: float, h_pre_eps: float,
+                                inv_k: float, norm_eps: float, h_pre_eps: float, eps_inside: float,
                                 N: ConstInt, TILE_M: ConstInt):
     """Reduce the K splits and apply RMS, alphas, bias and gates; grid `(cdiv(T, TILE_M),)`."""
     pm = ct.bid(0)
@@ -116,7 +117,7 @@ def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_pos
         p_pp = p_pp + ct.reshape(_load_f32(part_pp, (s, pm, 0), (1, TILE_M, 2 * N)), (TILE_M, 2 * N))
         p_res = p_res + ct.reshape(_load_f32(part_res, (s, pm, 0), (1, TILE_M, N * N)), (TILE_M, N * N))
         sq = sq + ct.reshape(_load_f32(part_sq, (s, pm), (1, TILE_M)), (TILE_M,))
-    rms = ct.sqrt(sq * inv_k)
+    rms = ct.sqrt(sq * inv_k + eps_inside)
     r = ct.reshape(1.0 / (rms + norm_eps), (TILE_M, 1))
     b_pp = ct.reshape(_load_f32(bias_pp, (0,), (2 * N,)), (1, 2 * N))
     b_res = ct.reshape(_load_f32(bias_res, (0,), (N * N,)), (1, N * N))
@@ -148,7 +149,9 @@ def mapping_bwd_coef_kernel(grad_pre, grad_post, grad_res, proj_pp, proj_res, rm
     p_pp = _load_f32(proj_pp, (pm, 0), (TILE_M, 2 * N))
     p_res = _load_f32(proj_res, (pm, 0), (TILE_M, N * N))
     rms = ct.reshape(_load_f32(rms_in, (pm,), (TILE_M,)), (TILE_M, 1))
-    r = 1.0 / (rms + norm_eps)
+    # With the eps inside the square root, norm_eps is 0 here and rms > 0 on every real row: the zero
+    # rms of a row past T gets r = 0, so it adds nothing (not inf * 0).
+    r = ct.where(rms + norm_eps > 0.0, 1.0 / (rms + norm_eps), 0.0)
     a_pp = _alpha_pp(alpha_pre, alpha_post, N)
     a_res = _scalar_f32(alpha_res)
     b_pp = ct.reshape(_load_f32(bias_pp, (0,), (2 * N,)), (1, 2 * N))

@@ -29,7 +29,7 @@ __all__ = ["mapping"]
 class _MappingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, alpha_pre, alpha_post, alpha_res, bias, n: int, out_dtype: torch.dtype,
-                mma: int, h_pre_eps: float, norm_eps: float, rt: Any):
+                mma: int, h_pre_eps: float, norm_eps: float, eps_inside: float, rt: Any):
         x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
         alphas = tuple(a.contiguous() for a in (alpha_pre, alpha_post, alpha_res))
         t, k = x.shape
@@ -60,7 +60,8 @@ class _MappingFn(torch.autograd.Function):
                 (m_blocks,),
                 "mapping_fwd_epilogue_kernel",
                 (part_pp, part_res, part_sq, *alphas, bias[: 2 * n], bias[2 * n :], h_pre, h_post, h_res,
-                 proj_pp, proj_res, rms, 1.0 / k, float(norm_eps), float(h_pre_eps), n, tl.tile_m),
+                 proj_pp, proj_res, rms, 1.0 / k, float(norm_eps), float(h_pre_eps), float(eps_inside), n,
+                 tl.tile_m),
             )
         ctx.save_for_backward(x, weight, *alphas, bias, proj_pp, proj_res, rms)
         ctx.args = (n, mma, float(norm_eps), rt)
@@ -115,7 +116,7 @@ class _MappingFn(torch.autograd.Function):
             ga[1:2].to(alpha_post.dtype),
             ga[2:3].to(alpha_res.dtype),
             grad_bias,
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
 
 
@@ -145,7 +146,8 @@ def mapping(
     require_device(runtime, op, **tensors)
     compute = torch.float32 if spec.mapping_fp32 else x.dtype
     out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
+    inside, outside = spec.norm_eps_split
     return _MappingFn.apply(
         x, weight, alpha_pre, alpha_post, alpha_res, bias, n, out_dtype, mma_mode(x.dtype, spec),
-        float(spec.h_pre_eps), float(norm_eps), runtime,
+        float(spec.h_pre_eps), float(norm_eps) if outside else 0.0, float(norm_eps) if inside else 0.0, runtime,
     )

@@ -50,6 +50,29 @@ class TestHandComputed:
             assert g == pytest.approx(w, rel=0, abs=1e-14), name
         assert h_pre.shape == (1, 1) and h_post.shape == (1, 1) and logits.shape == (1, 1, 1)
 
+    @pytest.mark.parametrize("variant", VARIANTS, ids=str)
+    def test_values_eps_inside_sqrt(self, variant):
+        """With `eps_inside_sqrt`, r = rsqrt(mean(x^2) + eps) = 1 / sqrt(12.5 + 1e-6)."""
+        spec = f"{variant}+eps_inside_sqrt"
+        h_pre, h_post, logits = mapping(self.x, self.w, self.a_pre, self.a_post, self.a_res, self.bias, 1, spec)
+        r = 1.0 / math.sqrt(12.5 + 1e-6)
+        sig = lambda v: 1.0 / (1.0 + math.exp(-v))  # noqa: E731
+        want = (sig(r * 1.5 + 0.1) + (1e-6 if variant is Variant.MEGATRON_DEV else 0.0), 2.0 * sig(r + 0.2),
+                r * 7.0 + 0.3)
+        for name, g, w in zip(("h_pre", "h_post", "h_res_logits"), (h_pre.item(), h_post.item(), logits.item()),
+                              want, strict=True):
+            assert g == pytest.approx(w, rel=0, abs=1e-14), name
+
+    def test_eps_placement_matters_only_at_small_rms(self):
+        """At RMS ~1 the two placements agree to ~eps; at RMS 1e-3 they differ by far more than rounding."""
+        def logits(x, spec):
+            return mapping(x, self.w, self.a_pre, self.a_post, self.a_res, self.bias, 1, spec)[2]
+
+        near = (logits(self.x, "paper") - logits(self.x, "paper+eps_inside_sqrt")).abs().item()
+        small = self.x * 1e-3
+        far = (logits(small, "paper") - logits(small, "paper+eps_inside_sqrt")).abs().item()
+        assert near < 1e-6 and far > 1e-4, (near, far)
+
     def test_bias_layout_is_pre_post_res_row_major(self):
         """bias [pre(n) | post(n) | res(n*n row-major)]: with zero weight the logits are the bias."""
         n, c = 3, 2
@@ -88,6 +111,17 @@ class TestPrecision:
         ref = mapping(x.float(), w, *alphas, bias, 4, "megatron_dev")
         assert torch.equal(logits, ref[2].to(torch.bfloat16))
 
+    def test_fp32_mappings_option_makes_megatron_main_compute_in_fp32(self):
+        """megatron_main+fp32_mappings: fp32 math rounded once to bf16, as megatron_dev does it."""
+        x, (_, _, logits), (w, alphas, bias) = self._run("megatron_main+fp32_mappings")
+        assert logits.dtype == torch.bfloat16
+        assert torch.equal(logits, mapping(x.float(), w, *alphas, bias, 4, "megatron_main")[2].to(torch.bfloat16))
+
+    def test_activation_mappings_option_makes_megatron_dev_compute_in_bf16(self):
+        """megatron_dev+activation_mappings: the projection in bf16, no longer the fp32 math rounded once."""
+        x, (_, _, logits), (w, alphas, bias) = self._run("megatron_dev+activation_mappings")
+        assert not torch.equal(logits, mapping(x.float(), w, *alphas, bias, 4, "megatron_dev")[2].to(torch.bfloat16))
+
     def test_megatron_main_computes_in_activation_dtype(self):
         """megatron_main: the projection runs in bf16, so it differs from the fp32 math."""
         x, (_, _, logits), (w, alphas, bias) = self._run("megatron_main")
@@ -96,7 +130,7 @@ class TestPrecision:
         assert not torch.equal(logits, ref)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+@pytest.mark.parametrize("variant", [*VARIANTS, *(f"{v}+eps_inside_sqrt" for v in VARIANTS)], ids=str)
 def test_gradcheck_fp64(variant):
     """Gradients w.r.t. x, weight, the three alphas and bias equal finite differences."""
     n, c = 2, 3

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mhc_core import HyperConnectionConfig, HyperConnectionModule, Variant, expand
+from mhc_core import mapping as mhc_mapping
 
 VARIANTS = list(Variant)
 
@@ -195,3 +196,46 @@ class TestBadInput:
         _, h_res, h_post, _ = m(x)
         with pytest.raises(ValueError, match=r"y must have shape \[s, b, C\] = \[2, 1, 16\]"):
             m.post_residual_bda(h_res, x, h_post, (torch.zeros(2, 1, 8), None))
+
+
+class TestNumericsOptions:
+    """The option fields of `HyperConnectionConfig` reach the ops, and a configuration name sets them."""
+
+    def test_configuration_name_fills_the_option_fields(self):
+        """variant='megatron_dev+eps_inside_sqrt' is the variant plus its option; numerics names it back."""
+        cfg = HyperConnectionConfig(hidden_size=8, variant="megatron_dev+eps_inside_sqrt")
+        assert cfg.variant is Variant.MEGATRON_DEV and cfg.norm_eps_placement == "inside_sqrt"
+        assert cfg.numerics.name == "megatron_dev+eps_inside_sqrt"
+
+    def test_an_option_set_twice_is_refused(self):
+        """A configuration name and an option field together is a ValueError naming the field."""
+        with pytest.raises(ValueError, match="norm_eps_placement='inside_sqrt': is set twice"):
+            HyperConnectionConfig(hidden_size=8, variant="megatron_dev+eps_inside_sqrt",
+                                  norm_eps_placement="inside_sqrt")
+
+    def test_bad_option_value(self):
+        """An unknown choice is a ValueError listing the valid ones."""
+        with pytest.raises(ValueError, match="mapping_precision='fp16': valid: fp32, activation"):
+            HyperConnectionConfig(hidden_size=8, mapping_precision="fp16")
+
+    @pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+    def test_eps_inside_reaches_the_mapping(self, fused):
+        """The module's coefficients are the mapping's under the configured spec, not the plain variant's."""
+        torch.manual_seed(0)
+        cfg = HyperConnectionConfig(hidden_size=8, num_residual_streams=2, variant="paper",
+                                    norm_eps_placement="inside_sqrt", use_fused=fused)
+        hc = HyperConnectionModule(cfg)
+        x = 1e-3 * torch.randn(3, 1, 16)  # small RMS: the eps placement shows
+        _, _, h_post, _ = hc(x)
+        args = (x.reshape(3, 16), hc.mapping_proj.weight, hc.alpha_pre, hc.alpha_post, hc.alpha_res, hc.bias, 2)
+        inside = mhc_mapping(*args, "paper+eps_inside_sqrt")[1]
+        outside = mhc_mapping(*args, "paper")[1]
+        torch.testing.assert_close(h_post.reshape(3, 2), inside)
+        assert not torch.allclose(inside, outside, rtol=0, atol=1e-6)
+
+    def test_fp32_mappings_keep_megatron_main_parameters_fp32(self):
+        """megatron_main casts its parameters with the model; with mapping_precision='fp32' they stay fp32."""
+        plain = HyperConnectionModule(HyperConnectionConfig(hidden_size=8, variant="megatron_main")).bfloat16()
+        kept = HyperConnectionModule(HyperConnectionConfig(hidden_size=8, variant="megatron_main",
+                                                           mapping_precision="fp32")).bfloat16()
+        assert plain.bias.dtype == torch.bfloat16 and kept.bias.dtype == torch.float32

@@ -5,6 +5,13 @@ from __future__ import annotations
 import pytest
 
 from mhc_core import VARIANTS, Variant, get_variant
+from mhc_core.variants import (
+    MappingPrecision,
+    NormEpsPlacement,
+    NumericsOptions,
+    OutputContraction,
+    configure,
+)
 
 
 def test_table_matches_the_design_table():
@@ -17,8 +24,10 @@ def test_table_matches_the_design_table():
     assert (p.h_pre_eps, m.h_pre_eps, d.h_pre_eps) == (0.0, 0.0, 1e-6)
     assert (p.mapping_fp32, m.mapping_fp32, d.mapping_fp32) == (True, False, True)
     assert (p.exact_sums, m.exact_sums, d.exact_sums) == ("rows", "cols", "none")
-    assert (p.learned_contract, m.learned_contract, d.learned_contract) == (False, False, True)
     assert (p.params_fp32, m.params_fp32, d.params_fp32) == (True, False, True)
+    assert {s.norm_eps_placement for s in (p, m, d)} == {NormEpsPlacement.OUTSIDE_SQRT}
+    assert {s.output_contraction for s in (p, m, d)} == {OutputContraction.MEAN}
+    assert (p.name, m.name, d.name) == ("paper", "megatron_main", "megatron_dev")
 
 
 @pytest.mark.parametrize("name", ["paper", "megatron_main", "megatron_dev"])
@@ -33,3 +42,45 @@ def test_unknown_name():
     """An unknown name is a ValueError listing the valid ones."""
     with pytest.raises(ValueError, match="variant='main'.*valid: paper, megatron_main, megatron_dev"):
         get_variant("main")
+
+
+@pytest.mark.parametrize(("name", "eps", "fp32", "exit_"), [
+    ("megatron_dev+eps_inside_sqrt", NormEpsPlacement.INSIDE_SQRT, True, OutputContraction.MEAN),
+    ("megatron_dev+eps_inside_sqrt+learned_exit", NormEpsPlacement.INSIDE_SQRT, True, OutputContraction.LEARNED),
+    ("megatron_main+fp32_mappings", NormEpsPlacement.OUTSIDE_SQRT, True, OutputContraction.MEAN),
+    ("paper+activation_mappings+learned_exit", NormEpsPlacement.OUTSIDE_SQRT, False, OutputContraction.LEARNED),
+])
+def test_configuration_names_resolve(name, eps, fp32, exit_):
+    """`<variant>+<option>...` resolves to the variant with those options, and names itself back."""
+    spec = get_variant(name)
+    assert (spec.norm_eps_placement, spec.mapping_fp32, spec.params_fp32, spec.output_contraction) == \
+        (eps, fp32, fp32, exit_)
+    assert spec.name == name and get_variant(spec.name) == spec
+    base = VARIANTS[spec.variant]  # every other knob is the variant's
+    assert (spec.sinkhorn_start, spec.res_transposed, spec.h_pre_eps) == \
+        (base.sinkhorn_start, base.res_transposed, base.h_pre_eps)
+
+
+def test_an_option_equal_to_the_variants_own_is_not_named():
+    """Options that change nothing give the variant itself (so `megatron_dev+fp32_mappings` is `megatron_dev`)."""
+    assert get_variant("megatron_dev+fp32_mappings") is VARIANTS[Variant.MEGATRON_DEV]
+    assert configure("megatron_main", NumericsOptions(mapping_precision=MappingPrecision.ACTIVATION)).name == \
+        "megatron_main"
+    assert configure("paper", NumericsOptions(norm_eps_placement="inside_sqrt")).name == "paper+eps_inside_sqrt"
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("megatron_dev+eps_inside", "unknown option 'eps_inside'; options: eps_inside_sqrt"),
+    ("megatron_dev+learned_exit+mean_exit", "'learned_exit' and 'mean_exit' set the same option"),
+    ("dev+learned_exit", "variant='dev\\+learned_exit' is not a known mHC variant"),
+])
+def test_bad_configuration_names(name, message):
+    """An unknown option, two values of one option or an unknown variant is a ValueError naming it."""
+    with pytest.raises(ValueError, match=message):
+        get_variant(name)
+
+
+def test_bad_option_value():
+    """A value that is not one of an option's choices is a ValueError naming the field and the choices."""
+    with pytest.raises(ValueError, match="NumericsOptions.norm_eps_placement='inside'.*inside_sqrt"):
+        NumericsOptions(norm_eps_placement="inside")

@@ -23,7 +23,7 @@ import torch
 
 from mhc_core.kernels import dispatch
 from mhc_core.testing import assert_close, assert_cosine, tolerance
-from mhc_core.variants import Variant
+from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = [
     "C",
@@ -66,12 +66,14 @@ class Case:
     tokens: int
     n: int
     dtype: torch.dtype
-    variant: Variant = Variant.MEGATRON_MAIN
+    variant: Variant | VariantSpec = Variant.MEGATRON_MAIN
+    """A variant, or a configured one (`get_variant("megatron_dev+eps_inside_sqrt")`)."""
     hidden: int = C
     extra: str = ""
 
     def __str__(self) -> str:
-        parts = [f"T{self.tokens}", f"n{self.n}", f"C{self.hidden}", DTYPE_NAMES[self.dtype], self.variant.value]
+        parts = [f"T{self.tokens}", f"n{self.n}", f"C{self.hidden}", DTYPE_NAMES[self.dtype],
+                 get_variant(self.variant).name]
         return "-".join(parts + ([self.extra] if self.extra else []))
 
 

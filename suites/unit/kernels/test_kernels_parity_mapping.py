@@ -7,7 +7,7 @@ import torch
 
 from mhc_core import ops
 from mhc_core.kernels import dispatch
-from mhc_core.variants import Variant
+from mhc_core.variants import Variant, get_variant
 from suites.unit.kernels.parity import Case, backend_params, check_parity, device_for
 
 FP32, BF16 = torch.float32, torch.bfloat16
@@ -15,8 +15,11 @@ CASES = (
     [Case(tokens=48, n=4, dtype=dt, variant=v) for v in Variant for dt in (FP32, BF16)]
     + [Case(tokens=40, n=2, dtype=FP32, variant=v) for v in (Variant.PAPER, Variant.MEGATRON_MAIN)]
     + [Case(tokens=40, n=n, dtype=FP32, variant=Variant.MEGATRON_DEV) for n in (1, 3)]
+    + [Case(tokens=48, n=4, dtype=dt, variant=get_variant(name), extra="rms1e-3")
+       for name, dt in (("megatron_dev+eps_inside_sqrt", FP32), ("megatron_main+eps_inside_sqrt+fp32_mappings", BF16))]
 )
-"""Every variant at n = 4 in fp32 and bf16; n = 1, 2, 3 in fp32 (fp32 paper and megatron_main share a graph)."""
+"""Every variant at n = 4 in fp32 and bf16; n = 1, 2, 3 in fp32 (fp32 paper and megatron_main share a graph);
+the eps inside the square root (with x at RMS 1e-3, where its placement shows) and fp32 mappings on main."""
 GRADS = ["x", "weight", "alpha_pre", "alpha_post", "alpha_res", "bias"]
 COSINE = [["alpha_pre", "alpha_post", "alpha_res"], ["bias"], ["weight"]]
 
@@ -31,7 +34,7 @@ def _inputs(case: Case, device: str) -> dict[str, torch.Tensor]:
         return scale * torch.randn(shape, generator=gen)
 
     t = {
-        "x": rnd(case.tokens, k).to(case.dtype),
+        "x": (rnd(case.tokens, k) * (1e-3 if case.extra == "rms1e-3" else 1.0)).to(case.dtype),
         "weight": rnd(big_n, k, scale=k**-0.5),
         "alpha_pre": 0.5 + torch.rand(1, generator=gen),
         "alpha_post": 0.5 + torch.rand(1, generator=gen),

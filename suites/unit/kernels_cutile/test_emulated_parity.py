@@ -311,6 +311,22 @@ def test_mapping(emu, n, variant, dtype, t, c, bwd):
         )
 
 
+@pytest.mark.parametrize("variant", ["megatron_dev+eps_inside_sqrt", "megatron_main+eps_inside_sqrt+fp32_mappings"])
+def test_mapping_numerics_options(emu, variant):
+    """The eps inside the square root (and fp32 mappings on megatron_main) match the reference, fwd + bwd,
+    with x at RMS 1e-3 where the eps placement shows."""
+    x, *rest = mapping_inputs(20, 4, 300, torch.float32, "cpu")
+    compare(
+        f"mapping {variant}",
+        lambda *a: emu.mapping(*a, 4, variant),
+        lambda *a: ref.mapping(*a, 4, variant),
+        [x * 1e-3, *rest],
+        torch.float32,
+        input_names=MAPPING_INPUT_NAMES,
+        cosine_inputs=MAPPING_COSINE,
+    )
+
+
 def test_mapping_n8(emu):
     """n = 8 (N = 80: pre/post tile 16, res tile 64)."""
     compare(

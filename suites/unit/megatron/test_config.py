@@ -98,9 +98,6 @@ INCOMPATIBLE = [
     pytest.param({"mtp_num_layers": 1}, ValueError, "mtp_num_layers=1", id="mtp"),
     pytest.param({"num_moe_experts": 2}, NotImplementedError, "num_moe_experts=2", id="moe"),
     pytest.param({"hidden_size": 0, "num_attention_heads": 1}, ValueError, "hidden_size=0", id="hidden-0"),
-    pytest.param(
-        {"mhc_learned_contraction": True}, ValueError, "mhc_learned_contraction=True", id="learned-needs-dev"
-    ),
 ]
 
 
@@ -111,9 +108,9 @@ def test_incompatible_setting_with_mhc_raises(make_config, overrides, error, mes
         make_config(n=4, **overrides)
 
 
-@pytest.mark.parametrize("field", ["use_fused_mhc", "mhc_learned_contraction"])
+@pytest.mark.parametrize("field", ["use_fused_mhc", "mhc_learned_contraction", "mhc_norm_eps_inside_sqrt"])
 def test_option_without_mhc_raises(make_config, field):
-    """use_fused_mhc / mhc_learned_contraction without enable_mhc_connections is a ValueError naming the field."""
+    """An mHC option without enable_mhc_connections is a ValueError naming the field."""
     with pytest.raises(ValueError, match=rf"{field}=True: requires enable_mhc_connections=True"):
         make_config(**{field: True})
 
@@ -122,6 +119,29 @@ def test_learned_contraction_accepted_with_dev_variant(make_config):
     """mhc_learned_contraction is valid with mhc_variant='megatron_dev'."""
     cfg = make_config(n=2, mhc_variant="megatron_dev", mhc_learned_contraction=True)
     assert cfg.mhc_learned_contraction
+
+
+@pytest.mark.parametrize(("overrides", "name"), [
+    ({"mhc_variant": "megatron_dev"}, "megatron_dev"),
+    ({"mhc_variant": "megatron_dev", "mhc_norm_eps_inside_sqrt": True, "mhc_learned_contraction": True},
+     "megatron_dev+eps_inside_sqrt+learned_exit"),
+    ({"mhc_variant": "megatron_dev", "mhc_keep_mappings_in_fp32": False}, "megatron_dev+activation_mappings"),
+    ({"mhc_keep_mappings_in_fp32": True, "mhc_learned_contraction": True}, "megatron_main+fp32_mappings+learned_exit"),
+])
+def test_numerics_options_name_the_configuration(make_config, overrides, name):
+    """The option fields (upstream PR #7521's names) make a named configuration of the variant."""
+    assert make_config(n=2, **overrides).mhc_numerics.name == name
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"mhc_norm_eps_inside_sqrt": "yes"}, "mhc_norm_eps_inside_sqrt='yes': must be True or False"),
+    ({"mhc_keep_mappings_in_fp32": 1}, "mhc_keep_mappings_in_fp32=1: must be True or False"),
+    ({"mhc_variant": "megatron_dev+eps_inside_sqrt"}, "set its options with mhc_norm_eps_inside_sqrt"),
+])
+def test_bad_numerics_options(make_config, overrides, message):
+    """A non-bool option, or options folded into mhc_variant, is a ValueError naming the field."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_config(n=2, **overrides)
 
 
 @pytest.mark.parametrize(
