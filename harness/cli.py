@@ -120,7 +120,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     if args.strict:
         bad = [p.peer for p in matrix.peers if not p.skipped and not p.conforms]
         if bad:
-            print(f"--strict: {', '.join(bad)} do not conform to any variant on every check")
+            print(f"--strict: {', '.join(bad)} do not conform to any variant or configuration on every check")
             return 1
     return 0
 

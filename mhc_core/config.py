@@ -15,6 +15,7 @@ from mhc_core.variants import (
     NumericsOptions,
     OutputContraction,
     ResidualConstraint,
+    ResidualMix,
     Variant,
     VariantSpec,
     configure,
@@ -49,6 +50,8 @@ class HyperConnectionConfig:
     output_contraction: OutputContraction | None = None
     """`mean` or `learned`: the block exit a model built on this config uses (the module itself has no
     exit; `mhc_core.contraction.LearnedContraction` is the learned one); None: the variant's (mean)."""
+    residual_mix: ResidualMix | None = None
+    """`untransposed` (`H @ x`) or `transposed` (`H^T @ x`); None: the variant's."""
     use_fused: bool = False
     """Route the ops through `mhc_core.kernels` (upstream `use_fused_mhc`)."""
     perform_initialization: bool = True
@@ -78,7 +81,7 @@ class HyperConnectionConfig:
         except ValueError as exc:
             raise bad("variant", self.variant, f"valid: {', '.join(v.value for v in Variant)}; {exc}") from None
         for field, kind in (("norm_eps_placement", NormEpsPlacement), ("mapping_precision", MappingPrecision),
-                            ("output_contraction", OutputContraction)):
+                            ("output_contraction", OutputContraction), ("residual_mix", ResidualMix)):
             v = getattr(self, field)
             if v is None:
                 if spec.options:  # a configuration name fills the options it names
@@ -102,7 +105,8 @@ class HyperConnectionConfig:
         """The variant with this config's options: what the ops are given (`spec.name` names it)."""
         return configure(self.variant, NumericsOptions(norm_eps_placement=self.norm_eps_placement,
                                                        mapping_precision=self.mapping_precision,
-                                                       output_contraction=self.output_contraction))
+                                                       output_contraction=self.output_contraction,
+                                                       residual_mix=self.residual_mix))
 
     @property
     def num_mapping_outputs(self) -> int:

@@ -11,10 +11,12 @@
 | norm eps | outside the square root | outside | outside |
 | block exit | mean | mean | mean |
 
-Three numerics choices real models differ in are named options of any variant
+Four numerics choices real implementations differ in are named options of any variant
 (`NumericsOptions`, `configure`): where the norm's eps sits (`eps_inside_sqrt`: `rsqrt(mean(x^2) + eps)`
 as DeepSeek-V4, TE and Liger), the mapping precision (`fp32_mappings` / `activation_mappings`: compute
-and parameters in fp32 or in the activation dtype) and the block exit (`learned_exit` / `mean_exit`).
+and parameters in fp32 or in the activation dtype), the block exit (`learned_exit` / `mean_exit`) and
+the orientation of the residual mix (`transposed_mix`: `H^T @ x` / `untransposed_mix`: `H @ x`; Liger
+mixes dev's H_res untransposed).
 A configured spec is named `<variant>+<option>+...` (`megatron_dev+eps_inside_sqrt+learned_exit`),
 listing only the options that differ from the variant's own, and `get_variant` resolves such a name.
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 __all__ = ["MappingPrecision", "NormEpsPlacement", "NumericsOptions", "OutputContraction", "ResidualConstraint",
-           "Variant", "VariantSpec", "VARIANTS", "configure", "get_variant"]
+           "ResidualMix", "Variant", "VariantSpec", "VARIANTS", "configure", "get_variant"]
 
 
 class Variant(enum.StrEnum):
@@ -93,6 +95,18 @@ class OutputContraction(enum.StrEnum):
         return self.value
 
 
+class ResidualMix(enum.StrEnum):
+    """How H_res mixes the streams."""
+
+    UNTRANSPOSED = "untransposed"
+    """`out_i = sum_j H[i, j] x_j` (`H @ x`): upstream main, the paper, Liger-Kernel."""
+    TRANSPOSED = "transposed"
+    """`out_i = sum_j H[j, i] x_j` (`H^T @ x`): upstream dev, DeepSeek-V4."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True, kw_only=True)
 class VariantSpec:
     """Every knob in which the variants differ."""
@@ -129,6 +143,11 @@ class VariantSpec:
         return MappingPrecision.FP32 if self.mapping_fp32 else MappingPrecision.ACTIVATION
 
     @property
+    def residual_mix(self) -> ResidualMix:
+        """`transposed` when the mix is `H^T @ x`."""
+        return ResidualMix.TRANSPOSED if self.res_transposed else ResidualMix.UNTRANSPOSED
+
+    @property
     def options(self) -> tuple[str, ...]:
         """The option names where this spec differs from its variant's own, in a fixed order."""
         base = VARIANTS[self.variant]
@@ -139,6 +158,8 @@ class VariantSpec:
             out.append(f"{self.mapping_precision.value}_mappings")
         if self.output_contraction != base.output_contraction:
             out.append(f"{self.output_contraction.value}_exit")
+        if self.residual_mix != base.residual_mix:
+            out.append(f"{self.residual_mix.value}_mix")
         rest = [f.name for f in fields(self) if f.name not in _OPTION_FIELDS and getattr(self, f.name) != getattr(base, f.name)]
         if rest:
             raise ValueError(f"VariantSpec differs from {self.variant.value} in {', '.join(rest)}, which are not "
@@ -164,10 +185,11 @@ class NumericsOptions:
     norm_eps_placement: NormEpsPlacement | None = None
     mapping_precision: MappingPrecision | None = None
     output_contraction: OutputContraction | None = None
+    residual_mix: ResidualMix | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("norm_eps_placement", NormEpsPlacement), ("mapping_precision", MappingPrecision),
-                           ("output_contraction", OutputContraction)):
+                           ("output_contraction", OutputContraction), ("residual_mix", ResidualMix)):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -220,7 +242,7 @@ VARIANTS: dict[Variant, VariantSpec] = {
 }
 
 
-_OPTION_FIELDS = ("norm_eps_placement", "mapping_fp32", "params_fp32", "output_contraction")
+_OPTION_FIELDS = ("norm_eps_placement", "mapping_fp32", "params_fp32", "output_contraction", "res_transposed")
 """The `VariantSpec` fields the options set (`mapping_precision` sets the two precision fields)."""
 
 _OPTION_NAMES: dict[str, tuple[str, str]] = {
@@ -230,6 +252,8 @@ _OPTION_NAMES: dict[str, tuple[str, str]] = {
     "activation_mappings": ("mapping_precision", MappingPrecision.ACTIVATION),
     "learned_exit": ("output_contraction", OutputContraction.LEARNED),
     "mean_exit": ("output_contraction", OutputContraction.MEAN),
+    "transposed_mix": ("residual_mix", ResidualMix.TRANSPOSED),
+    "untransposed_mix": ("residual_mix", ResidualMix.UNTRANSPOSED),
 }
 """Each option's name in a configuration name, and the `NumericsOptions` field and value it sets."""
 
@@ -247,6 +271,8 @@ def configure(variant: str | Variant | VariantSpec, options: NumericsOptions | N
         changes["mapping_fp32"] = changes["params_fp32"] = fp32
     if options.output_contraction is not None:
         changes["output_contraction"] = options.output_contraction
+    if options.residual_mix is not None:
+        changes["res_transposed"] = options.residual_mix == ResidualMix.TRANSPOSED
     out = replace(spec, **changes)
     return VARIANTS[out.variant] if out == VARIANTS[out.variant] else out
 

@@ -23,15 +23,29 @@ def _scores(p: PeerResult) -> str:
     return ", ".join(f"{v} {p.score(v)[0]}/{len(cs)}" for v, cs in p.by_variant.items())
 
 
+def _configuration(p: PeerResult) -> str:
+    """The best configuration and its passes, when options were tried (``-`` when none could be)."""
+    if len(p.by_configuration) < 2:
+        return "-"
+    c = p.configuration
+    return f"{c} {p.score(c)[0]}/{len(p.by_configuration[c])}"
+
+
+def _claim(p: PeerResult) -> str:
+    return "" if p.claims is None or p.meets_claim or not p.conforms else f", not its claim {p.claims}"
+
+
 def format_summary(matrix: Matrix) -> str:
-    """One line per peer (best variant, passes per variant), then every check that did not pass."""
+    """One line per peer (best configuration, passes per variant), then every check that did not pass."""
     lines = []
     for p in matrix.peers:
         if p.skipped:
             lines.append(f"{p.peer}: skipped: {p.skipped}")
             continue
         verdict = "conforms to" if p.conforms else "best matches"
-        lines.append(f"{p.peer} ({p.version or 'no version'}): {verdict} {p.best} [{_scores(p)}]")
+        tried = "" if len(p.by_configuration) < 2 else f" [{len(p.by_configuration)} configurations tried]"
+        lines.append(f"{p.peer} ({p.version or 'no version'}): {verdict} {p.configuration}{_claim(p)} "
+                     f"[{_scores(p)}]{tried}")
         for c in p.cells():
             if c.status != "pass":
                 lines.append(f"    {c.check}: {c.status}: {c.message}")
@@ -39,21 +53,24 @@ def format_summary(matrix: Matrix) -> str:
 
 
 def markdown(matrix: Matrix) -> str:
-    """A ``## Conformance`` section: the summary table, then per peer every check against its best variant."""
+    """A ``## Conformance`` section: the summary table, then per peer every check against its best configuration."""
     md = ["## Conformance", "",
           "Every peer's ops on the same seeded inputs, outputs and all gradients against the fp64 oracle of each "
-          "variant; the best-matching variant per peer, and each check against it (`docs/conformance.md`).", "",
-          "| peer | version | best variant | passes per variant | verdict |", "|---|---|---|---|---|"]
+          "variant; the best-matching variant per peer, the options of that variant that fit it (its best "
+          "configuration), and each check against it (`docs/conformance.md`).", "",
+          "| peer | version | best variant | passes per variant | best configuration | verdict |",
+          "|---|---|---|---|---|---|"]
     for p in matrix.peers:
         if p.skipped:
-            md.append(f"| {p.peer} | {p.version or '-'} | - | - | skipped: {p.skipped} |")
+            md.append(f"| {p.peer} | {p.version or '-'} | - | - | - | skipped: {p.skipped} |")
         else:
-            md.append(f"| {p.peer} | {p.version or '-'} | {p.best} | {_scores(p)} | "
-                      f"{'conforms' if p.conforms else 'differs'} |")
+            md.append(f"| {p.peer} | {p.version or '-'} | {p.best} | {_scores(p)} | {_configuration(p)} | "
+                      f"{'conforms' if p.conforms else 'differs'}{_claim(p)} |")
     for p in matrix.peers:
         if p.skipped:
             continue
-        md += ["", f"### {p.peer} against {p.best}", "", "| check | result | bound | note |", "|---|---|---|---|"]
+        md += ["", f"### {p.peer} against {p.configuration}", "", "| check | result | bound | note |",
+               "|---|---|---|---|"]
         for c in p.cells():
             note = (c.message or c.worst).replace("|", "\\|")
             bound = (c.bound or "-").replace("|", "\\|")

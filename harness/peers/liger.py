@@ -19,13 +19,14 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from harness.peers.base import Peer, Sublayer, SublayerParams
 
-__all__ = ["INTERPRET_ENV_VAR", "VERSION", "LigerPeer"]
+__all__ = ["INTERPRET_ENV_VAR", "VERSION", "LigerPeer", "prepare_interpreter"]
 
 VERSION = "0.8.5"
 """The liger-kernel release this adapter is written against."""
@@ -37,9 +38,23 @@ def interpreted() -> bool:
     return not torch.cuda.is_available()
 
 
+def prepare_interpreter() -> str | None:
+    """Without a GPU, set ``TRITON_INTERPRET=1`` before anything imports triton (transformers does): triton's
+    own ``@jit`` library functions are decorated when triton imports, and a kernel interpreted afterwards
+    cannot call them. Returns why the kernels cannot run, or None."""
+    if not interpreted():
+        return None
+    value = os.environ.get(INTERPRET_ENV_VAR)
+    if value is None and "triton" in sys.modules:
+        return (f"no GPU, and triton was imported before {INTERPRET_ENV_VAR}=1 was set (its library functions are "
+                f"then compiled-only); run with {INTERPRET_ENV_VAR}=1 in the environment")
+    if value is None:
+        os.environ[INTERPRET_ENV_VAR] = "1"
+        return None
+    return None if value == "1" else f"no GPU and {INTERPRET_ENV_VAR}={value!r}: the kernels cannot run"
+
+
 def _functional():
-    if interpreted():  # read when Triton decorates the kernels, so before Liger's modules import
-        os.environ.setdefault(INTERPRET_ENV_VAR, "1")
     from liger_kernel.transformers import functional
 
     return functional
@@ -74,9 +89,7 @@ class LigerPeer(Peer):
             return f"liger-kernel is not installed (pip install liger-kernel=={VERSION}; the peers extra has it)"
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (liger-kernel's kernels are Triton; the peers extra has triton 3.9.0)"
-        if interpreted() and os.environ.get(INTERPRET_ENV_VAR, "1") != "1":
-            return f"no GPU and {INTERPRET_ENV_VAR}={os.environ[INTERPRET_ENV_VAR]!r}: the kernels cannot run"
-        return None
+        return prepare_interpreter()
 
     def _coeffs(self, x: torch.Tensor, params: SublayerParams, iterations: int):
         f = _functional()

@@ -150,6 +150,10 @@ class MegatronLMTreePeer(Peer):
                                           1e-6).reshape(t, c)
 
 
+DEV_CLAIM = "megatron_dev+learned_exit"
+"""What dev's module computes: its block exits through ``learned_output_contract``."""
+
+
 def make_peers(tree: Path, commit: str | None) -> list[MegatronLMTreePeer]:
     """The peers of a tree: main's module, or dev's native and fused (``use_fused_mhc``) modules."""
     flavor = tree_flavor(tree)
@@ -160,9 +164,9 @@ def make_peers(tree: Path, commit: str | None) -> list[MegatronLMTreePeer]:
     dev_ops = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit"})
     fp32 = (torch.float32,)  # dev upcasts its mapping to fp32 and casts the coefficients back
     return [MegatronLMTreePeer(name="megatron_lm[dev]", description="upstream Megatron-LM dev, HyperConnectionModule "
-                               "(native ops)", claims="megatron_dev", ops=dev_ops, dtypes=fp32, **base),
+                               "(native ops)", claims=DEV_CLAIM, ops=dev_ops, dtypes=fp32, **base),
             MegatronLMTreePeer(name="megatron_lm[dev,fused]", description="upstream Megatron-LM dev, use_fused_mhc "
-                               "(fused_mhc_kernels; torch backend on CPU)", claims="megatron_dev", fused=True,
+                               "(fused_mhc_kernels; torch backend on CPU)", claims=DEV_CLAIM, fused=True,
                                ops=dev_ops, dtypes=fp32, **base)]
 
 

@@ -37,7 +37,8 @@ def sublayer(x: torch.Tensor, sub: Sublayer, iterations: int, variant: str,
 
 @dataclass(frozen=True, kw_only=True)
 class MhcCorePeer(Peer):
-    """One variant of ``mhc_core`` on one backend (``reference`` or ``compiled``)."""
+    """One variant (or configuration, ``megatron_dev+learned_exit``) of ``mhc_core`` on one backend
+    (``reference`` or ``compiled``)."""
 
     variant: str
     backend: str = "reference"
@@ -84,9 +85,13 @@ class MhcCorePeer(Peer):
         return sublayer(sublayer(x, attn, iterations, self.variant, o), mlp, iterations, self.variant, o)
 
     def block_exit(self, x, head_fn, head_base, head_scale):
-        from mhc_core.ops import learned_contract
+        """The configuration's exit: the learned contraction, or the mean of the streams (the head unused)."""
+        from mhc_core.ops import contract, learned_contract
+        from mhc_core.variants import OutputContraction, get_variant
 
         t, n, c = x.shape
+        if get_variant(self.variant).output_contraction == OutputContraction.MEAN:
+            return contract(x.reshape(1, t, n * c), n)[0]
         return learned_contract(x.reshape(1, t, n * c), head_fn, head_base, head_scale, n, eps=BLOCK_EXIT_EPS)[0]
 
 

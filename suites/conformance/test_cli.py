@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -26,13 +27,18 @@ def test_writes_the_matrix_as_json_and_markdown(tmp_path, capsys):
     assert "| megatron_lm[main] | main@d98e8a64ddf3 | megatron_main | paper 15/48, megatron_main 48/48" in md
 
 
-def test_strict_fails_on_a_peer_that_differs(tmp_path, capsys):
-    """--strict exits 1 when an available peer does not pass every check of its best variant."""
-    code = main(["conformance", "--peer", "lucidrains", "--out", str(tmp_path), "--strict"])
+def test_strict_fails_on_a_peer_that_differs(tmp_path, capsys, monkeypatch):
+    """--strict exits 1 when an available peer does not pass every check of any variant or configuration
+    (a Sinkhorn that ends on a row pass is no named option)."""
+    (tmp_path / "faulty_peer.py").write_text(
+        "from suites.conformance.mutants import MUTANTS\n"
+        "PEER = next(m for m in MUTANTS if m.fault == 'Sinkhorn ends on a row pass')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
+    code = main(["conformance", "--peer", "mutant[sinkhorn-ends-on-a-row-pass]", "--peer-module", "faulty_peer:PEER",
+                 "--out", str(tmp_path), "--strict"])
     out = capsys.readouterr().out
-    if "lucidrains: skipped" in out:
-        pytest.skip("hyper-connections is not installed here")
-    assert code == 1 and "--strict: lucidrains do not conform" in out
+    assert code == 1 and "--strict: mutant[sinkhorn-ends-on-a-row-pass] do not conform" in out, out
 
 
 def test_unknown_peer_lists_the_known_ones(tmp_path, capsys):

@@ -34,25 +34,27 @@ def test_mhc_core_matches_its_own_variant_and_no_other(matrix, variant):
         assert passes < total / 2, f"{variant} passes {passes}/{total} checks of {other}: the checks cannot tell them apart"
 
 
-def test_hf_deepseek_v4_matches_megatron_dev_but_its_norm(matrix):
-    """transformers' DeepSeek-V4 is megatron_dev (softmax-started Sinkhorn with eps, H^T mix, h_pre + eps)
-    on every check but the small-RMS coefficients, where its eps inside the square root shows."""
+def test_hf_deepseek_v4_is_megatron_dev_with_eps_inside_and_the_learned_exit(matrix):
+    """transformers' DeepSeek-V4 conforms fully to megatron_dev + eps inside the square root + the learned
+    exit; against plain megatron_dev only the small-RMS coefficients fail, naming its eps."""
     row = _row(matrix, "hf_deepseek_v4")
     assert row.best == "megatron_dev"
-    bad = _not_passing(row)
-    assert set(bad) == {"coefficients@rms1e-2 n2 fp32", "coefficients@rms1e-2 n4 fp32"}, bad
-    assert all("eps inside the square root" in c.message for c in bad.values())
+    assert row.configuration == "megatron_dev+eps_inside_sqrt+learned_exit" and row.conforms, _not_passing(row)
+    plain = {c.check: c for c in row.by_variant["megatron_dev"] if c.status != "pass"}
+    assert set(plain) == {"coefficients@rms1e-2 n2 fp32", "coefficients@rms1e-2 n4 fp32"}, plain
+    assert all("eps inside the square root" in c.message for c in plain.values())
     orientation = next(c for c in row.cells() if c.check.startswith("orientation"))
     assert orientation.observed == "H^T @ x"
-    assert next(c for c in row.cells() if c.check.startswith("block-exit")).status == "pass"
+    exit_mean = next(c for c in row.cells("megatron_dev+eps_inside_sqrt") if c.check.startswith("block-exit"))
+    assert exit_mean.status == "fail"  # the exit check tells the learned contraction from the mean
 
 
 def test_lucidrains_has_papers_sinkhorn_a_transposed_mix_and_says_what_differs(matrix):
     """lucidrains' Sinkhorn is the paper's (columns then rows, rows exact); its mix is H^T @ x; its
     coefficients are reported not comparable, naming its norm and its projection."""
     row = _row(matrix, "lucidrains")
-    assert row.best == "paper"
-    cells = {c.check: c for c in row.cells()}
+    assert row.best == "paper" and row.configuration == "paper+transposed_mix" and row.conforms
+    cells = {c.check: c for c in row.cells("paper")}
     assert all(c.status == "pass" for k, c in cells.items() if k.startswith(("sinkhorn", "exact-sums", "aggregate")))
     assert cells["exact-sums n4 fp32"].observed == "rows"
     assert cells["orientation n4 fp32"].observed == "H^T @ x" and cells["orientation n4 fp32"].status == "fail"
@@ -64,8 +66,9 @@ def test_lucidrains_has_papers_sinkhorn_a_transposed_mix_and_says_what_differs(m
 def test_liger_has_devs_coefficients_and_mains_mix(matrix):
     """Liger-Kernel (interpreted without a GPU): its coefficients are megatron_dev's (softmax-started
     Sinkhorn with eps) but for its eps inside the square root, and it mixes H @ x as megatron_main does,
-    so its layer matches no variant."""
+    so its layer matches no variant, and it conforms fully to megatron_dev+eps_inside_sqrt+untransposed_mix."""
     row = _row(matrix, "liger_kernel")
+    assert row.configuration == "megatron_dev+eps_inside_sqrt+untransposed_mix" and row.conforms, _not_passing(row)
     by = {v: {c.check: c for c in cells} for v, cells in row.by_variant.items()}
     for n in (2, 4):
         assert by["megatron_dev"][f"coefficients n{n} fp32"].status == "pass"
@@ -81,14 +84,15 @@ def test_liger_has_devs_coefficients_and_mains_mix(matrix):
         assert "interpreted" in (row.version or "")
 
 
-@pytest.mark.parametrize(("peer", "variant", "checks"), [
-    ("megatron_lm[main]", "megatron_main", 48), ("megatron_lm[dev]", "megatron_dev", 24),
-    ("megatron_lm[dev,fused]", "megatron_dev", 24)])
-def test_upstream_recordings_conform(matrix, peer, variant, checks):
+@pytest.mark.parametrize(("peer", "variant", "configuration", "checks"), [
+    ("megatron_lm[main]", "megatron_main", "megatron_main", 48),
+    ("megatron_lm[dev]", "megatron_dev", "megatron_dev+learned_exit", 24),
+    ("megatron_lm[dev,fused]", "megatron_dev", "megatron_dev+learned_exit", 24)])
+def test_upstream_recordings_conform(matrix, peer, variant, configuration, checks):
     """The committed numbers of upstream main and dev (native and fused modules) pass every check of
-    the variant named after them."""
+    the variant named after them; dev's with its learned block exit, the configuration it claims."""
     row = matrix.peer(peer)
-    assert row.best == variant and row.conforms, _not_passing(row)
+    assert row.best == variant and row.configuration == configuration and row.meets_claim, _not_passing(row)
     assert len(row.by_variant[variant]) == checks
 
 
