@@ -84,3 +84,18 @@ def test_bad_option_value():
     """A value that is not one of an option's choices is a ValueError naming the field and the choices."""
     with pytest.raises(ValueError, match="NumericsOptions.norm_eps_placement='inside'.*inside_sqrt"):
         NumericsOptions(norm_eps_placement="inside")
+
+
+def test_residual_mix_option_flips_the_orientation():
+    """megatron_dev+untransposed_mix mixes H @ x (as megatron_main), megatron_main+transposed_mix H^T @ x."""
+    import torch
+
+    from mhc_core import h_post_bda
+
+    g = torch.Generator().manual_seed(0)
+    h, x = torch.rand(2, 3, 3, generator=g, dtype=torch.float64), torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    post, y = torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64)
+    mix = lambda v: h_post_bda(h, x, post, y, None, variant=v)  # noqa: E731
+    assert torch.equal(mix("megatron_dev+untransposed_mix"), mix("megatron_main"))
+    assert torch.equal(mix("megatron_main+transposed_mix"), mix("megatron_dev"))
+    assert get_variant("megatron_dev+untransposed_mix").name == "megatron_dev+untransposed_mix"
