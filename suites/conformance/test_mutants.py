@@ -24,16 +24,27 @@ def test_mutant_is_caught_by_its_check(mutant):
         assert not touched, f"{mutant.fault}: checks it does not touch failed: {touched}"
 
 
-def test_a_fault_that_is_a_named_option_is_named():
-    """The eps moved inside the square root is an option: the matrix names the configuration the mutant
-    computes (megatron_main+eps_inside_sqrt), which it conforms to, and says it is not the one it claims."""
+@pytest.mark.parametrize(("fault", "configuration"), [
+    ("norm eps inside the square root", "megatron_main+eps_inside_sqrt"),
+    ("residual mix untransposed", "megatron_dev+untransposed_mix")])
+def test_a_fault_that_is_a_named_option_is_named(fault, configuration):
+    """A fault that is an option is named: the matrix reports the configuration the mutant computes, which
+    it conforms to, and says it is not the one it claims."""
     from harness.conformance.report import format_summary
 
-    (mutant,) = (m for m in MUTANTS if m.fault == "norm eps inside the square root")
+    (mutant,) = (m for m in MUTANTS if m.fault == fault)
     matrix = run_matrix([mutant])
     row = matrix.peer(mutant.name)
-    assert row.configuration == "megatron_main+eps_inside_sqrt" and row.conforms and not row.meets_claim
-    assert "conforms to megatron_main+eps_inside_sqrt, not its claim megatron_main" in format_summary(matrix)
+    assert row.configuration == configuration and row.conforms and not row.meets_claim
+    assert f"conforms to {configuration}, not its claim {mutant.claims}" in format_summary(matrix)
+
+
+@pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.fault in (
+    "Sinkhorn ends on a row pass", "bias pre/post halves swapped", "H_post without its factor 2",
+    "gradient detached before Sinkhorn")], ids=lambda m: m.fault.replace(" ", "-"))
+def test_a_fault_that_is_no_option_conforms_to_nothing(mutant):
+    """The other faults match no variant and no configuration."""
+    assert not run_matrix([mutant]).peer(mutant.name).conforms
 
 
 def test_the_unmutated_core_passes_every_check():
