@@ -1,0 +1,68 @@
+"""The import rules of docs/architecture.md, read from every module's imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+PARTS = ("mhc_core", "harness", "suites", "tools", "ci")
+NEVER = {
+    "mhc_core": {"harness", "suites", "tools", "ci"},
+    "harness": {"suites", "tools", "ci"},
+    "tools": {"harness", "suites", "ci"},
+    "suites": {"ci"},
+}
+"""docs/architecture.md, "Which may import which": the parts each part never imports (lazily or not)."""
+
+
+def _imports(path: Path, *, top_level_only: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in ``path`` (only the module-level statements when asked)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def _modules(part: str) -> list[Path]:
+    return sorted(p for p in (ROOT / part).rglob("*.py") if ".tox" not in p.parts)
+
+
+@pytest.mark.parametrize("part", sorted(NEVER))
+def test_no_part_imports_a_part_above_it(part):
+    """mhc_core imports no harness, suite, tool or CI script; harness no suite, tool or CI; tools no harness."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for path in _modules(part) for line, module in _imports(path)
+           if module.split(".")[0] in NEVER[part]]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_mhc_core_megatron_imports_megatron_at_module_level():
+    """`import mhc_core` works without megatron-core: no other mhc_core module imports it at module level."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for path in _modules("mhc_core") if "megatron" not in path.relative_to(ROOT / "mhc_core").parts
+           for line, module in _imports(path, top_level_only=True) if module.split(".")[0] == "megatron"]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_rules_see_every_part():
+    """The check reads real modules of each part (a moved directory would make it pass vacuously)."""
+    for part in PARTS:
+        assert _modules(part), part
+    assert any(m.startswith("harness") for p in _modules("suites") for _, m in _imports(p))
+
+
+def test_a_lazy_import_counts_and_a_top_level_one_is_told_apart(tmp_path):
+    """An import inside a function is an import (it breaks an install without that part); the megatron
+    rule looks at module-level statements only."""
+    mod = tmp_path / "m.py"
+    mod.write_text("import torch\n\ndef f():\n    from harness.cli import main\n    import megatron.core\n")
+    assert {m for _, m in _imports(mod)} == {"torch", "harness.cli", "megatron.core"}
+    assert {m for _, m in _imports(mod, top_level_only=True)} == {"torch"}
