@@ -10,7 +10,7 @@ will import `mhc_core` from (`bash ci/gpu_check.sh prepare` does): the entries h
 Launch sets, in priority order (the size cap keeps a prefix; a GPU run JIT-compiles the rest):
 
     sweep   every candidate of `sweep_candidates.CANDIDATES` at the sweep's shape (the options above)
-    perf    the perf suite's GPU cases (`suites/perf/registry.py`) that cuTile runs, forward and backward
+    perf    the perf suite's GPU cases (`tools/perf_cases.py`) that cuTile runs, forward and backward
     layer   every op at the layer benchmark's GPU size (T 4096, C 1024, n 4, bf16), each variant
     parity  every op at the GPU parity tests' sizes (n 2, 4, 8; bf16 and fp32)
     forms   the parity tests of the sweep's other formulations (their tiles, at their sizes)
@@ -37,11 +37,9 @@ import torch  # noqa: E402
 from mhc_core.kernels.cutile import tiling, tuning  # noqa: E402
 from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
 from mhc_core.kernels.preflight import cutile_gap  # noqa: E402
-from suites.perf.registry import cases_for  # noqa: E402
-from suites.perf.test_layer import GPU_SHAPES  # noqa: E402
-from suites.unit.kernels_cutile import test_gpu_parity as parity  # noqa: E402
-from tools.cutile import precompile  # noqa: E402
+from tools.cutile import gpu_cases, precompile  # noqa: E402
 from tools.cutile.bench import ACT_DTYPES, add_shape_args  # noqa: E402
+from tools.perf_cases import cases_for  # noqa: E402
 
 
 def perf_launches() -> list[precompile.Recorded]:
@@ -64,11 +62,13 @@ def perf_launches() -> list[precompile.Recorded]:
 
 
 def forms_launches() -> list[precompile.Recorded]:
-    """The formulation tests of `test_gpu_parity.py`: the ops each one runs, at its size."""
+    """The formulation tests of `test_gpu_parity.py` (`tools.cutile.gpu_cases`): the ops each one runs, at its size."""
     both = (torch.bfloat16, torch.float32)
-    runs = [(("h_aggregate", "h_post_bda"), (4,), 300, both, p.values[0]) for p in parity.STREAM_FORMS]
-    runs += [(("mapping",), (2, 4), 1100, both, {"mapping_bwd": p.values[0]}) for p in parity.MAPPING_BWD_TILES]
-    runs += [(("sinkhorn",), (2, 4, 8), 300, (torch.float32,), {"sinkhorn": p.values[0]}) for p in parity.SINKHORN_TILES]
+    runs = [(("h_aggregate", "h_post_bda"), (4,), 300, both, forms) for forms in gpu_cases.STREAM_FORMS.values()]
+    runs += [(("mapping",), (2, 4), 1100, both, {"mapping_bwd": tiles})
+             for tiles in gpu_cases.MAPPING_BWD_TILES.values()]
+    runs += [(("sinkhorn",), (2, 4, 8), 300, (torch.float32,), {"sinkhorn": tiling.SinkhornTiles(64, **kw)})
+             for kw in gpu_cases.SINKHORN_FORMS.values()]
     out = []
     for ops, ns, t, acts, overrides in runs:
         out += [r for r in precompile.ops_launches("forms", ns, t, (1024,), acts, overrides) if r.id.split("|")[0] in ops]
@@ -92,10 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tuning on {args.device}: {tuning.describe(tuned)}", flush=True)
     with tiling.tuned(tuned):
         launches += perf_launches()
-        for shape in GPU_SHAPES:
-            launches += precompile.ops_launches("layer", (shape.n,), shape.seq * shape.batch, (shape.hidden,),
-                                                (torch.bfloat16,))
-        for t, c in dict.fromkeys(tuple(p.values) for p in (*parity.SIZES, *parity.MAPPING_SIZES)):
+        for seq, batch, hidden, _heads in gpu_cases.LAYER_SIZES:
+            launches += precompile.ops_launches("layer", (4,), seq * batch, (hidden,), (torch.bfloat16,))
+        for t, c in dict.fromkeys((*gpu_cases.PARITY_SIZES, *gpu_cases.MAPPING_PARITY_SIZES)):
             launches += precompile.ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
         launches += forms_launches()
     print(f"recorded {len(launches)} launches, {len(precompile.distinct(launches))} distinct "

@@ -24,8 +24,8 @@ from mhc_core.kernels import dispatch
 from mhc_core.kernels.device_time import device_busy_seconds
 from mhc_core.kernels.preflight import cutile_gap
 from suites.perf.nsys import RANGE_PREFIX
-from suites.perf.registry import PerfCase, cases_for, cpu_gap
 from suites.perf.timing import copy_fn, paired_samples, pipelined_seconds, synced
+from tools.perf_cases import PerfCase, cases_for, cpu_gap
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -38,6 +38,7 @@ from mhc_core.kernels.device_time import device_busy_seconds
 from mhc_core.recompute import StreamRecompute
 from suites.perf.memory import peak_bytes, saved_activation_bytes
 from suites.perf.timing import copy_seconds, paired_samples, synced
+from tools.cutile.gpu_cases import LAYER_SIZES
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,8 +59,9 @@ class LayerShape:
         return f"s{self.seq}-b{self.batch}-C{self.hidden}-n{self.n}"
 
 
-GPU_SHAPES = (LayerShape(seq=1024, batch=2, hidden=4096, heads=32), LayerShape(seq=1024, batch=2, hidden=7168, heads=56))
-"""On a GPU, the paper's and Megatron's hidden sizes (`ci/precompile_cutile.py` compiles their kernels ahead of time)."""
+GPU_SHAPES = tuple(LayerShape(seq=s, batch=b, hidden=c, heads=h) for s, b, c, h in LAYER_SIZES)
+"""On a GPU, the paper's and Megatron's hidden sizes (`tools.cutile.gpu_cases`: `ci/precompile_cutile.py` compiles
+their kernels ahead of time)."""
 CPU_SHAPE = LayerShape(seq=256, batch=2, hidden=1024, heads=8)
 """The largest CPU layer the 2-core box times in seconds: hidden 1024, 512 tokens."""
 SHAPES = GPU_SHAPES if DEVICE == "cuda" else (CPU_SHAPE,)

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from suites.perf import nsys, registry, table
-from suites.perf.registry import OPS, cases_for
+from suites.perf import nsys, table
+from tools import perf_cases as registry
+from tools.perf_cases import OPS, cases_for
 
 DEVICES = ("cpu", "cuda")
 

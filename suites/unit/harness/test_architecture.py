@@ -14,6 +14,7 @@ NEVER = {
     "harness": {"suites", "tools", "ci"},
     "tools": {"harness", "suites", "ci"},
     "suites": {"ci"},
+    "ci": {"suites"},
 }
 """docs/architecture.md, "Which may import which": the parts each part never imports (lazily or not)."""
 
@@ -42,6 +43,15 @@ def test_no_part_imports_a_part_above_it(part):
            for path in _modules(part) for line, module in _imports(path)
            if module.split(".")[0] in NEVER[part]]
     assert not bad, "\n".join(bad)
+
+
+def test_no_ci_shell_script_imports_a_suite():
+    """The inline Python of the CI shell scripts imports no suite module either (they read recipe data)."""
+    import re
+
+    pattern = re.compile(r"^\s*(from|import)\s+suites\b", re.MULTILINE)
+    bad = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "ci").rglob("*.sh")) if pattern.search(p.read_text())]
+    assert not bad, bad
 
 
 def test_only_mhc_core_megatron_imports_megatron_at_module_level():

@@ -132,5 +132,3 @@ MAPPING_INPUT_NAMES = ("x", "weight", "alpha_pre", "alpha_post", "alpha_res", "b
 MAPPING_COSINE = ("alpha_pre", "alpha_post", "alpha_res", "bias")
 POST_BDA_INPUT_NAMES = ("h_res", "residual", "h_post", "y", "bias")
 
-SINKHORN_FORMS = {"per_element": {"per_element": True}}
-"""The Sinkhorn formulations besides the default, as `SinkhornTiles` keywords (tile_b is each test's)."""

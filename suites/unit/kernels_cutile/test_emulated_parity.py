@@ -22,7 +22,6 @@ from suites.unit.kernels_cutile.cutile_cases import (
     MAPPING_COSINE,
     MAPPING_INPUT_NAMES,
     POST_BDA_INPUT_NAMES,
-    SINKHORN_FORMS,
     VARIANT_NAMES,
     aggregate_inputs,
     compare,
@@ -33,6 +32,7 @@ from suites.unit.kernels_cutile.cutile_cases import (
 )
 from tools.cutile import emulated_tile
 from tools.cutile.emulator import EmulatedRuntime
+from tools.cutile.gpu_cases import SINKHORN_FORMS
 
 VARIANTS = [pytest.param(v, id=VARIANT_NAMES[v]) for v in Variant]
 DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (torch.float32, torch.bfloat16)]

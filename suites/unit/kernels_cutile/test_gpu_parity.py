@@ -20,7 +20,6 @@ from suites.unit.kernels_cutile.cutile_cases import (
     MAPPING_COSINE,
     MAPPING_INPUT_NAMES,
     POST_BDA_INPUT_NAMES,
-    SINKHORN_FORMS,
     VARIANT_NAMES,
     aggregate_inputs,
     compare,
@@ -28,6 +27,13 @@ from suites.unit.kernels_cutile.cutile_cases import (
     mapping_oracle,
     post_bda_inputs,
     sinkhorn_inputs,
+)
+from tools.cutile.gpu_cases import (
+    MAPPING_BWD_TILES,
+    MAPPING_PARITY_SIZES,
+    PARITY_SIZES,
+    SINKHORN_FORMS,
+    STREAM_FORMS,
 )
 
 _OK, _WHY = cutile.availability()
@@ -37,8 +43,8 @@ DEV = "cuda"
 NS = [pytest.param(n, id=f"n{n}") for n in (2, 4, 8)]
 VARIANTS = [pytest.param(v, id=VARIANT_NAMES[v]) for v in Variant]
 DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (torch.float32, torch.bfloat16)]
-SIZES = [pytest.param(37, 96, id="T37-C96"), pytest.param(300, 1024, id="T300-C1024")]
-MAPPING_SIZES = [pytest.param(37, 96, id="T37-C96"), pytest.param(1100, 1024, id="T1100-C1024")]
+SIZES = [pytest.param(t, c, id=f"T{t}-C{c}") for t, c in PARITY_SIZES]
+MAPPING_SIZES = [pytest.param(t, c, id=f"T{t}-C{c}") for t, c in MAPPING_PARITY_SIZES]
 
 
 def _coef_dtype(variant, act):
@@ -114,13 +120,10 @@ def test_mapping(n, variant, dtype, t, c):
     )
 
 
-MAPPING_BWD_TILES = [
-    pytest.param(tiling.MappingTiles(tile_m=16, tile_k=64), id="16x64"),
-    pytest.param(tiling.MappingTiles(tile_m=16, tile_k=256), id="16x256"),
-]
+BWD_TILES = [pytest.param(tiles, id=name) for name, tiles in MAPPING_BWD_TILES.items()]
 
 
-@pytest.mark.parametrize("tiles", MAPPING_BWD_TILES)
+@pytest.mark.parametrize("tiles", BWD_TILES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
@@ -160,21 +163,10 @@ def test_sinkhorn_formulations(n, variant, tiles):
         )
 
 
-_SLICES, _TUPLE = tiling.StreamLayout.SLICES, tiling.StreamLayout.TUPLE
-STREAM_FORMS = [
-    pytest.param({"h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_TUPLE),
-                  "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=_TUPLE)}, id="stream_loads"),
-    pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, per_stream=_SLICES, loop_c=True),
-                  "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_TUPLE, loop_c=True)}, id="loop_c_fwd"),
-    pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, mma=True),
-                  "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_SLICES, loop_c=True)}, id="mma_fwd"),
-    pytest.param({"h_aggregate_fwd": tiling.StreamTiles(8, 256, loop_c=True, mma=True),
-                  "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=_TUPLE),
-                  "occupancy": {"h_aggregate_fwd_kernel": 4, "h_post_bda_bwd_kernel": 2}}, id="tuned-occupancy"),
-]
+FORMS = [pytest.param(forms, id=name) for name, forms in STREAM_FORMS.items()]
 
 
-@pytest.mark.parametrize("forms", STREAM_FORMS)
+@pytest.mark.parametrize("forms", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_stream_formulations(variant, dtype, forms):

@@ -204,7 +204,7 @@ def test_precompile_script_records_the_perf_cases_cutile_runs(monkeypatch):
     import importlib.util
 
     from mhc_core.kernels.preflight import cutile_gap
-    from suites.perf.registry import cases_for
+    from tools.perf_cases import cases_for
 
     spec = importlib.util.spec_from_file_location("precompile_cutile", ROOT / "ci" / "precompile_cutile.py")
     script = importlib.util.module_from_spec(spec)

@@ -1,4 +1,5 @@
-"""The perf cases: op x shape x dtype, each with its inputs and its bytes-moved model.
+"""The perf cases: op x shape x dtype, each with its inputs and its bytes-moved model (`suites/perf` times
+them; `ci/precompile_cutile.py` compiles the GPU ones ahead of time).
 
 GPU: T = 8192 tokens, C in {4096, 7168}, n = 4, bf16 (the paper / Megatron sizes).
 CPU: T = 4096, n = 4, C in {256, 1024} in fp32 (C = 1024 puts the n-stream tensors at 64 MiB,
