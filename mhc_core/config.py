@@ -10,6 +10,7 @@ import torch
 
 from mhc_core.ops._checks import as_int
 from mhc_core.variants import (
+    OPTION_KINDS,
     MappingPrecision,
     NormEpsPlacement,
     NumericsOptions,
@@ -80,8 +81,7 @@ class HyperConnectionConfig:
             spec = get_variant(self.variant)
         except ValueError as exc:
             raise bad("variant", self.variant, f"valid: {', '.join(v.value for v in Variant)}; {exc}") from None
-        for field, kind in (("norm_eps_placement", NormEpsPlacement), ("mapping_precision", MappingPrecision),
-                            ("output_contraction", OutputContraction), ("residual_mix", ResidualMix)):
+        for field, kind in OPTION_KINDS.items():
             v = getattr(self, field)
             if v is None:
                 if spec.options:  # a configuration name fills the options it names

@@ -34,14 +34,11 @@ __all__ = ["MappingPrecision", "NormEpsPlacement", "NumericsOptions", "OutputCon
 
 
 class Variant(enum.StrEnum):
-    """A named numeric convention of mHC."""
+    """A named numeric convention of mHC (a `StrEnum`: `str()` gives "paper", as ids and messages need)."""
 
     PAPER = "paper"
     MEGATRON_MAIN = "megatron_main"
     MEGATRON_DEV = "megatron_dev"
-
-    def __str__(self) -> str:  # "paper", not "Variant.PAPER", in ids and messages
-        return self.value
 
 
 class ResidualConstraint(enum.StrEnum):
@@ -53,9 +50,6 @@ class ResidualConstraint(enum.StrEnum):
     """Unconstrained Hyper-Connections, the HC paper's dynamic form: ``H_res = I + logits`` (identity at
     init, then whatever training makes of it). The baseline the mHC paper's stability figure compares."""
 
-    def __str__(self) -> str:
-        return self.value
-
 
 class NormEpsPlacement(enum.StrEnum):
     """Where the eps of the mapping's RMS norm sits."""
@@ -66,9 +60,6 @@ class NormEpsPlacement(enum.StrEnum):
     """`r = rsqrt(mean(x^2) + eps)`: DeepSeek-V4, TE, Liger-Kernel, TileKernels (#7521's
     `mhc_norm_eps_inside_sqrt`)."""
 
-    def __str__(self) -> str:
-        return self.value
-
 
 class MappingPrecision(enum.StrEnum):
     """The dtype the mapping (projection, RMS, coefficients) computes in, and its parameters' dtype."""
@@ -77,9 +68,6 @@ class MappingPrecision(enum.StrEnum):
     """Upcast to fp32; parameters stay fp32 under a half-precision cast (#7521's `mhc_keep_mappings_in_fp32`)."""
     ACTIVATION = "activation"
     """The activation dtype; parameters are cast with the model."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class OutputContraction(enum.StrEnum):
@@ -91,9 +79,6 @@ class OutputContraction(enum.StrEnum):
     """The learned contraction `hc_head_fn / hc_head_base / hc_head_scale` (upstream dev's
     `learned_output_contract`, DeepSeek-V4's `hc_head`)."""
 
-    def __str__(self) -> str:
-        return self.value
-
 
 class ResidualMix(enum.StrEnum):
     """How H_res mixes the streams."""
@@ -102,9 +87,6 @@ class ResidualMix(enum.StrEnum):
     """`out_i = sum_j H[i, j] x_j` (`H @ x`): upstream main, the paper, Liger-Kernel."""
     TRANSPOSED = "transposed"
     """`out_i = sum_j H[j, i] x_j` (`H^T @ x`): upstream dev, DeepSeek-V4."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,22 +131,14 @@ class VariantSpec:
 
     @property
     def options(self) -> tuple[str, ...]:
-        """The option names where this spec differs from its variant's own, in a fixed order."""
+        """The option names where this spec differs from its variant's own, in `_OPTION_NAMES`' order."""
         base = VARIANTS[self.variant]
-        out = []
-        if self.norm_eps_placement != base.norm_eps_placement:
-            out.append(f"eps_{self.norm_eps_placement.value}")
-        if self.mapping_precision != base.mapping_precision:
-            out.append(f"{self.mapping_precision.value}_mappings")
-        if self.output_contraction != base.output_contraction:
-            out.append(f"{self.output_contraction.value}_exit")
-        if self.residual_mix != base.residual_mix:
-            out.append(f"{self.residual_mix.value}_mix")
         rest = [f.name for f in fields(self) if f.name not in _OPTION_FIELDS and getattr(self, f.name) != getattr(base, f.name)]
         if rest:
             raise ValueError(f"VariantSpec differs from {self.variant.value} in {', '.join(rest)}, which are not "
                              f"options; options: {', '.join(_OPTION_NAMES)}")
-        return tuple(out)
+        return tuple(name for name, (field, value) in _OPTION_NAMES.items()
+                     if getattr(self, field) == value != getattr(base, field))
 
     @property
     def name(self) -> str:
@@ -172,10 +146,9 @@ class VariantSpec:
         return "+".join((self.variant.value, *self.options))
 
     @property
-    def norm_eps_split(self) -> tuple[bool, bool]:
-        """`(inside, outside)`: which of `sqrt(mean(x^2) + eps_in)` and `1 / (rms + eps_out)` gets the eps."""
-        inside = self.norm_eps_placement == NormEpsPlacement.INSIDE_SQRT
-        return inside, not inside
+    def norm_eps_inside(self) -> bool:
+        """Whether the eps goes in `sqrt(mean(x^2) + eps)` (True) or in `1 / (rms + eps)` (False)."""
+        return self.norm_eps_placement == NormEpsPlacement.INSIDE_SQRT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,8 +161,7 @@ class NumericsOptions:
     residual_mix: ResidualMix | None = None
 
     def __post_init__(self) -> None:
-        for name, kind in (("norm_eps_placement", NormEpsPlacement), ("mapping_precision", MappingPrecision),
-                           ("output_contraction", OutputContraction), ("residual_mix", ResidualMix)):
+        for name, kind in OPTION_KINDS.items():
             v = getattr(self, name)
             if v is None:
                 continue
@@ -242,6 +214,14 @@ VARIANTS: dict[Variant, VariantSpec] = {
 }
 
 
+OPTION_KINDS: dict[str, type[enum.StrEnum]] = {
+    "norm_eps_placement": NormEpsPlacement,
+    "mapping_precision": MappingPrecision,
+    "output_contraction": OutputContraction,
+    "residual_mix": ResidualMix,
+}
+"""Each option (a `NumericsOptions` field, and a `VariantSpec` field or property) and its choices."""
+
 _OPTION_FIELDS = ("norm_eps_placement", "mapping_fp32", "params_fp32", "output_contraction", "res_transposed")
 """The `VariantSpec` fields the options set (`mapping_precision` sets the two precision fields)."""
 
@@ -277,18 +257,17 @@ def configure(variant: str | Variant | VariantSpec, options: NumericsOptions | N
     return VARIANTS[out.variant] if out == VARIANTS[out.variant] else out
 
 
-def _parse(name: str) -> VariantSpec:
-    base, *opts = name.split("+")
-    spec = VARIANTS[Variant(base)]
+def _with_options(spec: VariantSpec, name: str, options: list[str]) -> VariantSpec:
+    """`spec` with the options named in `name` (`<variant>+<option>...`) applied."""
     chosen: dict[str, str] = {}
-    for opt in opts:
+    for opt in options:
         if opt not in _OPTION_NAMES:
             raise ValueError(f"variant={name!r}: unknown option {opt!r}; options: {', '.join(_OPTION_NAMES)}")
-        field_name, value = _OPTION_NAMES[opt]
+        field_name, _ = _OPTION_NAMES[opt]
         if field_name in chosen:
             raise ValueError(f"variant={name!r}: {chosen[field_name]!r} and {opt!r} set the same option")
         chosen[field_name] = opt
-    return configure(spec, NumericsOptions(**{_OPTION_NAMES[o][0]: _OPTION_NAMES[o][1] for o in opts}))
+    return configure(spec, NumericsOptions(**{f: _OPTION_NAMES[o][1] for f, o in chosen.items()}))
 
 
 def get_variant(variant: str | Variant | VariantSpec) -> VariantSpec:
@@ -296,15 +275,11 @@ def get_variant(variant: str | Variant | VariantSpec) -> VariantSpec:
     `ValueError` naming the argument for an unknown name or option."""
     if isinstance(variant, VariantSpec):
         return variant
-    if isinstance(variant, str) and not isinstance(variant, Variant) and "+" in variant:
-        try:
-            return _parse(variant)
-        except ValueError as exc:
-            if str(exc).startswith("variant="):
-                raise
+    base, *options = variant.split("+") if isinstance(variant, str) else (variant,)
     try:
-        return VARIANTS[Variant(variant)]
+        spec = VARIANTS[Variant(base)]
     except ValueError:
         valid = ", ".join(v.value for v in Variant)
         raise ValueError(f"variant={variant!r} is not a known mHC variant; valid: {valid} (options, as "
                          f"'+<option>': {', '.join(_OPTION_NAMES)})") from None
+    return _with_options(spec, variant, options) if options else spec

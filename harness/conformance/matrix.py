@@ -90,7 +90,7 @@ class PeerResult:
     by_variant: dict[str, list[Cell]] = field(default_factory=dict)
     """Every check but ``block-exit`` against each variant with its own numerics."""
     by_configuration: dict[str, list[Cell]] = field(default_factory=dict)
-    """Every check against each configuration tried on the best variant (the variant itself first)."""
+    """Every check against each configuration tried: the plain variants, then each with its options."""
 
     @staticmethod
     def _score(cells: Sequence[Cell]) -> tuple[int, float]:
@@ -116,9 +116,11 @@ class PeerResult:
         if not self.by_configuration:
             return self.best
 
+        claimed = None if self.claims is None else get_variant(self.claims).name
+
         def key(name: str) -> tuple:
             passes, logs = self._score(self.by_configuration[name])
-            return passes, -name.count("+"), name == self.claims, logs
+            return passes, -name.count("+"), name == claimed, logs
 
         return max(self.by_configuration, key=key)
 

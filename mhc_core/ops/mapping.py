@@ -24,22 +24,11 @@ import torch
 from mhc_core.ops._checks import check_dim, check_floating, check_number, check_rank, check_streams, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "rms_and_scale", "NORM_EPS"]
+__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "NORM_EPS"]
 
 NORM_EPS = 1e-6
 """eps of the RMS norm (outside the square root, as upstream, unless the spec says inside)."""
 
-
-def rms_and_scale(sumsq: torch.Tensor, width: int, norm_eps: float,
-                  eps_inside: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(rms, r)` from the row sums of squares `sumsq [T, 1]`: `rms = sqrt(sumsq / K (+ eps inside))`,
-    `r = 1 / (rms (+ eps outside))`. With the eps outside, `rms` is `sqrt(sumsq) / sqrt(K)`, as upstream
-    computes it. Either way `dr/dx = -r^2 * x / (K * rms)`, so a backward needs only the saved `rms`."""
-    if eps_inside:
-        rms = torch.sqrt(sumsq / width + norm_eps)
-        return rms, 1.0 / rms
-    rms = torch.sqrt(sumsq) / math.sqrt(width)
-    return rms, 1.0 / (rms + norm_eps)
 
 
 def num_mapping_outputs(n: int) -> int:
@@ -97,7 +86,7 @@ def mapping(
     compute = torch.promote_types(x.dtype, torch.float32) if spec.mapping_fp32 else x.dtype
     xc = x.to(compute)
     proj = xc @ weight.to(compute).t()  # [T, N]
-    if spec.norm_eps_split[0]:
+    if spec.norm_eps_inside:
         r = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + norm_eps)  # [T, 1]
     else:
         rms = torch.linalg.vector_norm(xc, dim=-1, keepdim=True) / math.sqrt(width)

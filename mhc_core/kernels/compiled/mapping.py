@@ -22,11 +22,13 @@ compute dtype, everything else accumulates in fp32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mhc_core import ops
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, rms_and_scale
+from mhc_core.ops.mapping import NORM_EPS, check_mapping_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["mapping"]
@@ -40,6 +42,18 @@ def _alpha(a_pre, a_post, a_res, n: int, compute, acc):
             a_res.to(compute).expand(n * n),
         ]
     ).to(acc)
+
+
+def _rms_and_scale(sumsq: torch.Tensor, width: int, norm_eps: float,
+                   eps_inside: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms, r)` from the row sums of squares `sumsq [T, 1]`: `rms = sqrt(sumsq / K (+ eps inside))`,
+    `r = 1 / (rms (+ eps outside))`. With the eps outside, `rms` is `sqrt(sumsq) / sqrt(K)`, as upstream
+    computes it. Either way `dr/dx = -r^2 * x / (K * rms)`, so a backward needs only the saved `rms`."""
+    if eps_inside:
+        rms = torch.sqrt(sumsq / width + norm_eps)
+        return rms, 1.0 / rms
+    rms = torch.sqrt(sumsq) / math.sqrt(width)
+    return rms, 1.0 / (rms + norm_eps)
 
 
 _SQUARES_BLOCK = 256
@@ -62,7 +76,7 @@ def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pr
     k = x.shape[1]
     xc = x.to(compute)
     proj = xc @ weight.to(compute).t()  # [T, N]
-    rms, r = rms_and_scale(_sum_squares(xc.to(acc)), k, norm_eps, eps_inside)  # [T, 1] each
+    rms, r = _rms_and_scale(_sum_squares(xc.to(acc)), k, norm_eps, eps_inside)  # [T, 1] each
     h = r * proj.to(acc) * _alpha(a_pre, a_post, a_res, n, compute, acc) + bias.to(compute).to(acc)
     h_pre = torch.sigmoid(h[:, :n]) + h_pre_eps
     h_post = 2.0 * torch.sigmoid(h[:, n : 2 * n])
@@ -114,10 +128,10 @@ class _Mapping(torch.autograd.Function):
                spec.norm_eps_placement, x.device.type)
         fwd = compile_for(_fwd, key)
         h_pre, h_post, logits, proj, rms = fwd(
-            mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps, spec.norm_eps_split[0]
+            mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps, spec.norm_eps_inside
         )
         ctx.save_for_backward(x, *params, proj, rms)
-        ctx.n, ctx.compute, ctx.norm_eps = n, compute, norm_eps if spec.norm_eps_split[1] else 0.0
+        ctx.n, ctx.compute, ctx.norm_eps = n, compute, 0.0 if spec.norm_eps_inside else norm_eps
         return h_pre, h_post, logits
 
     @staticmethod

@@ -146,8 +146,8 @@ def mapping(
     require_device(runtime, op, **tensors)
     compute = torch.float32 if spec.mapping_fp32 else x.dtype
     out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
-    inside, outside = spec.norm_eps_split
+    inside = spec.norm_eps_inside
     return _MappingFn.apply(
         x, weight, alpha_pre, alpha_post, alpha_res, bias, n, out_dtype, mma_mode(x.dtype, spec),
-        float(spec.h_pre_eps), float(norm_eps) if outside else 0.0, float(norm_eps) if inside else 0.0, runtime,
+        float(spec.h_pre_eps), 0.0 if inside else float(norm_eps), float(norm_eps) if inside else 0.0, runtime,
     )
