@@ -18,40 +18,17 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
-import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 
-__all__ = ["INTERPRET_ENV_VAR", "VERSION", "LigerPeer", "prepare_interpreter"]
+__all__ = ["VERSION", "LigerPeer"]
 
 VERSION = "0.8.5"
 """The liger-kernel release this adapter is written against."""
-INTERPRET_ENV_VAR = "TRITON_INTERPRET"
-
-
-def interpreted() -> bool:
-    """True where Liger's kernels run through Triton's interpreter (no CUDA device)."""
-    return not torch.cuda.is_available()
-
-
-def prepare_interpreter() -> str | None:
-    """Without a GPU, set ``TRITON_INTERPRET=1`` before anything imports triton (transformers does): triton's
-    own ``@jit`` library functions are decorated when triton imports, and a kernel interpreted afterwards
-    cannot call them. Returns why the kernels cannot run, or None."""
-    if not interpreted():
-        return None
-    value = os.environ.get(INTERPRET_ENV_VAR)
-    if value is None and "triton" in sys.modules:
-        return (f"no GPU, and triton was imported before {INTERPRET_ENV_VAR}=1 was set (its library functions are "
-                f"then compiled-only); run with {INTERPRET_ENV_VAR}=1 in the environment")
-    if value is None:
-        os.environ[INTERPRET_ENV_VAR] = "1"
-        return None
-    return None if value == "1" else f"no GPU and {INTERPRET_ENV_VAR}={value!r}: the kernels cannot run"
 
 
 def _functional():

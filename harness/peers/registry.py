@@ -22,11 +22,12 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None,
               modules: Sequence[str] = ()) -> list[Peer]:
     """Every known peer (the tree peers only with ``megatron_lm``, recorded with ``python``; ``modules``:
     ``MODULE:NAME`` specs of the user's own peers)."""
-    from harness.peers.liger import LigerPeer, prepare_interpreter
+    from harness.peers.triton_interpreter import prepare_interpreter
 
-    prepare_interpreter()  # before a peer imports triton (see there); unavailable() repeats its verdict
+    prepare_interpreter()  # before a peer imports triton (see there); LigerPeer.unavailable() repeats its verdict
     from harness.peers.gpu import gpu_peers
     from harness.peers.hf_deepseek_v4 import HfDeepseekV4Peer
+    from harness.peers.liger import LigerPeer
     from harness.peers.lucidrains import LucidrainsPeer
     from harness.peers.mhc_core_peer import mhc_core_peers
     from harness.peers.plugins import entry_point_peers, module_peers

@@ -87,10 +87,12 @@ def test_liger_has_devs_coefficients_and_mains_mix(matrix):
 @pytest.mark.parametrize(("peer", "variant", "configuration", "checks"), [
     ("megatron_lm[main]", "megatron_main", "megatron_main", 48),
     ("megatron_lm[dev]", "megatron_dev", "megatron_dev+learned_exit", 24),
-    ("megatron_lm[dev,fused]", "megatron_dev", "megatron_dev+learned_exit", 24)])
+    ("megatron_lm[dev,fused]", "megatron_dev", "megatron_dev+learned_exit", 24),
+    ("megatron_lm[dev,fused,triton]", "megatron_dev", "megatron_dev+learned_exit", 24)])
 def test_upstream_recordings_conform(matrix, peer, variant, configuration, checks):
-    """The committed numbers of upstream main and dev (native and fused modules) pass every check of
-    the variant named after them; dev's with its learned block exit, the configuration it claims."""
+    """The committed numbers of upstream main and dev (native and fused modules, the fused one on its torch
+    and, interpreted, its Triton backend) pass every check of the variant named after them; dev's with its
+    learned block exit, the configuration it claims."""
     row = matrix.peer(peer)
     assert row.best == variant and row.configuration == configuration and row.meets_claim, _not_passing(row)
     assert len(row.by_variant[variant]) == checks
