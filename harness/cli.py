@@ -107,12 +107,17 @@ def _conformance(args: argparse.Namespace, out_dir: Path):
     from harness.peers.registry import select
 
     tree = Path(args.megatron_lm) if args.megatron_lm else None
-    peers = select(list(args.peer), tree, python=args.megatron_lm_python, modules=args.peer_module)
+    peers = select(list(args.peer), tree, python=args.megatron_lm_python, modules=args.peer_module,
+                   transformer_engine=_path(args.transformer_engine), torchtitan=_path(args.torchtitan))
     matrix = run_matrix(peers)
     print(format_summary(matrix))
     js, md = write_outputs(matrix, out_dir)
     print(f"conformance: {js}, {md}")
     return matrix
+
+
+def _path(value: str | None) -> Path | None:
+    return Path(value) if value else None
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
@@ -298,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "(repeatable; the current directory is on the path; docs/conformance.md)")
         s.add_argument("--megatron-lm-python", default=None, metavar="PYTHON",
                        help="the interpreter that loads the tree (it imports triton; default: this one)")
+        s.add_argument("--transformer-engine", default=os.environ.get("MHC_TRANSFORMER_ENGINE"), metavar="PATH",
+                       help="a TransformerEngine source tree: its Triton mHC as the peer te_triton, interpreted "
+                            "without a GPU (default: $MHC_TRANSFORMER_ENGINE)")
+        s.add_argument("--torchtitan", default=os.environ.get("MHC_TORCHTITAN"), metavar="PATH",
+                       help="a torchtitan source tree with models/deepseek_v4: the peer torchtitan "
+                            "(default: $MHC_TORCHTITAN)")
 
     def dirs(s: argparse.ArgumentParser) -> None:
         s.add_argument("--suites-dir", default="suites", help="directory holding the suites (default: ./suites)")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from harness.source_tree import git_commit
+
 __all__ = ["COMMIT_ENV_VAR", "FUSED_FILE", "HC_FILE", "TREE_ENV_VAR", "Tree", "TreeError", "hashes", "tree_commit", "tree_env",
            "tree_flavor", "tree_under_test"]
 
@@ -61,15 +63,7 @@ def hashes(tree: Path) -> dict[str, str]:
 def tree_commit(tree: Path) -> str | None:
     """``git rev-parse HEAD`` when the tree is the top of a git checkout (not a folder inside another
     repository), else ``$MHC_MEGATRON_LM_COMMIT``, else None."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=tree, capture_output=True,
-                             text=True, timeout=10, check=False)
-    except OSError:
-        out = None
-    lines = out.stdout.split() if out is not None and out.returncode == 0 else []
-    if len(lines) == 2 and Path(lines[0]).resolve() == Path(tree).resolve():
-        return lines[1]
-    return os.environ.get(COMMIT_ENV_VAR) or None
+    return git_commit(tree, COMMIT_ENV_VAR)
 
 
 def tree_env(tree: Path) -> dict[str, str]:

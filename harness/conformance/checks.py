@@ -175,24 +175,34 @@ def _cotangents(outputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.
 def run_side(peer: Peer, spec: CheckSpec, dtype: torch.dtype,
              keys: tuple[str, ...] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Run the check's op on ``peer`` with inputs in ``dtype``: ``(outputs, gradients)`` as fp64, detached.
-    ``keys`` restricts the outputs the cotangents go through (the peer's, when this is the oracle)."""
+    ``keys`` restricts the outputs the cotangents go through (the peer's, when this is the oracle). A peer
+    that is not ``differentiable`` runs without autograd and has no gradients (``{}``). Forward and backward
+    run in ``peer.running()``."""
     raw, call = _inputs(spec)
     leaves = _leaves(raw, spec.dtype)  # rounded once to the dtype under test ...
     if dtype != spec.dtype:
         leaves = _leaves(leaves, dtype)  # ... and then promoted for the oracle
-    outputs = call(peer, leaves)
-    if not isinstance(outputs, dict) or not outputs:
-        raise TypeError(f"{peer.name}.{spec.op} returned {type(outputs).__name__}, not a dict of tensors")
-    if keys is not None:
-        outputs = {k: outputs[k] for k in keys}
-    cot = _cotangents(outputs, spec.case.seed)
-    loss = sum((outputs[k].to(torch.float64) * cot[k]).sum() for k in cot)
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True) if loss.requires_grad else \
-        [None] * len(leaves)
-    out_values = {k: v.detach().to(torch.float64) for k, v in outputs.items()}
+    with peer.running():
+        with torch.set_grad_enabled(peer.differentiable):
+            outputs = call(peer, leaves)
+        _check_outputs(peer, spec, outputs)
+        if keys is not None:
+            outputs = {k: outputs[k] for k in keys}
+        out_values = {k: v.detach().to(torch.float64) for k, v in outputs.items()}
+        if not peer.differentiable:
+            return out_values, {}
+        cot = _cotangents(outputs, spec.case.seed)
+        loss = sum((outputs[k].to(torch.float64) * cot[k]).sum() for k in cot)
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True) if loss.requires_grad else \
+            [None] * len(leaves)
     out_grads = {f"grad {k}": (torch.zeros_like(v, dtype=torch.float64) if gr is None else gr.detach().to(torch.float64))
                  for (k, v), gr in zip(leaves.items(), grads, strict=True)}
     return out_values, out_grads
+
+
+def _check_outputs(peer: Peer, spec: CheckSpec, outputs: object) -> None:
+    if not isinstance(outputs, dict) or not outputs:
+        raise TypeError(f"{peer.name}.{spec.op} returned {type(outputs).__name__}, not a dict of tensors")
 
 
 def _comparison(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, kind: str) -> Comparison:

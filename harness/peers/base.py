@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from abc import ABC
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +96,9 @@ class Peer(ABC):
     ``ops`` is reported not comparable with this reason; one in ``ops`` gets it beside a failing check."""
     claims: str | None = None
     """The variant it says it implements (None: let the matrix tell)."""
+    differentiable: bool = True
+    """False for inference kernels without a backward (vLLM, sglang): its ops run under ``torch.no_grad`` and
+    only their outputs are compared."""
 
     def version(self) -> str | None:
         """The peer's version (package version, commit), or None."""
@@ -103,6 +107,11 @@ class Peer(ABC):
     def unavailable(self) -> str | None:
         """None when the peer can run here, else why not (a missing package or GPU): a skip reason."""
         return None
+
+    def running(self) -> AbstractContextManager[object]:
+        """The context a check's ops and their backward run in (default: none; TransformerEngine's interpreted
+        kernels need a stand-in driver there)."""
+        return nullcontext()
 
     def coefficients(self, x: torch.Tensor, params: SublayerParams, iterations: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError

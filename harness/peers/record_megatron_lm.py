@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import shlex
@@ -30,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from harness.conformance.checks import check_specs, inputs_digest, run_side
+from harness.conformance.recording import record_peer, write_recording
 from harness.megatron_tree import tree_commit
 from harness.peers.megatron_lm import TreeError, hashes, load_tree, make_peers, tree_flavor
-from harness.peers.recorded import FORMAT, tensor_to_json
+from harness.peers.recorded import FORMAT
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter, without_autotune_timing
 from harness.provenance import utc_now
 
@@ -71,25 +70,8 @@ def record(tree: Path, *, branch: str | None, commit: str | None, command: str, 
         os.environ.setdefault("MHC_FORCE_BACKEND", "native")
     load_tree(tree)  # a tree that does not import here fails once, with its reason, before any check
     commit = commit or tree_commit(tree)
-    peers = []
     tree_peers = make_peers(tree, commit)
-    for peer in _triton_peers(tree_peers) if backend == "triton" else tree_peers:
-        checks = {}
-        for spec in check_specs(peer):
-            if spec.op not in peer.ops:
-                continue
-            entry: dict = {"inputs_sha256": inputs_digest(spec)}
-            try:
-                outputs, grads = run_side(peer, spec, spec.dtype)
-            except Exception as exc:  # recorded, so that the matrix shows what upstream raised
-                entry["error"] = f"{type(exc).__name__} in {spec.op}: {exc}"
-            else:
-                entry["outputs"] = {k: tensor_to_json(v, spec.dtype) for k, v in outputs.items()}
-                entry["grads"] = {k: tensor_to_json(v, spec.dtype) for k, v in grads.items()}
-            checks[spec.id] = entry
-        peers.append({"name": peer.name, "description": peer.description, "claims": peer.claims,
-                      "ops": sorted(peer.ops), "dtypes": [str(d).removeprefix("torch.") for d in peer.dtypes],
-                      "streams": list(peer.streams), "differences": dict(peer.differences), "checks": checks})
+    peers = [record_peer(p) for p in (_triton_peers(tree_peers) if backend == "triton" else tree_peers)]
     return {"format": FORMAT,
             "source": {"repository": "NVIDIA/Megatron-LM", "branch": branch or flavor, "flavor": flavor,
                        "commit": commit, "tree": str(Path(tree).resolve()), "files_sha256": hashes(tree),
@@ -130,9 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except TreeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n", encoding="utf-8")
-    tmp.replace(args.out)
+    write_recording(doc, args.out)
     errors = sum("error" in c for peer in doc["peers"] for c in peer["checks"].values())
     print(f"recorded {', '.join(p['name'] for p in doc['peers'])} from {args.megatron_lm} "
           f"({doc['source']['branch']}@{doc['source']['commit']}): "

@@ -47,8 +47,11 @@ class RecordedPeer(Peer):
     path: Path = Path()
 
     def version(self) -> str | None:
+        """``<branch>@<commit[:12]>``, plus ``(interpreted)`` for Triton kernels recorded through the interpreter."""
         commit, branch = self.source.get("commit"), self.source.get("branch", "?")
-        return f"{branch}@{commit[:12]}" if commit else f"{branch} tree {self.source.get('tree', '?')} (no commit)"
+        where = f"{branch}@{commit[:12]}" if commit else f"{branch} tree {self.source.get('tree', '?')} (no commit)"
+        interpreted = self.source.get("TRITON_INTERPRET") == "1" and self.source.get("device") == "cpu"
+        return f"{where} (interpreted)" if interpreted else where
 
     def side(self, spec: CheckSpec) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The recorded outputs and gradients of ``spec``; ``PeerError`` naming the file otherwise."""

@@ -1,10 +1,12 @@
 """Every peer the conformance suite knows, by name.
 
 ``default_peers`` is what ``mhc-harness conformance`` runs without ``--peer``: ``mhc_core``'s three
-variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, the committed numbers of
-upstream Megatron-LM ``main`` and ``dev``, the GPU peers (skipped with a reason on a machine without
-one), the installed plugins (entry point group ``mhc_suite.peers``), the ``--peer-module`` peers and,
-given ``megatron_lm`` (a source tree), that tree's own modules (:mod:`harness.peers.plugins`).
+variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, Liger-Kernel, TransformerEngine's
+Triton mHC and torchtitan's DeepSeek-V4 (each from a source tree, ``transformer_engine`` / ``torchtitan``,
+else skipped saying so), the committed recordings (upstream Megatron-LM ``main`` and ``dev``, TE,
+torchtitan), the GPU-only peers (skipped with a reason on a machine without one), the installed plugins
+(entry point group ``mhc_suite.peers``), the ``--peer-module`` peers and, given ``megatron_lm`` (a source
+tree), that tree's own modules (:mod:`harness.peers.plugins`).
 ``mhc_core[<v>,compiled]`` (torch.compile: a compile per shape, minutes on CPU) runs when named.
 """
 
@@ -12,16 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from harness.peers.base import Peer
 
 __all__ = ["all_peers", "default_peers", "select"]
 
 
-def all_peers(megatron_lm: Path | None = None, *, python: str | None = None,
-              modules: Sequence[str] = ()) -> list[Peer]:
-    """Every known peer (the tree peers only with ``megatron_lm``, recorded with ``python``; ``modules``:
-    ``MODULE:NAME`` specs of the user's own peers)."""
+def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, modules: Sequence[str] = (),
+              transformer_engine: Path | None = None, torchtitan: Path | None = None) -> list[Peer]:
+    """Every known peer (the Megatron-LM tree peers only with ``megatron_lm``, recorded with ``python``;
+    ``modules``: ``MODULE:NAME`` specs of the user's own peers; ``transformer_engine`` / ``torchtitan``: their
+    source trees, default ``$MHC_TRANSFORMER_ENGINE`` / ``$MHC_TORCHTITAN``)."""
     from harness.peers.triton_interpreter import prepare_interpreter
 
     prepare_interpreter()  # before a peer imports triton (see there); LigerPeer.unavailable() repeats its verdict
@@ -32,9 +36,16 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None,
     from harness.peers.mhc_core_peer import mhc_core_peers
     from harness.peers.plugins import entry_point_peers, module_peers
     from harness.peers.recorded import recorded_peers
+    from harness.peers.te_triton import TeTritonPeer, te_tree
+    from harness.peers.torchtitan import TorchtitanPeer, torchtitan_tree
+
+    # A tree named explicitly is checked here (SourceTreeError, a ValueError naming it: the CLI exits 2); one
+    # from the environment is checked by the peer, whose row then says why it did not run.
+    trees = {"tree": te_tree(transformer_engine).path} if transformer_engine is not None else {}
+    titan = {"tree": torchtitan_tree(torchtitan).path} if torchtitan is not None else {}
 
     peers: list[Peer] = [*mhc_core_peers(("reference", "compiled")), HfDeepseekV4Peer(), LucidrainsPeer(),
-                         LigerPeer(),
+                         LigerPeer(), TeTritonPeer(**trees), TorchtitanPeer(**titan),
                          *recorded_peers(), *gpu_peers(), *entry_point_peers(), *module_peers(modules)]
     names = [p.name for p in peers]
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -47,18 +58,18 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None,
     return peers
 
 
-def default_peers(megatron_lm: Path | None = None, *, python: str | None = None,
-                  modules: Sequence[str] = ()) -> list[Peer]:
-    """The peers a plain ``mhc-harness conformance`` runs (see the module docstring)."""
-    return [p for p in all_peers(megatron_lm, python=python, modules=modules) if not p.name.endswith(",compiled]")]
+def default_peers(megatron_lm: Path | None = None, **kwargs: Any) -> list[Peer]:
+    """The peers a plain ``mhc-harness conformance`` runs (see the module docstring; ``kwargs``: as
+    :func:`all_peers`)."""
+    return [p for p in all_peers(megatron_lm, **kwargs) if not p.name.endswith(",compiled]")]
 
 
-def select(names: list[str], megatron_lm: Path | None = None, *, python: str | None = None,
-           modules: Sequence[str] = ()) -> list[Peer]:
-    """The named peers, in the order given; ``ValueError`` listing the known names for an unknown one."""
+def select(names: list[str], megatron_lm: Path | None = None, **kwargs: Any) -> list[Peer]:
+    """The named peers, in the order given; ``ValueError`` listing the known names for an unknown one
+    (``kwargs``: as :func:`all_peers`)."""
     if not names:
-        return default_peers(megatron_lm, python=python, modules=modules)
-    known = {p.name: p for p in all_peers(megatron_lm, python=python, modules=modules)}
+        return default_peers(megatron_lm, **kwargs)
+    known = {p.name: p for p in all_peers(megatron_lm, **kwargs)}
     unknown = [n for n in names if n not in known]
     if unknown:
         hint = "" if megatron_lm else " (the megatron_lm_tree peers need --megatron-lm PATH)"

@@ -10,18 +10,25 @@ Two things stand between a peer's Triton kernels and ``TRITON_INTERPRET=1`` on C
   ``without_autotune_timing`` gives a module's autotuners a benchmarker that times nothing: each keeps
   the first of its (pruned) configurations, deterministically. A configuration changes the launch
   (warps, stages, block sizes), not what the kernel computes; where a peer's configurations differ in
-  their reduction split, the first one is what is checked.
+  their reduction split, the first one is what is checked;
+- a configuration pruner may read the device's properties from the active driver (TransformerEngine's
+  projection backward keeps the configurations whose shared memory fits): ``device_properties`` stands
+  in a driver that answers only that, with a named GPU's values, while the peer's op runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from types import ModuleType
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType, ModuleType
 
 import torch
 
-__all__ = ["INTERPRET_ENV_VAR", "interpreted", "prepare_interpreter", "without_autotune_timing"]
+__all__ = ["H100_PROPERTIES", "INTERPRET_ENV_VAR", "StandInDriver", "device_properties", "interpreted",
+           "prepare_interpreter", "without_autotune_timing"]
 
 INTERPRET_ENV_VAR = "TRITON_INTERPRET"
 
@@ -62,3 +69,43 @@ def without_autotune_timing(module: ModuleType) -> int:
     for tuner in tuners:
         tuner.__dict__["do_bench"] = _no_timing  # do_bench is a cached_property: the instance's value wins
     return len(tuners)
+
+
+H100_PROPERTIES: Mapping[str, int] = MappingProxyType({"max_shared_mem": 232448, "multiprocessor_count": 132})
+"""What a pruner may ask of an H100 / H200 (sm_90: 227 KiB of shared memory per block, opt-in; 132 SMs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandInDriver:
+    """The part of a Triton driver a configuration pruner reads: ``utils.get_device_properties(device)`` and
+    ``get_current_device()``. Nothing launches through it (the interpreter runs the kernels)."""
+
+    properties: Mapping[str, int] = field(default_factory=lambda: H100_PROPERTIES)
+
+    @property
+    def utils(self) -> StandInDriver:
+        return self
+
+    def get_device_properties(self, device: int) -> dict[str, int]:  # noqa: ARG002 - one device
+        return dict(self.properties)
+
+    def get_current_device(self) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def device_properties(properties: Mapping[str, int] = H100_PROPERTIES) -> Iterator[None]:
+    """Under the interpreter, make ``triton.runtime.driver.active`` a :class:`StandInDriver` with
+    ``properties`` for the duration (the previous one, usually none, is restored); elsewhere do nothing."""
+    if not interpreted():
+        yield
+        return
+    import triton.runtime
+
+    config = triton.runtime.driver  # a DriverConfig: `active` falls back to creating the default driver
+    saved = config._active
+    config.set_active(StandInDriver(properties=properties))
+    try:
+        yield
+    finally:
+        config._active = saved  # not reset_active(): that would create the default driver, which fails here

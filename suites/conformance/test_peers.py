@@ -99,12 +99,51 @@ def test_upstream_recordings_conform(matrix, peer, variant, configuration, check
 
 
 def test_recordings_carry_their_provenance():
-    """Each committed recording names its repository, branch, commit and the sha256 of upstream's files."""
+    """Each committed recording names its repository, branch, commit and the sha256 of the files that ran."""
+    files = {"NVIDIA/Megatron-LM": "megatron/core/transformer/hyper_connection.py",
+             "NVIDIA/TransformerEngine": "transformer_engine/common/triton/mhc.py",
+             "pytorch/torchtitan": "torchtitan/models/deepseek_v4/mhc.py"}
+    seen = set()
     for path in sorted(RECORDED_DIR.glob("*.json")):
         src = json.loads(path.read_text())["source"]
-        assert src["repository"] == "NVIDIA/Megatron-LM" and len(src["commit"]) == 40
-        assert "megatron/core/transformer/hyper_connection.py" in src["files_sha256"], path
-    assert {json.loads(p.read_text())["source"]["branch"] for p in RECORDED_DIR.glob("*.json")} == {"main", "dev"}
+        assert src["repository"] in files and len(src["commit"]) == 40, path
+        assert files[src["repository"]] in src["files_sha256"], path
+        seen.add((src["repository"], src["branch"]))
+    assert {("NVIDIA/Megatron-LM", "main"), ("NVIDIA/Megatron-LM", "dev"), ("NVIDIA/TransformerEngine", "main"),
+            ("pytorch/torchtitan", "pull/3634")} <= seen
+
+
+def test_te_triton_is_main_with_a_transposed_mix_but_for_its_norm_eps(matrix):
+    """TransformerEngine's Triton mHC (recorded through the interpreter from d0067d0d): megatron_main's
+    coefficients and log-domain Sinkhorn (columns exact), mixed H^T @ x; only where the RMS is small does
+    its norm differ (eps = float32's machine eps inside the square root), with either eps placement."""
+    row = matrix.peer("te_triton[recorded]")
+    assert row.configuration == "megatron_main+transposed_mix", row.configuration
+    failing = _not_passing(row)
+    assert set(failing) - {"block_exit"} == {"coefficients@rms1e-2 n4 fp32"}, failing
+    assert "grad x" in failing["coefficients@rms1e-2 n4 fp32"].message
+    assert "machine eps" in failing["coefficients@rms1e-2 n4 fp32"].message
+    inside = {c.check: c for c in row.cells("megatron_main+eps_inside_sqrt+transposed_mix")}
+    assert inside["coefficients@rms1e-2 n4 fp32"].status == "fail" and inside["coefficients n4 fp32"].status == "pass"
+    cells = {c.check: c for c in row.cells()}
+    assert cells["exact-sums n4 fp32"].observed == "cols" and cells["orientation n4 fp32"].observed == "H^T @ x"
+    assert "interpreted" in row.version
+
+
+def test_torchtitan_sinkhorn_is_not_deepseek_v4s(matrix):
+    """torchtitan's DeepSeek-V4 mHC (recorded from PR #3634 at 99222f64): the mix, the norm (eps inside), the
+    learned exit and H_pre match; its Sinkhorn (exp(Z - rowmax), then rows and columns divided by sum + eps)
+    is neither main's (clamp: columns exact) nor dev's / DeepSeek-V4's (softmax + eps start): it fails at
+    logit scale 10, and against the configuration HF DeepSeek-V4 conforms to its n = 4 coefficients fail."""
+    row = matrix.peer("torchtitan[recorded]")
+    assert row.configuration == "megatron_main+eps_inside_sqrt+learned_exit+transposed_mix", row.configuration
+    failing = _not_passing(row)
+    assert set(failing) - {"aggregate"} == {"sinkhorn s10 it1 n2 fp32", "sinkhorn s10 it1 n4 fp32",
+                                            "sinkhorn s10 it20 n4 fp32", "exact-sums n4 fp32"}, failing
+    assert all(c.status == "pass" for c in row.cells() if c.op in ("coefficients", "mix", "layer", "block_exit"))
+    deepseek = {c.check: c for c in row.cells("megatron_dev+eps_inside_sqrt+learned_exit")}
+    assert deepseek["coefficients n4 fp32"].status == "fail" and "h_res" in deepseek["coefficients n4 fp32"].message
+    assert deepseek["layer n4 fp32"].status == "fail"
 
 
 def test_a_recording_on_other_inputs_is_an_error_naming_it():
@@ -118,13 +157,15 @@ def test_a_recording_on_other_inputs_is_an_error_naming_it():
 
 
 def test_gpu_peers_say_why_they_did_not_run(matrix):
-    """TransformerEngine's Triton mHC and TileKernels need a GPU: without one their row says so."""
-    for name in ("te_triton", "tile_kernels"):
+    """TileKernels, vLLM and sglang need a GPU; TE and torchtitan need a tree (or a GPU for the installed TE):
+    where they cannot run, their row says why."""
+    for name, reason in (("tile_kernels", "CUDA GPU"), ("vllm", "CUDA GPU"), ("sglang", "CUDA GPU"),
+                         ("te_triton", "--transformer-engine"), ("torchtitan", "--torchtitan")):
         row = matrix.peer(name)
-        if torch.cuda.is_available() and row.skipped is None:
+        if row.skipped is None:
             assert row.best is not None
             continue
-        assert row.skipped and ("CUDA GPU" in row.skipped or "not installed" in row.skipped), row.skipped
+        assert reason in row.skipped or "not installed" in row.skipped, row.skipped
 
 
 class _Raising(Peer):
