@@ -103,8 +103,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _conformance(args: argparse.Namespace, out_dir: Path):
     """Run the conformance matrix for ``args`` (peers, tree), write it under ``out_dir``; the matrix."""
     from harness.conformance.matrix import run_matrix
+    from harness.conformance.registry import select
     from harness.conformance.report import format_summary, write_outputs
-    from harness.peers.registry import select
 
     tree = Path(args.megatron_lm) if args.megatron_lm else None
     peers = select(list(args.peer), tree, python=args.megatron_lm_python, modules=args.peer_module,

@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from mhc_core.ops._checks import check_rank, shape_str
+from mhc_core.checks import check_rank, shape_str
 
 __all__ = ["AmaxGain", "amax_gain", "OpBytes", "bytes_moved", "layer_extra_bytes", "OPS"]
 

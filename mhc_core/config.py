@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mhc_core.ops._checks import as_int
+from mhc_core.checks import as_int
 from mhc_core.variants import (
     OPTION_KINDS,
     MappingPrecision,

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mhc_core.checks import NonFiniteError, check_dim, check_finite, check_rank, shape_str
 from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
 from mhc_core.kernels import select_ops
-from mhc_core.ops._checks import NonFiniteError, check_dim, check_finite, check_rank, shape_str
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
 from mhc_core.variants import ResidualConstraint
 

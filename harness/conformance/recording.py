@@ -1,13 +1,13 @@
 """Record any peer on the conformance checks' seeded inputs (numbers, not code), for replay where it cannot run.
 
     python -m harness.conformance.recording --peer te_triton --transformer-engine TREE \\
-        --repository NVIDIA/TransformerEngine --branch main --out harness/peers/recorded/te_triton.json
+        --repository NVIDIA/TransformerEngine --branch main --out harness/conformance/recorded/te_triton.json
 
 A recording holds, per check id, the digest of the inputs and the outputs and gradients the peer
 returned (a check that raised: its message), and where it came from: repository, branch, commit, the
 sha256 of the files that ran, torch, Python, the device, the command, and for Triton kernels run through
-the interpreter the triton version and ``TRITON_INTERPRET``. :mod:`harness.peers.recorded` replays it as ``<peer>[recorded]``. Upstream Megatron-LM's
-recorder (:mod:`harness.peers.record_megatron_lm`) writes the same format from a tree's own process.
+the interpreter the triton version and ``TRITON_INTERPRET``. :mod:`harness.conformance.replay` replays it as ``<peer>[recorded]``. Upstream Megatron-LM's
+recorder (:mod:`harness.conformance.record_megatron_lm`) writes the same format from a tree's own process.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from harness.conformance.checks import check_specs, inputs_digest, run_side
+from harness.conformance.replay import FORMAT, tensor_to_json
 from harness.peers.base import Peer
-from harness.peers.recorded import FORMAT, tensor_to_json
 from harness.provenance import utc_now
 
 __all__ = ["RECORDED_SUFFIX", "main", "record_peer", "write_recording"]
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit", default=None, help="the tree's commit (default: git rev-parse HEAD in the tree)")
     p.add_argument("--out", required=True, type=Path, help="the recording (JSON)")
     args = p.parse_args(argv)
-    from harness.peers.registry import select
+    from harness.conformance.registry import select
 
     try:
         (peer,) = select([args.peer], transformer_engine=args.transformer_engine, torchtitan=args.torchtitan)

@@ -10,18 +10,17 @@ No megatron-core release contains mHC, so the code under test is a checkout's
 ``learned_output_contract`` for the block exit. Its parameters are replaced by the check's tensors,
 so gradients reach them. Layout: ``[T, n, C]`` -> ``[s = T, b = 1, n*C]``.
 
-The tree's ``megatron`` package must be the one imported, so this module runs in a process of its
-own: :func:`tree_peers` records a tree's results with ``python -m harness.peers.record_megatron_lm``
-in a subprocess and replays them (:mod:`harness.peers.recorded`). Upstream imports triton; a Python
+The tree's ``megatron`` package must be the one imported, so these peers run in a process of their own:
+:func:`harness.conformance.record_megatron_lm.tree_peers` records a tree's results with
+``python -m harness.conformance.record_megatron_lm`` in a subprocess and replays them
+(:mod:`harness.conformance.replay`). Upstream imports triton; a Python
 without it (the CPU CI's 3.11 env) cannot load the tree, and the error says so.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from harness.megatron_tree import FUSED_FILE, HC_FILE, TreeError, hashes, tree_f
 from harness.peers.base import Peer, Sublayer, SublayerParams
 
 __all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeError", "hashes", "load_tree", "make_peers",
-           "tree_flavor", "tree_peers"]
+           "tree_flavor"]
 
 def load_tree(tree: Path) -> Any:
     """Import the tree's ``hyper_connection`` module (the tree first on ``sys.path``); ``TreeError`` when
@@ -43,7 +42,7 @@ def load_tree(tree: Path) -> Any:
         where = [str(p) for p in getattr(loaded, "__path__", [])] or [str(getattr(loaded, "__file__", ""))]
         if not any(w.startswith(str(tree)) for w in where):
             raise TreeError(f"--megatron-lm {tree}: this process already imported megatron from {where[0]}; the "
-                            "tree peers run in a process of their own (harness.peers.record_megatron_lm)")
+                            "tree peers run in a process of their own (harness.conformance.record_megatron_lm)")
         import megatron.core.transformer.hyper_connection as hc
 
         _without_nvtx()
@@ -168,25 +167,4 @@ def make_peers(tree: Path, commit: str | None) -> list[MegatronLMTreePeer]:
             MegatronLMTreePeer(name="megatron_lm[dev,fused]", description="upstream Megatron-LM dev, use_fused_mhc "
                                "(fused_mhc_kernels; torch backend on CPU)", claims=DEV_CLAIM, fused=True,
                                ops=dev_ops, dtypes=fp32, **base)]
-
-
-def tree_peers(tree: Path, *, python: str | None = None, timeout_s: float = 900) -> list[Peer]:
-    """Record ``tree`` in a subprocess (``python``, default this interpreter) and return its replayed peers,
-    named ``megatron_lm_tree[...]``; ``TreeError`` naming the tree when it cannot be recorded."""
-    from harness.peers.recorded import load_recording
-
-    tree_flavor(tree)  # a bad path is named before anything runs
-    with tempfile.TemporaryDirectory(prefix="mhc-mlm-") as tmp:
-        out = Path(tmp) / "recording.json"
-        cmd = [python or sys.executable, "-m", "harness.peers.record_megatron_lm", "--megatron-lm", str(tree),
-               "--out", str(out)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                                         os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
-        if proc.returncode != 0:
-            lines = (proc.stderr or proc.stdout).strip().splitlines()
-            errors = [x.removeprefix("error: ") for x in lines if x.startswith("error: ")]
-            raise TreeError(errors[-1] if errors else
-                            f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): " + " | ".join(lines[-3:]))
-        return load_recording(out, prefix="megatron_lm_tree")
 

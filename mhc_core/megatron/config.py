@@ -14,7 +14,7 @@ from typing import Any
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mhc_core.ops._checks import as_int
+from mhc_core.checks import as_int
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["MHCTransformerConfig"]

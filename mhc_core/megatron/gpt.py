@@ -8,11 +8,11 @@ from typing import Any, Literal
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec, get_module
 
+from mhc_core.checks import check_int
 from mhc_core.megatron.block import HyperConnectionTransformerBlock
 from mhc_core.megatron.compat import gpt_decoder_block_class
 from mhc_core.megatron.layer import HyperConnectionTransformerLayer
 from mhc_core.megatron.specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
-from mhc_core.ops._checks import check_int
 
 __all__ = ["MHCGPTModel", "build_gpt_model"]
 

@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import p2p_communication, schedules
 from megatron.core.utils import get_model_config
 
-from mhc_core.ops._checks import check_int
+from mhc_core.checks import check_int
 
 __all__ = [
     "NStreamP2PCommunicator",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core.ops._checks import check_dim, check_floating, check_rank, check_streams
+from mhc_core.checks import check_dim, check_floating, check_rank, check_streams
 
 __all__ = ["h_aggregate", "check_h_aggregate_args"]
 

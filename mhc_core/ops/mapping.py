@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from mhc_core.ops._checks import check_dim, check_floating, check_number, check_rank, check_streams, shape_str
+from mhc_core.checks import check_dim, check_floating, check_number, check_rank, check_streams, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "NORM_EPS"]

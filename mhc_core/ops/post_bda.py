@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mhc_core.ops._checks import check_dim, check_floating, check_number, check_rank, check_streams
+from mhc_core.checks import check_dim, check_floating, check_number, check_rank, check_streams
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["h_post_bda", "apply_h_res", "check_h_post_bda_args"]

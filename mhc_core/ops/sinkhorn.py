@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core.ops._checks import check_finite, check_floating, check_int, check_number, check_rank, shape_str
+from mhc_core.checks import check_finite, check_floating, check_int, check_number, check_rank, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["sinkhorn", "sinkhorn_iterate", "check_sinkhorn_args"]

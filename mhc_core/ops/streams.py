@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core.ops._checks import check_dim, check_rank, check_streams, shape_str
+from mhc_core.checks import check_dim, check_rank, check_streams, shape_str
 
 __all__ = ["expand", "contract", "learned_contract"]
 

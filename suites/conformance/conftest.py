@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.conformance.matrix import Matrix, run_matrix
-from harness.peers.registry import default_peers
+from harness.conformance.registry import default_peers
 from harness.peers.triton_interpreter import prepare_interpreter
 
 prepare_interpreter()  # at collection, before a test of another suite (torch.compile) can import triton

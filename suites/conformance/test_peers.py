@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from harness.conformance.matrix import run_matrix
+from harness.conformance.replay import RECORDED_DIR, load_recording
 from harness.peers.base import Peer
-from harness.peers.recorded import RECORDED_DIR, load_recording
 
 
 def _row(matrix, name):

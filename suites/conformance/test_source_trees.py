@@ -188,7 +188,7 @@ def test_torchtitan_from_a_tree_matches_its_recording():
 
 
 def _recorded():
-    from harness.peers.recorded import recorded_peers
+    from harness.conformance.replay import recorded_peers
 
     return recorded_peers()
 

@@ -5,7 +5,7 @@ plain copy of the same bytes measured in the same run, their ratio (the roofline
 fused backends, the speed-up over `reference` in the same run; on a GPU the same two ratios again
 from back-to-back calls (`*_pipelined`: the kernels' own time, without the launch cost that a
 single timed call includes whenever the GPU waits for the host, unless the host is the slower
-side even then), and the GPU busy time per call (`device_busy_s`, `mhc_core.kernels.device_time`:
+side even then), and the GPU busy time per call (`device_busy_s`, `tools.device_time`:
 the kernels alone). Nothing here asserts a speed.
 Perf goldens (two-sided band on the median time) are compared only with MHC_PERF_GOLDEN=1 (the
 nightly GPU job), never in CPU CI.
@@ -21,10 +21,10 @@ import torch
 
 from harness import TimingCheck
 from mhc_core.kernels import dispatch
-from mhc_core.kernels.device_time import device_busy_seconds
 from mhc_core.kernels.preflight import cutile_gap
 from suites.perf.nsys import RANGE_PREFIX
 from suites.perf.timing import copy_fn, paired_samples, pipelined_seconds, synced
+from tools.device_time import device_busy_seconds
 from tools.perf_cases import PerfCase, cases_for, cpu_gap
 
 pytestmark = pytest.mark.perf
@@ -117,7 +117,7 @@ def test_kernel(benchmark, golden_metrics, nsys_ranges, case, direction, backend
             info["speedup_vs_reference_pipelined"] = piped[2] / piped[0]
     busy = device_busy_seconds(fn, DEVICE, calls=5)
     if busy is not None:
-        # The kernels alone (GPU busy time per call, `mhc_core.kernels.device_time`): for small ops
+        # The kernels alone (GPU busy time per call, `tools.device_time`): for small ops
         # the timed calls above measure the host's launch path as much as the kernels.
         info.update({"device_busy_s": busy, "bytes_per_s_busy": nbytes / busy})
     if label in nsys_ranges:

@@ -9,7 +9,7 @@ timed as a plain copy in the same run, over the plain layer's time, i.e. the ove
 bandwidth-bound mHC kernels would add (`floor_overhead_ratio`).
 
 On a GPU also the overhead in GPU busy time (`device_overhead_ratio`: the union of the step's
-kernel intervals, mHC layer over plain layer, `mhc_core.kernels.device_time`): what the overhead would be
+kernel intervals, mHC layer over plain layer, `tools.device_time`): what the overhead would be
 if launches cost nothing. Far below the measured overhead, the step waits on the host.
 
 Memory, measured in the same test: the activation bytes autograd saves for backward in one
@@ -34,11 +34,11 @@ from torch import nn
 from mhc_core import HyperConnectionConfig, HyperConnectionModule
 from mhc_core.analysis import layer_extra_bytes
 from mhc_core.kernels import dispatch
-from mhc_core.kernels.device_time import device_busy_seconds
 from mhc_core.recompute import StreamRecompute
 from suites.perf.memory import peak_bytes, saved_activation_bytes
 from suites.perf.timing import copy_seconds, paired_samples, synced
 from tools.cutile.gpu_cases import LAYER_SIZES
+from tools.device_time import device_busy_seconds
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -190,7 +190,7 @@ def test_layer_overhead(benchmark, backend, shape, reps, monkeypatch):
         benchmark.extra_info.update({"saved_bytes": mem["saved"], "saved_bytes_ratio": mem["saved"] / plain_mem["saved"]})
     busy, plain_busy = device_busy_seconds(run, DEVICE), device_busy_seconds(plain_run, DEVICE)
     if busy is not None:
-        # The overhead if launches cost nothing (GPU busy time, `mhc_core.kernels.device_time`), next to the
+        # The overhead if launches cost nothing (GPU busy time, `tools.device_time`), next to the
         # measured one: far apart, the mHC layer is host-bound at this size.
         benchmark.extra_info.update({"device_busy_s": busy, "plain_device_busy_s": plain_busy,
                                      "device_overhead_ratio": busy / plain_busy - 1.0})

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from mhc_core.kernels import dispatch
-from mhc_core.kernels.device_time import device_busy_seconds
 from suites.perf.peers import (
     PEERS,
     PeerCase,
@@ -32,6 +31,7 @@ from suites.perf.peers import (
     runner,
 )
 from suites.perf.timing import paired_samples, synced
+from tools.device_time import device_busy_seconds
 
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,7 +41,7 @@ _MATRIX: dict[str, object] = {}
 def _matrix_verdict(peer: PeerTimed, case: PeerCase) -> str:
     """The conformance matrix's verdict for this op family and dtype (cached per peer)."""
     from harness.conformance.matrix import run_matrix
-    from harness.peers.registry import select
+    from harness.conformance.registry import select
 
     if peer.conformance_peer not in _MATRIX:
         _MATRIX[peer.conformance_peer] = run_matrix(select([peer.conformance_peer])).peers[0]

@@ -163,7 +163,7 @@ def test_table_renders_rows(tmp_path, capsys):
 
 def test_busy_seconds_is_the_union_of_intervals():
     """GPU busy time counts overlapping kernel intervals (us) once and gaps not at all; None off CUDA."""
-    from mhc_core.kernels.device_time import busy_seconds, device_busy_seconds
+    from tools.device_time import busy_seconds, device_busy_seconds
 
     assert busy_seconds([]) == 0.0
     assert busy_seconds([(0.0, 10.0), (20.0, 25.0)]) == pytest.approx(15e-6)  # a 10 us launch gap

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from mhc_core.kernels.timing import pipelined_ms
+from tools.timing import pipelined_ms
 
 __all__ = ["sample_seconds", "median_seconds", "copy_seconds", "paired_samples", "copy_fn", "pipelined_seconds",
            "synced"]

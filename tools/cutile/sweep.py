@@ -9,7 +9,7 @@ Each candidate replaces one `tiling` choice (`tiling.overridden`) and times the 
 CUDA-event-timed calls (`single_ms`, CPU launch cost included when the GPU waits for it), the mean
 of back-to-back calls (`pipelined_ms`: the kernel's own time only when the GPU is the slower side;
 for small ops it is the host's time per call), the GPU busy time per call of 5 profiled calls
-(`device_ms`, `mhc_core.kernels.device_time`: the kernels alone, what candidates are ranked by)
+(`device_ms`, `tools.device_time`: the kernels alone, what candidates are ranked by)
 and GB/s of that time against `mhc_core.analysis.bytes_moved`, and whether the candidate computes
 what the reference does on the same inputs (`max_rel_err`: the largest relative Frobenius error
 over outputs, or over input gradients for the backward; `check` ok within `sweep_check.check_rtol`;
@@ -38,7 +38,6 @@ import torch
 
 from mhc_core.analysis import bytes_moved
 from mhc_core.kernels.cutile import tiling, tuning
-from mhc_core.kernels.device_time import device_busy_seconds
 from tools.cutile import adopt
 from tools.cutile.bench import (
     ACT_DTYPES,
@@ -60,6 +59,7 @@ from tools.cutile.sweep_candidates import (
     tile_key,
 )
 from tools.cutile.sweep_check import CHECK_RTOL, deviation, grade
+from tools.device_time import device_busy_seconds
 
 # CANDIDATES, KEY_ORDER, override (sweep_candidates) and CHECK_RTOL, deviation (sweep_check) stay importable here.
 __all__ = ["CANDIDATES", "KEY_ORDER", "CHECK_RTOL", "main", "timers", "deviation", "override", "regrade", "summary"]

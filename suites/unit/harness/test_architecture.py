@@ -17,6 +17,10 @@ NEVER = {
     "ci": {"suites"},
 }
 """docs/architecture.md, "Which may import which": the parts each part never imports (lazily or not)."""
+NEVER_WITHIN = {
+    "harness/peers": {"harness.conformance"},
+}
+"""docs/architecture.md: the arrows within a part (the adapters never import the checks that run them)."""
 
 
 def _imports(path: Path, *, top_level_only: bool = False) -> list[tuple[int, str]]:
@@ -42,6 +46,32 @@ def test_no_part_imports_a_part_above_it(part):
     bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
            for path in _modules(part) for line, module in _imports(path)
            if module.split(".")[0] in NEVER[part]]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("folder", sorted(NEVER_WITHIN))
+def test_no_arrow_points_up_within_a_part(folder):
+    """harness.peers (the adapters) imports nothing of harness.conformance (the checks, matrix, recordings)."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for path in sorted((ROOT / folder).rglob("*.py")) for line, module in _imports(path)
+           if any(module == m or module.startswith(m + ".") for m in NEVER_WITHIN[folder])]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_a_private_module_of_another_package():
+    """A module of this repository named `_x` is private to its package: nothing outside it imports it (third
+    parties' private modules, torch._inductor and the like, are theirs to judge)."""
+    bad = []
+    for part in PARTS:
+        for path in _modules(part):
+            package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+            for line, module in _imports(path):
+                names = module.split(".")
+                if names[0] not in PARTS:
+                    continue
+                private = next((i for i, n in enumerate(names) if n.startswith("_") and not n.startswith("__")), None)
+                if private is not None and ".".join(names[:private]) != package:
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not bad, "\n".join(bad)
 
 

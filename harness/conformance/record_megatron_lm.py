@@ -1,6 +1,6 @@
 """Record upstream Megatron-LM's mHC on the conformance checks' seeded inputs (numbers, not code).
 
-    python -m harness.peers.record_megatron_lm --megatron-lm /path/to/Megatron-LM --out FILE \\
+    python -m harness.conformance.record_megatron_lm --megatron-lm /path/to/Megatron-LM --out FILE \\
         [--branch main] [--commit SHA] [--backend native|triton]
 
 Runs every check of the tree's peers (:mod:`harness.peers.megatron_lm`: main's module, or dev's native
@@ -9,7 +9,7 @@ upstream returned (outputs and gradients per check, with the digest of the input
 from: repository, branch, commit (``--commit``, else ``git rev-parse HEAD`` in the tree), the sha256 of
 ``hyper_connection.py`` and ``fused_mhc_kernels.py``, torch and Python versions, the command. A check
 that raises is recorded as an error with the message. The committed recordings
-(``harness/peers/recorded/``) were made with this from ``main`` and ``dev`` (``docs/conformance.md``).
+(``harness/conformance/recorded/``) were made with this from ``main`` and ``dev`` (``docs/conformance.md``).
 
 ``--backend triton`` (dev only) records the fused module alone on upstream's Triton backend
 (``MHC_FORCE_BACKEND=triton``) as ``megatron_lm[dev,fused,triton]``; without a GPU its kernels run
@@ -24,19 +24,22 @@ import dataclasses
 import os
 import platform
 import shlex
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from harness.conformance.recording import record_peer, write_recording
+from harness.conformance.replay import FORMAT, load_recording
 from harness.megatron_tree import tree_commit
+from harness.peers.base import Peer
 from harness.peers.megatron_lm import TreeError, hashes, load_tree, make_peers, tree_flavor
-from harness.peers.recorded import FORMAT
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter, without_autotune_timing
 from harness.provenance import utc_now
 
-__all__ = ["main", "record"]
+__all__ = ["main", "record", "tree_peers"]
 
 
 def _triton_peers(peers: list) -> list:
@@ -70,8 +73,8 @@ def record(tree: Path, *, branch: str | None, commit: str | None, command: str, 
         os.environ.setdefault("MHC_FORCE_BACKEND", "native")
     load_tree(tree)  # a tree that does not import here fails once, with its reason, before any check
     commit = commit or tree_commit(tree)
-    tree_peers = make_peers(tree, commit)
-    peers = [record_peer(p) for p in (_triton_peers(tree_peers) if backend == "triton" else tree_peers)]
+    made = make_peers(tree, commit)
+    peers = [record_peer(p) for p in (_triton_peers(made) if backend == "triton" else made)]
     return {"format": FORMAT,
             "source": {"repository": "NVIDIA/Megatron-LM", "branch": branch or flavor, "flavor": flavor,
                        "commit": commit, "tree": str(Path(tree).resolve()), "files_sha256": hashes(tree),
@@ -93,6 +96,25 @@ def _triton_version() -> str | None:
         return None
 
 
+def tree_peers(tree: Path, *, python: str | None = None, timeout_s: float = 900) -> list[Peer]:
+    """Record ``tree`` in a subprocess (``python``, default this interpreter) and return its replayed peers,
+    named ``megatron_lm_tree[...]``; ``TreeError`` naming the tree when it cannot be recorded."""
+    tree_flavor(tree)  # a bad path is named before anything runs
+    with tempfile.TemporaryDirectory(prefix="mhc-mlm-") as tmp:
+        out = Path(tmp) / "recording.json"
+        cmd = [python or sys.executable, "-m", "harness.conformance.record_megatron_lm", "--megatron-lm", str(tree),
+               "--out", str(out)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                         os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+        if proc.returncode != 0:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            errors = [x.removeprefix("error: ") for x in lines if x.startswith("error: ")]
+            raise TreeError(errors[-1] if errors else
+                            f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): " + " | ".join(lines[-3:]))
+        return load_recording(out, prefix="megatron_lm_tree")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM source tree (main or dev)")
@@ -103,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="dev's fused module: its torch backend (default without a GPU), or Triton alone")
     args = p.parse_args(argv)
     # Placeholders and the file's name only: a path of the recording machine means nothing elsewhere.
-    command = shlex.join(["python", "-m", "harness.peers.record_megatron_lm", "--megatron-lm", "<tree>", "--out",
+    command = shlex.join(["python", "-m", "harness.conformance.record_megatron_lm", "--megatron-lm", "<tree>", "--out",
                           args.out.name, *(["--branch", args.branch] if args.branch else []),
                           *(["--backend", args.backend] if args.backend != "native" else [])])
     try:

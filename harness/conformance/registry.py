@@ -29,13 +29,13 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, mod
     from harness.peers.triton_interpreter import prepare_interpreter
 
     prepare_interpreter()  # before a peer imports triton (see there); LigerPeer.unavailable() repeats its verdict
+    from harness.conformance.replay import recorded_peers
     from harness.peers.gpu import gpu_peers
     from harness.peers.hf_deepseek_v4 import HfDeepseekV4Peer
     from harness.peers.liger import LigerPeer
     from harness.peers.lucidrains import LucidrainsPeer
     from harness.peers.mhc_core_peer import mhc_core_peers
     from harness.peers.plugins import entry_point_peers, module_peers
-    from harness.peers.recorded import recorded_peers
     from harness.peers.te_triton import TeTritonPeer, te_tree
     from harness.peers.torchtitan import TorchtitanPeer, torchtitan_tree
 
@@ -52,7 +52,7 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, mod
     if twice:
         raise ValueError(f"peer name(s) {twice} are taken twice (a plugin must not reuse a built-in name)")
     if megatron_lm is not None:
-        from harness.peers.megatron_lm import tree_peers
+        from harness.conformance.record_megatron_lm import tree_peers
 
         peers += tree_peers(megatron_lm, python=python)
     return peers

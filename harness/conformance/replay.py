@@ -1,11 +1,12 @@
 """Recorded peers: another implementation's outputs and gradients on the checks' seeded inputs, replayed.
 
-A recording (``python -m harness.peers.record_megatron_lm``) holds, per check id, the digest of the
+A recording (``python -m harness.conformance.recording`` for any peer, ``record_megatron_lm`` for a
+Megatron-LM tree) holds, per check id, the digest of the
 inputs it was made on and the outputs and gradients the implementation returned, plus where it came
 from (repository, commit, the sha256 of the source files, torch and Python versions). Replaying it
 puts that implementation in the matrix on a machine that cannot run it: upstream Megatron-LM's mHC
 is in no released package, so its numbers from ``main`` and ``dev`` are committed here as data
-(``harness/peers/recorded/*.json``). A check whose inputs changed since the recording is an error
+(``harness/conformance/recorded/*.json``). A check whose inputs changed since the recording is an error
 naming the file and the command that re-records it; so is a check the recording lacks.
 """
 
@@ -56,7 +57,7 @@ class RecordedPeer(Peer):
     def side(self, spec: CheckSpec) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The recorded outputs and gradients of ``spec``; ``PeerError`` naming the file otherwise."""
         rec = self.checks.get(spec.id)
-        how = f"re-record with: {self.source.get('command', 'python -m harness.peers.record_megatron_lm')}"
+        how = f"re-record with: {_current(self.source.get('command', 'python -m harness.conformance.recording'))}"
         if rec is None:
             raise PeerError(f"{self.path}: {self.name} has no recording of check {spec.id!r}; {how}")
         if "error" in rec:
@@ -66,6 +67,17 @@ class RecordedPeer(Peer):
                             f"since {self.source.get('recorded', '?')}); {how}")
         return ({k: tensor_from_json(v) for k, v in rec["outputs"].items()},
                 {k: tensor_from_json(v) for k, v in rec["grads"].items()})
+
+
+_MOVED = {"harness.peers.record_megatron_lm": "harness.conformance.record_megatron_lm"}
+"""Recorders that moved since a committed recording named them in its ``command``."""
+
+
+def _current(command: str) -> str:
+    """``command`` with a moved recorder's module under its present name."""
+    for old, new in _MOVED.items():
+        command = command.replace(old, new)
+    return command
 
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}

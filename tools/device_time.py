@@ -6,7 +6,7 @@ calls)` profiles `calls` back-to-back calls (`torch.profiler`, CUDA activity: ke
 memsets) and returns the length of the union of those intervals per call, i.e. the time a call
 would take if launches cost nothing (a CUDA graph comes close). Wall time over busy time near 1
 means the call is GPU-bound; well above 1, host-bound, and faster kernels would not shorten it.
-None off CUDA. Used by the tile sweep (`cutile.sweep`: which tile is fastest on the GPU, whatever
+None off CUDA. Used by the tile sweep (`tools.cutile.sweep`: which tile is fastest on the GPU, whatever
 the host costs) and the perf suite's layer overhead.
 """
 
