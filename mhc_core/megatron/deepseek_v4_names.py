@@ -1,14 +1,18 @@
-"""The mHC parameters of a GPT built by ``mhc_core.megatron``, in Hugging Face DeepSeek-V4's names, and back.
+"""The mHC parameters of a GPT built by ``mhc_core.megatron``, in DeepSeek-V4's names, and back.
 
-============================================================================  =====================================
-``mhc_core.megatron`` (upstream Megatron-LM's names)                          transformers ``DeepseekV4ForCausalLM``
-============================================================================  =====================================
-``decoder.layers.<i>.self_attention_hyper_connection.mapping_proj.weight``    ``model.layers.<i>.attn_hc.fn``
-``decoder.layers.<i>.self_attention_hyper_connection.bias``                   ``model.layers.<i>.attn_hc.base``
-``decoder.layers.<i>.self_attention_hyper_connection.alpha_{pre,post,res}``   ``model.layers.<i>.attn_hc.scale`` ``[3]``
-``decoder.layers.<i>.mlp_hyper_connection.*``                                 ``model.layers.<i>.ffn_hc.*``
-``decoder.hc_head_fn`` / ``hc_head_base`` / ``hc_head_scale``                 ``model.hc_head.hc_fn`` / ``hc_base`` / ``hc_scale``
-============================================================================  =====================================
+Two namings (:class:`DeepseekV4Names`): transformers' ``DeepseekV4ForCausalLM`` modules, and DeepSeek's
+released checkpoint (what transformers' loader renames from, and what torchtitan's state-dict adapter
+maps to its own ``hc_attn_pre.hc_fn``):
+
+=========================================================================  ==================================  =====================
+``mhc_core.megatron`` (upstream Megatron-LM's names)                       ``transformers``                    ``checkpoint``
+=========================================================================  ==================================  =====================
+``decoder.layers.<i>.self_attention_hyper_connection.mapping_proj.weight`` ``model.layers.<i>.attn_hc.fn``     ``layers.<i>.hc_attn_fn``
+``decoder.layers.<i>.self_attention_hyper_connection.bias``                ``model.layers.<i>.attn_hc.base``   ``layers.<i>.hc_attn_base``
+``decoder.layers.<i>.self_attention_hyper_connection.alpha_{pre,post,res}`` ``model.layers.<i>.attn_hc.scale`` ``layers.<i>.hc_attn_scale`` ``[3]``
+``decoder.layers.<i>.mlp_hyper_connection.*``                              ``model.layers.<i>.ffn_hc.*``       ``layers.<i>.hc_ffn_*``
+``decoder.hc_head_fn`` / ``hc_head_base`` / ``hc_head_scale``              ``model.hc_head.hc_fn`` / ...       ``hc_head_fn`` / ...
+=========================================================================  ==================================  =====================
 
 Both use the ``[pre(n) | post(n) | res(n*n row-major)]`` layout and stream-major flattening, so the
 tensors move unchanged (the three alphas become one ``scale`` vector). Only the mHC parameters are
@@ -20,24 +24,47 @@ on a real mini GPT that both sides then give the same coefficients and mixed str
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["from_deepseek_v4", "to_deepseek_v4"]
+__all__ = ["DeepseekV4Names", "from_deepseek_v4", "to_deepseek_v4"]
+
+
+class DeepseekV4Names(enum.StrEnum):
+    """Which of DeepSeek-V4's namings (see the module docstring)."""
+
+    TRANSFORMERS = "transformers"
+    """transformers' module names (``model.layers.<i>.attn_hc.fn``)."""
+    CHECKPOINT = "checkpoint"
+    """DeepSeek's released checkpoint (``layers.<i>.hc_attn_fn``), as torchtitan's adapter reads it."""
+
 
 _SUBLAYERS = {"self_attention_hyper_connection": "attn_hc", "mlp_hyper_connection": "ffn_hc"}
+_CKPT_SUBLAYERS = {"attn_hc": "hc_attn", "ffn_hc": "hc_ffn"}
 _MEGATRON = re.compile(r"^(?:module\.)?decoder\.layers\.(\d+)\.(self_attention_hyper_connection|mlp_hyper_connection)\."
                        r"(mapping_proj\.weight|bias|alpha_pre|alpha_post|alpha_res)$")
 _HF = re.compile(r"^model\.layers\.(\d+)\.(attn_hc|ffn_hc)\.(fn|base|scale)$")
+_CKPT = re.compile(r"^layers\.(\d+)\.(hc_attn|hc_ffn)_(fn|base|scale)$")
 _HEAD = {"decoder.hc_head_fn": "model.hc_head.hc_fn", "decoder.hc_head_base": "model.hc_head.hc_base",
          "decoder.hc_head_scale": "model.hc_head.hc_scale"}
 _ALPHAS = ("alpha_pre", "alpha_post", "alpha_res")
 
 
-def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str) -> dict[str, torch.Tensor]:
-    """The mHC entries of a ``mhc_core.megatron`` state dict under DeepSeek-V4's names.
+def _to_checkpoint(key: str) -> str:
+    """A transformers name (``model.layers.<i>.attn_hc.fn``, ``model.hc_head.hc_fn``) as the checkpoint's."""
+    m = _HF.match(key)
+    if m:
+        return f"layers.{m.group(1)}.{_CKPT_SUBLAYERS[m.group(2)]}_{m.group(3)}"
+    return key.removeprefix("model.").replace("hc_head.hc_", "hc_head_")
+
+
+def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str,
+                   names: DeepseekV4Names | str = DeepseekV4Names.TRANSFORMERS) -> dict[str, torch.Tensor]:
+    """The mHC entries of a ``mhc_core.megatron`` state dict under DeepSeek-V4's names (``names``: transformers'
+    or the released checkpoint's).
 
     ``ValueError`` for a ``variant`` other than ``megatron_dev``, for a sublayer missing one of its five
     parameters (naming the key), or for a state dict without mHC parameters.
@@ -66,16 +93,31 @@ def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str) -> dict[s
         for key in (ours, f"module.{ours}"):
             if key in state:
                 out[theirs] = state[key]
-    return out
+    try:
+        names = DeepseekV4Names(names)
+    except ValueError:
+        raise ValueError(f"names={names!r}: valid: {', '.join(n.value for n in DeepseekV4Names)}") from None
+    return out if names == DeepseekV4Names.TRANSFORMERS else {_to_checkpoint(k): v for k, v in out.items()}
+
+
+def _from_checkpoint(key: str) -> str:
+    """A checkpoint name as transformers' (the inverse of :func:`_to_checkpoint`; other keys unchanged)."""
+    m = _CKPT.match(key)
+    if m:
+        sub = next(k for k, v in _CKPT_SUBLAYERS.items() if v == m.group(2))
+        return f"model.layers.{m.group(1)}.{sub}.{m.group(3)}"
+    if key.startswith("hc_head_"):
+        return "model.hc_head.hc_" + key.removeprefix("hc_head_")
+    return key
 
 
 def from_deepseek_v4(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The mHC entries of a DeepSeek-V4 state dict under ``mhc_core.megatron``'s names (a
+    """The mHC entries of a DeepSeek-V4 state dict (either naming) under ``mhc_core.megatron``'s names (a
     ``megatron_dev`` model's); ``ValueError`` naming a bad ``scale`` shape or an empty result."""
     inverse = {v: k for k, v in _SUBLAYERS.items()}
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        m = _HF.match(key)
+        m = _HF.match(_from_checkpoint(key))
         if m:
             prefix = f"decoder.layers.{m.group(1)}.{inverse[m.group(2)]}"
             if m.group(3) == "fn":
@@ -87,9 +129,9 @@ def from_deepseek_v4(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
                     raise ValueError(f"{key}: scale must have shape [3] (pre, post, comb), got {list(value.shape)}")
                 for j, a in enumerate(_ALPHAS):
                     out[f"{prefix}.{a}"] = value[j:j + 1].clone()
-        elif key in _HEAD.values():
-            out[next(k for k, v in _HEAD.items() if v == key)] = value
+        elif _from_checkpoint(key) in _HEAD.values():
+            out[next(k for k, v in _HEAD.items() if v == _from_checkpoint(key))] = value
     if not out:
-        raise ValueError("no DeepSeek-V4 mHC parameters (model.layers.<i>.attn_hc/ffn_hc.*, model.hc_head.*) in the "
-                         "state dict")
+        raise ValueError("no DeepSeek-V4 mHC parameters (model.layers.<i>.attn_hc/ffn_hc.*, model.hc_head.*, or the "
+                         "checkpoint's layers.<i>.hc_attn_*/hc_ffn_*, hc_head_*) in the state dict")
     return out

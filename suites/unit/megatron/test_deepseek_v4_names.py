@@ -118,3 +118,87 @@ def test_other_variants_and_bad_input_are_refused(model):
         to_deepseek_v4(partial, variant="megatron_dev")
     with pytest.raises(ValueError, match=r"model.layers.0.attn_hc.scale: scale must have shape \[3\]"):
         from_deepseek_v4({"model.layers.0.attn_hc.scale": torch.ones(2)})
+
+
+def test_checkpoint_names_are_what_transformers_loader_renames(model):
+    """The checkpoint naming is DeepSeek's released one: transformers' own loader (its deepseek_v4 renamings,
+    `rename_source_key`) turns each of our checkpoint names into the transformers name we give the tensor;
+    the round trip from the checkpoint names is exact; an unknown naming is refused."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    sd = model.state_dict()
+    hf = to_deepseek_v4(sd, variant="megatron_dev")
+    ckpt = to_deepseek_v4(sd, variant="megatron_dev", names="checkpoint")
+    assert "layers.0.hc_attn_fn" in ckpt and "hc_head_scale" in ckpt and len(ckpt) == len(hf)
+    transforms = get_checkpoint_conversion_mapping("deepseek_v4")
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = {k.removeprefix("model."): v for k, v in hf.items()}
+    renamed = {rename_source_key(k, renamings, converters, base_model_prefix="model", meta_state_dict=meta)[0]: v
+               for k, v in ckpt.items()}
+    assert set(renamed) == {k.removeprefix("model.") for k in hf}
+    assert all(torch.equal(renamed[k.removeprefix("model.")], v) for k, v in hf.items())
+    back = from_deepseek_v4(ckpt)
+    assert all(torch.equal(back[k], sd[k]) for k in back) and len(back) == len(from_deepseek_v4(hf))
+    with pytest.raises(ValueError, match="names='hub': valid: transformers, checkpoint"):
+        to_deepseek_v4(sd, variant="megatron_dev", names="hub")
+
+
+def _torchtitan_mhc_map(tree):
+    """The mHC rows of torchtitan's DeepSeek-V4 `from_hf_map` (checkpoint name -> torchtitan name), read as data
+    from its state_dict_adapter.py (the module itself imports the whole model)."""
+    import ast
+
+    source = (tree / "torchtitan/models/deepseek_v4/state_dict_adapter.py").read_text()
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                and any(isinstance(t, ast.Attribute) and t.attr == "from_hf_map" for t in node.targets)):
+            pairs = {ast.literal_eval(k): ast.literal_eval(v) for k, v in zip(node.value.keys, node.value.values,
+                                                                               strict=True)}
+            return {k: v for k, v in pairs.items() if "hc_" in k}
+    raise AssertionError("no from_hf_map dict in torchtitan's DeepSeek-V4 state_dict_adapter.py")
+
+
+def test_torchtitans_adapter_beside_ours(model):
+    """From a torchtitan tree (MHC_TORCHTITAN): our checkpoint names, through torchtitan's own adapter map, land
+    on its HcPre / HcHead parameters, which then compute our coefficients, aggregate and block exit."""
+    import os
+    import re
+    from pathlib import Path
+
+    tree = os.environ.get("MHC_TORCHTITAN")
+    if not tree:
+        pytest.skip("MHC_TORCHTITAN is not set (a torchtitan checkout of PR #3634)")
+    from harness.peers.torchtitan import load_torchtitan_mhc
+
+    mhc = load_torchtitan_mhc(Path(tree).resolve())
+    table = _torchtitan_mhc_map(Path(tree))
+    ckpt = to_deepseek_v4(model.state_dict(), variant="megatron_dev", names="checkpoint")
+    titan = {}
+    for key, value in ckpt.items():
+        layer = re.match(r"^layers\.(\d+)\.(.*)$", key)
+        pattern = f"layers.{{}}.{layer.group(2)}" if layer else key
+        assert pattern in table, f"{key}: torchtitan's adapter has no row for it"
+        titan[table[pattern].format(layer.group(1)) if layer else table[pattern]] = value
+    c = model.config
+    s, b = 5, 2
+    x = torch.randn(s, b, N * c.hidden_size, generator=torch.Generator().manual_seed(5))
+    streams = x.view(s, b, N, c.hidden_size).transpose(0, 1)  # [b, s, n, C]
+    tol = tolerance(torch.float32, "fwd")
+    for i, layer in enumerate(model.decoder.layers):
+        for ours, sub in ((layer.self_attention_hyper_connection, "hc_attn_pre"),
+                          (layer.mlp_hyper_connection, "hc_ffn_pre")):
+            pre = mhc.HcPre.Config(hc_mult=N, dim=c.hidden_size, sinkhorn_iters=c.mhc_sinkhorn_iterations).build()
+            pre.load_state_dict({k.rsplit(".", 1)[1]: v for k, v in titan.items() if k.startswith(f"layers.{i}.{sub}.")})
+            aggregated, h_res, h_post, _ = ours(x)
+            y, post, comb = pre(streams)
+            assert_close(f"layer {i} {sub} h_post", h_post.transpose(0, 1), post, tol)
+            assert_close(f"layer {i} {sub} aggregate", aggregated.transpose(0, 1), y, tol)
+            # torchtitan's Sinkhorn is not DeepSeek-V4's (docs/conformance.md): at these logits its guard moves
+            # H_res by ~1e-5 (3.7e-6 .. 1.1e-5 measured), about the fp32 bound, so it gets ten times that
+            gap = float((h_res.transpose(0, 1) - comb).detach().abs().max())
+            assert gap < 1e-4, f"layer {i} {sub}: H_res differs by {gap:.3e}"
+    head = mhc.HcHead.Config(hc_mult=N, dim=c.hidden_size).build()
+    head.load_state_dict({k.rsplit(".", 1)[1]: v for k, v in titan.items() if k.startswith("hc_head.")})
+    assert_close("block exit", model.decoder.contract_streams(x).transpose(0, 1), head(streams), tol)
