@@ -34,8 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mhc_core.kernels.cutile import tiling, tuning  # noqa: E402
-from mhc_core.kernels.cutile.ops import make_ops  # noqa: E402
+from mhc_core.kernels.cutile import make_ops, tiling, tuning  # noqa: E402
 from mhc_core.kernels.preflight import cutile_gap  # noqa: E402
 from tools.cutile import gpu_cases, precompile  # noqa: E402
 from tools.cutile.bench import ACT_DTYPES, add_shape_args  # noqa: E402

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from mhc_core import ops
+from mhc_core.kernels import dispatch
 
 __all__ = ["MHCOps", "REFERENCE_OPS", "FUSED_OPS", "select_ops"]
 
@@ -27,18 +28,12 @@ REFERENCE_OPS = MHCOps(
 )
 
 
-def _fused_ops() -> MHCOps:
-    from mhc_core.kernels import dispatch
-
-    return MHCOps(
-        sinkhorn=dispatch.sinkhorn,
-        mapping=dispatch.mapping,
-        h_aggregate=dispatch.h_aggregate,
-        h_post_bda=dispatch.h_post_bda,
-    )
-
-
-FUSED_OPS = _fused_ops()
+FUSED_OPS = MHCOps(
+    sinkhorn=dispatch.sinkhorn,
+    mapping=dispatch.mapping,
+    h_aggregate=dispatch.h_aggregate,
+    h_post_bda=dispatch.h_post_bda,
+)
 """The dispatched ops: each call picks its backend per op (`mhc_core.kernels.dispatch`)."""
 
 
@@ -50,8 +45,6 @@ def select_ops(use_fused: bool) -> MHCOps:
     """
     if not use_fused:
         return REFERENCE_OPS
-    from mhc_core.kernels import dispatch
-
     for op in dispatch.OPS:
         dispatch.resolve(op)
     return FUSED_OPS

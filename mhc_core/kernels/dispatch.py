@@ -17,8 +17,6 @@ at INFO. `python -m mhc_core.kernels` (`preflight`) reports these choices before
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import os
 import threading
@@ -57,7 +55,6 @@ OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda")
 BACKENDS = ("reference", "compiled", "cutile")
 CHOICES = ("auto", *BACKENDS)
 ENV_ALL = "MHC_BACKEND"
-_CUTILE_MODULE = "mhc_core.kernels.cutile"
 
 
 class BackendUnavailableError(RuntimeError):
@@ -104,16 +101,13 @@ def _cutile_availability(device_type: str) -> tuple[bool, str]:
     if device_type != "cuda":
         return False, f"cutile runs on CUDA tensors only (device type {device_type!r})"
     try:
-        spec = importlib.util.find_spec(_CUTILE_MODULE)
-    except (ImportError, ValueError) as exc:
-        return False, f"{_CUTILE_MODULE} cannot be located: {exc}"
-    if spec is None:
-        return False, f"{_CUTILE_MODULE} is not part of this build"
+        from mhc_core.kernels import cutile
+    except ImportError as exc:
+        return False, f"mhc_core.kernels.cutile is not part of this build: {exc}"
     try:
-        module = importlib.import_module(_CUTILE_MODULE)
-        ok, reason = module.availability()
-    except Exception as exc:  # an import or probe failure is a reason, not a crash
-        return False, f"{_CUTILE_MODULE} failed to load: {type(exc).__name__}: {exc}"
+        ok, reason = cutile.availability()
+    except Exception as exc:  # a probe failure is a reason, not a crash
+        return False, f"mhc_core.kernels.cutile failed to load: {type(exc).__name__}: {exc}"
     return bool(ok), str(reason)
 
 
@@ -213,7 +207,9 @@ def get_impl(op: str, backend: str) -> Callable:
 
         return getattr(compiled, op)
     if backend == "cutile":
-        return getattr(importlib.import_module(_CUTILE_MODULE), op)
+        from mhc_core.kernels import cutile
+
+        return getattr(cutile, op)
     raise ValueError(f"mhc_core.kernels: backend={backend!r} is unknown; valid: {', '.join(BACKENDS)}")
 
 

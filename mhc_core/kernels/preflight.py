@@ -76,13 +76,13 @@ class Preflight:
 def cutile_gap(op: str, *, n: int, dtype: torch.dtype, dropout: float = 0.0) -> str | None:
     """Why cuTile has no kernel for `op`'s training calls at `n` streams, `dtype` activations and
     hidden `dropout` (the kernels' own coverage checks), or None when it covers them."""
-    from mhc_core.kernels.cutile import ops_common
+    from mhc_core.kernels.cutile import runtime
 
     try:
         if op == "h_post_bda":
-            ops_common.require_no_training_dropout(op, dropout, training=True)
-        ops_common.require_n(n, op)
-        ops_common.require_dtypes(op, activations=torch.empty(0, dtype=dtype, device="meta"))
+            runtime.require_no_training_dropout(op, dropout, training=True)
+        runtime.require_n(n, op)
+        runtime.require_dtypes(op, activations=torch.empty(0, dtype=dtype, device="meta"))
     except NotImplementedError as exc:
         return str(exc)
     return None

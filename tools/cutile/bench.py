@@ -18,7 +18,7 @@ import torch
 
 from mhc_core import ops as ref
 from mhc_core.analysis import bytes_moved
-from mhc_core.kernels.cutile.jsonfile import write_json
+from mhc_core.kernels.cutile.tuning import write_json
 from mhc_core.variants import get_variant
 from tools.timing import pipelined_ms, time_ms
 

@@ -43,7 +43,7 @@ def _fp32_scalar(v: float) -> float:
 _MODULE_CACHE: dict[str, tuple[types.ModuleType, EmulatedTile]] = {}
 
 _PACKAGE = "mhc_core.kernels.cutile"
-HELPER_MODULES = ("mma_common", "stream_common", "stream_mma", "sinkhorn_elem_math")
+HELPER_MODULES = ("mma",)
 """Modules of this package that kernel modules import helpers from and that use `cuda.tile`
 themselves: a kernel module loaded here imports their emulated copies (with the stand-in). In
 dependency order: a helper may import the helpers before it. Helpers must not read the launch

@@ -98,7 +98,7 @@ def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, vari
     """Every launch of the tile sweep (`sweep.CANDIDATES`, in `KEY_ORDER`; only `keys` when given) at
     its shape, as the sweep runs them: against the heuristics, whatever tuning is in force
     (`tiling.tuned(None)`). Ids `key[i]-kernel`, `i` the candidate's index."""
-    from mhc_core.kernels.cutile.ops import make_ops
+    from mhc_core.kernels.cutile import make_ops
     from tools.cutile import sweep
 
     unknown = sorted(set(keys or ()) - set(sweep.CANDIDATES))

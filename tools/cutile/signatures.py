@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile import make_ops, tiling
 from mhc_core.kernels.cutile.runtime import kernel_object
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.emulate:  # the CPU kernel interpreter: the whole loop without a GPU (tests; times mean nothing)
-        from mhc_core.kernels.cutile.ops import make_ops
+        from mhc_core.kernels.cutile import make_ops
         from tools.cutile.emulator import EmulatedRuntime
 
         ops, device, device_name = make_ops(EmulatedRuntime(num_sms=4)), "cpu", "CPU kernel interpreter"

@@ -1,12 +1,20 @@
 """cuTile (NVIDIA `cuda-tile`) kernels for the four mHC ops, forward and backward.
 
 Importing this package needs neither `cuda.tile` nor a GPU: the kernel modules
-(`sinkhorn_kernels`, `stream_kernels`, `mapping_kernels`) are imported on first launch.
+(`sinkhorn_kernels`, `stream_kernels`, `mapping_kernels`) are imported on first launch
+(`runtime.kernel_module`). The kernels and the wrappers share `constants.py` (no imports at all).
 
 - `availability() -> (bool, reason)`: a CUDA GPU of compute capability >= 8.0, `cuda.tile`
   importable and a `tileiras` compiler found (see `toolchain.py`).
 - `sinkhorn`, `mapping`, `h_aggregate`, `h_post_bda`: the reference signatures, autograd-capable;
-  uncovered cases raise `NotImplementedError` naming the case (see `ops.py`).
+  uncovered cases raise `NotImplementedError` naming the case: `n` outside `tiling.SUPPORTED_N`, dtypes
+  other than bf16 / fp32 (fp16, fp64), dropout > 0 in training, tensors not on a CUDA device. Unlike
+  the reference ops, the kernels do not check their inputs for NaN / inf (that check syncs the host).
+  Bad arguments raise the reference's `ValueError`s (the reference's own check functions).
+- `make_ops(runtime)`: the four ops bound to another runtime (the lab's CPU emulator, the launch
+  recorder): each is a `torch.autograd.Function` (in `sinkhorn.py`, `mapping.py`, `streams.py`) whose
+  forward and backward are launches of the family's kernels (`sinkhorn_kernels.py`,
+  `mapping_kernels.py`, `stream_kernels.py`) through the runtime (`runtime.py`).
 - Every launch signature, for the export / compile checks, is listed by the lab's
   `tools/cutile/signatures.py` (from the launch wrappers themselves).
 - Tiles: `tiling` heuristics, or the tuning for this GPU model that `tuning.resolve` finds
@@ -20,12 +28,20 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+from mhc_core.kernels.cutile import mapping as _mapping
+from mhc_core.kernels.cutile import sinkhorn as _sinkhorn
+from mhc_core.kernels.cutile import streams as _streams
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.ops import CuTileOps, make_ops
 from mhc_core.kernels.cutile.toolchain import find_toolchain
+from mhc_core.ops.mapping import NORM_EPS
+from mhc_core.variants import Variant
 
 __all__ = [
+    "CuTileOps",
+    "make_ops",
     "availability",
     "sinkhorn",
     "mapping",
@@ -34,6 +50,40 @@ __all__ = [
     "OPS",
     "SUPPORTED_N",
 ]
+
+class CuTileOps(NamedTuple):
+    """The four ops, each with the reference signature, bound to one runtime."""
+
+    sinkhorn: Callable
+    mapping: Callable
+    h_aggregate: Callable
+    h_post_bda: Callable
+
+
+def make_ops(runtime: Any | Callable[[], Any]) -> CuTileOps:
+    """Bind the ops to `runtime` (an object with `launch`, or a zero-argument factory of one)."""
+    get = runtime if callable(runtime) and not hasattr(runtime, "launch") else (lambda: runtime)
+
+    def sinkhorn(logits, iterations=20, eps=None, variant=Variant.MEGATRON_MAIN):
+        """cuTile `mhc_core.ops.sinkhorn`: `[..., n, n] -> [..., n, n]`."""
+        return _sinkhorn.sinkhorn(get, logits, iterations, eps, variant)
+
+    def mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, variant=Variant.MEGATRON_MAIN,
+                norm_eps=NORM_EPS):
+        """cuTile `mhc_core.ops.mapping`: `x [T, n*C] -> h_pre [T, n], h_post [T, n], h_res_logits [T, n, n]`."""
+        return _mapping.mapping(get, x, weight, alpha_pre, alpha_post, alpha_res, bias, n, variant, norm_eps)
+
+    def h_aggregate(x, h_pre):
+        """cuTile `mhc_core.ops.h_aggregate`: `x [T, n, C], h_pre [T, n] -> [T, C]`."""
+        return _streams.h_aggregate(get, x, h_pre)
+
+    def h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False,
+                   variant=Variant.MEGATRON_MAIN):
+        """cuTile `mhc_core.ops.h_post_bda`: `-> [T, n, C]` (no dropout in training)."""
+        return _streams.h_post_bda(get, h_res, residual, h_post, y, bias, dropout_p, training, variant)
+
+    return CuTileOps(sinkhorn=sinkhorn, mapping=mapping, h_aggregate=h_aggregate, h_post_bda=h_post_bda)
+
 
 SUPPORTED_N = tiling.SUPPORTED_N
 MIN_COMPUTE_CAPABILITY = (8, 0)

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from mhc_core.kernels.cutile.mma_common import MMA_3XTF32, mma_at
+from mhc_core.kernels.cutile.constants import MMA_3XTF32
+from mhc_core.kernels.cutile.mma import mma_at
 
 ConstInt = ct.Constant[int]
 PAD_ZERO = ct.PaddingMode.ZERO

@@ -1,33 +1,49 @@
-"""Where the cuTile launches go: `CuTileRuntime`, `ct.launch` on the current torch stream.
+"""Where the cuTile launches go, and what every launch wrapper needs besides its kernels.
 
-The launch wrappers in `ops_*.py` call `runtime.launch(grid, kernel_name, args)` and never touch
-`cuda.tile` themselves, so the lab can run the same wrapper code on other runtimes: the CPU kernel
-interpreter (`tools.cutile.emulator.EmulatedRuntime`, the parity tests without a GPU) and the launch
-recorder (`tools.cutile.recording.RecordingRuntime`, the source of the CI signature list). A runtime
-has `launch`, `num_sms(device)` and `check_tensor(t, name, op)`.
+The launch wrappers (`sinkhorn.py`, `mapping.py`, `streams.py`) call `runtime.launch(grid, kernel_name,
+args)` and never touch `cuda.tile` themselves, so the lab can run the same wrapper code on other
+runtimes: the CPU kernel interpreter (`tools.cutile.emulator.EmulatedRuntime`, the parity tests without a
+GPU) and the launch recorder (`tools.cutile.recording.RecordingRuntime`, the source of the CI signature
+list). A runtime has `launch`, `num_sms(device)` and `check_tensor(t, name, op)`. `CuTileRuntime` is the
+GPU's: `ct.launch` on the current torch stream of the kernel `kernel_object` imports from its family's
+module (`sinkhorn_kernels`, `mapping_kernels`, `stream_kernels`).
+
+The wrappers' shared arithmetic and coverage checks are here too: `cdiv`, and the `require_*` checks,
+which raise `NotImplementedError` naming a case without a kernel (`n`, dtype, device, dropout in training);
+argument errors are the reference's `ValueError`s (`mhc_core.ops`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.constants import DEV, MAIN, PAPER
+from mhc_core.variants import Variant
 
 __all__ = [
     "KERNEL_MODULES",
-    "kernel_object",
+    "SUPPORTED_DTYPES",
+    "VARIANT_CODE",
     "CuTileRuntime",
+    "cdiv",
+    "kernel_module",
+    "kernel_object",
+    "require_device",
+    "require_dtypes",
+    "require_n",
+    "require_no_training_dropout",
 ]
 
 KERNEL_MODULES: dict[str, str] = {
     "sinkhorn_fwd_kernel": "sinkhorn_kernels",
     "sinkhorn_bwd_kernel": "sinkhorn_kernels",
-    "sinkhorn_fwd_elem_kernel": "sinkhorn_elem_kernels",
-    "sinkhorn_bwd_elem_kernel": "sinkhorn_elem_kernels",
+    "sinkhorn_fwd_elem_kernel": "sinkhorn_kernels",
+    "sinkhorn_bwd_elem_kernel": "sinkhorn_kernels",
     "h_aggregate_fwd_kernel": "stream_kernels",
     "h_aggregate_bwd_kernel": "stream_kernels",
     "h_post_bda_fwd_kernel": "stream_kernels",
@@ -40,12 +56,25 @@ KERNEL_MODULES: dict[str, str] = {
 """Every kernel of the package and the module (in this package) that defines it."""
 
 
+def kernel_module(name: str) -> ModuleType:
+    """The kernel module `name` of `KERNEL_MODULES` (imports `cuda.tile`): one per op family."""
+    if name == "sinkhorn_kernels":
+        from mhc_core.kernels.cutile import sinkhorn_kernels as module
+    elif name == "mapping_kernels":
+        from mhc_core.kernels.cutile import mapping_kernels as module
+    elif name == "stream_kernels":
+        from mhc_core.kernels.cutile import stream_kernels as module
+    else:
+        raise ValueError(f"cutile: {name!r} is not a kernel module; valid: {sorted(set(KERNEL_MODULES.values()))}")
+    return module
+
+
 _AS_TILING = object()
 
 
 @functools.cache
 def _hinted(kernel_name: str, occupancy: int | None):
-    kernel = getattr(importlib.import_module(f"mhc_core.kernels.cutile.{KERNEL_MODULES[kernel_name]}"), kernel_name)
+    kernel = getattr(kernel_module(KERNEL_MODULES[kernel_name]), kernel_name)
     return kernel if occupancy is None else kernel.replace_hints(occupancy=occupancy)
 
 
@@ -91,3 +120,50 @@ class CuTileRuntime:
             raise NotImplementedError(
                 f"cutile {op}: {name} is on {t.device}; the cuTile kernels run on CUDA tensors only"
             )
+
+
+# --- what every launch wrapper shares -------------------------------------------------------------------
+
+VARIANT_CODE = {Variant.PAPER: PAPER, Variant.MEGATRON_MAIN: MAIN, Variant.MEGATRON_DEV: DEV}
+"""The `VARIANT` constant of the Sinkhorn kernels."""
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def cdiv(a: int, b: int) -> int:
+    """`ceil(a / b)` for positive `b`: the number of tiles of size `b` covering `a`."""
+    return -(-a // b)
+
+
+def require_n(n: int, op: str) -> None:
+    """`NotImplementedError` unless `n` is in `tiling.SUPPORTED_N`."""
+    if n not in tiling.SUPPORTED_N:
+        raise NotImplementedError(
+            f"cutile {op}: n={n} residual streams has no kernel (supported: {tiling.SUPPORTED_N}, "
+            "tile shapes must be powers of two)"
+        )
+
+
+def require_no_training_dropout(op: str, dropout_p: float, training: bool) -> None:
+    """`NotImplementedError` for dropout in training (the fused bias-dropout-add has none)."""
+    if training and dropout_p > 0:
+        raise NotImplementedError(
+            f"cutile {op}: dropout_p={dropout_p} in training has no kernel (the fused bias-dropout-add "
+            "covers dropout_p == 0 or eval only)"
+        )
+
+
+def require_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
+    """`NotImplementedError` for a tensor (None skipped) whose dtype is not bf16 / fp32."""
+    for name, t in tensors.items():
+        if t is not None and t.dtype not in SUPPORTED_DTYPES:
+            raise NotImplementedError(
+                f"cutile {op}: {name} has dtype {t.dtype}; the kernels support bfloat16 and float32"
+            )
+
+
+def require_device(rt: Any, op: str, **tensors: torch.Tensor | None) -> None:
+    """Let the runtime `rt` check each tensor (None skipped), e.g. that it is on a CUDA device."""
+    for name, t in tensors.items():
+        if t is not None:
+            rt.check_tensor(t, name, op)

@@ -5,9 +5,9 @@ streams, `TILE_T` tokens and `TILE_C` channels form one tile; arrays are token-m
 (`x [T, n, C]`, `y [T, C]`, `h_pre [T, n]`, `h_res [T, n, n]`).
 
 The residual mix uses `M = H` (`paper`, `megatron_main`) or `M = H^T` (`megatron_dev`,
-`TRANSPOSED=1`): `mix_i = sum_j M[i, j] x_j`, loaded by `stream_common.load_mix`; `grad_h_res`
-is stored back through the same transposed view. The loads live in `stream_common`, the
-tensor-core `h_aggregate` forward (`StreamTiles.mma`) in `stream_mma`. How each kernel holds its
+`TRANSPOSED=1`): `mix_i = sum_j M[i, j] x_j`, loaded by `load_mix`; `grad_h_res`
+is stored back through the same transposed view. The loads and the
+tensor-core `h_aggregate` forward (`StreamTiles.mma`) are the helpers below. How each kernel holds its
 tiles is `StreamTiles.per_stream` (`tiling.StreamLayout`): the forwards work per stream, from
 slices of one `[TILE_T, n, TILE_C]` load or (`TUPLE`) from each stream loaded alone; the backwards
 on whole tiles or (`TUPLE`) stream by stream.
@@ -17,16 +17,77 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from mhc_core.kernels.cutile.stream_common import (
-    F32,
-    load_branch,
-    load_f32,
-    load_mix,
-    load_stream,
-)
-from mhc_core.kernels.cutile.stream_mma import aggregate_tile_mma, block_diag
+from mhc_core.kernels.cutile.mma import mma_at
 
 ConstInt = ct.Constant[int]
+
+
+# --- tile loads: fp32 tiles of the [T, n, C] arrays, the residual mix, the branch y + bias, one stream ----
+
+PAD_ZERO = ct.PaddingMode.ZERO
+F32 = ct.float32
+
+
+def load_f32(arr, index, shape):
+    """A zero-padded tile load, as fp32."""
+    return ct.astype(ct.load(arr, index=index, shape=shape, padding_mode=PAD_ZERO), F32)
+
+
+def load_mix(h_res, pt, N, TILE_T, TRANSPOSED):
+    """`M [TILE_T, n, n]` with `mix_i = sum_j M[i, j] x_j`."""
+    if TRANSPOSED:
+        m = ct.load(h_res, index=(pt, 0, 0), shape=(TILE_T, N, N), order=(0, 2, 1), padding_mode=PAD_ZERO)
+    else:
+        m = ct.load(h_res, index=(pt, 0, 0), shape=(TILE_T, N, N), padding_mode=PAD_ZERO)
+    return ct.astype(m, F32)
+
+
+def load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS):
+    """`y + bias` as `[TILE_T, 1, TILE_C]` fp32."""
+    yb = load_f32(y, (pt, pc), (TILE_T, TILE_C))
+    if HAS_BIAS:
+        yb = yb + ct.reshape(load_f32(bias, (pc,), (TILE_C,)), (1, TILE_C))
+    return ct.reshape(yb, (TILE_T, 1, TILE_C))
+
+
+def load_stream(arr, pt, i, pc, TILE_T, TILE_C):
+    """Stream `i` of `arr [T, n, C]` at tile `(pt, pc)` as `[TILE_T, TILE_C]` fp32."""
+    return ct.reshape(load_f32(arr, (pt, i, pc), (TILE_T, 1, TILE_C)), (TILE_T, TILE_C))
+
+
+# --- the tensor-core h_aggregate forward (`StreamTiles.mma`) -------------------------------------------
+#
+# The block's TILE_T tokens and n streams are the rows of a [TILE_T*n, TILE_C] matrix (the
+# [TILE_T, n, TILE_C] tile reshaped), multiplied by the block-diagonal matrix of the block's h_pre
+# (`block_diag`), computed transposed so that the activations are the left operand; the precision is a
+# `constants.MMA_*` code.
+
+def _token_eye(TILE_T):
+    """`[TILE_T, 1, TILE_T, 1]` fp32: 1 where the two token indices agree, else 0."""
+    tok = ct.arange(TILE_T, dtype=ct.int32)
+    return ct.where(ct.reshape(tok, (TILE_T, 1, 1, 1)) == ct.reshape(tok, (1, 1, TILE_T, 1)), 1.0, 0.0)
+
+
+def block_diag(blocks, N, COLS, TILE_T):
+    """The block-diagonal `[TILE_T*n, TILE_T*COLS]` fp32 matrix of per-token blocks `[TILE_T, n, COLS]`:
+    `out[t*n + a, u*COLS + b] = blocks[t, a, b]` where `t == u`, else 0 (an MMA operand that applies
+    each token's small matrix to that token's rows only)."""
+    wide = ct.reshape(blocks, (TILE_T, N, 1, COLS)) * _token_eye(TILE_T)
+    return ct.reshape(wide, (TILE_T * N, TILE_T * COLS))
+
+
+def aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MMA):
+    """One output tile of `h_aggregate` on the tensor cores: `out^T [TILE_C, TILE_T] = x2^T @ h_diag`,
+    `x2 [TILE_T*n, TILE_C]` the whole `[TILE_T, n, TILE_C]` tile, `h_diag [TILE_T*n, TILE_T]` the
+    block's `h_pre` (`block_diag`); stored through a transposed view of `out`."""
+    xt = ct.load(x, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
+    acc = mma_at(ct.transpose(ct.reshape(xt, (TILE_T * N, TILE_C))), h_diag, ct.zeros((TILE_C, TILE_T), dtype=F32),
+                 MMA)
+    ct.store(out, index=(pc, pt), tile=ct.astype(acc, out.dtype), order=(1, 0))
+
+
+# --- the kernels -----------------------------------------------------------------------------------
+
 
 
 def _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, TENSOR_CORES, MMA):
@@ -49,7 +110,7 @@ def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C:
     can pipeline across iterations (as in the backward kernels).
 
     One `[TILE_T, TILE_C]` load per stream, summed in registers; with `TENSOR_CORES` the sum over
-    streams is instead a tensor-core product, at precision `MMA` (a `mma_codes` code), of the whole
+    streams is instead a tensor-core product, at precision `MMA` (a `constants.MMA_*` code), of the whole
     `[TILE_T, n, TILE_C]` tile with the block-diagonal `h_pre` (`aggregate_tile_mma`).
     """
     pt = ct.bid(0)

@@ -233,7 +233,7 @@ def next_pow2(v: int) -> int:
 class SinkhornTiles:
     """Tile of the Sinkhorn kernels: `tile_b` matrices per block, `[TILE_B, n, n]` with a stored
     trajectory for the backward (`sinkhorn_kernels`); `per_element`: the kernels of
-    `sinkhorn_elem_kernels` instead (one `[TILE_B]` tile per matrix element, `div.approx`
+    `sinkhorn_kernels`' `*_elem_kernel` pair instead (one `[TILE_B]` tile per matrix element, `div.approx`
     divisions, a backward that recomputes each pair's input)."""
 
     tile_b: int
@@ -281,7 +281,7 @@ class StreamTiles:
     can pipeline. `mma` (h_aggregate forward, with `WHOLE`): the sum over streams on the tensor cores,
     the whole `[TILE_T, n, TILE_C]` tile as a `[TILE_T*n, TILE_C]` matrix multiplied by the
     block-diagonal matrix of the block's `h_pre`; only for tiles with an MMA reduction of >= 16 and
-    edges of >= 8 (`ops_streams._tensor_cores`), smaller tiles sum per stream on the CUDA cores.
+    edges of >= 8 (`streams._tensor_cores`), smaller tiles sum per stream on the CUDA cores.
     """
 
     tile_t: int

@@ -20,11 +20,13 @@ tiles in force against the heuristics (no GPU needed).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -33,7 +35,7 @@ from typing import Any
 from mhc_core.kernels.cutile import tiling
 
 __all__ = ["ENV", "SCHEMA", "TUNED_DIR", "REFERENCE_DEVICE", "Tuning", "device_slug", "load", "save", "packaged",
-           "resolve", "describe"]
+           "resolve", "describe", "write_json"]
 
 ENV = "MHC_CUTILE_TUNING"
 SCHEMA = 1
@@ -135,7 +137,6 @@ def load(path: str | os.PathLike) -> Tuning:
 
 def save(tuning: Tuning, path: str | os.PathLike) -> None:
     """Write `tuning` to `path` atomically."""
-    from mhc_core.kernels.cutile.jsonfile import write_json
 
     write_json(str(path), tuning.to_json())
 
@@ -167,3 +168,25 @@ def describe(tuning: Tuning | None) -> str:
     hints = f", {len(tuning.occupancy)} occupancy hint(s)" if tuning.occupancy else ""
     name = Path(tuning.source).name if tuning.source else "in memory"  # no machine paths in records
     return f"{name} sha256:{tuning.digest()} ({tuning.device}, n = {tuning.n}: {keys}{hints})"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_json(path: str, data: dict) -> None:
+    """`data` as the JSON file `path`, replaced atomically (a reader never sees half a file): the tuning
+    files and the GPU tools' `--out` files."""
+    parent = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would otherwise be the file's mode
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:  # nothing left behind on the way to an error
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

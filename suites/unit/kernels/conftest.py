@@ -32,7 +32,7 @@ def cutile_on_cpu(monkeypatch):
     """cuTile "available" for CPU tensors, its ops the real kernels on the CPU interpreter (the
     kernels' own coverage checks raise), the other backends as they are."""
     from mhc_core.kernels import dispatch
-    from mhc_core.kernels.cutile.ops import make_ops
+    from mhc_core.kernels.cutile import make_ops
     from tools.cutile.emulator import EmulatedRuntime
 
     emulated = make_ops(EmulatedRuntime(num_sms=4))

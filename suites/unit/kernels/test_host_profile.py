@@ -62,7 +62,7 @@ def test_bad_arguments_exit_2(argv, named, capsys):
 @pytest.mark.parametrize(("filename", "area"), [
     ("~", "C functions"),
     ("/x/site-packages/torch/autograd/function.py", "torch"),
-    ("/repo/mhc_core/kernels/cutile/ops_mapping.py", "mhc_core"),
+    ("/repo/mhc_core/kernels/cutile/mapping.py", "mhc_core"),
     ("/x/site-packages/cuda/tile/_compile.py", "cuda.tile"),
     ("<string>", "other"),
 ])
@@ -80,4 +80,4 @@ def test_cutile_wrappers_show_in_the_profile(cutile_on_cpu, tmp_path):
     fwd, bwd = json.loads(out.read_text())["rows"]
     for row, method in ((fwd, "forward"), (bwd, "backward")):
         names = [f["name"] for f in row["top"] if f["area"] == "mhc_core"]
-        assert any(n.startswith("ops_streams.py:") and f"({method})" in n for n in names), names
+        assert any(n.startswith("streams.py:") and f"({method})" in n for n in names), names

@@ -10,8 +10,7 @@ import torch
 
 import mhc_core.kernels.cutile as cutile
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile import toolchain
-from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile import make_ops, toolchain
 from mhc_core.kernels.cutile.runtime import CuTileRuntime
 from tools.cutile.emulator import EmulatedRuntime
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile import make_ops, tiling
 from mhc_core.variants import Variant
 from suites.unit.kernels_cutile.cutile_cases import (
     DTYPE_NAMES,
@@ -226,8 +225,8 @@ def test_aggregate_forward_mma_keeps_fp32_coefficients(emu, n):
 def test_mma_needs_tensor_core_sized_tiles():
     """`StreamTiles.mma` takes the tensor-core path only where the MMA reduces over >= 16 and has edges
     of >= 8 (small tiles: tiny C, few tokens, keep the CUDA cores); the precision follows the dtypes."""
-    from mhc_core.kernels.cutile.ops_common import MMA_2XBF16, MMA_3XTF32, MMA_BF16
-    from mhc_core.kernels.cutile.ops_streams import _tensor_cores
+    from mhc_core.kernels.cutile.constants import MMA_2XBF16, MMA_3XTF32, MMA_BF16
+    from mhc_core.kernels.cutile.streams import _tensor_cores
 
     bf16, fp32 = torch.bfloat16, torch.float32
     assert _tensor_cores(True, 64, (32,), bf16, True) == (1, MMA_BF16)

@@ -7,8 +7,7 @@ import re
 import pytest
 import torch
 
-from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile import make_ops, tiling
 from mhc_core.kernels.cutile.runtime import KERNEL_MODULES
 from mhc_core.variants import Variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime

@@ -8,8 +8,7 @@ import re
 import pytest
 import torch
 
-from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile import make_ops, tiling
 from tools.cutile.emulator import EmulatedRuntime
 from tools.cutile.sweep import CANDIDATES, KEY_ORDER, override, timers
 

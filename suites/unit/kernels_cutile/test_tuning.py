@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile import tiling, tuning
-from mhc_core.kernels.cutile.ops import make_ops
+from mhc_core.kernels.cutile import make_ops, tiling, tuning
 from tools.cutile import adopt, signatures
 from tools.cutile.emulator import EmulatedRuntime
 from tools.cutile.sweep import CANDIDATES, CHECK_RTOL, deviation, main, override, regrade

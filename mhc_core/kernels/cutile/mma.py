@@ -1,7 +1,7 @@
-"""Tensor-core products at a chosen precision, for the kernels: `mma_at(a, b, acc, MMA)`.
+"""Tensor-core products at a chosen precision, for the mapping and stream kernels: `mma_at(a, b, acc, MMA)`.
 
-A kernel helper module (imports `cuda.tile`; the CPU interpreter loads it with its stand-in, see
-`tools.cutile.emulator.HELPER_MODULES`). The codes are in `mma_codes` (no `cuda.tile`), which the launch
+The one kernel-helper module (imports `cuda.tile`; the CPU interpreter loads it with its stand-in, see
+`tools.cutile.emulator.HELPER_MODULES`). The codes are in `constants` (no `cuda.tile`), which the launch
 wrappers use.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from mhc_core.kernels.cutile.mma_codes import MMA_2XBF16, MMA_3XTF32, MMA_BF16, MMA_TF32
+from mhc_core.kernels.cutile.constants import MMA_2XBF16, MMA_3XTF32, MMA_BF16, MMA_TF32
 
 __all__ = ["mma_at", "MMA_BF16", "MMA_TF32", "MMA_3XTF32", "MMA_2XBF16"]
 
@@ -24,7 +24,7 @@ def _split(v, dtype):
 
 
 def mma_at(a, b, acc, MMA):
-    """`acc + a @ b` with fp32 accumulation at the precision `MMA` (`mma_codes`)."""
+    """`acc + a @ b` with fp32 accumulation at the precision `MMA` (`constants`)."""
     if MMA == MMA_BF16:
         out = ct.mma(ct.astype(a, ct.bfloat16), ct.astype(b, ct.bfloat16), acc)
     elif MMA == MMA_TF32:

@@ -1,7 +1,7 @@
 """cuTile `sinkhorn`: `logits[..., n, n] -> [..., n, n]`, autograd function and wrapper.
 
-Forward and backward are one launch each: `sinkhorn_fwd_kernel` / `sinkhorn_bwd_kernel`, or with
-`SinkhornTiles.per_element` the `*_elem_kernel` pair. Only the logits are saved: the backward
+Forward and backward are one launch each of a `sinkhorn_kernels` kernel: `sinkhorn_fwd_kernel` /
+`sinkhorn_bwd_kernel`, or with `SinkhornTiles.per_element` the `*_elem_kernel` pair. Only the logits are saved: the backward
 kernel replays the iterations from them, into an fp32 workspace `[P, B, n, n]` (allocated per
 call) that it walks backwards, or, per element, recomputing each pair's input instead.
 """
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.ops_common import VARIANT_CODE, cdiv, require_device, require_dtypes, require_n
-from mhc_core.kernels.cutile.sinkhorn_common import num_pairs
+from mhc_core.kernels.cutile.constants import num_pairs
+from mhc_core.kernels.cutile.runtime import VARIANT_CODE, cdiv, require_device, require_dtypes, require_n
 from mhc_core.ops.sinkhorn import check_sinkhorn_args
 from mhc_core.variants import Variant, get_variant
 

@@ -12,18 +12,27 @@ from typing import Any
 import torch
 
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.ops_common import (
-    MMA_TF32,
-    cdiv,
-    mma_mode,
-    require_device,
-    require_dtypes,
-    require_n,
-)
+from mhc_core.kernels.cutile.constants import MMA_3XTF32, MMA_BF16, MMA_TF32
+from mhc_core.kernels.cutile.runtime import cdiv, require_device, require_dtypes, require_n
 from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, num_mapping_outputs
-from mhc_core.variants import Variant, get_variant
+from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["mapping"]
+__all__ = ["mapping", "mma_mode"]
+
+
+def mma_mode(x_dtype: torch.dtype, spec: VariantSpec) -> int:
+    """Tensor-core precision of the mapping projection for activations of `x_dtype`.
+
+    Forward: bf16 operands where the reference itself rounds the weight to bf16 (`megatron_main`
+    with bf16 activations); TF32 for bf16 activations of the fp32 variants (bf16 is exact in TF32, the
+    weight is rounded to TF32); for fp32 activations 3xTF32 (about fp32 accuracy), or plain TF32
+    when `torch.backends.cuda.matmul.allow_tf32` allows it for torch's own fp32 matmuls.
+    The backward uses `max(mode, TF32)`.
+    """
+    if x_dtype == torch.bfloat16:
+        return MMA_TF32 if spec.mapping_fp32 else MMA_BF16
+    return MMA_TF32 if torch.backends.cuda.matmul.allow_tf32 else MMA_3XTF32
+
 
 
 class _MappingFn(torch.autograd.Function):

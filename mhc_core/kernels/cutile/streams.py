@@ -1,4 +1,5 @@
-"""cuTile `h_aggregate` and `h_post_bda`, the ops on the `n` streams: autograd functions and wrappers.
+"""cuTile `h_aggregate` and `h_post_bda`, the ops on the `n` streams: autograd functions and wrappers
+launching the `stream_kernels` kernels.
 
     h_aggregate  x[T, n, C], h_pre[T, n] -> [T, C]
     h_post_bda   h_res[T, n, n], residual[T, n, C], h_post[T, n], y[T, C], bias[C] | None -> [T, n, C]
@@ -12,11 +13,8 @@ from typing import Any
 import torch
 
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.ops_common import (
-    MMA_2XBF16,
-    MMA_3XTF32,
-    MMA_BF16,
-    MMA_TF32,
+from mhc_core.kernels.cutile.constants import MMA_2XBF16, MMA_3XTF32, MMA_BF16, MMA_TF32
+from mhc_core.kernels.cutile.runtime import (
     cdiv,
     require_device,
     require_dtypes,
