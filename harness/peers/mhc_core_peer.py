@@ -45,7 +45,7 @@ class MhcCorePeer(Peer):
 
     def version(self) -> str | None:
         try:
-            return md.version("mhc-suite")
+            return md.version("mhc-core")
         except md.PackageNotFoundError:
             return None
 
