@@ -296,7 +296,7 @@ timeout "$(limit functional 180)" "$PY" -m pytest -p no:xdist -p no:cacheprovide
 rc=$?
 # torchrun runs in its own session: a step timeout kills pytest, not the ranks; no rank may hold the
 # GPU into the next step
-pkill -f "suites/functional/worker.py" 2>/dev/null
+pkill -f "harness/training/worker.py" 2>/dev/null
 tail -8 "$OUT/functional.txt"
 record functional $rc
 fi

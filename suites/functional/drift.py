@@ -2,7 +2,7 @@
 
 The approximate lane's bands (``harness.bands``) must hold wherever only the numerics differ and
 fail where the model or the schedule changed. This records the evidence: one run per profile
-(``suites/functional/numerics.py``) and one per change (a MODEL_ARGS override), each as a golden-
+(``harness/training/numerics.py``) and one per change (a MODEL_ARGS override), each as a golden-
 schema file with its numerics fingerprint, and prints how far each is from the first profile::
 
     python -m suites.functional.drift gpt_tp1_pp1_mhc --out docs/measurements/cpu-numerics-drift \\
@@ -26,9 +26,9 @@ import yaml
 
 from harness.bands import DEFAULT_BANDS, drift, format_drift
 from harness.hardware import detect_hardware
+from harness.launch.runs import run_case
 from harness.schema import dumps_golden, load_golden, to_golden
-from suites.functional.numerics import CpuNumerics
-from suites.functional.runner import run_case
+from harness.training.numerics import CpuNumerics
 
 __all__ = ["main", "parse_change"]
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from suites.functional.numerics import CpuNumerics
-from suites.functional.recipe import RECIPE_DIR, Recipe, RunPlan, load_recipe
-from suites.functional.runner import RunResult, plan_case, run_case, run_ckpt_resume
+from harness.launch.runs import RunResult, plan_case, run_case, run_ckpt_resume
+from harness.training.numerics import CpuNumerics
+from harness.training.recipe import RECIPE_DIR, Recipe, RunPlan, load_recipe
 
 __all__ = ["MULTINODE_TIMES", "PLANT_ENV_VAR", "STEP_TIME_RATIO", "FunctionalRuns", "planted_overrides"]
 

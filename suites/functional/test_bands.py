@@ -14,9 +14,9 @@ import pytest
 
 from harness.bands import DEFAULT_BANDS
 from harness.compare import compare_metric
+from harness.launch.runs import REPO_ROOT
 from harness.schema import Golden, MetricSeries, load_golden, to_golden
-from suites.functional.numerics import CpuNumerics
-from suites.functional.runner import REPO_ROOT
+from harness.training.numerics import CpuNumerics
 
 DRIFT = REPO_ROOT / "docs" / "measurements" / "cpu-numerics-drift"
 CASES = ("gpt_tp1_pp1", "gpt_tp1_pp1_mhc", "gpt_tp1_pp1_mhc_gate1", "gpt_tp1_pp1_hc", "gpt_tp2_pp2_mhc")

@@ -6,7 +6,7 @@ import pytest
 
 from harness.compare import ExactCheck, compare, format_results
 from harness.schema import to_golden
-from suites.functional.recipe import RECIPE_DIR, load_recipe, recipe_names
+from harness.training.recipe import RECIPE_DIR, load_recipe, recipe_names
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import torch
 
-from suites.functional.data import (
+from harness.training.data import (
     DATA_DIR,
     ByteTokenizer,
     build_indexed_dataset,
@@ -17,7 +17,7 @@ from suites.functional.data import (
     microbatches,
     text_documents,
 )
-from suites.functional.model_args import parse_model_args
+from harness.training.model_args import parse_model_args
 
 TEXT = DATA_DIR / "declaration.txt"
 ARGS = {"--num-layers": 1, "--hidden-size": 8, "--num-attention-heads": 1, "--seq-length": 32,

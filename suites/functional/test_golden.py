@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from suites.functional.recipe import recipe_names
+from harness.training.recipe import recipe_names
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ import pytest
 
 from harness.compare import ExactCheck, compare, format_results
 from harness.schema import to_golden
-from suites.functional.metrics import GRAD_NORM, LM_LOSS, NUM_ZEROS
+from harness.training.metrics import GRAD_NORM, LM_LOSS, NUM_ZEROS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from suites.functional.metrics import ITERATION_TIME, LM_LOSS, step_time_ratio
+from harness.training.metrics import ITERATION_TIME, LM_LOSS, step_time_ratio
 from suites.functional.session import STEP_TIME_RATIO
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -3,7 +3,7 @@
 The run is `ci/slurm/functional.sbatch` itself (`multinode plan`, one `multinode node` per node,
 `multinode check` once), with stand-ins for Slurm's `srun` and `scontrol` (`slurm_standin/`: one
 task per node on this machine, every host the loopback address); the failures go through the same
-`multinode` commands and through `harness.local_nodes` (what `run_plan` uses for a plan of several
+`multinode` commands and through `harness.launch.nodes` (what `run_plan` uses for a plan of several
 nodes).
 """
 
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.local_nodes import NodesLaunchError, free_endpoint, launch_nodes
-from harness.torchrun import live_pids
-from suites.functional.metrics import GRAD_NORM, LM_LOSS, NUM_ZEROS, read_metrics
-from suites.functional.recipe import as_nodes
-from suites.functional.runner import CRASH_RANK_ENV_VAR, REPO_ROOT, WORKER, run_plan
+from harness.launch.nodes import NodesLaunchError, free_endpoint, launch_nodes
+from harness.launch.runs import CRASH_RANK_ENV_VAR, REPO_ROOT, WORKER, run_plan
+from harness.launch.torchrun import live_pids
+from harness.training.metrics import GRAD_NORM, LM_LOSS, NUM_ZEROS, read_metrics
+from harness.training.recipe import as_nodes
 from suites.functional.session import MULTINODE_TIMES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -36,7 +36,7 @@ NODES = 2
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != CRASH_RANK_ENV_VAR}
-    return subprocess.run([sys.executable, "-m", "suites.functional.multinode", *args], cwd=REPO_ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "harness.launch.multinode", *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from suites.functional.numerics import CPU_NUMERICS_ENV_VAR, CpuNumerics
-from suites.functional.runner import REPO_ROOT
+from harness.launch.runs import REPO_ROOT
+from harness.training.numerics import CPU_NUMERICS_ENV_VAR, CpuNumerics
 from suites.functional.session import PLANT_ENV_VAR
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

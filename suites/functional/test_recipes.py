@@ -9,9 +9,9 @@ import yaml
 
 from harness.bands import DEFAULT_BANDS
 from harness.compare import ApproximateCheck, ExactCheck, TimingCheck
-from suites.functional.model_args import FLAGS, parse_model_args, render_cli
-from suites.functional.numerics import CPU_NUMERICS_ENV_VAR, CpuNumerics, cpu_numerics
-from suites.functional.recipe import (
+from harness.training.model_args import FLAGS, parse_model_args, render_cli
+from harness.training.numerics import CPU_NUMERICS_ENV_VAR, CpuNumerics, cpu_numerics
+from harness.training.recipe import (
     CPU_ISA_PINS,
     RECIPE_DIR,
     as_nodes,

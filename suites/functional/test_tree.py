@@ -38,7 +38,7 @@ def test_tree_training_matches_ours(case, megatron_lm_tree, hw_key, tmp_path, tr
                       worst=tree_diff.worst(rows), ok=ok, note=f"tree {theirs.seconds:.0f} s, ours {ours.seconds:.0f} s"))
     assert ok, report
 
-    from suites.functional.checkpoint import rewind_tracker
+    from harness.training.checkpoint import rewind_tracker
 
     half = theirs.plan.args.save_interval
     if half is None:
@@ -57,8 +57,8 @@ def test_tree_training_matches_ours(case, megatron_lm_tree, hw_key, tmp_path, tr
 def test_tree_run_that_raises_names_the_tree(megatron_lm_tree, hw_key, tmp_path):
     """A tree run whose rank raises fails with a LaunchError naming the tree, the case and the rank's error."""
     tree = megatron_lm_tree
-    from harness.torchrun import LaunchError
-    from suites.functional.runner import CRASH_RANK_ENV_VAR
+    from harness.launch.runs import CRASH_RANK_ENV_VAR
+    from harness.launch.torchrun import LaunchError
 
     case = tree_diff.CASES[1]  # one rank: every tree can train it
     init = tree_diff.dump_init(case, hw_key, tree.flavor, work_dir=tmp_path / "init", data_dir=tmp_path / "data")

@@ -1,6 +1,6 @@
 """A Megatron-LM tree's training of a recipe against ours: same initial weights, same data, step by step.
 
-Three launches of one recipe on one hardware key (`suites.functional.runner`):
+Three launches of one recipe on one hardware key (`harness.launch.runs`):
 
 1. `dump_init`: our model of the recipe (with the tree's numerics, `OUR_NUMERICS`) writes its initial
    full state dict (`harness.model_state`) and stops;
@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from harness.bands import DEFAULT_BANDS, MetricDrift, drift
+from harness.launch.runs import RunResult, plan_case, run_plan
+from harness.launch.torchrun import LaunchError
 from harness.megatron_tree import Tree, tree_env
 from harness.schema import to_golden
-from harness.torchrun import LaunchError
-from suites.functional.recipe import RECIPE_DIR
-from suites.functional.runner import RunResult, plan_case, run_plan
+from harness.training.recipe import RECIPE_DIR
 
 __all__ = ["CASES", "METRICS", "OUR_NUMERICS", "RECIPE_DIR", "differences", "dump_init", "file_sha256",
            "functional_checks", "recipe_sha256", "skip_reason",
@@ -126,7 +126,7 @@ def dumps(doc: Any) -> str:
 
 def functional_checks(case: str, hw: str) -> dict[str, Any]:
     """The recipe's checks of `METRICS` on `hw` (exact lane and bands), for the tree's ckpt-resume."""
-    from suites.functional.recipe import load_recipe
+    from harness.training.recipe import load_recipe
 
     return {m: c for m, c in load_recipe(RECIPE_DIR / f"{case}.yaml").checks(hw).items() if m in METRICS}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.launch.torchrun import LaunchResult, launch
 from harness.megatron_tree import tree_env
-from harness.torchrun import LaunchResult, launch
 
 WORKER = Path(__file__).with_name("pp_worker.py")
 TIMEOUT = 180.0

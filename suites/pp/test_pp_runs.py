@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.torchrun import LaunchError, live_pids
+from harness.launch.torchrun import LaunchError, live_pids
 from suites.pp.compare_runs import compare_to_reference, load_run
 from suites.pp.launch import run_worker
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.torchrun import LaunchError
+from harness.launch.torchrun import LaunchError
 from harness.tree_model import MAIN_PP_NOTE, MAIN_SPEC_NOTE
 from harness.tree_report import TreeRow
 from mhc_core.megatron.config import MHCTransformerConfig

@@ -19,6 +19,7 @@ NEVER = {
 """docs/architecture.md, "Which may import which": the parts each part never imports (lazily or not)."""
 NEVER_WITHIN = {
     "harness/peers": {"harness.conformance"},
+    "harness/training": {"harness.launch"},
 }
 """docs/architecture.md: the arrows within a part (the adapters never import the checks that run them)."""
 
@@ -51,7 +52,8 @@ def test_no_part_imports_a_part_above_it(part):
 
 @pytest.mark.parametrize("folder", sorted(NEVER_WITHIN))
 def test_no_arrow_points_up_within_a_part(folder):
-    """harness.peers (the adapters) imports nothing of harness.conformance (the checks, matrix, recordings)."""
+    """harness.peers (the adapters) imports nothing of harness.conformance (the checks, matrix, recordings);
+    harness.training (inside a rank) nothing of harness.launch (what starts the ranks)."""
     bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
            for path in sorted((ROOT / folder).rglob("*.py")) for line, module in _imports(path)
            if any(module == m or module.startswith(m + ".") for m in NEVER_WITHIN[folder])]

@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from harness.rendezvous import Rendezvous, RendezvousBackend, check_port_free, diagnose, split_endpoint
-from harness.torchrun import failed_ranks, rank_logs, torchrun_command
+from harness.launch.rendezvous import Rendezvous, RendezvousBackend, check_port_free, diagnose, split_endpoint
+from harness.launch.torchrun import failed_ranks, rank_logs, torchrun_command
 
 # The failure table torchrun 2.13 printed when rank 3 (local rank 1) of a 2 x 2 job raised and the
 # agent then stopped its sibling (suites/functional/test_multinode.py provokes the same).
@@ -138,7 +138,7 @@ def test_the_join_watcher_outlives_no_launcher(tmp_path):
     root = Path(__file__).resolve().parents[3]
     starter = ("import subprocess, sys\n"
                "import os\n"
-               "c = subprocess.Popen([sys.executable, '-m', 'harness.rendezvous', '127.0.0.1:9', 'x', '0.2', '600',\n"
+               "c = subprocess.Popen([sys.executable, '-m', 'harness.launch.rendezvous', '127.0.0.1:9', 'x', '0.2', '600',\n"
                "                      str(os.getpid())])\n"
                "print(c.pid, flush=True)\n")
     proc = subprocess.run([sys.executable, "-c", starter], cwd=root, capture_output=True, text=True, timeout=60)

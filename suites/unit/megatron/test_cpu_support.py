@@ -254,7 +254,7 @@ def _optimizer(ddp_model, clip_grad=1.0):
 
 def _forward_backward(config, ddp_model, batch):
     """One micro-batch through get_forward_backward_func() with finalize_model_grads (as
-    suites/functional/training.py steps): the gradients land in the DDP grad buffer (`main_grad`)."""
+    harness/training/trainer.py steps): the gradients land in the DDP grad buffer (`main_grad`)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

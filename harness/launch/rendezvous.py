@@ -147,7 +147,7 @@ class JoinWatcher(threading.Thread):
     """Counts the nodes in a c10d rendezvous while agents join, until `stop()` or completion.
 
     `joined` is the largest count seen (participants plus those waiting), or None when the store
-    never answered. The polling runs in a child process (`python -m harness.rendezvous`), so that
+    never answered. The polling runs in a child process (`python -m harness.launch.rendezvous`), so that
     torch's C++ warnings about a store going away stay out of this process's output.
     """
 
@@ -170,10 +170,10 @@ class JoinWatcher(threading.Thread):
             return
         env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "FATAL"}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.rendezvous", self.rdzv.endpoint, self.rdzv.run_id, str(self.interval),
+            [sys.executable, "-m", "harness.launch.rendezvous", self.rdzv.endpoint, self.rdzv.run_id, str(self.interval),
              f"{self.rdzv.join_timeout + 60:g}", str(os.getpid())],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=env,
-            cwd=Path(__file__).resolve().parents[1])
+            cwd=Path(__file__).resolve().parents[2])
         if self._stopped.is_set():  # stop() came while the child started: it saw no child to kill
             self._proc.kill()
         for line in self._proc.stdout:

@@ -1,7 +1,7 @@
 """Several torchrun agents on one machine, joined by a c10d rendezvous: "nodes" on one box.
 
 `launch_nodes` starts `nnodes` agents of `nproc` ranks each on 127.0.0.1, exactly as a multi-node
-job starts one agent per node (`harness.rendezvous.Rendezvous`, c10d, node 0 serving the store).
+job starts one agent per node (`harness.launch.rendezvous.Rendezvous`, c10d, node 0 serving the store).
 Each agent logs under `log_dir/node<i>/` (its own output in `agent.log`, its ranks in torchrun's
 layout). When one agent fails, the others are stopped, so the whole job ends; the error names the
 node that failed first, the global and local rank from torchrun's failure table, and that rank's
@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.rendezvous import JoinWatcher, Rendezvous, check_port_free, diagnose
-from harness.torchrun import (
+from harness.launch.rendezvous import JoinWatcher, Rendezvous, check_port_free, diagnose
+from harness.launch.torchrun import (
     LaunchError,
     LaunchResult,
     failed_ranks,

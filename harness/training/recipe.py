@@ -34,8 +34,8 @@ import yaml
 
 from harness.bands import DEFAULT_BANDS
 from harness.compare import ApproximateCheck, Check, ExactCheck, TimingCheck
-from suites.functional.model_args import TrainArgs, parse_model_args
-from suites.functional.numerics import CpuNumerics, cpu_isa_pins
+from harness.training.model_args import TrainArgs, parse_model_args
+from harness.training.numerics import CpuNumerics, cpu_isa_pins
 
 __all__ = [
     "RECIPE_DIR",
@@ -53,7 +53,8 @@ __all__ = [
     "resolve",
 ]
 
-RECIPE_DIR = Path(__file__).with_name("recipes")
+RECIPE_DIR = Path(__file__).resolve().parents[2] / "suites" / "functional" / "recipes"
+"""The functional suite's recipes (the default of every `recipe_dir` here; a checkout's)."""
 TOP_KEYS = ("DESCRIPTION", "ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS", "HARDWARE")
 TEST_TYPES = ("regular", "ckpt-resume")
 _METRIC_KEYS = ("exact", "band", "rtol", "atol", "max_misses", "timing")
@@ -347,7 +348,7 @@ def resolve(recipe: Recipe, hw: str, *, variables: Mapping[str, str] | None = No
     (a test hook: e.g. `{"--mhc-sinkhorn-iterations": 1}` breaks the model on purpose).
     The hardware entry's `iterations` replaces `--train-iters` (a ckpt-resume case then saves at
     half of it) and its `dtype` sets `--bf16`. A CPU run gets the pins of the `numerics` profile
-    (default: `$MHC_CPU_NUMERICS`, else `avx2`; `suites/functional/numerics.py`).
+    (default: `$MHC_CPU_NUMERICS`, else `avx2`; `harness/training/numerics.py`).
     """
     spec = recipe.hardware_spec(hw)
     raw = dict(recipe.model_args)
@@ -390,7 +391,7 @@ def as_nodes(plan: RunPlan, nnodes: int) -> RunPlan:
 
 
 CPU_ISA_PINS = cpu_isa_pins("gloo", "x86_64", CpuNumerics.AVX2)
-"""The default profile's pins (``suites/functional/numerics.py``)."""
+"""The default profile's pins (``harness/training/numerics.py``)."""
 
 
 def dump_plan(plan: RunPlan, path: Path) -> Path:

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from suites.functional.recipe import load_plan
+    from harness.training.recipe import load_plan
 
     plan = load_plan(cli.plan)
     a = plan.args
@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron.core import parallel_state as ps
 
+    from harness.training.trainer import Trainer
     from mhc_core.megatron import cpu_support
     from mhc_core.megatron.pipeline import enable_mhc_pipeline
-    from suites.functional.training import Trainer
 
     cpu_support.install()
     if cli.tree_flavor is None:  # a tree's schedules are its own (dev's are n-stream aware)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         records = trainer.train(start=start, save=cli.save)
         if trainer.holds_loss and dist.get_rank() == dist.get_world_size() - 1:
             from harness.fingerprint import current_fingerprint
-            from suites.functional.metrics import write_metrics
+            from harness.training.metrics import write_metrics
 
             cli.out.mkdir(parents=True, exist_ok=True)
             write_metrics(cli.out / "metrics.json", records)

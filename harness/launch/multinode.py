@@ -1,8 +1,8 @@
 """A functional case across nodes, in three steps a batch script runs (`ci/slurm/functional.sbatch`).
 
-    python -m suites.functional.multinode plan CASE --out DIR --nodes N [--hw KEY]
-    python -m suites.functional.multinode node --out DIR --endpoint HOST:PORT --run-id ID --node-rank R
-    python -m suites.functional.multinode check --out DIR [--golden-dir golden] [--results-dir DIR]
+    python -m harness.launch.multinode plan CASE --out DIR --nodes N [--hw KEY]
+    python -m harness.launch.multinode node --out DIR --endpoint HOST:PORT --run-id ID --node-rank R
+    python -m harness.launch.multinode check --out DIR [--golden-dir golden] [--results-dir DIR]
 
 `plan` (once, before the nodes start) resolves the recipe for the hardware key, spreads its ranks
 over N nodes (`recipe.as_nodes`: the same world, TP, PP, DP and batches as the recipe's own entry,
@@ -25,10 +25,10 @@ import signal
 import sys
 from pathlib import Path
 
-from harness.rendezvous import Rendezvous, RendezvousBackend
-from harness.torchrun import LaunchError
-from suites.functional.recipe import RECIPE_DIR, RunPlan, as_nodes, load_plan, load_recipe
-from suites.functional.runner import REPO_ROOT, plan_case, prepare_out_dir, run_node
+from harness.launch.rendezvous import Rendezvous, RendezvousBackend
+from harness.launch.runs import REPO_ROOT, plan_case, prepare_out_dir, run_node
+from harness.launch.torchrun import LaunchError
+from harness.training.recipe import RECIPE_DIR, RunPlan, as_nodes, load_plan, load_recipe
 
 __all__ = ["check_run", "main", "write_plan"]
 
@@ -48,7 +48,7 @@ def check_run(out: Path, *, golden_dir: Path, results_dir: Path | None = None):
     from harness.case_check import GoldenSettings, check_case
     from harness.fingerprint import fingerprint_from_json
     from harness.hardware import detect_hardware
-    from suites.functional.metrics import read_metrics
+    from harness.training.metrics import read_metrics
 
     plan = _load_plan(out)
     for name in ("metrics.json", "fingerprint.json"):
@@ -81,7 +81,7 @@ def _terminate(signum: int, _frame) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m suites.functional.multinode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m harness.launch.multinode", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="resolve a recipe over N nodes and write DIR/plan.json")
     pl.add_argument("case")

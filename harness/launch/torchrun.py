@@ -1,10 +1,10 @@
 """Launch a script under `torchrun` in a subprocess with a timeout; never leave a process behind.
 
-One node by default (`--standalone`); with a `harness.rendezvous.Rendezvous` the agent joins a
+One node by default (`--standalone`); with a `harness.launch.rendezvous.Rendezvous` the agent joins a
 multi-node job instead (c10d or static rendezvous), refusing a taken store port up front and naming
 how many nodes had joined when the rendezvous times out. A crashed rank fails the launch with that
 rank's stderr; a hung run is killed (its whole process group) at the timeout, also with every rank's
-stderr tail. `harness.local_nodes` starts several agents on one machine.
+stderr tail. `harness.launch.nodes` starts several agents on one machine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.rendezvous import JoinWatcher, Rendezvous, check_port_free, diagnose
+from harness.launch.rendezvous import JoinWatcher, Rendezvous, check_port_free, diagnose
 
 __all__ = ["LaunchError", "LaunchResult", "failed_ranks", "kill_group", "launch", "live_pids", "rank_logs", "torchrun_command",
            "worker_env"]
@@ -44,7 +44,7 @@ class LaunchResult:
     seconds: float
     timed_out: bool
     cause: str | None = None
-    """A rendezvous diagnosis (`harness.rendezvous.diagnose`), when the launch failed in the rendezvous."""
+    """A rendezvous diagnosis (`harness.launch.rendezvous.diagnose`), when the launch failed in the rendezvous."""
 
 
 def rank_logs(log_dir: Path) -> dict[int, str]:

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from suites.functional.checkpoint import load_checkpoint, save_checkpoint
-from suites.functional.data import build_train_dataset, make_tokenizer, microbatches
-from suites.functional.metrics import StepRecord, memory_metrics, progress_line
-from suites.functional.model_args import TrainArgs
-from suites.functional.recipe import RunPlan
+from harness.training.checkpoint import load_checkpoint, save_checkpoint
+from harness.training.data import build_train_dataset, make_tokenizer, microbatches
+from harness.training.metrics import StepRecord, memory_metrics, progress_line
+from harness.training.model_args import TrainArgs
+from harness.training.recipe import RunPlan
 
 __all__ = ["Trainer", "padded_vocab_size"]
 

@@ -2,13 +2,13 @@
 
 `run_case` resolves a recipe for a hardware key, builds the indexed dataset it names (a setup
 step, from the text the repository ships), writes the run plan, starts `worker.py` with
-`harness.torchrun.launch` (gloo on CPU, NCCL on GPU; a timeout kills the whole launch), echoes
+`harness.launch.torchrun.launch` (gloo on CPU, NCCL on GPU; a timeout kills the whole launch), echoes
 the progress lines of the rank that holds the loss while it runs, and returns the metrics that
 rank wrote (Megatron's golden schema). `run_ckpt_resume` is upstream's ckpt-resume flow.
 
 A plan of several nodes (`nnodes`) runs as that many torchrun agents on this machine
-(`harness.local_nodes`, a c10d rendezvous on 127.0.0.1); on a cluster each node runs its own
-agent instead (`run_node`, driven by `suites/functional/multinode.py` and `ci/slurm/`).
+(`harness.launch.nodes`, a c10d rendezvous on 127.0.0.1); on a cluster each node runs its own
+agent instead (`run_node`, driven by `harness/launch/multinode.py` and `ci/slurm/`).
 """
 
 from __future__ import annotations
@@ -25,19 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.local_nodes import launch_nodes
-from harness.rendezvous import Rendezvous, check_port_free
-from harness.torchrun import LaunchResult, launch
-from suites.functional.checkpoint import rewind_tracker
-from suites.functional.data import ensure_indexed_dataset
-from suites.functional.metrics import read_metrics
-from suites.functional.numerics import CpuNumerics
-from suites.functional.recipe import RECIPE_DIR, RunPlan, dump_plan, load_recipe, resolve
+from harness.launch.nodes import launch_nodes
+from harness.launch.rendezvous import Rendezvous, check_port_free
+from harness.launch.torchrun import LaunchResult, launch
+from harness.training.checkpoint import rewind_tracker
+from harness.training.data import ensure_indexed_dataset
+from harness.training.metrics import read_metrics
+from harness.training.numerics import CpuNumerics
+from harness.training.recipe import RECIPE_DIR, RunPlan, dump_plan, load_recipe, resolve
 
 __all__ = ["CRASH_RANK_ENV_VAR", "REPO_ROOT", "WORKER", "RunResult", "plan_case", "run_case", "run_ckpt_resume",
            "prepare_out_dir", "run_node", "run_plan"]
 
-WORKER = Path(__file__).with_name("worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "training" / "worker.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRASH_RANK_ENV_VAR = "MHC_FUNCTIONAL_TEST_CRASH_RANK"
 """Test hook: the global rank that raises right after joining the process group (worker.py)."""

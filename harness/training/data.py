@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from suites.functional.model_args import TrainArgs
+from harness.training.model_args import TrainArgs
 
 __all__ = [
     "DATA_DIR",
@@ -39,7 +39,8 @@ __all__ = [
     "text_documents",
 ]
 
-DATA_DIR = Path(__file__).with_name("data")
+DATA_DIR = Path(__file__).resolve().parents[2] / "suites" / "functional" / "data"
+"""The corpus the functional suite trains on (its recipes' data, beside them in the checkout)."""
 TEXT_SUFFIX = "_text_document"
 """`tools/preprocess_data.py` names its output `<prefix>_text_document.{bin,idx}`; so do we."""
 
