@@ -1,8 +1,8 @@
 """mHC verification harness: hardware keys, golden values, comparison lanes, recalibration,
-reports, perf history, the ``mhc-harness`` CLI and the pytest plugin.
+reports, perf history, the `mhc-harness` CLI and the pytest plugin.
 
 Public names are imported lazily (the pytest plugin loads this package in every pytest run, so
-importing it must stay cheap). Layout: ``golden/<hw>/<suite>/<case>.json`` (+ ``.meta.json``).
+importing it must stay cheap). Layout: `golden/<hw>/<suite>/<case>.json` (+ `.meta.json`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m harness`` is ``mhc-harness``."""
+"""`python -m harness` is `mhc-harness`."""
 
 import sys
 

@@ -1,15 +1,15 @@
 """Default approximate bands per metric, and how far two sets of series are apart under them.
 
-:data:`DEFAULT_BANDS` are the approximate lane's bands for deterministic training metrics. They
+`DEFAULT_BANDS` are the approximate lane's bands for deterministic training metrics. They
 come from measured spread, not from guesses: the same cases run under different CPU numerics
-profiles (ATen / MKL / oneDNN ISA caps) and on two x86-64 models (``docs/functional.md``,
-"Bands"; the runs are in ``docs/measurements/cpu-numerics-drift/``). Each band holds the largest
+profiles (ATen / MKL / oneDNN ISA caps) and on two x86-64 models (`docs/functional.md`,
+"Bands"; the runs are in `docs/measurements/cpu-numerics-drift/`). Each band holds the largest
 drift seen with a wide margin and still fails a real change: a 1e-3 relative lm-loss shift at
 one step, another mHC variant, a learning-rate schedule one step longer in warm-up. Counts get an
 absolute part, so that a count of 0 against 1 passes where counts are that small.
 
-:func:`drift` measures, per metric, the largest relative and absolute difference, the step where
-it is, and the number of steps outside a band (``mhc-harness diff``).
+`drift` measures, per metric, the largest relative and absolute difference, the step where
+it is, and the number of steps outside a band (`mhc-harness diff`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ DEFAULT_BANDS: Mapping[str, ApproximateCheck] = {
     "mhc-layer-gain-max": ApproximateCheck(rtol=1e-5, atol=0.0, max_misses=0),
     "mhc-sum-dev-max": ApproximateCheck(rtol=0.0, atol=1e-5, max_misses=0),
 }
-"""Measured bands (see the module docstring); a recipe names them with ``band: default``."""
+"""Measured bands (see the module docstring); a recipe names them with `band: default`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,19 +44,19 @@ class MetricDrift:
     n_steps: int
     max_abs: float
     max_rel: float | None
-    """``max |B - A| / |A|`` over steps where A != 0 (None: A is 0 at every step)."""
+    """`max |B - A| / |A|` over steps where A != 0 (None: A is 0 at every step)."""
     worst_step: int | None
     """The step of the largest relative difference (of the absolute one where A is 0)."""
     outside: int | None
-    """Steps outside ``band`` (None: no band for this metric)."""
+    """Steps outside `band` (None: no band for this metric)."""
     band: ApproximateCheck | None
     only_a: tuple[int, ...] = ()
     only_b: tuple[int, ...] = ()
 
 
 def drift(a: Golden, b: Golden, bands: Mapping[str, ApproximateCheck] | None = None) -> list[MetricDrift]:
-    """One :class:`MetricDrift` per metric that both hold (A's order); ``bands`` default to
-    :data:`DEFAULT_BANDS`."""
+    """One `MetricDrift` per metric that both hold (A's order); `bands` default to
+    `DEFAULT_BANDS`."""
     bands = DEFAULT_BANDS if bands is None else bands
     out = []
     for m, sa in a.items():

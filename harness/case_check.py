@@ -1,16 +1,16 @@
-"""What the ``golden_metrics`` fixture does with one case, as a plain function.
+"""What the `golden_metrics` fixture does with one case, as a plain function.
 
-:func:`check_case` normalises the metrics a test hands over, compares them with the golden file
+`check_case` normalises the metrics a test hands over, compares them with the golden file
 of this hardware key (or rewrites / records them, by mode), writes the outcome to the results
-directory, and returns a :class:`~harness.results.CaseOutcome`. It never raises for a golden
-mismatch or bad golden input: those become ``fail`` / ``error`` outcomes whose message the
+directory, and returns a `CaseOutcome`. It never raises for a golden
+mismatch or bad golden input: those become `fail` / `error` outcomes whose message the
 plugin reports. Nothing is written to the golden store on the way to an error.
 
 Lanes. Approximate and timing checks compare with the case's reference values. An exact check
-compares with the exact values of the run's numerics fingerprint (:func:`resolve_exact_lane`): the
+compares with the exact values of the run's numerics fingerprint (`resolve_exact_lane`): the
 reference itself where that fingerprint recorded it, else the fingerprint's exact set. Where the
-fingerprint has none, the exact check is ``n/a`` (it says on which fingerprint the values were
-recorded, and this run's), and the approximate lane decides; a metric that only an ``n/a`` exact
+fingerprint has none, the exact check is `n/a` (it says on which fingerprint the values were
+recorded, and this run's), and the approximate lane decides; a metric that only an `n/a` exact
 check would decide fails, since no lane decides it.
 """
 
@@ -50,7 +50,7 @@ class GoldenSettings:
     golden_dir: Path
     hw: HardwareKey
     update: UpdateMode | None = None
-    """``failed``: rewrite failing golden files and still fail; ``all``: rewrite all and pass."""
+    """`failed`: rewrite failing golden files and still fail; `all`: rewrite all and pass."""
     results_dir: Path | None = None
     record_only: bool = False
     """Recalibration mode: record actual values, compare only to report, never fail on golden."""
@@ -64,7 +64,7 @@ class GoldenSettings:
 
 
 def normalize_checks(checks: Mapping[str, Check | Sequence[Check]]) -> dict[str, tuple[Check, ...]]:
-    """``{metric: check or checks}`` -> ``{metric: (checks...)}``; ``ValueError`` naming a bad entry."""
+    """`{metric: check or checks}` -> `{metric: (checks...)}`; `ValueError` naming a bad entry."""
     if not isinstance(checks, Mapping) or not checks:
         raise ValueError("checks must be a non-empty mapping metric -> check or tuple of checks")
     out: dict[str, tuple[Check, ...]] = {}
@@ -86,12 +86,12 @@ class ExactLane:
     golden: Golden | None
     """Exact values of the run's fingerprint; None: the exact lane is n/a here."""
     reason: str
-    """``exact: enforced, ...`` or ``exact: n/a, recorded on <fingerprint>; this machine <fingerprint>``."""
+    """`exact: enforced, ...` or `exact: n/a, recorded on <fingerprint>; this machine <fingerprint>`."""
 
 
 def resolve_exact_lane(store: GoldenStore, hw: str, suite: str, case: str, reference: Golden,
                        meta: Mapping[str, Any] | None, fingerprint: NumericsFingerprint) -> ExactLane:
-    """Which exact values this run's ``fingerprint`` is held to (see the module docstring)."""
+    """Which exact values this run's `fingerprint` is held to (see the module docstring)."""
     recorded = (meta or {}).get("numerics")
     if recorded and recorded["id"] == fingerprint.id:
         return ExactLane(golden=reference, reason=f"exact: enforced, this fingerprint recorded the reference "
@@ -112,8 +112,8 @@ def resolve_exact_lane(store: GoldenStore, hw: str, suite: str, case: str, refer
 
 def compare_lanes(actual: Golden, reference: Golden, lane: ExactLane, checks: Mapping[str, tuple[Check, ...]], *,
                   source: str) -> tuple[CheckResult, ...]:
-    """Every check of every metric: exact ones against ``lane`` (``n/a`` without exact values), the
-    others against ``reference``; a metric whose every check is ``n/a`` gets a failing result."""
+    """Every check of every metric: exact ones against `lane` (`n/a` without exact values), the
+    others against `reference`; a metric whose every check is `n/a` gets a failing result."""
     out: list[CheckResult] = []
     for metric, seq in checks.items():
         mine = []
@@ -133,7 +133,7 @@ def compare_lanes(actual: Golden, reference: Golden, lane: ExactLane, checks: Ma
 
 
 def decided_by(checks: Mapping[str, tuple[Check, ...]], lane: ExactLane | None) -> str:
-    """``exact``, ``approximate`` or ``timing``: the strictest lane that decided the case."""
+    """`exact`, `approximate` or `timing`: the strictest lane that decided the case."""
     kinds = {type(c) for seq in checks.values() for c in seq}
     if ExactCheck in kinds and lane is not None and lane.golden is not None:
         return "exact"
@@ -156,8 +156,8 @@ def _finish(settings: GoldenSettings, outcome: CaseOutcome, actual: Golden | Non
 def check_case(settings: GoldenSettings, *, suite: str, case: str, metrics: Mapping[str, Any],
                checks: Mapping[str, Check | Sequence[Check]], nodeid: str | None = None,
                fingerprint: NumericsFingerprint | None = None) -> CaseOutcome:
-    """Compare, rewrite or record one case according to ``settings``; see the module docstring.
-    ``fingerprint``: the numerics fingerprint of the process that produced ``metrics`` (default:
+    """Compare, rewrite or record one case according to `settings`; see the module docstring.
+    `fingerprint`: the numerics fingerprint of the process that produced `metrics` (default:
     this process's)."""
     validate_name(suite, field="suite")
     validate_name(case, field="case")

@@ -1,7 +1,7 @@
-"""``mhc-harness``: hw, run, recalibrate, diff, import-megatron, import-log, conformance, perf-history {append,check,plot}.
+"""`mhc-harness`: hw, run, recalibrate, diff, import-megatron, import-log, conformance, perf-history {append,check,plot}.
 
 Exit codes: 0 success; 1 a failure (test, golden mismatch, regression, differing files for
-``diff``) or a refused input (any :class:`~harness.errors.GoldenError`: malformed or non-finite
+`diff`) or a refused input (any `GoldenError`: malformed or non-finite
 file, unknown hardware key, failed recalibration run; a file that is missing, a directory or not
 writable); 2 bad usage (arguments, unknown suite).
 """
@@ -101,7 +101,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _conformance(args: argparse.Namespace, out_dir: Path):
-    """Run the conformance matrix for ``args`` (peers, tree), write it under ``out_dir``; the matrix."""
+    """Run the conformance matrix for `args` (peers, tree), write it under `out_dir`; the matrix."""
     from harness.conformance.matrix import run_matrix
     from harness.conformance.registry import select
     from harness.conformance.report import format_summary, write_outputs
@@ -283,7 +283,7 @@ def _cmd_perf(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``mhc-harness``."""
+    """The argument parser of `mhc-harness`."""
     p = argparse.ArgumentParser(prog="mhc-harness", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``mhc-harness``; returns the exit code."""
+    """Entry point of `mhc-harness`; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -2,11 +2,11 @@
 
 Checks are chosen by the recipe or the test, never stored in golden files. Three lanes:
 
-* :class:`ExactCheck` -- deterministic runs: every step equal (``np.isclose`` with rtol=atol=0).
-* :class:`ApproximateCheck` -- ``|actual - golden| <= atol + rtol * |golden|`` per step; passes
-  when at most ``k = min(max(N // 100, 1), 50)`` of the N golden steps miss (as upstream; a
+* `ExactCheck` -- deterministic runs: every step equal (`np.isclose` with rtol=atol=0).
+* `ApproximateCheck` -- `|actual - golden| <= atol + rtol * |golden|` per step; passes
+  when at most `k = min(max(N // 100, 1), 50)` of the N golden steps miss (as upstream; a
   single-value series must match, k = 0).
-* :class:`TimingCheck` -- medians over a steady window, two-sided band: too slow fails, and
+* `TimingCheck` -- medians over a steady window, two-sided band: too slow fails, and
   much faster fails too, asking for a refresh of the golden values.
 
 Exact and approximate lanes need the same steps on both sides; the timing lane needs the
@@ -44,8 +44,8 @@ MAX_LISTED_STEPS = 10
 """Failing steps printed per check before '... and N more'."""
 
 Status = Literal["pass", "fail", "refresh", "missing", "misaligned", "n/a"]
-"""``n/a``: an exact check on a machine whose numerics fingerprint has no exact values (see
-:mod:`harness.case_check`); it neither passes nor fails, and another lane decides."""
+"""`n/a`: an exact check on a machine whose numerics fingerprint has no exact values (see
+`harness.case_check`); it neither passes nor fails, and another lane decides."""
 
 
 def _nonneg(obj: object, *names: str) -> None:
@@ -65,14 +65,14 @@ class ExactCheck:
 
 @dataclass(frozen=True, kw_only=True)
 class ApproximateCheck:
-    """Approximate lane: per-step ``np.isclose(actual, golden, rtol, atol)``, a few misses allowed."""
+    """Approximate lane: per-step `np.isclose(actual, golden, rtol, atol)`, a few misses allowed."""
 
     rtol: float = 0.0
-    """Relative tolerance, against ``|golden|``."""
+    """Relative tolerance, against `|golden|`."""
     atol: float = 0.0
     """Absolute tolerance."""
     max_misses: int | None = None
-    """Steps allowed to miss; None: upstream's ``min(max(N // 100, 1), 50)``."""
+    """Steps allowed to miss; None: upstream's `min(max(N // 100, 1), 50)`."""
 
     def __post_init__(self) -> None:
         _nonneg(self, "rtol", "atol")
@@ -87,11 +87,11 @@ class ApproximateCheck:
 
 @dataclass(frozen=True, kw_only=True)
 class TimingCheck:
-    """Timing lane: median over a steady window within ``[-rel_band_fast, +rel_band_slow]`` of golden.
+    """Timing lane: median over a steady window within `[-rel_band_fast, +rel_band_slow]` of golden.
 
-    The window is ``window`` if given, else upstream's: steps 5..20 when the last golden step is
-    <= 25, else 30..45. With fewer than ``min_window_steps`` golden steps in it, the first
-    ``min_window_steps`` steps at or after its start are used (upstream main); if even those are
+    The window is `window` if given, else upstream's: steps 5..20 when the last golden step is
+    <= 25, else 30..45. With fewer than `min_window_steps` golden steps in it, the first
+    `min_window_steps` steps at or after its start are used (upstream main); if even those are
     too few, the second half of the series (skipping warm-up).
     """
 
@@ -100,7 +100,7 @@ class TimingCheck:
     rel_band_fast: float = 0.05
     """Fail (asking for a refresh) when faster than golden by more than this fraction."""
     window: tuple[int, int] | None = None
-    """Inclusive ``(first_step, last_step)``; None: upstream's rule."""
+    """Inclusive `(first_step, last_step)`; None: upstream's rule."""
     higher_is_better: bool = False
     """True for throughput-like metrics (bytes/s): a higher value is faster."""
     min_window_steps: int = 4
@@ -127,17 +127,17 @@ CHECK_THRESHOLDS: dict[str, float] = {
     "num-zeros": 0.20,
     "iteration-time": 0.05, "mem-allocated-bytes": 0.05, "mem-max-allocated-bytes": 0.05,
 }
-"""Upstream's approximate-lane rtol per metric (``CHECK_THRESHOLDS``)."""
+"""Upstream's approximate-lane rtol per metric (`CHECK_THRESHOLDS`)."""
 
 _NO_EXACT = ("iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes")
 
 
 def upstream_checks(metrics: Iterable[str] = ("lm loss", "num-zeros"), *,
                     deterministic: bool = True) -> dict[str, tuple[Check, ...]]:
-    """Upstream's default checks for ``metrics``: exact (when deterministic) plus approximate.
+    """Upstream's default checks for `metrics`: exact (when deterministic) plus approximate.
 
-    ``iteration-time`` gets a :class:`TimingCheck` with a 5% band both ways; ``mem-*`` only the
-    approximate lane. Unknown names raise ``ValueError``: choose their checks explicitly.
+    `iteration-time` gets a `TimingCheck` with a 5% band both ways; `mem-*` only the
+    approximate lane. Unknown names raise `ValueError`: choose their checks explicitly.
     """
     out: dict[str, tuple[Check, ...]] = {}
     for name in metrics:
@@ -154,7 +154,7 @@ def upstream_checks(metrics: Iterable[str] = ("lm loss", "num-zeros"), *,
 
 
 def allowed_misses(n_steps: int) -> int:
-    """Upstream's tolerated misses for N steps: ``min(max(N // 100, 1), 50)``; 0 for a single value."""
+    """Upstream's tolerated misses for N steps: `min(max(N // 100, 1), 50)`; 0 for a single value."""
     return 0 if n_steps <= 1 else min(max(n_steps // 100, 1), 50)
 
 
@@ -164,7 +164,7 @@ class CheckResult:
 
     metric: str
     check: str
-    """``describe()`` of the check."""
+    """`describe()` of the check."""
     status: Status
     message: str
     """One headline plus detail lines (steps, actual, golden, delta, band)."""
@@ -173,13 +173,13 @@ class CheckResult:
     allowed: int = 0
     worst_step: int | None = None
     worst_delta: float | None = None
-    """Signed ``actual - golden`` where ``|relative delta|`` is largest (timing: of the medians)."""
+    """Signed `actual - golden` where `|relative delta|` is largest (timing: of the medians)."""
     worst_rel: float | None = None
     """Signed relative delta at that step (None when golden is 0)."""
 
     @property
     def ok(self) -> bool:
-        """Passed, or not applicable here (``n/a``)."""
+        """Passed, or not applicable here (`n/a`)."""
         return self.status in ("pass", "n/a")
 
 
@@ -272,7 +272,7 @@ def _compare_timing(metric: str, a: MetricSeries, g: MetricSeries, check: Timing
 
 def compare_metric(metric: str, actual: MetricSeries | None, golden: MetricSeries | None, check: Check, *,
                    source: str = "golden") -> CheckResult:
-    """Run one check on one metric; ``source`` names the golden file in messages."""
+    """Run one check on one metric; `source` names the golden file in messages."""
     name = check.describe()
     if golden is None or actual is None:
         side = f"golden file {source}" if golden is None else "the actual values"
@@ -312,7 +312,7 @@ def compare_metric(metric: str, actual: MetricSeries | None, golden: MetricSerie
 
 def compare(actual: Golden, golden: Golden, checks: Mapping[str, Check | Sequence[Check]], *,
             source: str = "golden") -> tuple[CheckResult, ...]:
-    """Run every check on its metric, in the order of ``checks``."""
+    """Run every check on its metric, in the order of `checks`."""
     if not checks:
         raise ValueError("checks must name at least one metric (metric -> check or checks)")
     out = []

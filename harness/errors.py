@@ -1,6 +1,6 @@
 """One exception hierarchy for every bad input the harness meets.
 
-Every class derives from :class:`GoldenError`, itself a :class:`ValueError`, so callers can
+Every class derives from `GoldenError`, itself a `ValueError`, so callers can
 catch the whole family at once. Messages always name the file and the numbers involved
 (metric, step, line/column), and the code that raises never writes anything first.
 """
@@ -36,7 +36,7 @@ class MissingGoldenError(GoldenError):
 
 
 class MetaError(GoldenError):
-    """A provenance sidecar (``<case>.meta.json``) is corrupt, partial or out of sync."""
+    """A provenance sidecar (`<case>.meta.json`) is corrupt, partial or out of sync."""
 
 
 class UnknownHardwareError(GoldenError):

@@ -1,26 +1,26 @@
 """The numerics fingerprint: what decides the bits of a run's results on this machine.
 
-A hardware key (:mod:`harness.hardware`) groups machines; two machines under one key can still sum
+A hardware key (`harness.hardware`) groups machines; two machines under one key can still sum
 in another order: another CPU model's BLAS / oneDNN blocking, another vector ISA, another thread
-count, another GPU driver or kernel library. :class:`NumericsFingerprint` records those facts, and
-its :attr:`~NumericsFingerprint.id` (a digest of them) names the set of machines whose runs are
-expected to agree bit for bit. Exact golden values are kept per fingerprint (``harness.store``).
+count, another GPU driver or kernel library. `NumericsFingerprint` records those facts, and
+its `id` (a digest of them) names the set of machines whose runs are
+expected to agree bit for bit. Exact golden values are kept per fingerprint (`harness.store`).
 
 Fields, and why each is in:
 
-* ``device`` ``cpu`` or ``cuda``; ``cpu_vendor``, ``cpu_model`` (name, family / model / stepping)
-  and ``cpu_isa`` (the vector extensions the CPU has): MKL and oneDNN choose kernels and blockings
+* `device` `cpu` or `cuda`; `cpu_vendor`, `cpu_model` (name, family / model / stepping)
+  and `cpu_isa` (the vector extensions the CPU has): MKL and oneDNN choose kernels and blockings
   by CPU, so two x86-64 models differ even under the same pins;
-* ``cpu_capability``: the ISA torch's own kernels dispatch to (``torch.backends.cpu.
-  get_cpu_capability()``, after ``ATEN_CPU_CAPABILITY``);
-* ``blas``, ``onednn``: the BLAS and oneDNN builds torch carries;
-* ``pins``: the environment variables in force that move code paths (ISA caps, CBWR, TF32, cuBLAS
+* `cpu_capability`: the ISA torch's own kernels dispatch to (`torch.backends.cpu.
+  get_cpu_capability()`, after `ATEN_CPU_CAPABILITY`);
+* `blas`, `onednn`: the BLAS and oneDNN builds torch carries;
+* `pins`: the environment variables in force that move code paths (ISA caps, CBWR, TF32, cuBLAS
   workspace, NCCL algorithm);
-* ``threads``: ``torch.get_num_threads()``; ``torch``, ``megatron_core``: versions;
-* on a GPU: ``gpu`` (name and count), ``driver``, ``cuda``, ``cudnn`` and ``kernel_libs`` (the
+* `threads`: `torch.get_num_threads()`; `torch`, `megatron_core`: versions;
+* on a GPU: `gpu` (name and count), `driver`, `cuda`, `cudnn` and `kernel_libs` (the
   versions of cuda-tile, transformer-engine, triton, tile-kernels where installed).
 
-:func:`current_fingerprint` reads it from the running process (importing torch where it is
+`current_fingerprint` reads it from the running process (importing torch where it is
 installed); a process that runs the model with other environment variables (a torchrun worker)
 computes its own and hands it back.
 """
@@ -50,12 +50,12 @@ PIN_VARIABLES: tuple[str, ...] = (
     "CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NCCL_ALGO",
     "NCCL_PROTO",
 )
-"""Environment variables recorded in ``pins`` when set: each selects a code path or a summation order.
-Thread variables are not among them: ``threads`` records the count torch runs with, whatever set it."""
+"""Environment variables recorded in `pins` when set: each selects a code path or a summation order.
+Thread variables are not among them: `threads` records the count torch runs with, whatever set it."""
 
 _ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
               "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
-"""CPU flags (``/proc/cpuinfo``) kept in ``cpu_isa``: the vector extensions a library may dispatch to."""
+"""CPU flags (`/proc/cpuinfo`) kept in `cpu_isa`: the vector extensions a library may dispatch to."""
 
 _KERNEL_LIBS = ("cuda-tile", "transformer-engine", "triton", "tile-kernels")
 
@@ -64,13 +64,13 @@ _ID_LEN = 12
 
 @dataclass(frozen=True, kw_only=True)
 class NumericsFingerprint:
-    """What decides bitwise results of a run (see the module docstring); ``id`` digests all of it."""
+    """What decides bitwise results of a run (see the module docstring); `id` digests all of it."""
 
     device: str
-    """``cpu`` or ``cuda``: where the model ran."""
+    """`cpu` or `cuda`: where the model ran."""
     cpu_vendor: str
     cpu_model: str
-    """Model name, then ``family/model/stepping`` where the OS reports them."""
+    """Model name, then `family/model/stepping` where the OS reports them."""
     cpu_isa: tuple[str, ...] = ()
     cpu_capability: str | None = None
     blas: str | None = None
@@ -80,7 +80,7 @@ class NumericsFingerprint:
     torch: str | None = None
     megatron_core: str | None = None
     gpu: str | None = None
-    """``<name> x<count>`` on a GPU run."""
+    """`<name> x<count>` on a GPU run."""
     driver: str | None = None
     cuda: str | None = None
     cudnn: str | None = None
@@ -97,7 +97,7 @@ class NumericsFingerprint:
         object.__setattr__(self, "kernel_libs", dict(sorted(self.kernel_libs.items())))
 
     def to_json(self) -> dict[str, Any]:
-        """The fields as a JSON object (``cpu_isa`` a list)."""
+        """The fields as a JSON object (`cpu_isa` a list)."""
         d = asdict(self)
         d["cpu_isa"] = list(self.cpu_isa)
         return d
@@ -110,7 +110,7 @@ class NumericsFingerprint:
 
     @property
     def label(self) -> str:
-        """One line for reports: ``<id> (<cpu>, <isa path>, <libraries>, <threads>, <versions>)``."""
+        """One line for reports: `<id> (<cpu>, <isa path>, <libraries>, <threads>, <versions>)`."""
         parts = [f"{self.cpu_vendor} {self.cpu_model}".strip()]
         if self.device == "cuda":
             parts = [self.gpu or "GPU", f"driver {self.driver}", f"CUDA {self.cuda}", f"cuDNN {self.cudnn}",
@@ -130,13 +130,13 @@ class NumericsFingerprint:
         return f"{self.id} ({', '.join(parts)})"
 
     def differences(self, other: NumericsFingerprint) -> list[str]:
-        """``field: this -> other`` for every field that differs (what makes two runs' bits differ)."""
+        """`field: this -> other` for every field that differs (what makes two runs' bits differ)."""
         a, b = self.to_json(), other.to_json()
         return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
 
 
 def fingerprint_from_json(doc: Any, *, source: str) -> NumericsFingerprint:
-    """Parse :meth:`NumericsFingerprint.to_json`'s object; :class:`GoldenFormatError` naming ``source``."""
+    """Parse `NumericsFingerprint.to_json`'s object; `GoldenFormatError` naming `source`."""
     names = {f.name for f in fields(NumericsFingerprint)}
     if not isinstance(doc, Mapping):
         raise GoldenFormatError(f"{source}: a numerics fingerprint is a JSON object, got {type(doc).__name__}")
@@ -151,7 +151,7 @@ def fingerprint_from_json(doc: Any, *, source: str) -> NumericsFingerprint:
 
 
 def _cpuinfo() -> dict[str, str]:
-    """The first processor's entries of ``/proc/cpuinfo`` (empty where there is none)."""
+    """The first processor's entries of `/proc/cpuinfo` (empty where there is none)."""
     out: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -187,7 +187,7 @@ def _version(dist: str) -> str | None:
 
 
 def _torch_libraries(torch: Any) -> tuple[str | None, str | None]:
-    """``("MKL 2024.2", "3.12.0")`` from ``torch.__config__.show()``; None where absent."""
+    """`("MKL 2024.2", "3.12.0")` from `torch.__config__.show()`; None where absent."""
     try:
         text = torch.__config__.show()
     except Exception:  # noqa: BLE001 - a build without the config string
@@ -216,7 +216,7 @@ def _driver() -> str | None:
 
 def current_fingerprint(*, env: Mapping[str, str] | None = None) -> NumericsFingerprint:
     """This process's fingerprint. Imports torch where it is installed (a process without torch gets
-    one without the torch fields); ``env`` replaces ``os.environ`` for ``pins`` (tests)."""
+    one without the torch fields); `env` replaces `os.environ` for `pins` (tests)."""
     env = os.environ if env is None else env
     vendor, model, isa = _cpu(_cpuinfo())
     kw: dict[str, Any] = dict(device="cpu", cpu_vendor=vendor, cpu_model=model, cpu_isa=isa,

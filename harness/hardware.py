@@ -1,26 +1,24 @@
-"""Hardware keys: which golden directory (``golden/<hw>/...``) a machine reads and writes.
+"""Hardware keys: which golden directory (`golden/<hw>/...`) a machine reads and writes.
 
 A key names a kind of machine, never a host. The order of precedence is: an explicit option
-(``--hw``), then the environment variable ``MHC_HW``, then detection. Detection asks
-``nvidia-smi`` for the GPU names (falling back to ``torch.cuda`` when ``nvidia-smi`` is
-absent and torch is installed) and maps them with :func:`key_for_gpus`:
+(`--hw`), then the environment variable `MHC_HW`, then detection. Detection asks
+`nvidia-smi` for the GPU names (falling back to `torch.cuda` when `nvidia-smi` is
+absent and torch is installed) and maps them with `key_for_gpus`:
 
-========================================  =======  ==============
-GPU name contains                         count    key
-========================================  =======  ==============
-``GB200``                                 any      ``dgx_gb200``
-``H200`` (not ``GH200``)                  any      ``h200``
-``H100``                                  8        ``dgx_h100``
-``H100``                                  other    ``h100``
-``A100``                                  8        ``dgx_a100``
-``A100``                                  other    ``a100``
-anything else                             n        ``gpu_<name>_x<n>``
-no GPU                                    -        ``cpu_<arch>``
-========================================  =======  ==============
+| GPU name contains | count | key |
+|---|---|---|
+| `GB200` | any | `dgx_gb200` |
+| `H200` (not `GH200`) | any | `h200` |
+| `H100` | 8 | `dgx_h100` |
+| `H100` | other | `h100` |
+| `A100` | 8 | `dgx_a100` |
+| `A100` | other | `a100` |
+| anything else | n | `gpu_<name>_x<n>` |
+| no GPU | - | `cpu_<arch>` |
 
-The ``dgx_*`` names are Megatron-LM's platform names, so its ``golden_values_*_dgx_h100.json``
-files map one to one. Keys outside :data:`KNOWN_HW_KEYS` work for reading and comparing but
-recalibration refuses them unless explicitly allowed (:func:`require_known`).
+The `dgx_*` names are Megatron-LM's platform names, so its `golden_values_*_dgx_h100.json`
+files map one to one. Keys outside `KNOWN_HW_KEYS` work for reading and comparing but
+recalibration refuses them unless explicitly allowed (`require_known`).
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ __all__ = [
 ]
 
 HW_ENV_VAR = "MHC_HW"
-"""Environment variable that overrides detection (the ``--hw`` option overrides it in turn)."""
+"""Environment variable that overrides detection (the `--hw` option overrides it in turn)."""
 
 KNOWN_HW_KEYS: tuple[str, ...] = (
     "dgx_h100",
@@ -66,7 +64,7 @@ KNOWN_HW_KEYS: tuple[str, ...] = (
     "cpu_aarch64",
     "cpu_arm64",
 )
-"""Keys recalibration accepts without ``--allow-unknown-hw``."""
+"""Keys recalibration accepts without `--allow-unknown-hw`."""
 
 _KEY_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 
@@ -86,7 +84,7 @@ class HardwareKey:
     """A resolved hardware key and the rule that produced it."""
 
     key: str
-    """The directory name under ``golden/``, e.g. ``dgx_h100`` or ``cpu_x86_64``."""
+    """The directory name under `golden/`, e.g. `dgx_h100` or `cpu_x86_64`."""
     rule: str
     """Human-readable reason: which rule matched, on which input."""
     source: Literal["option", "env", "gpu", "cpu"]
@@ -94,7 +92,7 @@ class HardwareKey:
 
     @property
     def known(self) -> bool:
-        """Whether the key is in :data:`KNOWN_HW_KEYS`."""
+        """Whether the key is in `KNOWN_HW_KEYS`."""
         return self.key in KNOWN_HW_KEYS
 
 
@@ -104,7 +102,7 @@ def _sanitize(text: str) -> str:
 
 
 def validate_hw_key(key: str, *, field: str = "hw") -> str:
-    """Return ``key`` if it is a valid directory-safe key, else raise ``ValueError`` naming ``field``."""
+    """Return `key` if it is a valid directory-safe key, else raise `ValueError` naming `field`."""
     if not isinstance(key, str) or not _KEY_RE.match(key):
         raise ValueError(
             f"{field}={key!r} is not a valid hardware key: use lowercase letters, digits, '_', '.', '-' "
@@ -114,9 +112,9 @@ def validate_hw_key(key: str, *, field: str = "hw") -> str:
 
 
 def key_for_gpus(name: str, count: int) -> tuple[str, str]:
-    """Map one GPU model name and the number of such GPUs to ``(key, rule)``.
+    """Map one GPU model name and the number of such GPUs to `(key, rule)`.
 
-    Pure function: ``key_for_gpus("NVIDIA H100 80GB HBM3", 8) == ("dgx_h100", ...)``.
+    Pure function: `key_for_gpus("NVIDIA H100 80GB HBM3", 8) == ("dgx_h100", ...)`.
     """
     if count < 1:
         raise ValueError(f"count={count!r} must be >= 1")
@@ -130,7 +128,7 @@ def key_for_gpus(name: str, count: int) -> tuple[str, str]:
 
 
 def key_for_cpu(machine: str) -> tuple[str, str]:
-    """Map ``platform.machine()`` (e.g. ``x86_64``) to ``(cpu_<arch>, rule)``."""
+    """Map `platform.machine()` (e.g. `x86_64`) to `(cpu_<arch>, rule)`."""
     key = f"cpu_{_sanitize(machine)}"
     return key, f"no GPU found -> cpu_<arch> with arch={machine!r} from platform.machine()"
 
@@ -138,9 +136,9 @@ def key_for_cpu(machine: str) -> tuple[str, str]:
 def probe_gpus(timeout_s: float = 10.0) -> tuple[list[str], str]:
     """Return the GPU names of this machine and how they were found.
 
-    Tries ``nvidia-smi --query-gpu=name`` first (no CUDA context, lists every GPU of the node),
-    then, when an NVIDIA driver is present, ``torch.cuda`` if torch is installed (so a CPU machine
-    never pays for importing torch). Returns ``([], reason)`` when there is no GPU.
+    Tries `nvidia-smi --query-gpu=name` first (no CUDA context, lists every GPU of the node),
+    then, when an NVIDIA driver is present, `torch.cuda` if torch is installed (so a CPU machine
+    never pays for importing torch). Returns `([], reason)` when there is no GPU.
     """
     exe = shutil.which("nvidia-smi")
     if exe:
@@ -177,9 +175,9 @@ def detect_hardware(
     probe: Callable[[], tuple[Sequence[str], str]] | None = None,
     machine: str | None = None,
 ) -> HardwareKey:
-    """Resolve the hardware key: ``override`` (``--hw``), then ``$MHC_HW``, then detection.
+    """Resolve the hardware key: `override` (`--hw`), then `$MHC_HW`, then detection.
 
-    ``probe`` and ``machine`` replace :func:`probe_gpus` and ``platform.machine()`` (tests).
+    `probe` and `machine` replace `probe_gpus` and `platform.machine()` (tests).
     """
     if override is not None:  # an empty --hw is an error, not "detect"
         return HardwareKey(key=validate_hw_key(override, field="--hw"), rule="given by option --hw", source="option")
@@ -200,7 +198,7 @@ def detect_hardware(
 
 
 def require_known(key: str, *, allow_unknown: bool = False) -> str:
-    """Raise :class:`UnknownHardwareError` unless ``key`` is known or ``allow_unknown`` is set."""
+    """Raise `UnknownHardwareError` unless `key` is known or `allow_unknown` is set."""
     if key not in KNOWN_HW_KEYS and not allow_unknown:
         raise UnknownHardwareError(
             f"hardware key {key!r} is not a known key ({', '.join(KNOWN_HW_KEYS)}); "

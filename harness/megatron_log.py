@@ -1,21 +1,21 @@
-"""A Megatron training log (its stdout, or its TensorBoard event files) as golden-schema series, so ``diff``
+"""A Megatron training log (its stdout, or its TensorBoard event files) as golden-schema series, so `diff`
 and the plots work on a user's run.
 
-Megatron-LM's ``training_log`` prints one line per logged step::
+Megatron-LM's `training_log` prints one line per logged step::
 
      iteration       10/     100 | consumed samples: 80 | elapsed time per iteration (ms): 41.2 |
      learning rate: 3.0E-04 | global batch size: 8 | lm loss: 5.552230E+00 | loss scale: 1.0 |
      grad norm: 3.626 | num zeros: 0.0 | number of skipped iterations: 0 | ...
 
-and this suite's functional runs add ``mhc amax gain: <fwd>/<bwd>`` (``mhc_core.monitor``; a user's
-run logs the same through ``log_report``). Every ``key: number`` field becomes a series named as the
-golden files name it (``lm loss``, ``grad-norm``, ``num-zeros``, ``iteration-time`` in seconds,
-``mhc-amax-gain-fwd`` / ``-bwd``; any other key with spaces turned into dashes). Lines without
-``iteration N/M`` are ignored; a step logged twice (a resumed run) keeps its last value.
+and this suite's functional runs add `mhc amax gain: <fwd>/<bwd>` (`mhc_core.monitor`; a user's
+run logs the same through `log_report`). Every `key: number` field becomes a series named as the
+golden files name it (`lm loss`, `grad-norm`, `num-zeros`, `iteration-time` in seconds,
+`mhc-amax-gain-fwd` / `-bwd`; any other key with spaces turned into dashes). Lines without
+`iteration N/M` are ignored; a step logged twice (a resumed run) keeps its last value.
 
-A TensorBoard log directory (or one ``events.out.tfevents.*`` file) is read with TensorBoard's own
-``EventAccumulator``: every scalar tag becomes a series under its tag, ``mhc/<metric>`` (what
-``mhc_core.monitor.log_report`` writes) under ``<metric>``. Needs the ``tensorboard`` package.
+A TensorBoard log directory (or one `events.out.tfevents.*` file) is read with TensorBoard's own
+`EventAccumulator`: every scalar tag becomes a series under its tag, `mhc/<metric>` (what
+`mhc_core.monitor.log_report` writes) under `<metric>`. Needs the `tensorboard` package.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def read_tensorboard(path: str | Path) -> Golden:
 
 
 def read_log(path: str | Path) -> Golden:
-    """A TensorBoard directory or ``events.out.tfevents.*`` file (:func:`read_tensorboard`), else a text log
-    (:func:`parse_log`, decoded as UTF-8, undecodable bytes replaced)."""
+    """A TensorBoard directory or `events.out.tfevents.*` file (`read_tensorboard`), else a text log
+    (`parse_log`, decoded as UTF-8, undecodable bytes replaced)."""
     path = Path(path)
     if path.is_dir() or path.name.startswith("events.out.tfevents"):
         return read_tensorboard(path)

@@ -1,10 +1,10 @@
 """A Megatron-LM source tree as a subject under test: which tree, its branch, commit, and how to run it.
 
-No megatron-core release contains mHC: upstream's is in a checkout of Megatron-LM's ``main`` or ``dev``
-(``--megatron-lm PATH`` on ``mhc-harness``, else ``$MHC_MEGATRON_LM``). The conformance peers
-(:mod:`harness.peers.megatron_lm`), the pp suite and the functional suite run the tree's code in
-processes of their own with :func:`tree_env`: the tree's ``megatron`` first on ``PYTHONPATH``, ahead
-of any installed megatron-core. Upstream imports triton (the ``tree`` extra installs it).
+No megatron-core release contains mHC: upstream's is in a checkout of Megatron-LM's `main` or `dev`
+(`--megatron-lm PATH` on `mhc-harness`, else `$MHC_MEGATRON_LM`). The conformance peers
+(`harness.peers.megatron_lm`), the pp suite and the functional suite run the tree's code in
+processes of their own with `tree_env`: the tree's `megatron` first on `PYTHONPATH`, ahead
+of any installed megatron-core. Upstream imports triton (the `tree` extra installs it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ HC_FILE = Path("megatron/core/transformer/hyper_connection.py")
 FUSED_FILE = Path("megatron/core/fusions/fused_mhc_kernels.py")
 TREE_ENV_VAR = "MHC_MEGATRON_LM"
 COMMIT_ENV_VAR = "MHC_MEGATRON_LM_COMMIT"
-"""The tree's commit when it is not a git checkout (a ``git archive`` of a branch)."""
+"""The tree's commit when it is not a git checkout (a `git archive` of a branch)."""
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +35,7 @@ class TreeError(ValueError):
 
 
 def tree_flavor(tree: Path) -> str:
-    """``main`` or ``dev`` from the tree's config fields; :class:`TreeError` for a path that is not a
+    """`main` or `dev` from the tree's config fields; `TreeError` for a path that is not a
     Megatron-LM tree or a tree without mHC."""
     tree = Path(tree)
     if not tree.is_dir():
@@ -61,21 +61,21 @@ def hashes(tree: Path) -> dict[str, str]:
 
 
 def tree_commit(tree: Path) -> str | None:
-    """``git rev-parse HEAD`` when the tree is the top of a git checkout (not a folder inside another
-    repository), else ``$MHC_MEGATRON_LM_COMMIT``, else None."""
+    """`git rev-parse HEAD` when the tree is the top of a git checkout (not a folder inside another
+    repository), else `$MHC_MEGATRON_LM_COMMIT`, else None."""
     return git_commit(tree, COMMIT_ENV_VAR)
 
 
 def tree_env(tree: Path) -> dict[str, str]:
-    """Environment additions for a process that runs the tree: its ``megatron`` first on ``PYTHONPATH``,
-    this repository next, and upstream's ``@torch.compile`` methods run eagerly (``TORCHDYNAMO_DISABLE``)."""
+    """Environment additions for a process that runs the tree: its `megatron` first on `PYTHONPATH`,
+    this repository next, and upstream's `@torch.compile` methods run eagerly (`TORCHDYNAMO_DISABLE`)."""
     path = [str(Path(tree).resolve()), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
     return {"PYTHONPATH": os.pathsep.join(p for p in path if p), "TORCHDYNAMO_DISABLE": "1"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Tree:
-    """A validated tree: where it is, its branch (``main`` / ``dev``), its commit if known."""
+    """A validated tree: where it is, its branch (`main` / `dev`), its commit if known."""
 
     path: Path
     flavor: str
@@ -83,7 +83,7 @@ class Tree:
 
     @property
     def label(self) -> str:
-        """``dev@d48bd6be0a85``, or ``dev tree at PATH`` without a commit."""
+        """`dev@d48bd6be0a85`, or `dev tree at PATH` without a commit."""
         return f"{self.flavor}@{self.commit[:12]}" if self.commit else f"{self.flavor} tree at {self.path}"
 
 
@@ -101,8 +101,8 @@ def _import_error(tree: Path, python: str) -> str | None:
 
 
 def tree_under_test(path: str | Path | None = None, *, python: str | None = None) -> Tree | None:
-    """The tree named by ``path`` (else ``$MHC_MEGATRON_LM``), validated and imported once in a subprocess of
-    ``python`` (default this interpreter); None when none is named. :class:`TreeError` naming the path for a
+    """The tree named by `path` (else `$MHC_MEGATRON_LM`), validated and imported once in a subprocess of
+    `python` (default this interpreter); None when none is named. `TreeError` naming the path for a
     path that is not a tree, or for a tree that does not import here (with the import error and the Python)."""
     raw = path if path is not None else os.environ.get(TREE_ENV_VAR)
     if not raw:

@@ -8,11 +8,11 @@ A record (one line of the history file) is built from a pytest-benchmark JSON fi
                      "name": "test_sinkhorn[T512-n4]", "params": {...}, "median_s": 1.2e-4,
                      "mean_s": ..., "stddev_s": ..., "rounds": 100, "extra_info": {"bytes_per_s": ...}}]}
 
-:func:`check_history` compares the newest record's median time per benchmark against the median
-of the previous ``window`` records of the same hardware key that have it: slower than
-``baseline * (1 + band_slow)`` is a regression; faster than ``baseline * (1 - band_fast)`` is
-flagged as an improvement (a failure only with ``fail_on_improvement``). ``settings`` is the
-suite's own process settings (``machine_info.mhc`` of the benchmark file: CUDA graphs, heap
+`check_history` compares the newest record's median time per benchmark against the median
+of the previous `window` records of the same hardware key that have it: slower than
+`baseline * (1 + band_slow)` is a regression; faster than `baseline * (1 - band_fast)` is
+flagged as an improvement (a failure only with `fail_on_improvement`). `settings` is the
+suite's own process settings (`machine_info.mhc` of the benchmark file: CUDA graphs, heap
 retention, the cuTile tuning in force, ...), so a step in a trend can be traced to one of them.
 """
 
@@ -52,8 +52,8 @@ def _num(x: Any) -> bool:
 
 
 def benchmark_list(doc: Any, *, source: str) -> list:
-    """The ``benchmarks`` list of a parsed pytest-benchmark JSON document; ``GoldenFormatError`` naming
-    ``source`` when it has none."""
+    """The `benchmarks` list of a parsed pytest-benchmark JSON document; `GoldenFormatError` naming
+    `source` when it has none."""
     if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
         raise GoldenFormatError(f"{source}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
     return doc["benchmarks"]
@@ -61,7 +61,7 @@ def benchmark_list(doc: Any, *, source: str) -> list:
 
 def record_from_benchmark_json(doc: Any, *, source: str, hw: str, commit: str | None = None,
                                versions: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Build a history record from a parsed pytest-benchmark JSON document; errors name ``source``."""
+    """Build a history record from a parsed pytest-benchmark JSON document; errors name `source`."""
     if not benchmark_list(doc, source=source):
         raise GoldenFormatError(f"{source}: 'benchmarks' is empty")
     commit_info = doc.get("commit_info") if isinstance(doc.get("commit_info"), dict) else {}

@@ -1,6 +1,6 @@
 """The nightly summary page: one Markdown page per hardware key from the perf history and its trend PNGs.
 
-``mhc-harness perf-history plot --history H --out DIR`` writes ``DIR/<hw>.md`` beside the PNGs: the
+`mhc-harness perf-history plot --history H --out DIR` writes `DIR/<hw>.md` beside the PNGs: the
 newest record's table (op, direction, backend, shape, median, roofline ratio, speed-up, the verdict
 against the trailing median with regressions in bold), each group's trend plot, and the points of
 the history (date, commit, dirty flag, torch / CUDA / cuda-tile versions, how many benchmarks).
@@ -56,7 +56,7 @@ def _page(hw: str, records: Sequence[Mapping[str, Any]], pngs: Sequence[Path], o
 
 
 def write_pages(records: Sequence[Mapping[str, Any]], pngs: Sequence[Path], out_dir: str | Path) -> list[Path]:
-    """``<out_dir>/<hw>.md`` per hardware key of ``records`` (its own records, its own PNGs)."""
+    """`<out_dir>/<hw>.md` per hardware key of `records` (its own records, its own PNGs)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

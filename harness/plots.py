@@ -1,10 +1,10 @@
 """PNG plots for reports (matplotlib's Agg canvas, no pyplot state, no display needed).
 
-* :func:`plot_case` -- golden vs actual curves of one case, one panel per metric.
-* :func:`plot_overlay` -- any labelled series of one metric in one plot, e.g. a baseline and an
+* `plot_case` -- golden vs actual curves of one case, one panel per metric.
+* `plot_overlay` -- any labelled series of one metric in one plot, e.g. a baseline and an
   mHC case of the same suite (the functional suite can call it directly).
-* :func:`mhc_pairs` -- the naming convention ``report`` uses to pair cases automatically: a case
-  whose name contains ``_mhc`` is paired with the case named the same without ``_mhc``.
+* `mhc_pairs` -- the naming convention `report` uses to pair cases automatically: a case
+  whose name contains `_mhc` is paired with the case named the same without `_mhc`.
 """
 
 from __future__ import annotations
@@ -35,18 +35,18 @@ def _save(fig, path: str | Path) -> Path:
 
 
 def loss_metrics(golden: Mapping[str, MetricSeries]) -> list[str]:
-    """Metric names that are losses (contain ``loss``), in order."""
+    """Metric names that are losses (contain `loss`), in order."""
     return [m for m in golden if "loss" in m]
 
 
 def stability_metrics(golden: Mapping[str, MetricSeries]) -> list[str]:
-    """The mHC stability monitor's composite Amax gains (``mhc-amax-gain-*``), in order."""
+    """The mHC stability monitor's composite Amax gains (`mhc-amax-gain-*`), in order."""
     return [m for m in golden if m.startswith("mhc-amax-gain")]
 
 
 def plot_overlay(series: Mapping[str, MetricSeries], *, metric: str, path: str | Path,
                  title: str | None = None) -> Path:
-    """Plot ``{label: series}`` of one metric in one axes; returns the PNG path."""
+    """Plot `{label: series}` of one metric in one axes; returns the PNG path."""
     if not series:
         raise ValueError("series must hold at least one labelled MetricSeries")
     fig, (ax,) = _figure()
@@ -62,7 +62,7 @@ def plot_overlay(series: Mapping[str, MetricSeries], *, metric: str, path: str |
 
 def plot_case(actual: Golden, golden: Golden | None, *, metrics: Sequence[str], path: str | Path,
               title: str) -> Path:
-    """Golden (dashed) vs actual (solid) for ``metrics`` of one case, one panel each."""
+    """Golden (dashed) vs actual (solid) for `metrics` of one case, one panel each."""
     if not metrics:
         raise ValueError("metrics must name at least one metric to plot")
     fig, axes = _figure(len(metrics))
@@ -82,13 +82,13 @@ def plot_case(actual: Golden, golden: Golden | None, *, metrics: Sequence[str], 
 
 
 def mhc_pairs(cases: Iterable[str]) -> list[tuple[str, str]]:
-    """``(baseline, mhc)`` pairs by name: ``gpt_tp1_mhc`` pairs with ``gpt_tp1``."""
+    """`(baseline, mhc)` pairs by name: `gpt_tp1_mhc` pairs with `gpt_tp1`."""
     names = set(cases)
     return sorted((c.replace("_mhc", "", 1), c) for c in names if "_mhc" in c and c.replace("_mhc", "", 1) in names)
 
 
 def hc_pairs(cases: Iterable[str]) -> list[tuple[str, str]]:
-    """``(hc, mhc)`` pairs by name: ``gpt_tp1_hc`` (unconstrained Hyper-Connections) pairs with ``gpt_tp1_mhc``."""
+    """`(hc, mhc)` pairs by name: `gpt_tp1_hc` (unconstrained Hyper-Connections) pairs with `gpt_tp1_mhc`."""
     names = set(cases)
     return sorted((c, c.replace("_hc", "_mhc", 1)) for c in names
                   if "_hc" in c and "_mhc" not in c and c.replace("_hc", "_mhc", 1) in names)

@@ -1,8 +1,8 @@
 """Progress of a pytest run, as a small JSON file another process can poll.
 
-The plugin (``--mhc-progress-file PATH``) keeps ``{"total", "done", "failed", "skipped",
-"failures": [nodeid...], "finished"}`` up to date in PATH, rewritten atomically after every test;
-under xdist only the controller writes. :class:`ProgressPrinter` (``mhc-harness run``) reads it
+The plugin (`--mhc-progress-file PATH`) keeps `{"total", "done", "failed", "skipped",
+"failures": [nodeid...], "finished"}` up to date in PATH, rewritten atomically after every test;
+under xdist only the controller writes. `ProgressPrinter` (`mhc-harness run`) reads it
 while the pytest subprocess runs and prints one line per suite now and then: tests done / total,
 failures so far, elapsed seconds, and each failure as it happens.
 """
@@ -37,7 +37,7 @@ class Progress:
 
 
 def read_progress(path: Path) -> Progress | None:
-    """The last state written to ``path`` (None before the first write or for a torn read)."""
+    """The last state written to `path` (None before the first write or for a torn read)."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         return Progress(**doc)
@@ -64,7 +64,7 @@ class ProgressWriter:
         self._write()
 
     def report(self, nodeid: str, when: str, outcome: str) -> None:
-        """One ``pytest_runtest_logreport``: a test is done at its teardown report."""
+        """One `pytest_runtest_logreport`: a test is done at its teardown report."""
         if outcome == "failed" and nodeid not in self._failed:
             self._failed.add(nodeid)
             self.state.failed += 1
@@ -82,7 +82,7 @@ class ProgressWriter:
 
 class ProgressPrinter:
     """Runner side: polls the file and prints a line when the counts moved (at most every
-    ``every_s`` seconds), a heartbeat after ``heartbeat_s`` without change, and each new failure."""
+    `every_s` seconds), a heartbeat after `heartbeat_s` without change, and each new failure."""
 
     def __init__(self, suite: str, path: Path, *, out: Callable[[str], None] = print, every_s: float = 10.0,
                  heartbeat_s: float = 60.0) -> None:

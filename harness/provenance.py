@@ -1,7 +1,7 @@
 """Provenance facts for meta files and perf records: versions, git commit, date.
 
 Nothing here imports torch or megatron-core: versions come from installed distribution
-metadata, and the CUDA version from the text of ``torch/version.py``.
+metadata, and the CUDA version from the text of `torch/version.py`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ _PACKAGES = ("torch", "megatron-core", "numpy", "transformer-engine", "cuda-tile
 
 
 def utc_now() -> str:
-    """The current UTC time, ISO 8601 with seconds (``2026-11-29T18:23:00+00:00``)."""
+    """The current UTC time, ISO 8601 with seconds (`2026-11-29T18:23:00+00:00`)."""
     return _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
 
 
 @functools.cache
 def cuda_version() -> str | None:
-    """CUDA version torch was built with (``torch.version.cuda``) without importing torch."""
+    """CUDA version torch was built with (`torch.version.cuda`) without importing torch."""
     try:
         dist = md.distribution("torch")
     except md.PackageNotFoundError:
@@ -60,7 +60,7 @@ def _package_versions() -> dict[str, str | None]:
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
-    """``git rev-parse HEAD`` in ``cwd`` (None outside a repository or without commits)."""
+    """`git rev-parse HEAD` in `cwd` (None outside a repository or without commits)."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                              timeout=10, check=False)

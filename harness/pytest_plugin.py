@@ -1,5 +1,5 @@
-"""pytest plugin (entry point ``pytest11``): golden options, the ``golden_case`` marker and the
-``golden_metrics`` fixture. Thin on purpose: the logic lives in :mod:`harness.case_check`.
+"""pytest plugin (entry point `pytest11`): golden options, the `golden_case` marker and the
+`golden_metrics` fixture. Thin on purpose: the logic lives in `harness.case_check`.
 
 Usage in a suite::
 
@@ -64,7 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 class _ProgressHooks:
-    """The hooks behind ``--mhc-progress-file`` (registered only when it is given)."""
+    """The hooks behind `--mhc-progress-file` (registered only when it is given)."""
 
     def __init__(self, writer: ProgressWriter) -> None:
         self.writer = writer
@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def suite_from_path(path: Path) -> str | None:
-    """The suite of a test file: the directory right after the last ``suites`` in its path."""
+    """The suite of a test file: the directory right after the last `suites` in its path."""
     parts = Path(path).parts
     for i in range(len(parts) - 2, -1, -1):
         if parts[i] == "suites":
@@ -140,7 +140,7 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
 
 
 class GoldenMetrics:
-    """The ``golden_metrics`` fixture: hand a case's metrics over with ``check``."""
+    """The `golden_metrics` fixture: hand a case's metrics over with `check`."""
 
     def __init__(self, request: pytest.FixtureRequest) -> None:
         self._request = request
@@ -153,14 +153,14 @@ class GoldenMetrics:
     def check(self, case: str, metrics: Mapping[str, Any], checks: Mapping[str, Check | Sequence[Check]], *,
               suite: str | None = None, fingerprint: NumericsFingerprint | Mapping[str, Any] | None = None
               ) -> CaseOutcome:
-        """Compare ``metrics`` with ``golden/<hw>/<suite>/<case>.json`` using ``checks``; fail the test on mismatch.
+        """Compare `metrics` with `golden/<hw>/<suite>/<case>.json` using `checks`; fail the test on mismatch.
 
-        ``metrics``: ``{metric: [v_step1, v_step2, ...]}``, ``{metric: {step: v}}`` or golden schema.
-        ``checks``: ``{metric: check or (checks...)}``; only these metrics are compared, all are stored.
-        ``suite``: default ``suites/<suite>/...`` of the test file.
-        ``fingerprint``: the numerics fingerprint of the process that computed ``metrics`` (a worker's,
-        as ``NumericsFingerprint`` or its JSON); default: this process's. It decides the exact lane.
-        The JUnit entry of the test gets ``golden_lane``, ``golden_exact`` and ``numerics_fingerprint``.
+        `metrics`: `{metric: [v_step1, v_step2, ...]}`, `{metric: {step: v}}` or golden schema.
+        `checks`: `{metric: check or (checks...)}`; only these metrics are compared, all are stored.
+        `suite`: default `suites/<suite>/...` of the test file.
+        `fingerprint`: the numerics fingerprint of the process that computed `metrics` (a worker's,
+        as `NumericsFingerprint` or its JSON); default: this process's. It decides the exact lane.
+        The JUnit entry of the test gets `golden_lane`, `golden_exact` and `numerics_fingerprint`.
         """
         __tracebackhide__ = True
         from harness.case_check import check_case
@@ -200,7 +200,7 @@ class GoldenMetrics:
 
 @pytest.fixture
 def golden_metrics(request: pytest.FixtureRequest) -> GoldenMetrics:
-    """Hand a case's per-step metrics to the golden store: ``golden_metrics.check(case, metrics, checks)``."""
+    """Hand a case's per-step metrics to the golden store: `golden_metrics.check(case, metrics, checks)`."""
     return GoldenMetrics(request)
 
 
@@ -208,7 +208,7 @@ def golden_metrics(request: pytest.FixtureRequest) -> GoldenMetrics:
 
 @pytest.fixture
 def tree_rows(request: pytest.FixtureRequest):
-    """Hand a Megatron-LM tree comparison to report.md: ``tree_rows(TreeRow(...))`` (`harness.tree_report`)."""
+    """Hand a Megatron-LM tree comparison to report.md: `tree_rows(TreeRow(...))` (`harness.tree_report`)."""
     from harness.tree_report import record
 
     return lambda row: record(_settings(request.config).results_dir, row)

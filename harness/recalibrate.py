@@ -1,22 +1,22 @@
 """Recalibration: run a case N times, average, show what moved, then write atomically.
 
-The procedure (:func:`recalibrate`):
+The procedure (`recalibrate`):
 
 1. refuse an unknown hardware key (unless allowed) before running anything;
 2. read the old golden file (a missing one is fine; a broken one is an error);
-3. run the case ``repeats`` times; refuse a failed run, non-finite values, or repeats whose
+3. run the case `repeats` times; refuse a failed run, non-finite values, or repeats whose
    metrics or steps differ;
 4. average per step (identical repeats keep their exact value, so a deterministic case stays
    bit-exact) and record the per-step spread (min, max, std) for the meta file;
-5. with ``only_failing``, stop when the old golden file still passes every repeat;
-6. print, per metric, the signed mean relative change ``mean((old - new) / old)`` (upstream's
-   ``compare_golden_values``; steps where old is 0 are skipped) and the max abs difference, and
+5. with `only_failing`, stop when the old golden file still passes every repeat;
+6. print, per metric, the signed mean relative change `mean((old - new) / old)` (upstream's
+   `compare_golden_values`; steps where old is 0 are skipped) and the max abs difference, and
    which other fingerprints' exact sets the new reference drops;
 7. only then write json and meta (with the runs' numerics fingerprint) under the case lock
-   (unless ``dry_run``).
+   (unless `dry_run`).
 
-``exact_only`` adds this machine's exact values beside the reference instead (:func:`recalibrate`
-with ``exact_only=True``): the reference and the other fingerprints' sets do not move; the
+`exact_only` adds this machine's exact values beside the reference instead (`recalibrate`
+with `exact_only=True`): the reference and the other fingerprints' sets do not move; the
 repeats must agree bit for bit per metric (a metric that does not is left out and named), and a
 fingerprint that recorded the reference is refused (its exact values are the reference).
 """
@@ -49,11 +49,11 @@ class Repeat:
     metrics: Mapping[str, Any]
     golden_passed: bool | None = None
     fingerprint: NumericsFingerprint | None = None
-    """The numerics fingerprint of the process that computed ``metrics`` (None: not reported)."""
+    """The numerics fingerprint of the process that computed `metrics` (None: not reported)."""
 
 
 Runner = Callable[[int], "Mapping[str, Any] | Repeat"]
-"""Called with the repeat index (0-based); returns the metrics or a :class:`Repeat`; raises on failure."""
+"""Called with the repeat index (0-based); returns the metrics or a `Repeat`; raises on failure."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +69,7 @@ class RecalibrationResult:
 
 
 def aggregate(runs: Sequence[Golden], *, label: str) -> tuple[Golden, dict[str, Any]]:
-    """Per-step mean over ``runs`` and the spread ``{metric: {max_rel_spread, steps: {step: {min,max,std}}}}``."""
+    """Per-step mean over `runs` and the spread `{metric: {max_rel_spread, steps: {step: {min,max,std}}}}`."""
     first = runs[0]
     for i, run in enumerate(runs[1:], start=2):
         if set(run) != set(first):
@@ -101,7 +101,7 @@ def aggregate(runs: Sequence[Golden], *, label: str) -> tuple[Golden, dict[str, 
 
 
 def mean_relative_change(old: MetricSeries, new: MetricSeries) -> tuple[float | None, float, int]:
-    """``(mean((old - new) / old), max |old - new|, n)`` over common steps; the mean skips old == 0."""
+    """`(mean((old - new) / old), max |old - new|, n)` over common steps; the mean skips old == 0."""
     common = [s for s in old.steps if s in new.values]
     rel = [(old.values[s] - new.values[s]) / old.values[s] for s in common if old.values[s] != 0]
     mx = max((abs(old.values[s] - new.values[s]) for s in common), default=0.0)
@@ -109,7 +109,7 @@ def mean_relative_change(old: MetricSeries, new: MetricSeries) -> tuple[float | 
 
 
 def change_lines(old: Golden | None, new: Golden) -> list[str]:
-    """Per metric: signed mean relative change against ``old``, max abs diff, steps on one side only."""
+    """Per metric: signed mean relative change against `old`, max abs diff, steps on one side only."""
     if old is None:
         return [f"  {m}: new ({len(s.values)} steps, no previous golden file)" for m, s in new.items()]
     lines = []

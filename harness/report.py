@@ -1,9 +1,9 @@
-"""Reports of a ``mhc-harness run``: summary table (terminal), Markdown report and plots.
+"""Reports of a `mhc-harness run`: summary table (terminal), Markdown report and plots.
 
-``write_report`` writes ``report.md`` into the output directory with the per-suite pytest
+`write_report` writes `report.md` into the output directory with the per-suite pytest
 counts, one row per golden check (suite, case, metric, status, worst delta), the failure
-messages, and PNGs under ``plots/``: golden vs actual loss curves per case, and baseline vs mHC
-overlays for case pairs named by :func:`harness.plots.mhc_pairs`.
+messages, and PNGs under `plots/`: golden vs actual loss curves per case, and baseline vs mHC
+overlays for case pairs named by `harness.plots.mhc_pairs`.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def _median(values: Sequence[float]) -> float:
 
 
 def step_time_ratios(actuals: dict[str, dict[str, object]]) -> list[tuple[str, str, str, float, float, float]]:
-    """``(suite, baseline, mhc, baseline median s, mhc median s, ratio)`` for every baseline / mHC pair
-    whose results both carry ``iteration-time`` (median after ``WARMUP_STEPS`` steps)."""
+    """`(suite, baseline, mhc, baseline median s, mhc median s, ratio)` for every baseline / mHC pair
+    whose results both carry `iteration-time` (median after `WARMUP_STEPS` steps)."""
     rows = []
     for suite, cases in actuals.items():
         for base, mhc in mhc_pairs(cases):
@@ -100,7 +100,7 @@ def _actuals(summary: RunSummary) -> dict[str, dict[str, object]]:
 
 
 def write_plots(summary: RunSummary, plots_dir: Path) -> list[tuple[str, Path]]:
-    """Golden-vs-actual loss curves per case and baseline-vs-mHC overlays; returns ``(caption, png)``."""
+    """Golden-vs-actual loss curves per case and baseline-vs-mHC overlays; returns `(caption, png)`."""
     out: list[tuple[str, Path]] = []
     by_suite: dict[str, dict[str, object]] = {}
     for o in summary.cases:
@@ -136,7 +136,7 @@ def write_plots(summary: RunSummary, plots_dir: Path) -> list[tuple[str, Path]]:
 
 
 def write_report(summary: RunSummary, out_dir: str | Path, *, plots: bool = True) -> Path:
-    """Write ``<out_dir>/report.md`` (and PNGs under ``<out_dir>/plots``); returns the report path."""
+    """Write `<out_dir>/report.md` (and PNGs under `<out_dir>/plots`); returns the report path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     md = ["# mHC harness report", "",

@@ -1,7 +1,7 @@
-"""Per-case result files: what a test run leaves in ``--mhc-results-dir`` for ``run`` and ``recalibrate``.
+"""Per-case result files: what a test run leaves in `--mhc-results-dir` for `run` and `recalibrate`.
 
-For every case handed to the fixture, ``<dir>/<suite>/<case>.json`` holds the actual values in
-golden schema (only when they are finite) and ``<dir>/<suite>/<case>.result.json`` the outcome:
+For every case handed to the fixture, `<dir>/<suite>/<case>.json` holds the actual values in
+golden schema (only when they are finite) and `<dir>/<suite>/<case>.result.json` the outcome:
 status, hardware key, golden path, message and every check result.
 """
 
@@ -42,11 +42,11 @@ class CaseOutcome:
     """Record-only mode: whether the values passed the existing golden file (None: not compared)."""
     checks: tuple[CheckResult, ...] = field(default_factory=tuple)
     lane: str | None = None
-    """The lane that decided: ``exact``, ``approximate`` or ``timing`` (None: nothing was compared)."""
+    """The lane that decided: `exact`, `approximate` or `timing` (None: nothing was compared)."""
     lane_reason: str = ""
-    """Whether the exact lane applied here and why (``exact: n/a, recorded on ...; this machine ...``)."""
+    """Whether the exact lane applied here and why (`exact: n/a, recorded on ...; this machine ...`)."""
     fingerprint: dict[str, Any] | None = None
-    """The numerics fingerprint of the run that produced the values (``NumericsFingerprint.to_json``)."""
+    """The numerics fingerprint of the run that produced the values (`NumericsFingerprint.to_json`)."""
 
     @property
     def failed(self) -> bool:
@@ -84,7 +84,7 @@ def write_outcome(results_dir: str | Path, outcome: CaseOutcome, actual: Golden 
 
 
 def read_outcomes(results_dir: str | Path, suites: Sequence[str] | None = None) -> list[CaseOutcome]:
-    """Every case outcome under ``results_dir`` (optionally only these suites), sorted by suite, case."""
+    """Every case outcome under `results_dir` (optionally only these suites), sorted by suite, case."""
     root = Path(results_dir)
     out = []
     for p in sorted(root.glob("*/*.result.json")):

@@ -1,12 +1,12 @@
 """Run suites through pytest in subprocesses and collect what they left behind.
 
-``run_suites`` backs ``mhc-harness run``: one ``python -m pytest suites/<suite>`` per suite with
-``--junitxml``, ``--mhc-results-dir`` and ``--mhc-progress-file`` (the perf suite with ``-p no:xdist``
-and ``--benchmark-json``, ready for ``perf-history append``), plus that suite's own arguments
-(``suite_args``, e.g. xdist workers). The plugin does the golden comparisons during the run; the
-subprocess's output goes to ``<out>/pytest-<suite>.log`` while a progress line per suite is printed
-(:mod:`harness.progress`); this module then gathers JUnit counts and case outcomes.
-``pytest_case_runner`` backs ``mhc-harness recalibrate``: it runs one case in record-only mode.
+`run_suites` backs `mhc-harness run`: one `python -m pytest suites/<suite>` per suite with
+`--junitxml`, `--mhc-results-dir` and `--mhc-progress-file` (the perf suite with `-p no:xdist`
+and `--benchmark-json`, ready for `perf-history append`), plus that suite's own arguments
+(`suite_args`, e.g. xdist workers). The plugin does the golden comparisons during the run; the
+subprocess's output goes to `<out>/pytest-<suite>.log` while a progress line per suite is printed
+(`harness.progress`); this module then gathers JUnit counts and case outcomes.
+`pytest_case_runner` backs `mhc-harness recalibrate`: it runs one case in record-only mode.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ __all__ = [
 ]
 
 NO_XDIST_SUITES = frozenset({"perf"})
-"""Suites run with ``-p no:xdist`` (benchmarks never run under xdist)."""
+"""Suites run with `-p no:xdist` (benchmarks never run under xdist)."""
 
 
 def available_suites(suites_dir: str | Path) -> list[str]:
-    """Directories under ``suites_dir`` (not starting with ``_`` or ``.``), sorted."""
+    """Directories under `suites_dir` (not starting with `_` or `.`), sorted."""
     d = Path(suites_dir)
     if not d.is_dir():
         return []
@@ -55,7 +55,7 @@ def available_suites(suites_dir: str | Path) -> list[str]:
 
 
 def check_suites(suites: Sequence[str], suites_dir: str | Path) -> list[str]:
-    """Return ``suites`` (all when empty) or raise ``ValueError`` listing the valid names."""
+    """Return `suites` (all when empty) or raise `ValueError` listing the valid names."""
     valid = available_suites(suites_dir)
     unknown = [s for s in suites if s not in valid]
     if unknown:
@@ -85,7 +85,7 @@ class SuiteRun:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSummary:
-    """Everything ``mhc-harness run`` reports on."""
+    """Everything `mhc-harness run` reports on."""
 
     runs: tuple[SuiteRun, ...]
     cases: tuple[CaseOutcome, ...]
@@ -124,7 +124,7 @@ def _common_args(*, golden_dir: Path | None, hw: str | None) -> list[str]:
 
 def _run_logged(cmd: Sequence[str], *, cwd: Path, log: Path, timeout_s: float | None,
                 poll: Callable[[], None]) -> int:
-    """Run ``cmd`` with its output in ``log``, calling ``poll`` every second; at ``timeout_s`` its whole
+    """Run `cmd` with its output in `log`, calling `poll` every second; at `timeout_s` its whole
     process group is killed and 124 returned."""
     with log.open("w", encoding="utf-8") as f:
         proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -152,8 +152,8 @@ def run_suites(suites: Sequence[str], *, suites_dir: str | Path, out_dir: str | 
                hw: str | None = None, pytest_args: str | Sequence[str] = (), python: str = sys.executable,
                timeout_s: float | None = None, suite_args: Mapping[str, Sequence[str]] | None = None,
                out: Callable[[str], None] = print, progress_every_s: float = 10.0) -> RunSummary:
-    """Run each suite through pytest; return the JUnit counts and the per-case outcomes. ``suite_args``
-    adds arguments to one suite's command (``{"unit": ["-n", "2"]}``); ``out`` gets the progress lines."""
+    """Run each suite through pytest; return the JUnit counts and the per-case outcomes. `suite_args`
+    adds arguments to one suite's command (`{"unit": ["-n", "2"]}`); `out` gets the progress lines."""
     suites_dir, out_dir, golden_dir = Path(suites_dir).resolve(), Path(out_dir).resolve(), Path(golden_dir).resolve()
     names = check_suites(suites, suites_dir)
     unknown = sorted(set(suite_args or {}) - set(names))
@@ -193,7 +193,7 @@ def run_suites(suites: Sequence[str], *, suites_dir: str | Path, out_dir: str | 
 def pytest_case_runner(suite: str, case: str, *, suites_dir: str | Path, golden_dir: str | Path, hw: str,
                        pytest_args: Sequence[str] = (), python: str = sys.executable,
                        timeout_s: float | None = None):
-    """A recalibration runner: each call runs ``suites/<suite>`` in record-only mode for ``case``."""
+    """A recalibration runner: each call runs `suites/<suite>` in record-only mode for `case`."""
     suites_dir, golden_dir = Path(suites_dir).resolve(), Path(golden_dir).resolve()
     check_suites([suite], suites_dir)
 

@@ -5,15 +5,15 @@ A golden document is one JSON object keyed by metric name, nothing else::
     {"lm loss": {"start_step": 1, "end_step": 50, "step_interval": 1,
                  "values": {"1": 10.91234, "2": 10.90011, ...}}, ...}
 
-Upstream's ``golden_values_*.json`` files load unchanged. Choices made here:
+Upstream's `golden_values_*.json` files load unchanged. Choices made here:
 
-* Values are stored at full float64 precision (``repr`` round-trips exactly); nothing is
+* Values are stored at full float64 precision (`repr` round-trips exactly); nothing is
   rounded, so a deterministic run compares equal to the file it wrote.
-* Steps may be absent from the ``start_step + k * step_interval`` grid (upstream main omits
+* Steps may be absent from the `start_step + k * step_interval` grid (upstream main omits
   unobserved steps), but every present step must lie on it.
 * NaN and +-inf are rejected when read and when written, naming file, metric and step.
-  Older Megatron files hold the *string* ``"nan"`` for the unlogged first ``iteration-time``
-  step; :func:`parse_golden` rejects it too unless ``allow_nan_strings=True`` (legacy import
+  Older Megatron files hold the *string* `"nan"` for the unlogged first `iteration-time`
+  step; `parse_golden` rejects it too unless `allow_nan_strings=True` (legacy import
   only), which drops such steps as unobserved, as upstream main does.
 """
 
@@ -57,7 +57,7 @@ def _is_int(x: object) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class MetricSeries:
-    """One metric: ``values[step] = value`` on the grid ``start_step + k * step_interval``."""
+    """One metric: `values[step] = value` on the grid `start_step + k * step_interval`."""
 
     start_step: int
     end_step: int
@@ -98,7 +98,7 @@ class MetricSeries:
 
     @classmethod
     def from_steps(cls, values: Mapping[int, float]) -> MetricSeries:
-        """Build a series from ``{step: value}``; the interval is the gcd of the gaps (as upstream main)."""
+        """Build a series from `{step: value}`; the interval is the gcd of the gaps (as upstream main)."""
         if not values:
             raise ValueError("values must hold at least one step")
         steps = sorted(int(s) for s in values)
@@ -119,7 +119,7 @@ Golden = dict[str, MetricSeries]
 
 
 def series_from_list(values: Sequence[float], *, start_step: int = 1, step_interval: int = 1) -> MetricSeries:
-    """Build a series from per-step values: ``values[i]`` is step ``start_step + i * step_interval``."""
+    """Build a series from per-step values: `values[i]` is step `start_step + i * step_interval`."""
     if len(values) == 0:
         raise ValueError("values must hold at least one step")
     steps = {start_step + i * step_interval: float(v) for i, v in enumerate(values)}
@@ -148,7 +148,7 @@ def _key_lines(text: str, key: str) -> list[int]:
 
 
 def parse_json(text: str, *, source: str) -> Any:
-    """``json.loads`` whose errors name ``source`` and the line/column position."""
+    """`json.loads` whose errors name `source` and the line/column position."""
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
@@ -208,12 +208,12 @@ def _parse_metric(name: str, raw: Any, *, source: str, allow_nan_strings: bool) 
 
 
 def parse_golden(text: str, *, source: str, allow_nan_strings: bool = False) -> Golden:
-    """Parse and validate a golden document; errors name ``source``, metric and step."""
+    """Parse and validate a golden document; errors name `source`, metric and step."""
     return golden_from_doc(parse_json(text, source=source), source=source, allow_nan_strings=allow_nan_strings)
 
 
 def golden_from_doc(doc: Any, *, source: str, allow_nan_strings: bool = False) -> Golden:
-    """Validate an already-parsed golden document (:func:`parse_json`'s result) into a :data:`Golden`."""
+    """Validate an already-parsed golden document (`parse_json`'s result) into a `Golden`."""
     if not isinstance(doc, dict) or not doc:
         raise GoldenFormatError(f"{source}: expected a non-empty JSON object keyed by metric name")
     return {name: _parse_metric(name, raw, source=source, allow_nan_strings=allow_nan_strings)
@@ -234,7 +234,7 @@ def load_golden(path: str | Path, *, allow_nan_strings: bool = False) -> Golden:
 
 
 def check_finite(golden: Mapping[str, MetricSeries], *, source: str) -> None:
-    """Raise :class:`NonFiniteError` naming ``source``, metric and step at the first NaN/inf."""
+    """Raise `NonFiniteError` naming `source`, metric and step at the first NaN/inf."""
     for name, series in golden.items():
         for step, v in series.values.items():
             if not math.isfinite(v):
@@ -287,10 +287,10 @@ def _to_series(name: str, raw: Any, *, source: str) -> MetricSeries:
 
 
 def to_golden(metrics: Mapping[str, Any], *, source: str = "actual metrics") -> Golden:
-    """Normalise metrics handed over by a test into :data:`Golden`.
+    """Normalise metrics handed over by a test into `Golden`.
 
-    Each metric may be a :class:`MetricSeries`, the schema dict, ``{step: value}`` or a list of
-    per-step values (steps 1..N). NaN/inf are kept here; :func:`check_finite` rejects them.
+    Each metric may be a `MetricSeries`, the schema dict, `{step: value}` or a list of
+    per-step values (steps 1..N). NaN/inf are kept here; `check_finite` rejects them.
     """
     if not isinstance(metrics, Mapping) or not metrics:
         raise GoldenFormatError(f"{source}: expected a non-empty mapping metric -> values")

@@ -1,10 +1,10 @@
-"""A peer's source tree given by path (``--transformer-engine PATH``, ``--torchtitan PATH``): checked, named
+"""A peer's source tree given by path (`--transformer-engine PATH`, `--torchtitan PATH`): checked, named
 by its commit, its files hashed, and its Python files loaded without the package around them.
 
 Some peers' mHC is in no package that installs here: TransformerEngine's extension builds CUDA code, and
 torchtitan's DeepSeek-V4 is in no release. Their mHC files are plain Python (Triton or PyTorch), so the
 conformance suite reads them from a checkout the user points at. What is recorded from a tree names it by
-commit and by the sha256 of the files that ran (``docs/conformance.md``).
+commit and by the sha256 of the files that ran (`docs/conformance.md`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ class SourceTreeError(ValueError):
 
 
 def git_commit(tree: Path, env_var: str | None = None) -> str | None:
-    """``git rev-parse HEAD`` when ``tree`` is the top of a git checkout (not a folder inside another
-    repository), else ``$<env_var>``, else None."""
+    """`git rev-parse HEAD` when `tree` is the top of a git checkout (not a folder inside another
+    repository), else `$<env_var>`, else None."""
     try:
         out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=tree, capture_output=True,
                              text=True, timeout=10, check=False)
@@ -44,8 +44,8 @@ def git_commit(tree: Path, env_var: str | None = None) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class SourceTree:
-    """A checkout of one peer's repository: ``option`` (the CLI flag that named it), the ``files`` it must
-    hold (relative paths) and ``commit_env`` (the commit of a tree that is not a git checkout)."""
+    """A checkout of one peer's repository: `option` (the CLI flag that named it), the `files` it must
+    hold (relative paths) and `commit_env` (the commit of a tree that is not a git checkout)."""
 
     option: str
     path: Path
@@ -53,7 +53,7 @@ class SourceTree:
     commit_env: str
 
     def check(self) -> SourceTree:
-        """``self`` if the path is a directory holding every file, else :class:`SourceTreeError`."""
+        """`self` if the path is a directory holding every file, else `SourceTreeError`."""
         if not self.path.is_dir():
             raise SourceTreeError(f"{self.option} {self.path}: not a directory")
         missing = [str(f) for f in self.files if not (self.path / f).is_file()]
@@ -65,17 +65,17 @@ class SourceTree:
         return git_commit(self.path, self.commit_env)
 
     def hashes(self) -> dict[str, str]:
-        """sha256 of each of ``files``."""
+        """sha256 of each of `files`."""
         return {str(f): hashlib.sha256((self.path / f).read_bytes()).hexdigest() for f in self.files}
 
     def describe(self) -> str:
-        """``<commit[:12]>`` or ``tree <path> (no commit)``."""
+        """`<commit[:12]>` or `tree <path> (no commit)`."""
         commit = self.commit()
         return commit[:12] if commit else f"tree {self.path} (no commit)"
 
 
 def load_file(name: str, path: Path) -> ModuleType:
-    """Execute the Python file ``path`` as the module ``name`` (registered in ``sys.modules`` under that name,
+    """Execute the Python file `path` as the module `name` (registered in `sys.modules` under that name,
     as an import would) without importing the package it sits in."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -92,8 +92,8 @@ def load_file(name: str, path: Path) -> ModuleType:
 
 @contextmanager
 def placeholder_packages(names: Iterable[str], modules: Iterable[ModuleType] = ()) -> Iterator[None]:
-    """Empty packages ``names`` (and the given ``modules``) in ``sys.modules`` for the duration, so that a file
-    loaded with :func:`load_file` can run its absolute imports without the real package's ``__init__``;
+    """Empty packages `names` (and the given `modules`) in `sys.modules` for the duration, so that a file
+    loaded with `load_file` can run its absolute imports without the real package's `__init__`;
     afterwards every entry this added is removed again (a module loaded meanwhile keeps its references)."""
     added = []
     for name in names:

@@ -1,18 +1,18 @@
-"""The golden store: ``<root>/<hw>/<suite>/<case>.json`` plus ``<case>.meta.json``, and exact values
-per numerics fingerprint in ``<case>.exact/<fingerprint id>.json`` (+ ``.meta.json``).
+"""The golden store: `<root>/<hw>/<suite>/<case>.json` plus `<case>.meta.json`, and exact values
+per numerics fingerprint in `<case>.exact/<fingerprint id>.json` (+ `.meta.json`).
 
 The case's json is the *reference*: the values the approximate lane compares with, and the exact
-values of the fingerprint that recorded them (``numerics`` in its meta). Another machine's exact
-values (:meth:`GoldenStore.write_exact`, ``mhc-harness recalibrate --exact-only``) go into the
-``.exact`` directory, each tied to the reference it was recorded beside (``reference_sha256``): when
-the reference is rewritten, :meth:`GoldenStore.write` drops the sets recorded against the old one.
+values of the fingerprint that recorded them (`numerics` in its meta). Another machine's exact
+values (`GoldenStore.write_exact`, `mhc-harness recalibrate --exact-only`) go into the
+`.exact` directory, each tied to the reference it was recorded beside (`reference_sha256`): when
+the reference is rewritten, `GoldenStore.write` drops the sets recorded against the old one.
 
-Writes are atomic and locked. :meth:`GoldenStore.write` validates everything first (names,
-finiteness, meta), then takes ``fcntl.flock`` on ``.<case>.lock`` next to the case, writes both
-files to temporary files in the same directory, fsyncs them, and ``os.replace``-s the json and
+Writes are atomic and locked. `GoldenStore.write` validates everything first (names,
+finiteness, meta), then takes `fcntl.flock` on `.<case>.lock` next to the case, writes both
+files to temporary files in the same directory, fsyncs them, and `os.replace`-s the json and
 then the meta, all under that one lock. A writer killed at any point leaves either the old
-pair or the new pair (or, if killed between the two replaces, a meta whose ``golden_sha256``
-no longer matches, which every read reports as :class:`~harness.errors.MetaError`); its temp
+pair or the new pair (or, if killed between the two replaces, a meta whose `golden_sha256`
+no longer matches, which every read reports as `MetaError`); its temp
 files are hidden, uniquely named, and removed by the next writer of that case.
 """
 
@@ -57,7 +57,7 @@ META_REQUIRED: dict[str, type | tuple[type, ...]] = {
     "hardware": str, "suite": str, "case": str, "date": str, "source": str, "repeats": int,
     "versions": dict, "git_commit": (str, type(None)), "spread": dict, "golden_sha256": str,
 }
-"""Keys every meta file has, with their JSON types (``numerics``, the recording fingerprint, is optional:
+"""Keys every meta file has, with their JSON types (`numerics`, the recording fingerprint, is optional:
 a meta written before fingerprints, or by hand, has none, and its exact values apply nowhere)."""
 
 EXACT_META_REQUIRED: dict[str, type | tuple[type, ...]] = {
@@ -65,7 +65,7 @@ EXACT_META_REQUIRED: dict[str, type | tuple[type, ...]] = {
     "versions": dict, "git_commit": (str, type(None)), "numerics": dict, "reference_sha256": str,
     "golden_sha256": str,
 }
-"""Keys every exact set's meta file has: ``reference_sha256`` is the digest of the case's json the set
+"""Keys every exact set's meta file has: `reference_sha256` is the digest of the case's json the set
 was recorded beside."""
 
 _FP_ID_RE = re.compile(r"^[0-9a-f]{12}$")
@@ -74,7 +74,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 
 
 def validate_name(value: str, *, field: str) -> str:
-    """Return ``value`` if usable as a suite or case name (one path component), else ``ValueError``."""
+    """Return `value` if usable as a suite or case name (one path component), else `ValueError`."""
     if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
         raise ValueError(f"{field}={value!r} must be one path component of letters, digits, '_', '.', '+', '-'")
     return value
@@ -112,7 +112,7 @@ class CaseFiles:
 
     @property
     def exact_dir(self) -> Path:
-        """``<case>.exact/``: exact values of fingerprints other than the reference's."""
+        """`<case>.exact/`: exact values of fingerprints other than the reference's."""
         return self.directory / f"{self.case}.exact"
 
     def exact_json(self, fingerprint_id: str) -> Path:
@@ -143,7 +143,7 @@ class ExactSet:
 
 
 def numerics_entry(fingerprint: Any) -> dict[str, Any]:
-    """The meta's ``numerics`` object for a :class:`~harness.fingerprint.NumericsFingerprint`."""
+    """The meta's `numerics` object for a `NumericsFingerprint`."""
     return {"id": fingerprint.id, "label": fingerprint.label, "fingerprint": fingerprint.to_json()}
 
 
@@ -161,7 +161,7 @@ def _validate_numerics(doc: Any, *, source: str) -> None:
 
 
 def validate_meta(doc: Any, *, source: str, golden: Golden | None = None) -> dict[str, Any]:
-    """Check a parsed meta document; with ``golden``, also that it describes exactly those values."""
+    """Check a parsed meta document; with `golden`, also that it describes exactly those values."""
     if not isinstance(doc, dict):
         raise MetaError(f"{source}: expected a JSON object, got {type(doc).__name__}")
     missing = sorted(k for k in META_REQUIRED if k not in doc)
@@ -184,7 +184,7 @@ def validate_meta(doc: Any, *, source: str, golden: Golden | None = None) -> dic
 
 
 def validate_exact_meta(doc: Any, *, source: str, golden: Golden) -> dict[str, Any]:
-    """Check an exact set's meta document against its values (see :data:`EXACT_META_REQUIRED`)."""
+    """Check an exact set's meta document against its values (see `EXACT_META_REQUIRED`)."""
     if not isinstance(doc, dict):
         raise MetaError(f"{source}: expected a JSON object, got {type(doc).__name__}")
     missing = sorted(k for k in EXACT_META_REQUIRED if k not in doc)
@@ -205,7 +205,7 @@ def build_meta(*, hw: str, suite: str, case: str, golden: Golden, source: str, r
                spread: Mapping[str, Any] | None = None, hw_rule: str | None = None,
                commit_cwd: str | Path | None = None, numerics: Any = None) -> dict[str, Any]:
     """Provenance for a case: hardware, versions, commit, date, repeats, spread, content digest, and
-    ``numerics`` (:func:`numerics_entry` of the recording fingerprint) when ``numerics`` is given."""
+    `numerics` (`numerics_entry` of the recording fingerprint) when `numerics` is given."""
     meta = {
         "hardware": hw, "hardware_rule": hw_rule, "suite": suite, "case": case, "date": utc_now(),
         "source": source, "repeats": repeats, "versions": package_versions(),
@@ -263,13 +263,13 @@ def _write_tmp(directory: Path, name: str, text: str) -> Path:
 
 
 class GoldenStore:
-    """Golden files of every hardware key under one root directory (``golden/``)."""
+    """Golden files of every hardware key under one root directory (`golden/`)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
 
     def files(self, hw: str, suite: str, case: str) -> CaseFiles:
-        """The paths of a case; names are validated (``ValueError`` naming the field)."""
+        """The paths of a case; names are validated (`ValueError` naming the field)."""
         return CaseFiles(root=self.root, hw=validate_hw_key(hw), suite=validate_name(suite, field="suite"),
                          case=validate_name(case, field="case"))
 
@@ -295,7 +295,7 @@ class GoldenStore:
         return golden, (None if doc is None else validate_meta(doc, source=str(f.meta), golden=golden))
 
     def exact_sets(self, hw: str, suite: str, case: str) -> list[ExactSet]:
-        """The case's exact sets (``<case>.exact/``), sorted by fingerprint id; a broken one is an error."""
+        """The case's exact sets (`<case>.exact/`), sorted by fingerprint id; a broken one is an error."""
         f = self.files(hw, suite, case)
         if not f.exact_dir.is_dir():
             return []
@@ -321,7 +321,7 @@ class GoldenStore:
 
     def write(self, hw: str, suite: str, case: str, golden: Golden, meta: Mapping[str, Any],
               *, lock_timeout_s: float = 120.0) -> CaseFiles:
-        """Atomically write the reference ``golden`` and ``meta`` under the case lock (module docstring);
+        """Atomically write the reference `golden` and `meta` under the case lock (module docstring);
         exact sets recorded against another reference are removed under the same lock."""
         f = self.files(hw, suite, case)
         text = dumps_golden(golden, target=str(f.json))
@@ -344,9 +344,9 @@ class GoldenStore:
 
     def write_exact(self, hw: str, suite: str, case: str, golden: Golden, meta: Mapping[str, Any],
                     *, lock_timeout_s: float = 120.0) -> Path:
-        """Atomically add (or replace) the exact values of ``meta["numerics"]``'s fingerprint beside the
+        """Atomically add (or replace) the exact values of `meta["numerics"]`'s fingerprint beside the
         reference, under the case lock; the reference and the other sets are left as they are.
-        ``meta["reference_sha256"]`` must be the current reference's digest. Returns the json path."""
+        `meta["reference_sha256"]` must be the current reference's digest. Returns the json path."""
         f = self.files(hw, suite, case)
         fp_id = _fp_id((meta.get("numerics") or {}).get("id", ""))
         target = f.exact_json(fp_id)
@@ -405,7 +405,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _replace_pair(directory: Path, first: tuple[Path, str], second: tuple[Path, str]) -> None:
-    """Write both texts to temp files in ``directory``, fsync, then replace the first and the second
+    """Write both texts to temp files in `directory`, fsync, then replace the first and the second
     target (the caller holds the case lock); stale temp files of a killed writer are removed first."""
     names = "|".join(re.escape(t.name) for t, _ in (first, second))
     stale = re.compile(rf"^\.(?:{names})\.[A-Za-z0-9_]{{8}}\.tmp$")

@@ -1,8 +1,8 @@
 """Rows of a Megatron-LM tree's comparisons (tree vs its single process, tree vs ours), for report.md.
 
-The pp and functional suites hand each comparison to :func:`record` (``tree_rows`` fixture of the
-suites); under ``mhc-harness run`` (``--mhc-results-dir``) it lands as
-``<results>/<suite>/<case>--<comparison>.tree.json`` and :func:`markdown` turns the run's rows into
+The pp and functional suites hand each comparison to `record` (`tree_rows` fixture of the
+suites); under `mhc-harness run` (`--mhc-results-dir`) it lands as
+`<results>/<suite>/<case>--<comparison>.tree.json` and `markdown` turns the run's rows into
 the report's "Megatron-LM tree" table.
 """
 
@@ -21,7 +21,7 @@ __all__ = ["TreeRow", "markdown", "read_rows", "record"]
 @dataclass(frozen=True, kw_only=True)
 class TreeRow:
     """One comparison: which suite and case, against what, the tree's label, the worst relative
-    difference per quantity (``loss``, ``grad``, ... or a metric name), and whether it was in bounds."""
+    difference per quantity (`loss`, `grad`, ... or a metric name), and whether it was in bounds."""
 
     suite: str
     case: str
@@ -33,7 +33,7 @@ class TreeRow:
 
 
 def record(results_dir: Path | None, row: TreeRow) -> Path | None:
-    """Write ``row`` under ``results_dir`` (atomically); nothing without a results directory."""
+    """Write `row` under `results_dir` (atomically); nothing without a results directory."""
     if results_dir is None:
         return None
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{row.case}--{row.comparison}").strip("-")
@@ -46,7 +46,7 @@ def record(results_dir: Path | None, row: TreeRow) -> Path | None:
 
 
 def read_rows(results_dir: Path, suites: Sequence[str] | None = None) -> list[TreeRow]:
-    """Every row under ``results_dir`` (optionally only these suites), sorted by suite, case, comparison."""
+    """Every row under `results_dir` (optionally only these suites), sorted by suite, case, comparison."""
     rows = []
     for p in sorted(Path(results_dir).glob("*/*.tree.json")):
         if suites is not None and p.parent.name not in suites:

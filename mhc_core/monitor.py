@@ -1,24 +1,24 @@
 """The stability monitor: the paper's Amax gain and the constraint's health, measured in a training run.
 
-Every ``every`` steps, on the first ``tokens`` tokens of the step's first forward, it records each
-``HyperConnectionModule``'s H_res (a forward hook, registered only on sampled steps, so the others
-cost nothing) and reports (:class:`StabilityReport`):
+Every `every` steps, on the first `tokens` tokens of the step's first forward, it records each
+`HyperConnectionModule`'s H_res (a forward hook, registered only on sampled steps, so the others
+cost nothing) and reports (`StabilityReport`):
 
 - the composite Amax gain over the whole stack, forward (max absolute row sum of the product of the
   applied mixing matrices) and backward (max absolute column sum), sublayers in the order they ran
-  (attention and MLP unrolled) and pipeline stages joined in order across the ranks of ``group``
+  (attention and MLP unrolled) and pipeline stages joined in order across the ranks of `group`
   (with virtual stages, chunk v of pipeline rank r is stage v * P + r);
 - the worst single-sublayer gain and the sublayer it belongs to;
 - the worst deviation of H_res's row and column sums from 1;
-- the orientation check: the matrix each sublayer's ``post_residual_bda`` really applies (probed
+- the orientation check: the matrix each sublayer's `post_residual_bda` really applies (probed
   through the module's own ops, fused or not, with basis streams) against the one its variant says
-  (``H`` or ``H^T``): a kernel that mixes transposed shows here even where the gain does not;
+  (`H` or `H^T`): a kernel that mixes transposed shows here even where the gain does not;
 - the monitor's own cost on that step, in seconds.
 
-A :class:`MonitorConfig` bound turns a value into an alarm: warned once per kind with sublayer, step
-and value, or raised (:class:`StabilityAlarm`). ``log_report`` writes a report through a TensorBoard
-``SummaryWriter`` and / or a W&B run (megatron-core's usual writers) under ``mhc/...`` tags.
-Megatron-free: any module tree holding ``HyperConnectionModule`` s works.
+A `MonitorConfig` bound turns a value into an alarm: warned once per kind with sublayer, step
+and value, or raised (`StabilityAlarm`). `log_report` writes a report through a TensorBoard
+`SummaryWriter` and / or a W&B run (megatron-core's usual writers) under `mhc/...` tags.
+Megatron-free: any module tree holding `HyperConnectionModule` s works.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ METRICS = {
     "orientation_error": "mhc-orientation-err", "sublayers": "mhc-monitor-sublayers",
     "seconds": "mhc-monitor-seconds",
 }
-"""Report field -> the metric name a training run records (golden schema, TensorBoard tag under ``mhc/``)."""
+"""Report field -> the metric name a training run records (golden schema, TensorBoard tag under `mhc/`)."""
 
 
 class StabilityAlarm(RuntimeError):
-    """A monitored value crossed its bound (``MonitorConfig.on_alarm="raise"``)."""
+    """A monitored value crossed its bound (`MonitorConfig.on_alarm="raise"`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,15 +56,15 @@ class MonitorConfig:
     """When the monitor samples and what trips its alarm (a bound of None: no alarm on that value)."""
 
     every: int = 10
-    """Sample steps where ``step % every == 0``."""
+    """Sample steps where `step % every == 0`."""
     tokens: int = 64
-    """Tokens sampled per sublayer (the first ones of ``[s*b]``)."""
+    """Tokens sampled per sublayer (the first ones of `[s*b]`)."""
     max_forward_gain: float | None = 2.0
     max_backward_gain: float | None = 2.0
     max_sum_deviation: float | None = 1e-3
-    """Bound on ``max |row sum - 1|`` and ``max |col sum - 1|`` of any sampled H_res."""
+    """Bound on `max |row sum - 1|` and `max |col sum - 1|` of any sampled H_res."""
     max_orientation_error: float | None = 1e-3
-    """Bound on ``max |applied - expected|`` of the mixing matrices (a transposed mix)."""
+    """Bound on `max |applied - expected|` of the mixing matrices (a transposed mix)."""
     on_alarm: Literal["warn", "raise"] = "warn"
 
     def __post_init__(self) -> None:
@@ -96,7 +96,7 @@ class StabilityReport:
     seconds: float
 
     def metrics(self) -> dict[str, float]:
-        """``{metric name: value}`` (:data:`METRICS`)."""
+        """`{metric name: value}` (`METRICS`)."""
         return {name: float(getattr(self, field)) for field, name in METRICS.items()}
 
     def to_json(self) -> dict[str, Any]:
@@ -104,13 +104,13 @@ class StabilityReport:
 
 
 def _gains(m: torch.Tensor) -> tuple[float, float]:
-    """``(forward, backward)`` Amax gain of ``[T, n, n]`` applied matrices (max over tokens)."""
+    """`(forward, backward)` Amax gain of `[T, n, n]` applied matrices (max over tokens)."""
     a = m.abs()
     return float(a.sum(-1).amax()), float(a.sum(-2).amax())
 
 
 class StabilityMonitor:
-    """Samples the mHC stack of ``model`` (a module or model chunks) every ``config.every`` steps.
+    """Samples the mHC stack of `model` (a module or model chunks) every `config.every` steps.
 
     Use::
 
@@ -142,7 +142,7 @@ class StabilityMonitor:
 
     @contextmanager
     def sampling(self, step: int) -> Iterator[None]:
-        """Within the block, the first forward of each sublayer on a sampled ``step`` is recorded."""
+        """Within the block, the first forward of each sublayer on a sampled `step` is recorded."""
         if not self.sampled(step) or not self.modules:
             yield
             return
@@ -165,8 +165,8 @@ class StabilityMonitor:
         return hook
 
     def _applied(self, name: str, module: HyperConnectionModule, h_res: torch.Tensor) -> torch.Tensor:
-        """``[T, n, n]``: the matrix ``module.post_residual_bda`` applies, probed with basis streams
-        (``y = 0``, ``h_post = 0``) through the module's own ops; needs C >= n."""
+        """`[T, n, n]`: the matrix `module.post_residual_bda` applies, probed with basis streams
+        (`y = 0`, `h_post = 0`) through the module's own ops; needs C >= n."""
         t, n, c = h_res.shape[0], module.n, module.hidden_size
         dev, dt = module.mapping_proj.weight.device, module.mapping_proj.weight.dtype
         basis = torch.zeros(t, 1, n, c, device=dev, dtype=dt)
@@ -179,7 +179,7 @@ class StabilityMonitor:
         return out.view(t, n, c)[:, :, :n].to(torch.float64)  # out_i[j] = M[i, j]
 
     def report(self, step: int, *, group: Any = None) -> StabilityReport | None:
-        """The report of a sampled ``step`` (None otherwise), stages joined over ``group`` (the pipeline
+        """The report of a sampled `step` (None otherwise), stages joined over `group` (the pipeline
         group; every rank of it must call this); alarms fire here."""
         distributed = (group is not None and torch.distributed.is_initialized()
                        and torch.distributed.get_world_size(group) > 1)
@@ -252,8 +252,8 @@ class StabilityMonitor:
 
 
 def log_report(rep: StabilityReport, *, tensorboard: Any = None, wandb: Any = None) -> None:
-    """Write ``rep`` through a TensorBoard ``SummaryWriter`` (``add_scalar``) and / or a W&B run
-    (``log``) as ``mhc/<metric>`` at ``rep.step``; either may be None (megatron's getters return None
+    """Write `rep` through a TensorBoard `SummaryWriter` (`add_scalar`) and / or a W&B run
+    (`log`) as `mhc/<metric>` at `rep.step`; either may be None (megatron's getters return None
     when the writer is off)."""
     values = {f"mhc/{k}": v for k, v in rep.metrics().items()}
     if tensorboard is not None:

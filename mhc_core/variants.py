@@ -47,7 +47,7 @@ class ResidualConstraint(enum.StrEnum):
     SINKHORN = "sinkhorn"
     """mHC: Sinkhorn-Knopp onto (approximately) doubly stochastic matrices."""
     NONE = "none"
-    """Unconstrained Hyper-Connections, the HC paper's dynamic form: ``H_res = I + logits`` (identity at
+    """Unconstrained Hyper-Connections, the HC paper's dynamic form: `H_res = I + logits` (identity at
     init, then whatever training makes of it). The baseline the mHC paper's stability figure compares."""
 
 

@@ -1,9 +1,9 @@
 """Seeded inputs of the conformance checks, made in fp64 and rounded once to the dtype under test.
 
 Every case is chosen so that the variants can be told apart: alphas well away from their 0.01 init
-and a random bias make ``H_res`` non-uniform and non-symmetric, the ``pre`` and ``post`` halves of
-the bias differ, and the streams of ``x`` differ from each other (at init, with identical streams,
-the orientation of the mix would not show; ``docs/functional.md``, "Bands").
+and a random bias make `H_res` non-uniform and non-symmetric, the `pre` and `post` halves of
+the bias differ, and the streams of `x` differ from each other (at init, with identical streams,
+the orientation of the mix would not show; `docs/functional.md`, "Bands").
 """
 
 from __future__ import annotations
@@ -24,23 +24,23 @@ WIDTH = 8
 
 @dataclass(frozen=True, kw_only=True)
 class Case:
-    """The inputs of every op for one n (fp64 masters; :meth:`cast` rounds them to the dtype under test)."""
+    """The inputs of every op for one n (fp64 masters; `cast` rounds them to the dtype under test)."""
 
     n: int
     x: torch.Tensor
-    """``[T, n, C]``, RMS ~1."""
+    """`[T, n, C]`, RMS ~1."""
     params: SublayerParams
     mlp_params: SublayerParams
     h_pre: torch.Tensor
-    """``[T, n]`` in (0.1, 1)."""
+    """`[T, n]` in (0.1, 1)."""
     h_post: torch.Tensor
-    """``[T, n]`` in (0.2, 1.8)."""
+    """`[T, n]` in (0.2, 1.8)."""
     h_res: torch.Tensor
-    """``[T, n, n]``: positive, non-symmetric, not stochastic (an op-level mix need not take Sinkhorn's output)."""
+    """`[T, n, n]`: positive, non-symmetric, not stochastic (an op-level mix need not take Sinkhorn's output)."""
     y: torch.Tensor
-    """``[T, C]``: a sublayer output."""
+    """`[T, C]`: a sublayer output."""
     logits: torch.Tensor
-    """``[T, n, n]`` standard normal: Sinkhorn input before its scale."""
+    """`[T, n, n]` standard normal: Sinkhorn input before its scale."""
     head_fn: torch.Tensor
     head_base: torch.Tensor
     head_scale: torch.Tensor
@@ -49,7 +49,7 @@ class Case:
     seed: int
 
     def cast(self, dtype: torch.dtype) -> Case:
-        """The same case with every tensor rounded to ``dtype`` (then kept there)."""
+        """The same case with every tensor rounded to `dtype` (then kept there)."""
         def c(t):
             return t.to(dtype)
 
@@ -74,12 +74,12 @@ def params(n: int, c: int, g: torch.Generator) -> SublayerParams:
 
 
 def sublayer_fn(w: torch.Tensor):
-    """The deterministic stand-in for attention / MLP: ``y [T, C] -> tanh(y @ w)``."""
+    """The deterministic stand-in for attention / MLP: `y [T, C] -> tanh(y @ w)`."""
     return lambda y: torch.tanh(y @ w.to(y.dtype))
 
 
 def make_case(n: int, *, seed: int = 0, x_scale: float = 1.0) -> Case:
-    """The seeded case for ``n`` streams; ``x_scale`` scales ``x`` (its RMS)."""
+    """The seeded case for `n` streams; `x_scale` scales `x` (its RMS)."""
     g = torch.Generator().manual_seed(1000 * seed + n)
     t, c = TOKENS, WIDTH
     x = torch.randn(t, n, c, generator=g, dtype=torch.float64) * x_scale
@@ -100,6 +100,6 @@ def make_case(n: int, *, seed: int = 0, x_scale: float = 1.0) -> Case:
 
 
 def sublayers(case: Case) -> tuple[Sublayer, Sublayer]:
-    """The attention-like and MLP-like sublayers of a ``layer`` check."""
+    """The attention-like and MLP-like sublayers of a `layer` check."""
     return (Sublayer(params=case.params, f=sublayer_fn(case.attn_w)),
             Sublayer(params=case.mlp_params, f=sublayer_fn(case.mlp_w)))

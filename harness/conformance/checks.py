@@ -1,28 +1,23 @@
 """The conformance checks: the same list for every peer, each compared with every variant's oracle.
 
-A check runs one op of a peer on a seeded case (:mod:`harness.conformance.cases`) rounded to the dtype
+A check runs one op of a peer on a seeded case (`harness.conformance.cases`) rounded to the dtype
 under test, then backpropagates seeded cotangents through what it returned, and compares outputs and
-gradients with the fp64 oracle of each variant (:mod:`harness.conformance.oracle`) fed the same
-rounded inputs. Bounds are ``mhc_core.testing.tolerance(dtype, "fwd" | "bwd")``. A gradient the peer
+gradients with the fp64 oracle of each variant (`harness.conformance.oracle`) fed the same
+rounded inputs. Bounds are `mhc_core.testing.tolerance(dtype, "fwd" | "bwd")`. A gradient the peer
 does not produce (a detached input) counts as zero.
 
-=====================  ==============================================================================
-check id               what
-=====================  ==============================================================================
-``coefficients``       H_pre, H_post, H_res (after Sinkhorn), the aggregate; gradients w.r.t. x and
-                       every parameter; ``@rms1e-2``: the same with x scaled to RMS 1e-2 (the norm's eps)
-``aggregate``          ``sum_i h_pre_i x_i`` for given h_pre; gradients w.r.t. x and h_pre
-``mix``                residual mix plus gated output for given H_res (not symmetric), h_post, y
-``orientation``        n = 4 only: whether the mix is ``H @ x`` or ``H^T @ x``
-``sinkhorn s<S> it<I>``  Sinkhorn of standard-normal logits times S (0.1, 1, 10), I (1, 20) iterations,
-                       and its gradient
-``exact-sums``         which sums a 3-iteration Sinkhorn at scale 3 leaves exact: rows, cols or none
-``layer``              two sublayers end to end (``x -> mix(x, f(aggregate(x)))``, attention then MLP)
-                       and the gradients w.r.t. x and both sublayers' parameters
-``block-exit``         the learned contraction (``megatron_dev`` / DeepSeek-V4 ``hc_head``); no variant
-=====================  ==============================================================================
+| check id | what |
+|---|---|
+| `coefficients` | H_pre, H_post, H_res (after Sinkhorn), the aggregate; gradients w.r.t. x and every parameter; `@rms1e-2`: the same with x scaled to RMS 1e-2 (the norm's eps) |
+| `aggregate` | `sum_i h_pre_i x_i` for given h_pre; gradients w.r.t. x and h_pre |
+| `mix` | residual mix plus gated output for given H_res (not symmetric), h_post, y |
+| `orientation` | n = 4 only: whether the mix is `H @ x` or `H^T @ x` |
+| `sinkhorn s<S> it<I>` | Sinkhorn of standard-normal logits times S (0.1, 1, 10), I (1, 20) iterations, and its gradient |
+| `exact-sums` | which sums a 3-iteration Sinkhorn at scale 3 leaves exact: rows, cols or none |
+| `layer` | two sublayers end to end (`x -> mix(x, f(aggregate(x)))`, attention then MLP) and the gradients w.r.t. x and both sublayers' parameters |
+| `block-exit` | the learned contraction (`megatron_dev` / DeepSeek-V4 `hc_head`); no variant |
 
-Each runs for n in the peer's ``streams`` among (2, 4) and each dtype of its ``dtypes``.
+Each runs for n in the peer's `streams` among (2, 4) and each dtype of its `dtypes`.
 """
 
 from __future__ import annotations
@@ -58,7 +53,7 @@ class Comparison:
     name: str
     max_abs: float
     ratio: float
-    """``max |a - e| / (atol + rtol * |e|)``: <= 1 passes; inf for a shape mismatch or a non-finite value."""
+    """`max |a - e| / (atol + rtol * |e|)`: <= 1 passes; inf for a shape mismatch or a non-finite value."""
     detail: str = ""
 
 
@@ -174,10 +169,10 @@ def _cotangents(outputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.
 
 def run_side(peer: Peer, spec: CheckSpec, dtype: torch.dtype,
              keys: tuple[str, ...] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Run the check's op on ``peer`` with inputs in ``dtype``: ``(outputs, gradients)`` as fp64, detached.
-    ``keys`` restricts the outputs the cotangents go through (the peer's, when this is the oracle). A peer
-    that is not ``differentiable`` runs without autograd and has no gradients (``{}``). Forward and backward
-    run in ``peer.running()``."""
+    """Run the check's op on `peer` with inputs in `dtype`: `(outputs, gradients)` as fp64, detached.
+    `keys` restricts the outputs the cotangents go through (the peer's, when this is the oracle). A peer
+    that is not `differentiable` runs without autograd and has no gradients (`{}`). Forward and backward
+    run in `peer.running()`."""
     raw, call = _inputs(spec)
     leaves = _leaves(raw, spec.dtype)  # rounded once to the dtype under test ...
     if dtype != spec.dtype:
@@ -235,7 +230,7 @@ def compare(peer_side: tuple[dict, dict], oracle_side: tuple[dict, dict], dtype:
 
 
 def observe_orientation(peer_out: torch.Tensor, spec: CheckSpec) -> tuple[str, float, float]:
-    """``("H @ x" | "H^T @ x" | "neither", ratio to H @ x, ratio to H^T @ x)`` of a peer's mix output."""
+    """`("H @ x" | "H^T @ x" | "neither", ratio to H @ x, ratio to H^T @ x)` of a peer's mix output."""
     from harness.conformance.oracle import oracle
 
     ratios = []
@@ -248,7 +243,7 @@ def observe_orientation(peer_out: torch.Tensor, spec: CheckSpec) -> tuple[str, f
 
 
 def observe_exact_sums(h_res: torch.Tensor, dtype: torch.dtype) -> tuple[str, float, float]:
-    """``(rows | cols | both | none, max |rowsum - 1|, max |colsum - 1|)`` of a Sinkhorn output."""
+    """`(rows | cols | both | none, max |rowsum - 1|, max |colsum - 1|)` of a Sinkhorn output."""
     rows = float((h_res.sum(-1) - 1).abs().max())
     cols = float((h_res.sum(-2) - 1).abs().max())
     lim = _EXACT[dtype]

@@ -1,17 +1,17 @@
 """The conformance matrix: every peer x every check, against every variant, and each peer's best match.
 
-:func:`run_matrix` runs each check once on the peer and compares the result with each variant's
-oracle. A peer that raises gets an ``error`` cell naming the op, the exception and the input shapes;
+`run_matrix` runs each check once on the peer and compares the result with each variant's
+oracle. A peer that raises gets an `error` cell naming the op, the exception and the input shapes;
 its other checks, and the other peers, still run. A peer that is not available here gets one row
 saying why. The best-matching variant is the one with the most passing checks (ties: the smaller
 sum of log error ratios).
 
-Then every variant with each combination of its named options (``mhc_core.variants``) that the
-peer's ops can show is tried: the eps placement (through ``coefficients`` and ``layer``), the
-orientation of the mix (``mix``, ``orientation``, ``layer``) and the block exit (``block-exit``, which
+Then every variant with each combination of its named options (`mhc_core.variants`) that the
+peer's ops can show is tried: the eps placement (through `coefficients` and `layer`), the
+orientation of the mix (`mix`, `orientation`, `layer`) and the block exit (`block-exit`, which
 is compared only here). The best configuration is the one with the most passes (ties: fewer options,
 the one claimed, then the smaller sum of log error ratios), e.g.
-``megatron_dev+eps_inside_sqrt+learned_exit``; :meth:`PeerResult.cells` reports every check against
+`megatron_dev+eps_inside_sqrt+learned_exit`; `PeerResult.cells` reports every check against
 it. Each oracle runs once per part of a configuration a check can see. The mapping precision is not
 among the options tried: the oracle computes in fp64, where it changes nothing.
 """
@@ -60,7 +60,7 @@ class Cell:
     op: str
     variant: str | None
     status: str
-    """``pass``, ``fail``, ``n/a`` (the peer has no such op, or a declared difference) or ``error``."""
+    """`pass`, `fail`, `n/a` (the peer has no such op, or a declared difference) or `error`."""
     max_abs: float | None = None
     ratio: float | None = None
     bound: str = ""
@@ -88,7 +88,7 @@ class PeerResult:
     skipped: str | None
     claims: str | None
     by_variant: dict[str, list[Cell]] = field(default_factory=dict)
-    """Every check but ``block-exit`` against each variant with its own numerics."""
+    """Every check but `block-exit` against each variant with its own numerics."""
     by_configuration: dict[str, list[Cell]] = field(default_factory=dict)
     """Every check against each configuration tried: the plain variants, then each with its options."""
 
@@ -99,7 +99,7 @@ class PeerResult:
         return passes, -logs
 
     def score(self, variant: str) -> tuple[int, float]:
-        """(passes, minus the sum of log error ratios) against ``variant`` or a configuration tried."""
+        """(passes, minus the sum of log error ratios) against `variant` or a configuration tried."""
         return self._score(self.by_variant.get(variant) or self.by_configuration.get(variant, []))
 
     @property
@@ -125,7 +125,7 @@ class PeerResult:
         return max(self.by_configuration, key=key)
 
     def cells(self, configuration: str | None = None) -> list[Cell]:
-        """Every check against ``configuration`` (a variant or a configuration tried; default: the best one)."""
+        """Every check against `configuration` (a variant or a configuration tried; default: the best one)."""
         c = configuration or self.configuration
         if c in self.by_configuration:
             return list(self.by_configuration[c])
@@ -209,7 +209,7 @@ def _na_cells(peer: Peer, variant: str, ops: Iterable[str]) -> list[Cell]:
 
 
 def _relevant(spec: CheckSpec, configuration: str) -> str:
-    """The part of ``configuration`` a check can see: its oracle's name (so equal oracles run once)."""
+    """The part of `configuration` a check can see: its oracle's name (so equal oracles run once)."""
     s = get_variant(configuration)
     if spec.op == "block_exit":  # the exit alone
         return configure("megatron_dev", NumericsOptions(output_contraction=s.output_contraction)).name
@@ -252,7 +252,7 @@ class _Cells:
         return _numeric_cell(spec, v, compare(side, ref, spec.dtype), self.peer.differences.get(spec.op))
 
     def against(self, configuration: str, exit_check: bool) -> list[Cell]:
-        """Every check (``block-exit`` only when ``exit_check``) against ``configuration``, n/a cells first."""
+        """Every check (`block-exit` only when `exit_check`) against `configuration`, n/a cells first."""
         ops = _VARIANT_OPS + (("block_exit",) if exit_check else ())
         return [*_na_cells(self.peer, configuration, ops),
                 *(self.cell(spec, side, configuration) for spec, side in self.sides

@@ -1,9 +1,9 @@
-"""The oracle of each variant or configuration: ``mhc_core``'s reference ops in fp64, with a peer's op signatures.
+"""The oracle of each variant or configuration: `mhc_core`'s reference ops in fp64, with a peer's op signatures.
 
 A check runs the peer and the oracle on the same (rounded) inputs and compares outputs and
-gradients; the oracle is a :class:`~harness.peers.mhc_core_peer.MhcCorePeer` on the reference
-backend, fed fp64 copies. ``oracle("megatron_dev+eps_inside_sqrt+learned_exit")`` is the variant with
-those options (``mhc_core.variants``).
+gradients; the oracle is a `MhcCorePeer` on the reference
+backend, fed fp64 copies. `oracle("megatron_dev+eps_inside_sqrt+learned_exit")` is the variant with
+those options (`mhc_core.variants`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ VARIANT_NAMES = ("paper", "megatron_main", "megatron_dev")
 
 @cache
 def oracle(configuration: str) -> MhcCorePeer:
-    """The fp64 reference of ``configuration`` (a variant name, or ``<variant>+<option>...``)."""
+    """The fp64 reference of `configuration` (a variant name, or `<variant>+<option>...`)."""
     try:
         name = get_variant(configuration).name
     except ValueError as exc:

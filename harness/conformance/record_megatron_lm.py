@@ -3,17 +3,17 @@
     python -m harness.conformance.record_megatron_lm --megatron-lm /path/to/Megatron-LM --out FILE \\
         [--branch main] [--commit SHA] [--backend native|triton]
 
-Runs every check of the tree's peers (:mod:`harness.peers.megatron_lm`: main's module, or dev's native
-and fused modules) in this process, with the tree's ``megatron`` imported first, and writes what
+Runs every check of the tree's peers (`harness.peers.megatron_lm`: main's module, or dev's native
+and fused modules) in this process, with the tree's `megatron` imported first, and writes what
 upstream returned (outputs and gradients per check, with the digest of the inputs) plus where it came
-from: repository, branch, commit (``--commit``, else ``git rev-parse HEAD`` in the tree), the sha256 of
-``hyper_connection.py`` and ``fused_mhc_kernels.py``, torch and Python versions, the command. A check
+from: repository, branch, commit (`--commit`, else `git rev-parse HEAD` in the tree), the sha256 of
+`hyper_connection.py` and `fused_mhc_kernels.py`, torch and Python versions, the command. A check
 that raises is recorded as an error with the message. The committed recordings
-(``harness/conformance/recorded/``) were made with this from ``main`` and ``dev`` (``docs/conformance.md``).
+(`harness/conformance/recorded/`) were made with this from `main` and `dev` (`docs/conformance.md`).
 
-``--backend triton`` (dev only) records the fused module alone on upstream's Triton backend
-(``MHC_FORCE_BACKEND=triton``) as ``megatron_lm[dev,fused,triton]``; without a GPU its kernels run
-through Triton's interpreter (``harness.peers.triton_interpreter``: ``TRITON_INTERPRET=1``, autotuners
+`--backend triton` (dev only) records the fused module alone on upstream's Triton backend
+(`MHC_FORCE_BACKEND=triton`) as `megatron_lm[dev,fused,triton]`; without a GPU its kernels run
+through Triton's interpreter (`harness.peers.triton_interpreter`: `TRITON_INTERPRET=1`, autotuners
 keep their first configuration).
 """
 
@@ -58,9 +58,9 @@ def _triton_peers(peers: list) -> list:
 
 
 def record(tree: Path, *, branch: str | None, commit: str | None, command: str, backend: str = "native") -> dict:
-    """The recording document of ``tree`` (see the module docstring). Without a GPU, dev's fused module runs
-    its torch backend (``MHC_FORCE_BACKEND=native``, upstream's own switch; its Triton probe fails on CPU),
-    or with ``backend="triton"`` its Triton backend through the interpreter."""
+    """The recording document of `tree` (see the module docstring). Without a GPU, dev's fused module runs
+    its torch backend (`MHC_FORCE_BACKEND=native`, upstream's own switch; its Triton probe fails on CPU),
+    or with `backend="triton"` its Triton backend through the interpreter."""
     flavor = tree_flavor(tree)
     if backend == "triton":
         if flavor != "dev":
@@ -97,8 +97,8 @@ def _triton_version() -> str | None:
 
 
 def tree_peers(tree: Path, *, python: str | None = None, timeout_s: float = 900) -> list[Peer]:
-    """Record ``tree`` in a subprocess (``python``, default this interpreter) and return its replayed peers,
-    named ``megatron_lm_tree[...]``; ``TreeError`` naming the tree when it cannot be recorded."""
+    """Record `tree` in a subprocess (`python`, default this interpreter) and return its replayed peers,
+    named `megatron_lm_tree[...]`; `TreeError` naming the tree when it cannot be recorded."""
     tree_flavor(tree)  # a bad path is named before anything runs
     with tempfile.TemporaryDirectory(prefix="mhc-mlm-") as tmp:
         out = Path(tmp) / "recording.json"

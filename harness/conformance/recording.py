@@ -6,8 +6,8 @@
 A recording holds, per check id, the digest of the inputs and the outputs and gradients the peer
 returned (a check that raised: its message), and where it came from: repository, branch, commit, the
 sha256 of the files that ran, torch, Python, the device, the command, and for Triton kernels run through
-the interpreter the triton version and ``TRITON_INTERPRET``. :mod:`harness.conformance.replay` replays it as ``<peer>[recorded]``. Upstream Megatron-LM's
-recorder (:mod:`harness.conformance.record_megatron_lm`) writes the same format from a tree's own process.
+the interpreter the triton version and `TRITON_INTERPRET`. `harness.conformance.replay` replays it as `<peer>[recorded]`. Upstream Megatron-LM's
+recorder (`harness.conformance.record_megatron_lm`) writes the same format from a tree's own process.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from harness.provenance import utc_now
 __all__ = ["RECORDED_SUFFIX", "main", "record_peer", "write_recording"]
 
 RECORDED_SUFFIX = "[recorded]"
-"""Appended to a live peer's name in its recording (``te_triton`` -> ``te_triton[recorded]``)."""
+"""Appended to a live peer's name in its recording (`te_triton` -> `te_triton[recorded]`)."""
 
 
 def record_peer(peer: Peer, *, name: str | None = None) -> dict[str, Any]:
-    """The recording entry of ``peer``: its fields and every check of its ops (see the module docstring)."""
+    """The recording entry of `peer`: its fields and every check of its ops (see the module docstring)."""
     checks = {}
     for spec in check_specs(peer):
         if spec.op not in peer.ops:
@@ -56,7 +56,7 @@ def record_peer(peer: Peer, *, name: str | None = None) -> dict[str, Any]:
 
 
 def write_recording(doc: dict[str, Any], path: Path) -> None:
-    """Write ``doc`` to ``path`` atomically (a temporary file beside it, then a rename)."""
+    """Write `doc` to `path` atomically (a temporary file beside it, then a rename)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n", encoding="utf-8")
@@ -72,7 +72,7 @@ def _triton() -> dict[str, str | None]:
 
 
 def _tree_source(peer: Peer) -> dict[str, Any]:
-    """The commit and file hashes of a peer that runs from a source tree (``tree`` field), else ``{}``."""
+    """The commit and file hashes of a peer that runs from a source tree (`tree` field), else `{}`."""
     tree = getattr(peer, "tree", None)
     describe = getattr(peer, "source_tree", None)
     if tree is None or describe is None:

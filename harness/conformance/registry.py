@@ -1,13 +1,13 @@
 """Every peer the conformance suite knows, by name.
 
-``default_peers`` is what ``mhc-harness conformance`` runs without ``--peer``: ``mhc_core``'s three
+`default_peers` is what `mhc-harness conformance` runs without `--peer`: `mhc_core`'s three
 variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, Liger-Kernel, TransformerEngine's
-Triton mHC and torchtitan's DeepSeek-V4 (each from a source tree, ``transformer_engine`` / ``torchtitan``,
-else skipped saying so), the committed recordings (upstream Megatron-LM ``main`` and ``dev``, TE,
+Triton mHC and torchtitan's DeepSeek-V4 (each from a source tree, `transformer_engine` / `torchtitan`,
+else skipped saying so), the committed recordings (upstream Megatron-LM `main` and `dev`, TE,
 torchtitan), the GPU-only peers (skipped with a reason on a machine without one), the installed plugins
-(entry point group ``mhc_suite.peers``), the ``--peer-module`` peers and, given ``megatron_lm`` (a source
-tree), that tree's own modules (:mod:`harness.peers.plugins`).
-``mhc_core[<v>,compiled]`` (torch.compile: a compile per shape, minutes on CPU) runs when named.
+(entry point group `mhc_suite.peers`), the `--peer-module` peers and, given `megatron_lm` (a source
+tree), that tree's own modules (`harness.peers.plugins`).
+`mhc_core[<v>,compiled]` (torch.compile: a compile per shape, minutes on CPU) runs when named.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ __all__ = ["all_peers", "default_peers", "select"]
 
 def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, modules: Sequence[str] = (),
               transformer_engine: Path | None = None, torchtitan: Path | None = None) -> list[Peer]:
-    """Every known peer (the Megatron-LM tree peers only with ``megatron_lm``, recorded with ``python``;
-    ``modules``: ``MODULE:NAME`` specs of the user's own peers; ``transformer_engine`` / ``torchtitan``: their
-    source trees, default ``$MHC_TRANSFORMER_ENGINE`` / ``$MHC_TORCHTITAN``)."""
+    """Every known peer (the Megatron-LM tree peers only with `megatron_lm`, recorded with `python`;
+    `modules`: `MODULE:NAME` specs of the user's own peers; `transformer_engine` / `torchtitan`: their
+    source trees, default `$MHC_TRANSFORMER_ENGINE` / `$MHC_TORCHTITAN`)."""
     from harness.peers.triton_interpreter import prepare_interpreter
 
     prepare_interpreter()  # before a peer imports triton (see there); LigerPeer.unavailable() repeats its verdict
@@ -59,14 +59,14 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, mod
 
 
 def default_peers(megatron_lm: Path | None = None, **kwargs: Any) -> list[Peer]:
-    """The peers a plain ``mhc-harness conformance`` runs (see the module docstring; ``kwargs``: as
-    :func:`all_peers`)."""
+    """The peers a plain `mhc-harness conformance` runs (see the module docstring; `kwargs`: as
+    `all_peers`)."""
     return [p for p in all_peers(megatron_lm, **kwargs) if not p.name.endswith(",compiled]")]
 
 
 def select(names: list[str], megatron_lm: Path | None = None, **kwargs: Any) -> list[Peer]:
-    """The named peers, in the order given; ``ValueError`` listing the known names for an unknown one
-    (``kwargs``: as :func:`all_peers`)."""
+    """The named peers, in the order given; `ValueError` listing the known names for an unknown one
+    (`kwargs`: as `all_peers`)."""
     if not names:
         return default_peers(megatron_lm, **kwargs)
     known = {p.name: p for p in all_peers(megatron_lm, **kwargs)}

@@ -1,12 +1,12 @@
 """Recorded peers: another implementation's outputs and gradients on the checks' seeded inputs, replayed.
 
-A recording (``python -m harness.conformance.recording`` for any peer, ``record_megatron_lm`` for a
+A recording (`python -m harness.conformance.recording` for any peer, `record_megatron_lm` for a
 Megatron-LM tree) holds, per check id, the digest of the
 inputs it was made on and the outputs and gradients the implementation returned, plus where it came
 from (repository, commit, the sha256 of the source files, torch and Python versions). Replaying it
 puts that implementation in the matrix on a machine that cannot run it: upstream Megatron-LM's mHC
-is in no released package, so its numbers from ``main`` and ``dev`` are committed here as data
-(``harness/conformance/recorded/*.json``). A check whose inputs changed since the recording is an error
+is in no released package, so its numbers from `main` and `dev` are committed here as data
+(`harness/conformance/recorded/*.json`). A check whose inputs changed since the recording is an error
 naming the file and the command that re-records it; so is a check the recording lacks.
 """
 
@@ -48,14 +48,14 @@ class RecordedPeer(Peer):
     path: Path = Path()
 
     def version(self) -> str | None:
-        """``<branch>@<commit[:12]>``, plus ``(interpreted)`` for Triton kernels recorded through the interpreter."""
+        """`<branch>@<commit[:12]>`, plus `(interpreted)` for Triton kernels recorded through the interpreter."""
         commit, branch = self.source.get("commit"), self.source.get("branch", "?")
         where = f"{branch}@{commit[:12]}" if commit else f"{branch} tree {self.source.get('tree', '?')} (no commit)"
         interpreted = self.source.get("TRITON_INTERPRET") == "1" and self.source.get("device") == "cpu"
         return f"{where} (interpreted)" if interpreted else where
 
     def side(self, spec: CheckSpec) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The recorded outputs and gradients of ``spec``; ``PeerError`` naming the file otherwise."""
+        """The recorded outputs and gradients of `spec`; `PeerError` naming the file otherwise."""
         rec = self.checks.get(spec.id)
         how = f"re-record with: {_current(self.source.get('command', 'python -m harness.conformance.recording'))}"
         if rec is None:
@@ -70,11 +70,11 @@ class RecordedPeer(Peer):
 
 
 _MOVED = {"harness.peers.record_megatron_lm": "harness.conformance.record_megatron_lm"}
-"""Recorders that moved since a committed recording named them in its ``command``."""
+"""Recorders that moved since a committed recording named them in its `command`."""
 
 
 def _current(command: str) -> str:
-    """``command`` with a moved recorder's module under its present name."""
+    """`command` with a moved recorder's module under its present name."""
     for old, new in _MOVED.items():
         command = command.replace(old, new)
     return command
@@ -84,7 +84,7 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch
 
 
 def load_recording(path: Path, *, prefix: str | None = None) -> list[RecordedPeer]:
-    """The peers of one recording file; ``prefix`` renames ``megatron_lm[...]`` to ``<prefix>[...]``."""
+    """The peers of one recording file; `prefix` renames `megatron_lm[...]` to `<prefix>[...]`."""
     from harness.schema import parse_json
 
     path = Path(path)
@@ -103,7 +103,7 @@ def load_recording(path: Path, *, prefix: str | None = None) -> list[RecordedPee
 
 
 def recorded_peers(directory: Path = RECORDED_DIR) -> list[RecordedPeer]:
-    """Every committed recording's peers (``megatron_lm[main]``, ``megatron_lm[dev]``, ...), sorted by file."""
+    """Every committed recording's peers (`megatron_lm[main]`, `megatron_lm[dev]`, ...), sorted by file."""
     out: list[RecordedPeer] = []
     for path in sorted(Path(directory).glob("*.json")):
         out += load_recording(path)

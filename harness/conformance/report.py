@@ -1,4 +1,4 @@
-"""The conformance matrix as text (terminal), Markdown (a section of ``report.md``) and JSON."""
+"""The conformance matrix as text (terminal), Markdown (a section of `report.md`) and JSON."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _scores(p: PeerResult) -> str:
 
 
 def _configuration(p: PeerResult) -> str:
-    """The best configuration and its passes, when options were tried (``-`` when none could be)."""
+    """The best configuration and its passes, when options were tried (`-` when none could be)."""
     if len(p.by_configuration) < 2:
         return "-"
     c = p.configuration
@@ -53,7 +53,7 @@ def format_summary(matrix: Matrix) -> str:
 
 
 def markdown(matrix: Matrix) -> str:
-    """A ``## Conformance`` section: the summary table, then per peer every check against its best configuration."""
+    """A `## Conformance` section: the summary table, then per peer every check against its best configuration."""
     md = ["## Conformance", "",
           "Every peer's ops on the same seeded inputs, outputs and all gradients against the fp64 oracle of each "
           "variant; the best-matching variant per peer, the options of that variant that fit it (its best "
@@ -79,7 +79,7 @@ def markdown(matrix: Matrix) -> str:
 
 
 def write_outputs(matrix: Matrix, out_dir: str | Path) -> tuple[Path, Path]:
-    """``<out>/conformance.json`` and ``<out>/conformance.md``, each written atomically."""
+    """`<out>/conformance.json` and `<out>/conformance.md`, each written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = (out / "conformance.json", out / "conformance.md")

@@ -1,28 +1,26 @@
 """The adapter interface every mHC implementation under test implements.
 
-An adapter maps the reference's parameters (:class:`SublayerParams`, upstream Megatron-LM main's
-names and layout) and tensor layout (flattened tokens, ``[T, n, C]``) onto the peer's own, runs the
+An adapter maps the reference's parameters (`SublayerParams`, upstream Megatron-LM main's
+names and layout) and tensor layout (flattened tokens, `[T, n, C]`) onto the peer's own, runs the
 peer's own code, and hands the results back in the reference's layout. Gradients flow through
 autograd: the checks differentiate what an op returns with respect to what it was given.
 
-Ops (a peer implements those in :attr:`Peer.ops`):
+Ops (a peer implements those in `Peer.ops`):
 
-========================  ============================================================  ==========
-op                        signature                                                     returns
-========================  ============================================================  ==========
-``coefficients``          ``(x [T, n, C], params, iterations)``                         dict, below
-``aggregate``             ``(x [T, n, C], h_pre [T, n])``                               ``[T, C]``
-``mix``                   ``(h_res [T, n, n], residual [T, n, C], h_post [T, n], y [T, C])``  ``[T, n, C]``
-``sinkhorn``              ``(logits [T, n, n], iterations)``                            ``[T, n, n]``
-``layer``                 ``(x [T, n, C], attn, mlp, iterations)``: two sublayers        ``[T, n, C]``
-``block_exit``            ``(x [T, n, C], head_fn [n, n*C], head_base [n], head_scale [1])``  ``[T, C]``
-========================  ============================================================  ==========
+| op | signature | returns |
+|---|---|---|
+| `coefficients` | `(x [T, n, C], params, iterations)` | dict, below |
+| `aggregate` | `(x [T, n, C], h_pre [T, n])` | `[T, C]` |
+| `mix` | `(h_res [T, n, n], residual [T, n, C], h_post [T, n], y [T, C])` | `[T, n, C]` |
+| `sinkhorn` | `(logits [T, n, n], iterations)` | `[T, n, n]` |
+| `layer` | `(x [T, n, C], attn, mlp, iterations)`: two sublayers | `[T, n, C]` |
+| `block_exit` | `(x [T, n, C], head_fn [n, n*C], head_base [n], head_scale [1])` | `[T, C]` |
 
-``coefficients`` returns the subset of ``{"h_pre" [T, n], "h_post" [T, n], "h_res" [T, n, n]
-(after Sinkhorn), "aggregate" [T, C]}`` the peer exposes (DeepSeek-V4 consumes ``h_pre`` itself and
-returns the aggregate). ``layer`` runs attention-like then MLP-like sublayers,
-``x -> mix(x, f(aggregate(x)))`` twice, with ``attn`` / ``mlp`` a :class:`Sublayer` each.
-``block_exit`` is the learned contraction of ``megatron_dev`` / DeepSeek-V4 (``hc_head``).
+`coefficients` returns the subset of `{"h_pre" [T, n], "h_post" [T, n], "h_res" [T, n, n]
+(after Sinkhorn), "aggregate" [T, C]}` the peer exposes (DeepSeek-V4 consumes `h_pre` itself and
+returns the aggregate). `layer` runs attention-like then MLP-like sublayers,
+`x -> mix(x, f(aggregate(x)))` twice, with `attn` / `mlp` a `Sublayer` each.
+`block_exit` is the learned contraction of `megatron_dev` / DeepSeek-V4 (`hc_head`).
 """
 
 from __future__ import annotations
@@ -45,10 +43,10 @@ class PeerError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class SublayerParams:
-    """The reference's parameters of one mHC sublayer (``HyperConnectionModule``).
+    """The reference's parameters of one mHC sublayer (`HyperConnectionModule`).
 
-    ``weight`` is ``mapping_proj.weight`` ``[N, n*C]`` (N = n*n + 2n), ``bias`` ``[N]`` laid out
-    ``[pre(n) | post(n) | res(n*n row-major)]``, the alphas ``[1]``.
+    `weight` is `mapping_proj.weight` `[N, n*C]` (N = n*n + 2n), `bias` `[N]` laid out
+    `[pre(n) | post(n) | res(n*n row-major)]`, the alphas `[1]`.
     """
 
     n: int
@@ -59,12 +57,12 @@ class SublayerParams:
     bias: torch.Tensor
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """``{name: tensor}`` in the reference's state-dict names."""
+        """`{name: tensor}` in the reference's state-dict names."""
         return {"mapping_proj.weight": self.weight, "alpha_pre": self.alpha_pre, "alpha_post": self.alpha_post,
                 "alpha_res": self.alpha_res, "bias": self.bias}
 
     def detached(self, dtype: torch.dtype) -> SublayerParams:
-        """Leaf copies in ``dtype`` that require grad (the checks differentiate with respect to them)."""
+        """Leaf copies in `dtype` that require grad (the checks differentiate with respect to them)."""
         new = {k: v.detach().to(dtype).clone().requires_grad_(True)
                for k, v in (("weight", self.weight), ("alpha_pre", self.alpha_pre), ("alpha_post", self.alpha_post),
                             ("alpha_res", self.alpha_res), ("bias", self.bias))}
@@ -73,7 +71,7 @@ class SublayerParams:
 
 @dataclass(frozen=True, kw_only=True)
 class Sublayer:
-    """One sublayer of a ``layer`` check: its mHC parameters and the function it wraps, ``f [T, C] -> [T, C]``."""
+    """One sublayer of a `layer` check: its mHC parameters and the function it wraps, `f [T, C] -> [T, C]`."""
 
     params: SublayerParams
     f: Callable[[torch.Tensor], torch.Tensor]
@@ -81,10 +79,10 @@ class Sublayer:
 
 @dataclass(frozen=True, kw_only=True)
 class Peer(ABC):
-    """An mHC implementation under test. Subclasses set the fields and implement the ops in ``ops``."""
+    """An mHC implementation under test. Subclasses set the fields and implement the ops in `ops`."""
 
     name: str
-    """Stable id, e.g. ``hf_deepseek_v4`` or ``mhc_core[megatron_dev]``."""
+    """Stable id, e.g. `hf_deepseek_v4` or `mhc_core[megatron_dev]`."""
     description: str
     ops: frozenset[str]
     dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
@@ -93,11 +91,11 @@ class Peer(ABC):
     """The n it supports, among those the suite checks."""
     differences: Mapping[str, str] = field(default_factory=dict)
     """What differs from the reference, by op (its norm, its projection, ...): an op named here but not in
-    ``ops`` is reported not comparable with this reason; one in ``ops`` gets it beside a failing check."""
+    `ops` is reported not comparable with this reason; one in `ops` gets it beside a failing check."""
     claims: str | None = None
     """The variant it says it implements (None: let the matrix tell)."""
     differentiable: bool = True
-    """False for inference kernels without a backward (vLLM, sglang): its ops run under ``torch.no_grad`` and
+    """False for inference kernels without a backward (vLLM, sglang): its ops run under `torch.no_grad` and
     only their outputs are compared."""
 
     def version(self) -> str | None:

@@ -1,21 +1,21 @@
 """GPU-only peers: DeepSeek's TileKernels (training kernels, forward and backward) and the inference
-engines' mHC ops, vLLM's and sglang's (forward only: ``differentiable=False``), all TileLang.
+engines' mHC ops, vLLM's and sglang's (forward only: `differentiable=False`), all TileLang.
 
 They run on CUDA only: on a machine without a GPU (or without the package) they are skipped with the
 reason. Inputs go to the GPU inside each op and the results come back to the inputs' device, so the
 conformance checks (CPU tensors) are the CPU peers' own and the perf suite (CUDA tensors) times the
-kernels without copies. Written against the APIs in ``docs/conformance.md`` (``tile-kernels`` 2.1.0; vLLM's
-``vllm/model_executor/layers/mhc.py`` custom ops; sglang's ``python/sglang/srt/layers/mhc.py``); they run
-where ``ci/gpu_check.sh`` gets a GPU with the packages (its ``conformance`` step). TransformerEngine's Triton
-mHC runs without a GPU too: :mod:`harness.peers.te_triton`.
+kernels without copies. Written against the APIs in `docs/conformance.md` (`tile-kernels` 2.1.0; vLLM's
+`vllm/model_executor/layers/mhc.py` custom ops; sglang's `python/sglang/srt/layers/mhc.py`); they run
+where `ci/gpu_check.sh` gets a GPU with the packages (its `conformance` step). TransformerEngine's Triton
+mHC runs without a GPU too: `harness.peers.te_triton`.
 
-TileKernels (streams before hidden, ``[..., n, C]``): ``mhc_pre`` (norm, projection, coefficients with
-``post_mult_value=2``, Sinkhorn with ``sinkhorn_repeat`` = the check's iterations, the aggregate),
-``mhc_post`` (the mix), ``sinkhorn_normalize``. vLLM: ``torch.ops.vllm.mhc_pre_tilelang`` (coefficients and
-the aggregate; its first nine arguments, common to every release), ``mhc_post_tilelang`` (the mix) and
-``hc_head_fused_kernel_tilelang`` (the block exit). sglang: ``hc_split_sinkhorn`` (Sinkhorn, driven with
-zero pre / post logits, ``hc_scale = 1``, ``hc_base = 0``) and ``mhc_post`` (the mix); its ``mhc_pre`` takes
-only ``n*C`` in {16384, 28672} at few tokens, so its coefficients are not comparable at the checks' sizes.
+TileKernels (streams before hidden, `[..., n, C]`): `mhc_pre` (norm, projection, coefficients with
+`post_mult_value=2`, Sinkhorn with `sinkhorn_repeat` = the check's iterations, the aggregate),
+`mhc_post` (the mix), `sinkhorn_normalize`. vLLM: `torch.ops.vllm.mhc_pre_tilelang` (coefficients and
+the aggregate; its first nine arguments, common to every release), `mhc_post_tilelang` (the mix) and
+`hc_head_fused_kernel_tilelang` (the block exit). sglang: `hc_split_sinkhorn` (Sinkhorn, driven with
+zero pre / post logits, `hc_scale = 1`, `hc_base = 0`) and `mhc_post` (the mix); its `mhc_pre` takes
+only `n*C` in {16384, 28672} at few tokens, so its coefficients are not comparable at the checks' sizes.
 All three keep the residual streams in bf16 and their parameters in fp32; n = 4.
 """
 

@@ -1,19 +1,19 @@
-"""Hugging Face transformers' DeepSeek-V4 mHC as a peer (``transformers`` 5.23, pure PyTorch, CPU).
+"""Hugging Face transformers' DeepSeek-V4 mHC as a peer (`transformers` 5.23, pure PyTorch, CPU).
 
-What runs is transformers' own code: ``DeepseekV4HyperConnection`` (coefficients, Sinkhorn, the
-collapse of the streams), ``DeepseekV4HyperHead`` (the block exit) and
-``DeepseekV4DecoderLayer.forward`` (the residual mix ``post * out + comb^T @ streams``), with the
+What runs is transformers' own code: `DeepseekV4HyperConnection` (coefficients, Sinkhorn, the
+collapse of the streams), `DeepseekV4HyperHead` (the block exit) and
+`DeepseekV4DecoderLayer.forward` (the residual mix `post * out + comb^T @ streams`), with the
 layer's attention, MoE and norms replaced by the check's functions.
 
-Parameter map (reference -> DeepSeek-V4): ``mapping_proj.weight`` ``[N, n*C]`` -> ``fn`` (the same
-``[pre | post | res]`` rows), ``bias`` -> ``base``, ``(alpha_pre, alpha_post, alpha_res)`` -> ``scale[3]``;
-the learned block exit ``head_fn / head_base / head_scale`` -> ``hc_fn / hc_base / hc_scale``. Layout:
-``[T, n, C]`` -> ``[1, T, n, C]`` (``[B, S, N, D]``, stream-major flattening as the reference).
+Parameter map (reference -> DeepSeek-V4): `mapping_proj.weight` `[N, n*C]` -> `fn` (the same
+`[pre | post | res]` rows), `bias` -> `base`, `(alpha_pre, alpha_post, alpha_res)` -> `scale[3]`;
+the learned block exit `head_fn / head_base / head_scale` -> `hc_fn / hc_base / hc_scale`. Layout:
+`[T, n, C]` -> `[1, T, n, C]` (`[B, S, N, D]`, stream-major flattening as the reference).
 
 Ops without a standalone entry point upstream are driven through the real module with the projection
-zeroed: Sinkhorn of given logits is ``fn = 0, scale = 1, base = logits`` per matrix, the aggregate
-with given ``h_pre`` is ``base_pre = logit(h_pre - hc_eps)``, and the mix with given coefficients is
-the decoder layer with its ``attn_hc`` returning them.
+zeroed: Sinkhorn of given logits is `fn = 0, scale = 1, base = logits` per matrix, the aggregate
+with given `h_pre` is `base_pre = logit(h_pre - hc_eps)`, and the mix with given coefficients is
+the decoder layer with its `attn_hc` returning them.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _load(hc: nn.Module, params: SublayerParams) -> None:
 
 
 class _Fixed(nn.Module):
-    """An ``attn_hc`` / ``ffn_hc`` stand-in that returns given ``(post, comb, collapsed)``."""
+    """An `attn_hc` / `ffn_hc` stand-in that returns given `(post, comb, collapsed)`."""
 
     def __init__(self, post, comb, collapsed):
         super().__init__()
@@ -86,7 +86,7 @@ class _Mlp(nn.Module):
 
 
 def _decoder_layer(attn_hc, attn_f, ffn_hc, mlp_f):
-    """transformers' ``DeepseekV4DecoderLayer`` with its sublayers and norms replaced (its forward is the real one)."""
+    """transformers' `DeepseekV4DecoderLayer` with its sublayers and norms replaced (its forward is the real one)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 
     layer = DeepseekV4DecoderLayer.__new__(DeepseekV4DecoderLayer)

@@ -1,17 +1,17 @@
-"""Liger-Kernel's mHC as a peer (``liger-kernel`` 0.8.5, Triton), interpreted on a machine without a GPU.
+"""Liger-Kernel's mHC as a peer (`liger-kernel` 0.8.5, Triton), interpreted on a machine without a GPU.
 
-What runs is Liger's own functional API: ``liger_mhc_coeffs`` (the fused projection + RMS, the split,
-the sigmoids and Sinkhorn, forward and backward kernels), ``liger_mhc_pre`` (the aggregate) and
-``liger_mhc_post_res`` (the residual mix ``x_out[o] = sum_i h_res[o, i] x[i] + h_post[o] f``). Without
-CUDA the Triton kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set before Liger is
+What runs is Liger's own functional API: `liger_mhc_coeffs` (the fused projection + RMS, the split,
+the sigmoids and Sinkhorn, forward and backward kernels), `liger_mhc_pre` (the aggregate) and
+`liger_mhc_post_res` (the residual mix `x_out[o] = sum_i h_res[o, i] x[i] + h_post[o] f`). Without
+CUDA the Triton kernels run through Triton's interpreter (`TRITON_INTERPRET=1`, set before Liger is
 imported), on CPU tensors: that checks the algorithm, indexing, masking and gradients in fp32, not GPU
 rounding, tf32, the order of its atomics or speed (the row says "interpreted").
 
-Parameter map (reference -> Liger): ``mapping_proj.weight`` ``[N, n*C]`` -> ``phi = weight^T``
-``[n*C, N]`` (the same ``[pre | post | res]`` columns), ``bias`` -> ``b``, the alphas as 0-d tensors; Liger's
-defaults otherwise (``rms_eps`` 1e-6, ``pre_eps`` 0, ``sinkhorn_eps`` 1e-6, ``post_mult`` 2). Layout:
-``[T, n, C]`` as is (``[..., n, C]``). Liger has no standalone Sinkhorn with a backward: Sinkhorn is
-checked inside ``coefficients`` and ``layer``.
+Parameter map (reference -> Liger): `mapping_proj.weight` `[N, n*C]` -> `phi = weight^T`
+`[n*C, N]` (the same `[pre | post | res]` columns), `bias` -> `b`, the alphas as 0-d tensors; Liger's
+defaults otherwise (`rms_eps` 1e-6, `pre_eps` 0, `sinkhorn_eps` 1e-6, `post_mult` 2). Layout:
+`[T, n, C]` as is (`[..., n, C]`). Liger has no standalone Sinkhorn with a backward: Sinkhorn is
+checked inside `coefficients` and `layer`.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ def _functional():
 
 @dataclass(frozen=True, kw_only=True)
 class LigerPeer(Peer):
-    """Liger-Kernel's ``liger_mhc_*`` functions (see the module docstring)."""
+    """Liger-Kernel's `liger_mhc_*` functions (see the module docstring)."""
 
     name: str = "liger_kernel"
     description: str = ("Liger-Kernel liger_mhc_coeffs / liger_mhc_pre / liger_mhc_post_res (Triton"
                         + (", interpreted on CPU)" if not torch.cuda.is_available() else ")"))
     ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "layer"})
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
-    """fp32 (``allow_fp32``; its kernels take bf16 / fp16 / fp32, not fp64)."""
+    """fp32 (`allow_fp32`; its kernels take bf16 / fp16 / fp32, not fp64)."""
     differences: dict[str, str] = field(default_factory=lambda: {
         "sinkhorn": "no standalone Sinkhorn with a backward (it is inside liger_mhc_coeffs): checked through "
                     "coefficients and layer",

@@ -1,19 +1,19 @@
-"""lucidrains ``hyper-connections`` (0.4.11), its mHC mode, as a peer (pure PyTorch, CPU).
+"""lucidrains `hyper-connections` (0.4.11), its mHC mode, as a peer (pure PyTorch, CPU).
 
-What runs is the package's own code: ``sinkhorn_knopps`` and ``ManifoldConstrainedHyperConnections``'s
-``width_connection`` (the aggregate and the mix) and ``depth_connection`` (the gated output).
+What runs is the package's own code: `sinkhorn_knopps` and `ManifoldConstrainedHyperConnections`'s
+`width_connection` (the aggregate and the mix) and `depth_connection` (the gated output).
 
 Its coefficients are not the reference's, and the adapter says how, instead of a bare "fail":
 each stream is normalised on its own by an RMSNorm over C with a learned gain, and each stream's
-``pre`` weight and row of ``H_res`` come from a projection shared by the streams (``dynamic_alpha_fn``
-``[C, 1 + n]``) added to a static one-hot / identity init, where the reference normalises all n*C
-values at once and projects them with one ``[N, n*C]`` matrix plus a bias. So the parameters do not
+`pre` weight and row of `H_res` come from a projection shared by the streams (`dynamic_alpha_fn`
+`[C, 1 + n]`) added to a static one-hot / identity init, where the reference normalises all n*C
+values at once and projects them with one `[N, n*C]` matrix plus a bias. So the parameters do not
 map onto each other, and the coefficient and layer checks are reported not comparable, with that
 reason. The ops that do map run through the module with its dynamic projections zeroed and its
-constraint switched off (``residual_mix_constraint_fn`` = identity), so that given coefficients go in
-as its static parameters: ``static_alpha = [logit(h_pre) | H]`` and ``static_beta =
-logit(h_post / 2)``, one module per token (they are per module). Layout: streams folded into the
-batch, ``[(b n), C]``.
+constraint switched off (`residual_mix_constraint_fn` = identity), so that given coefficients go in
+as its static parameters: `static_alpha = [logit(h_pre) | H]` and `static_beta =
+logit(h_post / 2)`, one module per token (they are per module). Layout: streams folded into the
+batch, `[(b n), C]`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _module(n: int, c: int, dtype: torch.dtype):
 
 @dataclass(frozen=True, kw_only=True)
 class LucidrainsPeer(Peer):
-    """lucidrains ``hyper-connections``' mHC (see the module docstring)."""
+    """lucidrains `hyper-connections`' mHC (see the module docstring)."""
 
     name: str = "lucidrains"
     description: str = "lucidrains hyper-connections ManifoldConstrainedHyperConnections"

@@ -1,19 +1,19 @@
-"""Upstream Megatron-LM's mHC, from a source tree the user points at (``--megatron-lm PATH``).
+"""Upstream Megatron-LM's mHC, from a source tree the user points at (`--megatron-lm PATH`).
 
 No megatron-core release contains mHC, so the code under test is a checkout's
-``megatron/core/transformer/hyper_connection.py`` (``main``: config fields
-``enable_mhc_connections`` / ``mhc_num_residual_streams``; ``dev``: ``enable_hyper_connections`` /
-``num_residual_streams``, plus ``megatron/core/fusions/fused_mhc_kernels.py`` behind
-``use_fused_mhc``). What runs is upstream's own ``HyperConnectionModule``: ``compute_mappings``,
-``aggregate``, ``fused_h_res_h_post_bda`` and its ``forward`` for the layer; its Sinkhorn
-(``SinkhornKnopp`` on main, ``native_sinkhorn`` / ``fused_sinkhorn`` on dev); dev's
-``learned_output_contract`` for the block exit. Its parameters are replaced by the check's tensors,
-so gradients reach them. Layout: ``[T, n, C]`` -> ``[s = T, b = 1, n*C]``.
+`megatron/core/transformer/hyper_connection.py` (`main`: config fields
+`enable_mhc_connections` / `mhc_num_residual_streams`; `dev`: `enable_hyper_connections` /
+`num_residual_streams`, plus `megatron/core/fusions/fused_mhc_kernels.py` behind
+`use_fused_mhc`). What runs is upstream's own `HyperConnectionModule`: `compute_mappings`,
+`aggregate`, `fused_h_res_h_post_bda` and its `forward` for the layer; its Sinkhorn
+(`SinkhornKnopp` on main, `native_sinkhorn` / `fused_sinkhorn` on dev); dev's
+`learned_output_contract` for the block exit. Its parameters are replaced by the check's tensors,
+so gradients reach them. Layout: `[T, n, C]` -> `[s = T, b = 1, n*C]`.
 
-The tree's ``megatron`` package must be the one imported, so these peers run in a process of their own:
-:func:`harness.conformance.record_megatron_lm.tree_peers` records a tree's results with
-``python -m harness.conformance.record_megatron_lm`` in a subprocess and replays them
-(:mod:`harness.conformance.replay`). Upstream imports triton; a Python
+The tree's `megatron` package must be the one imported, so these peers run in a process of their own:
+`harness.conformance.record_megatron_lm.tree_peers` records a tree's results with
+`python -m harness.conformance.record_megatron_lm` in a subprocess and replays them
+(`harness.conformance.replay`). Upstream imports triton; a Python
 without it (the CPU CI's 3.11 env) cannot load the tree, and the error says so.
 """
 
@@ -34,8 +34,8 @@ __all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeError", "hashes",
            "tree_flavor"]
 
 def load_tree(tree: Path) -> Any:
-    """Import the tree's ``hyper_connection`` module (the tree first on ``sys.path``); ``TreeError`` when
-    another ``megatron`` is already imported or the import fails."""
+    """Import the tree's `hyper_connection` module (the tree first on `sys.path`); `TreeError` when
+    another `megatron` is already imported or the import fails."""
     tree = Path(tree).resolve()
     loaded = sys.modules.get("megatron")
     if loaded is not None:
@@ -69,7 +69,7 @@ def _without_nvtx() -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class MegatronLMTreePeer(Peer):
-    """Upstream's ``HyperConnectionModule`` from ``tree`` (see the module docstring)."""
+    """Upstream's `HyperConnectionModule` from `tree` (see the module docstring)."""
 
     tree: Path
     flavor: str
@@ -150,11 +150,11 @@ class MegatronLMTreePeer(Peer):
 
 
 DEV_CLAIM = "megatron_dev+learned_exit"
-"""What dev's module computes: its block exits through ``learned_output_contract``."""
+"""What dev's module computes: its block exits through `learned_output_contract`."""
 
 
 def make_peers(tree: Path, commit: str | None) -> list[MegatronLMTreePeer]:
-    """The peers of a tree: main's module, or dev's native and fused (``use_fused_mhc``) modules."""
+    """The peers of a tree: main's module, or dev's native and fused (`use_fused_mhc`) modules."""
     flavor = tree_flavor(tree)
     base = dict(tree=Path(tree), flavor=flavor, commit=commit)
     if flavor == "main":

@@ -1,4 +1,4 @@
-"""``mhc_core`` as a peer: every variant, on the reference or the compiled backend.
+"""`mhc_core` as a peer: every variant, on the reference or the compiled backend.
 
 The baseline the other peers are read against: each variant must match its own oracle on every
 check (the oracle is the reference backend in fp64; the compiled backend runs in the peer's dtype).
@@ -16,14 +16,14 @@ from harness.peers.base import Peer, Sublayer, SublayerParams
 __all__ = ["BLOCK_EXIT_EPS", "MhcCorePeer", "mhc_core_peers", "sublayer"]
 
 BLOCK_EXIT_EPS = 1e-6
-"""eps of the learned contraction in the checks: DeepSeek-V4's ``rms_norm_eps`` and ``hc_eps`` (both 1e-6);
-upstream dev passes ``layernorm_epsilon``."""
+"""eps of the learned contraction in the checks: DeepSeek-V4's `rms_norm_eps` and `hc_eps` (both 1e-6);
+upstream dev passes `layernorm_epsilon`."""
 
 
 def sublayer(x: torch.Tensor, sub: Sublayer, iterations: int, variant: str,
              ops: object | None = None) -> torch.Tensor:
-    """``x [T, n, C] -> [T, n, C]``: one mHC sublayer around ``sub.f`` with ``mhc_core``'s ops (or ``ops``,
-    an object with ``mapping``, ``sinkhorn``, ``h_aggregate`` and ``h_post_bda``)."""
+    """`x [T, n, C] -> [T, n, C]`: one mHC sublayer around `sub.f` with `mhc_core`'s ops (or `ops`,
+    an object with `mapping`, `sinkhorn`, `h_aggregate` and `h_post_bda`)."""
     import mhc_core.ops as ref
 
     o = ops or ref
@@ -37,8 +37,8 @@ def sublayer(x: torch.Tensor, sub: Sublayer, iterations: int, variant: str,
 
 @dataclass(frozen=True, kw_only=True)
 class MhcCorePeer(Peer):
-    """One variant (or configuration, ``megatron_dev+learned_exit``) of ``mhc_core`` on one backend
-    (``reference`` or ``compiled``)."""
+    """One variant (or configuration, `megatron_dev+learned_exit`) of `mhc_core` on one backend
+    (`reference` or `compiled`)."""
 
     variant: str
     backend: str = "reference"
@@ -96,7 +96,7 @@ class MhcCorePeer(Peer):
 
 
 def mhc_core_peers(backends: tuple[str, ...] = ("reference",)) -> list[MhcCorePeer]:
-    """``mhc_core[<variant>]`` (reference backend) and ``mhc_core[<variant>,<backend>]`` for the others."""
+    """`mhc_core[<variant>]` (reference backend) and `mhc_core[<variant>,<backend>]` for the others."""
     from mhc_core.variants import Variant
 
     out = []

@@ -2,16 +2,16 @@
 
 Two ways in, neither of which edits this package:
 
-- ``mhc-harness conformance --peer-module MODULE:NAME`` (repeatable): ``MODULE`` is imported (the
-  current directory first on ``sys.path``, so a file next to where the command runs works) and
-  ``NAME`` in it is a :class:`~harness.peers.base.Peer` instance, a ``Peer`` subclass that takes no
+- `mhc-harness conformance --peer-module MODULE:NAME` (repeatable): `MODULE` is imported (the
+  current directory first on `sys.path`, so a file next to where the command runs works) and
+  `NAME` in it is a `Peer` instance, a `Peer` subclass that takes no
   arguments, or a function of no arguments returning one or a list of them;
-- an installed distribution that declares an entry point in the group ``mhc_suite.peers``
-  (``[project.entry-points."mhc_suite.peers"] my_mhc = "my_pkg.my_mhc:MyPeer"``), loaded the same way
+- an installed distribution that declares an entry point in the group `mhc_suite.peers`
+  (`[project.entry-points."mhc_suite.peers"] my_mhc = "my_pkg.my_mhc:MyPeer"`), loaded the same way
   on every run.
 
 A module that does not import, a name it lacks, or an object that is not a peer is a
-:class:`PeerPluginError` naming the spec; ``docs/conformance.md`` has a complete example.
+`PeerPluginError` naming the spec; `docs/conformance.md` has a complete example.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ENTRY_POINT_GROUP = "mhc_suite.peers"
 
 
 class PeerPluginError(PeerError, ValueError):
-    """A ``--peer-module`` spec or an entry point that does not give a peer (a refused input: the CLI exits 2)."""
+    """A `--peer-module` spec or an entry point that does not give a peer (a refused input: the CLI exits 2)."""
 
 
 def _as_peers(obj: Any, where: str) -> list[Peer]:
@@ -55,7 +55,7 @@ def _as_peers(obj: Any, where: str) -> list[Peer]:
 
 
 def load_peer_spec(spec: str) -> list[Peer]:
-    """The peers named by ``MODULE:NAME`` (see the module docstring)."""
+    """The peers named by `MODULE:NAME` (see the module docstring)."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise PeerPluginError(f"--peer-module {spec!r}: expected MODULE:NAME, e.g. my_pkg.my_mhc:MyPeer")
@@ -76,12 +76,12 @@ def load_peer_spec(spec: str) -> list[Peer]:
 
 
 def module_peers(specs: Iterable[str]) -> list[Peer]:
-    """Every peer of every ``MODULE:NAME`` in ``specs``, in order."""
+    """Every peer of every `MODULE:NAME` in `specs`, in order."""
     return [p for spec in specs for p in load_peer_spec(spec)]
 
 
 def entry_point_peers(group: str = ENTRY_POINT_GROUP) -> list[Peer]:
-    """The peers of every installed entry point in ``group``; a broken one is a PeerError naming it."""
+    """The peers of every installed entry point in `group`; a broken one is a PeerError naming it."""
     out: list[Peer] = []
     for ep in sorted(md.entry_points(group=group), key=lambda e: e.name):
         where = f"entry point {ep.name} = {ep.value} ({group})"

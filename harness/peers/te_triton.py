@@ -2,27 +2,27 @@
 run through Triton's interpreter on a machine without one.
 
 TransformerEngine does not install on a CPU machine (its torch extension builds CUDA code), but its mHC is
-two plain Triton files: ``transformer_engine/common/triton/mhc.py`` (the kernels) and
-``transformer_engine/pytorch/triton/mhc.py`` (the autograd wrappers). Given a TE source tree
-(``--transformer-engine PATH``, else ``$MHC_TRANSFORMER_ENGINE``), :func:`load_te_mhc` executes exactly those
-two files, without TE's package ``__init__`` or its compiled extension:
+two plain Triton files: `transformer_engine/common/triton/mhc.py` (the kernels) and
+`transformer_engine/pytorch/triton/mhc.py` (the autograd wrappers). Given a TE source tree
+(`--transformer-engine PATH`, else `$MHC_TRANSFORMER_ENGINE`), `load_te_mhc` executes exactly those
+two files, without TE's package `__init__` or its compiled extension:
 
 - the packages around them are empty placeholders while they load, and the one name the wrapper imports
-  from the extension (``cpp_extensions.gemm.general_gemm``, cuBLAS, used by the projection backward when
+  from the extension (`cpp_extensions.gemm.general_gemm`, cuBLAS, used by the projection backward when
   no RMSNorm weight is given) is a function that raises naming it; the checks pass a weight of ones, so the
-  projection backward runs TE's Triton ``dphi`` kernel instead (``phi * 1`` is exact);
-- under the interpreter, ``_support_tma`` answers False (TMA descriptors need a GPU: the kernels take their
+  projection backward runs TE's Triton `dphi` kernel instead (`phi * 1` is exact);
+- under the interpreter, `_support_tma` answers False (TMA descriptors need a GPU: the kernels take their
   plain-load path), every autotuner keeps its first configuration
-  (:func:`~harness.peers.triton_interpreter.without_autotune_timing`), and the checks run inside
-  :func:`~harness.peers.triton_interpreter.device_properties`, because the projection backward's pruner
+  (`without_autotune_timing`), and the checks run inside
+  `device_properties`, because the projection backward's pruner
   reads the device's shared memory (an H100's is stood in).
 
-Layout (reference -> TE): streams last, ``x [T, n, C]`` -> ``[s = T, b = 1, C, n]``; the projection's
-columns follow that flattening, so ``phi = weight.reshape(N, n, C).transpose(1, 2).reshape(N, n*C)``;
-``alpha = [alpha_pre, alpha_post, alpha_res]``, ``beta = bias [1, N]``. n = 4 only (TE asserts it). What
-runs: ``mhc_fused_projection`` -> ``mhc_fused_scale`` -> ``mhc_fused_sinkhorn`` (log domain, stored
-history recomputed) -> ``mhc_fused_aggregate``, and ``mhc_fused_expand_combine`` (``f @ H_post + x @ H_res``)
-for the mix, all with ``use_tf32=False`` in fp32.
+Layout (reference -> TE): streams last, `x [T, n, C]` -> `[s = T, b = 1, C, n]`; the projection's
+columns follow that flattening, so `phi = weight.reshape(N, n, C).transpose(1, 2).reshape(N, n*C)`;
+`alpha = [alpha_pre, alpha_post, alpha_res]`, `beta = bias [1, N]`. n = 4 only (TE asserts it). What
+runs: `mhc_fused_projection` -> `mhc_fused_scale` -> `mhc_fused_sinkhorn` (log domain, stored
+history recomputed) -> `mhc_fused_aggregate`, and `mhc_fused_expand_combine` (`f @ H_post + x @ H_res`)
+for the mix, all with `use_tf32=False` in fp32.
 """
 
 from __future__ import annotations
@@ -54,20 +54,20 @@ WRAPPER_FILE = Path("transformer_engine/pytorch/triton/mhc.py")
 KERNELS_FILE = Path("transformer_engine/common/triton/mhc.py")
 TREE_ENV_VAR = "MHC_TRANSFORMER_ENGINE"
 COMMIT_ENV_VAR = "MHC_TRANSFORMER_ENGINE_COMMIT"
-"""The tree's commit when it is not a git checkout (a ``git archive``)."""
+"""The tree's commit when it is not a git checkout (a `git archive`)."""
 _PACKAGES = ("transformer_engine", "transformer_engine.common", "transformer_engine.common.triton",
              "transformer_engine.pytorch", "transformer_engine.pytorch.triton",
              "transformer_engine.pytorch.cpp_extensions")
 
 
 def te_tree(path: Path | str) -> SourceTree:
-    """The TE tree at ``path``, checked (:class:`~harness.source_tree.SourceTreeError` naming what is missing)."""
+    """The TE tree at `path`, checked (`SourceTreeError` naming what is missing)."""
     return SourceTree(option="--transformer-engine", path=Path(path).resolve(), files=(WRAPPER_FILE, KERNELS_FILE),
                       commit_env=COMMIT_ENV_VAR).check()
 
 
 def _extension_placeholder() -> ModuleType:
-    """``transformer_engine.pytorch.cpp_extensions.gemm`` with a ``general_gemm`` that says it is not there."""
+    """`transformer_engine.pytorch.cpp_extensions.gemm` with a `general_gemm` that says it is not there."""
     gemm = ModuleType("transformer_engine.pytorch.cpp_extensions.gemm")
 
     def general_gemm(*args: object, **kwargs: object) -> None:
@@ -86,7 +86,7 @@ def _no_tma(x: torch.Tensor) -> bool:  # noqa: ARG001 - the wrapper's signature
 
 @cache
 def load_te_mhc(tree: Path | None) -> ModuleType:
-    """TE's ``transformer_engine.pytorch.triton.mhc``: from ``tree`` (see the module docstring), else the
+    """TE's `transformer_engine.pytorch.triton.mhc`: from `tree` (see the module docstring), else the
     installed package. Loaded once per tree."""
     if tree is None:
         return importlib.import_module("transformer_engine.pytorch.triton.mhc")
@@ -117,7 +117,7 @@ class TeTritonPeer(Peer):
     """TransformerEngine's Triton mHC (see the module docstring)."""
 
     tree: Path | None = field(default_factory=_default_tree)
-    """A TE source tree (default ``$MHC_TRANSFORMER_ENGINE``); None: the installed package (GPU)."""
+    """A TE source tree (default `$MHC_TRANSFORMER_ENGINE`); None: the installed package (GPU)."""
     name: str = "te_triton"
     description: str = "TransformerEngine transformer_engine.pytorch.triton.mhc (Triton)"
     ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer"})
@@ -168,7 +168,7 @@ class TeTritonPeer(Peer):
         return device_properties()
 
     def source_tree(self) -> SourceTree:
-        """The TE tree this peer loads (``ValueError`` without one)."""
+        """The TE tree this peer loads (`ValueError` without one)."""
         if self.tree is None:
             raise ValueError("te_triton runs the installed package: no source tree")
         return te_tree(self.tree)
@@ -180,7 +180,7 @@ class TeTritonPeer(Peer):
         return t if interpreted() else t.to("cuda")
 
     def _streams_last(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, n, C] -> [T, 1, C, n]`` on the peer's device."""
+        """`[T, n, C] -> [T, 1, C, n]` on the peer's device."""
         t, n, c = x.shape
         return self._dev(x).permute(0, 2, 1).reshape(t, 1, c, n).contiguous()
 
@@ -188,7 +188,7 @@ class TeTritonPeer(Peer):
         return load_te_mhc(self.tree)
 
     def _mappings(self, x: torch.Tensor, p: SublayerParams, iterations: int):
-        """``(h_pre [T, n], h_post [T, n], h_res [T, n, n], x in TE's layout)`` from TE's fused ops."""
+        """`(h_pre [T, n], h_post [T, n], h_res [T, n, n], x in TE's layout)` from TE's fused ops."""
         te, (t, n, c) = self._te(), x.shape
         xs = self._streams_last(x)
         phi = self._dev(p.weight).reshape(-1, n, c).transpose(1, 2).reshape(-1, n * c)
@@ -200,7 +200,7 @@ class TeTritonPeer(Peer):
         return h_pre.reshape(t, n), h_post.reshape(t, n), h_res.reshape(t, n, n), xs
 
     def _mix(self, h_res: torch.Tensor, xs: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """TE's ``f @ H_post + x @ H_res`` on ``xs [T, 1, C, n]``: ``[T, n, C]``."""
+        """TE's `f @ H_post + x @ H_res` on `xs [T, 1, C, n]`: `[T, n, C]`."""
         t, _, c, n = xs.shape
         out = self._te().mhc_fused_expand_combine(self._dev(y).reshape(t, 1, c), None,
                                                   self._dev(h_post).reshape(t, 1, n), xs,

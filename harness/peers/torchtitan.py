@@ -1,21 +1,21 @@
 """torchtitan's DeepSeek-V4 mHC as a peer, from a torchtitan source tree (pure PyTorch, CPU).
 
-The 0.3.0 wheel on the registry has no ``models/deepseek_v4``; it is in a checkout (PR #3634), given with
-``--torchtitan PATH`` (else ``$MHC_TORCHTITAN``). What runs is the tree's
-``torchtitan/models/deepseek_v4/mhc.py``: ``HcPre`` (RMS norm, projection, ``HcSplitSinkhorn``, the
-aggregate), ``HcPost`` (the mix ``post * x + comb^T @ residual``), ``HcSplitSinkhorn`` and ``HcHead`` (the
-learned block exit), built through their own ``Config(...).build()`` on torchtitan's real base class
-(``torchtitan.protocols.module.Module``, which imports ``tyro`` and ``spmd_types``: the peers extra has
-them). The file is loaded on its own (:func:`~harness.source_tree.load_file`), without
-``models/deepseek_v4/__init__.py``, which imports the whole model (attention, MoE; at 99222f645 it also
+The 0.3.0 wheel on the registry has no `models/deepseek_v4`; it is in a checkout (PR #3634), given with
+`--torchtitan PATH` (else `$MHC_TORCHTITAN`). What runs is the tree's
+`torchtitan/models/deepseek_v4/mhc.py`: `HcPre` (RMS norm, projection, `HcSplitSinkhorn`, the
+aggregate), `HcPost` (the mix `post * x + comb^T @ residual`), `HcSplitSinkhorn` and `HcHead` (the
+learned block exit), built through their own `Config(...).build()` on torchtitan's real base class
+(`torchtitan.protocols.module.Module`, which imports `tyro` and `spmd_types`: the peers extra has
+them). The file is loaded on its own (`load_file`), without
+`models/deepseek_v4/__init__.py`, which imports the whole model (attention, MoE; at 99222f645 it also
 imports a helper its base commit renamed).
 
-Parameter map (reference -> torchtitan): ``mapping_proj.weight`` ``[N, n*C]`` -> ``hc_fn`` (the same
-``[pre | post | res]`` rows, stream-major columns), ``bias`` -> ``hc_base``, the alphas -> ``hc_scale [3]``;
-the block exit's ``head_fn / head_base / head_scale`` -> ``HcHead``'s ``hc_fn / hc_base / hc_scale``.
-Layout: ``[T, n, C]`` -> ``[B = 1, L = T, n, C]``. Sinkhorn of given logits runs ``HcSplitSinkhorn`` with
-zero pre / post logits, ``hc_scale = 1`` and ``hc_base = 0`` (``comb * 1 + 0`` is exact). Its mHC computes
-in fp32 (``x.float()``, ``hc_fn.float()``): fp32 checks.
+Parameter map (reference -> torchtitan): `mapping_proj.weight` `[N, n*C]` -> `hc_fn` (the same
+`[pre | post | res]` rows, stream-major columns), `bias` -> `hc_base`, the alphas -> `hc_scale [3]`;
+the block exit's `head_fn / head_base / head_scale` -> `HcHead`'s `hc_fn / hc_base / hc_scale`.
+Layout: `[T, n, C]` -> `[B = 1, L = T, n, C]`. Sinkhorn of given logits runs `HcSplitSinkhorn` with
+zero pre / post logits, `hc_scale = 1` and `hc_base = 0` (`comb * 1 + 0` is exact). Its mHC computes
+in fp32 (`x.float()`, `hc_fn.float()`): fp32 checks.
 """
 
 from __future__ import annotations
@@ -39,22 +39,22 @@ MHC_FILE = Path("torchtitan/models/deepseek_v4/mhc.py")
 BASE_FILE = Path("torchtitan/protocols/module.py")
 TREE_ENV_VAR = "MHC_TORCHTITAN"
 COMMIT_ENV_VAR = "MHC_TORCHTITAN_COMMIT"
-"""The tree's commit when it is not a git checkout (a ``git archive`` of the PR's commit)."""
+"""The tree's commit when it is not a git checkout (a `git archive` of the PR's commit)."""
 EPS = 1e-6
-"""``eps`` and ``norm_eps`` of its configs (DeepSeek-V4's ``hc_eps`` and ``rms_norm_eps``)."""
+"""`eps` and `norm_eps` of its configs (DeepSeek-V4's `hc_eps` and `rms_norm_eps`)."""
 
 
 def torchtitan_tree(path: Path | str) -> SourceTree:
-    """The torchtitan tree at ``path``, checked (:class:`~harness.source_tree.SourceTreeError` naming what is
-    missing: a release without DeepSeek-V4 has no ``models/deepseek_v4/mhc.py``)."""
+    """The torchtitan tree at `path`, checked (`SourceTreeError` naming what is
+    missing: a release without DeepSeek-V4 has no `models/deepseek_v4/mhc.py`)."""
     return SourceTree(option="--torchtitan", path=Path(path).resolve(), files=(MHC_FILE, BASE_FILE),
                       commit_env=COMMIT_ENV_VAR).check()
 
 
 @cache
 def load_torchtitan_mhc(tree: Path) -> ModuleType:
-    """The tree's ``mhc.py`` as a module, with the tree's ``torchtitan`` package first on ``sys.path``;
-    :class:`SourceTreeError` when another ``torchtitan`` is already imported."""
+    """The tree's `mhc.py` as a module, with the tree's `torchtitan` package first on `sys.path`;
+    `SourceTreeError` when another `torchtitan` is already imported."""
     src = torchtitan_tree(tree)
     loaded = sys.modules.get("torchtitan")
     if loaded is not None:
@@ -76,10 +76,10 @@ def _default_tree() -> Path | None:
 
 @dataclass(frozen=True, kw_only=True)
 class TorchtitanPeer(Peer):
-    """torchtitan's ``HcPre`` / ``HcPost`` / ``HcSplitSinkhorn`` / ``HcHead`` (see the module docstring)."""
+    """torchtitan's `HcPre` / `HcPost` / `HcSplitSinkhorn` / `HcHead` (see the module docstring)."""
 
     tree: Path | None = field(default_factory=_default_tree)
-    """A torchtitan source tree with DeepSeek-V4 (default ``$MHC_TORCHTITAN``)."""
+    """A torchtitan source tree with DeepSeek-V4 (default `$MHC_TORCHTITAN`)."""
     name: str = "torchtitan"
     description: str = "torchtitan models/deepseek_v4/mhc.py HcPre / HcPost / HcSplitSinkhorn / HcHead (PyTorch)"
     ops: frozenset[str] = frozenset({"coefficients", "mix", "sinkhorn", "layer", "block_exit"})
@@ -123,7 +123,7 @@ class TorchtitanPeer(Peer):
         return load_torchtitan_mhc(Path(self.tree))
 
     def _pre(self, n: int, c: int, iterations: int, p: SublayerParams):
-        """An ``HcPre`` whose ``hc_fn / hc_base / hc_scale`` are the check's tensors (gradients reach them)."""
+        """An `HcPre` whose `hc_fn / hc_base / hc_scale` are the check's tensors (gradients reach them)."""
         pre = self._mhc().HcPre.Config(hc_mult=n, dim=c, sinkhorn_iters=iterations, eps=EPS, norm_eps=EPS).build()
         del pre.hc_fn, pre.hc_base, pre.hc_scale
         pre.hc_fn, pre.hc_base = p.weight, p.bias

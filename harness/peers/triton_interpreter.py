@@ -1,18 +1,18 @@
 """Triton kernels on a machine without a GPU: Triton's interpreter, set up for the peers that need it.
 
-Two things stand between a peer's Triton kernels and ``TRITON_INTERPRET=1`` on CPU tensors:
+Two things stand between a peer's Triton kernels and `TRITON_INTERPRET=1` on CPU tensors:
 
-- the variable must be set before anything imports triton (transformers does): triton's own ``@jit``
+- the variable must be set before anything imports triton (transformers does): triton's own `@jit`
   library functions are decorated when triton imports, and a kernel interpreted afterwards cannot call
-  them (``prepare_interpreter``);
-- ``@triton.autotune`` times its configurations with the active driver's benchmarker, and the
+  them (`prepare_interpreter`);
+- `@triton.autotune` times its configurations with the active driver's benchmarker, and the
   interpreter has no driver ("0 active drivers"). Interpreted timings would mean nothing anyway, so
-  ``without_autotune_timing`` gives a module's autotuners a benchmarker that times nothing: each keeps
+  `without_autotune_timing` gives a module's autotuners a benchmarker that times nothing: each keeps
   the first of its (pruned) configurations, deterministically. A configuration changes the launch
   (warps, stages, block sizes), not what the kernel computes; where a peer's configurations differ in
   their reduction split, the first one is what is checked;
 - a configuration pruner may read the device's properties from the active driver (TransformerEngine's
-  projection backward keeps the configurations whose shared memory fits): ``device_properties`` stands
+  projection backward keeps the configurations whose shared memory fits): `device_properties` stands
   in a driver that answers only that, with a named GPU's values, while the peer's op runs.
 """
 
@@ -39,7 +39,7 @@ def interpreted() -> bool:
 
 
 def prepare_interpreter() -> str | None:
-    """Without a GPU, set ``TRITON_INTERPRET=1`` if triton is not imported yet; returns why the kernels cannot
+    """Without a GPU, set `TRITON_INTERPRET=1` if triton is not imported yet; returns why the kernels cannot
     run (triton imported first, or the variable set to something else), or None."""
     if not interpreted():
         return None
@@ -59,7 +59,7 @@ def _no_timing(kernel_call, quantiles):  # noqa: ANN001, ARG001 - triton's do_be
 
 
 def without_autotune_timing(module: ModuleType) -> int:
-    """Give every ``@triton.autotune`` kernel among ``module``'s globals the timing-free benchmarker; returns
+    """Give every `@triton.autotune` kernel among `module`'s globals the timing-free benchmarker; returns
     how many. Only under the interpreter (a GPU times its configurations as usual: returns 0)."""
     if not interpreted():
         return 0
@@ -77,8 +77,8 @@ H100_PROPERTIES: Mapping[str, int] = MappingProxyType({"max_shared_mem": 232448,
 
 @dataclass(frozen=True, kw_only=True)
 class StandInDriver:
-    """The part of a Triton driver a configuration pruner reads: ``utils.get_device_properties(device)`` and
-    ``get_current_device()``. Nothing launches through it (the interpreter runs the kernels)."""
+    """The part of a Triton driver a configuration pruner reads: `utils.get_device_properties(device)` and
+    `get_current_device()`. Nothing launches through it (the interpreter runs the kernels)."""
 
     properties: Mapping[str, int] = field(default_factory=lambda: H100_PROPERTIES)
 
@@ -95,8 +95,8 @@ class StandInDriver:
 
 @contextlib.contextmanager
 def device_properties(properties: Mapping[str, int] = H100_PROPERTIES) -> Iterator[None]:
-    """Under the interpreter, make ``triton.runtime.driver.active`` a :class:`StandInDriver` with
-    ``properties`` for the duration (the previous one, usually none, is restored); elsewhere do nothing."""
+    """Under the interpreter, make `triton.runtime.driver.active` a `StandInDriver` with
+    `properties` for the duration (the previous one, usually none, is restored); elsewhere do nothing."""
     if not interpreted():
         yield
         return

@@ -1,14 +1,14 @@
 """CPU numerics profiles: which vector code paths a CPU run (gloo) of a functional case takes.
 
 A profile is a set of environment variables that cap the ISA of torch's own kernels (ATen), MKL's
-BLAS (its conditional numerical reproducibility mode, CBWR) and oneDNN. The default, ``avx2``,
+BLAS (its conditional numerical reproducibility mode, CBWR) and oneDNN. The default, `avx2`,
 runs the same code paths on every x86-64 CI machine; the others exist to measure how far results
-move when the code paths change (``docs/functional.md``, "Numerics profiles"), and to stand in
-for "another machine" in one box (``test_other_machine.py``). Each profile's pins are recorded in
-the run's numerics fingerprint (``harness.fingerprint``), so an exact golden recorded under one
+move when the code paths change (`docs/functional.md`, "Numerics profiles"), and to stand in
+for "another machine" in one box (`test_other_machine.py`). Each profile's pins are recorded in
+the run's numerics fingerprint (`harness.fingerprint`), so an exact golden recorded under one
 profile is never enforced under another.
 
-``MHC_CPU_NUMERICS`` chooses the profile for a session; a recipe's ``ENV_VARS`` still override
+`MHC_CPU_NUMERICS` chooses the profile for a session; a recipe's `ENV_VARS` still override
 single variables.
 """
 
@@ -45,7 +45,7 @@ _PINS: dict[CpuNumerics, dict[str, str]] = {
 
 
 def cpu_numerics(env: Mapping[str, str] | None = None) -> CpuNumerics:
-    """The profile ``$MHC_CPU_NUMERICS`` names (default ``avx2``); ``ValueError`` naming it otherwise."""
+    """The profile `$MHC_CPU_NUMERICS` names (default `avx2`); `ValueError` naming it otherwise."""
     raw = (os.environ if env is None else env).get(CPU_NUMERICS_ENV_VAR, "") or CpuNumerics.AVX2.value
     try:
         return CpuNumerics(raw)
@@ -55,7 +55,7 @@ def cpu_numerics(env: Mapping[str, str] | None = None) -> CpuNumerics:
 
 
 def cpu_isa_pins(backend: str, machine: str | None = None, profile: CpuNumerics | None = None) -> dict[str, str]:
-    """The pins of ``profile`` (default: :func:`cpu_numerics`) for a CPU run (gloo) on x86-64, else none
+    """The pins of `profile` (default: `cpu_numerics`) for a CPU run (gloo) on x86-64, else none
     (GPU runs, other architectures)."""
     machine = platform.machine() if machine is None else machine
     if backend != "gloo" or machine.lower() not in ("x86_64", "amd64"):

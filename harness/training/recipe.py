@@ -391,7 +391,7 @@ def as_nodes(plan: RunPlan, nnodes: int) -> RunPlan:
 
 
 CPU_ISA_PINS = cpu_isa_pins("gloo", "x86_64", CpuNumerics.AVX2)
-"""The default profile's pins (``harness/training/numerics.py``)."""
+"""The default profile's pins (`harness/training/numerics.py`)."""
 
 
 def dump_plan(plan: RunPlan, path: Path) -> Path:

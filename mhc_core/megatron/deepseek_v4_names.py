@@ -1,24 +1,22 @@
-"""The mHC parameters of a GPT built by ``mhc_core.megatron``, in DeepSeek-V4's names, and back.
+"""The mHC parameters of a GPT built by `mhc_core.megatron`, in DeepSeek-V4's names, and back.
 
-Two namings (:class:`DeepseekV4Names`): transformers' ``DeepseekV4ForCausalLM`` modules, and DeepSeek's
+Two namings (`DeepseekV4Names`): transformers' `DeepseekV4ForCausalLM` modules, and DeepSeek's
 released checkpoint (what transformers' loader renames from, and what torchtitan's state-dict adapter
-maps to its own ``hc_attn_pre.hc_fn``):
+maps to its own `hc_attn_pre.hc_fn`):
 
-=========================================================================  ==================================  =====================
-``mhc_core.megatron`` (upstream Megatron-LM's names)                       ``transformers``                    ``checkpoint``
-=========================================================================  ==================================  =====================
-``decoder.layers.<i>.self_attention_hyper_connection.mapping_proj.weight`` ``model.layers.<i>.attn_hc.fn``     ``layers.<i>.hc_attn_fn``
-``decoder.layers.<i>.self_attention_hyper_connection.bias``                ``model.layers.<i>.attn_hc.base``   ``layers.<i>.hc_attn_base``
-``decoder.layers.<i>.self_attention_hyper_connection.alpha_{pre,post,res}`` ``model.layers.<i>.attn_hc.scale`` ``layers.<i>.hc_attn_scale`` ``[3]``
-``decoder.layers.<i>.mlp_hyper_connection.*``                              ``model.layers.<i>.ffn_hc.*``       ``layers.<i>.hc_ffn_*``
-``decoder.hc_head_fn`` / ``hc_head_base`` / ``hc_head_scale``              ``model.hc_head.hc_fn`` / ...       ``hc_head_fn`` / ...
-=========================================================================  ==================================  =====================
+| `mhc_core.megatron` (upstream Megatron-LM's names) | `transformers` | `checkpoint` |
+|---|---|---|
+| `decoder.layers.<i>.self_attention_hyper_connection.mapping_proj.weight` | `model.layers.<i>.attn_hc.fn` | `layers.<i>.hc_attn_fn` |
+| `decoder.layers.<i>.self_attention_hyper_connection.bias` | `model.layers.<i>.attn_hc.base` | `layers.<i>.hc_attn_base` |
+| `decoder.layers.<i>.self_attention_hyper_connection.alpha_{pre,post,res}` | `model.layers.<i>.attn_hc.scale` `[3]` | `layers.<i>.hc_attn_scale` `[3]` |
+| `decoder.layers.<i>.mlp_hyper_connection.*` | `model.layers.<i>.ffn_hc.*` | `layers.<i>.hc_ffn_*` |
+| `decoder.hc_head_fn` / `hc_head_base` / `hc_head_scale` | `model.hc_head.hc_fn` / ... | `hc_head_fn` / ... |
 
-Both use the ``[pre(n) | post(n) | res(n*n row-major)]`` layout and stream-major flattening, so the
-tensors move unchanged (the three alphas become one ``scale`` vector). Only the mHC parameters are
-converted: attention and MLP weights are the caller's. DeepSeek-V4 computes the ``megatron_dev``
-convention (softmax-started Sinkhorn with eps, ``H_res^T`` mix, ``h_pre + eps``, learned block exit),
-so only a ``megatron_dev`` model converts; ``suites/unit/megatron/test_deepseek_v4_names.py`` checks
+Both use the `[pre(n) | post(n) | res(n*n row-major)]` layout and stream-major flattening, so the
+tensors move unchanged (the three alphas become one `scale` vector). Only the mHC parameters are
+converted: attention and MLP weights are the caller's. DeepSeek-V4 computes the `megatron_dev`
+convention (softmax-started Sinkhorn with eps, `H_res^T` mix, `h_pre + eps`, learned block exit),
+so only a `megatron_dev` model converts; `suites/unit/megatron/test_deepseek_v4_names.py` checks
 on a real mini GPT that both sides then give the same coefficients and mixed streams.
 """
 
@@ -37,9 +35,9 @@ class DeepseekV4Names(enum.StrEnum):
     """Which of DeepSeek-V4's namings (see the module docstring)."""
 
     TRANSFORMERS = "transformers"
-    """transformers' module names (``model.layers.<i>.attn_hc.fn``)."""
+    """transformers' module names (`model.layers.<i>.attn_hc.fn`)."""
     CHECKPOINT = "checkpoint"
-    """DeepSeek's released checkpoint (``layers.<i>.hc_attn_fn``), as torchtitan's adapter reads it."""
+    """DeepSeek's released checkpoint (`layers.<i>.hc_attn_fn`), as torchtitan's adapter reads it."""
 
 
 _SUBLAYERS = {"self_attention_hyper_connection": "attn_hc", "mlp_hyper_connection": "ffn_hc"}
@@ -54,7 +52,7 @@ _ALPHAS = ("alpha_pre", "alpha_post", "alpha_res")
 
 
 def _to_checkpoint(key: str) -> str:
-    """A transformers name (``model.layers.<i>.attn_hc.fn``, ``model.hc_head.hc_fn``) as the checkpoint's."""
+    """A transformers name (`model.layers.<i>.attn_hc.fn`, `model.hc_head.hc_fn`) as the checkpoint's."""
     m = _HF.match(key)
     if m:
         return f"layers.{m.group(1)}.{_CKPT_SUBLAYERS[m.group(2)]}_{m.group(3)}"
@@ -63,10 +61,10 @@ def _to_checkpoint(key: str) -> str:
 
 def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str,
                    names: DeepseekV4Names | str = DeepseekV4Names.TRANSFORMERS) -> dict[str, torch.Tensor]:
-    """The mHC entries of a ``mhc_core.megatron`` state dict under DeepSeek-V4's names (``names``: transformers'
+    """The mHC entries of a `mhc_core.megatron` state dict under DeepSeek-V4's names (`names`: transformers'
     or the released checkpoint's).
 
-    ``ValueError`` for a ``variant`` other than ``megatron_dev``, for a sublayer missing one of its five
+    `ValueError` for a `variant` other than `megatron_dev`, for a sublayer missing one of its five
     parameters (naming the key), or for a state dict without mHC parameters.
     """
     if variant != "megatron_dev":
@@ -101,7 +99,7 @@ def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str,
 
 
 def _from_checkpoint(key: str) -> str:
-    """A checkpoint name as transformers' (the inverse of :func:`_to_checkpoint`; other keys unchanged)."""
+    """A checkpoint name as transformers' (the inverse of `_to_checkpoint`; other keys unchanged)."""
     m = _CKPT.match(key)
     if m:
         sub = next(k for k, v in _CKPT_SUBLAYERS.items() if v == m.group(2))
@@ -112,8 +110,8 @@ def _from_checkpoint(key: str) -> str:
 
 
 def from_deepseek_v4(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The mHC entries of a DeepSeek-V4 state dict (either naming) under ``mhc_core.megatron``'s names (a
-    ``megatron_dev`` model's); ``ValueError`` naming a bad ``scale`` shape or an empty result."""
+    """The mHC entries of a DeepSeek-V4 state dict (either naming) under `mhc_core.megatron`'s names (a
+    `megatron_dev` model's); `ValueError` naming a bad `scale` shape or an empty result."""
     inverse = {v: k for k, v in _SUBLAYERS.items()}
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():

@@ -1,9 +1,9 @@
 """Seeded faulty implementations, through the same adapter interface as every peer.
 
-Each is ``mhc_core`` with one fault of the kind users of mHC implementations have met (upstream's
+Each is `mhc_core` with one fault of the kind users of mHC implementations have met (upstream's
 transposed H_res, #4957 / #4839; Sinkhorn variants misaligned, #5106 / #4624; the transpose in NeMo's
 DeepSeek-V4 port), and names the checks that must catch it and checks it must leave passing.
-``test_mutants.py`` runs the matrix on each.
+`test_mutants.py` runs the matrix on each.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _ALL_OPS = mhc_core_peers()[0].ops
 
 @dataclass(frozen=True, kw_only=True)
 class Mutant(MhcCorePeer):
-    """``mhc_core[variant]`` with one fault; ``caught_by`` / ``spared`` are check-id prefixes that must
+    """`mhc_core[variant]` with one fault; `caught_by` / `spared` are check-id prefixes that must
     fail / still pass against that variant."""
 
     fault: str
@@ -33,7 +33,7 @@ class Mutant(MhcCorePeer):
     spared: tuple[str, ...] = ()
 
     def _mapping(self, flat, w, a_pre, a_post, a_res, bias, n, variant=None):
-        """``[T, n*C] -> h_pre, h_post, logits`` with the mapping faults."""
+        """`[T, n*C] -> h_pre, h_post, logits` with the mapping faults."""
         if self.fault == "bias pre/post halves swapped":
             bias = torch.cat([bias[n:2 * n], bias[:n], bias[2 * n:]])
         if self.fault == "norm eps inside the square root":

@@ -1,4 +1,4 @@
-"""``mhc-harness conformance``: the matrix as JSON and Markdown, peer selection, bad input."""
+"""`mhc-harness conformance`: the matrix as JSON and Markdown, peer selection, bad input."""
 
 from __future__ import annotations
 

@@ -1,17 +1,17 @@
 """Measure a functional case under several CPU numerics profiles, and under deliberate changes.
 
-The approximate lane's bands (``harness.bands``) must hold wherever only the numerics differ and
+The approximate lane's bands (`harness.bands`) must hold wherever only the numerics differ and
 fail where the model or the schedule changed. This records the evidence: one run per profile
-(``harness/training/numerics.py``) and one per change (a MODEL_ARGS override), each as a golden-
+(`harness/training/numerics.py`) and one per change (a MODEL_ARGS override), each as a golden-
 schema file with its numerics fingerprint, and prints how far each is from the first profile::
 
     python -m suites.functional.drift gpt_tp1_pp1_mhc --out docs/measurements/cpu-numerics-drift \\
         --profiles avx2 baseline native --change variant:--mhc-variant=megatron_dev \\
         --change warmup:--lr-warmup-iters=3
 
-Writes ``<out>/<case>/<profile>.json`` / ``change-<name>.json`` (+ ``.fingerprint.json``) and
-prints (and writes to ``<out>/<case>/drift.txt``), per metric, the largest relative and absolute difference, its step, and the steps outside
-the default band. Nothing here writes to ``golden/``.
+Writes `<out>/<case>/<profile>.json` / `change-<name>.json` (+ `.fingerprint.json`) and
+prints (and writes to `<out>/<case>/drift.txt`), per metric, the largest relative and absolute difference, its step, and the steps outside
+the default band. Nothing here writes to `golden/`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = ["main", "parse_change"]
 
 
 def parse_change(text: str) -> tuple[str, dict[str, object]]:
-    """``name:--flag=value[,--flag=value]`` -> ``(name, {flag: value})``; values parse as YAML scalars."""
+    """`name:--flag=value[,--flag=value]` -> `(name, {flag: value})`; values parse as YAML scalars."""
     name, sep, rest = text.partition(":")
     if not sep or not name or not rest:
         raise ValueError(f"--change {text!r}: expected name:--flag=value[,--flag=value]")

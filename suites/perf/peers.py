@@ -1,26 +1,20 @@
 """What the perf suite times of each peer, beside ours on the same inputs: the peers' natural entry points.
 
-The conformance adapters (``harness.peers``) drive a peer through whatever reaches its code with given
+The conformance adapters (`harness.peers`) drive a peer through whatever reaches its code with given
 coefficients, one token at a time where they must; timing needs the calls a user makes, over all
-tokens at once. Per op (``PeerCase.op``):
+tokens at once. Per op (`PeerCase.op`):
 
-==================  ===================================================================================
-``coefficients``    H_pre / H_post / H_res (20 Sinkhorn iterations) and the aggregate from the streams:
-                    ours the mapping, Sinkhorn and aggregate ops in a row; DeepSeek-V4
-                    ``DeepseekV4HyperConnection.forward``; TransformerEngine projection, scale, Sinkhorn
-                    and aggregate; TileKernels ``mhc_pre``
-``layer_mhc``       the mHC part of one decoder layer (both sublayers' coefficients and mixes; the
-                    sublayers themselves the identity): ours the ops twice; DeepSeek-V4
-                    ``DeepseekV4DecoderLayer.forward`` with its attention, MoE and norms replaced
-``sinkhorn``        Sinkhorn of fp32 logits, 20 iterations: lucidrains ``sinkhorn_knopps``; TE
-                    ``mhc_fused_sinkhorn``
-==================  ===================================================================================
+| op | what is timed |
+|---|---|
+| `coefficients` | H_pre / H_post / H_res (20 Sinkhorn iterations) and the aggregate from the streams: ours the mapping, Sinkhorn and aggregate ops in a row; DeepSeek-V4 `DeepseekV4HyperConnection.forward`; TransformerEngine projection, scale, Sinkhorn and aggregate; TileKernels `mhc_pre` |
+| `layer_mhc` | the mHC part of one decoder layer (both sublayers' coefficients and mixes; the sublayers themselves the identity): ours the ops twice; DeepSeek-V4 `DeepseekV4DecoderLayer.forward` with its attention, MoE and norms replaced |
+| `sinkhorn` | Sinkhorn of fp32 logits, 20 iterations: lucidrains `sinkhorn_knopps`; TE `mhc_fused_sinkhorn` |
 
-Ours run the variant the peer conforms to (``megatron_dev`` for DeepSeek-V4, TE and TileKernels,
-``paper`` for lucidrains' Sinkhorn). Before a peer is timed at a shape, its outputs there are compared
-with our reference's (:meth:`PeerTimed.conforms_at`): a peer is timed only where it conforms.
-Bytes: ``mhc_core.analysis.bytes_moved`` of the ops ours runs (``layer_mhc``: twice coefficients +
-``h_post_bda`` without bias).
+Ours run the variant the peer conforms to (`megatron_dev` for DeepSeek-V4, TE and TileKernels,
+`paper` for lucidrains' Sinkhorn). Before a peer is timed at a shape, its outputs there are compared
+with our reference's (`PeerTimed.conforms_at`): a peer is timed only where it conforms.
+Bytes: `mhc_core.analysis.bytes_moved` of the ops ours runs (`layer_mhc`: twice coefficients +
+`h_post_bda` without bias).
 """
 
 from __future__ import annotations
@@ -79,8 +73,8 @@ class PeerCase:
         return 2 * (coeff + sum(b("h_post_bda", d) for d in dirs))
 
     def inputs(self, requires_grad: bool) -> dict[str, torch.Tensor]:
-        """Seeded inputs: streams ``x [T, n, C]`` in the case dtype, fp32 parameters (two sets for the
-        layer), fp32 ``logits [T, n, n]`` for Sinkhorn."""
+        """Seeded inputs: streams `x [T, n, C]` in the case dtype, fp32 parameters (two sets for the
+        layer), fp32 `logits [T, n, n]` for Sinkhorn."""
         g = torch.Generator().manual_seed(0)
         t, n, c = self.tokens, self.n, self.hidden
         big = n * n + 2 * n
@@ -129,7 +123,7 @@ def _coeffs(o, x, w, a, b, variant):
 
 
 def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torch.Tensor]], tuple]:
-    """Our ops on ``backend`` for ``case`` in ``variant``: ``fn(inputs) -> outputs``."""
+    """Our ops on `backend` for `case` in `variant`: `fn(inputs) -> outputs`."""
     from types import SimpleNamespace
 
     o = SimpleNamespace(**{op: dispatch.get_impl(op, backend) for op in dispatch.OPS})
@@ -152,11 +146,11 @@ def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torc
 
 @dataclass(frozen=True, kw_only=True)
 class PeerTimed:
-    """A peer's timed entry points: ``build(case) -> fn(inputs) -> outputs`` in ours' output order."""
+    """A peer's timed entry points: `build(case) -> fn(inputs) -> outputs` in ours' output order."""
 
     name: str
     conformance_peer: str
-    """Its row in the conformance matrix (``harness.peers``)."""
+    """Its row in the conformance matrix (`harness.peers`)."""
     variant: str
     ops: frozenset[str]
     package: str | None = None
@@ -182,13 +176,13 @@ class PeerTimed:
         return torch.compile(fn) if self.compiled else fn
 
     def conforms_at(self, case: PeerCase) -> tuple[bool, str]:
-        """The peer against our reference on this case's inputs (forward): ``(ok, worst error text)``."""
+        """The peer against our reference on this case's inputs (forward): `(ok, worst error text)`."""
         return conforms(self.build(case), case, self.variant)
 
 
 def conforms(fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCase, variant: str) -> tuple[bool, str]:
-    """``fn``'s outputs (ours' order) against our reference in ``variant`` on the case's inputs, forward, within
-    the activation dtype's bound: ``(ok, worst error text)``."""
+    """`fn`'s outputs (ours' order) against our reference in `variant` on the case's inputs, forward, within
+    the activation dtype's bound: `(ok, worst error text)`."""
     d = case.inputs(requires_grad=False)
     with torch.no_grad():
         got, want = fn(d), ours(case, "reference", variant)(d)
@@ -298,9 +292,9 @@ PEERS: tuple[PeerTimed, ...] = (
 
 
 def peer_golden_case(case: PeerCase, direction: str, peer: str) -> str:
-    """The golden case name of a peer row: ``peer-<case id>-<direction>-<peer>`` with the peer's brackets and
-    commas as dashes (a case name is one path component: ``hf_deepseek_v4[compiled]`` ->
-    ``hf_deepseek_v4-compiled``)."""
+    """The golden case name of a peer row: `peer-<case id>-<direction>-<peer>` with the peer's brackets and
+    commas as dashes (a case name is one path component: `hf_deepseek_v4[compiled]` ->
+    `hf_deepseek_v4-compiled`)."""
     return f"peer-{case.id}-{direction}-" + re.sub(r"[^A-Za-z0-9_.+-]+", "-", peer).strip("-")
 
 
@@ -321,8 +315,8 @@ def peer_golden(peer_s: list[float], ours_s: list[float], device: str) -> tuple[
 
 def peer_info(case: PeerCase, direction: str, peer: str, variant: str, timed: list[list[float]],
               conformance: str) -> dict:
-    """A peer row's ``extra_info`` from the paired samples ``timed = [peer, copy, ours compiled, ours
-    reference]`` (seconds per rep, one run): times, bytes/s under our bytes model, roofline ratios against
+    """A peer row's `extra_info` from the paired samples `timed = [peer, copy, ours compiled, ours
+    reference]` (seconds per rep, one run): times, bytes/s under our bytes model, roofline ratios against
     the copy, our speed-ups over the peer."""
     peer_s, copy_s, ours_s, ref_s = (statistics.median(t) for t in timed)
     nbytes = case.bytes(direction)
@@ -345,7 +339,7 @@ def paired_fns(peer_fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCa
 
 def runner(fn: Callable[[dict[str, torch.Tensor]], tuple], inputs: dict[str, torch.Tensor], direction: str
            ) -> Callable[[], object]:
-    """``fn`` on ``inputs`` as one timed call: forward under ``no_grad``, or forward + backward to every input
+    """`fn` on `inputs` as one timed call: forward under `no_grad`, or forward + backward to every input
     that requires grad (fixed random cotangents)."""
     if direction == "fwd":
         def fwd():

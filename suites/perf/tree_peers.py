@@ -54,8 +54,8 @@ def _params(d: dict[str, torch.Tensor], k: int) -> SublayerParams:
 
 
 def upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.Tensor]):
-    """Upstream's entry points for ``case`` on ``inputs`` (modules built once, parameters bound to the
-    inputs' tensors so gradients reach them): ``fn(inputs) -> outputs`` in ours' order."""
+    """Upstream's entry points for `case` on `inputs` (modules built once, parameters bound to the
+    inputs' tensors so gradients reach them): `fn(inputs) -> outputs` in ours' order."""
     t, n, c = case.tokens, case.n, case.hidden
     mods = [peer._module(n, c, ITERATIONS, _params(inputs, k), case.dtype)[1]
             for k in range(2 if case.op == "layer_mhc" else 1)]

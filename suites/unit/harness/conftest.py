@@ -23,7 +23,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def tree():
-    """``tree(root)``: every file under root (relative path -> bytes), to prove nothing was written."""
+    """`tree(root)`: every file under root (relative path -> bytes), to prove nothing was written."""
     return _tree
 
 
@@ -97,5 +97,5 @@ def demo(pytester):
 
 @pytest.fixture
 def run_inline():
-    """``run_inline(pytester, *args)``: pytester.runpytest in process without unneeded plugins."""
+    """`run_inline(pytester, *args)`: pytester.runpytest in process without unneeded plugins."""
     return lambda pytester, *args: pytester.runpytest(*QUIET_PLUGINS, *args)

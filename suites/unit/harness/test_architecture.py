@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,7 @@ NEVER_WITHIN = {
 
 
 def _imports(path: Path, *, top_level_only: bool = False) -> list[tuple[int, str]]:
-    """(line, module) of every absolute import in ``path`` (only the module-level statements when asked)."""
+    """(line, module) of every absolute import in `path` (only the module-level statements when asked)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     nodes = tree.body if top_level_only else ast.walk(tree)
     out = []
@@ -108,3 +111,25 @@ def test_a_lazy_import_counts_and_a_top_level_one_is_told_apart(tmp_path):
     mod.write_text("import torch\n\ndef f():\n    from harness.cli import main\n    import megatron.core\n")
     assert {m for _, m in _imports(mod)} == {"torch", "harness.cli", "megatron.core"}
     assert {m for _, m in _imports(mod, top_level_only=True)} == {"torch"}
+
+
+_REST = re.compile(r"``[^`]|:(?:py:)?(?:class|func|mod|meth|attr|data|exc|obj|const|ref):`")
+"""reST markup: a double-backtick literal or a role (the docstrings use Markdown backticks)."""
+
+
+def _docstrings_and_comments(path: Path) -> list[tuple[int, str]]:
+    src = path.read_text(encoding="utf-8")
+    out = [(node.lineno, node.value.value) for node in ast.walk(ast.parse(src))
+           if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)]
+    out += [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
+            if t.type == tokenize.COMMENT]
+    return out
+
+
+def test_docstrings_use_one_style():
+    """Docstrings and comments use Markdown backticks, `x`, in every part: no reST double-backtick literal
+    and no reST role (class, func, mod, ...); a fenced code block is Markdown and allowed."""
+    bad = [f"{path.relative_to(ROOT)}:{line}: {text.strip().splitlines()[0][:80]}"
+           for part in PARTS for path in _modules(part) for line, text in _docstrings_and_comments(path)
+           if _REST.search(text.replace("```", ""))]
+    assert not bad, "\n".join(bad)

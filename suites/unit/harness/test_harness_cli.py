@@ -1,4 +1,4 @@
-"""``mhc-harness run`` end to end on a tiny suite, ``diff`` and ``import-megatron``."""
+"""`mhc-harness run` end to end on a tiny suite, `diff` and `import-megatron`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _run(demo, *extra):
 
 class TestRun:
     def test_end_to_end(self, demo, capsys):
-        """Golden written, then ``run`` passes with JUnit XML, report.md, a summary table and PNGs."""
+        """Golden written, then `run` passes with JUnit XML, report.md, a summary table and PNGs."""
         assert 0 == _run(demo, "--pytest-args", f"{FAST} --update-golden=all")
         assert 0 == _run(demo, "--pytest-args", FAST)
         out = capsys.readouterr().out
@@ -43,7 +43,7 @@ class TestRun:
         assert "](plots/demo__tiny__vs__tiny_mhc__lm_loss.png)" in report
 
     def test_golden_mismatch_exits_nonzero(self, demo, monkeypatch, capsys):
-        """A perturbed case makes ``run`` exit 1 and the report carries the numbers."""
+        """A perturbed case makes `run` exit 1 and the report carries the numbers."""
         assert 0 == _run(demo, "--no-plots", "--pytest-args", f"{FAST} --update-golden=all")
         monkeypatch.setenv("DEMO_SCALE", "1.5")
         assert 1 == _run(demo, "--no-plots", "--pytest-args", FAST)
@@ -53,7 +53,7 @@ class TestRun:
         assert "step 8: actual 14.475, golden 9.65" in report
 
     def test_progress_lines_and_suite_args(self, demo, capsys):
-        """``run`` prints a progress line per suite (done / total, failures, elapsed), each failure as it
+        """`run` prints a progress line per suite (done / total, failures, elapsed), each failure as it
         happens, and passes --suite-args to that suite only."""
         assert 0 == _run(demo, "--no-plots", "--pytest-args", f"{FAST} --update-golden=all")
         out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Hardware keys: GPU-name mapping, CPU keys, overrides, validation and ``mhc-harness hw``."""
+"""Hardware keys: GPU-name mapping, CPU keys, overrides, validation and `mhc-harness hw`."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class TestDetect:
 
 class TestHwCommand:
     def test_prints_key_and_rule(self, capsys, monkeypatch):
-        """``mhc-harness hw`` prints the detected key, the rule and whether it is known."""
+        """`mhc-harness hw` prints the detected key, the rule and whether it is known."""
         monkeypatch.delenv("MHC_HW", raising=False)
         assert 0 == main(["hw"])
         out = capsys.readouterr().out.splitlines()
@@ -96,7 +96,7 @@ class TestHwCommand:
         assert out[2] == ("known: yes" if hw.known else "known: no (recalibration needs --allow-unknown-hw)")
 
     def test_env_override(self, capsys, monkeypatch):
-        """With MHC_HW set, ``hw`` prints that key and says the environment chose it."""
+        """With MHC_HW set, `hw` prints that key and says the environment chose it."""
         monkeypatch.setenv("MHC_HW", "dgx_h100")
         assert 0 == main(["hw"])
         out = capsys.readouterr().out

@@ -119,7 +119,7 @@ class TestPlot:
 
 class TestBenchmarkPlugin:
     def test_machine_info_carries_hw(self, pytester, tmp_path, monkeypatch):
-        """A pytest-benchmark run records the hardware key, which ``append`` then uses."""
+        """A pytest-benchmark run records the hardware key, which `append` then uses."""
         monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # benchmarks disable themselves under xdist
         pytester.makeini("[pytest]\n")
         pytester.makepyfile(test_b="def test_b(benchmark):\n    benchmark(lambda: None)\n")

@@ -1,4 +1,4 @@
-"""Progress of a pytest run: the plugin's file (also under xdist) and the lines ``run`` prints from it."""
+"""Progress of a pytest run: the plugin's file (also under xdist) and the lines `run` prints from it."""
 
 from __future__ import annotations
 

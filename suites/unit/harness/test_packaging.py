@@ -22,8 +22,8 @@ _SKIP = shutil.ignore_patterns("__pycache__", "build", "*.egg-info", ".*")
 
 
 def _wheel(files: dict[str, Path], out: Path) -> Path:
-    """The wheel of a project made of ``files`` (name in the project -> file or folder of this checkout), built
-    in a copy under ``out`` (the checkout gets no build/ folder) with this env's setuptools (no download: no
+    """The wheel of a project made of `files` (name in the project -> file or folder of this checkout), built
+    in a copy under `out` (the checkout gets no build/ folder) with this env's setuptools (no download: no
     build isolation)."""
     project = out / "project"
     project.mkdir()
