@@ -24,22 +24,19 @@ import dataclasses
 import os
 import platform
 import shlex
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from harness.conformance.recording import record_peer, write_recording
-from harness.conformance.replay import FORMAT, load_recording
+from harness.conformance.replay import FORMAT
 from harness.megatron_tree import tree_commit
-from harness.peers.base import Peer
 from harness.peers.megatron_lm import TreeError, hashes, load_tree, make_peers, tree_flavor
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter, without_autotune_timing
 from harness.provenance import utc_now
 
-__all__ = ["main", "record", "tree_peers"]
+__all__ = ["main", "record"]
 
 
 def _triton_peers(peers: list) -> list:
@@ -95,24 +92,6 @@ def _triton_version() -> str | None:
     except md.PackageNotFoundError:
         return None
 
-
-def tree_peers(tree: Path, *, python: str | None = None, timeout_s: float = 900) -> list[Peer]:
-    """Record `tree` in a subprocess (`python`, default this interpreter) and return its replayed peers,
-    named `megatron_lm_tree[...]`; `TreeError` naming the tree when it cannot be recorded."""
-    tree_flavor(tree)  # a bad path is named before anything runs
-    with tempfile.TemporaryDirectory(prefix="mhc-mlm-") as tmp:
-        out = Path(tmp) / "recording.json"
-        cmd = [python or sys.executable, "-m", "harness.conformance.record_megatron_lm", "--megatron-lm", str(tree),
-               "--out", str(out)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                                         os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
-        if proc.returncode != 0:
-            lines = (proc.stderr or proc.stdout).strip().splitlines()
-            errors = [x.removeprefix("error: ") for x in lines if x.startswith("error: ")]
-            raise TreeError(errors[-1] if errors else
-                            f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): " + " | ".join(lines[-3:]))
-        return load_recording(out, prefix="megatron_lm_tree")
 
 
 def main(argv: list[str] | None = None) -> int:

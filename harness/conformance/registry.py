@@ -12,13 +12,19 @@ tree), that tree's own modules (`harness.peers.plugins`).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.conformance.replay import load_recording
+from harness.megatron_tree import TreeError, tree_flavor
 from harness.peers.base import Peer
 
-__all__ = ["all_peers", "default_peers", "select"]
+__all__ = ["all_peers", "default_peers", "select", "tree_peers"]
 
 
 def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, modules: Sequence[str] = (),
@@ -52,8 +58,6 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, mod
     if twice:
         raise ValueError(f"peer name(s) {twice} are taken twice (a plugin must not reuse a built-in name)")
     if megatron_lm is not None:
-        from harness.conformance.record_megatron_lm import tree_peers
-
         peers += tree_peers(megatron_lm, python=python)
     return peers
 
@@ -75,3 +79,22 @@ def select(names: list[str], megatron_lm: Path | None = None, **kwargs: Any) -> 
         hint = "" if megatron_lm else " (the megatron_lm_tree peers need --megatron-lm PATH)"
         raise ValueError(f"unknown peer(s) {unknown}; known: {', '.join(known)}{hint}")
     return [known[n] for n in names]
+
+
+def tree_peers(tree: Path, *, python: str | None = None, timeout_s: float = 900) -> list[Peer]:
+    """Record `tree` in a subprocess (`python`, default this interpreter) and return its replayed peers,
+    named `megatron_lm_tree[...]`; `TreeError` naming the tree when it cannot be recorded."""
+    tree_flavor(tree)  # a bad path is named before anything runs
+    with tempfile.TemporaryDirectory(prefix="mhc-mlm-") as tmp:
+        out = Path(tmp) / "recording.json"
+        cmd = [python or sys.executable, "-m", "harness.conformance.record_megatron_lm", "--megatron-lm", str(tree),
+               "--out", str(out)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                         os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+        if proc.returncode != 0:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            errors = [x.removeprefix("error: ") for x in lines if x.startswith("error: ")]
+            raise TreeError(errors[-1] if errors else
+                            f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): " + " | ".join(lines[-3:]))
+        return load_recording(out, prefix="megatron_lm_tree")

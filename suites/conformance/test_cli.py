@@ -110,7 +110,7 @@ def test_a_live_tree_matches_its_branchs_recording(tmp_path):
     from pathlib import Path
 
     from harness.conformance.matrix import run_matrix
-    from harness.conformance.record_megatron_lm import tree_peers
+    from harness.conformance.registry import tree_peers
     from harness.peers.megatron_lm import tree_flavor
 
     tree = os.environ.get("MHC_MEGATRON_LM")

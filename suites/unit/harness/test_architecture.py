@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -133,3 +134,79 @@ def test_docstrings_use_one_style():
            for part in PARTS for path in _modules(part) for line, text in _docstrings_and_comments(path)
            if _REST.search(text.replace("```", ""))]
     assert not bad, "\n".join(bad)
+
+
+def _module_graph(parts: tuple[str, ...]) -> dict[str, set[str]]:
+    """`{module: modules of `parts` it imports (lazily or not)}`; `from pkg import sub` is an edge to `pkg.sub`
+    alone (the package's `__init__` runs first, as for every submodule, and is no dependency of its own)."""
+    mods = {}
+    for part in parts:
+        for path in _modules(part):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            mods[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+                targets = subs + ([node.module] if len(subs) < len(node.names) else [])
+            else:
+                continue
+            for target in targets:
+                while target and target not in mods:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    out.add(target)
+        graph[name] = out
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    """No module of mhc_core, harness or tools imports, through any chain of imports (lazy ones included),
+    a module that imports it back."""
+    assert not _cycles(_module_graph(("mhc_core", "harness", "tools")))
+
+
+def test_a_cycle_is_seen(tmp_path, monkeypatch):
+    """The cycle check finds a lazy two-module cycle, and a package importing its own submodules is none."""
+    for rel, text in {"mhc_core/__init__.py": "from mhc_core import a\n", "mhc_core/a.py": "def f():\n    import mhc_core.b\n",
+                      "mhc_core/b.py": "from mhc_core.a import f\n"}.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _cycles(_module_graph(("mhc_core",))) == [["mhc_core.a", "mhc_core.b"]]
