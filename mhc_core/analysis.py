@@ -53,7 +53,7 @@ def amax_gain(h_res_stack: torch.Tensor, transposed: bool = False) -> AmaxGain:
     return AmaxGain(forward=float(fwd.max()), backward=float(bwd.max()))
 
 
-OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda", "residual_add")
+OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda", "pre", "residual_add")
 Direction = Literal["fwd", "bwd"]
 
 
@@ -104,6 +104,17 @@ def bytes_moved(
         return OpBytes(
             read=t * nc * a + t * nc * a + t * c * a + b + t * (n * n + n) * f,
             written=t * nc * a + t * c * a + t * (n * n + n) * f + b,
+        )
+    if op == "pre":
+        # mapping + Sinkhorn + aggregate with x read once: the coefficients and the aggregate out; backward
+        # the four output gradients, x and the saved projection and RMS in, one gradient of x out.
+        coeffs = t * (2 * n + n * n) * f
+        if direction == "fwd":
+            return OpBytes(read=t * nc * a + big_n * nc * f + 3 * f + big_n * f,
+                           written=t * c * a + coeffs + t * (big_n + 1) * f)
+        return OpBytes(
+            read=t * c * a + coeffs + t * nc * a + t * (big_n + 1) * f + big_n * nc * f,
+            written=t * nc * a + big_n * nc * f + 3 * f + big_n * f,
         )
     if op == "residual_add":
         if direction == "fwd":

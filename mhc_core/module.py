@@ -104,28 +104,20 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         s, b = self._check_streams(hidden_states, "hidden_states", "HyperConnectionModule.forward")
         n, c, cfg = self.n, self.hidden_size, self.hc_config
         x = hidden_states.reshape(s * b, n * c)
-        h_pre, h_post, logits = self._ops.mapping(
-            x,
-            self.mapping_proj.weight,
-            self.alpha_pre,
-            self.alpha_post,
-            self.alpha_res,
-            self.bias,
-            n,
-            self._spec,
-            cfg.norm_eps,
-        )
+        params = (self.mapping_proj.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias)
         try:
             if cfg.h_res_constraint == ResidualConstraint.NONE:  # unconstrained Hyper-Connections
+                h_pre, h_post, logits = self._ops.mapping(x, *params, n, self._spec, cfg.norm_eps)
                 h_res = torch.eye(n, dtype=logits.dtype, device=logits.device) + logits
-            else:
-                h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, self._spec)
+                aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
+            else:  # mapping, Sinkhorn and aggregate in one op (one pass over x where the backend fuses them)
+                aggregated, h_pre, h_post, h_res = self._ops.pre(x, *params, n, cfg.sinkhorn_iterations, self._spec,
+                                                                 cfg.norm_eps)
         except NonFiniteError:  # the reference scans the logits; name where the NaN / inf came from
             check_finite(hidden_states, name="hidden_states", op="HyperConnectionModule.forward")
             for name, p in self.named_parameters():
                 check_finite(p, name=f"parameter {name}", op="HyperConnectionModule.forward")
             raise
-        aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
         return (
             aggregated.view(s, b, c),
             h_res.view(s, b, n, n),

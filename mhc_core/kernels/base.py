@@ -12,12 +12,14 @@ __all__ = ["MHCOps", "REFERENCE_OPS", "FUSED_OPS", "select_ops"]
 
 
 class MHCOps(NamedTuple):
-    """The four mHC ops, each with the signature of its reference in `mhc_core.ops`."""
+    """The mHC ops, each with the signature of its reference in `mhc_core.ops`: the four ops and `pre`
+    (mapping, Sinkhorn and aggregate in one call, which `HyperConnectionModule` uses)."""
 
     sinkhorn: Callable
     mapping: Callable
     h_aggregate: Callable
     h_post_bda: Callable
+    pre: Callable
 
 
 REFERENCE_OPS = MHCOps(
@@ -25,6 +27,7 @@ REFERENCE_OPS = MHCOps(
     mapping=ops.mapping,
     h_aggregate=ops.h_aggregate,
     h_post_bda=ops.h_post_bda,
+    pre=ops.pre,
 )
 
 
@@ -33,6 +36,7 @@ FUSED_OPS = MHCOps(
     mapping=dispatch.mapping,
     h_aggregate=dispatch.h_aggregate,
     h_post_bda=dispatch.h_post_bda,
+    pre=dispatch.pre,
 )
 """The dispatched ops: each call picks its backend per op (`mhc_core.kernels.dispatch`)."""
 

@@ -2,7 +2,7 @@
 
 Selection, per op, from the environment (read at every call, so a test or a launcher can change it):
 
-    MHC_BACKEND_<OP>   e.g. MHC_BACKEND_SINKHORN, MHC_BACKEND_H_POST_BDA   (wins over MHC_BACKEND)
+    MHC_BACKEND_<OP>   e.g. MHC_BACKEND_SINKHORN, MHC_BACKEND_PRE   (wins over MHC_BACKEND)
     MHC_BACKEND        all ops
     values             auto | reference | compiled | cutile              (default auto)
 
@@ -47,11 +47,12 @@ __all__ = [
     "mapping",
     "h_aggregate",
     "h_post_bda",
+    "pre",
 ]
 
 logger = logging.getLogger("mhc_core.kernels")
 
-OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda")
+OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda", "pre")
 BACKENDS = ("reference", "compiled", "cutile")
 CHOICES = ("auto", *BACKENDS)
 ENV_ALL = "MHC_BACKEND"
@@ -271,3 +272,9 @@ def h_aggregate(x, h_pre):
 def h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=Variant.MEGATRON_MAIN):
     """Dispatched `mhc_core.ops.h_post_bda`: `-> [T, n, C]`."""
     return _run("h_post_bda", residual, h_res, residual, h_post, y, bias, dropout_p, training, variant)
+
+
+def pre(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations=20, variant=Variant.MEGATRON_MAIN,
+        norm_eps=NORM_EPS):
+    """Dispatched `mhc_core.ops.pre`: `x [T, n*C] -> aggregate [T, C], h_pre [T, n], h_post [T, n], h_res [T, n, n]`."""
+    return _run("pre", x, x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, variant, norm_eps)

@@ -3,6 +3,7 @@
 from mhc_core.ops.aggregate import h_aggregate
 from mhc_core.ops.mapping import NORM_EPS, mapping, num_mapping_outputs
 from mhc_core.ops.post_bda import apply_h_res, h_post_bda
+from mhc_core.ops.pre import pre
 from mhc_core.ops.sinkhorn import sinkhorn, sinkhorn_iterate
 from mhc_core.ops.streams import contract, expand, learned_contract
 
@@ -16,6 +17,7 @@ __all__ = [
     "learned_contract",
     "mapping",
     "num_mapping_outputs",
+    "pre",
     "sinkhorn",
     "sinkhorn_iterate",
 ]

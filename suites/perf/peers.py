@@ -6,8 +6,8 @@ tokens at once. Per op (`PeerCase.op`):
 
 | op | what is timed |
 |---|---|
-| `coefficients` | H_pre / H_post / H_res (20 Sinkhorn iterations) and the aggregate from the streams: ours the mapping, Sinkhorn and aggregate ops in a row; DeepSeek-V4 `DeepseekV4HyperConnection.forward`; TransformerEngine projection, scale, Sinkhorn and aggregate; TileKernels `mhc_pre` |
-| `layer_mhc` | the mHC part of one decoder layer (both sublayers' coefficients and mixes; the sublayers themselves the identity): ours the ops twice; DeepSeek-V4 `DeepseekV4DecoderLayer.forward` with its attention, MoE and norms replaced |
+| `coefficients` | H_pre / H_post / H_res (20 Sinkhorn iterations) and the aggregate from the streams: ours the pre-op (mapping, Sinkhorn and aggregate in one); DeepSeek-V4 `DeepseekV4HyperConnection.forward`; TransformerEngine projection, scale, Sinkhorn and aggregate; TileKernels `mhc_pre` |
+| `layer_mhc` | the mHC part of one decoder layer (both sublayers' coefficients and mixes; the sublayers themselves the identity): ours the pre-op and the mix twice; DeepSeek-V4 `DeepseekV4DecoderLayer.forward` with its attention, MoE and norms replaced |
 | `sinkhorn` | Sinkhorn of fp32 logits, 20 iterations: lucidrains `sinkhorn_knopps`; TE `mhc_fused_sinkhorn` |
 
 Ours run the variant the peer conforms to (`megatron_dev` for DeepSeek-V4, TE and TileKernels,
@@ -116,10 +116,10 @@ def peer_cases(device: str) -> list[PeerCase]:
 
 
 def _coeffs(o, x, w, a, b, variant):
+    """Our pre-op (mapping, Sinkhorn and aggregate in one, what `HyperConnectionModule` calls)."""
     t, n, c = x.shape
-    h_pre, h_post, logits = o.mapping(x.reshape(t, n * c), w, a[0:1], a[1:2], a[2:3], b, n, variant=variant)
-    h_res = o.sinkhorn(logits, ITERATIONS, None, variant)
-    return h_pre, h_post, h_res, o.h_aggregate(x, h_pre)
+    agg, h_pre, h_post, h_res = o.pre(x.reshape(t, n * c), w, a[0:1], a[1:2], a[2:3], b, n, ITERATIONS, variant)
+    return h_pre, h_post, h_res, agg
 
 
 def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torch.Tensor]], tuple]:

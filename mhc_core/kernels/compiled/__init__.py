@@ -11,6 +11,7 @@ from mhc_core.kernels.compiled.aggregate import h_aggregate
 from mhc_core.kernels.compiled.common import availability, compiled_cache_size
 from mhc_core.kernels.compiled.mapping import mapping
 from mhc_core.kernels.compiled.post_bda import h_post_bda
+from mhc_core.kernels.compiled.pre import pre
 from mhc_core.kernels.compiled.sinkhorn import sinkhorn
 
-__all__ = ["availability", "compiled_cache_size", "h_aggregate", "h_post_bda", "mapping", "sinkhorn"]
+__all__ = ["availability", "compiled_cache_size", "h_aggregate", "h_post_bda", "mapping", "pre", "sinkhorn"]

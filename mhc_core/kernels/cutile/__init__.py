@@ -37,7 +37,8 @@ from mhc_core.kernels.cutile import streams as _streams
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.toolchain import find_toolchain
 from mhc_core.ops.mapping import NORM_EPS
-from mhc_core.variants import Variant
+from mhc_core.ops.pre import check_pre_args
+from mhc_core.variants import Variant, get_variant
 
 __all__ = [
     "CuTileOps",
@@ -47,17 +48,19 @@ __all__ = [
     "mapping",
     "h_aggregate",
     "h_post_bda",
+    "pre",
     "OPS",
     "SUPPORTED_N",
 ]
 
 class CuTileOps(NamedTuple):
-    """The four ops, each with the reference signature, bound to one runtime."""
+    """The ops, each with the reference signature, bound to one runtime."""
 
     sinkhorn: Callable
     mapping: Callable
     h_aggregate: Callable
     h_post_bda: Callable
+    pre: Callable
 
 
 def make_ops(runtime: Any | Callable[[], Any]) -> CuTileOps:
@@ -82,7 +85,18 @@ def make_ops(runtime: Any | Callable[[], Any]) -> CuTileOps:
         """cuTile `mhc_core.ops.h_post_bda`: `-> [T, n, C]` (no dropout in training)."""
         return _streams.h_post_bda(get, h_res, residual, h_post, y, bias, dropout_p, training, variant)
 
-    return CuTileOps(sinkhorn=sinkhorn, mapping=mapping, h_aggregate=h_aggregate, h_post_bda=h_post_bda)
+    def pre(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations=20, variant=Variant.MEGATRON_MAIN,
+            norm_eps=NORM_EPS):
+        """cuTile `mhc_core.ops.pre`: `x [T, n*C] -> aggregate [T, C], h_pre, h_post [T, n], h_res [T, n, n]`: the
+        mapping, Sinkhorn and aggregate launches in a row (one kernel reading `x` once is not written yet)."""
+        spec = get_variant(variant)
+        n, iterations = check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec,
+                                       op="pre", norm_eps=norm_eps)
+        h_pre, h_post, logits = mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, spec, norm_eps)
+        h_res = sinkhorn(logits, iterations, None, spec)
+        return h_aggregate(x.reshape(x.shape[0], n, x.shape[1] // n), h_pre), h_pre, h_post, h_res
+
+    return CuTileOps(sinkhorn=sinkhorn, mapping=mapping, h_aggregate=h_aggregate, h_post_bda=h_post_bda, pre=pre)
 
 
 SUPPORTED_N = tiling.SUPPORTED_N
@@ -148,3 +162,4 @@ sinkhorn = OPS.sinkhorn
 mapping = OPS.mapping
 h_aggregate = OPS.h_aggregate
 h_post_bda = OPS.h_post_bda
+pre = OPS.pre

@@ -43,6 +43,7 @@ def test_env_var_names():
         "MHC_BACKEND_MAPPING",
         "MHC_BACKEND_H_AGGREGATE",
         "MHC_BACKEND_H_POST_BDA",
+        "MHC_BACKEND_PRE",
     ]
 
 
@@ -58,7 +59,8 @@ def test_per_op_override_wins_over_global(monkeypatch):
     monkeypatch.setenv("MHC_BACKEND_SINKHORN", "auto")
     monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (backend != "cutile", "stub"))
     got = {op: dispatch.resolve_backend(op, "cpu") for op in dispatch.OPS}
-    assert got == {"sinkhorn": "compiled", "mapping": "reference", "h_aggregate": "reference", "h_post_bda": "reference"}
+    assert got == {"sinkhorn": "compiled", "mapping": "reference", "h_aggregate": "reference", "h_post_bda": "reference",
+                   "pre": "reference"}
 
 
 def test_values_are_case_and_space_insensitive(monkeypatch):
@@ -176,11 +178,15 @@ def test_compiled_empty_tokens(op):
                   "alpha_post": torch.ones(1), "alpha_res": torch.ones(1), "bias": torch.zeros(big_n)}
     elif op == "h_aggregate":
         inputs = {"x": torch.zeros(0, n, C), "h_pre": torch.zeros(0, n)}
+    elif op == "pre":
+        k, big_n = n * C, n * n + 2 * n
+        inputs = {"x": torch.zeros(0, k), "weight": torch.ones(big_n, k), "alpha_pre": torch.ones(1),
+                  "alpha_post": torch.ones(1), "alpha_res": torch.ones(1), "bias": torch.zeros(big_n)}
     else:
         inputs = {"h_res": torch.zeros(0, n, n), "residual": torch.zeros(0, n, C), "h_post": torch.zeros(0, n),
                   "y": torch.zeros(0, C), "bias": torch.zeros(C)}
     inputs = {k: v.to(DEV) for k, v in inputs.items()}
-    kwargs = {"n": n} if op == "mapping" else {}
+    kwargs = {"n": n} if op in ("mapping", "pre") else {}
     got, got_grads = run_fwd_bwd(impl, inputs, list(inputs), **kwargs)
     want, want_grads = run_fwd_bwd(ref, inputs, list(inputs), **kwargs)
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]

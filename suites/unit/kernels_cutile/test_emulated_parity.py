@@ -326,6 +326,21 @@ def test_mapping_numerics_options(emu, variant):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pre(emu, variant, dtype):
+    """pre (the mapping, Sinkhorn and aggregate launches in a row) matches the reference, fwd + bwd, n = 4."""
+    compare(
+        f"pre {variant} {dtype}",
+        lambda *a: emu.pre(*a, 4, 5, variant),
+        lambda *a: ref.pre(*a, 4, 5, variant),
+        mapping_inputs(20, 4, 64, dtype, "cpu"),
+        dtype,
+        input_names=MAPPING_INPUT_NAMES,
+        cosine_inputs=MAPPING_COSINE,
+    )
+
+
 def test_mapping_n8(emu):
     """n = 8 (N = 80: pre/post tile 16, res tile 64)."""
     compare(

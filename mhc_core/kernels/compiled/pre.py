@@ -1,0 +1,164 @@
+"""`pre` for the compiled backend: mapping, Sinkhorn and aggregate as one compiled forward and one backward.
+
+Forward (x `[T, K]`, K = n*C): the mapping (`proj = x @ W^T`, the row sums of squares, the gates), the
+Sinkhorn iteration of the residual logits and the aggregate `sum_i h_pre_i x_i`, one compiled graph;
+saved for the backward are `x`, the parameters, `proj [T, N]` and `rms [T, 1]` (as the compiled
+mapping), nothing of Sinkhorn or the aggregate: the gates and logits are recomputed from `proj`.
+
+Backward, one compiled graph, one gradient of `x` (where the unfused ops give two, mapping's and the
+aggregate's, that autograd adds in a pass of its own):
+
+    g_logits = Sinkhorn VJP (recomputed iterates)          g_h_pre += sum_c g_agg * x_i     [T, n]
+    gh       = gate derivatives of (g_h_pre, g_h_post, g_logits)                            [T, N]
+    g_x      = (gh * r * alpha) @ W + c * x + h_pre (x) g_agg                               [T, K]
+    g_W      = (gh * r * alpha)^T @ x;  g_alpha, g_bias: sums over tokens
+
+with `c = -sum_k(gh_k * proj_k * alpha_k) * r^2 / (rms * K)`, all accumulated in fp32 (fp64 stays fp64)
+and `g_x` rounded once to `x.dtype`. Precision per variant as the reference ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mhc_core import ops
+from mhc_core.kernels.compiled.aggregate import _fwd as _aggregate_fwd
+from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
+from mhc_core.kernels.compiled.mapping import _alpha
+from mhc_core.kernels.compiled.mapping import _fwd as _mapping_fwd
+from mhc_core.kernels.compiled.sinkhorn import _bwd as _sinkhorn_bwd
+from mhc_core.kernels.compiled.sinkhorn import _fwd as _sinkhorn_fwd
+from mhc_core.ops.mapping import NORM_EPS
+from mhc_core.ops.pre import check_pre_args
+from mhc_core.variants import Variant, VariantSpec, get_variant
+
+__all__ = ["pre"]
+
+
+def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pre_eps: float, norm_eps: float,
+         eps_inside: bool, start: str, guard: str, iterations: int, s_eps: float):
+    h_pre, h_post, logits, proj, rms = _mapping_fwd(x, weight, a_pre, a_post, a_res, bias, n, compute, out_dtype,
+                                                    h_pre_eps, norm_eps, eps_inside)
+    z = logits.to(acc_dtype(logits.dtype))
+    h_res = _sinkhorn_fwd(z, start, guard, iterations, s_eps).to(logits.dtype)
+    t, k = x.shape
+    aggregate = _aggregate_fwd(x.view(t, n, k // n), h_pre)
+    return aggregate, h_pre, h_post, h_res, proj, rms
+
+
+def _bwd(g_agg, g_pre, g_post, g_res, x, weight, a_pre, a_post, a_res, bias, proj, rms, n: int, compute, out_dtype,
+         h_pre_eps: float, eps_outside: float, start: str, guard: str, iterations: int, s_eps: float,
+         need_x: bool, need_w: bool):
+    acc = acc_dtype(compute)
+    t, k = x.shape
+    c = k // n
+    alpha = _alpha(a_pre, a_post, a_res, n, compute, acc)
+    projf = proj.to(acc)
+    r = 1.0 / (rms + eps_outside)
+    h = r * projf * alpha + bias.to(compute).to(acc)
+    s_pre = torch.sigmoid(h[:, :n])
+    s_post = torch.sigmoid(h[:, n : 2 * n])
+    h_pre = (s_pre + h_pre_eps).to(out_dtype)
+    logits = h[:, 2 * n :].reshape(t, n, n).to(out_dtype)
+    s_acc = acc_dtype(logits.dtype)
+    g_logits = _sinkhorn_bwd(logits.to(s_acc), g_res.to(logits.dtype).to(s_acc), start, guard, iterations, s_eps)
+    a_acc = acc_dtype(x.dtype, h_pre.dtype)
+    xs = x.view(t, n, c).to(a_acc)
+    g_aggf = g_agg.to(a_acc)
+    g_pre_total = g_pre.to(acc) + (g_aggf[:, None, :] * xs).sum(-1).to(acc)  # [T, n]
+    gh = torch.cat(
+        [
+            g_pre_total * s_pre * (1.0 - s_pre),
+            g_post.to(acc) * 2.0 * s_post * (1.0 - s_post),
+            g_logits.to(out_dtype).reshape(t, n * n).to(acc),
+        ],
+        dim=1,
+    )  # [T, N]
+    g_bias = gh.sum(0).to(bias.dtype)
+    g_alpha = (gh * r * projf).sum(0)  # [N]
+    g_a_pre = g_alpha[:n].sum().reshape(1).to(a_pre.dtype)
+    g_a_post = g_alpha[n : 2 * n].sum().reshape(1).to(a_post.dtype)
+    g_a_res = g_alpha[2 * n :].sum().reshape(1).to(a_res.dtype)
+    g_proj = gh * r * alpha  # [T, N]
+    g_x = g_w = None
+    if need_x:
+        g_r = (gh * projf * alpha).sum(-1, keepdim=True)  # [T, 1]
+        coef = torch.where(rms > 0, -g_r * r * r / (rms * k), torch.zeros_like(rms))
+        # One pointwise pass after the GEMM adds c * x and h_pre (x) g_agg to its product, read as [T, n, C] (the
+        # view keeps Inductor from folding c * x into an addmm, which writes c * x to a [T, K] buffer of its own
+        # and copies it into the product's).
+        g_mm = (g_proj.to(compute) @ weight.to(compute)).view(t, n, c).to(acc)
+        g_x = (g_mm + coef.view(t, 1, 1) * x.view(t, n, c).to(compute).to(acc)
+               + h_pre.to(acc)[:, :, None] * g_aggf[:, None, :].to(acc)).to(x.dtype).view(t, k)
+    if need_w:
+        g_w = (g_proj.to(compute).t() @ x.to(compute)).to(weight.dtype)
+    return g_x, g_w, g_a_pre, g_a_post, g_a_res, g_bias
+
+
+class _Pre(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, a_pre, a_post, a_res, bias, n: int, iterations: int, spec: VariantSpec,
+                norm_eps: float):
+        compute = acc_dtype(x.dtype) if spec.mapping_fp32 else x.dtype
+        out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
+        params = (weight, a_pre, a_post, a_res, bias)
+        sink = (spec.sinkhorn_start, spec.sinkhorn_guard, iterations, spec.sinkhorn_eps)
+        key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps,
+               spec.norm_eps_placement, *sink, x.device.type)
+        agg, h_pre, h_post, h_res, proj, rms = compile_for(_fwd, key)(
+            mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps, spec.norm_eps_inside,
+            *sink)
+        ctx.save_for_backward(x, *params, proj, rms)
+        ctx.n, ctx.compute, ctx.out_dtype, ctx.h_pre_eps = n, compute, out_dtype, spec.h_pre_eps
+        ctx.eps_outside = 0.0 if spec.norm_eps_inside else norm_eps
+        ctx.sink = sink
+        return agg, h_pre, h_post, h_res
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_agg, g_pre, g_post, g_res):
+        x, weight, a_pre, a_post, a_res, bias, proj, rms = ctx.saved_tensors
+        n, t = ctx.n, x.shape[0]
+        like = {"g_agg": ((t, x.shape[1] // n), x.dtype), "g_pre": ((t, n), ctx.out_dtype),
+                "g_post": ((t, n), ctx.out_dtype), "g_res": ((t, n, n), ctx.out_dtype)}
+        grads = []
+        for g, (shape, dtype) in zip((g_agg, g_pre, g_post, g_res), like.values(), strict=True):
+            grads.append(mark_dynamic(torch.zeros(shape, dtype=dtype, device=x.device) if g is None
+                                      else g.contiguous(), 0))
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        params = (weight, a_pre, a_post, a_res, bias)
+        key = (x.dtype, *(p.dtype for p in params), *(g.dtype for g in grads), n, ctx.compute, ctx.out_dtype,
+               ctx.h_pre_eps, ctx.eps_outside, *ctx.sink, need_x, need_w, x.device.type)
+        x, proj, rms = (mark_dynamic(v, 0) for v in (x, proj, rms))
+        out = compile_for(_bwd, key)(*grads, x, *params, proj, rms, n, ctx.compute, ctx.out_dtype, ctx.h_pre_eps,
+                                     ctx.eps_outside, *ctx.sink, need_x, need_w)
+        return (*out, None, None, None, None)
+
+
+def pre(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    alpha_pre: torch.Tensor,
+    alpha_post: torch.Tensor,
+    alpha_res: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    iterations: int = 20,
+    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
+    norm_eps: float = NORM_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sublayer's pre-op (compiled backend), same contract as `mhc_core.ops.pre`.
+
+    Args:
+        x: `[T, n*C]`; weight: `[N, n*C]`; alpha_pre, alpha_post, alpha_res: `[1]`; bias: `[N]`.
+
+    Returns:
+        `aggregate [T, C]`, `h_pre [T, n]`, `h_post [T, n]`, `h_res [T, n, n]`.
+    """
+    spec = get_variant(variant)
+    n, iterations = check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec,
+                                   norm_eps=norm_eps)
+    if x.shape[0] == 0 or n == 1:
+        return ops.pre(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec, norm_eps)
+    return _Pre.apply(x.contiguous(), weight.contiguous(), alpha_pre, alpha_post, alpha_res, bias.contiguous(), n,
+                      iterations, spec, float(norm_eps))
