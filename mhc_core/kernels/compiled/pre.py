@@ -5,6 +5,12 @@ Sinkhorn iteration of the residual logits and the aggregate `sum_i h_pre_i x_i`,
 saved for the backward are `x`, the parameters, `proj [T, N]` and `rms [T, 1]` (as the compiled
 mapping), nothing of Sinkhorn or the aggregate: the gates and logits are recomputed from `proj`.
 
+On CPU, where the mapping computes in fp32 (fp32 activations, or a variant with fp32 mappings) and n <= 8,
+the forward's passes over `x` are the native kernel's instead (`mhc_core.kernels.native`: the projection,
+the sum of squares, h_pre and the aggregate in one read of each block of tokens; Inductor's graph reads `x`
+three times, its GEMM being an extern call), and a small compiled graph makes h_post and h_res from its
+`proj` and `rms`. `MHC_NATIVE=0` keeps the compiled graph.
+
 Backward, one compiled graph, one gradient of `x` (where the unfused ops give two, mapping's and the
 aggregate's, that autograd adds in a pass of its own):
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from mhc_core import ops
+from mhc_core.kernels import native
 from mhc_core.kernels.compiled.aggregate import _fwd as _aggregate_fwd
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
 from mhc_core.kernels.compiled.mapping import _alpha
@@ -32,7 +39,10 @@ from mhc_core.ops.mapping import NORM_EPS
 from mhc_core.ops.pre import check_pre_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["pre"]
+__all__ = ["NATIVE_MAX_N", "pre"]
+
+NATIVE_MAX_N = 8
+"""The most residual streams the native forward takes (`mhc_core/kernels/native/pre.c`, `MAX_N`)."""
 
 
 def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pre_eps: float, norm_eps: float,
@@ -44,6 +54,25 @@ def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pr
     t, k = x.shape
     aggregate = _aggregate_fwd(x.view(t, n, k // n), h_pre)
     return aggregate, h_pre, h_post, h_res, proj, rms
+
+
+def _epilogue(proj, rms, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, eps_outside: float, start: str,
+              guard: str, iterations: int, s_eps: float):
+    """h_post and h_res from the native forward's `proj [T, N]` and `rms [T, 1]` (the gates as `_fwd` computes them)."""
+    acc = acc_dtype(compute)
+    t = proj.shape[0]
+    alpha = _alpha(a_pre, a_post, a_res, n, compute, acc)
+    h = (1.0 / (rms + eps_outside)) * proj.to(acc) * alpha + bias.to(compute).to(acc)
+    h_post = (2.0 * torch.sigmoid(h[:, n : 2 * n])).to(out_dtype)
+    logits = h[:, 2 * n :].reshape(t, n, n).to(out_dtype)
+    h_res = _sinkhorn_fwd(logits.to(acc_dtype(logits.dtype)), start, guard, iterations, s_eps).to(logits.dtype)
+    return h_post, h_res
+
+
+def _native_ok(x: torch.Tensor, compute: torch.dtype, n: int) -> bool:
+    """Whether the native forward takes this call: CPU, fp32 mapping arithmetic, fp32 / bf16 x, n <= 8."""
+    return (x.device.type == "cpu" and compute == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
+            and n <= NATIVE_MAX_N and native.available()[0])
 
 
 def _bwd(g_agg, g_pre, g_post, g_res, x, weight, a_pre, a_post, a_res, bias, proj, rms, n: int, compute, out_dtype,
@@ -105,12 +134,20 @@ class _Pre(torch.autograd.Function):
         sink = (spec.sinkhorn_start, spec.sinkhorn_guard, iterations, spec.sinkhorn_eps)
         key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps,
                spec.norm_eps_placement, *sink, x.device.type)
-        agg, h_pre, h_post, h_res, proj, rms = compile_for(_fwd, key)(
-            mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps, spec.norm_eps_inside,
-            *sink)
+        eps_outside = 0.0 if spec.norm_eps_inside else norm_eps
+        if _native_ok(x, compute, n):
+            proj, rms, h_pre, agg = native.pre_forward(x, weight, a_pre, bias, n, norm_eps, spec.norm_eps_inside,
+                                                       spec.h_pre_eps, out_dtype)
+            h_post, h_res = compile_for(_epilogue, ("native", *key))(
+                mark_dynamic(proj, 0), mark_dynamic(rms, 0), a_pre, a_post, a_res, bias, n, compute, out_dtype,
+                eps_outside, *sink)
+        else:
+            agg, h_pre, h_post, h_res, proj, rms = compile_for(_fwd, key)(
+                mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps, spec.norm_eps_inside,
+                *sink)
         ctx.save_for_backward(x, *params, proj, rms)
         ctx.n, ctx.compute, ctx.out_dtype, ctx.h_pre_eps = n, compute, out_dtype, spec.h_pre_eps
-        ctx.eps_outside = 0.0 if spec.norm_eps_inside else norm_eps
+        ctx.eps_outside = eps_outside
         ctx.sink = sink
         return agg, h_pre, h_post, h_res
 

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
 
 
-_SKIP = shutil.ignore_patterns("__pycache__", "build", "*.egg-info", ".*")
+_SKIP = shutil.ignore_patterns("__pycache__", "build", "*.egg-info", ".*", "*.so")
+"""What a build must not take from the checkout: caches, build folders, extensions an editable install built."""
 
 
 def _wheel(files: dict[str, Path], out: Path) -> Path:
@@ -36,8 +37,9 @@ def _wheel(files: dict[str, Path], out: Path) -> Path:
     return wheel
 
 
-CORE = {"pyproject.toml": ROOT / "pyproject.toml", "README.md": ROOT / "README.md", "mhc_core": ROOT / "mhc_core"}
-"""mhc-core's project: the root pyproject.toml and the mhc_core package."""
+CORE = {"pyproject.toml": ROOT / "pyproject.toml", "setup.py": ROOT / "setup.py", "README.md": ROOT / "README.md",
+        "mhc_core": ROOT / "mhc_core"}
+"""mhc-core's project: the root pyproject.toml, setup.py (its C extension) and the mhc_core package."""
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +55,15 @@ def _metadata(wheel: Path) -> tuple[list[str], str]:
 
 
 def test_the_core_wheel_holds_mhc_core_and_depends_on_torch_only(core_wheel):
-    """mhc-core's wheel: only the mhc_core package (and its shipped tunings), no harness, no entry points (no
-    pytest plugin, no CLI); its only unconditional requirement is torch, megatron-core and cuTile are extras."""
+    """mhc-core's wheel: only the mhc_core package (its shipped tunings, and on Linux with a C compiler the native
+    pre-op forward), no harness, no entry points (no pytest plugin, no CLI); its only unconditional
+    requirement is torch, megatron-core and cuTile are extras."""
     names, meta = _metadata(core_wheel)
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"mhc_core"}, tops
     assert "mhc_core/kernels/cutile/tuned/nvidia_h200.json" in names
+    if sys.platform.startswith("linux") and shutil.which("cc"):  # the optional extension builds where a compiler is
+        assert any(n.startswith("mhc_core/kernels/native/_pre.") and n.endswith(".so") for n in names), names
     assert not any(n.endswith("entry_points.txt") for n in names)
     required = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     plain = [r for r in required if "extra ==" not in r]
@@ -137,7 +142,8 @@ aggregated, h_res, h_post, residual = hc(x)
 out = hc.post_residual_bda(h_res, residual, h_post, (torch.tanh(aggregated), None), dropout_p=0.0)
 contract(out, 4).sum().backward()
 assert aggregated.shape == (5, 2, 8) and out.shape == (5, 2, 32) and torch.isfinite(x.grad).all()
-print("ok", torch.__version__)
+from mhc_core.kernels import native
+print("ok", torch.__version__, native.available())
 """
     run = subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stderr[-3000:]

@@ -1,0 +1,70 @@
+"""Native (C) CPU kernels of the compiled backend: the fused pre-op's forward in one pass over the streams.
+
+Inductor cannot give the pre-op's forward one read of `x`: the 24-column projection is an extern GEMM, so
+the sum of squares and the aggregate each read `x` again. `_pre` (`pre.c`, built by the package's own
+install from `setup.py`; optional, so an install without a C compiler simply lacks it) reads each block of
+tokens once for the projection and the sum of squares and, while the rows are in cache, computes h_pre and
+the aggregate. It runs where the compute dtype of the mapping is fp32 (every variant with fp32 activations,
+and `fp32_mappings` with bf16 ones); the compiled backend's `pre` uses it on CPU tensors when `available()`,
+else its torch.compile forward. `MHC_NATIVE=0` turns it off (`1`, the default, uses it where it can).
+
+    proj [T, N], rms [T, 1], h_pre [T, n], aggregate [T, C] = pre_forward(x [T, n*C], weight [N, n*C], ...)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["ENV", "available", "pre_forward"]
+
+ENV = "MHC_NATIVE"
+
+
+@functools.cache
+def _module():
+    try:
+        from mhc_core.kernels.native import _pre
+    except ImportError as exc:
+        return None, f"mhc_core.kernels.native._pre is not built ({exc}; `pip install -e .` builds it with a C compiler)"
+    return _pre, f"native pre-op forward ({_pre.simd()})"
+
+
+def available() -> tuple[bool, str]:
+    """Whether the native forward can run here (built, and not turned off with `MHC_NATIVE=0`), and why."""
+    if os.environ.get(ENV, "1") == "0":
+        return False, f"turned off ({ENV}=0)"
+    module, why = _module()
+    return module is not None, why
+
+
+def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, bias: torch.Tensor, n: int,
+                norm_eps: float, eps_inside: bool, h_pre_eps: float, h_pre_dtype: torch.dtype,
+                portable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward pass (see the module docstring) on CPU tensors: x `[T, n*C]` fp32 or bf16, weight `[N, n*C]`,
+    alpha_pre `[1]`, bias `[N]` (both fp32 on the way in); h_pre rounded to `h_pre_dtype` (fp32 or bf16)
+    before it weights the streams. Returns `proj [T, N]` fp32, `rms [T, 1]` fp32, `h_pre [T, n]` in
+    `h_pre_dtype`, `aggregate [T, C]` in x's dtype. `portable`: the kernel without SIMD (tests)."""
+    module, why = _module()
+    if module is None:
+        raise RuntimeError(why)
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native pre_forward: x must be a CPU fp32 / bf16 tensor, got {x.dtype} on {x.device}")
+    if h_pre_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native pre_forward: h_pre_dtype must be fp32 or bf16, got {h_pre_dtype}")
+    x = x.contiguous()
+    t, k = x.shape
+    big_n = n * n + 2 * n
+    w = weight.detach().to(torch.float32).contiguous()
+    b = bias.detach().to(torch.float32)[:n].contiguous()
+    proj = torch.empty(t, big_n, dtype=torch.float32)
+    rms = torch.empty(t, 1, dtype=torch.float32)
+    h_pre = torch.empty(t, n, dtype=torch.float32)
+    agg = torch.empty(t, k // n, dtype=x.dtype)
+    module.forward(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, w.data_ptr(), float(alpha_pre.detach()),
+                   b.data_ptr(), float(norm_eps), int(eps_inside), float(h_pre_eps),
+                   int(h_pre_dtype == torch.bfloat16), proj.data_ptr(), rms.data_ptr(), h_pre.data_ptr(),
+                   agg.data_ptr(), portable)
+    return proj, rms, h_pre.to(h_pre_dtype), agg
