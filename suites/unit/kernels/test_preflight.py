@@ -152,3 +152,20 @@ def test_fp32_sinkhorn_logits_of_paper_stay_on_cutile(cutile_on_cpu):
              for v in ("paper", "megatron_main", "megatron_dev")}
     assert [plans[v]["sinkhorn"] == "cutile" for v in plans] == [True, False, False], plans
     assert all(plans[v][op] != "cutile" for v in plans for op in ("mapping", "h_aggregate", "h_post_bda")), plans
+
+
+def test_preflight_says_where_pres_forward_runs(monkeypatch):
+    """On CPU the report says whether pre's compiled forward is the native kernel, and why not where it is not."""
+    from mhc_core.kernels import native
+
+    for name in [dispatch.ENV_ALL, *(dispatch.env_var(op) for op in dispatch.OPS)]:
+        monkeypatch.delenv(name, raising=False)
+    notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_main").notes)
+    assert "pre's forward runs its torch.compile graph (the mapping computes in the activation dtype" in notes
+    monkeypatch.setenv(native.ENV, "0")
+    notes = " ".join(preflight.preflight(device="cpu", dtype="fp32").notes)
+    assert "pre's forward runs its torch.compile graph (turned off (MHC_NATIVE=0)" in notes
+    monkeypatch.delenv(native.ENV)
+    if native.available()[0]:
+        notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_dev").notes)
+        assert "pre's forward runs its native kernel (the mapping computes in fp32" in notes
