@@ -30,11 +30,12 @@ def test_registry_bytes_are_positive_and_ids_unique(device):
 
 @pytest.mark.parametrize("onednn_bf16", [True, False], ids=["onednn-bf16", "no-onednn-bf16"])
 def test_cpu_gap_drops_only_the_bf16_mapping_backward_without_onednn(monkeypatch, onednn_bf16):
-    """Without oneDNN bf16 GEMMs, only the CPU bf16 mapping fwdbwd is skipped (with the reason); else nothing."""
+    """Without oneDNN bf16 GEMMs, only the CPU bf16 mapping and pre fwdbwd are skipped (with the reason: their
+    megatron_main backward's bf16 dx GEMM); else nothing."""
     monkeypatch.setattr(registry, "has_onednn_bf16", lambda: onednn_bf16)
     gaps = {(c.id, d): registry.cpu_gap(c, d) for c in cases_for("cpu") for d in ("fwd", "fwdbwd")}
     skipped = {key for key, why in gaps.items() if why}
-    expected = set() if onednn_bf16 else {("mapping-T4096-n4-C2048-bf16", "fwdbwd")}
+    expected = set() if onednn_bf16 else {("mapping-T4096-n4-C2048-bf16", "fwdbwd"), ("pre-T4096-n4-C2048-bf16", "fwdbwd")}
     assert skipped == expected, skipped
     assert all("oneDNN" in gaps[key] for key in skipped)
     assert all(registry.cpu_gap(c, d) is None for c in cases_for("cuda") for d in ("fwd", "fwdbwd"))
