@@ -84,6 +84,24 @@ def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pr
     return h_pre.to(out_dtype), h_post.to(out_dtype), logits.to(out_dtype), proj, rms
 
 
+def gate_grads(gh, r, projf, alpha, n: int, params) -> tuple:
+    """From the gradient `gh [T, N]` of `h = r * proj * alpha + bias`: `g_proj [T, N]` and the gradients of
+    `params = (alpha_pre, alpha_post, alpha_res, bias)`, each in its parameter's dtype."""
+    a_pre, a_post, a_res, bias = params
+    g_alpha = (gh * r * projf).sum(0)  # [N]
+    g_a_pre = g_alpha[:n].sum().reshape(1).to(a_pre.dtype)
+    g_a_post = g_alpha[n : 2 * n].sum().reshape(1).to(a_post.dtype)
+    g_a_res = g_alpha[2 * n :].sum().reshape(1).to(a_res.dtype)
+    return gh * r * alpha, (g_a_pre, g_a_post, g_a_res, gh.sum(0).to(bias.dtype))
+
+
+def rms_coef(gh, projf, alpha, r, rms, k: int):
+    """`c [T, 1]` with `dL/dx = g_proj @ W + c * x` from the RMS scale `r` (either eps placement, from the saved
+    `rms`; 0 where `rms` is 0, as autograd's norm)."""
+    g_r = (gh * projf * alpha).sum(-1, keepdim=True)  # [T, 1]
+    return torch.where(rms > 0, -g_r * r * r / (rms * k), torch.zeros_like(rms))
+
+
 def _bwd(g_pre, g_post, g_logits, x, weight, a_pre, a_post, a_res, bias, proj, rms,
          n: int, compute, eps_outside: float, need_x: bool, need_w: bool):
     acc = acc_dtype(compute)
@@ -102,20 +120,14 @@ def _bwd(g_pre, g_post, g_logits, x, weight, a_pre, a_post, a_res, bias, proj, r
         ],
         dim=1,
     )  # [T, N]
-    g_bias = gh.sum(0).to(bias.dtype)
-    g_alpha = (gh * r * projf).sum(0)  # [N]
-    g_a_pre = g_alpha[:n].sum().reshape(1).to(a_pre.dtype)
-    g_a_post = g_alpha[n : 2 * n].sum().reshape(1).to(a_post.dtype)
-    g_a_res = g_alpha[2 * n :].sum().reshape(1).to(a_res.dtype)
-    g_proj = gh * r * alpha  # [T, N]
+    g_proj, g_params = gate_grads(gh, r, projf, alpha, n, (a_pre, a_post, a_res, bias))
     g_x = g_w = None
     if need_x:
-        g_r = (gh * projf * alpha).sum(-1, keepdim=True)  # [T, 1]
-        coef = torch.where(rms > 0, -g_r * r * r / (rms * k), torch.zeros_like(rms))
+        coef = rms_coef(gh, projf, alpha, r, rms, k)
         g_x = ((g_proj.to(compute) @ weight.to(compute)).to(acc) + coef * x.to(compute).to(acc)).to(x.dtype)
     if need_w:
         g_w = (g_proj.to(compute).t() @ x.to(compute)).to(weight.dtype)
-    return g_x, g_w, g_a_pre, g_a_post, g_a_res, g_bias
+    return g_x, g_w, *g_params
 
 
 class _Mapping(torch.autograd.Function):

@@ -31,7 +31,7 @@ from mhc_core import ops
 from mhc_core.kernels import native
 from mhc_core.kernels.compiled.aggregate import _fwd as _aggregate_fwd
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.kernels.compiled.mapping import _alpha
+from mhc_core.kernels.compiled.mapping import _alpha, gate_grads, rms_coef
 from mhc_core.kernels.compiled.mapping import _fwd as _mapping_fwd
 from mhc_core.kernels.compiled.sinkhorn import _bwd as _sinkhorn_bwd
 from mhc_core.kernels.compiled.sinkhorn import _fwd as _sinkhorn_fwd
@@ -103,16 +103,10 @@ def _bwd(g_agg, g_pre, g_post, g_res, x, weight, a_pre, a_post, a_res, bias, pro
         ],
         dim=1,
     )  # [T, N]
-    g_bias = gh.sum(0).to(bias.dtype)
-    g_alpha = (gh * r * projf).sum(0)  # [N]
-    g_a_pre = g_alpha[:n].sum().reshape(1).to(a_pre.dtype)
-    g_a_post = g_alpha[n : 2 * n].sum().reshape(1).to(a_post.dtype)
-    g_a_res = g_alpha[2 * n :].sum().reshape(1).to(a_res.dtype)
-    g_proj = gh * r * alpha  # [T, N]
+    g_proj, g_params = gate_grads(gh, r, projf, alpha, n, (a_pre, a_post, a_res, bias))
     g_x = g_w = None
     if need_x:
-        g_r = (gh * projf * alpha).sum(-1, keepdim=True)  # [T, 1]
-        coef = torch.where(rms > 0, -g_r * r * r / (rms * k), torch.zeros_like(rms))
+        coef = rms_coef(gh, projf, alpha, r, rms, k)
         # One pointwise pass after the GEMM adds c * x and h_pre (x) g_agg to its product, read as [T, n, C] (the
         # view keeps Inductor from folding c * x into an addmm, which writes c * x to a [T, K] buffer of its own
         # and copies it into the product's).
@@ -121,7 +115,7 @@ def _bwd(g_agg, g_pre, g_post, g_res, x, weight, a_pre, a_post, a_res, bias, pro
                + h_pre.to(acc)[:, :, None] * g_aggf[:, None, :].to(acc)).to(x.dtype).view(t, k)
     if need_w:
         g_w = (g_proj.to(compute).t() @ x.to(compute)).to(weight.dtype)
-    return g_x, g_w, g_a_pre, g_a_post, g_a_res, g_bias
+    return g_x, g_w, *g_params
 
 
 class _Pre(torch.autograd.Function):
