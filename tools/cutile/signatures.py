@@ -46,6 +46,9 @@ _ROLE = {
     "mapping_fwd_epilogue_kernel": "epilogue",
     "mapping_bwd_coef_kernel": "coef",
     "mapping_bwd_dx_dw_kernel": "dx_dw",
+    "pre_fwd_epilogue_kernel": "epilogue",
+    "pre_bwd_coef_kernel": "coef",
+    "pre_bwd_dx_dw_kernel": "dx_dw",
 }
 
 
@@ -71,6 +74,13 @@ def _leaf(shape, dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype).requires_grad_(True)
 
 
+def _mapping_leaves(t: int, n: int, c: int, act: torch.dtype, pdt: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The inputs of `mapping` / `pre`: `x [t, n*c]` in `act`, weight, alphas and bias in `pdt`."""
+    big_n = num_mapping_outputs(n)
+    return (_leaf((t, n * c), act), _leaf((big_n, n * c), pdt), _leaf((1,), pdt), _leaf((1,), pdt), _leaf((1,), pdt),
+            _leaf((big_n,), pdt))
+
+
 def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, ...],
                acts: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
     """Every op forward and backward through `rec` at `[t, n, c]` for each `n`, `c` and activation
@@ -78,7 +88,6 @@ def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, 
     ops = make_ops(rec)
     for c, n in ((c, n) for c in cs for n in ns):
         c_tag = "" if c == cs[0] else f"-c{c}"
-        big_n = num_mapping_outputs(n)
         for act in acts:
             for variant in (Variant.MEGATRON_MAIN, Variant.MEGATRON_DEV, Variant.PAPER):
                 spec = get_variant(variant)
@@ -93,8 +102,7 @@ def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, 
                         rec,
                         f"mapping|{tag}{suffix}",
                         lambda x, w, a, b, d, bias, n=n, v=variant: ops.mapping(x, w, a, b, d, bias, n, v),
-                        _leaf((t, n * c), act), _leaf((big_n, n * c), pdt), _leaf((1,), pdt), _leaf((1,), pdt),
-                        _leaf((1,), pdt), _leaf((big_n,), pdt),
+                        *_mapping_leaves(t, n, c, act, pdt),
                     )
                 _record(rec, f"sinkhorn|{tag}", lambda z, v=variant: ops.sinkhorn(z, 3, None, v),
                         _leaf((t, n, n), coef))
@@ -106,6 +114,15 @@ def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, 
                         f"h_post_bda|{tag}" + ("-bias" if with_bias else ""),
                         lambda hr, r, hp, y, b=bias, v=variant: ops.h_post_bda(hr, r, hp, y, b, 0.0, True, v),
                         _leaf((t, n, n), coef), _leaf((t, n, c), act), _leaf((t, n), coef), _leaf((t, c), act),
+                    )
+                # After the ops it fuses, so that its launches of their kernels keep their ids.
+                for pdt in param_dtypes:
+                    suffix = "" if pdt == torch.float32 else f"-params_{_DTYPE_NAMES[pdt]}"
+                    _record(
+                        rec,
+                        f"pre|{tag}{suffix}",
+                        lambda x, w, a, b, d, bias, n=n, v=variant: ops.pre(x, w, a, b, d, bias, n, 3, v),
+                        *_mapping_leaves(t, n, c, act, pdt),
                     )
 
 
@@ -126,7 +143,7 @@ def _distinct(rec: RecordingRuntime, prefix: str = "") -> tuple[PlannedLaunch, .
 @functools.cache
 def signature_plan(ns: tuple[int, ...] = tiling.SUPPORTED_N, t: int = REPRESENTATIVE_T,
                    cs: tuple[int, ...] = REPRESENTATIVE_C) -> tuple[PlannedLaunch, ...]:
-    """Distinct launches of all four ops, forward and backward (CPU only, no `cuda.tile`)."""
+    """Distinct launches of all five ops, forward and backward (CPU only, no `cuda.tile`)."""
     rec = RecordingRuntime()
     record_all(rec, ns, t, cs)
     return _distinct(rec)
@@ -153,7 +170,7 @@ spill-free 16 x 64 mapping backward."""
 
 
 def plan_under(overrides: dict, n: int = 4, prefix: str = "") -> tuple[PlannedLaunch, ...]:
-    """Distinct launches of all four ops at `n`, C = 512, inside `tiling.overridden(**overrides)`
+    """Distinct launches of all five ops at `n`, C = 512, inside `tiling.overridden(**overrides)`
     (ids prefixed `prefix`): what the dispatch launches for one set of tiles."""
     rec = RecordingRuntime()
     with tiling.overridden(**overrides):
@@ -182,7 +199,7 @@ def alternative_plan(n: int = 4) -> tuple[PlannedLaunch, ...]:
 
 
 def _plan_tuned(t) -> tuple[PlannedLaunch, ...]:
-    """Distinct launches of all four ops under tuning `t`, at its `n` and both representative hidden sizes."""
+    """Distinct launches of all five ops under tuning `t`, at its `n` and both representative hidden sizes."""
     from mhc_core.kernels.cutile import tuning
 
     rec = RecordingRuntime()

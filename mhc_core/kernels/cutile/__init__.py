@@ -11,8 +11,8 @@ Importing this package needs neither `cuda.tile` nor a GPU: the kernel modules
   other than bf16 / fp32 (fp16, fp64), dropout > 0 in training, tensors not on a CUDA device. Unlike
   the reference ops, the kernels do not check their inputs for NaN / inf (that check syncs the host).
   Bad arguments raise the reference's `ValueError`s (the reference's own check functions).
-- `make_ops(runtime)`: the four ops bound to another runtime (the lab's CPU emulator, the launch
-  recorder): each is a `torch.autograd.Function` (in `sinkhorn.py`, `mapping.py`, `streams.py`) whose
+- `make_ops(runtime)`: the ops (the four and the fused `pre`) bound to another runtime (the lab's CPU
+  emulator, the launch recorder): each is a `torch.autograd.Function` (in `sinkhorn.py`, `mapping.py`, `streams.py`) whose
   forward and backward are launches of the family's kernels (`sinkhorn_kernels.py`,
   `mapping_kernels.py`, `stream_kernels.py`) through the runtime (`runtime.py`).
 - Every launch signature, for the export / compile checks, is listed by the lab's
@@ -88,10 +88,15 @@ def make_ops(runtime: Any | Callable[[], Any]) -> CuTileOps:
     def pre(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations=20, variant=Variant.MEGATRON_MAIN,
             norm_eps=NORM_EPS):
         """cuTile `mhc_core.ops.pre`: `x [T, n*C] -> aggregate [T, C], h_pre, h_post [T, n], h_res [T, n, n]`: the
-        mapping, Sinkhorn and aggregate launches in a row (one kernel reading `x` once is not written yet)."""
+        mapping's split-K pair with the aggregate in its epilogue and its backward (`mapping.pre`), then Sinkhorn;
+        where the channels do not fit its tiles, the mapping, Sinkhorn and aggregate launches in a row."""
         spec = get_variant(variant)
         n, iterations = check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec,
                                        op="pre", norm_eps=norm_eps)
+        fused = _mapping.pre(get, x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec, norm_eps,
+                             sinkhorn=sinkhorn)
+        if fused is not None:
+            return fused
         h_pre, h_post, logits = mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, spec, norm_eps)
         h_res = sinkhorn(logits, iterations, None, spec)
         return h_aggregate(x.reshape(x.shape[0], n, x.shape[1] // n), h_pre), h_pre, h_post, h_res
@@ -156,7 +161,7 @@ def _default_runtime():
 
 
 OPS: CuTileOps = make_ops(_default_runtime)
-"""The four ops on the GPU runtime (created on first call)."""
+"""The ops on the GPU runtime (created on first call)."""
 
 sinkhorn = OPS.sinkhorn
 mapping = OPS.mapping

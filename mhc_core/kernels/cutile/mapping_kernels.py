@@ -104,13 +104,9 @@ def mapping_fwd_partial_kernel(x, w_pp, w_res, part_pp, part_res, part_sq, k_til
     ct.store(part_sq, index=(ps, pm), tile=ct.reshape(sq, (1, TILE_M)))
 
 
-@ct.kernel
-def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
-                                bias_pp, bias_res, h_pre, h_post, h_res, proj_pp, proj_res, rms_out,
-                                inv_k: float, norm_eps: float, h_pre_eps: float, eps_inside: float,
-                                N: ConstInt, TILE_M: ConstInt):
-    """Reduce the K splits and apply RMS, alphas, bias and gates; grid `(cdiv(T, TILE_M),)`."""
-    pm = ct.bid(0)
+def _epilogue(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res, bias_pp, bias_res, pm,
+              inv_k, norm_eps, h_pre_eps, eps_inside, N, TILE_M):
+    """The K splits of block `pm` reduced and turned into coefficients: `(p_pp, p_res, rms, pre, post, logits)`."""
     p_pp = ct.zeros((TILE_M, 2 * N), dtype=F32)
     p_res = ct.zeros((TILE_M, N * N), dtype=F32)
     sq = ct.zeros((TILE_M,), dtype=F32)
@@ -126,12 +122,55 @@ def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_pos
     logits = r * p_res * _scalar_f32(alpha_res) + b_res
     pre = ct.extract(gates, (0, 0), shape=(TILE_M, N)) + h_pre_eps
     post = 2.0 * ct.extract(gates, (0, 1), shape=(TILE_M, N))
+    return p_pp, p_res, rms, pre, post, logits
+
+
+def _store_epilogue(h_pre, h_post, h_res, proj_pp, proj_res, rms_out, pm, p_pp, p_res, rms, pre, post, logits,
+                    N, TILE_M):
     ct.store(h_pre, index=(pm, 0), tile=ct.astype(pre, h_pre.dtype))
     ct.store(h_post, index=(pm, 0), tile=ct.astype(post, h_post.dtype))
     ct.store(h_res, index=(pm, 0, 0), tile=ct.astype(ct.reshape(logits, (TILE_M, N, N)), h_res.dtype))
     ct.store(proj_pp, index=(pm, 0), tile=p_pp)
     ct.store(proj_res, index=(pm, 0), tile=p_res)
     ct.store(rms_out, index=(pm,), tile=rms)
+
+
+@ct.kernel
+def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
+                                bias_pp, bias_res, h_pre, h_post, h_res, proj_pp, proj_res, rms_out,
+                                inv_k: float, norm_eps: float, h_pre_eps: float, eps_inside: float,
+                                N: ConstInt, TILE_M: ConstInt):
+    """Reduce the K splits and apply RMS, alphas, bias and gates; grid `(cdiv(T, TILE_M),)`."""
+    pm = ct.bid(0)
+    p_pp, p_res, rms, pre, post, logits = _epilogue(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
+                                                    bias_pp, bias_res, pm, inv_k, norm_eps, h_pre_eps, eps_inside,
+                                                    N, TILE_M)
+    _store_epilogue(h_pre, h_post, h_res, proj_pp, proj_res, rms_out, pm, p_pp, p_res, rms, pre, post, logits,
+                    N, TILE_M)
+
+
+@ct.kernel
+def pre_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res, bias_pp, bias_res,
+                            x, h_pre, h_post, h_res, proj_pp, proj_res, rms_out, agg,
+                            inv_k: float, norm_eps: float, h_pre_eps: float, eps_inside: float,
+                            N: ConstInt, TILE_M: ConstInt, TILE_C: ConstInt):
+    """The fused pre-op's second launch: `mapping_fwd_epilogue_kernel`, then the aggregate of the block's tokens,
+    `agg[t, c] = sum_i h_pre[t, i] x[t, i*C + c]` (h_pre as stored), in `TILE_C` channel tiles (TILE_C divides
+    C); grid `(cdiv(T, TILE_M),)`."""
+    pm = ct.bid(0)
+    p_pp, p_res, rms, pre, post, logits = _epilogue(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
+                                                    bias_pp, bias_res, pm, inv_k, norm_eps, h_pre_eps, eps_inside,
+                                                    N, TILE_M)
+    _store_epilogue(h_pre, h_post, h_res, proj_pp, proj_res, rms_out, pm, p_pp, p_res, rms, pre, post, logits,
+                    N, TILE_M)
+    weights = ct.astype(ct.astype(pre, h_pre.dtype), F32)
+    c_tiles = ct.num_tiles(agg, axis=1, shape=(TILE_M, TILE_C))
+    for pc in range(c_tiles):
+        acc = ct.zeros((TILE_M, TILE_C), dtype=F32)
+        for i in ct.static_iter(range(N)):
+            xi = _load_f32(x, (pm, i * c_tiles + pc), (TILE_M, TILE_C))
+            acc = acc + ct.extract(weights, (0, i), shape=(TILE_M, 1)) * xi
+        ct.store(agg, index=(pm, pc), tile=ct.astype(acc, agg.dtype))
 
 
 @ct.kernel
@@ -147,6 +186,37 @@ def mapping_bwd_coef_kernel(grad_pre, grad_post, grad_res, proj_pp, proj_res, rm
     `gbias_res_part [B, n*n]`, `galpha_part [B, 4]` (pre, post, res, 0).
     """
     pm = ct.bid(0)
+    _coef(grad_pre, 0.0, grad_post, grad_res, proj_pp, proj_res, rms_in, alpha_pre, alpha_post, alpha_res, bias_pp,
+          gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part, pm, inv_k, norm_eps, N, TILE_M, 0)
+
+
+@ct.kernel
+def pre_bwd_coef_kernel(grad_agg, x, grad_pre, grad_post, grad_res, proj_pp, proj_res, rms_in,
+                        alpha_pre, alpha_post, alpha_res, bias_pp, bias_res,
+                        gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part,
+                        inv_k: float, norm_eps: float,
+                        N: ConstInt, TILE_M: ConstInt, TILE_C: ConstInt):
+    """`mapping_bwd_coef_kernel` of the fused pre-op: h_pre's gradient gains the aggregate's,
+    `sum_c grad_agg[t, c] x[t, i*C + c]`, read in `TILE_C` channel tiles (TILE_C divides C); grid
+    `(cdiv(T, TILE_M),)`."""
+    pm = ct.bid(0)
+    lanes = ct.reshape(ct.arange(N, dtype=ct.int32), (1, N))
+    g_agg_pre = ct.zeros((TILE_M, N), dtype=F32)
+    c_tiles = ct.num_tiles(grad_agg, axis=1, shape=(TILE_M, TILE_C))
+    for pc in range(c_tiles):
+        g = _load_f32(grad_agg, (pm, pc), (TILE_M, TILE_C))
+        for i in ct.static_iter(range(N)):
+            xi = _load_f32(x, (pm, i * c_tiles + pc), (TILE_M, TILE_C))
+            g_agg_pre = g_agg_pre + ct.where(lanes == i, ct.sum(g * xi, axis=1, keepdims=True), 0.0)
+    _coef(grad_pre, g_agg_pre, grad_post, grad_res, proj_pp, proj_res, rms_in, alpha_pre, alpha_post, alpha_res,
+          bias_pp, gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part, pm, inv_k, norm_eps, N, TILE_M, 1)
+
+
+def _coef(grad_pre, g_agg_pre, grad_post, grad_res, proj_pp, proj_res, rms_in, alpha_pre, alpha_post, alpha_res,
+          bias_pp, gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part, pm, inv_k, norm_eps, N, TILE_M,
+          AGG):
+    """The coefficient gradients of block `pm` (`AGG`: h_pre's gradient plus `g_agg_pre [TILE_M, n]`, the
+    aggregate's share)."""
     p_pp = _load_f32(proj_pp, (pm, 0), (TILE_M, 2 * N))
     p_res = _load_f32(proj_res, (pm, 0), (TILE_M, N * N))
     rms = ct.reshape(_load_f32(rms_in, (pm,), (TILE_M,)), (TILE_M, 1))
@@ -157,8 +227,10 @@ def mapping_bwd_coef_kernel(grad_pre, grad_post, grad_res, proj_pp, proj_res, rm
     a_res = _scalar_f32(alpha_res)
     b_pp = ct.reshape(_load_f32(bias_pp, (0,), (2 * N,)), (1, 2 * N))
     gates = _sigmoid(r * p_pp * a_pp + b_pp)
-    g_gates = ct.cat((_load_f32(grad_pre, (pm, 0), (TILE_M, N)),
-                      2.0 * _load_f32(grad_post, (pm, 0), (TILE_M, N))), axis=1)
+    g_pre = _load_f32(grad_pre, (pm, 0), (TILE_M, N))
+    if AGG:
+        g_pre = g_pre + g_agg_pre
+    g_gates = ct.cat((g_pre, 2.0 * _load_f32(grad_post, (pm, 0), (TILE_M, N))), axis=1)
     gh_pp = g_gates * gates * (1.0 - gates)
     gh_res = ct.reshape(_load_f32(grad_res, (pm, 0, 0), (TILE_M, N, N)), (TILE_M, N * N))
     # Rows past T load as zeros, so they add nothing below.
@@ -223,11 +295,9 @@ def _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA):
     return gx
 
 
-@ct.kernel
-def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_part, gw_res_part,
-                             m_tiles_per_split: int,
-                             N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
-    """`grad_x = gp @ W + cx * x` and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
+def _dx_dw(x, w_pp, w_res, gp_pp, gp_res, cx, grad_agg, h_pre, grad_x, gw_pp_part, gw_res_part, m_tiles_per_split,
+           N, TILE_M, TILE_K, MMA, AGG):
+    """The body of the dx / dW kernels (`AGG`: also the aggregate's `h_pre[t, i] * grad_agg[t, c]` in `grad_x`)."""
     pk = ct.bid(0)
     ps = ct.bid(1)
     m_tiles = ct.num_tiles(x, axis=0, shape=(TILE_M, TILE_K))
@@ -237,6 +307,14 @@ def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_pa
     acc_pp = ct.zeros((2 * N, TILE_K), dtype=F32)
     acc_res = ct.zeros((N * N, TILE_K), dtype=F32)
     acc_all = ct.zeros((4 * N, TILE_K), dtype=F32)  # 2n + n*n rows at n = 2; unused otherwise
+    if AGG:
+        # K tile pk is channel tile pc of the stream `stream` (TILE_K divides C).
+        per_stream = ct.num_tiles(grad_agg, axis=1, shape=(TILE_M, TILE_K))
+        stream = pk // per_stream
+        pc = pk - stream * per_stream
+    else:
+        stream = 0  # unused
+        pc = 0  # unused
     for mt in range(m_begin, m_end):
         a = ct.load(x, index=(mt, pk), shape=(TILE_M, TILE_K), padding_mode=PAD_ZERO)
         g_pp = _load_f32(gp_pp, (mt, 0), (TILE_M, 2 * N))
@@ -244,6 +322,11 @@ def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_pa
         g_all = _joined(g_pp, g_res, N, MMA)
         c = ct.reshape(_load_f32(cx, (mt,), (TILE_M,)), (TILE_M, 1))
         gx = _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
+        if AGG:
+            lanes = ct.reshape(ct.arange(N, dtype=ct.int32), (1, N))
+            weight = ct.sum(ct.where(lanes == stream, _load_f32(h_pre, (mt, 0), (TILE_M, N)), 0.0), axis=1,
+                            keepdims=True)
+            gx = gx + weight * _load_f32(grad_agg, (mt, pc), (TILE_M, TILE_K))
         ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
         if N == 2 and MMA == MMA_3XTF32:
             af = ct.astype(a, F32)
@@ -259,3 +342,22 @@ def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_pa
         acc_res = ct.extract(acc_all, (1, 0), shape=(N * N, TILE_K))
     ct.store(gw_pp_part, index=(ps, 0, pk), tile=ct.reshape(acc_pp, (1, 2 * N, TILE_K)))
     ct.store(gw_res_part, index=(ps, 0, pk), tile=ct.reshape(acc_res, (1, N * N, TILE_K)))
+
+
+@ct.kernel
+def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_part, gw_res_part,
+                             m_tiles_per_split: int,
+                             N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
+    """`grad_x = gp @ W + cx * x` and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
+    _dx_dw(x, w_pp, w_res, gp_pp, gp_res, cx, x, x, grad_x, gw_pp_part, gw_res_part, m_tiles_per_split,
+           N, TILE_M, TILE_K, MMA, 0)
+
+
+@ct.kernel
+def pre_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_agg, h_pre, grad_x, gw_pp_part, gw_res_part,
+                         m_tiles_per_split: int,
+                         N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
+    """The fused pre-op's one gradient of x: `grad_x = gp @ W + cx * x + h_pre[t, i] * grad_agg[t, c]` (k = i*C + c,
+    TILE_K divides C) and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
+    _dx_dw(x, w_pp, w_res, gp_pp, gp_res, cx, grad_agg, h_pre, grad_x, gw_pp_part, gw_res_part, m_tiles_per_split,
+           N, TILE_M, TILE_K, MMA, 1)

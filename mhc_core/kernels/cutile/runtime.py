@@ -52,6 +52,9 @@ KERNEL_MODULES: dict[str, str] = {
     "mapping_fwd_epilogue_kernel": "mapping_kernels",
     "mapping_bwd_coef_kernel": "mapping_kernels",
     "mapping_bwd_dx_dw_kernel": "mapping_kernels",
+    "pre_fwd_epilogue_kernel": "mapping_kernels",
+    "pre_bwd_coef_kernel": "mapping_kernels",
+    "pre_bwd_dx_dw_kernel": "mapping_kernels",
 }
 """Every kernel of the package and the module (in this package) that defines it."""
 

@@ -128,6 +128,16 @@ def mapping_oracle(n: int, variant):
     return fn
 
 
+def pre_oracle(n: int, variant, iterations: int):
+    """`mapping_oracle` for the fused pre-op: `ref.pre` in fp64, the weight rounded as the mapping's is."""
+
+    def fn(x, weight, *rest):
+        w = weight if get_variant(variant).mapping_fp32 else weight.to(x.dtype)
+        return ref.pre(x.double(), w.double(), *(t.double() for t in rest), n, iterations, variant)
+
+    return fn
+
+
 MAPPING_INPUT_NAMES = ("x", "weight", "alpha_pre", "alpha_post", "alpha_res", "bias")
 MAPPING_COSINE = ("alpha_pre", "alpha_post", "alpha_res", "bias")
 POST_BDA_INPUT_NAMES = ("h_res", "residual", "h_post", "y", "bias")

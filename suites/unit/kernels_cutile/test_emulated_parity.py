@@ -15,6 +15,7 @@ import torch
 
 from mhc_core import ops as ref
 from mhc_core.kernels.cutile import make_ops, tiling
+from mhc_core.kernels.cutile.mapping import pre_tile_c as mapping_pre_tile_c
 from mhc_core.variants import Variant
 from suites.unit.kernels_cutile.cutile_cases import (
     DTYPE_NAMES,
@@ -27,11 +28,12 @@ from suites.unit.kernels_cutile.cutile_cases import (
     mapping_inputs,
     mapping_oracle,
     post_bda_inputs,
+    pre_oracle,
     sinkhorn_inputs,
 )
 from tools.cutile import emulated_tile
 from tools.cutile.emulator import EmulatedRuntime
-from tools.cutile.gpu_cases import SINKHORN_FORMS
+from tools.cutile.gpu_cases import MAPPING_BWD_TILES, SINKHORN_FORMS
 
 VARIANTS = [pytest.param(v, id=VARIANT_NAMES[v]) for v in Variant]
 DTYPES = [pytest.param(d, id=DTYPE_NAMES[d]) for d in (torch.float32, torch.bfloat16)]
@@ -329,7 +331,8 @@ def test_mapping_numerics_options(emu, variant):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pre(emu, variant, dtype):
-    """pre (the mapping, Sinkhorn and aggregate launches in a row) matches the reference, fwd + bwd, n = 4."""
+    """pre at C = 64 (the default backward K tile, 128, does not divide C: the mapping, Sinkhorn and aggregate
+    launches in a row) matches the reference, fwd + bwd, n = 4."""
     compare(
         f"pre {variant} {dtype}",
         lambda *a: emu.pre(*a, 4, 5, variant),
@@ -339,6 +342,65 @@ def test_pre(emu, variant, dtype):
         input_names=MAPPING_INPUT_NAMES,
         cosine_inputs=MAPPING_COSINE,
     )
+
+
+class _LaunchLog(EmulatedRuntime):
+    """The emulator, recording the kernel of every launch."""
+
+    def __init__(self) -> None:
+        super().__init__(num_sms=4)
+        self.names: list[str] = []
+
+    def launch(self, grid, kernel_name, args):
+        self.names.append(kernel_name)
+        super().launch(grid, kernel_name, args)
+
+
+PRE_CASES = [pytest.param(v, d, None, id=f"{VARIANT_NAMES[v]}-{DTYPE_NAMES[d]}-default")
+             for v in Variant for d in (torch.float32, torch.bfloat16)] + [
+    pytest.param(Variant.MEGATRON_DEV, torch.bfloat16, tiles, id=f"dev-bf16-{name}")
+    for name, tiles in MAPPING_BWD_TILES.items()
+]
+"""Every variant and dtype under the default tiles; the sweep's backward tiles for one."""
+
+
+@pytest.mark.parametrize(("variant", "dtype", "tiles"), PRE_CASES)
+def test_pre_fused(variant, dtype, tiles):
+    """pre as the fused split-K pair (aggregate in the epilogue, its gradients in the backward pair) matches the
+    reference, fwd + bwd, n = 4, T300 C1024 (5 token blocks, the last partial; 16 forward and 8 backward
+    channel tiles of the aggregate); the launches are the fused kernels and Sinkhorn, nothing else. In bf16
+    against fp64 (`pre_oracle`): the reference rounds the aggregate's gradient of h_pre to bf16, the kernels
+    keep it in fp32, which puts their weight gradient 8x closer to fp64 (megatron_dev) than the reference's."""
+    rt = _LaunchLog()
+    ops = make_ops(rt)
+    with tiling.overridden(**({} if tiles is None else {"mapping_bwd": tiles})):
+        compare(
+            f"pre fused {tiles} {variant} {dtype}",
+            lambda *a: ops.pre(*a, 4, 20, variant),
+            lambda *a: ref.pre(*a, 4, 20, variant),
+            mapping_inputs(300, 4, 1024, dtype, "cpu"),
+            dtype,
+            input_names=MAPPING_INPUT_NAMES,
+            cosine_inputs=MAPPING_COSINE,
+            oracle_fn=pre_oracle(4, variant, 20) if dtype == torch.bfloat16 else None,
+            out_kind="proj",
+        )
+    assert "pre_fwd_epilogue_kernel" in rt.names and "pre_bwd_dx_dw_kernel" in rt.names, rt.names
+    assert not {"mapping_fwd_epilogue_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel"} & set(rt.names), (
+        rt.names)
+
+
+def test_pre_tile_c():
+    """The fused pre-op covers C where the backward's K tile divides it; each direction's channel tile is the
+    largest power of two that divides C, at most 256 and `PRE_TILE_ELEMENTS / TILE_M`; elsewhere the pre-op
+    falls back to the three ops."""
+    with tiling.overridden(mapping_fwd=tiling.MappingTiles(tile_m=64, tile_k=128),
+                           mapping_bwd=tiling.MappingTiles(tile_m=16, tile_k=128)):
+        assert mapping_pre_tile_c(4, 4 * 4096, "fwd") == 64
+        assert mapping_pre_tile_c(4, 4 * 4096, "bwd") == 256
+        assert mapping_pre_tile_c(4, 4 * 384, "bwd") == 128
+        assert mapping_pre_tile_c(4, 4 * 64, "fwd") is None
+        assert mapping_pre_tile_c(4, 4 * 300, "bwd") is None
 
 
 def test_mapping_n8(emu):

@@ -14,6 +14,7 @@ import torch
 import mhc_core.kernels.cutile as cutile
 from mhc_core import ops as ref
 from mhc_core.kernels.cutile import tiling
+from mhc_core.kernels.cutile.mapping import pre_tile_c
 from mhc_core.variants import Variant, get_variant
 from suites.unit.kernels_cutile.cutile_cases import (
     DTYPE_NAMES,
@@ -26,6 +27,7 @@ from suites.unit.kernels_cutile.cutile_cases import (
     mapping_inputs,
     mapping_oracle,
     post_bda_inputs,
+    pre_oracle,
     sinkhorn_inputs,
 )
 from tools.cutile.gpu_cases import (
@@ -135,6 +137,30 @@ def test_mapping_bwd_tiles(n, variant, dtype, tiles):
             f"mapping {tiles} n{n} {variant}",
             lambda *a: cutile.mapping(*a, n, variant),
             lambda *a: ref.mapping(*a, n, variant),
+            mapping_inputs(1100, n, 1024, dtype, DEV),
+            dtype,
+            input_names=MAPPING_INPUT_NAMES,
+            cosine_inputs=MAPPING_COSINE,
+            oracle_fn=oracle,
+            out_kind="proj",
+        )
+
+
+@pytest.mark.parametrize("tiles", [pytest.param(None, id="default"), *BWD_TILES])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", NS)
+def test_pre_fused(n, variant, dtype, tiles):
+    """The fused pre-op (the mapping's split-K pair with the aggregate in it, then Sinkhorn), fwd + bwd, at
+    T1100 C1024 (the backward's K tiles divide C: the fused launches), under the default backward tiles and the
+    sweep's."""
+    oracle = pre_oracle(n, variant, 20) if dtype == torch.bfloat16 else None
+    with tiling.overridden(**({} if tiles is None else {"mapping_bwd": tiles})):
+        assert pre_tile_c(n, n * 1024, "bwd") is not None
+        compare(
+            f"pre {tiles} n{n} {variant}",
+            lambda *a: cutile.pre(*a, n, 20, variant),
+            lambda *a: ref.pre(*a, n, 20, variant),
             mapping_inputs(1100, n, 1024, dtype, DEV),
             dtype,
             input_names=MAPPING_INPUT_NAMES,

@@ -13,7 +13,7 @@ from mhc_core.variants import Variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime
 from tools.cutile.signatures import alternative_plan, signature_plan
 
-ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
+ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping|pre)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
 
 
 ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel"}
@@ -90,6 +90,8 @@ def test_plan_covers_other_production_shapes(t, c):
             w = torch.zeros(24, n * c, requires_grad=True)
             a = [torch.zeros(1, requires_grad=True) for _ in range(3)]
             b = torch.zeros(24, requires_grad=True)
+            fused = ops.pre(x, w, *a, b, n, 3, variant)
+            torch.autograd.backward(fused, [torch.zeros_like(o) for o in fused])
             outs = ops.mapping(x, w, *a, b, n, variant)
             torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
             z = torch.zeros(small_t, n, n, dtype=outs[2].dtype, requires_grad=True)
