@@ -110,8 +110,10 @@ if [[ "${1:-run}" == "prepare" ]]; then
     TREE="$(du -cb --apparent-size "$PRE_ROOT" | tail -1 | cut -f1)"
     CARRIED="$(du -cb "$WHL"/cuda_tile-*cp312*.whl "$WHL"/cutile-toolchain-*.tar.xz | tail -1 | cut -f1)"
     rm -f "$WHL"/cutile-precompiled-*.tar.xz
+    # MHC_PRECOMPILE_SETS (e.g. perf,layer,parity) leaves out the sets a planned call will not launch.
     (cd "$PRE_ROOT" && "$PY" ci/precompile_cutile.py --out "$WHL" \
-        --max-bytes $((CARRY_LIMIT - TREE - CARRIED - 256 * 1024)) $SWEEP_SHAPE)
+        --max-bytes $((CARRY_LIMIT - TREE - CARRIED - 256 * 1024)) $SWEEP_SHAPE \
+        --sets "${MHC_PRECOMPILE_SETS:-sweep,perf,layer,parity,forms}")
     rm -rf "$PRE_ROOT" "$PRE_PARENT"
     ls -la "$WHL"
     du -sh "$WHL"

@@ -7,7 +7,8 @@
 Writes `<out>/cutile-precompiled-<arch>.tar.xz` (cache.db + manifest.json, see
 `tools.cutile.precompile`). Run it from the copy of the tree at the path the GPU run
 will import `mhc_core` from (`bash ci/gpu_check.sh prepare` does): the entries hold that path.
-Launch sets, in priority order (the size cap keeps a prefix; a GPU run JIT-compiles the rest):
+Launch sets, in priority order (the size cap keeps a prefix; a GPU run JIT-compiles the rest;
+`--sets` keeps only those named, e.g. `--sets perf,layer,parity` for a run without the sweep step):
 
     sweep   every candidate of `sweep_candidates.CANDIDATES` at the sweep's shape (the options above)
     perf    the perf suite's GPU cases (`tools/perf_cases.py`) that cuTile runs, forward and backward
@@ -74,6 +75,19 @@ def forms_launches() -> list[precompile.Recorded]:
     return out
 
 
+SETS = ("sweep", "perf", "layer", "parity", "forms")
+"""The launch sets, in priority order."""
+
+
+def _sets(text: str) -> tuple[str, ...]:
+    """`--sets` parsed: known names only, kept in `SETS`' priority order."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(SETS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--sets {text!r}: unknown {unknown or 'empty'}; valid: {','.join(SETS)}")
+    return tuple(s for s in SETS if s in names)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="directory for the archive")
@@ -81,21 +95,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--device", default=tuning.REFERENCE_DEVICE, help="the GPU model the run will see (its tuning applies)")
+    p.add_argument("--sets", type=_sets, default=SETS,
+                   help=f"comma-separated launch sets to compile, in this priority order: {','.join(SETS)}")
     add_shape_args(p)
     args = p.parse_args(argv)
     act = ACT_DTYPES[args.dtype]
     start = time.time()
-    launches = precompile.sweep_launches(tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=act,
-                                         variant=args.variant)
+    launches = []
+    if "sweep" in args.sets:
+        launches += precompile.sweep_launches(tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=act,
+                                              variant=args.variant)
     tuned = tuning.resolve(args.device)
-    print(f"tuning on {args.device}: {tuning.describe(tuned)}", flush=True)
+    print(f"tuning on {args.device}: {tuning.describe(tuned)}; sets: {','.join(args.sets)}", flush=True)
     with tiling.tuned(tuned):
-        launches += perf_launches()
-        for seq, batch, hidden, _heads in gpu_cases.LAYER_SIZES:
-            launches += precompile.ops_launches("layer", (4,), seq * batch, (hidden,), (torch.bfloat16,))
-        for t, c in dict.fromkeys((*gpu_cases.PARITY_SIZES, *gpu_cases.MAPPING_PARITY_SIZES)):
-            launches += precompile.ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
-        launches += forms_launches()
+        if "perf" in args.sets:
+            launches += perf_launches()
+        if "layer" in args.sets:
+            for seq, batch, hidden, _heads in gpu_cases.LAYER_SIZES:
+                launches += precompile.ops_launches("layer", (4,), seq * batch, (hidden,), (torch.bfloat16,))
+        if "parity" in args.sets:
+            for t, c in dict.fromkeys((*gpu_cases.PARITY_SIZES, *gpu_cases.MAPPING_PARITY_SIZES)):
+                launches += precompile.ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
+        if "forms" in args.sets:
+            launches += forms_launches()
     print(f"recorded {len(launches)} launches, {len(precompile.distinct(launches))} distinct "
           f"({time.time() - start:.0f} s)", flush=True)
     entries, failures = precompile.build(launches, args.out, arch=args.arch, jobs=args.jobs)

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=50, help="timed calls, and as many profiled ones")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first JIT-compiles)")
     p.add_argument("--top", type=int, default=12, help="functions listed per op and direction")
-    p.add_argument("--ops", default="mapping,sinkhorn,h_aggregate,h_post_bda")
+    p.add_argument("--ops", default="mapping,sinkhorn,h_aggregate,h_post_bda,pre")
     p.add_argument("--out", help="write the profiles as JSON here")
     args = p.parse_args(argv)
     for name in ("tokens", "hidden", "n", "iterations", "calls", "top"):

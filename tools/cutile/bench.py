@@ -71,7 +71,7 @@ def make_inputs(op: str, t: int, n: int, c: int, act: torch.dtype, variant: str,
     dev = device
     coef = act if get_variant(variant).coefficients_in_activation_dtype else torch.float32
     big_n = ref.num_mapping_outputs(n)
-    if op == "mapping":
+    if op in ("mapping", "pre"):
         return [torch.randn(t, n * c, device=dev, dtype=act), torch.randn(big_n, n * c, device=dev) * 0.01,
                 *(torch.full((1,), 0.01, device=dev) for _ in range(3)), torch.zeros(big_n, device=dev)]
     if op == "sinkhorn":
@@ -86,6 +86,8 @@ def make_inputs(op: str, t: int, n: int, c: int, act: torch.dtype, variant: str,
 def op_call(ops, op: str, n: int, variant: str, iterations: int) -> Callable:
     if op == "mapping":
         return lambda *a: ops.mapping(*a, n, variant)
+    if op == "pre":
+        return lambda *a: ops.pre(*a, n, iterations, variant)
     if op == "sinkhorn":
         return lambda z: ops.sinkhorn(z, iterations, None, variant)
     if op == "h_aggregate":
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=20, help="Sinkhorn iterations")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--ops", default="sinkhorn,mapping,h_aggregate,h_post_bda")
+    p.add_argument("--ops", default="sinkhorn,mapping,h_aggregate,h_post_bda,pre")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
 

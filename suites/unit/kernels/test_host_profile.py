@@ -21,7 +21,7 @@ def test_reference_profile_covers_every_op_and_direction(tmp_path, capsys):
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert [(r["op"], r["direction"]) for r in rows] == [
-        (op, d) for op in ("mapping", "sinkhorn", "h_aggregate", "h_post_bda") for d in ("fwd", "bwd")]
+        (op, d) for op in ("mapping", "sinkhorn", "h_aggregate", "h_post_bda", "pre") for d in ("fwd", "bwd")]
     for r in rows:
         assert r["host_us"] > 0 and r["profiled_us"] > 0, r
         assert set(r["area_us"]) == set(host_profile.AREAS)

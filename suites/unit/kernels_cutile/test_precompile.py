@@ -216,3 +216,18 @@ def test_precompile_script_records_the_perf_cases_cutile_runs(monkeypatch):
     kernels = {r.kernel_name for r in recs}
     assert {"h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel"} <= kernels and any(
         k.startswith("sinkhorn_bwd") for k in kernels), kernels
+
+
+def test_precompile_script_sets_keep_priority_order_and_name_bad_ones():
+    """`--sets` keeps the named launch sets in the priority order (sweep first) whatever the order given, and
+    an unknown or empty list is an error naming it and the valid sets."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("precompile_cutile", ROOT / "ci" / "precompile_cutile.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script._sets("parity, perf,layer") == ("perf", "layer", "parity")
+    for bad in ("perf,sweeep", " , "):
+        with pytest.raises(argparse.ArgumentTypeError, match="valid: sweep,perf,layer,parity,forms"):
+            script._sets(bad)
