@@ -64,6 +64,8 @@
 #           and direction: the host's time per call (device drained, not counted) and a cProfile of it by
 #           function and area (mhc_core, torch, cuda.tile, C functions: ct.launch, torch's ops); host.txt,
 #           host.json in gpu_check.tgz, one line per op and direction in summary.txt; 30 s
+# MHC_GPU_PARITY_K / MHC_GPU_PERF_K: a pytest -k expression that narrows the parity / perf steps (a rerun of
+# what failed, or one op's rows), e.g. MHC_GPU_PARITY_K=pre_fused MHC_GPU_PERF_K="pre or layer".
 # Output ($OUT, default ./gpu_check_out, at most 8 files come back): summary.txt, env.txt,
 # perf-table.md, bench.json, sweep.json, tuning.json and gpu_check.tgz (everything else: parity.txt/.xml, bench.txt,
 # megatron.txt/.xml, perf*.json, perf*.txt, host.txt/.json, golden/<hw>/perf/, perf-history.jsonl). To land the figures:
@@ -246,7 +248,7 @@ echo "tuning for the later steps: ${MHC_CUTILE_TUNING:-the file shipped for the 
 #    tuning when it adopted one
 if has_step parity; then
 timeout "$(limit parity 140)" "$PY" -m pytest -p no:cacheprovider -q -n 16 --junitxml="$OUT/parity.xml" \
-    suites/unit/kernels_cutile/test_gpu_parity.py suites/unit/kernels_cutile/test_contract.py \
+    suites/unit/kernels_cutile/test_gpu_parity.py suites/unit/kernels_cutile/test_contract.py ${MHC_GPU_PARITY_K:+-k "$MHC_GPU_PARITY_K"} \
     > "$OUT/parity.txt" 2>&1
 rc=$?
 tail -5 "$OUT/parity.txt"
@@ -325,7 +327,9 @@ fi
 perf_run() {  # perf_run <name> <seconds> <-k expression>
     local golden=(--hw "$HW")
     [[ $RECORD -eq 1 ]] && golden+=(--golden-dir "$OUT/golden" --update-golden=all)
-    MHC_PERF_GOLDEN=$RECORD TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-8}" timeout "$(limit "$1" "$2")" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" \
+    # SIGINT at the limit: pytest stops as on Ctrl-C and still writes the benchmark JSON of what it timed
+    # (a SIGTERM left nothing on 12-04); SIGKILL 20 s later if it does not stop.
+    MHC_PERF_GOLDEN=$RECORD TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-8}" timeout -s INT -k 20 "$(limit "$1" "$2")" "$PY" -m pytest -p no:xdist -p no:cacheprovider "${PLUGIN[@]}" \
         suites/perf/test_kernels.py suites/perf/test_layer.py suites/perf/test_peers.py -q -k "$3" "${golden[@]}" \
         --benchmark-json="$OUT/$1.json" > "$OUT/$1.txt" 2>&1
     local rc=$?
@@ -337,8 +341,8 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
         "$PY" -m suites.perf.table "$OUT/$1.json" >> "$OUT/perf-table.md"
     fi
 }
-has_step perf && perf_run perf 130 "not compiled"
-has_step perf-compiled && perf_run perf-compiled 110 "compiled"
+has_step perf && perf_run perf 130 "not compiled${MHC_GPU_PERF_K:+ and ($MHC_GPU_PERF_K)}"
+has_step perf-compiled && perf_run perf-compiled 110 "compiled${MHC_GPU_PERF_K:+ and ($MHC_GPU_PERF_K)}"
 cat "$OUT/perf-table.md" 2>/dev/null
 fi
 

@@ -59,8 +59,14 @@ def compare(
     cosine_inputs: Sequence[str] = (),
     oracle_fn: Callable | None = None,
     out_kind: str = "fwd",
+    row_scaled: Sequence[str] = (),
 ) -> None:
-    """Forward outputs (tolerance kind `out_kind`) and every input gradient of `kernel_fn` against `reference_fn`."""
+    """Forward outputs (tolerance kind `out_kind`) and every input gradient of `kernel_fn` against `reference_fn`.
+
+    The gradients of the inputs in `row_scaled` are compared in units of each row's largest expected entry
+    (at least 1): the pre-op's weight gradient carries the aggregate's sum over C in its h_pre rows, ~25x the
+    other rows at C 1024 (~440 against ~18), where a bound sized for O(1) entries tests the summation order
+    (the fp32 reference itself misses it against fp64), not the kernel."""
     k_out, k_grad, grads = _run(kernel_fn, inputs, None)
     r_out, r_grad, _ = _run(reference_fn, inputs, grads)
     if oracle_fn is not None:
@@ -76,7 +82,12 @@ def compare(
         if a is None and b is None:
             continue
         assert a is not None and b is not None, f"{name}: grad {input_names[i]} missing on one side"
-        assert_close(f"{name}: grad {input_names[i]}", a, b, tolerance(dtype, "bwd"))
+        if input_names[i] in row_scaled:
+            scale = b.detach().double().abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+            assert_close(f"{name}: grad {input_names[i]} (in units of each row's largest entry)",
+                         a.double() / scale, b.double() / scale, tolerance(dtype, "bwd"))
+        else:
+            assert_close(f"{name}: grad {input_names[i]}", a, b, tolerance(dtype, "bwd"))
         if dtype != torch.float32 and input_names[i] in cosine_inputs:
             assert_cosine(f"{name}: grad {input_names[i]}", a, b)
 

@@ -384,6 +384,7 @@ def test_pre_fused(variant, dtype, tiles):
             cosine_inputs=MAPPING_COSINE,
             oracle_fn=pre_oracle(4, variant, 20) if dtype == torch.bfloat16 else None,
             out_kind="proj",
+            row_scaled=("weight",),
         )
     assert "pre_fwd_epilogue_kernel" in rt.names and "pre_bwd_dx_dw_kernel" in rt.names, rt.names
     assert not {"mapping_fwd_epilogue_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel"} & set(rt.names), (

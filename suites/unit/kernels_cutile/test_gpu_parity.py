@@ -167,6 +167,7 @@ def test_pre_fused(n, variant, dtype, tiles):
             cosine_inputs=MAPPING_COSINE,
             oracle_fn=oracle,
             out_kind="proj",
+            row_scaled=("weight",),
         )
 
 
