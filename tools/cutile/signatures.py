@@ -115,15 +115,17 @@ def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, 
                         lambda hr, r, hp, y, b=bias, v=variant: ops.h_post_bda(hr, r, hp, y, b, 0.0, True, v),
                         _leaf((t, n, n), coef), _leaf((t, n, c), act), _leaf((t, n), coef), _leaf((t, c), act),
                     )
-                # After the ops it fuses, so that its launches of their kernels keep their ids.
+                # After the ops it fuses, so that its launches of their kernels keep their ids; its fused
+                # formulation (the composition launches the kernels above).
                 for pdt in param_dtypes:
                     suffix = "" if pdt == torch.float32 else f"-params_{_DTYPE_NAMES[pdt]}"
-                    _record(
-                        rec,
-                        f"pre|{tag}{suffix}",
-                        lambda x, w, a, b, d, bias, n=n, v=variant: ops.pre(x, w, a, b, d, bias, n, 3, v),
-                        *_mapping_leaves(t, n, c, act, pdt),
-                    )
+                    with tiling.overridden(pre=tiling.PreTiles(fused=True)):
+                        _record(
+                            rec,
+                            f"pre|{tag}{suffix}",
+                            lambda x, w, a, b, d, bias, n=n, v=variant: ops.pre(x, w, a, b, d, bias, n, 3, v),
+                            *_mapping_leaves(t, n, c, act, pdt),
+                        )
 
 
 def _distinct(rec: RecordingRuntime, prefix: str = "") -> tuple[PlannedLaunch, ...]:

@@ -54,6 +54,9 @@ CANDIDATES: dict[str, tuple] = {
         _M(tile_m=32, tile_k=128), _M(tile_m=16, tile_k=64), _M(tile_m=64, tile_k=64), _M(tile_m=16, tile_k=256),
         _M(tile_m=32, tile_k=32), _M(tile_m=32, tile_k=64), _M(tile_m=16, tile_k=128),
     ),
+    # The pre-op as the mapping, Sinkhorn and aggregate ops in a row (the default), or fused (the aggregate in
+    # the mapping's epilogue and backward), under the mapping tiles in force.
+    "pre": (tiling.PreTiles(fused=False), tiling.PreTiles(fused=True)),
 }
 
 
@@ -79,10 +82,12 @@ CANDIDATES["h_post_bda_fwd_occupancy"] += _hinted(
     "h_post_bda_fwd", (2, 4), _S(tile_t=4, tile_c=256, per_stream=_TUPLE, loop_c=True))
 CANDIDATES["h_aggregate_fwd_occupancy"] += _hinted(
     "h_aggregate_fwd", (2, 4), _S(tile_t=8, tile_c=256, loop_c=True, mma=True))
+# The fused pre-op's kernels with the hint (the forward epilogue compiles to 254 registers unhinted).
+CANDIDATES["pre_occupancy"] = _hinted("pre", (2, 4), tiling.PreTiles(fused=True))
 # Most expected gain first, so that a sweep its timeout cuts short has timed these: the kernels furthest
 # from their targets before the forwards.
-KEY_ORDER = ("h_post_bda_bwd", "mapping_bwd", "sinkhorn", "h_post_bda_fwd", "h_aggregate_fwd",
-             "h_post_bda_bwd_occupancy", "mapping_bwd_occupancy", "h_post_bda_fwd_occupancy", "h_aggregate_fwd_occupancy",
+KEY_ORDER = ("h_post_bda_bwd", "mapping_bwd", "sinkhorn", "pre", "h_post_bda_fwd", "h_aggregate_fwd",
+             "h_post_bda_bwd_occupancy", "mapping_bwd_occupancy", "pre_occupancy", "h_post_bda_fwd_occupancy", "h_aggregate_fwd_occupancy",
              "mapping_fwd", "mapping_fwd_occupancy", "sinkhorn_occupancy", "h_aggregate_bwd", "h_aggregate_bwd_occupancy")
 CANDIDATES = {key: CANDIDATES[key] for key in KEY_ORDER}
 """Candidates per `tiling` key (in `KEY_ORDER`): a tile object for that key, or a whole

@@ -225,10 +225,13 @@ def mapping(
 def pre(rt: Callable[[], Any], x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations=20,
         variant=Variant.MEGATRON_MAIN, norm_eps=NORM_EPS, sinkhorn=None):
     """`mhc_core.ops.pre` on the runtime `rt()`: `x [T, n*C] -> aggregate [T, C], h_pre, h_post [T, n],
-    h_res [T, n, n]` (`sinkhorn`: the cuTile Sinkhorn op, applied to the logits). `None` where the fused
-    launches do not cover the shape (`pre_tile_c`): the caller runs the three ops."""
+    h_res [T, n, n]` (`sinkhorn`: the cuTile Sinkhorn op, applied to the logits). `None` where the formulation
+    in force is the composition (`tiling.pre_tiles`) or the fused launches do not cover the shape
+    (`pre_tile_c`): the caller runs the three ops."""
     spec = get_variant(variant)
     k = x.shape[1]
+    if not tiling.pre_tiles(n).fused:
+        return None
     tile_c = (pre_tile_c(n, k, "fwd"), pre_tile_c(n, k, "bwd"))
     if None in tile_c:
         return None

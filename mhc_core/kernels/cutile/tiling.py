@@ -49,6 +49,8 @@ __all__ = [
     "aggregate_tiles",
     "post_bda_tiles",
     "MappingTiles",
+    "PreTiles",
+    "pre_tiles",
     "TILE_TYPES",
     "mapping_tiles",
     "split_count",
@@ -69,9 +71,9 @@ SUPPORTED_N = (2, 4, 8)
 """Residual-stream counts with kernels: powers of two (tile shapes must be powers of two)."""
 
 TILE_KEYS = ("sinkhorn", "h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd",
-             "mapping_fwd", "mapping_bwd", "occupancy")
+             "mapping_fwd", "mapping_bwd", "pre", "occupancy")
 """What `overridden` can replace: `sinkhorn` takes a `SinkhornTiles`, `mapping_*` a `MappingTiles`,
-the others a `StreamTiles`; `occupancy` a `{kernel name: CTAs per SM}` dict, the cuTile compiler
+`pre` a `PreTiles`, the others a `StreamTiles`; `occupancy` a `{kernel name: CTAs per SM}` dict, the cuTile compiler
 hint (`ct.kernel(occupancy=...)`, 1-32; unset: the compiler's choice), which the GPU runtime
 applies at launch."""
 
@@ -83,6 +85,7 @@ KERNELS_OF = {
     "h_post_bda_bwd": ("h_post_bda_bwd_kernel",),
     "mapping_fwd": ("mapping_fwd_partial_kernel", "mapping_fwd_epilogue_kernel"),
     "mapping_bwd": ("mapping_bwd_coef_kernel", "mapping_bwd_dx_dw_kernel"),
+    "pre": ("pre_fwd_epilogue_kernel", "pre_bwd_coef_kernel", "pre_bwd_dx_dw_kernel"),
 }
 """The kernels each tile key drives."""
 
@@ -114,9 +117,14 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
         if bad:
             raise ValueError(f"{where}: occupancy={bad!r}: CTAs per SM must be an integer in 1-32")
         return
-    kind = SinkhornTiles if key == "sinkhorn" else MappingTiles if key.startswith("mapping") else StreamTiles
+    kind = (SinkhornTiles if key == "sinkhorn" else MappingTiles if key.startswith("mapping") else
+            PreTiles if key == "pre" else StreamTiles)
     if not isinstance(value, kind):
         raise ValueError(f"{where}: {key}={value!r}: expected a {kind.__name__}")
+    if key == "pre":
+        if not isinstance(value.fused, bool):
+            raise ValueError(f"{where}: {key}={value!r}: fused must be a bool")
+        return
     dims = (value.tile_b,) if key == "sinkhorn" else (
         (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
     if not all(_is_pow2(d) for d in dims):
@@ -329,7 +337,25 @@ class MappingTiles:
     tile_k: int = 128
 
 
-TILE_TYPES = {cls.__name__: cls for cls in (SinkhornTiles, StreamTiles, MappingTiles)}
+@dataclass(frozen=True)
+class PreTiles:
+    """The fused pre-op's formulation: `fused`, the mapping's split-K pair with the aggregate in its epilogue
+    and backward (`pre_*_kernel`, where `mapping.pre_tile_c` covers the shape); else the mapping, Sinkhorn
+    and aggregate ops in a row. The default is the composition: on the H200 at T 8192, C 4096, n 4 bf16 the
+    fused forward's epilogue (one CTA per 64-token block looping over C, 254 registers) made the forward
+    0.60 ms of GPU time, where the three ops' kernels took 0.17 ms on 11-30 (`docs/measurements/h200-2026-12-04/`);
+    the sweep's `pre` key times both in one run."""
+
+    fused: bool = False
+
+
+def pre_tiles(n: int) -> PreTiles:
+    """The pre-op's formulation at `n` streams (`overridden`, else the tuning's, else the composition)."""
+    chosen = _chosen("pre", n)
+    return chosen if chosen is not None else PreTiles()
+
+
+TILE_TYPES = {cls.__name__: cls for cls in (SinkhornTiles, StreamTiles, MappingTiles, PreTiles)}
 """The tile types by name, as tuning files and sweep rows write them."""
 
 

@@ -373,7 +373,7 @@ def test_pre_fused(variant, dtype, tiles):
     keep it in fp32, which puts their weight gradient 8x closer to fp64 (megatron_dev) than the reference's."""
     rt = _LaunchLog()
     ops = make_ops(rt)
-    with tiling.overridden(**({} if tiles is None else {"mapping_bwd": tiles})):
+    with tiling.overridden(pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})):
         compare(
             f"pre fused {tiles} {variant} {dtype}",
             lambda *a: ops.pre(*a, 4, 20, variant),

@@ -155,7 +155,7 @@ def test_pre_fused(n, variant, dtype, tiles):
     T1100 C1024 (the backward's K tiles divide C: the fused launches), under the default backward tiles and the
     sweep's."""
     oracle = pre_oracle(n, variant, 20) if dtype == torch.bfloat16 else None
-    with tiling.overridden(**({} if tiles is None else {"mapping_bwd": tiles})):
+    with tiling.overridden(pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})):
         assert pre_tile_c(n, n * 1024, "bwd") is not None
         compare(
             f"pre {tiles} n{n} {variant}",

@@ -90,8 +90,9 @@ def test_plan_covers_other_production_shapes(t, c):
             w = torch.zeros(24, n * c, requires_grad=True)
             a = [torch.zeros(1, requires_grad=True) for _ in range(3)]
             b = torch.zeros(24, requires_grad=True)
-            fused = ops.pre(x, w, *a, b, n, 3, variant)
-            torch.autograd.backward(fused, [torch.zeros_like(o) for o in fused])
+            with tiling.overridden(pre=tiling.PreTiles(fused=True)):
+                fused = ops.pre(x, w, *a, b, n, 3, variant)
+                torch.autograd.backward(fused, [torch.zeros_like(o) for o in fused])
             outs = ops.mapping(x, w, *a, b, n, variant)
             torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
             z = torch.zeros(small_t, n, n, dtype=outs[2].dtype, requires_grad=True)

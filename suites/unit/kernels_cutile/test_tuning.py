@@ -174,6 +174,40 @@ def test_from_sweep_adopts_checked_winners():
         adopt.from_sweep({"rows": []}, CANDIDATES)
 
 
+def test_a_fused_pre_that_wins_the_sweep_is_adopted_and_launched(tmp_path):
+    """The pre-op's formulation is a sweep key: when the fused candidate wins forward + backward (here 1.5x),
+    the tuning carries `pre: PreTiles(fused=True)` through its file, and under it the op launches the fused
+    kernels; the default (the composition) launches the mapping's own."""
+    composed, fused = CANDIDATES["pre"]
+    assert (composed, fused) == (tiling.PreTiles(fused=False), tiling.PreTiles(fused=True))
+    rows = [_row("pre", composed, "fwd", 0.30), _row("pre", composed, "bwd", 0.60),
+            _row("pre", fused, "fwd", 0.20), _row("pre", fused, "bwd", 0.40)]
+    t, lines = adopt.from_sweep(_sweep_doc(rows), CANDIDATES, source="t.json")
+    assert t.tiles == {"pre": fused}, lines
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(t.to_json()))
+    loaded = tuning.load(path)
+    assert loaded.tiles == {"pre": fused}
+
+    def launched(tun):
+        rt = EmulatedRuntime(num_sms=4)
+        names = []
+        launch = rt.launch
+        rt.launch = lambda grid, name, args: (names.append(name), launch(grid, name, args))[1]
+        x = torch.randn(40, 4 * 256, requires_grad=True)
+        w = (torch.randn(24, 4 * 256) * 0.05).requires_grad_(True)
+        with tiling.tuned(tun):
+            outs = make_ops(rt).pre(x, w, *(torch.full((1,), 0.5) for _ in range(3)), torch.zeros(24), 4, 3,
+                                    "megatron_dev")
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return set(names)
+
+    assert {"pre_fwd_epilogue_kernel", "pre_bwd_dx_dw_kernel"} <= launched(loaded)
+    assert not {"pre_fwd_epilogue_kernel", "pre_bwd_dx_dw_kernel"} & launched(None)
+    with pytest.raises(ValueError, match="fused must be a bool"):
+        tiling.check_tile("pre", tiling.PreTiles(fused=1))
+
+
 def test_adopt_cli_writes_a_loadable_tuning(tmp_path, capsys):
     """`sweep --adopt SWEEP --out TUNING` writes the winners; the file loads and puts them in force."""
     sweep = tmp_path / "sweep.json"
