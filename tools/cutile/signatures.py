@@ -46,8 +46,7 @@ _ROLE = {
     "mapping_fwd_epilogue_kernel": "epilogue",
     "mapping_bwd_coef_kernel": "coef",
     "mapping_bwd_dx_dw_kernel": "dx_dw",
-    "pre_fwd_epilogue_kernel": "epilogue",
-    "pre_bwd_coef_kernel": "coef",
+    "h_aggregate_bwd_h_kernel": "grad_h",
     "pre_bwd_dx_dw_kernel": "dx_dw",
 }
 

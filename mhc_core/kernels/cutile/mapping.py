@@ -3,10 +3,11 @@
 `x[T, n*C] -> h_pre[T, n], h_post[T, n], h_res_logits[T, n, n]`. Forward: split-K partial
 projection, then the epilogue (RMS, gates); backward: the coefficient gradients, then dx / dW.
 
-`pre` (`mhc_core.ops.pre`): the same two launches each way with the aggregate in them: the epilogue also
-sums the block's streams weighted by h_pre (`pre_fwd_epilogue_kernel`), the coefficient kernel adds the
-aggregate's gradient of h_pre (`pre_bwd_coef_kernel`), and the dx kernel adds `h_pre (x) grad_agg` to the one
-gradient of x it writes (`pre_bwd_dx_dw_kernel`); Sinkhorn runs as its own op on the logits.
+`pre` (`mhc_core.ops.pre`) fused, `tiling.PreTiles(fused=True)`: forward, the mapping's two launches and the
+aggregate's (h_pre needs the whole split-K reduction, so the aggregate reads x again whatever the fusion);
+backward, the aggregate's gradient of h_pre alone (`h_aggregate_bwd_h_kernel`, fp32), added to h_pre's before
+the coefficient kernel, and `pre_bwd_dx_dw_kernel`, which adds `h_pre (x) grad_agg` to the one gradient of x
+it writes: no second gradient of x and no sum of two. Sinkhorn runs as its own op on the logits.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.constants import MMA_3XTF32, MMA_BF16, MMA_TF32
 from mhc_core.kernels.cutile.runtime import cdiv, require_device, require_dtypes, require_n
+from mhc_core.kernels.cutile.streams import aggregate_forward, aggregate_grad_h
 from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, num_mapping_outputs
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["mapping", "mma_mode", "pre", "pre_tile_c"]
+__all__ = ["mapping", "mma_mode", "pre", "pre_fuses"]
 
 
 def mma_mode(x_dtype: torch.dtype, spec: VariantSpec) -> int:
@@ -41,9 +43,8 @@ def mma_mode(x_dtype: torch.dtype, spec: VariantSpec) -> int:
 
 
 def _forward(rt: Any, x, weight, alphas, bias, n: int, out_dtype: torch.dtype, mma: int, h_pre_eps: float,
-             norm_eps: float, eps_inside: float, tile_c: int | None = None):
-    """The forward launches: `(h_pre, h_post, h_res_logits, proj_pp, proj_res, rms, aggregate or None)`; with
-    `tile_c` the second launch is the fused pre-op's, which also aggregates the streams."""
+             norm_eps: float, eps_inside: float):
+    """The forward launches: `(h_pre, h_post, h_res_logits, proj_pp, proj_res, rms)`."""
     t, k = x.shape
     dev = x.device
     f32 = torch.float32
@@ -61,7 +62,6 @@ def _forward(rt: Any, x, weight, alphas, bias, n: int, out_dtype: torch.dtype, m
     proj_pp = torch.empty((t, 2 * n), dtype=f32, device=dev)
     proj_res = torch.empty((t, n * n), dtype=f32, device=dev)
     rms = torch.empty((t,), dtype=f32, device=dev)
-    agg = None if tile_c is None else torch.empty((t, k // n), dtype=x.dtype, device=dev)
     if t:
         rt.launch(
             (m_blocks, splits),
@@ -71,17 +71,13 @@ def _forward(rt: Any, x, weight, alphas, bias, n: int, out_dtype: torch.dtype, m
         head = (part_pp, part_res, part_sq, *alphas, bias[: 2 * n], bias[2 * n :])
         tail = (proj_pp, proj_res, rms)
         scalars = (1.0 / k, float(norm_eps), float(h_pre_eps), float(eps_inside), n, tl.tile_m)
-        if tile_c is None:
-            rt.launch((m_blocks,), "mapping_fwd_epilogue_kernel", (*head, h_pre, h_post, h_res, *tail, *scalars))
-        else:
-            rt.launch((m_blocks,), "pre_fwd_epilogue_kernel",
-                      (*head, x, h_pre, h_post, h_res, *tail, agg, *scalars, tile_c))
-    return h_pre, h_post, h_res, proj_pp, proj_res, rms, agg
+        rt.launch((m_blocks,), "mapping_fwd_epilogue_kernel", (*head, h_pre, h_post, h_res, *tail, *scalars))
+    return h_pre, h_post, h_res, proj_pp, proj_res, rms
 
 
 def _backward(rt: Any, saved, grads, n: int, mma: int, norm_eps: float, agg=None):
     """The backward launches: `(grad_x, grad_w, grad_alpha_pre, _post, _res, grad_bias)`. With `agg =
-    (grad_agg, h_pre, tile_c)` they are the fused pre-op's: h_pre's gradient gains the aggregate's and `grad_x`
+    (grad_agg, h_pre)` they are the fused pre-op's: h_pre's gradient gains the aggregate's (fp32) and `grad_x`
     its `h_pre (x) grad_agg`."""
     x, weight, alpha_pre, alpha_post, alpha_res, bias, proj_pp, proj_res, rms = saved
     # gp is an fp32 intermediate: rounding it to bf16 would add error the reference math does
@@ -90,6 +86,10 @@ def _backward(rt: Any, saved, grads, n: int, mma: int, norm_eps: float, agg=None
     t, k = x.shape
     dev = x.device
     f32 = torch.float32
+    if agg is not None and t:
+        grad_agg = agg[0].to(x.dtype).contiguous()
+        gh = aggregate_grad_h(rt, x.view(t, n, k // n), grad_agg)
+        grads = (grads[0].float() + gh, *grads[1:])
     grads = tuple(g.contiguous() for g in grads)
     tl = tiling.mapping_tiles(n, k, "bwd")
     m_blocks, k_tiles = cdiv(t, tl.tile_m), cdiv(k, tl.tile_k)
@@ -111,14 +111,11 @@ def _backward(rt: Any, saved, grads, n: int, mma: int, norm_eps: float, agg=None
                 gp_pp, gp_res, cx, gbias_pp, gbias_res, galpha, 1.0 / k, norm_eps, n, tl.tile_m)
         w = (x, weight[: 2 * n], weight[2 * n :], gp_pp, gp_res, cx)
         out = (grad_x, gw_part[:, : 2 * n], gw_part[:, 2 * n :], per_split, n, tl.tile_m, tl.tile_k, mma)
+        rt.launch((m_blocks,), "mapping_bwd_coef_kernel", coef)
         if agg is None:
-            rt.launch((m_blocks,), "mapping_bwd_coef_kernel", coef)
             rt.launch((k_tiles, splits), "mapping_bwd_dx_dw_kernel", (*w, *out))
         else:
-            grad_agg, h_pre, tile_c = agg
-            rt.launch((m_blocks,), "pre_bwd_coef_kernel", (grad_agg.contiguous(), x, *coef, tile_c))
-            rt.launch((k_tiles, splits), "pre_bwd_dx_dw_kernel",
-                      (*w, grad_agg.contiguous(), h_pre.to(f32).contiguous(), *out))
+            rt.launch((k_tiles, splits), "pre_bwd_dx_dw_kernel", (*w, grad_agg, agg[1].to(f32).contiguous(), *out))
     grad_w = (gw_part.sum(dim=0) if splits > 1 else gw_part[0]).to(weight.dtype)
     grad_bias = torch.cat((gbias_pp.sum(dim=0), gbias_res.sum(dim=0))).to(bias.dtype)
     ga = galpha.sum(dim=0)
@@ -132,8 +129,8 @@ class _MappingFn(torch.autograd.Function):
                 mma: int, h_pre_eps: float, norm_eps: float, eps_inside: float, rt: Any):
         x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
         alphas = tuple(a.contiguous() for a in (alpha_pre, alpha_post, alpha_res))
-        h_pre, h_post, h_res, proj_pp, proj_res, rms, _ = _forward(rt, x, weight, alphas, bias, n, out_dtype, mma,
-                                                                   h_pre_eps, norm_eps, eps_inside)
+        h_pre, h_post, h_res, proj_pp, proj_res, rms = _forward(rt, x, weight, alphas, bias, n, out_dtype, mma,
+                                                                h_pre_eps, norm_eps, eps_inside)
         ctx.save_for_backward(x, weight, *alphas, bias, proj_pp, proj_res, rms)
         ctx.args = (n, mma, float(norm_eps), rt)
         return h_pre, h_post, h_res
@@ -146,47 +143,34 @@ class _MappingFn(torch.autograd.Function):
 
 
 class _PreFn(torch.autograd.Function):
-    """The fused pre-op without Sinkhorn: `(aggregate, h_pre, h_post, h_res_logits)`, two launches each way."""
+    """The fused pre-op without Sinkhorn: `(aggregate, h_pre, h_post, h_res_logits)`, three launches each way."""
 
     @staticmethod
     def forward(ctx, x, weight, alpha_pre, alpha_post, alpha_res, bias, n: int, out_dtype: torch.dtype,
-                mma: int, h_pre_eps: float, norm_eps: float, eps_inside: float, tile_c: tuple[int, int], rt: Any):
+                mma: int, h_pre_eps: float, norm_eps: float, eps_inside: float, rt: Any):
         x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
         alphas = tuple(a.contiguous() for a in (alpha_pre, alpha_post, alpha_res))
-        h_pre, h_post, logits, proj_pp, proj_res, rms, agg = _forward(rt, x, weight, alphas, bias, n, out_dtype, mma,
-                                                                      h_pre_eps, norm_eps, eps_inside, tile_c[0])
+        h_pre, h_post, logits, proj_pp, proj_res, rms = _forward(rt, x, weight, alphas, bias, n, out_dtype, mma,
+                                                                 h_pre_eps, norm_eps, eps_inside)
+        t, k = x.shape
+        agg = aggregate_forward(rt, x.view(t, n, k // n), h_pre)
         ctx.save_for_backward(x, weight, *alphas, bias, proj_pp, proj_res, rms, h_pre)
-        ctx.args = (n, mma, float(norm_eps), tile_c, rt)
+        ctx.args = (n, mma, float(norm_eps), rt)
         return agg, h_pre, h_post, logits
 
     @staticmethod
     def backward(ctx, grad_agg, grad_pre, grad_post, grad_res):
         # Autograd materialises the gradient of an unused output as zeros (the default).
-        n, mma, norm_eps, tile_c, rt = ctx.args
+        n, mma, norm_eps, rt = ctx.args
         *saved, h_pre = ctx.saved_tensors
-        grads = _backward(rt, saved, (grad_pre, grad_post, grad_res), n, mma, norm_eps,
-                          agg=(grad_agg, h_pre, tile_c[1]))
-        return (*grads, None, None, None, None, None, None, None, None)
+        grads = _backward(rt, saved, (grad_pre, grad_post, grad_res), n, mma, norm_eps, agg=(grad_agg, h_pre))
+        return (*grads, None, None, None, None, None, None, None)
 
 
-PRE_TILE_ELEMENTS = 4096
-"""The most elements of a `[TILE_M, TILE_C]` tile of the fused pre-op's aggregate loops: the forward
-epilogue at 64 x 256 needs all 255 registers and spills, at 64 x 64 none; the backward coefficient kernel
-at 32 x 256 takes 219 KB of shared memory, at 32 x 128 139 KB (sm_90, `docs/measurements/`)."""
-
-
-def pre_tile_c(n: int, k: int, direction: str) -> int | None:
-    """The channel tile of the fused pre-op's aggregate loop in `direction` (`fwd`: the epilogue kernel; `bwd`:
-    the coefficient kernel) at `K = n*C`: the largest power of two dividing C, at most 256 and
-    `PRE_TILE_ELEMENTS / TILE_M`; None where the backward's K tiles would cross a stream boundary
-    (`tiling.mapping_tiles` bwd `tile_k` must divide C): the pre-op then runs as its three ops."""
-    c = k // n
-    if c % tiling.mapping_tiles(n, k, "bwd").tile_k:
-        return None
-    tile = min(256, max(1, PRE_TILE_ELEMENTS // tiling.mapping_tiles(n, k, direction).tile_m))
-    while c % tile:
-        tile //= 2
-    return tile
+def pre_fuses(n: int, k: int) -> bool:
+    """Whether the fused pre-op's launches cover `K = n*C`: the backward's K tile (`tiling.mapping_tiles`)
+    divides C, so that each tile of `pre_bwd_dx_dw_kernel` lies in one stream; elsewhere the three ops run."""
+    return (k // n) % tiling.mapping_tiles(n, k, "bwd").tile_k == 0
 
 
 def mapping(
@@ -227,13 +211,10 @@ def pre(rt: Callable[[], Any], x, weight, alpha_pre, alpha_post, alpha_res, bias
     """`mhc_core.ops.pre` on the runtime `rt()`: `x [T, n*C] -> aggregate [T, C], h_pre, h_post [T, n],
     h_res [T, n, n]` (`sinkhorn`: the cuTile Sinkhorn op, applied to the logits). `None` where the formulation
     in force is the composition (`tiling.pre_tiles`) or the fused launches do not cover the shape
-    (`pre_tile_c`): the caller runs the three ops."""
+    (`pre_fuses`): the caller runs the three ops."""
     spec = get_variant(variant)
     k = x.shape[1]
-    if not tiling.pre_tiles(n).fused:
-        return None
-    tile_c = (pre_tile_c(n, k, "fwd"), pre_tile_c(n, k, "bwd"))
-    if None in tile_c:
+    if not (tiling.pre_tiles(n).fused and pre_fuses(n, k)):
         return None
     op = "pre"
     tensors = dict(x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias)
@@ -246,6 +227,6 @@ def pre(rt: Callable[[], Any], x, weight, alpha_pre, alpha_post, alpha_res, bias
     inside = spec.norm_eps_inside
     agg, h_pre, h_post, logits = _PreFn.apply(
         x, weight, alpha_pre, alpha_post, alpha_res, bias, n, out_dtype, mma_mode(x.dtype, spec),
-        float(spec.h_pre_eps), 0.0 if inside else float(norm_eps), float(norm_eps) if inside else 0.0, tile_c, runtime,
+        float(spec.h_pre_eps), 0.0 if inside else float(norm_eps), float(norm_eps) if inside else 0.0, runtime,
     )
     return agg, h_pre, h_post, sinkhorn(logits, iterations, None, spec)

@@ -21,7 +21,8 @@ Backward (two launches):
    for the gradients of `bias` and the three alphas.
 2. `mapping_bwd_dx_dw_kernel`, grid `(cdiv(K, TILE_K), S)`: `grad_x = gp @ W + cx * x`
    (stored per tile) and `grad_W = gp^T @ x`, accumulated over this split's token tiles into
-   fp32 partials `[S, N, K]`.
+   fp32 partials `[S, N, K]`. The fused pre-op launches `pre_bwd_dx_dw_kernel` instead: the same with the
+   aggregate's `h_pre[t, i] * grad_agg[t, c]` added to `grad_x`, its one gradient of x.
 
 `MMA` selects the tensor-core precision: 0 = bf16 operands (forward of the `megatron_main` bf16
 path, whose reference rounds the weight to bf16), 1 = TF32, 2 = 3xTF32 (hi/lo split, about fp32
@@ -104,9 +105,13 @@ def mapping_fwd_partial_kernel(x, w_pp, w_res, part_pp, part_res, part_sq, k_til
     ct.store(part_sq, index=(ps, pm), tile=ct.reshape(sq, (1, TILE_M)))
 
 
-def _epilogue(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res, bias_pp, bias_res, pm,
-              inv_k, norm_eps, h_pre_eps, eps_inside, N, TILE_M):
-    """The K splits of block `pm` reduced and turned into coefficients: `(p_pp, p_res, rms, pre, post, logits)`."""
+@ct.kernel
+def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
+                                bias_pp, bias_res, h_pre, h_post, h_res, proj_pp, proj_res, rms_out,
+                                inv_k: float, norm_eps: float, h_pre_eps: float, eps_inside: float,
+                                N: ConstInt, TILE_M: ConstInt):
+    """Reduce the K splits and apply RMS, alphas, bias and gates; grid `(cdiv(T, TILE_M),)`."""
+    pm = ct.bid(0)
     p_pp = ct.zeros((TILE_M, 2 * N), dtype=F32)
     p_res = ct.zeros((TILE_M, N * N), dtype=F32)
     sq = ct.zeros((TILE_M,), dtype=F32)
@@ -122,55 +127,12 @@ def _epilogue(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res, bias
     logits = r * p_res * _scalar_f32(alpha_res) + b_res
     pre = ct.extract(gates, (0, 0), shape=(TILE_M, N)) + h_pre_eps
     post = 2.0 * ct.extract(gates, (0, 1), shape=(TILE_M, N))
-    return p_pp, p_res, rms, pre, post, logits
-
-
-def _store_epilogue(h_pre, h_post, h_res, proj_pp, proj_res, rms_out, pm, p_pp, p_res, rms, pre, post, logits,
-                    N, TILE_M):
     ct.store(h_pre, index=(pm, 0), tile=ct.astype(pre, h_pre.dtype))
     ct.store(h_post, index=(pm, 0), tile=ct.astype(post, h_post.dtype))
     ct.store(h_res, index=(pm, 0, 0), tile=ct.astype(ct.reshape(logits, (TILE_M, N, N)), h_res.dtype))
     ct.store(proj_pp, index=(pm, 0), tile=p_pp)
     ct.store(proj_res, index=(pm, 0), tile=p_res)
     ct.store(rms_out, index=(pm,), tile=rms)
-
-
-@ct.kernel
-def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
-                                bias_pp, bias_res, h_pre, h_post, h_res, proj_pp, proj_res, rms_out,
-                                inv_k: float, norm_eps: float, h_pre_eps: float, eps_inside: float,
-                                N: ConstInt, TILE_M: ConstInt):
-    """Reduce the K splits and apply RMS, alphas, bias and gates; grid `(cdiv(T, TILE_M),)`."""
-    pm = ct.bid(0)
-    p_pp, p_res, rms, pre, post, logits = _epilogue(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
-                                                    bias_pp, bias_res, pm, inv_k, norm_eps, h_pre_eps, eps_inside,
-                                                    N, TILE_M)
-    _store_epilogue(h_pre, h_post, h_res, proj_pp, proj_res, rms_out, pm, p_pp, p_res, rms, pre, post, logits,
-                    N, TILE_M)
-
-
-@ct.kernel
-def pre_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res, bias_pp, bias_res,
-                            x, h_pre, h_post, h_res, proj_pp, proj_res, rms_out, agg,
-                            inv_k: float, norm_eps: float, h_pre_eps: float, eps_inside: float,
-                            N: ConstInt, TILE_M: ConstInt, TILE_C: ConstInt):
-    """The fused pre-op's second launch: `mapping_fwd_epilogue_kernel`, then the aggregate of the block's tokens,
-    `agg[t, c] = sum_i h_pre[t, i] x[t, i*C + c]` (h_pre as stored), in `TILE_C` channel tiles (TILE_C divides
-    C); grid `(cdiv(T, TILE_M),)`."""
-    pm = ct.bid(0)
-    p_pp, p_res, rms, pre, post, logits = _epilogue(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
-                                                    bias_pp, bias_res, pm, inv_k, norm_eps, h_pre_eps, eps_inside,
-                                                    N, TILE_M)
-    _store_epilogue(h_pre, h_post, h_res, proj_pp, proj_res, rms_out, pm, p_pp, p_res, rms, pre, post, logits,
-                    N, TILE_M)
-    weights = ct.astype(ct.astype(pre, h_pre.dtype), F32)
-    c_tiles = ct.num_tiles(agg, axis=1, shape=(TILE_M, TILE_C))
-    for pc in range(c_tiles):
-        acc = ct.zeros((TILE_M, TILE_C), dtype=F32)
-        for i in ct.static_iter(range(N)):
-            xi = _load_f32(x, (pm, i * c_tiles + pc), (TILE_M, TILE_C))
-            acc = acc + ct.extract(weights, (0, i), shape=(TILE_M, 1)) * xi
-        ct.store(agg, index=(pm, pc), tile=ct.astype(acc, agg.dtype))
 
 
 @ct.kernel
@@ -186,37 +148,6 @@ def mapping_bwd_coef_kernel(grad_pre, grad_post, grad_res, proj_pp, proj_res, rm
     `gbias_res_part [B, n*n]`, `galpha_part [B, 4]` (pre, post, res, 0).
     """
     pm = ct.bid(0)
-    _coef(grad_pre, 0.0, grad_post, grad_res, proj_pp, proj_res, rms_in, alpha_pre, alpha_post, alpha_res, bias_pp,
-          gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part, pm, inv_k, norm_eps, N, TILE_M, 0)
-
-
-@ct.kernel
-def pre_bwd_coef_kernel(grad_agg, x, grad_pre, grad_post, grad_res, proj_pp, proj_res, rms_in,
-                        alpha_pre, alpha_post, alpha_res, bias_pp, bias_res,
-                        gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part,
-                        inv_k: float, norm_eps: float,
-                        N: ConstInt, TILE_M: ConstInt, TILE_C: ConstInt):
-    """`mapping_bwd_coef_kernel` of the fused pre-op: h_pre's gradient gains the aggregate's,
-    `sum_c grad_agg[t, c] x[t, i*C + c]`, read in `TILE_C` channel tiles (TILE_C divides C); grid
-    `(cdiv(T, TILE_M),)`."""
-    pm = ct.bid(0)
-    lanes = ct.reshape(ct.arange(N, dtype=ct.int32), (1, N))
-    g_agg_pre = ct.zeros((TILE_M, N), dtype=F32)
-    c_tiles = ct.num_tiles(grad_agg, axis=1, shape=(TILE_M, TILE_C))
-    for pc in range(c_tiles):
-        g = _load_f32(grad_agg, (pm, pc), (TILE_M, TILE_C))
-        for i in ct.static_iter(range(N)):
-            xi = _load_f32(x, (pm, i * c_tiles + pc), (TILE_M, TILE_C))
-            g_agg_pre = g_agg_pre + ct.where(lanes == i, ct.sum(g * xi, axis=1, keepdims=True), 0.0)
-    _coef(grad_pre, g_agg_pre, grad_post, grad_res, proj_pp, proj_res, rms_in, alpha_pre, alpha_post, alpha_res,
-          bias_pp, gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part, pm, inv_k, norm_eps, N, TILE_M, 1)
-
-
-def _coef(grad_pre, g_agg_pre, grad_post, grad_res, proj_pp, proj_res, rms_in, alpha_pre, alpha_post, alpha_res,
-          bias_pp, gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part, pm, inv_k, norm_eps, N, TILE_M,
-          AGG):
-    """The coefficient gradients of block `pm` (`AGG`: h_pre's gradient plus `g_agg_pre [TILE_M, n]`, the
-    aggregate's share)."""
     p_pp = _load_f32(proj_pp, (pm, 0), (TILE_M, 2 * N))
     p_res = _load_f32(proj_res, (pm, 0), (TILE_M, N * N))
     rms = ct.reshape(_load_f32(rms_in, (pm,), (TILE_M,)), (TILE_M, 1))
@@ -227,10 +158,8 @@ def _coef(grad_pre, g_agg_pre, grad_post, grad_res, proj_pp, proj_res, rms_in, a
     a_res = _scalar_f32(alpha_res)
     b_pp = ct.reshape(_load_f32(bias_pp, (0,), (2 * N,)), (1, 2 * N))
     gates = _sigmoid(r * p_pp * a_pp + b_pp)
-    g_pre = _load_f32(grad_pre, (pm, 0), (TILE_M, N))
-    if AGG:
-        g_pre = g_pre + g_agg_pre
-    g_gates = ct.cat((g_pre, 2.0 * _load_f32(grad_post, (pm, 0), (TILE_M, N))), axis=1)
+    g_gates = ct.cat((_load_f32(grad_pre, (pm, 0), (TILE_M, N)),
+                      2.0 * _load_f32(grad_post, (pm, 0), (TILE_M, N))), axis=1)
     gh_pp = g_gates * gates * (1.0 - gates)
     gh_res = ct.reshape(_load_f32(grad_res, (pm, 0, 0), (TILE_M, N, N)), (TILE_M, N * N))
     # Rows past T load as zeros, so they add nothing below.

@@ -46,14 +46,13 @@ KERNEL_MODULES: dict[str, str] = {
     "sinkhorn_bwd_elem_kernel": "sinkhorn_kernels",
     "h_aggregate_fwd_kernel": "stream_kernels",
     "h_aggregate_bwd_kernel": "stream_kernels",
+    "h_aggregate_bwd_h_kernel": "stream_kernels",
     "h_post_bda_fwd_kernel": "stream_kernels",
     "h_post_bda_bwd_kernel": "stream_kernels",
     "mapping_fwd_partial_kernel": "mapping_kernels",
     "mapping_fwd_epilogue_kernel": "mapping_kernels",
     "mapping_bwd_coef_kernel": "mapping_kernels",
     "mapping_bwd_dx_dw_kernel": "mapping_kernels",
-    "pre_fwd_epilogue_kernel": "mapping_kernels",
-    "pre_bwd_coef_kernel": "mapping_kernels",
     "pre_bwd_dx_dw_kernel": "mapping_kernels",
 }
 """Every kernel of the package and the module (in this package) that defines it."""

@@ -140,6 +140,18 @@ def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h, N: ConstInt, TILE
     ct.store(grad_h, index=(pt, 0), tile=ct.astype(gh, grad_h.dtype))
 
 
+@ct.kernel
+def h_aggregate_bwd_h_kernel(grad_out, x, grad_h, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt):
+    """`grad_h[t, i] = sum_c go[t, c] x[t, i, c]` alone, fp32 (the fused pre-op's: its one gradient of x comes
+    from the mapping's dx kernel). Grid `(cdiv(T, TILE_T),)`; each block walks all of `C`."""
+    pt = ct.bid(0)
+    gh = ct.zeros((TILE_T, N), dtype=F32)
+    for pc in range(ct.num_tiles(grad_out, axis=1, shape=(TILE_T, TILE_C))):
+        go = ct.reshape(load_f32(grad_out, (pt, pc), (TILE_T, TILE_C)), (TILE_T, 1, TILE_C))
+        gh = gh + ct.sum(go * load_f32(x, (pt, 0, pc), (TILE_T, N, TILE_C)), axis=2)
+    ct.store(grad_h, index=(pt, 0), tile=gh)
+
+
 def _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HAS_BIAS, TUPLE):
     """One `[TILE_T, n, TILE_C]` output tile of `h_post_bda`, stream by stream (`h_post_bda_fwd_kernel`);
     the block's mix `m [TILE_T, n, n]` and `hp2 = h_post [TILE_T, n]`, fp32, come loaded."""

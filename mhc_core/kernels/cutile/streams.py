@@ -25,7 +25,7 @@ from mhc_core.ops.aggregate import check_h_aggregate_args
 from mhc_core.ops.post_bda import check_h_post_bda_args
 from mhc_core.variants import Variant, get_variant
 
-__all__ = ["h_aggregate", "h_post_bda"]
+__all__ = ["aggregate_forward", "aggregate_grad_h", "h_aggregate", "h_post_bda"]
 
 
 def _fwd_grid(t: int, c: int, tl: tiling.StreamTiles) -> tuple[int, ...]:
@@ -33,20 +33,39 @@ def _fwd_grid(t: int, c: int, tl: tiling.StreamTiles) -> tuple[int, ...]:
     return (cdiv(t, tl.tile_t),) if tl.loop_c else (cdiv(t, tl.tile_t), cdiv(c, tl.tile_c))
 
 
+def aggregate_forward(rt: Any, x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+    """The h_aggregate forward launch on contiguous `x [T, n, C]`, `h_pre [T, n]`: `[T, C]` in x's dtype."""
+    t, n, c = x.shape
+    out = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    tl = tiling.aggregate_tiles(n, c, "fwd")
+    if t and c:
+        rt.launch(
+            _fwd_grid(t, c, tl),
+            "h_aggregate_fwd_kernel",
+            (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.loop_c),
+             *_tensor_cores(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t), x.dtype, h_pre.dtype == torch.bfloat16)),
+        )
+    return out
+
+
+def aggregate_grad_h(rt: Any, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """The aggregate's gradient of h_pre alone, `[T, n]` fp32, from contiguous `x [T, n, C]` and
+    `grad_out [T, C]` (in x's dtype): `h_aggregate_bwd_h_kernel` under the h_aggregate backward's tiles."""
+    t, n, c = x.shape
+    grad_h = torch.empty((t, n), dtype=torch.float32, device=x.device)
+    tl = tiling.aggregate_tiles(n, c, "bwd")
+    if t and c:
+        rt.launch((cdiv(t, tl.tile_t),), "h_aggregate_bwd_h_kernel", (grad_out, x, grad_h, n, tl.tile_t, tl.tile_c))
+    else:
+        grad_h.zero_()
+    return grad_h
+
+
 class _AggregateFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, h_pre: torch.Tensor, rt: Any):
         x, h_pre = x.contiguous(), h_pre.contiguous()
-        t, n, c = x.shape
-        out = torch.empty((t, c), dtype=x.dtype, device=x.device)
-        tl = tiling.aggregate_tiles(n, c, "fwd")
-        if t and c:
-            rt.launch(
-                _fwd_grid(t, c, tl),
-                "h_aggregate_fwd_kernel",
-                (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.loop_c),
-                 *_tensor_cores(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t), x.dtype, h_pre.dtype == torch.bfloat16)),
-            )
+        out = aggregate_forward(rt, x, h_pre)
         ctx.save_for_backward(x, h_pre)
         ctx.rt = rt
         return out

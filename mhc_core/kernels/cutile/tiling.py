@@ -85,7 +85,7 @@ KERNELS_OF = {
     "h_post_bda_bwd": ("h_post_bda_bwd_kernel",),
     "mapping_fwd": ("mapping_fwd_partial_kernel", "mapping_fwd_epilogue_kernel"),
     "mapping_bwd": ("mapping_bwd_coef_kernel", "mapping_bwd_dx_dw_kernel"),
-    "pre": ("pre_fwd_epilogue_kernel", "pre_bwd_coef_kernel", "pre_bwd_dx_dw_kernel"),
+    "pre": ("h_aggregate_bwd_h_kernel", "pre_bwd_dx_dw_kernel"),
 }
 """The kernels each tile key drives."""
 
@@ -339,12 +339,13 @@ class MappingTiles:
 
 @dataclass(frozen=True)
 class PreTiles:
-    """The fused pre-op's formulation: `fused`, the mapping's split-K pair with the aggregate in its epilogue
-    and backward (`pre_*_kernel`, where `mapping.pre_tile_c` covers the shape); else the mapping, Sinkhorn
-    and aggregate ops in a row. The default is the composition: on the H200 at T 8192, C 4096, n 4 bf16 the
-    fused forward's epilogue (one CTA per 64-token block looping over C, 254 registers) made the forward
-    0.60 ms of GPU time, where the three ops' kernels took 0.17 ms on 11-30 (`docs/measurements/h200-2026-12-04/`);
-    the sweep's `pre` key times both in one run."""
+    """The pre-op's formulation: `fused`, one gradient of x (the aggregate's gradient of h_pre alone, then the
+    mapping's dx kernel with `h_pre (x) grad_agg` in it: `mapping.pre`, where `mapping.pre_fuses` covers the
+    shape); else the mapping, Sinkhorn and aggregate ops in a row, whose backward writes two gradients of x and
+    sums them. The default is the composition until a sweep's `pre` key shows the fused form faster on a
+    device: its first form, the aggregate in the mapping's epilogue and coefficient kernels (one CTA per token
+    block looping over C), lost on the H200 (forward 0.60 ms of GPU time at T 8192, C 4096, n 4 bf16, where the
+    three ops' kernels took 0.17 ms; `docs/measurements/h200-2026-12-04/`); this one is untimed."""
 
     fused: bool = False
 

@@ -15,7 +15,7 @@ import torch
 
 from mhc_core import ops as ref
 from mhc_core.kernels.cutile import make_ops, tiling
-from mhc_core.kernels.cutile.mapping import pre_tile_c as mapping_pre_tile_c
+from mhc_core.kernels.cutile.mapping import pre_fuses
 from mhc_core.variants import Variant
 from suites.unit.kernels_cutile.cutile_cases import (
     DTYPE_NAMES,
@@ -366,11 +366,11 @@ PRE_CASES = [pytest.param(v, d, None, id=f"{VARIANT_NAMES[v]}-{DTYPE_NAMES[d]}-d
 
 @pytest.mark.parametrize(("variant", "dtype", "tiles"), PRE_CASES)
 def test_pre_fused(variant, dtype, tiles):
-    """pre as the fused split-K pair (aggregate in the epilogue, its gradients in the backward pair) matches the
-    reference, fwd + bwd, n = 4, T300 C1024 (5 token blocks, the last partial; 16 forward and 8 backward
-    channel tiles of the aggregate); the launches are the fused kernels and Sinkhorn, nothing else. In bf16
-    against fp64 (`pre_oracle`): the reference rounds the aggregate's gradient of h_pre to bf16, the kernels
-    keep it in fp32, which puts their weight gradient 8x closer to fp64 (megatron_dev) than the reference's."""
+    """pre fused (`PreTiles(fused=True)`: the aggregate's gradient of h_pre alone, then the mapping's dx kernel
+    with the aggregate's share of grad x in it) matches the reference, fwd + bwd, n = 4, T300 C1024 (partial
+    token tiles); the backward writes one gradient of x: no aggregate backward or plain mapping dx launch. In
+    bf16 against fp64 (`pre_oracle`): the reference rounds the aggregate's gradient of h_pre to bf16, the
+    kernels keep it in fp32."""
     rt = _LaunchLog()
     ops = make_ops(rt)
     with tiling.overridden(pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})):
@@ -386,22 +386,18 @@ def test_pre_fused(variant, dtype, tiles):
             out_kind="proj",
             row_scaled=("weight",),
         )
-    assert "pre_fwd_epilogue_kernel" in rt.names and "pre_bwd_dx_dw_kernel" in rt.names, rt.names
-    assert not {"mapping_fwd_epilogue_kernel", "h_aggregate_fwd_kernel", "h_aggregate_bwd_kernel"} & set(rt.names), (
-        rt.names)
+    assert {"h_aggregate_bwd_h_kernel", "pre_bwd_dx_dw_kernel"} <= set(rt.names), rt.names
+    assert not {"h_aggregate_bwd_kernel", "mapping_bwd_dx_dw_kernel"} & set(rt.names), rt.names
 
 
-def test_pre_tile_c():
-    """The fused pre-op covers C where the backward's K tile divides it; each direction's channel tile is the
-    largest power of two that divides C, at most 256 and `PRE_TILE_ELEMENTS / TILE_M`; elsewhere the pre-op
-    falls back to the three ops."""
-    with tiling.overridden(mapping_fwd=tiling.MappingTiles(tile_m=64, tile_k=128),
-                           mapping_bwd=tiling.MappingTiles(tile_m=16, tile_k=128)):
-        assert mapping_pre_tile_c(4, 4 * 4096, "fwd") == 64
-        assert mapping_pre_tile_c(4, 4 * 4096, "bwd") == 256
-        assert mapping_pre_tile_c(4, 4 * 384, "bwd") == 128
-        assert mapping_pre_tile_c(4, 4 * 64, "fwd") is None
-        assert mapping_pre_tile_c(4, 4 * 300, "bwd") is None
+def test_pre_fuses_where_the_backward_k_tile_divides_c():
+    """The fused pre-op covers C where the mapping backward's K tile divides it (each dx tile in one stream);
+    elsewhere the pre-op falls back to the three ops."""
+    with tiling.overridden(mapping_bwd=tiling.MappingTiles(tile_m=16, tile_k=128)):
+        assert pre_fuses(4, 4 * 4096) and pre_fuses(4, 4 * 384) and pre_fuses(2, 2 * 128)
+        assert not pre_fuses(4, 4 * 64) and not pre_fuses(4, 4 * 300)
+    with tiling.overridden(mapping_bwd=tiling.MappingTiles(tile_m=16, tile_k=256)):
+        assert not pre_fuses(4, 4 * 384)
 
 
 def test_mapping_n8(emu):

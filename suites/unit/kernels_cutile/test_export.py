@@ -66,12 +66,12 @@ ALT_PLAN = alternative_plan()
 def test_alternative_plan_holds_each_formulation():
     """The sweep's alternative formulations (per-element Sinkhorn, C-looping and tensor-core h_aggregate
     forwards, the tuple and C-looping h_post_bda forwards, the tuple h_post_bda backward, the 16 x 64 mapping
-    backward, which the fused pre-op's backward pair uses too) are listed, each kernel with the constants that
+    backward, which the fused pre-op's backward uses too) are listed, each kernel with the constants that
     select it."""
     kernels = {p.kernel_name for p in ALT_PLAN}
     assert kernels == {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "h_aggregate_fwd_kernel",
                        "h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel", "mapping_bwd_coef_kernel",
-                       "mapping_bwd_dx_dw_kernel", "pre_bwd_coef_kernel", "pre_bwd_dx_dw_kernel"}
+                       "mapping_bwd_dx_dw_kernel", "pre_bwd_dx_dw_kernel"}
     consts = {p.kernel_name: set() for p in ALT_PLAN}
     for p in ALT_PLAN:
         consts[p.kernel_name].add(tuple(a.value for a in p.args if isinstance(a, ConstArg))[3:])  # after N, TILE_T, TILE_C

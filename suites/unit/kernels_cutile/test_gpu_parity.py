@@ -14,7 +14,7 @@ import torch
 import mhc_core.kernels.cutile as cutile
 from mhc_core import ops as ref
 from mhc_core.kernels.cutile import tiling
-from mhc_core.kernels.cutile.mapping import pre_tile_c
+from mhc_core.kernels.cutile.mapping import pre_fuses
 from mhc_core.variants import Variant, get_variant
 from suites.unit.kernels_cutile.cutile_cases import (
     DTYPE_NAMES,
@@ -156,7 +156,7 @@ def test_pre_fused(n, variant, dtype, tiles):
     sweep's."""
     oracle = pre_oracle(n, variant, 20) if dtype == torch.bfloat16 else None
     with tiling.overridden(pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})):
-        assert pre_tile_c(n, n * 1024, "bwd") is not None
+        assert pre_fuses(n, n * 1024)
         compare(
             f"pre {tiles} n{n} {variant}",
             lambda *a: cutile.pre(*a, n, 20, variant),

@@ -60,7 +60,7 @@ def test_file_round_trip(tmp_path):
     ('{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"h_aggregate_fwd_kernel": 64}}',
      "must be an integer in 1-32"),
     ('{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"bogus_kernel": 2}}',
-     r"occupancy names unknown kernels \['bogus_kernel'\]; valid: h_aggregate_bwd_kernel"),
+     r"occupancy names unknown kernels \['bogus_kernel'\]; valid: h_aggregate_bwd_h_kernel"),
     ('{"schema": 1, "device": "x", "n": "4", "tiles": {}}', r"n='4' must be an integer"),
 ])
 def test_malformed_file_is_named(tmp_path, content, match):
@@ -202,8 +202,8 @@ def test_a_fused_pre_that_wins_the_sweep_is_adopted_and_launched(tmp_path):
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         return set(names)
 
-    assert {"pre_fwd_epilogue_kernel", "pre_bwd_dx_dw_kernel"} <= launched(loaded)
-    assert not {"pre_fwd_epilogue_kernel", "pre_bwd_dx_dw_kernel"} & launched(None)
+    assert {"h_aggregate_bwd_h_kernel", "pre_bwd_dx_dw_kernel"} <= launched(loaded)
+    assert not {"h_aggregate_bwd_h_kernel", "pre_bwd_dx_dw_kernel"} & launched(None)
     with pytest.raises(ValueError, match="fused must be a bool"):
         tiling.check_tile("pre", tiling.PreTiles(fused=1))
 
