@@ -123,16 +123,25 @@ def _backward(rt: Any, saved, grads, n: int, mma: int, norm_eps: float, agg=None
             grad_bias)
 
 
+def _forward_saving(ctx, rt: Any, x, weight, alphas, bias, n: int, out_dtype: torch.dtype, mma: int,
+                    h_pre_eps: float, norm_eps: float, eps_inside: float):
+    """`_forward` on contiguous inputs, with `ctx.args` set for `_backward`: `(x, saved, h_pre, h_post,
+    h_res_logits)`, `saved` the tensors `_backward` reads (for `ctx.save_for_backward`)."""
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+    alphas = tuple(a.contiguous() for a in alphas)
+    h_pre, h_post, h_res, proj_pp, proj_res, rms = _forward(rt, x, weight, alphas, bias, n, out_dtype, mma,
+                                                            h_pre_eps, norm_eps, eps_inside)
+    ctx.args = (n, mma, float(norm_eps), rt)
+    return x, (x, weight, *alphas, bias, proj_pp, proj_res, rms), h_pre, h_post, h_res
+
+
 class _MappingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, alpha_pre, alpha_post, alpha_res, bias, n: int, out_dtype: torch.dtype,
                 mma: int, h_pre_eps: float, norm_eps: float, eps_inside: float, rt: Any):
-        x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
-        alphas = tuple(a.contiguous() for a in (alpha_pre, alpha_post, alpha_res))
-        h_pre, h_post, h_res, proj_pp, proj_res, rms = _forward(rt, x, weight, alphas, bias, n, out_dtype, mma,
-                                                                h_pre_eps, norm_eps, eps_inside)
-        ctx.save_for_backward(x, weight, *alphas, bias, proj_pp, proj_res, rms)
-        ctx.args = (n, mma, float(norm_eps), rt)
+        _, saved, h_pre, h_post, h_res = _forward_saving(ctx, rt, x, weight, (alpha_pre, alpha_post, alpha_res), bias,
+                                                         n, out_dtype, mma, h_pre_eps, norm_eps, eps_inside)
+        ctx.save_for_backward(*saved)
         return h_pre, h_post, h_res
 
     @staticmethod
@@ -148,14 +157,11 @@ class _PreFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, alpha_pre, alpha_post, alpha_res, bias, n: int, out_dtype: torch.dtype,
                 mma: int, h_pre_eps: float, norm_eps: float, eps_inside: float, rt: Any):
-        x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
-        alphas = tuple(a.contiguous() for a in (alpha_pre, alpha_post, alpha_res))
-        h_pre, h_post, logits, proj_pp, proj_res, rms = _forward(rt, x, weight, alphas, bias, n, out_dtype, mma,
-                                                                 h_pre_eps, norm_eps, eps_inside)
+        x, saved, h_pre, h_post, logits = _forward_saving(ctx, rt, x, weight, (alpha_pre, alpha_post, alpha_res), bias,
+                                                          n, out_dtype, mma, h_pre_eps, norm_eps, eps_inside)
         t, k = x.shape
         agg = aggregate_forward(rt, x.view(t, n, k // n), h_pre)
-        ctx.save_for_backward(x, weight, *alphas, bias, proj_pp, proj_res, rms, h_pre)
-        ctx.args = (n, mma, float(norm_eps), rt)
+        ctx.save_for_backward(*saved, h_pre)
         return agg, h_pre, h_post, logits
 
     @staticmethod
