@@ -13,6 +13,8 @@
 #   cutile-precompiled-sm_90.tar.xz         (~7 MB, what the carry leaves: the kernels the run will launch,
 #                                            compiled ahead of time, ci/precompile_cutile.py, docs/cutile.md)
 #   megatron_core-0.19.2-cp312-*.whl        (2.4 MB, for the `megatron` step only; not counted above)
+#   liger_kernel-0.8.5-*.whl                (0.9 MB: carried, the perf step times Liger as a GPU peer;
+#                                            counted against the cache's room)
 # Carry the first three by name (carry: [".whl/<each file>"]). The run installs the wheel into
 # $TMPDIR/mhc-site (--no-deps: typing-extensions is in the image), unpacks the toolchain into
 # $TMPDIR/cutile-ctk and puts it on PATH / CUDA_HOME, where cuda.tile finds it (its pip-wheel lookup
@@ -86,6 +88,8 @@ if [[ "${1:-run}" == "prepare" ]]; then
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 "cuda-tile==1.7.0"
     pip download --no-deps -d "$WHL" --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "megatron-core==0.19.2"
+    # Liger-Kernel (pure Python + Triton, 0.9 MB): the perf step's GPU peer row when carried.
+    pip download --no-deps -d "$WHL" --only-binary=:all: "liger-kernel==0.8.5"
     CU13="$("$PY" -c 'import nvidia, pathlib; print(next(p for p in (pathlib.Path(x) / "cu13" for x in nvidia.__path__) if (p / "bin" / "tileiras").is_file()))')"
     VER="$("$CU13/bin/tileiras" --version | sed -n 's/.*V\([0-9][0-9.]*\).*/\1/p' | head -1)"
     if [[ ! -s "$WHL/cutile-toolchain-$VER.tar.xz" ]]; then
@@ -110,7 +114,7 @@ if [[ "${1:-run}" == "prepare" ]]; then
     rm -rf "$PRE_ROOT" && mkdir -p "$PRE_ROOT"
     (cd "$ROOT" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -C "$PRE_ROOT" -xf -
     TREE="$(du -cb --apparent-size "$PRE_ROOT" | tail -1 | cut -f1)"
-    CARRIED="$(du -cb "$WHL"/cuda_tile-*cp312*.whl "$WHL"/cutile-toolchain-*.tar.xz | tail -1 | cut -f1)"
+    CARRIED="$(du -cb "$WHL"/cuda_tile-*cp312*.whl "$WHL"/cutile-toolchain-*.tar.xz "$WHL"/liger_kernel-*.whl | tail -1 | cut -f1)"
     rm -f "$WHL"/cutile-precompiled-*.tar.xz
     # MHC_PRECOMPILE_SETS (e.g. perf,layer,parity) leaves out the sets a planned call will not launch.
     (cd "$PRE_ROOT" && "$PY" ci/precompile_cutile.py --out "$WHL" \
@@ -162,6 +166,11 @@ MCORE_WHL="$(ls "$WHL"/megatron_core-*cp312*.whl 2>/dev/null | head -1)"
 if [[ -n "$MCORE_WHL" ]] && ! "$PY" -c 'import megatron.core' 2>/dev/null; then
     "$PY" -m pip install --no-deps --no-index --target "$SITE" "$MCORE_WHL" >> "$OUT/env.txt" 2>&1 \
         || echo "gpu_check: installing $MCORE_WHL failed" | tee -a "$OUT/summary.txt"
+fi
+LIGER_WHL="$(ls "$WHL"/liger_kernel-*.whl 2>/dev/null | head -1)"
+if [[ -n "$LIGER_WHL" ]] && ! "$PY" -c 'import liger_kernel' 2>/dev/null; then
+    "$PY" -m pip install --no-deps --no-index --target "$SITE" "$LIGER_WHL" >> "$OUT/env.txt" 2>&1 \
+        || echo "gpu_check: installing $LIGER_WHL failed" | tee -a "$OUT/summary.txt"
 fi
 TARBALL="$(ls "$WHL"/cutile-toolchain-*.tar.xz 2>/dev/null | head -1)"
 if [[ -n "$TARBALL" ]]; then

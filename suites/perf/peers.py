@@ -268,11 +268,37 @@ def _tile_kernels_coefficients(case: PeerCase):
     return fn
 
 
+def _liger(case: PeerCase):
+    """Liger-Kernel's `liger_mhc_coeffs` + `liger_mhc_pre` (coefficients), and the two sublayers with
+    `liger_mhc_post_res` and an identity branch (layer), on our parameters (`harness.peers.liger`)."""
+    from harness.peers.base import SublayerParams
+    from harness.peers.liger import LigerPeer, _functional
+
+    liger, f = LigerPeer(), _functional()
+
+    def coefficients(d, k=0, x=None):
+        x = d["x"] if x is None else x
+        a = d[f"a{k}"]
+        p = SublayerParams(n=case.n, weight=d[f"w{k}"], alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3],
+                           bias=d[f"b{k}"])
+        h_pre, h_post, h_res = liger._coeffs(x, p, ITERATIONS)
+        return h_post, h_res, f.liger_mhc_pre(x.contiguous(), h_pre)
+
+    def layer(d):
+        x = d["x"]
+        for k in (0, 1):
+            h_post, h_res, agg = coefficients(d, k, x)
+            x = f.liger_mhc_post_res(x.contiguous(), agg.contiguous(), h_post, h_res)
+        return (x,)
+    return coefficients if case.op == "coefficients" else layer
+
+
 _BUILDERS = {
     "hf_deepseek_v4": lambda case: _hf_coefficients(case) if case.op == "coefficients" else _hf_layer(case),
     "lucidrains": _lucidrains_sinkhorn,
     "te_triton": lambda case: _te_coefficients(case) if case.op == "coefficients" else _te_sinkhorn(case),
     "tile_kernels": _tile_kernels_coefficients,
+    "liger_kernel": _liger,
 }
 
 PEERS: tuple[PeerTimed, ...] = (
@@ -288,6 +314,11 @@ PEERS: tuple[PeerTimed, ...] = (
               ops=frozenset({"coefficients", "sinkhorn"}), package="transformer_engine", gpu=True),
     PeerTimed(name="tile_kernels", conformance_peer="tile_kernels", variant="megatron_dev",
               ops=frozenset({"coefficients"}), package="tile_kernels", gpu=True),
+    # The configuration the conformance matrix finds it conforms to (docs/conformance.md); timed on a GPU
+    # only: under Triton's interpreter its times mean nothing.
+    PeerTimed(name="liger_kernel", conformance_peer="liger_kernel",
+              variant="megatron_dev+eps_inside_sqrt+untransposed_mix", ops=frozenset({"coefficients", "layer_mhc"}),
+              package="liger_kernel", gpu=True),
 )
 
 

@@ -300,3 +300,45 @@ def test_tree_peers_refuses_a_path_that_is_no_megatron_lm_tree(tmp_path, capsys)
     (tmp_path / "empty").mkdir()
     assert tree_peers.main(["--megatron-lm", str(tmp_path / "empty"), "--out", str(out)]) == 2
     assert "not a Megatron-LM tree" in capsys.readouterr().err and not out.exists()
+
+
+_LIGER_CHECK = """
+import dataclasses, json, torch
+from harness.peers.liger import LigerPeer
+from suites.perf.peers import PEERS, PeerCase
+why = LigerPeer().unavailable()
+if why:
+    print(json.dumps({"skip": why}))
+    raise SystemExit(0)
+liger = next(p for p in PEERS if p.name == "liger_kernel")
+case = lambda op, dtype: PeerCase(op=op, tokens=8, n=4, hidden=16, dtype=dtype, device="cpu")
+out = {"gpu_only": liger.unavailable(case("coefficients", torch.float32)),
+       "rows": [[op, str(dt), *liger.conforms_at(case(op, dt))]
+                for op in ("coefficients", "layer_mhc") for dt in (torch.float32, torch.bfloat16)],
+       "plain": list(dataclasses.replace(liger, variant="megatron_dev+eps_inside_sqrt").conforms_at(
+           case("layer_mhc", torch.float32)))}
+print(json.dumps(out))
+"""
+
+
+def test_liger_gpu_peer_conforms_to_its_configuration_interpreted():
+    """The Liger-Kernel perf peer (timed on GPUs only) builds its coefficients and layer from Liger's functional
+    API on our parameters and conforms to its configuration, fp32 and bf16, here through Triton's interpreter
+    at a tiny size (a fresh process: the interpreter must be set before triton is imported); with dev's
+    transposed mix instead of Liger's it does not conform."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", _LIGER_CHECK], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    assert out["gpu_only"] == "liger_kernel runs on NVIDIA GPUs only"
+    assert all(ok for *_, ok, _ in out["rows"]), out["rows"]
+    ok, why = out["plain"]
+    assert not ok and "its bound" in why
