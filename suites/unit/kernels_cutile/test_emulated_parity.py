@@ -390,6 +390,30 @@ def test_pre_fused(variant, dtype, tiles):
     assert not {"h_aggregate_bwd_kernel", "mapping_bwd_dx_dw_kernel"} & set(rt.names), rt.names
 
 
+@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize(("variant", "dtype"), [(Variant.MEGATRON_DEV, torch.float32),
+                                               (Variant.MEGATRON_MAIN, torch.bfloat16)])
+def test_pre_fused_other_n(n, variant, dtype):
+    """The fused pre at n = 2 and 8 (the dx kernel finds each K tile's stream from C / TILE_K), T37 C256 with
+    the default 128-wide backward K tile: two tiles per stream, a partial token tile."""
+    rt = _LaunchLog()
+    ops = make_ops(rt)
+    with tiling.overridden(pre=tiling.PreTiles(fused=True)):
+        compare(
+            f"pre fused n{n} {variant} {dtype}",
+            lambda *a: ops.pre(*a, n, 20, variant),
+            lambda *a: ref.pre(*a, n, 20, variant),
+            mapping_inputs(37, n, 256, dtype, "cpu"),
+            dtype,
+            input_names=MAPPING_INPUT_NAMES,
+            cosine_inputs=MAPPING_COSINE,
+            oracle_fn=pre_oracle(n, variant, 20) if dtype == torch.bfloat16 else None,
+            out_kind="proj",
+            row_scaled=("weight",),
+        )
+    assert "pre_bwd_dx_dw_kernel" in rt.names and "mapping_bwd_dx_dw_kernel" not in rt.names, rt.names
+
+
 def test_pre_fuses_where_the_backward_k_tile_divides_c():
     """The fused pre-op covers C where the mapping backward's K tile divides it (each dx tile in one stream);
     elsewhere the pre-op falls back to the three ops."""
