@@ -88,9 +88,9 @@ def make_ops(runtime: Any | Callable[[], Any]) -> CuTileOps:
     def pre(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations=20, variant=Variant.MEGATRON_MAIN,
             norm_eps=NORM_EPS):
         """cuTile `mhc_core.ops.pre`: `x [T, n*C] -> aggregate [T, C], h_pre, h_post [T, n], h_res [T, n, n]`: the
-        mapping, Sinkhorn and aggregate launches in a row, or under `PreTiles(fused=True)` (`tiling.pre_tiles`)
-        the mapping's split-K pair with the aggregate in its epilogue and its backward (`mapping.pre`), then
-        Sinkhorn, where the channels fit its tiles."""
+        mapping, Sinkhorn and aggregate launches in a row, or under `PreTiles(fused=True)` (`tiling.pre_tiles`),
+        where the channels fit its tiles, the same forward with a backward that writes one gradient of x
+        (`mapping.pre`)."""
         spec = get_variant(variant)
         n, iterations = check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec,
                                        op="pre", norm_eps=norm_eps)

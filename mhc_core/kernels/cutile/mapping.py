@@ -195,21 +195,27 @@ def mapping(
 
     `x [T, n*C] -> h_pre [T, n], h_post [T, n], h_res_logits [T, n, n]`.
     """
-    op = "mapping"
     spec = get_variant(variant)
-    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
+    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op="mapping", norm_eps=norm_eps)
+    args = (x, weight, alpha_pre, alpha_post, alpha_res, bias)
+    return _MappingFn.apply(*args, n, *_launch_settings(rt, "mapping", args, n, spec, norm_eps))
+
+
+def _launch_settings(rt: Callable[[], Any], op: str, args: tuple, n: int, spec: VariantSpec, norm_eps: float) -> tuple:
+    """The checks of the runtime and the settings after `n` of `_MappingFn` / `_PreFn` for `args = (x, weight,
+    alpha_pre, alpha_post, alpha_res, bias)`: `(out_dtype, mma, h_pre_eps, norm_eps, eps_inside, runtime)`, the
+    spec's eps placement giving `norm_eps` to one of the two eps and 0 to the other."""
     require_n(n, op)
-    tensors = dict(x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias)
+    tensors = dict(zip(("x", "weight", "alpha_pre", "alpha_post", "alpha_res", "bias"), args, strict=True))
     require_dtypes(op, **tensors)
     runtime = rt()
     require_device(runtime, op, **tensors)
+    x = args[0]
     compute = torch.float32 if spec.mapping_fp32 else x.dtype
     out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
     inside = spec.norm_eps_inside
-    return _MappingFn.apply(
-        x, weight, alpha_pre, alpha_post, alpha_res, bias, n, out_dtype, mma_mode(x.dtype, spec),
-        float(spec.h_pre_eps), 0.0 if inside else float(norm_eps), float(norm_eps) if inside else 0.0, runtime,
-    )
+    return (out_dtype, mma_mode(x.dtype, spec), float(spec.h_pre_eps), 0.0 if inside else float(norm_eps),
+            float(norm_eps) if inside else 0.0, runtime)
 
 
 def pre(rt: Callable[[], Any], x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations=20,
@@ -222,17 +228,6 @@ def pre(rt: Callable[[], Any], x, weight, alpha_pre, alpha_post, alpha_res, bias
     k = x.shape[1]
     if not (tiling.pre_tiles(n).fused and pre_fuses(n, k)):
         return None
-    op = "pre"
-    tensors = dict(x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias)
-    require_n(n, op)
-    require_dtypes(op, **tensors)
-    runtime = rt()
-    require_device(runtime, op, **tensors)
-    compute = torch.float32 if spec.mapping_fp32 else x.dtype
-    out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
-    inside = spec.norm_eps_inside
-    agg, h_pre, h_post, logits = _PreFn.apply(
-        x, weight, alpha_pre, alpha_post, alpha_res, bias, n, out_dtype, mma_mode(x.dtype, spec),
-        float(spec.h_pre_eps), 0.0 if inside else float(norm_eps), float(norm_eps) if inside else 0.0, runtime,
-    )
+    args = (x, weight, alpha_pre, alpha_post, alpha_res, bias)
+    agg, h_pre, h_post, logits = _PreFn.apply(*args, n, *_launch_settings(rt, "pre", args, n, spec, norm_eps))
     return agg, h_pre, h_post, sinkhorn(logits, iterations, None, spec)
