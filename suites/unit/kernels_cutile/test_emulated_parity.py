@@ -364,30 +364,34 @@ PRE_CASES = [pytest.param(v, d, None, id=f"{VARIANT_NAMES[v]}-{DTYPE_NAMES[d]}-d
 """Every variant and dtype under the default tiles; the sweep's backward tiles for one."""
 
 
-@pytest.mark.parametrize(("variant", "dtype", "tiles"), PRE_CASES)
-def test_pre_fused(variant, dtype, tiles):
-    """pre fused (`PreTiles(fused=True)`: the aggregate's gradient of h_pre alone, then the mapping's dx kernel
-    with the aggregate's share of grad x in it) matches the reference, fwd + bwd, n = 4, T300 C1024 (partial
-    token tiles); the backward writes one gradient of x: no aggregate backward or plain mapping dx launch. In
-    bf16 against fp64 (`pre_oracle`): the reference rounds the aggregate's gradient of h_pre to bf16, the
-    kernels keep it in fp32."""
+def _check_pre_fused(n: int, t: int, c: int, variant, dtype, tiles=None) -> None:
+    """`PreTiles(fused=True)` pre against the reference at `[t, n*c]`, fwd + bwd (bf16 against fp64, `pre_oracle`:
+    the reference rounds the aggregate's gradient of h_pre to bf16, the kernels keep it in fp32), under the
+    backward tiles `tiles`; its backward writes one gradient of x: no aggregate backward, no plain mapping dx."""
     rt = _LaunchLog()
     ops = make_ops(rt)
     with tiling.overridden(pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})):
         compare(
-            f"pre fused {tiles} {variant} {dtype}",
-            lambda *a: ops.pre(*a, 4, 20, variant),
-            lambda *a: ref.pre(*a, 4, 20, variant),
-            mapping_inputs(300, 4, 1024, dtype, "cpu"),
+            f"pre fused {tiles} n{n} {variant} {dtype}",
+            lambda *a: ops.pre(*a, n, 20, variant),
+            lambda *a: ref.pre(*a, n, 20, variant),
+            mapping_inputs(t, n, c, dtype, "cpu"),
             dtype,
             input_names=MAPPING_INPUT_NAMES,
             cosine_inputs=MAPPING_COSINE,
-            oracle_fn=pre_oracle(4, variant, 20) if dtype == torch.bfloat16 else None,
+            oracle_fn=pre_oracle(n, variant, 20) if dtype == torch.bfloat16 else None,
             out_kind="proj",
             row_scaled=("weight",),
         )
     assert {"h_aggregate_bwd_h_kernel", "pre_bwd_dx_dw_kernel"} <= set(rt.names), rt.names
     assert not {"h_aggregate_bwd_kernel", "mapping_bwd_dx_dw_kernel"} & set(rt.names), rt.names
+
+
+@pytest.mark.parametrize(("variant", "dtype", "tiles"), PRE_CASES)
+def test_pre_fused(variant, dtype, tiles):
+    """pre fused (the aggregate's gradient of h_pre alone, then the mapping's dx kernel with the aggregate's
+    share of grad x in it) matches the reference, n = 4, T300 C1024 (partial token tiles)."""
+    _check_pre_fused(4, 300, 1024, variant, dtype, tiles)
 
 
 @pytest.mark.parametrize("n", [2, 8])
@@ -396,22 +400,7 @@ def test_pre_fused(variant, dtype, tiles):
 def test_pre_fused_other_n(n, variant, dtype):
     """The fused pre at n = 2 and 8 (the dx kernel finds each K tile's stream from C / TILE_K), T37 C256 with
     the default 128-wide backward K tile: two tiles per stream, a partial token tile."""
-    rt = _LaunchLog()
-    ops = make_ops(rt)
-    with tiling.overridden(pre=tiling.PreTiles(fused=True)):
-        compare(
-            f"pre fused n{n} {variant} {dtype}",
-            lambda *a: ops.pre(*a, n, 20, variant),
-            lambda *a: ref.pre(*a, n, 20, variant),
-            mapping_inputs(37, n, 256, dtype, "cpu"),
-            dtype,
-            input_names=MAPPING_INPUT_NAMES,
-            cosine_inputs=MAPPING_COSINE,
-            oracle_fn=pre_oracle(n, variant, 20) if dtype == torch.bfloat16 else None,
-            out_kind="proj",
-            row_scaled=("weight",),
-        )
-    assert "pre_bwd_dx_dw_kernel" in rt.names and "mapping_bwd_dx_dw_kernel" not in rt.names, rt.names
+    _check_pre_fused(n, 37, 256, variant, dtype)
 
 
 def test_pre_fuses_where_the_backward_k_tile_divides_c():

@@ -151,7 +151,7 @@ def test_mapping_bwd_tiles(n, variant, dtype, tiles):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", NS)
 def test_pre_fused(n, variant, dtype, tiles):
-    """The fused pre-op (the mapping's split-K pair with the aggregate in it, then Sinkhorn), fwd + bwd, at
+    """The fused pre-op (`PreTiles(fused=True)`: one gradient of x in the backward), fwd + bwd, at
     T1100 C1024 (the backward's K tiles divide C: the fused launches), under the default backward tiles and the
     sweep's."""
     oracle = pre_oracle(n, variant, 20) if dtype == torch.bfloat16 else None
