@@ -152,6 +152,9 @@ fi
 
 {
     echo "== $(date -u +%FT%TZ) gpu_check"
+    # The device's copy of the tree has a HEAD of its own: goldens and history records name the commit
+    # the run command gives as MHC_GIT_COMMIT (harness.provenance).
+    echo "git_commit: ${MHC_GIT_COMMIT:-unset: recorded as the HEAD of this copy, $(git rev-parse HEAD 2>/dev/null || echo none); put MHC_GIT_COMMIT=<sha> in the run command}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
     "$PY" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, torch.version.cuda, torch.cuda.is_available())'
 } > "$OUT/env.txt" 2>&1

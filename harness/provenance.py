@@ -9,12 +9,13 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import importlib.metadata as md
+import os
 import platform
 import re
 import subprocess
 from pathlib import Path
 
-__all__ = ["cuda_version", "git_commit", "package_versions", "utc_now"]
+__all__ = ["COMMIT_ENV", "cuda_version", "git_commit", "given_commit", "package_versions", "utc_now"]
 
 _PACKAGES = ("torch", "megatron-core", "numpy", "transformer-engine", "cuda-tile")
 
@@ -59,8 +60,24 @@ def _package_versions() -> dict[str, str | None]:
     return out
 
 
+COMMIT_ENV = "MHC_GIT_COMMIT"
+
+
+def given_commit() -> str | None:
+    """`$MHC_GIT_COMMIT` (None where unset or empty); a value that is not 7 to 64 hex digits is a ValueError."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given and not re.fullmatch(r"[0-9a-f]{7,64}", given):
+        raise ValueError(f"{COMMIT_ENV}={given!r} is not a git commit (7 to 64 lowercase hex digits)")
+    return given or None
+
+
 def git_commit(cwd: str | Path | None = None) -> str | None:
-    """`git rev-parse HEAD` in `cwd` (None outside a repository or without commits)."""
+    """`git rev-parse HEAD` in `cwd` (None outside a repository or without commits), or `$MHC_GIT_COMMIT`
+    where it is set: a copy of the tree that ran (the device machine's) has a HEAD of its own, so the run
+    command names the commit it was made from. A value that is not 7 to 64 hex digits is a ValueError."""
+    given = given_commit()
+    if given:
+        return given
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                              timeout=10, check=False)

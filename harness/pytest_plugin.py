@@ -139,6 +139,17 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
     machine_info["mhc_versions"] = package_versions()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_benchmark_update_commit_info(config: pytest.Config, commit_info: dict[str, Any]) -> None:
+    """Record `$MHC_GIT_COMMIT` as the benchmark JSON's commit where it is set (a copy of the tree, such as the
+    device machine's, has a HEAD of its own); `dirty` then says nothing about that commit and becomes None."""
+    from harness.provenance import given_commit
+
+    given = given_commit()
+    if given:
+        commit_info.update(id=given, dirty=None)
+
+
 class GoldenMetrics:
     """The `golden_metrics` fixture: hand a case's metrics over with `check`."""
 

@@ -119,8 +119,10 @@ class TestPlot:
 
 class TestBenchmarkPlugin:
     def test_machine_info_carries_hw(self, pytester, tmp_path, monkeypatch):
-        """A pytest-benchmark run records the hardware key, which `append` then uses."""
+        """A pytest-benchmark run records the hardware key, which `append` then uses, and the commit the run
+        names in `$MHC_GIT_COMMIT` (a copy of the tree has a HEAD of its own)."""
         monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # benchmarks disable themselves under xdist
+        monkeypatch.setenv("MHC_GIT_COMMIT", "00524bc61082e7a0fd87038982ccfc610c762a4f")
         pytester.makeini("[pytest]\n")
         pytester.makepyfile(test_b="def test_b(benchmark):\n    benchmark(lambda: None)\n")
         out = tmp_path / "bench.json"
@@ -128,7 +130,8 @@ class TestBenchmarkPlugin:
                            "--benchmark-min-rounds=1", "--benchmark-max-time=0.001").assert_outcomes(passed=1)
         assert "h200" == json.loads(out.read_text())["machine_info"]["mhc_hw"]
         assert 0 == main(["perf-history", "append", str(out), "--history", str(tmp_path / "h.jsonl")])
-        assert "h200" == read_history(tmp_path / "h.jsonl")[0]["hardware"]
+        record = read_history(tmp_path / "h.jsonl")[0]
+        assert ("h200", "00524bc61082e7a0fd87038982ccfc610c762a4f") == (record["hardware"], record["commit"])
 
 
 class TestBadHistoryInput:

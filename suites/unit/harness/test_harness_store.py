@@ -51,6 +51,18 @@ class TestLayout:
         assert {"hardware", "versions", "git_commit", "date", "repeats", "spread", "golden_sha256"} <= set(meta)
         assert "torch" in meta["versions"] and "cuda" in meta["versions"]
 
+    def test_meta_commit_from_env(self, tmp_path, monkeypatch):
+        """A copy of the tree (the device machine's) records the commit its run command names, not its own
+        HEAD; a value that is no commit is an error before anything is written."""
+        monkeypatch.setenv("MHC_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+        store = GoldenStore(tmp_path)
+        _write(store, 1.0)
+        assert "0123456789abcdef0123456789abcdef01234567" == store.load(HW, "s", "c")[1]["git_commit"]
+        monkeypatch.setenv("MHC_GIT_COMMIT", "main; rm -rf")
+        with pytest.raises(ValueError, match="MHC_GIT_COMMIT='main; rm -rf' is not a git commit"):
+            _write(store, 2.0, case="d")
+        assert not (tmp_path / HW / "s" / "d.json").exists()
+
     def test_hardware_keys_listed(self, tmp_path):
         """hardware_keys lists every key that has the case."""
         store = GoldenStore(tmp_path)
