@@ -160,12 +160,17 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
     if device == "cpu" and pre_plan.runs_on == "compiled":
         from mhc_core.kernels import native
 
-        ok, why = native.available()
+        try:
+            ok, why = native.available()
+        except ValueError as exc:  # an MHC_NATIVE naming no kernel, or one this CPU lacks
+            ok, why = False, str(exc)
+            problems.append(str(exc))
         fp32_math = spec.mapping_fp32 or _DTYPES[dtype] == torch.float32
         where = ("its native kernel" if ok and fp32_math and n <= 8 else "its torch.compile graph")
         reason = why if not ok else ("the mapping computes in fp32" if fp32_math and n <= 8 else
                                      "the mapping computes in the activation dtype" if not fp32_math else "n > 8")
-        notes.append(f"pre's forward runs {where} ({reason}; MHC_NATIVE=0 turns the native kernel off)")
+        notes.append(f"pre's forward runs {where} ({reason}; MHC_NATIVE=0 turns the native kernel off, "
+                     f"MHC_NATIVE=<kernel> picks one of {', '.join(native.kernels()) or 'none here'})")
     return Preflight(device=device, gpu_name=gpu_name, torch=torch.__version__, n=n, dtype=dtype, dropout=dropout,
                      variant=spec.variant.value,
                      ops=plans, backends=backends, environment=env, cutile_tuning=described, problems=tuple(problems),

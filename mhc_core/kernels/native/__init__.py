@@ -1,12 +1,17 @@
 """Native (C) CPU kernels of the compiled backend: the fused pre-op's forward in one pass over the streams.
 
 Inductor cannot give the pre-op's forward one read of `x`: the 24-column projection is an extern GEMM, so
-the sum of squares and the aggregate each read `x` again. `_pre` (`pre.c`, built by the package's own
-install from `setup.py`; optional, so an install without a C compiler simply lacks it) reads each block of
-tokens once for the projection and the sum of squares and, while the rows are in cache, computes h_pre and
-the aggregate. It runs where the compute dtype of the mapping is fp32 (every variant with fp32 activations,
-and `fp32_mappings` with bf16 ones); the compiled backend's `pre` uses it on CPU tensors when `available()`,
-else its torch.compile forward. `MHC_NATIVE=0` turns it off (`1`, the default, uses it where it can).
+the sum of squares and the aggregate each read `x` again. `_pre` (`pre.c` and its SIMD template
+`pre_simd.h`, built by the package's own install from `setup.py`; optional, so an install without a C
+compiler simply lacks it) reads each block of tokens once for the projection and the sum of squares and,
+while the rows are in cache, computes h_pre and the aggregate. It runs where the compute dtype of the
+mapping is fp32 (every variant with fp32 activations, and `fp32_mappings` with bf16 ones); the compiled
+backend's `pre` uses it on CPU tensors when `available()`, else its torch.compile forward.
+
+Three kernels, by name (`KERNELS`): `avx512` (AVX-512 F/BW/VL), `avx2` (AVX2 + FMA) and `portable`; each
+sums in its own order, so they differ by rounding, and each is deterministic. `MHC_NATIVE` chooses: unset,
+`1` or `auto` the fastest this CPU runs, `0` none (the torch.compile forward), a kernel's name that kernel
+(an error where the CPU lacks it: never a silent fallback).
 
     proj [T, N], rms [T, 1], h_pre [T, n], aggregate [T, C] = pre_forward(x [T, n*C], weight [N, n*C], ...)
 """
@@ -18,9 +23,10 @@ import os
 
 import torch
 
-__all__ = ["ENV", "available", "pre_forward"]
+__all__ = ["ENV", "KERNELS", "available", "chosen_kernel", "kernels", "pre_forward"]
 
 ENV = "MHC_NATIVE"
+KERNELS = ("avx512", "avx2", "portable")
 
 
 @functools.cache
@@ -29,27 +35,57 @@ def _module():
         from mhc_core.kernels.native import _pre
     except ImportError as exc:
         return None, f"mhc_core.kernels.native._pre is not built ({exc}; `pip install -e .` builds it with a C compiler)"
-    return _pre, f"native pre-op forward ({_pre.simd()})"
+    return _pre, "built"
+
+
+def kernels() -> tuple[str, ...]:
+    """The kernels this CPU runs, the fastest first (empty where `_pre` is not built)."""
+    module, _ = _module()
+    return () if module is None else tuple(module.kernels())
+
+
+def chosen_kernel() -> str | None:
+    """The kernel `MHC_NATIVE` selects here: None where it is `0` or `_pre` is not built; ValueError, naming
+    the value, for one that is no kernel or a kernel this CPU lacks."""
+    value = os.environ.get(ENV, "1").strip() or "1"
+    if value == "0" or _module()[0] is None:
+        return None
+    here = kernels()
+    if value in ("1", "auto"):
+        return here[0]
+    if value not in KERNELS:
+        raise ValueError(f"{ENV}={value!r} is none of 0, 1, auto, {', '.join(KERNELS)}")
+    if value not in here:
+        raise ValueError(f"{ENV}={value!r}: this CPU lacks that kernel's instructions (it runs {', '.join(here)})")
+    return value
 
 
 def available() -> tuple[bool, str]:
-    """Whether the native forward can run here (built, and not turned off with `MHC_NATIVE=0`), and why."""
-    if os.environ.get(ENV, "1") == "0":
+    """Whether the native forward runs here (built, and not turned off with `MHC_NATIVE=0`), and why, naming
+    the kernel; a malformed or unrunnable `MHC_NATIVE` is a ValueError (`chosen_kernel`)."""
+    if os.environ.get(ENV, "1").strip() == "0":
         return False, f"turned off ({ENV}=0)"
     module, why = _module()
-    return module is not None, why
+    if module is None:
+        return False, why
+    return True, f"native pre-op forward ({chosen_kernel()})"
 
 
 def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, bias: torch.Tensor, n: int,
                 norm_eps: float, eps_inside: bool, h_pre_eps: float, h_pre_dtype: torch.dtype,
-                portable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward pass (see the module docstring) on CPU tensors: x `[T, n*C]` fp32 or bf16, weight `[N, n*C]`,
     alpha_pre `[1]`, bias `[N]` (both fp32 on the way in); h_pre rounded to `h_pre_dtype` (fp32 or bf16)
     before it weights the streams. Returns `proj [T, N]` fp32, `rms [T, 1]` fp32, `h_pre [T, n]` in
-    `h_pre_dtype`, `aggregate [T, C]` in x's dtype. `portable`: the kernel without SIMD (tests)."""
+    `h_pre_dtype`, `aggregate [T, C]` in x's dtype. `kernel`: one of `KERNELS` (tests, benchmarks), else
+    `MHC_NATIVE`'s choice."""
     module, why = _module()
     if module is None:
         raise RuntimeError(why)
+    if kernel is None:
+        kernel = chosen_kernel()
+        if kernel is None:
+            raise RuntimeError(f"native pre_forward: turned off ({ENV}=0)")
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"native pre_forward: x must be a CPU fp32 / bf16 tensor, got {x.dtype} on {x.device}")
     if h_pre_dtype not in (torch.float32, torch.bfloat16):
@@ -66,5 +102,5 @@ def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, 
     module.forward(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, w.data_ptr(), float(alpha_pre.detach()),
                    b.data_ptr(), float(norm_eps), int(eps_inside), float(h_pre_eps),
                    int(h_pre_dtype == torch.bfloat16), proj.data_ptr(), rms.data_ptr(), h_pre.data_ptr(),
-                   agg.data_ptr(), portable)
+                   agg.data_ptr(), kernel)
     return proj, rms, h_pre.to(h_pre_dtype), agg

@@ -1,7 +1,7 @@
 /* The CPU forward of the fused pre-op: one pass over the streams per block of tokens.
 
    `mhc_core.kernels.native` builds this into `mhc_core.kernels.native._pre` (setup.py, optional: without a
-   C compiler the compiled backend keeps its torch.compile forward). Per block of TB tokens of x [T, K]
+   C compiler the compiled backend keeps its torch.compile forward). Per block of tokens of x [T, K]
    (K = n*C, fp32 or bf16, row-major):
 
      pass 1, the rows from memory:  proj[t, j] = sum_k x[t, k] W[j, k]  (j < N = n*n + 2n)
@@ -11,9 +11,11 @@
                                     (rounded to bf16 where the coefficients are bf16)
      pass 2, the rows from cache:   agg[t, c] = sum_i h_pre[t, i] x[t, i*C + c]   (rounded to x's dtype)
 
-   All sums in fp32, in blocks of 8 lanes. Kernels for AVX2 + FMA (selected at run time with
-   __builtin_cpu_supports, so the file builds with the compiler's default flags) and a portable one. The
-   GIL is released while they run. */
+   All sums in fp32, in vector lanes. Three kernels, named: `avx512` (AVX-512 F/BW/VL, 16 lanes), `avx2`
+   (AVX2 + FMA, 8 lanes), both from one template (pre_simd.h) and chosen at run time with
+   __builtin_cpu_supports, so the file builds with the compiler's default flags, and `portable` (scalar).
+   They sum in different orders, so their results differ by rounding; each is deterministic. The GIL is
+   released while they run. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,15 +30,14 @@
 #define MHC_X86 0
 #endif
 
-#define TB 3 /* tokens per block: their rows stay in cache between the passes */
-#define JB 4 /* projection columns per pass over the block (TB * JB accumulators in registers) */
 #define MAX_N 8 /* residual streams the kernels take (N = n*n + 2n <= 80) */
 
 typedef struct {
     const void *x;    /* [T, K] fp32 or bf16 */
     int x_bf16;
     Py_ssize_t T, K, n, N;
-    const float *w;   /* [N, K] */
+    const float *w;   /* [N, K] rows w_stride apart */
+    Py_ssize_t w_stride;
     float alpha_pre;
     const float *bias_pre; /* [n] */
     float norm_eps;
@@ -115,7 +116,7 @@ static void pre_forward_portable(const PreArgs *a) {
         }
         for (Py_ssize_t j = 0; j < N; j++) {
             float acc = 0.0f;
-            const float *wj = a->w + j * K;
+            const float *wj = a->w + j * a->w_stride;
             for (Py_ssize_t k = 0; k < K; k++) acc += load_x(a, t, k) * wj[k];
             a->proj[t * N + j] = acc;
         }
@@ -125,8 +126,12 @@ static void pre_forward_portable(const PreArgs *a) {
     }
 }
 
+#define KC 1024 /* K per chunk of the projection (pre_simd.h) */
+
 #if MHC_X86
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 loadx8(const void *x, int bf16, Py_ssize_t i) {
+/* AVX2 + FMA: 8 lanes, 16 registers (3 x 4 accumulators, 4 rows of W, one of x). */
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+AVX2_TARGET __attribute__((always_inline)) static inline __m256 loadx8(const void *x, int bf16, Py_ssize_t i) {
     if (bf16) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -134,177 +139,210 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 loadx8(c
     return _mm256_loadu_ps((const float *)x + i);
 }
 
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8(const PreArgs *a, Py_ssize_t t,
-                                                                             Py_ssize_t k) {
-    return loadx8(a->x, a->x_bf16, t * a->K + k);
-}
-
-__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+AVX2_TARGET __attribute__((always_inline)) static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
 
-/* Projection and sum of squares of a block of TB tokens, K in chunks of KC: per chunk the block's slices of x
-   (TB * KC floats) and, group by group, JB rows of W stay in L1; the vector partial sums of every (token,
-   column) pair live in `part` across chunks. Per 8 columns of K, TB loads of x and JB of W feed TB * JB FMAs. */
-#define KC 512
-__attribute__((target("avx2,fma"), always_inline)) static inline void project_block_as(
-        const PreArgs *a, Py_ssize_t t0, Py_ssize_t tb, float *sumsq, const int bf16) {
-    const Py_ssize_t K = a->K, N = a->N, K8 = K - K % 8;
-    const void *x = a->x;
-    const float *w = a->w;
-    __m256 part[TB][MAX_N * (MAX_N + 2)], sq[TB];
-    for (Py_ssize_t u = 0; u < TB; u++) {
-        sq[u] = _mm256_setzero_ps();
-        for (Py_ssize_t j = 0; j < N; j++) part[u][j] = _mm256_setzero_ps();
-    }
-    const int full = tb == TB;
-    for (Py_ssize_t k0 = 0; k0 < K8; k0 += KC) {
-        const Py_ssize_t k1 = k0 + KC < K8 ? k0 + KC : K8;
-        for (Py_ssize_t j0 = 0; j0 < N; j0 += JB) {
-            const Py_ssize_t jb = N - j0 < JB ? N - j0 : JB;
-            __m256 acc[TB][JB];
-            for (int u = 0; u < TB; u++)
-                for (int v = 0; v < JB; v++) acc[u][v] = part[u][j0 + v < N ? j0 + v : N - 1];
-            if (full && jb == JB) {
-                /* Constant trip counts: the TB * JB accumulators live in registers. */
-                const float *w0 = w + j0 * K;
-                for (Py_ssize_t k = k0; k < k1; k += 8) {
-                    __m256 wv[JB];
-                    for (int v = 0; v < JB; v++) wv[v] = _mm256_loadu_ps(w0 + v * K + k);
-                    for (int u = 0; u < TB; u++) {
-                        __m256 xv = loadx8(x, bf16, (t0 + u) * K + k);
-                        for (int v = 0; v < JB; v++) acc[u][v] = _mm256_fmadd_ps(xv, wv[v], acc[u][v]);
-                    }
-                }
-            } else {
-                for (Py_ssize_t k = k0; k < k1; k += 8) {
-                    __m256 wv[JB];
-                    for (Py_ssize_t v = 0; v < jb; v++) wv[v] = _mm256_loadu_ps(a->w + (j0 + v) * K + k);
-                    for (Py_ssize_t u = 0; u < tb; u++) {
-                        __m256 xv = load8(a, t0 + u, k);
-                        for (Py_ssize_t v = 0; v < jb; v++) acc[u][v] = _mm256_fmadd_ps(xv, wv[v], acc[u][v]);
-                    }
-                }
-            }
-            for (Py_ssize_t u = 0; u < TB; u++)
-                for (Py_ssize_t v = 0; v < jb; v++) part[u][j0 + v] = acc[u][v];
-        }
-        for (Py_ssize_t u = 0; u < tb; u++)
-            for (Py_ssize_t k = k0; k < k1; k += 8) {
-                __m256 xv = loadx8(x, bf16, (t0 + u) * K + k);
-                sq[u] = _mm256_fmadd_ps(xv, xv, sq[u]);
-            }
-    }
-    for (Py_ssize_t u = 0; u < tb; u++) {
-        for (Py_ssize_t j = 0; j < N; j++) {
-            float s = hsum8(part[u][j]);
-            for (Py_ssize_t k = K8; k < K; k++) s += load_x(a, t0 + u, k) * a->w[j * K + k];
-            a->proj[(t0 + u) * N + j] = s;
-        }
-        float q = hsum8(sq[u]);
-        for (Py_ssize_t k = K8; k < K; k++) {
-            float x = load_x(a, t0 + u, k);
-            q += x * x;
-        }
-        sumsq[u] = q;
-    }
+/* fp32 -> bf16, round to nearest even and NaN kept NaN as f32_to_bf16, 8 lanes at a time. */
+AVX2_TARGET __attribute__((always_inline)) static inline void store_bf16x8(uint16_t *p, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8); /* lanes 0-7 in order */
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 }
 
-__attribute__((target("avx2,fma"))) static void project_block(const PreArgs *a, Py_ssize_t t0, Py_ssize_t tb,
-                                                                float *sumsq) {
-    if (a->x_bf16)
-        project_block_as(a, t0, tb, sumsq, 1);
-    else
-        project_block_as(a, t0, tb, sumsq, 0);
+#define SIMD_TARGET AVX2_TARGET
+#define SIMD_FN(name) name##_avx2
+#define VEC __m256
+#define LANES 8
+#define TBS 3
+#define JBS 4
+#define VZERO() _mm256_setzero_ps()
+#define VLOADF(p) _mm256_loadu_ps(p)
+#define VLOADX(x, bf16, i) loadx8((x), (bf16), (i))
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VSET1(f) _mm256_set1_ps(f)
+#define VSTOREF(p, v) _mm256_storeu_ps((p), (v))
+#define VHSUM(v) hsum8(v)
+#define VSTOREBF16(p, v) store_bf16x8((p), (v))
+#include "pre_simd.h"
+#undef SIMD_TARGET
+#undef SIMD_FN
+#undef VEC
+#undef LANES
+#undef TBS
+#undef JBS
+#undef VZERO
+#undef VLOADF
+#undef VLOADX
+#undef VFMA
+#undef VSET1
+#undef VSTOREF
+#undef VHSUM
+#undef VSTOREBF16
+
+/* AVX-512 F + BW + VL: 16 lanes, 32 registers (4 x 6 accumulators, 6 rows of W, one of x). */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+AVX512_TARGET __attribute__((always_inline)) static inline __m512 loadx16(const void *x, int bf16, Py_ssize_t i) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)x + i);
 }
 
-__attribute__((target("avx2,fma"))) static void pre_forward_avx2(const PreArgs *a) {
-    const Py_ssize_t K = a->K, N = a->N;
-    for (Py_ssize_t t0 = 0; t0 < a->T; t0 += TB) {
-        const Py_ssize_t tb = a->T - t0 < TB ? a->T - t0 : TB;
-        float sumsq[TB] = {0};
-        project_block(a, t0, tb, sumsq);
-        for (Py_ssize_t u = 0; u < tb; u++) {
-            const Py_ssize_t t = t0 + u, n = a->n, C = K / n;
-            float hp[MAX_N];
-            token_coefficients(a, t, sumsq[u], hp);
-            const Py_ssize_t C8 = C - C % 8;
-            for (Py_ssize_t c = 0; c < C8; c += 8) {
-                __m256 acc = _mm256_setzero_ps();
-                for (Py_ssize_t i = 0; i < n; i++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(hp[i]), load8(a, t, i * C + c), acc);
-                if (a->x_bf16) {
-                    float tmp[8];
-                    _mm256_storeu_ps(tmp, acc);
-                    for (int l = 0; l < 8; l++) ((uint16_t *)a->agg)[t * C + c + l] = f32_to_bf16(tmp[l]);
-                } else {
-                    _mm256_storeu_ps((float *)a->agg + t * C + c, acc);
-                }
-            }
-            aggregate_from(a, t, hp, C8);
-        }
-    }
+AVX512_TARGET __attribute__((always_inline)) static inline void store_bf16x16(uint16_t *p, __m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
 }
+
+#define SIMD_TARGET AVX512_TARGET
+#define SIMD_FN(name) name##_avx512
+#define VEC __m512
+#define LANES 16
+#define TBS 4
+#define JBS 6
+#define VZERO() _mm512_setzero_ps()
+#define VLOADF(p) _mm512_loadu_ps(p)
+#define VLOADX(x, bf16, i) loadx16((x), (bf16), (i))
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VSET1(f) _mm512_set1_ps(f)
+#define VSTOREF(p, v) _mm512_storeu_ps((p), (v))
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+#define VSTOREBF16(p, v) store_bf16x16((p), (v))
+#include "pre_simd.h"
+#undef SIMD_TARGET
+#undef SIMD_FN
+#undef VEC
+#undef LANES
+#undef TBS
+#undef JBS
+#undef VZERO
+#undef VLOADF
+#undef VLOADX
+#undef VFMA
+#undef VSET1
+#undef VSTOREF
+#undef VHSUM
+#undef VSTOREBF16
 #endif
 
-static int have_avx2(void) {
+/* The kernels by name; a CPU runs those whose instruction sets it has. */
+typedef enum { KERNEL_PORTABLE, KERNEL_AVX2, KERNEL_AVX512, KERNEL_COUNT } Kernel;
+static const char *const KERNEL_NAMES[KERNEL_COUNT] = {"portable", "avx2", "avx512"};
+
+static int cpu_has(Kernel k) {
+    if (k == KERNEL_PORTABLE) return 1;
 #if MHC_X86 && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (k == KERNEL_AVX2) return avx2;
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
 #else
     return 0;
 #endif
+}
+
+static Kernel best_kernel(void) {
+    for (int k = KERNEL_COUNT - 1; k > KERNEL_PORTABLE; k--)
+        if (cpu_has((Kernel)k)) return (Kernel)k;
+    return KERNEL_PORTABLE;
 }
 
 static PyObject *forward(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, w, bias_pre, proj, rms, h_pre, agg;
     PreArgs a;
-    int portable;
-    if (!PyArg_ParseTuple(args, "KinnnKfKfifiKKKKp", &x, &a.x_bf16, &a.T, &a.K, &a.n, &w, &a.alpha_pre, &bias_pre,
+    const char *name;
+    if (!PyArg_ParseTuple(args, "KinnnKfKfifiKKKKs", &x, &a.x_bf16, &a.T, &a.K, &a.n, &w, &a.alpha_pre, &bias_pre,
                           &a.norm_eps, &a.eps_inside, &a.h_pre_eps, &a.h_pre_bf16, &proj, &rms, &h_pre, &agg,
-                          &portable))
+                          &name))
         return NULL;
     if (a.n < 1 || a.n > MAX_N || a.K % a.n != 0 || a.T < 0) {
         PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: n=%zd must be in [1, 8] and divide "
                      "K=%zd; T=%zd", a.n, a.K, a.T);
         return NULL;
     }
+    Kernel kernel = KERNEL_COUNT;
+    if (strcmp(name, "auto") == 0) kernel = best_kernel();
+    for (int k = 0; k < KERNEL_COUNT; k++)
+        if (strcmp(name, KERNEL_NAMES[k]) == 0) kernel = (Kernel)k;
+    if (kernel == KERNEL_COUNT) {
+        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: kernel=%R is none of 'auto', "
+                     "'portable', 'avx2', 'avx512'", PyTuple_GET_ITEM(args, PyTuple_GET_SIZE(args) - 1));
+        return NULL;
+    }
+    if (!cpu_has(kernel)) {
+        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: this CPU lacks the instructions of "
+                     "kernel '%s' (its best: '%s')", KERNEL_NAMES[kernel], KERNEL_NAMES[best_kernel()]);
+        return NULL;
+    }
     a.N = a.n * a.n + 2 * a.n;
     a.x = (const void *)(uintptr_t)x;
-    a.w = (const float *)(uintptr_t)w;
+    /* W's rows copied 64 B-aligned with a stride that is no multiple of 4 KiB: with K a multiple of 1024 (C a
+       multiple of 256 at n = 4), rows K apart all fall in one L1 set, and a pass's JBS rows of W beside its
+       TBS rows of x are more lines than the set has ways. */
+    Py_ssize_t ws = (a.K + 15) / 16 * 16 + 16;
+    if ((ws * (Py_ssize_t)sizeof(float)) % 4096 == 0) ws += 16;
+    void *w_block = PyMem_RawMalloc((size_t)(a.N * ws) * sizeof(float) + 64);
+    if (w_block == NULL) return PyErr_NoMemory();
+    float *w_pad = (float *)(((uintptr_t)w_block + 63) & ~(uintptr_t)63);
+    for (Py_ssize_t j = 0; j < a.N; j++) {
+        memcpy(w_pad + j * ws, (const float *)(uintptr_t)w + j * a.K, (size_t)a.K * sizeof(float));
+        memset(w_pad + j * ws + a.K, 0, (size_t)(ws - a.K) * sizeof(float));
+    }
+    a.w = w_pad;
+    a.w_stride = ws;
     a.bias_pre = (const float *)(uintptr_t)bias_pre;
     a.proj = (float *)(uintptr_t)proj;
     a.rms = (float *)(uintptr_t)rms;
     a.h_pre = (float *)(uintptr_t)h_pre;
     a.agg = (void *)(uintptr_t)agg;
-    int vec = !portable && have_avx2();
     Py_BEGIN_ALLOW_THREADS
+    switch (kernel) {
 #if MHC_X86
-    if (vec)
-        pre_forward_avx2(&a);
-    else
+    case KERNEL_AVX512: pre_forward_avx512(&a); break;
+    case KERNEL_AVX2: pre_forward_avx2(&a); break;
 #endif
-        pre_forward_portable(&a);
+    default: pre_forward_portable(&a);
+    }
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(vec);
+    PyMem_RawFree(w_block);
+    return PyUnicode_FromString(KERNEL_NAMES[kernel]);
 }
 
-static PyObject *simd(PyObject *self, PyObject *args) {
+static PyObject *kernels(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
-    return PyUnicode_FromString(have_avx2() ? "avx2" : "portable");
+    PyObject *out = PyList_New(0);
+    for (int k = KERNEL_COUNT - 1; out != NULL && k >= 0; k--) {
+        if (!cpu_has((Kernel)k)) continue;
+        PyObject *s = PyUnicode_FromString(KERNEL_NAMES[k]);
+        if (s == NULL || PyList_Append(out, s) < 0) Py_CLEAR(out);
+        Py_XDECREF(s);
+    }
+    return out;
 }
 
 static PyMethodDef methods[] = {
     {"forward", forward, METH_VARARGS,
      "forward(x_ptr, x_bf16, T, K, n, w_ptr, alpha_pre, bias_pre_ptr, norm_eps, eps_inside, h_pre_eps, h_pre_bf16, "
-     "proj_ptr, rms_ptr, h_pre_ptr, agg_ptr, portable) -> bool: the pre-op's forward pass (see the file's comment); "
-     "True when the AVX2 kernel ran"},
-    {"simd", simd, METH_NOARGS, "simd() -> 'avx2' or 'portable': the kernel this CPU runs"},
+     "proj_ptr, rms_ptr, h_pre_ptr, agg_ptr, kernel) -> str: the pre-op's forward pass (see the file's comment) "
+     "with `kernel` ('auto': the first of kernels()); returns the kernel that ran"},
+    {"kernels", kernels, METH_NOARGS, "kernels() -> list[str]: the kernels this CPU runs, the fastest first"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pre", "The CPU forward of mHC's fused pre-op.", -1,

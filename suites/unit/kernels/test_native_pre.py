@@ -1,6 +1,6 @@
-"""The native (C) forward of the fused pre-op: its AVX2 and portable kernels against the reference, at sizes
-that leave tails (C not a multiple of 8 lanes, T not a multiple of the token block), and the compiled `pre`
-with it turned off (`MHC_NATIVE=0`)."""
+"""The native (C) forward of the fused pre-op: each of its kernels (AVX-512, AVX2, portable; one this CPU lacks
+is skipped, naming it) against the reference, at sizes that leave tails (C not a multiple of the lanes, T not a
+multiple of the token block), `MHC_NATIVE`'s choices, and the compiled `pre` with it turned off."""
 
 from __future__ import annotations
 
@@ -26,22 +26,26 @@ def _inputs(t: int, n: int, c: int, dtype: torch.dtype, seed: int = 5) -> dict[s
             "bias": torch.randn(big_n, generator=g) * 0.3}
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("kernel", native.KERNELS)
 @pytest.mark.parametrize(("t", "n", "c", "dtype", "variant"), [
     (13, 4, 37, torch.float32, "megatron_dev"),
     (10, 2, 64, torch.bfloat16, "megatron_dev"),
     (7, 4, 24, torch.float32, "megatron_main+eps_inside_sqrt"),
     (5, 8, 16, torch.bfloat16, "paper"),
+    (9, 4, 200, torch.float32, "megatron_dev"),  # K = 800: one full 512-wide chunk, a partial one, a tail of lanes
+    (6, 8, 70, torch.bfloat16, "megatron_dev"),  # N = 80: 13 full column groups of 6 and 2 left over
 ], ids=lambda v: str(v).removeprefix("torch."))
-def test_native_forward_matches_the_reference(t, n, c, dtype, variant, portable):
-    """h_pre and the aggregate of both kernels match the reference pre within the activation dtype's forward bound
+def test_native_forward_matches_the_reference(t, n, c, dtype, variant, kernel):
+    """h_pre and the aggregate of every kernel match the reference pre within the activation dtype's forward bound
     (h_pre in the coefficients' dtype, the aggregate in x's), and the projection and RMS the reference mapping's."""
     spec = get_variant(variant)
     d = _inputs(t, n, c, dtype)
     agg, h_pre, _, _ = ops.pre(*d.values(), n, 20, spec)
     out_dtype = dtype if spec.coefficients_in_activation_dtype else torch.float32
+    if kernel not in native.kernels():
+        pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
     proj, rms, got_h, got_agg = native.pre_forward(d["x"], d["weight"], d["alpha_pre"], d["bias"], n, 1e-6,
-                                                   spec.norm_eps_inside, spec.h_pre_eps, out_dtype, portable=portable)
+                                                   spec.norm_eps_inside, spec.h_pre_eps, out_dtype, kernel=kernel)
     tol = tolerance(dtype, "fwd")
     assert got_h.dtype == h_pre.dtype and got_agg.dtype == agg.dtype
     assert_close("h_pre", got_h, h_pre, tol)
@@ -61,6 +65,64 @@ def test_native_refuses_what_it_has_no_kernel_for():
     d = _inputs(2, 9, 4, torch.float32)
     with pytest.raises(ValueError, match=r"n=9 must be in \[1, 8\]"):
         native.pre_forward(d["x"], d["weight"], d["alpha_pre"], d["bias"], 9, 1e-6, False, 0.0, torch.float32)
+
+
+@pytest.mark.parametrize("kernel", native.KERNELS)
+def test_the_bf16_aggregate_rounds_to_nearest_even_as_torch(kernel):
+    """With W = 0 and bias 100, h_pre is exactly 1 (sigmoid in fp32), so the aggregate of two streams is the exact
+    fp32 sum x0 + x1 rounded once to bf16: every kernel's rounding (the SIMD ones in vector lanes) gives torch's
+    bits, ties to even (x1 = x0 * 2^-8 and 2^-9 put sums on and beside ties) and overflow to inf included."""
+    if kernel not in native.kernels():
+        pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
+    g = torch.Generator().manual_seed(11)
+    t, c = 6, 64 + 5  # the vector lanes and a scalar tail
+    x0 = torch.randn(t, c, generator=g).to(torch.bfloat16)
+    x1 = torch.randn(t, c, generator=g).to(torch.bfloat16)
+    x1[0:2] = x0[0:2] * 2.0**-8  # a tie wherever x0's last mantissa bit is set
+    x1[2:4] = x0[2:4] * 2.0**-9
+    x0[4, :8], x1[4, :8] = 3.0e38, 3.0e38  # their fp32 sum overflows to inf
+    x = torch.cat([x0, x1], dim=1)
+    w = torch.zeros(8, 2 * c)
+    _, _, h_pre, agg = native.pre_forward(x, w, torch.tensor([1.0]), torch.full((8,), 100.0), 2, 1e-6, False, 0.0,
+                                          torch.float32, kernel=kernel)
+    assert torch.equal(h_pre, torch.ones(t, 2))
+    want = (x0.float() + x1.float()).to(torch.bfloat16)
+    assert torch.isinf(want[4, :8]).all()
+    mismatch = (agg.view(torch.int16) != want.view(torch.int16)).nonzero()
+    assert mismatch.numel() == 0, f"{kernel}: {len(mismatch)} lanes differ from torch's rounding, first at {mismatch[0].tolist()}"
+
+
+def test_the_kernels_run_in_the_order_of_their_speed_and_are_deterministic():
+    """Every CPU runs `portable`; an x86 one with AVX2 also `avx2`, ahead of it; `auto` (MHC_NATIVE unset) takes
+    the first. Each kernel gives the same bits twice; two kernels sum in another order (they may differ)."""
+    here = native.kernels()
+    assert here[-1] == "portable" and list(here) == [k for k in native.KERNELS if k in here], here
+    d = _inputs(11, 4, 96, torch.float32, seed=3)
+    args = (d["x"], d["weight"], d["alpha_pre"], d["bias"], 4, 1e-6, False, 0.0, torch.float32)
+    for kernel in here:
+        first, second = native.pre_forward(*args, kernel=kernel), native.pre_forward(*args, kernel=kernel)
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True)), kernel
+    assert all(torch.equal(a, b) for a, b in zip(native.pre_forward(*args), native.pre_forward(*args, kernel=here[0]),
+                                                 strict=True))
+
+
+def test_mhc_native_names_a_kernel_or_is_refused(monkeypatch):
+    """`MHC_NATIVE=<kernel>` picks it; a value that is no kernel, or a kernel this CPU lacks, is refused naming
+    the value and what the CPU runs (never a silent fallback to another kernel)."""
+    monkeypatch.setenv(native.ENV, "portable")
+    assert (True, "native pre-op forward (portable)") == native.available()
+    monkeypatch.setenv(native.ENV, "avx1024")
+    with pytest.raises(ValueError, match=r"MHC_NATIVE='avx1024' is none of 0, 1, auto, avx512, avx2, portable"):
+        native.available()
+    missing = [k for k in native.KERNELS if k not in native.kernels()]
+    if missing:
+        monkeypatch.setenv(native.ENV, missing[0])
+        with pytest.raises(ValueError, match=f"MHC_NATIVE='{missing[0]}': this CPU lacks that kernel's instructions"):
+            native.available()
+    d = _inputs(2, 4, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"kernel='sse' is none of 'auto', 'portable', 'avx2', 'avx512'"):
+        native.pre_forward(d["x"], d["weight"], d["alpha_pre"], d["bias"], 4, 1e-6, False, 0.0, torch.float32,
+                           kernel="sse")
 
 
 def test_compiled_pre_without_the_native_forward(monkeypatch):

@@ -1,0 +1,105 @@
+/* One instruction set's forward kernel of the fused pre-op, included by pre.c once per set. The includer
+   defines:
+
+     SIMD_TARGET        the function attribute that enables the set, e.g. __attribute__((target("avx2,fma")))
+     SIMD_FN(name)      the set's name for a function (name##_avx2)
+     VEC, LANES         the fp32 vector type and its lane count
+     TBS, JBS           tokens per block and projection columns per pass: TBS * JBS accumulators, JBS rows of
+                        W and one row of x fill the registers of the set (16 for AVX2, 32 for AVX-512)
+     VZERO(), VLOADF(p), VLOADX(x, bf16, i), VFMA(a, b, c), VSET1(f), VSTOREF(p, v), VHSUM(v) and
+                        VSTOREBF16(p, v) (rounded to nearest even, as f32_to_bf16)
+
+   and the set's kernel is SIMD_FN(pre_forward)(const PreArgs *). Projection and sum of squares of a block of TBS
+   tokens run over K in chunks of KC: per chunk the block's slices of x (TBS * KC values) and, group by group,
+   JBS rows of W stay in L1 / L2; the vector partial sums of every (token, column) pair live in `part` across chunks.
+   Per LANES columns of K, TBS loads of x and JBS of W feed TBS * JBS FMAs. Then, per token, the coefficients,
+   and the aggregate from the block's rows while they are in cache. */
+
+SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(project_block_as)(
+        const PreArgs *a, Py_ssize_t t0, Py_ssize_t tb, float *sumsq, const int bf16) {
+    const Py_ssize_t K = a->K, N = a->N, KV = K - K % LANES, WS = a->w_stride;
+    const void *x = a->x;
+    const float *w = a->w;
+    VEC part[TBS][MAX_N * (MAX_N + 2)], sq[TBS];
+    for (Py_ssize_t u = 0; u < TBS; u++) {
+        sq[u] = VZERO();
+        for (Py_ssize_t j = 0; j < N; j++) part[u][j] = VZERO();
+    }
+    const int full = tb == TBS;
+    for (Py_ssize_t k0 = 0; k0 < KV; k0 += KC) {
+        const Py_ssize_t k1 = k0 + KC < KV ? k0 + KC : KV;
+        for (Py_ssize_t j0 = 0; j0 < N; j0 += JBS) {
+            const Py_ssize_t jb = N - j0 < JBS ? N - j0 : JBS;
+            VEC acc[TBS][JBS];
+            for (int u = 0; u < TBS; u++)
+                for (int v = 0; v < JBS; v++) acc[u][v] = part[u][j0 + v < N ? j0 + v : N - 1];
+            if (full && jb == JBS) {
+                /* Constant trip counts: the TBS * JBS accumulators live in registers. */
+                const float *w0 = w + j0 * WS;
+                for (Py_ssize_t k = k0; k < k1; k += LANES) {
+                    VEC wv[JBS];
+                    for (int v = 0; v < JBS; v++) wv[v] = VLOADF(w0 + v * WS + k);
+                    for (int u = 0; u < TBS; u++) {
+                        VEC xv = VLOADX(x, bf16, (t0 + u) * K + k);
+                        for (int v = 0; v < JBS; v++) acc[u][v] = VFMA(xv, wv[v], acc[u][v]);
+                    }
+                }
+            } else {
+                for (Py_ssize_t k = k0; k < k1; k += LANES) {
+                    VEC wv[JBS];
+                    for (Py_ssize_t v = 0; v < jb; v++) wv[v] = VLOADF(w + (j0 + v) * WS + k);
+                    for (Py_ssize_t u = 0; u < tb; u++) {
+                        VEC xv = VLOADX(x, bf16, (t0 + u) * K + k);
+                        for (Py_ssize_t v = 0; v < jb; v++) acc[u][v] = VFMA(xv, wv[v], acc[u][v]);
+                    }
+                }
+            }
+            for (Py_ssize_t u = 0; u < TBS; u++)
+                for (Py_ssize_t v = 0; v < jb; v++) part[u][j0 + v] = acc[u][v];
+        }
+        for (Py_ssize_t u = 0; u < tb; u++)
+            for (Py_ssize_t k = k0; k < k1; k += LANES) {
+                VEC xv = VLOADX(x, bf16, (t0 + u) * K + k);
+                sq[u] = VFMA(xv, xv, sq[u]);
+            }
+    }
+    for (Py_ssize_t u = 0; u < tb; u++) {
+        for (Py_ssize_t j = 0; j < N; j++) {
+            float s = VHSUM(part[u][j]);
+            for (Py_ssize_t k = KV; k < K; k++) s += load_x(a, t0 + u, k) * w[j * WS + k];
+            a->proj[(t0 + u) * N + j] = s;
+        }
+        float q = VHSUM(sq[u]);
+        for (Py_ssize_t k = KV; k < K; k++) {
+            float v = load_x(a, t0 + u, k);
+            q += v * v;
+        }
+        sumsq[u] = q;
+    }
+}
+
+SIMD_TARGET static void SIMD_FN(pre_forward)(const PreArgs *a) {
+    const Py_ssize_t K = a->K, n = a->n, C = K / n, CV = C - C % LANES;
+    for (Py_ssize_t t0 = 0; t0 < a->T; t0 += TBS) {
+        const Py_ssize_t tb = a->T - t0 < TBS ? a->T - t0 : TBS;
+        float sumsq[TBS] = {0};
+        if (a->x_bf16) /* one copy of the block's loop per dtype, so that the loads are not branches */
+            SIMD_FN(project_block_as)(a, t0, tb, sumsq, 1);
+        else
+            SIMD_FN(project_block_as)(a, t0, tb, sumsq, 0);
+        for (Py_ssize_t u = 0; u < tb; u++) {
+            const Py_ssize_t t = t0 + u;
+            float hp[MAX_N];
+            token_coefficients(a, t, sumsq[u], hp);
+            for (Py_ssize_t c = 0; c < CV; c += LANES) {
+                VEC acc = VZERO();
+                for (Py_ssize_t i = 0; i < n; i++) acc = VFMA(VSET1(hp[i]), VLOADX(a->x, a->x_bf16, t * K + i * C + c), acc);
+                if (a->x_bf16)
+                    VSTOREBF16((uint16_t *)a->agg + t * C + c, acc);
+                else
+                    VSTOREF((float *)a->agg + t * C + c, acc);
+            }
+            aggregate_from(a, t, hp, CV);
+        }
+    }
+}
