@@ -165,10 +165,12 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
         except ValueError as exc:  # an MHC_NATIVE naming no kernel, or one this CPU lacks
             ok, why = False, str(exc)
             problems.append(str(exc))
-        fp32_math = spec.mapping_fp32 or _DTYPES[dtype] == torch.float32
-        where = ("its native kernel" if ok and fp32_math and n <= 8 else "its torch.compile graph")
-        reason = why if not ok else ("the mapping computes in fp32" if fp32_math and n <= 8 else
-                                     "the mapping computes in the activation dtype" if not fp32_math else "n > 8")
+        act = _DTYPES[dtype]
+        math = "fp32" if spec.mapping_fp32 or act == torch.float32 else dtype  # the mapping's compute dtype
+        takes = act in (torch.float32, torch.bfloat16)  # the native kernel reads fp32 / bf16 x (either mapping)
+        where = ("its native kernel" if ok and takes and n <= 8 else "its torch.compile graph")
+        reason = why if not ok else (f"the mapping computes in {math}" if takes and n <= 8 else
+                                     f"the native kernel reads no {dtype} activations" if not takes else "n > 8")
         notes.append(f"pre's forward runs {where} ({reason}; MHC_NATIVE=0 turns the native kernel off, "
                      f"MHC_NATIVE=<kernel> picks one of {', '.join(native.kernels()) or 'none here'})")
     return Preflight(device=device, gpu_name=gpu_name, torch=torch.__version__, n=n, dtype=dtype, dropout=dropout,

@@ -5,8 +5,8 @@ Sinkhorn iteration of the residual logits and the aggregate `sum_i h_pre_i x_i`,
 saved for the backward are `x`, the parameters, `proj [T, N]` and `rms [T, 1]` (as the compiled
 mapping), nothing of Sinkhorn or the aggregate: the gates and logits are recomputed from `proj`.
 
-On CPU, where the mapping computes in fp32 (fp32 activations, or a variant with fp32 mappings) and n <= 8,
-the forward's passes over `x` are the native kernel's instead (`mhc_core.kernels.native`: the projection,
+On CPU, where the mapping computes in fp32 (fp32 activations, or a variant with fp32 mappings) or in bf16 on
+bf16 activations, and n <= 8, the forward's passes over `x` are the native kernel's instead (`mhc_core.kernels.native`: the projection,
 the sum of squares, h_pre and the aggregate in one read of each block of tokens; Inductor's graph reads `x`
 three times, its GEMM being an extern call), and a small compiled graph makes h_post and h_res from its
 `proj` and `rms`. `MHC_NATIVE=0` keeps the compiled graph.
@@ -70,9 +70,10 @@ def _epilogue(proj, rms, a_pre, a_post, a_res, bias, n: int, compute, out_dtype,
 
 
 def _native_ok(x: torch.Tensor, compute: torch.dtype, n: int) -> bool:
-    """Whether the native forward takes this call: CPU, fp32 mapping arithmetic, fp32 / bf16 x, n <= 8."""
-    return (x.device.type == "cpu" and compute == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
-            and n <= NATIVE_MAX_N and native.available()[0])
+    """Whether the native forward takes this call: CPU, fp32 / bf16 x, the mapping in fp32 or in x's bf16,
+    n <= 8."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and compute in (torch.float32, x.dtype) and n <= NATIVE_MAX_N and native.available()[0])
 
 
 def _bwd(g_agg, g_pre, g_post, g_res, x, weight, a_pre, a_post, a_res, bias, proj, rms, n: int, compute, out_dtype,
@@ -131,7 +132,7 @@ class _Pre(torch.autograd.Function):
         eps_outside = 0.0 if spec.norm_eps_inside else norm_eps
         if _native_ok(x, compute, n):
             proj, rms, h_pre, agg = native.pre_forward(x, weight, a_pre, bias, n, norm_eps, spec.norm_eps_inside,
-                                                       spec.h_pre_eps, out_dtype)
+                                                       spec.h_pre_eps, out_dtype, compute)
             h_post, h_res = compile_for(_epilogue, ("native", *key))(
                 mark_dynamic(proj, 0), mark_dynamic(rms, 0), a_pre, a_post, a_res, bias, n, compute, out_dtype,
                 eps_outside, *sink)

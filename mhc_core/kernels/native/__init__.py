@@ -4,9 +4,10 @@ Inductor cannot give the pre-op's forward one read of `x`: the 24-column project
 the sum of squares and the aggregate each read `x` again. `_pre` (`pre.c` and its SIMD template
 `pre_simd.h`, built by the package's own install from `setup.py`; optional, so an install without a C
 compiler simply lacks it) reads each block of tokens once for the projection and the sum of squares and,
-while the rows are in cache, computes h_pre and the aggregate. It runs where the compute dtype of the
-mapping is fp32 (every variant with fp32 activations, and `fp32_mappings` with bf16 ones); the compiled
-backend's `pre` uses it on CPU tensors when `available()`, else its torch.compile forward.
+while the rows are in cache, computes h_pre and the aggregate. It runs where the mapping computes in fp32
+(every variant with fp32 activations, and `fp32_mappings` with bf16 ones) or in bf16 on bf16 activations
+(the projection then rounded to bf16, as a bf16 GEMM's output, the rest in fp32 as the compiled graph);
+the compiled backend's `pre` uses it on CPU tensors when `available()`, else its torch.compile forward.
 
 Three kernels, by name (`KERNELS`): `avx512` (AVX-512 F/BW/VL), `avx2` (AVX2 + FMA) and `portable`; each
 sums in its own order, so they differ by rounding, and each is deterministic. `MHC_NATIVE` chooses: unset,
@@ -73,12 +74,13 @@ def available() -> tuple[bool, str]:
 
 def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, bias: torch.Tensor, n: int,
                 norm_eps: float, eps_inside: bool, h_pre_eps: float, h_pre_dtype: torch.dtype,
+                compute: torch.dtype = torch.float32,
                 kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward pass (see the module docstring) on CPU tensors: x `[T, n*C]` fp32 or bf16, weight `[N, n*C]`,
-    alpha_pre `[1]`, bias `[N]` (both fp32 on the way in); h_pre rounded to `h_pre_dtype` (fp32 or bf16)
-    before it weights the streams. Returns `proj [T, N]` fp32, `rms [T, 1]` fp32, `h_pre [T, n]` in
-    `h_pre_dtype`, `aggregate [T, C]` in x's dtype. `kernel`: one of `KERNELS` (tests, benchmarks), else
-    `MHC_NATIVE`'s choice."""
+    alpha_pre `[1]`, bias `[N]`, each rounded to `compute` (the mapping's dtype: fp32, or bf16 with bf16 x)
+    on the way in; h_pre rounded to `h_pre_dtype` (fp32 or bf16) before it weights the streams. Returns
+    `proj [T, N]` in `compute`, `rms [T, 1]` fp32, `h_pre [T, n]` in `h_pre_dtype`, `aggregate [T, C]` in x's
+    dtype. `kernel`: one of `KERNELS` (tests, benchmarks), else `MHC_NATIVE`'s choice."""
     module, why = _module()
     if module is None:
         raise RuntimeError(why)
@@ -90,17 +92,20 @@ def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, 
         raise ValueError(f"native pre_forward: x must be a CPU fp32 / bf16 tensor, got {x.dtype} on {x.device}")
     if h_pre_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"native pre_forward: h_pre_dtype must be fp32 or bf16, got {h_pre_dtype}")
+    if compute not in (torch.float32, x.dtype):
+        raise ValueError(f"native pre_forward: the mapping computes in fp32 or in x's dtype ({x.dtype}), got {compute}")
     x = x.contiguous()
     t, k = x.shape
     big_n = n * n + 2 * n
-    w = weight.detach().to(torch.float32).contiguous()
-    b = bias.detach().to(torch.float32)[:n].contiguous()
+    w = weight.detach().to(compute).to(torch.float32).contiguous()
+    b = bias.detach().to(compute).to(torch.float32)[:n].contiguous()
+    alpha = float(alpha_pre.detach().to(compute))
     proj = torch.empty(t, big_n, dtype=torch.float32)
     rms = torch.empty(t, 1, dtype=torch.float32)
     h_pre = torch.empty(t, n, dtype=torch.float32)
     agg = torch.empty(t, k // n, dtype=x.dtype)
-    module.forward(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, w.data_ptr(), float(alpha_pre.detach()),
-                   b.data_ptr(), float(norm_eps), int(eps_inside), float(h_pre_eps),
-                   int(h_pre_dtype == torch.bfloat16), proj.data_ptr(), rms.data_ptr(), h_pre.data_ptr(),
-                   agg.data_ptr(), kernel)
-    return proj, rms, h_pre.to(h_pre_dtype), agg
+    module.forward(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, w.data_ptr(), alpha, b.data_ptr(),
+                   float(norm_eps), int(eps_inside), float(h_pre_eps), int(h_pre_dtype == torch.bfloat16),
+                   int(compute == torch.bfloat16), proj.data_ptr(), rms.data_ptr(), h_pre.data_ptr(), agg.data_ptr(),
+                   kernel)
+    return proj.to(compute), rms, h_pre.to(h_pre_dtype), agg

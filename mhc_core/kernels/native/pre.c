@@ -4,7 +4,8 @@
    C compiler the compiled backend keeps its torch.compile forward). Per block of tokens of x [T, K]
    (K = n*C, fp32 or bf16, row-major):
 
-     pass 1, the rows from memory:  proj[t, j] = sum_k x[t, k] W[j, k]  (j < N = n*n + 2n)
+     pass 1, the rows from memory:  proj[t, j] = sum_k x[t, k] W[j, k]  (j < N = n*n + 2n; rounded to bf16
+                                    where the mapping computes in bf16, as a bf16 GEMM's output)
                                     sumsq[t]  = sum_k x[t, k]^2
      per token:                     rms, r = 1 / (rms + eps) or rsqrt(sumsq / K + eps)
                                     h_pre[t, i] = sigmoid(r * proj[t, i] * alpha_pre + bias[i]) + h_pre_eps
@@ -44,6 +45,7 @@ typedef struct {
     int eps_inside;
     float h_pre_eps;
     int h_pre_bf16;   /* round h_pre to bf16 before it is used and returned */
+    int proj_bf16;    /* round the projection to bf16 (a mapping computed in bf16) before it is used and returned */
     float *proj;      /* [T, N] */
     float *rms;       /* [T] */
     float *h_pre;     /* [T, n] */
@@ -118,7 +120,7 @@ static void pre_forward_portable(const PreArgs *a) {
             float acc = 0.0f;
             const float *wj = a->w + j * a->w_stride;
             for (Py_ssize_t k = 0; k < K; k++) acc += load_x(a, t, k) * wj[k];
-            a->proj[t * N + j] = acc;
+            a->proj[t * N + j] = a->proj_bf16 ? round_bf16(acc) : acc;
         }
         float hp[MAX_N];
         token_coefficients(a, t, sumsq, hp);
@@ -267,8 +269,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     unsigned long long x, w, bias_pre, proj, rms, h_pre, agg;
     PreArgs a;
     const char *name;
-    if (!PyArg_ParseTuple(args, "KinnnKfKfifiKKKKs", &x, &a.x_bf16, &a.T, &a.K, &a.n, &w, &a.alpha_pre, &bias_pre,
-                          &a.norm_eps, &a.eps_inside, &a.h_pre_eps, &a.h_pre_bf16, &proj, &rms, &h_pre, &agg,
+    if (!PyArg_ParseTuple(args, "KinnnKfKfifiiKKKKs", &x, &a.x_bf16, &a.T, &a.K, &a.n, &w, &a.alpha_pre, &bias_pre,
+                          &a.norm_eps, &a.eps_inside, &a.h_pre_eps, &a.h_pre_bf16, &a.proj_bf16, &proj, &rms, &h_pre, &agg,
                           &name))
         return NULL;
     if (a.n < 1 || a.n > MAX_N || a.K % a.n != 0 || a.T < 0) {
@@ -340,7 +342,7 @@ static PyObject *kernels(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"forward", forward, METH_VARARGS,
      "forward(x_ptr, x_bf16, T, K, n, w_ptr, alpha_pre, bias_pre_ptr, norm_eps, eps_inside, h_pre_eps, h_pre_bf16, "
-     "proj_ptr, rms_ptr, h_pre_ptr, agg_ptr, kernel) -> str: the pre-op's forward pass (see the file's comment) "
+     "proj_bf16, proj_ptr, rms_ptr, h_pre_ptr, agg_ptr, kernel) -> str: the pre-op's forward pass (see the file's comment) "
      "with `kernel` ('auto': the first of kernels()); returns the kernel that ran"},
     {"kernels", kernels, METH_NOARGS, "kernels() -> list[str]: the kernels this CPU runs, the fastest first"},
     {NULL, NULL, 0, NULL}};

@@ -67,7 +67,7 @@ SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(project_bl
         for (Py_ssize_t j = 0; j < N; j++) {
             float s = VHSUM(part[u][j]);
             for (Py_ssize_t k = KV; k < K; k++) s += load_x(a, t0 + u, k) * w[j * WS + k];
-            a->proj[(t0 + u) * N + j] = s;
+            a->proj[(t0 + u) * N + j] = a->proj_bf16 ? round_bf16(s) : s;
         }
         float q = VHSUM(sq[u]);
         for (Py_ssize_t k = KV; k < K; k++) {

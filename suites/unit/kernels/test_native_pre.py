@@ -34,6 +34,8 @@ def _inputs(t: int, n: int, c: int, dtype: torch.dtype, seed: int = 5) -> dict[s
     (5, 8, 16, torch.bfloat16, "paper"),
     (9, 4, 200, torch.float32, "megatron_dev"),  # K = 800: one full 512-wide chunk, a partial one, a tail of lanes
     (6, 8, 70, torch.bfloat16, "megatron_dev"),  # N = 80: 13 full column groups of 6 and 2 left over
+    (10, 4, 64, torch.bfloat16, "megatron_main"),  # the mapping in bf16: the projection rounded to bf16
+    (7, 2, 40, torch.bfloat16, "megatron_main+eps_inside_sqrt"),
 ], ids=lambda v: str(v).removeprefix("torch."))
 def test_native_forward_matches_the_reference(t, n, c, dtype, variant, kernel):
     """h_pre and the aggregate of every kernel match the reference pre within the activation dtype's forward bound
@@ -41,17 +43,19 @@ def test_native_forward_matches_the_reference(t, n, c, dtype, variant, kernel):
     spec = get_variant(variant)
     d = _inputs(t, n, c, dtype)
     agg, h_pre, _, _ = ops.pre(*d.values(), n, 20, spec)
-    out_dtype = dtype if spec.coefficients_in_activation_dtype else torch.float32
+    compute = torch.float32 if spec.mapping_fp32 else dtype
+    out_dtype = dtype if spec.coefficients_in_activation_dtype else compute
     if kernel not in native.kernels():
         pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
     proj, rms, got_h, got_agg = native.pre_forward(d["x"], d["weight"], d["alpha_pre"], d["bias"], n, 1e-6,
-                                                   spec.norm_eps_inside, spec.h_pre_eps, out_dtype, kernel=kernel)
+                                                   spec.norm_eps_inside, spec.h_pre_eps, out_dtype, compute,
+                                                   kernel=kernel)
     tol = tolerance(dtype, "fwd")
-    assert got_h.dtype == h_pre.dtype and got_agg.dtype == agg.dtype
+    assert (got_h.dtype, got_agg.dtype, proj.dtype) == (h_pre.dtype, agg.dtype, compute)
     assert_close("h_pre", got_h, h_pre, tol)
     assert_close("aggregate", got_agg, agg, tol)
     x64 = d["x"].double()
-    assert_close("proj", proj.double(), x64 @ d["weight"].double().t(), tolerance(torch.float32, "fwd"))
+    assert_close("proj", proj.double(), x64 @ d["weight"].to(compute).double().t(), tolerance(compute, "fwd"))
     sq = (x64 * x64).mean(-1, keepdim=True)
     want_rms = (sq + 1e-6).sqrt() if spec.norm_eps_inside else sq.sqrt()
     assert_close("rms", rms.double(), want_rms, tolerance(torch.float32, "fwd"))

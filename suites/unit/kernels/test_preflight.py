@@ -160,8 +160,8 @@ def test_preflight_says_where_pres_forward_runs(monkeypatch):
 
     for name in [dispatch.ENV_ALL, *(dispatch.env_var(op) for op in dispatch.OPS)]:
         monkeypatch.delenv(name, raising=False)
-    notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_main").notes)
-    assert "pre's forward runs its torch.compile graph (the mapping computes in the activation dtype" in notes
+    notes = " ".join(preflight.preflight(device="cpu", dtype="fp16", variant="megatron_main").notes)
+    assert "pre's forward runs its torch.compile graph (the native kernel reads no fp16 activations" in notes
     monkeypatch.setenv(native.ENV, "0")
     notes = " ".join(preflight.preflight(device="cpu", dtype="fp32").notes)
     assert "pre's forward runs its torch.compile graph (turned off (MHC_NATIVE=0)" in notes
@@ -169,3 +169,5 @@ def test_preflight_says_where_pres_forward_runs(monkeypatch):
     if native.available()[0]:
         notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_dev").notes)
         assert "pre's forward runs its native kernel (the mapping computes in fp32" in notes
+        notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_main").notes)
+        assert "pre's forward runs its native kernel (the mapping computes in bf16" in notes
