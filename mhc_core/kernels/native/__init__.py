@@ -10,7 +10,8 @@ while the rows are in cache, computes h_pre and the aggregate. It runs where the
 the compiled backend's `pre` uses it on CPU tensors when `available()`, else its torch.compile forward.
 
 Three kernels, by name (`KERNELS`): `avx512` (AVX-512 F/BW/VL), `avx2` (AVX2 + FMA) and `portable`; each
-sums in its own order, so they differ by rounding, and each is deterministic. `MHC_NATIVE` chooses: unset,
+sums in its own order, so they differ by rounding, and each is deterministic; the tokens are split over
+torch's intra-op threads (`torch.get_num_threads()`), which changes no bit. `MHC_NATIVE` chooses: unset,
 `1` or `auto` the fastest this CPU runs, `0` none (the torch.compile forward), a kernel's name that kernel
 (an error where the CPU lacks it: never a silent fallback).
 
@@ -24,10 +25,12 @@ import os
 
 import torch
 
-__all__ = ["ENV", "KERNELS", "available", "chosen_kernel", "kernels", "pre_forward"]
+__all__ = ["ENV", "KERNELS", "MIN_TOKENS_PER_THREAD", "available", "chosen_kernel", "kernels", "pre_forward"]
 
 ENV = "MHC_NATIVE"
 KERNELS = ("avx512", "avx2", "portable")
+MIN_TOKENS_PER_THREAD = 64
+"""Below this many tokens per thread, starting a thread costs more than its share of the work."""
 
 
 @functools.cache
@@ -74,13 +77,15 @@ def available() -> tuple[bool, str]:
 
 def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, bias: torch.Tensor, n: int,
                 norm_eps: float, eps_inside: bool, h_pre_eps: float, h_pre_dtype: torch.dtype,
-                compute: torch.dtype = torch.float32,
-                kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                compute: torch.dtype = torch.float32, kernel: str | None = None,
+                threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward pass (see the module docstring) on CPU tensors: x `[T, n*C]` fp32 or bf16, weight `[N, n*C]`,
     alpha_pre `[1]`, bias `[N]`, each rounded to `compute` (the mapping's dtype: fp32, or bf16 with bf16 x)
     on the way in; h_pre rounded to `h_pre_dtype` (fp32 or bf16) before it weights the streams. Returns
     `proj [T, N]` in `compute`, `rms [T, 1]` fp32, `h_pre [T, n]` in `h_pre_dtype`, `aggregate [T, C]` in x's
-    dtype. `kernel`: one of `KERNELS` (tests, benchmarks), else `MHC_NATIVE`'s choice."""
+    dtype. `kernel`: one of `KERNELS` (tests, benchmarks), else `MHC_NATIVE`'s choice. `threads`: how many
+    threads split the tokens (default torch's intra-op count, at most one per `MIN_TOKENS_PER_THREAD` tokens);
+    the results do not depend on it."""
     module, why = _module()
     if module is None:
         raise RuntimeError(why)
@@ -104,8 +109,10 @@ def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, 
     rms = torch.empty(t, 1, dtype=torch.float32)
     h_pre = torch.empty(t, n, dtype=torch.float32)
     agg = torch.empty(t, k // n, dtype=x.dtype)
+    if threads is None:
+        threads = max(1, min(torch.get_num_threads(), t // MIN_TOKENS_PER_THREAD))
     module.forward(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, w.data_ptr(), alpha, b.data_ptr(),
                    float(norm_eps), int(eps_inside), float(h_pre_eps), int(h_pre_dtype == torch.bfloat16),
                    int(compute == torch.bfloat16), proj.data_ptr(), rms.data_ptr(), h_pre.data_ptr(), agg.data_ptr(),
-                   kernel)
+                   kernel, int(threads))
     return proj.to(compute), rms, h_pre.to(h_pre_dtype), agg

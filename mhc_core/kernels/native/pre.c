@@ -21,6 +21,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 
@@ -37,6 +40,7 @@ typedef struct {
     const void *x;    /* [T, K] fp32 or bf16 */
     int x_bf16;
     Py_ssize_t T, K, n, N;
+    Py_ssize_t t_begin, t_end; /* the tokens this call (one thread's slice) computes */
     const float *w;   /* [N, K] rows w_stride apart */
     Py_ssize_t w_stride;
     float alpha_pre;
@@ -110,7 +114,7 @@ static void aggregate_from(const PreArgs *a, Py_ssize_t t, const float *hp, Py_s
 
 static void pre_forward_portable(const PreArgs *a) {
     const Py_ssize_t K = a->K, N = a->N;
-    for (Py_ssize_t t = 0; t < a->T; t++) {
+    for (Py_ssize_t t = a->t_begin; t < a->t_end; t++) {
         float sumsq = 0.0f;
         for (Py_ssize_t k = 0; k < K; k++) {
             float v = load_x(a, t, k);
@@ -264,14 +268,57 @@ static Kernel best_kernel(void) {
     return KERNEL_PORTABLE;
 }
 
+/* One thread's slice of the tokens. Every token's results depend on its row of x alone, so the split into
+   slices (and the number of threads) does not change a bit. */
+typedef struct {
+    PreArgs a;
+    Kernel kernel;
+} Slice;
+
+static void run_slice(const Slice *s) {
+    switch (s->kernel) {
+#if MHC_X86
+    case KERNEL_AVX512: pre_forward_avx512(&s->a); break;
+    case KERNEL_AVX2: pre_forward_avx2(&s->a); break;
+#endif
+    default: pre_forward_portable(&s->a);
+    }
+}
+
+#define MAX_THREADS 256
+#define SLICE_ALIGN 12 /* tokens: a multiple of every kernel's block */
+
+/* The tokens split over `threads` slices of whole blocks, run by OpenMP's threads. Built with -fopenmp
+   (setup.py), the extension links libgomp.so.1, which resolves to the one torch has loaded: the slices run
+   on torch's own intra-op pool, whose threads would otherwise spin-wait beside threads of ours after each
+   torch op and take their cores. Built without OpenMP, the slices run one after another. */
+static void run_threads(const PreArgs *a, Kernel kernel, int threads) {
+    Slice slices[MAX_THREADS];
+    const Py_ssize_t per = ((a->T + threads - 1) / threads + SLICE_ALIGN - 1) / SLICE_ALIGN * SLICE_ALIGN;
+    for (int i = 0; i < threads; i++) {
+        slices[i].a = *a;
+        slices[i].kernel = kernel;
+        slices[i].a.t_begin = (Py_ssize_t)i * per < a->T ? (Py_ssize_t)i * per : a->T;
+        slices[i].a.t_end = slices[i].a.t_begin + per < a->T ? slices[i].a.t_begin + per : a->T;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    /* Fewer threads than asked for (a nested region, OMP_THREAD_LIMIT) still run every slice. */
+    for (int i = omp_get_thread_num(); i < threads; i += omp_get_num_threads()) run_slice(&slices[i]);
+#else
+    for (int i = 0; i < threads; i++) run_slice(&slices[i]);
+#endif
+}
+
 static PyObject *forward(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, w, bias_pre, proj, rms, h_pre, agg;
     PreArgs a;
     const char *name;
-    if (!PyArg_ParseTuple(args, "KinnnKfKfifiiKKKKs", &x, &a.x_bf16, &a.T, &a.K, &a.n, &w, &a.alpha_pre, &bias_pre,
+    int threads;
+    if (!PyArg_ParseTuple(args, "KinnnKfKfifiiKKKKsi", &x, &a.x_bf16, &a.T, &a.K, &a.n, &w, &a.alpha_pre, &bias_pre,
                           &a.norm_eps, &a.eps_inside, &a.h_pre_eps, &a.h_pre_bf16, &a.proj_bf16, &proj, &rms, &h_pre, &agg,
-                          &name))
+                          &name, &threads))
         return NULL;
     if (a.n < 1 || a.n > MAX_N || a.K % a.n != 0 || a.T < 0) {
         PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: n=%zd must be in [1, 8] and divide "
@@ -283,13 +330,18 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     for (int k = 0; k < KERNEL_COUNT; k++)
         if (strcmp(name, KERNEL_NAMES[k]) == 0) kernel = (Kernel)k;
     if (kernel == KERNEL_COUNT) {
-        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: kernel=%R is none of 'auto', "
-                     "'portable', 'avx2', 'avx512'", PyTuple_GET_ITEM(args, PyTuple_GET_SIZE(args) - 1));
+        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: kernel='%s' is none of 'auto', "
+                     "'portable', 'avx2', 'avx512'", name);
         return NULL;
     }
     if (!cpu_has(kernel)) {
         PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: this CPU lacks the instructions of "
                      "kernel '%s' (its best: '%s')", KERNEL_NAMES[kernel], KERNEL_NAMES[best_kernel()]);
+        return NULL;
+    }
+    if (threads < 1 || threads > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: threads=%d must be in [1, %d]", threads,
+                     MAX_THREADS);
         return NULL;
     }
     a.N = a.n * a.n + 2 * a.n;
@@ -313,14 +365,10 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     a.rms = (float *)(uintptr_t)rms;
     a.h_pre = (float *)(uintptr_t)h_pre;
     a.agg = (void *)(uintptr_t)agg;
+    a.t_begin = 0;
+    a.t_end = a.T;
     Py_BEGIN_ALLOW_THREADS
-    switch (kernel) {
-#if MHC_X86
-    case KERNEL_AVX512: pre_forward_avx512(&a); break;
-    case KERNEL_AVX2: pre_forward_avx2(&a); break;
-#endif
-    default: pre_forward_portable(&a);
-    }
+    run_threads(&a, kernel, threads);
     Py_END_ALLOW_THREADS
     PyMem_RawFree(w_block);
     return PyUnicode_FromString(KERNEL_NAMES[kernel]);
@@ -342,8 +390,8 @@ static PyObject *kernels(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"forward", forward, METH_VARARGS,
      "forward(x_ptr, x_bf16, T, K, n, w_ptr, alpha_pre, bias_pre_ptr, norm_eps, eps_inside, h_pre_eps, h_pre_bf16, "
-     "proj_bf16, proj_ptr, rms_ptr, h_pre_ptr, agg_ptr, kernel) -> str: the pre-op's forward pass (see the file's comment) "
-     "with `kernel` ('auto': the first of kernels()); returns the kernel that ran"},
+     "proj_bf16, proj_ptr, rms_ptr, h_pre_ptr, agg_ptr, kernel, threads) -> str: the pre-op's forward pass (see the "
+     "file's comment) with `kernel` ('auto': the first of kernels()) on `threads` threads; returns the kernel that ran"},
     {"kernels", kernels, METH_NOARGS, "kernels() -> list[str]: the kernels this CPU runs, the fastest first"},
     {NULL, NULL, 0, NULL}};
 

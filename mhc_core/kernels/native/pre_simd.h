@@ -80,8 +80,8 @@ SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(project_bl
 
 SIMD_TARGET static void SIMD_FN(pre_forward)(const PreArgs *a) {
     const Py_ssize_t K = a->K, n = a->n, C = K / n, CV = C - C % LANES;
-    for (Py_ssize_t t0 = 0; t0 < a->T; t0 += TBS) {
-        const Py_ssize_t tb = a->T - t0 < TBS ? a->T - t0 : TBS;
+    for (Py_ssize_t t0 = a->t_begin; t0 < a->t_end; t0 += TBS) {
+        const Py_ssize_t tb = a->t_end - t0 < TBS ? a->t_end - t0 : TBS;
         float sumsq[TBS] = {0};
         if (a->x_bf16) /* one copy of the block's loop per dtype, so that the loads are not branches */
             SIMD_FN(project_block_as)(a, t0, tb, sumsq, 1);

@@ -110,6 +110,20 @@ def test_the_kernels_run_in_the_order_of_their_speed_and_are_deterministic():
                                                  strict=True))
 
 
+def test_the_thread_count_changes_no_bit():
+    """The tokens split over 1, 2 or 5 threads (slices of whole blocks, a short last one) give the same bits: every
+    token's results depend on its own row alone."""
+    d = _inputs(197, 4, 40, torch.bfloat16, seed=4)
+    args = (d["x"], d["weight"], d["alpha_pre"], d["bias"], 4, 1e-6, True, 1e-6, torch.bfloat16)
+    for kernel in native.kernels():
+        one = native.pre_forward(*args, kernel=kernel, threads=1)
+        for threads in (2, 5):
+            many = native.pre_forward(*args, kernel=kernel, threads=threads)
+            assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True)), (kernel, threads)
+    with pytest.raises(ValueError, match=r"threads=0 must be in \[1, 256\]"):
+        native.pre_forward(*args, threads=0)
+
+
 def test_mhc_native_names_a_kernel_or_is_refused(monkeypatch):
     """`MHC_NATIVE=<kernel>` picks it; a value that is no kernel, or a kernel this CPU lacks, is refused naming
     the value and what the CPU runs (never a silent fallback to another kernel)."""
