@@ -25,7 +25,8 @@ import os
 
 import torch
 
-__all__ = ["ENV", "KERNELS", "MIN_TOKENS_PER_THREAD", "available", "chosen_kernel", "kernels", "pre_forward"]
+__all__ = ["ENV", "KERNELS", "MIN_TOKENS_PER_THREAD", "available", "chosen_kernel", "grad_h", "grad_x_w", "kernels",
+           "pre_forward"]
 
 ENV = "MHC_NATIVE"
 KERNELS = ("avx512", "avx2", "portable")
@@ -75,6 +76,25 @@ def available() -> tuple[bool, str]:
     return True, f"native pre-op forward ({chosen_kernel()})"
 
 
+def _resolve(kernel: str | None, threads: int | None, t: int) -> tuple[object, str, int]:
+    module, why = _module()
+    if module is None:
+        raise RuntimeError(why)
+    if kernel is None:
+        kernel = chosen_kernel()
+        if kernel is None:
+            raise RuntimeError(f"native pre-op: turned off ({ENV}=0)")
+    if threads is None:
+        threads = max(1, min(torch.get_num_threads(), t // MIN_TOKENS_PER_THREAD))
+    return module, kernel, int(threads)
+
+
+def _check_x(fn: str, x: torch.Tensor) -> None:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
+        raise ValueError(f"native {fn}: x must be a 2-d CPU fp32 / bf16 tensor, got {x.dtype} {tuple(x.shape)} on "
+                         f"{x.device}")
+
+
 def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, bias: torch.Tensor, n: int,
                 norm_eps: float, eps_inside: bool, h_pre_eps: float, h_pre_dtype: torch.dtype,
                 compute: torch.dtype = torch.float32, kernel: str | None = None,
@@ -86,15 +106,8 @@ def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, 
     dtype. `kernel`: one of `KERNELS` (tests, benchmarks), else `MHC_NATIVE`'s choice. `threads`: how many
     threads split the tokens (default torch's intra-op count, at most one per `MIN_TOKENS_PER_THREAD` tokens);
     the results do not depend on it."""
-    module, why = _module()
-    if module is None:
-        raise RuntimeError(why)
-    if kernel is None:
-        kernel = chosen_kernel()
-        if kernel is None:
-            raise RuntimeError(f"native pre_forward: turned off ({ENV}=0)")
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"native pre_forward: x must be a CPU fp32 / bf16 tensor, got {x.dtype} on {x.device}")
+    _check_x("pre_forward", x)
+    module, kernel, threads = _resolve(kernel, threads, x.shape[0])
     if h_pre_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"native pre_forward: h_pre_dtype must be fp32 or bf16, got {h_pre_dtype}")
     if compute not in (torch.float32, x.dtype):
@@ -109,10 +122,53 @@ def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, 
     rms = torch.empty(t, 1, dtype=torch.float32)
     h_pre = torch.empty(t, n, dtype=torch.float32)
     agg = torch.empty(t, k // n, dtype=x.dtype)
-    if threads is None:
-        threads = max(1, min(torch.get_num_threads(), t // MIN_TOKENS_PER_THREAD))
     module.forward(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, w.data_ptr(), alpha, b.data_ptr(),
                    float(norm_eps), int(eps_inside), float(h_pre_eps), int(h_pre_dtype == torch.bfloat16),
                    int(compute == torch.bfloat16), proj.data_ptr(), rms.data_ptr(), h_pre.data_ptr(), agg.data_ptr(),
-                   kernel, int(threads))
+                   kernel, threads)
     return proj.to(compute), rms, h_pre.to(h_pre_dtype), agg
+
+
+def grad_h(x: torch.Tensor, g_agg: torch.Tensor, n: int, kernel: str | None = None,
+           threads: int | None = None) -> torch.Tensor:
+    """The backward's first pass: the aggregate's gradient of h_pre, `[T, n]` fp32 with
+    `[t, i] = sum_c g_agg[t, c] x[t, i*C + c]` (x `[T, n*C]`, g_agg `[T, C]` rounded to x's dtype)."""
+    _check_x("grad_h", x)
+    module, kernel, threads = _resolve(kernel, threads, x.shape[0])
+    x = x.contiguous()
+    t, k = x.shape
+    g_agg = g_agg.to(x.dtype).contiguous()
+    if g_agg.shape != (t, k // n):
+        raise ValueError(f"native grad_h: g_agg {tuple(g_agg.shape)} must be [T, C] = [{t}, {k // n}]")
+    out = torch.empty(t, n, dtype=torch.float32)
+    module.grad_h(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, g_agg.data_ptr(), out.data_ptr(), kernel,
+                  threads)
+    return out
+
+
+def grad_x_w(x: torch.Tensor, g_agg: torch.Tensor, weight: torch.Tensor, g_proj: torch.Tensor, coef: torch.Tensor,
+             h_pre: torch.Tensor, n: int, need_x: bool, need_w: bool, kernel: str | None = None,
+             threads: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward's second pass, one read of x and g_agg per block of tokens: `g_x [T, n*C]` in x's dtype
+    `= g_proj @ W + coef * x + h_pre (x) g_agg` (summed in fp32, rounded once) where `need_x`, and
+    `g_w [N, n*C]` fp32 `= g_proj^T @ x` where `need_w`. weight `[N, n*C]`, g_proj `[T, N]`, coef `[T, 1]` and
+    h_pre `[T, n]` are read as fp32 (round them to the mapping's dtype first, as its GEMMs would)."""
+    _check_x("grad_x_w", x)
+    module, kernel, threads = _resolve(kernel, threads, x.shape[0])
+    x = x.contiguous()
+    t, k = x.shape
+    big_n = n * n + 2 * n
+    g_agg = g_agg.to(x.dtype).contiguous()
+    f32 = {name: v.detach().to(torch.float32).contiguous()
+           for name, v in (("weight", weight), ("g_proj", g_proj), ("coef", coef), ("h_pre", h_pre))}
+    want = {"g_agg": (g_agg, (t, k // n)), "weight": (f32["weight"], (big_n, k)), "g_proj": (f32["g_proj"], (t, big_n)),
+            "coef": (f32["coef"].view(-1), (t,)), "h_pre": (f32["h_pre"], (t, n))}
+    for name, (v, shape) in want.items():
+        if tuple(v.shape) != shape:
+            raise ValueError(f"native grad_x_w: {name} {tuple(v.shape)} must be {list(shape)}")
+    g_x = torch.empty_like(x) if need_x else None
+    g_w = torch.empty(big_n, k, dtype=torch.float32) if need_w else None
+    module.grad_x_w(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, g_agg.data_ptr(), f32["weight"].data_ptr(),
+                    f32["g_proj"].data_ptr(), f32["coef"].data_ptr(), f32["h_pre"].data_ptr(),
+                    0 if g_x is None else g_x.data_ptr(), 0 if g_w is None else g_w.data_ptr(), kernel, threads)
+    return g_x, g_w

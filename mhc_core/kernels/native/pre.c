@@ -56,6 +56,23 @@ typedef struct {
     void *agg;        /* [T, C] in x's dtype */
 } PreArgs;
 
+/* The backward's two passes (see backward() below). */
+typedef struct {
+    const void *x;    /* [T, K] fp32 or bf16 */
+    int x_bf16;       /* x, g_agg and g_x in bf16 (else fp32) */
+    Py_ssize_t T, K, n, N;
+    Py_ssize_t t_begin, t_end;
+    const void *g_agg; /* [T, C] in x's dtype */
+    float *g_h;       /* pass 1: [T, n] */
+    const float *w;   /* pass 2: [N, K] rows w_stride apart */
+    Py_ssize_t w_stride;
+    const float *g_proj; /* [T, N] */
+    const float *coef;   /* [T] */
+    const float *h_pre;  /* [T, n] */
+    void *g_x;        /* [T, K] in x's dtype, or NULL */
+    float *g_w;       /* [N, K] rows w_stride apart: this slice's sum over its tokens, or NULL */
+} GradArgs;
+
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
     float f;
@@ -110,6 +127,53 @@ static void aggregate_from(const PreArgs *a, Py_ssize_t t, const float *hp, Py_s
         else
             ((float *)a->agg)[t * C + c] = acc;
     }
+}
+
+static inline float load_v(const void *p, int bf16, Py_ssize_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_v(void *p, int bf16, Py_ssize_t i, float v) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* Backward pass 1 of tokens [t_begin, t_end) from channel c0 on, added to g_h. */
+static void grad_h_from(const GradArgs *g, Py_ssize_t t, Py_ssize_t i, Py_ssize_t c0, float *sum) {
+    const Py_ssize_t C = g->K / g->n;
+    for (Py_ssize_t c = c0; c < C; c++)
+        *sum += load_v(g->g_agg, g->x_bf16, t * C + c) * load_v(g->x, g->x_bf16, t * g->K + i * C + c);
+}
+
+/* Backward pass 2 of token t at column k = i*C + c (scalar): g_x[t, k] and, for each j, g_w[j, k] += gp[t, j] x[t, k]. */
+static void grad_x_w_at(const GradArgs *g, Py_ssize_t t, Py_ssize_t i, Py_ssize_t c) {
+    const Py_ssize_t K = g->K, C = K / g->n, N = g->N, k = i * C + c;
+    const float xv = load_v(g->x, g->x_bf16, t * K + k);
+    float gx = g->coef[t] * xv + g->h_pre[t * g->n + i] * load_v(g->g_agg, g->x_bf16, t * C + c);
+    for (Py_ssize_t j = 0; j < N; j++) {
+        const float gp = g->g_proj[t * N + j];
+        gx += gp * g->w[j * g->w_stride + k];
+        if (g->g_w) g->g_w[j * g->w_stride + k] += gp * xv;
+    }
+    if (g->g_x) store_v(g->g_x, g->x_bf16, t * K + k, gx);
+}
+
+static void grad_h_portable(const GradArgs *g) {
+    for (Py_ssize_t t = g->t_begin; t < g->t_end; t++)
+        for (Py_ssize_t i = 0; i < g->n; i++) {
+            float sum = 0.0f;
+            grad_h_from(g, t, i, 0, &sum);
+            g->g_h[t * g->n + i] = sum;
+        }
+}
+
+static void grad_x_w_portable(const GradArgs *g) {
+    const Py_ssize_t C = g->K / g->n;
+    for (Py_ssize_t t = g->t_begin; t < g->t_end; t++)
+        for (Py_ssize_t i = 0; i < g->n; i++)
+            for (Py_ssize_t c = 0; c < C; c++) grad_x_w_at(g, t, i, c);
 }
 
 static void pre_forward_portable(const PreArgs *a) {
@@ -170,6 +234,7 @@ AVX2_TARGET __attribute__((always_inline)) static inline void store_bf16x8(uint1
 #define LANES 8
 #define TBS 3
 #define JBS 4
+#define TBG 4
 #define VZERO() _mm256_setzero_ps()
 #define VLOADF(p) _mm256_loadu_ps(p)
 #define VLOADX(x, bf16, i) loadx8((x), (bf16), (i))
@@ -185,6 +250,7 @@ AVX2_TARGET __attribute__((always_inline)) static inline void store_bf16x8(uint1
 #undef LANES
 #undef TBS
 #undef JBS
+#undef TBG
 #undef VZERO
 #undef VLOADF
 #undef VLOADX
@@ -220,6 +286,7 @@ AVX512_TARGET __attribute__((always_inline)) static inline void store_bf16x16(ui
 #define LANES 16
 #define TBS 4
 #define JBS 6
+#define TBG 8
 #define VZERO() _mm512_setzero_ps()
 #define VLOADF(p) _mm512_loadu_ps(p)
 #define VLOADX(x, bf16, i) loadx16((x), (bf16), (i))
@@ -235,6 +302,7 @@ AVX512_TARGET __attribute__((always_inline)) static inline void store_bf16x16(ui
 #undef LANES
 #undef TBS
 #undef JBS
+#undef TBG
 #undef VZERO
 #undef VLOADF
 #undef VLOADX
@@ -268,39 +336,53 @@ static Kernel best_kernel(void) {
     return KERNEL_PORTABLE;
 }
 
-/* One thread's slice of the tokens. Every token's results depend on its row of x alone, so the split into
-   slices (and the number of threads) does not change a bit. */
+/* Work split over threads: `threads` slices of the tokens, each whole blocks (SLICE_ALIGN tokens, a multiple of
+   every kernel's blocks), run by OpenMP's threads. Built with -fopenmp (setup.py), the extension links
+   libgomp.so.1, which resolves to the one torch has loaded: the slices run on torch's own intra-op pool, whose
+   threads would otherwise spin-wait beside threads of ours after each torch op and take their cores. Built
+   without OpenMP, the slices run one after another. Every token's forward results and gradient of x depend on
+   its own rows alone, so the split changes none of their bits; the gradient of W sums each slice's tokens in
+   order, then the slices in order: the same thread count gives the same bits. */
+#define MAX_THREADS 256
+#define SLICE_ALIGN 24
+
+typedef enum { JOB_FORWARD, JOB_GRAD_H, JOB_GRAD_X_W } Job;
+
 typedef struct {
-    PreArgs a;
+    Job job;
     Kernel kernel;
+    PreArgs a;   /* JOB_FORWARD */
+    GradArgs g;  /* the backward's passes */
 } Slice;
 
 static void run_slice(const Slice *s) {
     switch (s->kernel) {
 #if MHC_X86
-    case KERNEL_AVX512: pre_forward_avx512(&s->a); break;
-    case KERNEL_AVX2: pre_forward_avx2(&s->a); break;
+    case KERNEL_AVX512:
+        if (s->job == JOB_FORWARD) pre_forward_avx512(&s->a);
+        else if (s->job == JOB_GRAD_H) grad_h_avx512(&s->g);
+        else grad_x_w_avx512(&s->g);
+        break;
+    case KERNEL_AVX2:
+        if (s->job == JOB_FORWARD) pre_forward_avx2(&s->a);
+        else if (s->job == JOB_GRAD_H) grad_h_avx2(&s->g);
+        else grad_x_w_avx2(&s->g);
+        break;
 #endif
-    default: pre_forward_portable(&s->a);
+    default:
+        if (s->job == JOB_FORWARD) pre_forward_portable(&s->a);
+        else if (s->job == JOB_GRAD_H) grad_h_portable(&s->g);
+        else grad_x_w_portable(&s->g);
     }
 }
 
-#define MAX_THREADS 256
-#define SLICE_ALIGN 12 /* tokens: a multiple of every kernel's block */
+static void slice_bounds(Py_ssize_t T, int threads, int i, Py_ssize_t *begin, Py_ssize_t *end) {
+    const Py_ssize_t per = ((T + threads - 1) / threads + SLICE_ALIGN - 1) / SLICE_ALIGN * SLICE_ALIGN;
+    *begin = (Py_ssize_t)i * per < T ? (Py_ssize_t)i * per : T;
+    *end = *begin + per < T ? *begin + per : T;
+}
 
-/* The tokens split over `threads` slices of whole blocks, run by OpenMP's threads. Built with -fopenmp
-   (setup.py), the extension links libgomp.so.1, which resolves to the one torch has loaded: the slices run
-   on torch's own intra-op pool, whose threads would otherwise spin-wait beside threads of ours after each
-   torch op and take their cores. Built without OpenMP, the slices run one after another. */
-static void run_threads(const PreArgs *a, Kernel kernel, int threads) {
-    Slice slices[MAX_THREADS];
-    const Py_ssize_t per = ((a->T + threads - 1) / threads + SLICE_ALIGN - 1) / SLICE_ALIGN * SLICE_ALIGN;
-    for (int i = 0; i < threads; i++) {
-        slices[i].a = *a;
-        slices[i].kernel = kernel;
-        slices[i].a.t_begin = (Py_ssize_t)i * per < a->T ? (Py_ssize_t)i * per : a->T;
-        slices[i].a.t_end = slices[i].a.t_begin + per < a->T ? slices[i].a.t_begin + per : a->T;
-    }
+static void run_slices(const Slice *slices, int threads) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
     /* Fewer threads than asked for (a nested region, OMP_THREAD_LIMIT) still run every slice. */
@@ -310,67 +392,164 @@ static void run_threads(const PreArgs *a, Kernel kernel, int threads) {
 #endif
 }
 
+/* The kernel named `name` ('auto': the fastest here) and a thread count in range, else -1 with ValueError set. */
+static int resolve(const char *fn, const char *name, int threads, Py_ssize_t n, Py_ssize_t K, Py_ssize_t T,
+                   Kernel *kernel) {
+    if (n < 1 || n > MAX_N || K % n != 0 || T < 0) {
+        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.%s: n=%zd must be in [1, 8] and divide K=%zd; "
+                     "T=%zd", fn, n, K, T);
+        return -1;
+    }
+    *kernel = KERNEL_COUNT;
+    if (strcmp(name, "auto") == 0) *kernel = best_kernel();
+    for (int k = 0; k < KERNEL_COUNT; k++)
+        if (strcmp(name, KERNEL_NAMES[k]) == 0) *kernel = (Kernel)k;
+    if (*kernel == KERNEL_COUNT) {
+        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.%s: kernel='%s' is none of 'auto', 'portable', "
+                     "'avx2', 'avx512'", fn, name);
+        return -1;
+    }
+    if (!cpu_has(*kernel)) {
+        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.%s: this CPU lacks the instructions of kernel "
+                     "'%s' (its best: '%s')", fn, KERNEL_NAMES[*kernel], KERNEL_NAMES[best_kernel()]);
+        return -1;
+    }
+    if (threads < 1 || threads > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.%s: threads=%d must be in [1, %d]", fn, threads,
+                     MAX_THREADS);
+        return -1;
+    }
+    return 0;
+}
+
+/* The row stride of W's copy: no multiple of 4 KiB. With K a multiple of 1024 (C a multiple of 256 at n = 4),
+   rows K apart all fall in one L1 set, and a pass's rows of W beside its rows of x are more lines than the set
+   has ways. */
+static Py_ssize_t padded_stride(Py_ssize_t K) {
+    Py_ssize_t ws = (K + 15) / 16 * 16 + 16;
+    if ((ws * (Py_ssize_t)sizeof(float)) % 4096 == 0) ws += 16;
+    return ws;
+}
+
+/* `copies` zeroed blocks of rows x stride floats, 64 B-aligned; `*block` is what to free. NULL when out of memory. */
+static float *padded_blocks(Py_ssize_t rows, Py_ssize_t stride, int copies, void **block) {
+    const size_t bytes = (size_t)(rows * stride) * sizeof(float) * (size_t)copies;
+    *block = PyMem_RawCalloc(1, bytes + 64);
+    return *block == NULL ? NULL : (float *)(((uintptr_t)*block + 63) & ~(uintptr_t)63);
+}
+
+static void copy_rows(float *dst, Py_ssize_t stride, const float *src, Py_ssize_t rows, Py_ssize_t K) {
+    for (Py_ssize_t j = 0; j < rows; j++) memcpy(dst + j * stride, src + j * K, (size_t)K * sizeof(float));
+}
+
 static PyObject *forward(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, w, bias_pre, proj, rms, h_pre, agg;
     PreArgs a;
     const char *name;
     int threads;
+    Kernel kernel;
     if (!PyArg_ParseTuple(args, "KinnnKfKfifiiKKKKsi", &x, &a.x_bf16, &a.T, &a.K, &a.n, &w, &a.alpha_pre, &bias_pre,
-                          &a.norm_eps, &a.eps_inside, &a.h_pre_eps, &a.h_pre_bf16, &a.proj_bf16, &proj, &rms, &h_pre, &agg,
-                          &name, &threads))
+                          &a.norm_eps, &a.eps_inside, &a.h_pre_eps, &a.h_pre_bf16, &a.proj_bf16, &proj, &rms, &h_pre,
+                          &agg, &name, &threads) ||
+        resolve("forward", name, threads, a.n, a.K, a.T, &kernel) < 0)
         return NULL;
-    if (a.n < 1 || a.n > MAX_N || a.K % a.n != 0 || a.T < 0) {
-        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: n=%zd must be in [1, 8] and divide "
-                     "K=%zd; T=%zd", a.n, a.K, a.T);
-        return NULL;
-    }
-    Kernel kernel = KERNEL_COUNT;
-    if (strcmp(name, "auto") == 0) kernel = best_kernel();
-    for (int k = 0; k < KERNEL_COUNT; k++)
-        if (strcmp(name, KERNEL_NAMES[k]) == 0) kernel = (Kernel)k;
-    if (kernel == KERNEL_COUNT) {
-        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: kernel='%s' is none of 'auto', "
-                     "'portable', 'avx2', 'avx512'", name);
-        return NULL;
-    }
-    if (!cpu_has(kernel)) {
-        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: this CPU lacks the instructions of "
-                     "kernel '%s' (its best: '%s')", KERNEL_NAMES[kernel], KERNEL_NAMES[best_kernel()]);
-        return NULL;
-    }
-    if (threads < 1 || threads > MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.forward: threads=%d must be in [1, %d]", threads,
-                     MAX_THREADS);
-        return NULL;
-    }
     a.N = a.n * a.n + 2 * a.n;
+    a.w_stride = padded_stride(a.K);
+    void *w_block;
+    float *w_pad = padded_blocks(a.N, a.w_stride, 1, &w_block);
+    if (w_pad == NULL) return PyErr_NoMemory();
+    copy_rows(w_pad, a.w_stride, (const float *)(uintptr_t)w, a.N, a.K);
     a.x = (const void *)(uintptr_t)x;
-    /* W's rows copied 64 B-aligned with a stride that is no multiple of 4 KiB: with K a multiple of 1024 (C a
-       multiple of 256 at n = 4), rows K apart all fall in one L1 set, and a pass's JBS rows of W beside its
-       TBS rows of x are more lines than the set has ways. */
-    Py_ssize_t ws = (a.K + 15) / 16 * 16 + 16;
-    if ((ws * (Py_ssize_t)sizeof(float)) % 4096 == 0) ws += 16;
-    void *w_block = PyMem_RawMalloc((size_t)(a.N * ws) * sizeof(float) + 64);
-    if (w_block == NULL) return PyErr_NoMemory();
-    float *w_pad = (float *)(((uintptr_t)w_block + 63) & ~(uintptr_t)63);
-    for (Py_ssize_t j = 0; j < a.N; j++) {
-        memcpy(w_pad + j * ws, (const float *)(uintptr_t)w + j * a.K, (size_t)a.K * sizeof(float));
-        memset(w_pad + j * ws + a.K, 0, (size_t)(ws - a.K) * sizeof(float));
-    }
     a.w = w_pad;
-    a.w_stride = ws;
     a.bias_pre = (const float *)(uintptr_t)bias_pre;
     a.proj = (float *)(uintptr_t)proj;
     a.rms = (float *)(uintptr_t)rms;
     a.h_pre = (float *)(uintptr_t)h_pre;
     a.agg = (void *)(uintptr_t)agg;
-    a.t_begin = 0;
-    a.t_end = a.T;
+    Slice slices[MAX_THREADS];
+    for (int i = 0; i < threads; i++) {
+        slices[i] = (Slice){.job = JOB_FORWARD, .kernel = kernel, .a = a};
+        slice_bounds(a.T, threads, i, &slices[i].a.t_begin, &slices[i].a.t_end);
+    }
     Py_BEGIN_ALLOW_THREADS
-    run_threads(&a, kernel, threads);
+    run_slices(slices, threads);
     Py_END_ALLOW_THREADS
     PyMem_RawFree(w_block);
+    return PyUnicode_FromString(KERNEL_NAMES[kernel]);
+}
+
+static PyObject *grad_h(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, g_agg, g_h;
+    GradArgs g = {0};
+    const char *name;
+    int threads;
+    Kernel kernel;
+    if (!PyArg_ParseTuple(args, "KinnnKKsi", &x, &g.x_bf16, &g.T, &g.K, &g.n, &g_agg, &g_h, &name, &threads) ||
+        resolve("grad_h", name, threads, g.n, g.K, g.T, &kernel) < 0)
+        return NULL;
+    g.N = g.n * g.n + 2 * g.n;
+    g.x = (const void *)(uintptr_t)x;
+    g.g_agg = (const void *)(uintptr_t)g_agg;
+    g.g_h = (float *)(uintptr_t)g_h;
+    Slice slices[MAX_THREADS];
+    for (int i = 0; i < threads; i++) {
+        slices[i] = (Slice){.job = JOB_GRAD_H, .kernel = kernel, .g = g};
+        slice_bounds(g.T, threads, i, &slices[i].g.t_begin, &slices[i].g.t_end);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_slices(slices, threads);
+    Py_END_ALLOW_THREADS
+    return PyUnicode_FromString(KERNEL_NAMES[kernel]);
+}
+
+static PyObject *grad_x_w(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, g_agg, w, g_proj, coef, h_pre, g_x, g_w;
+    GradArgs g = {0};
+    const char *name;
+    int threads;
+    Kernel kernel;
+    if (!PyArg_ParseTuple(args, "KinnnKKKKKKKsi", &x, &g.x_bf16, &g.T, &g.K, &g.n, &g_agg, &w, &g_proj, &coef,
+                          &h_pre, &g_x, &g_w, &name, &threads) ||
+        resolve("grad_x_w", name, threads, g.n, g.K, g.T, &kernel) < 0)
+        return NULL;
+    g.N = g.n * g.n + 2 * g.n;
+    g.w_stride = padded_stride(g.K);
+    /* W's copy, then one zeroed sum of the gradient of W per slice (where it is asked for). */
+    const int sums = g_w ? threads : 0;
+    void *block;
+    float *pad = padded_blocks(g.N, g.w_stride, 1 + sums, &block);
+    if (pad == NULL) return PyErr_NoMemory();
+    copy_rows(pad, g.w_stride, (const float *)(uintptr_t)w, g.N, g.K);
+    g.x = (const void *)(uintptr_t)x;
+    g.g_agg = (const void *)(uintptr_t)g_agg;
+    g.w = pad;
+    g.g_proj = (const float *)(uintptr_t)g_proj;
+    g.coef = (const float *)(uintptr_t)coef;
+    g.h_pre = (const float *)(uintptr_t)h_pre;
+    g.g_x = (void *)(uintptr_t)g_x;
+    Slice slices[MAX_THREADS];
+    const Py_ssize_t rows = g.N * g.w_stride;
+    for (int i = 0; i < threads; i++) {
+        slices[i] = (Slice){.job = JOB_GRAD_X_W, .kernel = kernel, .g = g};
+        slices[i].g.g_w = sums ? pad + (1 + i) * rows : NULL;
+        slice_bounds(g.T, threads, i, &slices[i].g.t_begin, &slices[i].g.t_end);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_slices(slices, threads);
+    if (sums) {
+        float *out = (float *)(uintptr_t)g_w; /* [N, K] */
+        for (Py_ssize_t j = 0; j < g.N; j++)
+            for (Py_ssize_t k = 0; k < g.K; k++) {
+                float s = 0.0f;
+                for (int i = 0; i < sums; i++) s += pad[(1 + i) * rows + j * g.w_stride + k];
+                out[j * g.K + k] = s;
+            }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(block);
     return PyUnicode_FromString(KERNEL_NAMES[kernel]);
 }
 
@@ -392,10 +571,17 @@ static PyMethodDef methods[] = {
      "forward(x_ptr, x_bf16, T, K, n, w_ptr, alpha_pre, bias_pre_ptr, norm_eps, eps_inside, h_pre_eps, h_pre_bf16, "
      "proj_bf16, proj_ptr, rms_ptr, h_pre_ptr, agg_ptr, kernel, threads) -> str: the pre-op's forward pass (see the "
      "file's comment) with `kernel` ('auto': the first of kernels()) on `threads` threads; returns the kernel that ran"},
+    {"grad_h", grad_h, METH_VARARGS,
+     "grad_h(x_ptr, x_bf16, T, K, n, g_agg_ptr, g_h_ptr, kernel, threads) -> str: the backward's first pass, "
+     "g_h [T, n] fp32 = sum_c g_agg[t, c] x[t, i*C + c]"},
+    {"grad_x_w", grad_x_w, METH_VARARGS,
+     "grad_x_w(x_ptr, x_bf16, T, K, n, g_agg_ptr, w_ptr, g_proj_ptr, coef_ptr, h_pre_ptr, g_x_ptr, g_w_ptr, kernel, "
+     "threads) -> str: the backward's second pass, g_x [T, K] in x's dtype = g_proj @ W + coef x + h_pre (x) g_agg "
+     "and g_w [N, K] fp32 = g_proj^T @ x (a null pointer skips either)"},
     {"kernels", kernels, METH_NOARGS, "kernels() -> list[str]: the kernels this CPU runs, the fastest first"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pre", "The CPU forward of mHC's fused pre-op.", -1,
-                                    methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pre", "The CPU forward and backward of mHC's fused pre-op.",
+                                    -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__pre(void) { return PyModule_Create(&module); }

@@ -6,10 +6,12 @@
      VEC, LANES         the fp32 vector type and its lane count
      TBS, JBS           tokens per block and projection columns per pass: TBS * JBS accumulators, JBS rows of
                         W and one row of x fill the registers of the set (16 for AVX2, 32 for AVX-512)
+     TBG                tokens per block of the backward's second pass (2 * TBG vectors in registers)
      VZERO(), VLOADF(p), VLOADX(x, bf16, i), VFMA(a, b, c), VSET1(f), VSTOREF(p, v), VHSUM(v) and
                         VSTOREBF16(p, v) (rounded to nearest even, as f32_to_bf16)
 
-   and the set's kernel is SIMD_FN(pre_forward)(const PreArgs *). Projection and sum of squares of a block of TBS
+   and the set's kernels are SIMD_FN(pre_forward)(const PreArgs *) and the backward's passes SIMD_FN(grad_h),
+   SIMD_FN(grad_x_w)(const GradArgs *) (at the end of the file). Projection and sum of squares of a block of TBS
    tokens run over K in chunks of KC: per chunk the block's slices of x (TBS * KC values) and, group by group,
    JBS rows of W stay in L1 / L2; the vector partial sums of every (token, column) pair live in `part` across chunks.
    Per LANES columns of K, TBS loads of x and JBS of W feed TBS * JBS FMAs. Then, per token, the coefficients,
@@ -102,4 +104,80 @@ SIMD_TARGET static void SIMD_FN(pre_forward)(const PreArgs *a) {
             aggregate_from(a, t, hp, CV);
         }
     }
+}
+
+/* Backward pass 1: g_h[t, i] = sum_c g_agg[t, c] x[t, i*C + c] (the aggregate's gradient of h_pre). */
+SIMD_TARGET static void SIMD_FN(grad_h)(const GradArgs *g) {
+    const Py_ssize_t K = g->K, n = g->n, C = K / n, CV = C - C % LANES;
+    for (Py_ssize_t t = g->t_begin; t < g->t_end; t++)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            VEC acc = VZERO();
+            for (Py_ssize_t c = 0; c < CV; c += LANES)
+                acc = VFMA(VLOADX(g->g_agg, g->x_bf16, t * C + c), VLOADX(g->x, g->x_bf16, t * K + i * C + c), acc);
+            float sum = VHSUM(acc);
+            grad_h_from(g, t, i, CV, &sum);
+            g->g_h[t * n + i] = sum;
+        }
+}
+
+/* Backward pass 2 over LANES columns k = i*C + c of a block of TBG tokens (`full`: TBG of them, constant trip
+   counts, so that the 2 * TBG vectors of x and g_x stay in registers; else `tb`):
+     g_x[t, k] = coef[t] x[t, k] + h_pre[t, i] g_agg[t, c] + sum_j g_proj[t, j] W[j, k]
+     g_w[j, k] += sum_t g_proj[t, j] x[t, k]                (t in the block, in order) */
+SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(grad_x_w_lanes)(
+        const GradArgs *g, Py_ssize_t t0, Py_ssize_t tb, Py_ssize_t i, Py_ssize_t c, const int bf16) {
+    const Py_ssize_t K = g->K, n = g->n, N = g->N, C = K / n, k = i * C + c, WS = g->w_stride;
+    VEC xv[TBG], gx[TBG];
+    for (Py_ssize_t u = 0; u < tb; u++) {
+        const Py_ssize_t t = t0 + u;
+        xv[u] = VLOADX(g->x, bf16, t * K + k);
+        gx[u] = VFMA(VSET1(g->coef[t]), xv[u],
+                     VFMA(VSET1(g->h_pre[t * n + i]), VLOADX(g->g_agg, bf16, t * C + c), VZERO()));
+    }
+    const float *gp = g->g_proj + t0 * N;
+    for (Py_ssize_t j = 0; j < N; j++) {
+        const VEC wv = VLOADF(g->w + j * WS + k);
+        if (g->g_w) {
+            VEC gw = VLOADF(g->g_w + j * WS + k);
+            for (Py_ssize_t u = 0; u < tb; u++) {
+                const VEC b = VSET1(gp[u * N + j]);
+                gx[u] = VFMA(b, wv, gx[u]);
+                gw = VFMA(b, xv[u], gw);
+            }
+            VSTOREF(g->g_w + j * WS + k, gw);
+        } else {
+            for (Py_ssize_t u = 0; u < tb; u++) gx[u] = VFMA(VSET1(gp[u * N + j]), wv, gx[u]);
+        }
+    }
+    if (g->g_x)
+        for (Py_ssize_t u = 0; u < tb; u++) {
+            if (bf16)
+                VSTOREBF16((uint16_t *)g->g_x + (t0 + u) * K + k, gx[u]);
+            else
+                VSTOREF((float *)g->g_x + (t0 + u) * K + k, gx[u]);
+        }
+}
+
+SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(grad_x_w_as)(const GradArgs *g, const int bf16) {
+    const Py_ssize_t n = g->n, C = g->K / n, CV = C - C % LANES;
+    for (Py_ssize_t t0 = g->t_begin; t0 < g->t_end; t0 += TBG) {
+        const Py_ssize_t tb = g->t_end - t0 < TBG ? g->t_end - t0 : TBG;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            for (Py_ssize_t c = 0; c < CV; c += LANES) {
+                if (tb == TBG)
+                    SIMD_FN(grad_x_w_lanes)(g, t0, TBG, i, c, bf16);
+                else
+                    SIMD_FN(grad_x_w_lanes)(g, t0, tb, i, c, bf16);
+            }
+            for (Py_ssize_t u = 0; u < tb; u++)
+                for (Py_ssize_t c = CV; c < C; c++) grad_x_w_at(g, t0 + u, i, c);
+        }
+    }
+}
+
+SIMD_TARGET static void SIMD_FN(grad_x_w)(const GradArgs *g) {
+    if (g->x_bf16) /* one copy per dtype, so that the loads are not branches */
+        SIMD_FN(grad_x_w_as)(g, 1);
+    else
+        SIMD_FN(grad_x_w_as)(g, 0);
 }

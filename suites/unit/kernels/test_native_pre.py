@@ -1,6 +1,8 @@
-"""The native (C) forward of the fused pre-op: each of its kernels (AVX-512, AVX2, portable; one this CPU lacks
-is skipped, naming it) against the reference, at sizes that leave tails (C not a multiple of the lanes, T not a
-multiple of the token block), `MHC_NATIVE`'s choices, and the compiled `pre` with it turned off."""
+"""The native (C) forward and backward passes of the fused pre-op: each of its kernels (AVX-512, AVX2, portable;
+one this CPU lacks is skipped, naming it) against the reference or fp64 math, at sizes that leave tails (C not a
+multiple of the lanes, T not a multiple of the token block), on several threads, `MHC_NATIVE`'s choices, and the
+compiled `pre` with it turned off. The compiled `pre` with the native kernel in it, forward and backward, is
+`test_kernels_parity_pre.py`'s."""
 
 from __future__ import annotations
 
@@ -64,11 +66,65 @@ def test_native_forward_matches_the_reference(t, n, c, dtype, variant, kernel):
 def test_native_refuses_what_it_has_no_kernel_for():
     """fp64 activations and more than 8 streams are refused naming the input (the compiled pre never sends them)."""
     d = _inputs(4, 4, 8, torch.float64)
-    with pytest.raises(ValueError, match="x must be a CPU fp32 / bf16 tensor, got torch.float64"):
+    with pytest.raises(ValueError, match=r"x must be a 2-d CPU fp32 / bf16 tensor, got torch.float64 \(4, 32\)"):
         native.pre_forward(d["x"], d["weight"], d["alpha_pre"], d["bias"], 4, 1e-6, False, 0.0, torch.float32)
     d = _inputs(2, 9, 4, torch.float32)
     with pytest.raises(ValueError, match=r"n=9 must be in \[1, 8\]"):
         native.pre_forward(d["x"], d["weight"], d["alpha_pre"], d["bias"], 9, 1e-6, False, 0.0, torch.float32)
+
+
+def _grad_inputs(t: int, n: int, c: int, dtype: torch.dtype, seed: int = 8) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    big_n = n * n + 2 * n
+    return {"x": torch.randn(t, n * c, generator=g).to(dtype), "g_agg": torch.randn(t, c, generator=g).to(dtype),
+            "weight": torch.randn(big_n, n * c, generator=g), "g_proj": torch.randn(t, big_n, generator=g),
+            "coef": torch.randn(t, 1, generator=g), "h_pre": torch.rand(t, n, generator=g)}
+
+
+@pytest.mark.parametrize("kernel", native.KERNELS)
+@pytest.mark.parametrize(("t", "n", "c", "dtype"), [
+    (37, 4, 70, torch.float32),  # C not a multiple of either lane count, T not of either token block
+    (50, 2, 64, torch.bfloat16),
+    (24, 8, 16, torch.bfloat16),
+], ids=lambda v: str(v).removeprefix("torch."))
+def test_native_backward_passes_match_fp64(t, n, c, dtype, kernel):
+    """The backward's passes of every kernel against fp64 math on the same (rounded) inputs: the aggregate's
+    gradient of h_pre and the gradient of W at fp32's bound, the gradient of x at its dtype's (it is rounded once),
+    on 1 and 3 threads; without `need_x` / `need_w` the other is the same and the skipped one None."""
+    if kernel not in native.kernels():
+        pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
+    d = _grad_inputs(t, n, c, dtype)
+    f = {name: v.double() for name, v in d.items()}
+    want_h = (f["g_agg"][:, None, :] * f["x"].view(t, n, c)).sum(-1)
+    want_x = (f["g_proj"] @ f["weight"] + f["coef"] * f["x"]
+              + (f["h_pre"][:, :, None] * f["g_agg"][:, None, :]).reshape(t, n * c))
+    want_w = f["g_proj"].t() @ f["x"]
+    args = (d["x"], d["g_agg"], d["weight"], d["g_proj"], d["coef"], d["h_pre"], n)
+    for threads in (1, 3):
+        assert_close("g_h", native.grad_h(d["x"], d["g_agg"], n, kernel=kernel, threads=threads).double(), want_h,
+                     tolerance(torch.float32, "fwd"))
+        g_x, g_w = native.grad_x_w(*args, True, True, kernel=kernel, threads=threads)
+        assert g_x.dtype == dtype and g_w.dtype == torch.float32
+        assert_close("g_x", g_x.double(), want_x, tolerance(dtype, "fwd"))
+        assert_close("g_w", g_w.double(), want_w, tolerance(torch.float32, "fwd"))
+    only_x, none_w = native.grad_x_w(*args, True, False, kernel=kernel, threads=3)
+    none_x, only_w = native.grad_x_w(*args, False, True, kernel=kernel, threads=3)
+    assert none_w is None and none_x is None and torch.equal(only_x, g_x) and torch.equal(only_w, g_w)
+
+
+def test_native_backward_bits_by_thread_count():
+    """g_x does not depend on the thread count; g_W, each slice's tokens then the slices summed in order, gives
+    the same bits for the same count."""
+    d = _grad_inputs(101, 4, 40, torch.bfloat16, seed=2)
+    args = (d["x"], d["g_agg"], d["weight"], d["g_proj"], d["coef"], d["h_pre"], 4, True, True)
+    g_x1, _ = native.grad_x_w(*args, threads=1)
+    g_x4, g_w4 = native.grad_x_w(*args, threads=4)
+    again_x4, again_w4 = native.grad_x_w(*args, threads=4)
+    assert torch.equal(g_x1, g_x4) and torch.equal(g_x4, again_x4) and torch.equal(g_w4, again_w4)
+    with pytest.raises(ValueError, match=r"native grad_x_w: g_proj \(101, 23\) must be \[101, 24\]"):
+        native.grad_x_w(d["x"], d["g_agg"], d["weight"], d["g_proj"][:, :23], d["coef"], d["h_pre"], 4, True, True)
+    with pytest.raises(ValueError, match=r"native grad_h: g_agg \(101, 39\) must be \[T, C\] = \[101, 40\]"):
+        native.grad_h(d["x"], d["g_agg"][:, :39], 4)
 
 
 @pytest.mark.parametrize("kernel", native.KERNELS)
