@@ -234,7 +234,7 @@ AVX2_TARGET __attribute__((always_inline)) static inline void store_bf16x8(uint1
 #define LANES 8
 #define TBS 3
 #define JBS 4
-#define TBG 4
+#define TBG 6
 #define VZERO() _mm256_setzero_ps()
 #define VLOADF(p) _mm256_loadu_ps(p)
 #define VLOADX(x, bf16, i) loadx8((x), (bf16), (i))
@@ -286,7 +286,7 @@ AVX512_TARGET __attribute__((always_inline)) static inline void store_bf16x16(ui
 #define LANES 16
 #define TBS 4
 #define JBS 6
-#define TBG 8
+#define TBG 6
 #define VZERO() _mm512_setzero_ps()
 #define VLOADF(p) _mm512_loadu_ps(p)
 #define VLOADX(x, bf16, i) loadx16((x), (bf16), (i))
