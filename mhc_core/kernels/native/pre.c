@@ -244,21 +244,6 @@ AVX2_TARGET __attribute__((always_inline)) static inline void store_bf16x8(uint1
 #define VHSUM(v) hsum8(v)
 #define VSTOREBF16(p, v) store_bf16x8((p), (v))
 #include "pre_simd.h"
-#undef SIMD_TARGET
-#undef SIMD_FN
-#undef VEC
-#undef LANES
-#undef TBS
-#undef JBS
-#undef TBG
-#undef VZERO
-#undef VLOADF
-#undef VLOADX
-#undef VFMA
-#undef VSET1
-#undef VSTOREF
-#undef VHSUM
-#undef VSTOREBF16
 
 /* AVX-512 F + BW + VL: 16 lanes, 32 registers (4 x 6 accumulators, 6 rows of W, one of x). */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
@@ -296,21 +281,6 @@ AVX512_TARGET __attribute__((always_inline)) static inline void store_bf16x16(ui
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 #define VSTOREBF16(p, v) store_bf16x16((p), (v))
 #include "pre_simd.h"
-#undef SIMD_TARGET
-#undef SIMD_FN
-#undef VEC
-#undef LANES
-#undef TBS
-#undef JBS
-#undef TBG
-#undef VZERO
-#undef VLOADF
-#undef VLOADX
-#undef VFMA
-#undef VSET1
-#undef VSTOREF
-#undef VHSUM
-#undef VSTOREBF16
 #endif
 
 /* The kernels by name; a CPU runs those whose instruction sets it has. */
@@ -392,6 +362,27 @@ static void run_slices(const Slice *slices, int threads) {
 #endif
 }
 
+/* `job` over `threads` slices of the tokens, the GIL released (a forward reads `a`, a backward pass `g`; the
+   gradient of W of slice i, where asked for, goes to `g_w_sums + i * rows`). */
+static void run_job(Job job, Kernel kernel, const PreArgs *a, const GradArgs *g, int threads, float *g_w_sums,
+                    Py_ssize_t rows) {
+    Slice slices[MAX_THREADS];
+    for (int i = 0; i < threads; i++) {
+        slices[i] = (Slice){.job = job, .kernel = kernel};
+        if (a != NULL) {
+            slices[i].a = *a;
+            slice_bounds(a->T, threads, i, &slices[i].a.t_begin, &slices[i].a.t_end);
+        } else {
+            slices[i].g = *g;
+            slices[i].g.g_w = g_w_sums ? g_w_sums + i * rows : NULL;
+            slice_bounds(g->T, threads, i, &slices[i].g.t_begin, &slices[i].g.t_end);
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_slices(slices, threads);
+    Py_END_ALLOW_THREADS
+}
+
 /* The kernel named `name` ('auto': the fastest here) and a thread count in range, else -1 with ValueError set. */
 static int resolve(const char *fn, const char *name, int threads, Py_ssize_t n, Py_ssize_t K, Py_ssize_t T,
                    Kernel *kernel) {
@@ -467,14 +458,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     a.rms = (float *)(uintptr_t)rms;
     a.h_pre = (float *)(uintptr_t)h_pre;
     a.agg = (void *)(uintptr_t)agg;
-    Slice slices[MAX_THREADS];
-    for (int i = 0; i < threads; i++) {
-        slices[i] = (Slice){.job = JOB_FORWARD, .kernel = kernel, .a = a};
-        slice_bounds(a.T, threads, i, &slices[i].a.t_begin, &slices[i].a.t_end);
-    }
-    Py_BEGIN_ALLOW_THREADS
-    run_slices(slices, threads);
-    Py_END_ALLOW_THREADS
+    run_job(JOB_FORWARD, kernel, &a, NULL, threads, NULL, 0);
     PyMem_RawFree(w_block);
     return PyUnicode_FromString(KERNEL_NAMES[kernel]);
 }
@@ -493,14 +477,7 @@ static PyObject *grad_h(PyObject *self, PyObject *args) {
     g.x = (const void *)(uintptr_t)x;
     g.g_agg = (const void *)(uintptr_t)g_agg;
     g.g_h = (float *)(uintptr_t)g_h;
-    Slice slices[MAX_THREADS];
-    for (int i = 0; i < threads; i++) {
-        slices[i] = (Slice){.job = JOB_GRAD_H, .kernel = kernel, .g = g};
-        slice_bounds(g.T, threads, i, &slices[i].g.t_begin, &slices[i].g.t_end);
-    }
-    Py_BEGIN_ALLOW_THREADS
-    run_slices(slices, threads);
-    Py_END_ALLOW_THREADS
+    run_job(JOB_GRAD_H, kernel, NULL, &g, threads, NULL, 0);
     return PyUnicode_FromString(KERNEL_NAMES[kernel]);
 }
 
@@ -530,15 +507,8 @@ static PyObject *grad_x_w(PyObject *self, PyObject *args) {
     g.coef = (const float *)(uintptr_t)coef;
     g.h_pre = (const float *)(uintptr_t)h_pre;
     g.g_x = (void *)(uintptr_t)g_x;
-    Slice slices[MAX_THREADS];
     const Py_ssize_t rows = g.N * g.w_stride;
-    for (int i = 0; i < threads; i++) {
-        slices[i] = (Slice){.job = JOB_GRAD_X_W, .kernel = kernel, .g = g};
-        slices[i].g.g_w = sums ? pad + (1 + i) * rows : NULL;
-        slice_bounds(g.T, threads, i, &slices[i].g.t_begin, &slices[i].g.t_end);
-    }
-    Py_BEGIN_ALLOW_THREADS
-    run_slices(slices, threads);
+    run_job(JOB_GRAD_X_W, kernel, NULL, &g, threads, sums ? pad + rows : NULL, rows);
     if (sums) {
         float *out = (float *)(uintptr_t)g_w; /* [N, K] */
         for (Py_ssize_t j = 0; j < g.N; j++)
@@ -548,7 +518,6 @@ static PyObject *grad_x_w(PyObject *self, PyObject *args) {
                 out[j * g.K + k] = s;
             }
     }
-    Py_END_ALLOW_THREADS
     PyMem_RawFree(block);
     return PyUnicode_FromString(KERNEL_NAMES[kernel]);
 }

@@ -1,5 +1,4 @@
-/* One instruction set's forward kernel of the fused pre-op, included by pre.c once per set. The includer
-   defines:
+/* One instruction set's kernels of the fused pre-op, included by pre.c once per set. The includer defines:
 
      SIMD_TARGET        the function attribute that enables the set, e.g. __attribute__((target("avx2,fma")))
      SIMD_FN(name)      the set's name for a function (name##_avx2)
@@ -10,12 +9,14 @@
      VZERO(), VLOADF(p), VLOADX(x, bf16, i), VFMA(a, b, c), VSET1(f), VSTOREF(p, v), VHSUM(v) and
                         VSTOREBF16(p, v) (rounded to nearest even, as f32_to_bf16)
 
-   and the set's kernels are SIMD_FN(pre_forward)(const PreArgs *) and the backward's passes SIMD_FN(grad_h),
-   SIMD_FN(grad_x_w)(const GradArgs *) (at the end of the file). Projection and sum of squares of a block of TBS
-   tokens run over K in chunks of KC: per chunk the block's slices of x (TBS * KC values) and, group by group,
-   JBS rows of W stay in L1 / L2; the vector partial sums of every (token, column) pair live in `part` across chunks.
-   Per LANES columns of K, TBS loads of x and JBS of W feed TBS * JBS FMAs. Then, per token, the coefficients,
-   and the aggregate from the block's rows while they are in cache. */
+   and gets SIMD_FN(pre_forward)(const PreArgs *) and the backward's passes SIMD_FN(grad_h) and
+   SIMD_FN(grad_x_w)(const GradArgs *); the file undefines the parameters at its end.
+
+   Forward: projection and sum of squares of a block of TBS tokens run over K in chunks of KC: per chunk the
+   block's slices of x (TBS * KC values) and, group by group, JBS rows of W stay in L1 / L2; the vector partial
+   sums of every (token, column) pair live in `part` across chunks. Per LANES columns of K, TBS loads of x and
+   JBS of W feed TBS * JBS FMAs. Then, per token, the coefficients, and the aggregate from the block's rows
+   while they are in cache. */
 
 SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(project_block_as)(
         const PreArgs *a, Py_ssize_t t0, Py_ssize_t tb, float *sumsq, const int bf16) {
@@ -181,3 +182,20 @@ SIMD_TARGET static void SIMD_FN(grad_x_w)(const GradArgs *g) {
     else
         SIMD_FN(grad_x_w_as)(g, 0);
 }
+
+/* The parameters, undefined for the next instruction set. */
+#undef SIMD_TARGET
+#undef SIMD_FN
+#undef VEC
+#undef LANES
+#undef TBS
+#undef JBS
+#undef TBG
+#undef VZERO
+#undef VLOADF
+#undef VLOADX
+#undef VFMA
+#undef VSET1
+#undef VSTOREF
+#undef VHSUM
+#undef VSTOREBF16
