@@ -2,11 +2,9 @@
 
 Process settings made here (each recorded in the JSON's `machine_info.mhc`):
 
-- CPU heap retention: glibc serves blocks over its mmap threshold (128 KiB, growing to 32 MiB)
-  with fresh mmaps, so every large output of an out-of-place op is first-touch page faulted;
-  at T = 4096, C = 1024 that costs more than the kernel itself and hides it. The suite raises
-  M_MMAP_THRESHOLD / M_TRIM_THRESHOLD to 1 GiB so freed buffers are reused, as a GPU caching
-  allocator does. Opt out with MHC_PERF_MALLOC_RETAIN=0.
+- CPU heap retention (`suites.perf.timing.retain_heap`, as `tree_peers` sets it too): freed buffers are
+  reused instead of page faulted afresh, as a GPU caching allocator does. Opt out with
+  MHC_PERF_MALLOC_RETAIN=0.
 - Inductor compiles in-process (compile_threads = 1) unless TORCHINDUCTOR_COMPILE_THREADS is set:
   on a 2-core box the worker pool is slower.
 - MHC_NSYS_SQLITE=<export.sqlite>: per-benchmark GPU kernel time from a previous profiled run
@@ -15,30 +13,14 @@ Process settings made here (each recorded in the JSON's `machine_info.mhc`):
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
-import sys
 
 import pytest
 import torch
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_RETAIN_BYTES = 1 << 30
+from suites.perf.timing import retain_heap
+
 _SETTINGS: dict[str, object] = {}
-
-
-def _retain_heap() -> str:
-    if os.environ.get("MHC_PERF_MALLOC_RETAIN", "1") == "0":
-        return "off (MHC_PERF_MALLOC_RETAIN=0)"
-    if not sys.platform.startswith("linux"):
-        return f"n/a ({sys.platform})"
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN_BYTES) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN_BYTES) == 1
-    except (OSError, AttributeError) as exc:
-        return f"unavailable ({exc})"
-    return "on (mmap/trim threshold 1 GiB)" if ok else "mallopt refused"
 
 
 def check_not_xdist(config: pytest.Config) -> None:
@@ -50,7 +32,7 @@ def check_not_xdist(config: pytest.Config) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse xdist; set the process up for timing."""
     check_not_xdist(config)
-    _SETTINGS["malloc_retain"] = _retain_heap()
+    _SETTINGS["malloc_retain"] = retain_heap()
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config
 

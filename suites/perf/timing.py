@@ -1,8 +1,13 @@
-"""Timers: host clock on CPU, CUDA events (L2 flushed, optional CUDA graph) on GPU; copy bandwidth."""
+"""Timers: host clock on CPU, CUDA events (L2 flushed, optional CUDA graph) on GPU; copy bandwidth; the
+CPU heap retention every timing process sets."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -11,7 +16,27 @@ import torch
 from tools.timing import pipelined_ms
 
 __all__ = ["sample_seconds", "median_seconds", "copy_seconds", "paired_samples", "copy_fn", "pipelined_seconds",
-           "synced"]
+           "retain_heap", "synced"]
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_RETAIN_BYTES = 1 << 30
+
+
+def retain_heap() -> str:
+    """Keep freed CPU buffers for reuse, and say so: glibc serves blocks over its mmap threshold (128 KiB, growing
+    to 32 MiB) with fresh mmaps, so every large output of an out-of-place op is first-touch page faulted; at
+    T = 4096, C = 1024 that costs more than the kernel itself and hides it. M_MMAP_THRESHOLD / M_TRIM_THRESHOLD
+    go to 1 GiB, as a GPU caching allocator keeps its blocks. `MHC_PERF_MALLOC_RETAIN=0` opts out."""
+    if os.environ.get("MHC_PERF_MALLOC_RETAIN", "1") == "0":
+        return "off (MHC_PERF_MALLOC_RETAIN=0)"
+    if not sys.platform.startswith("linux"):
+        return f"n/a ({sys.platform})"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN_BYTES) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN_BYTES) == 1
+    except (OSError, AttributeError) as exc:
+        return f"unavailable ({exc})"
+    return "on (mmap/trim threshold 1 GiB)" if ok else "mallopt refused"
 
 _L2_FLUSH_BYTES = 256 * 1024 * 1024
 

@@ -5,7 +5,9 @@
 Runs in a process of its own, under a Python that can import the tree (upstream imports triton: the
 compat env's `.tox/compat/bin/python`, or a GPU node's), because the tree's `megatron` must be the one
 imported. Upstream's `@torch.compile` methods stay compiled (upstream's own choice, as a user runs them);
-dev's fused module runs its torch backend on CPU (`MHC_FORCE_BACKEND=native`, upstream's switch).
+dev's fused module runs its torch backend on CPU (`MHC_FORCE_BACKEND=native`, upstream's switch). The process
+keeps freed heap buffers as the perf suite's does (`retain_heap`, in `machine_info.mhc`): without it the first
+rows paid first-touch page faults the later ones did not (ours 24 against 16 ms on the first row, 2026-12-04).
 
 Per peer of the tree (main's `HyperConnectionModule`; dev's native and fused modules) and per op of
 `suites.perf.peers` (`coefficients`: `compute_mappings` + `aggregate`; `layer_mhc`: the module's forward
@@ -39,7 +41,7 @@ from harness.peers.megatron_lm import (
 )
 from harness.provenance import utc_now
 from suites.perf.peers import ITERATIONS, PeerCase, conforms, paired_fns, peer_info
-from suites.perf.timing import paired_samples
+from suites.perf.timing import paired_samples, retain_heap
 
 __all__ = ["VARIANT", "main", "tree_rows", "upstream"]
 
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="T 1024 instead of 4096")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    settings = {"malloc_retain": retain_heap(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     try:
         rows = tree_rows(args.megatron_lm, reps=args.reps, smoke=args.smoke)
     except TreeError as exc:
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     doc = {"machine_info": {"python_version": platform.python_version(), "torch": torch.__version__,
-                            "megatron_lm": {"tree_sha256": hashes(args.megatron_lm)}},
+                            "megatron_lm": {"tree_sha256": hashes(args.megatron_lm)}, "mhc": settings},
            "commit_info": {}, "datetime": utc_now(), "version": "mhc-suite tree_peers 1", "benchmarks": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(f".{args.out.name}.tmp")
