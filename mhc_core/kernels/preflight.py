@@ -168,11 +168,15 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
         act = _DTYPES[dtype]
         math = "fp32" if spec.mapping_fp32 or act == torch.float32 else dtype  # the mapping's compute dtype
         takes = act in (torch.float32, torch.bfloat16)  # the native kernel reads fp32 / bf16 x (either mapping)
-        where = ("its native kernel" if ok and takes and n <= 8 else "its torch.compile graph")
+        native_fwd = ok and takes and n <= 8
+        where = "its native kernel" if native_fwd else "its torch.compile graph"
         reason = why if not ok else (f"the mapping computes in {math}" if takes and n <= 8 else
                                      f"the native kernel reads no {dtype} activations" if not takes else "n > 8")
-        notes.append(f"pre's forward runs {where} ({reason}; MHC_NATIVE=0 turns the native kernel off, "
-                     f"MHC_NATIVE=<kernel> picks one of {', '.join(native.kernels()) or 'none here'})")
+        backward = ("the native kernel's passes over x" if native_fwd and math == "fp32" else
+                    "its torch.compile graph" + (" (bf16 GEMMs)" if native_fwd else ""))
+        notes.append(f"pre's forward runs {where} ({reason}), its backward {backward}; MHC_NATIVE=0 turns the "
+                     f"native kernels off, MHC_NATIVE=<kernel> picks one of "
+                     f"{', '.join(native.kernels()) or 'none here'}")
     return Preflight(device=device, gpu_name=gpu_name, torch=torch.__version__, n=n, dtype=dtype, dropout=dropout,
                      variant=spec.variant.value,
                      ops=plans, backends=backends, environment=env, cutile_tuning=described, problems=tuple(problems),

@@ -510,13 +510,15 @@ static PyObject *grad_x_w(PyObject *self, PyObject *args) {
     const Py_ssize_t rows = g.N * g.w_stride;
     run_job(JOB_GRAD_X_W, kernel, NULL, &g, threads, sums ? pad + rows : NULL, rows);
     if (sums) {
-        float *out = (float *)(uintptr_t)g_w; /* [N, K] */
+        float *out = (float *)(uintptr_t)g_w; /* [N, K]: the slices' sums added in slice order */
+        Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t j = 0; j < g.N; j++)
             for (Py_ssize_t k = 0; k < g.K; k++) {
                 float s = 0.0f;
                 for (int i = 0; i < sums; i++) s += pad[(1 + i) * rows + j * g.w_stride + k];
                 out[j * g.K + k] = s;
             }
+        Py_END_ALLOW_THREADS
     }
     PyMem_RawFree(block);
     return PyUnicode_FromString(KERNEL_NAMES[kernel]);

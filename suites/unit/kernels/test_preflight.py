@@ -155,7 +155,8 @@ def test_fp32_sinkhorn_logits_of_paper_stay_on_cutile(cutile_on_cpu):
 
 
 def test_preflight_says_where_pres_forward_runs(monkeypatch):
-    """On CPU the report says whether pre's compiled forward is the native kernel, and why not where it is not."""
+    """On CPU the report says whether pre's compiled forward and backward are the native kernels, and why not where
+    they are not."""
     from mhc_core.kernels import native
 
     for name in [dispatch.ENV_ALL, *(dispatch.env_var(op) for op in dispatch.OPS)]:
@@ -168,6 +169,8 @@ def test_preflight_says_where_pres_forward_runs(monkeypatch):
     monkeypatch.delenv(native.ENV)
     if native.available()[0]:
         notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_dev").notes)
-        assert "pre's forward runs its native kernel (the mapping computes in fp32" in notes
+        assert ("pre's forward runs its native kernel (the mapping computes in fp32), its backward the native "
+                "kernel's passes over x") in notes
         notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_main").notes)
-        assert "pre's forward runs its native kernel (the mapping computes in bf16" in notes
+        assert ("pre's forward runs its native kernel (the mapping computes in bf16), its backward its "
+                "torch.compile graph (bf16 GEMMs)") in notes
