@@ -212,6 +212,32 @@ def test_mhc_native_names_a_kernel_or_is_refused(monkeypatch):
                            kernel="sse")
 
 
+@pytest.mark.parametrize(("dtype", "variant", "native_bwd"), [
+    (torch.float32, "megatron_main", True),
+    (torch.bfloat16, "megatron_dev", True),  # fp32 mappings on bf16 activations
+    (torch.bfloat16, "megatron_main", False),  # the mapping in bf16: the compiled graph's bf16 GEMMs
+], ids=["fp32-main", "bf16-dev", "bf16-main"])
+def test_compiled_pre_calls_the_native_passes(monkeypatch, dtype, variant, native_bwd):
+    """The compiled `pre` on CPU runs the native forward, and its backward's two native passes exactly where the
+    mapping computes in fp32 (counted, so that a dispatch that quietly kept the compiled graph fails here)."""
+    if native.chosen_kernel() is None:
+        pytest.skip(f"the native kernels do not run here: {native.available()[1]}")
+    calls = {"pre_forward": 0, "grad_h": 0, "grad_x_w": 0}
+    for name in calls:
+        real = getattr(native, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(native, name, counted)
+    d = _inputs(30, 4, 32, dtype, seed=6)
+    leaves = {k: v.requires_grad_() for k, v in d.items()}
+    outs = dispatch.get_impl("pre", "compiled")(*leaves.values(), 4, 20, variant)
+    torch.autograd.backward(outs[:1], [torch.ones_like(outs[0])])
+    assert calls == {"pre_forward": 1, "grad_h": int(native_bwd), "grad_x_w": int(native_bwd)}, calls
+    assert all(v.grad is not None and torch.isfinite(v.grad).all() for v in leaves.values())
+
+
 def test_compiled_pre_without_the_native_forward(monkeypatch):
     """With `MHC_NATIVE=0` the compiled pre runs its torch.compile forward, and still matches the reference."""
     monkeypatch.setenv(native.ENV, "0")
