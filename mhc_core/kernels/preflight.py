@@ -166,13 +166,15 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
             ok, why = False, str(exc)
             problems.append(str(exc))
         act = _DTYPES[dtype]
-        math = "fp32" if spec.mapping_fp32 or act == torch.float32 else dtype  # the mapping's compute dtype
-        takes = act in (torch.float32, torch.bfloat16)  # the native kernel reads fp32 / bf16 x (either mapping)
-        native_fwd = ok and takes and n <= 8
+        compute = torch.float32 if spec.mapping_fp32 else act  # the mapping's dtype, as the compiled pre has it
+        takes_fwd, takes_bwd = native.passes(act, compute, n)
+        native_fwd, native_bwd = ok and takes_fwd, ok and takes_bwd
         where = "its native kernel" if native_fwd else "its torch.compile graph"
-        reason = why if not ok else (f"the mapping computes in {math}" if takes and n <= 8 else
-                                     f"the native kernel reads no {dtype} activations" if not takes else "n > 8")
-        backward = ("the native kernel's passes over x" if native_fwd and math == "fp32" else
+        math = "fp32" if compute == torch.float32 else dtype
+        reason = why if not ok else (f"the mapping computes in {math}" if takes_fwd else
+                                     f"the native kernel reads no {dtype} activations"
+                                     if act not in (torch.float32, torch.bfloat16) else "n > 8")
+        backward = ("the native kernel's passes over x" if native_bwd else
                     "its torch.compile graph" + (" (bf16 GEMMs)" if native_fwd else ""))
         notes.append(f"pre's forward runs {where} ({reason}), its backward {backward}; MHC_NATIVE=0 turns the "
                      f"native kernels off, MHC_NATIVE=<kernel> picks one of "

@@ -6,10 +6,10 @@ saved for the backward are `x`, the parameters, `proj [T, N]` and `rms [T, 1]` (
 mapping), nothing of Sinkhorn or the aggregate: the gates and logits are recomputed from `proj`.
 
 On CPU, where the mapping computes in fp32 (fp32 activations, or a variant with fp32 mappings) or in bf16 on
-bf16 activations, and n <= 8, the forward's passes over `x` are the native kernel's instead (`mhc_core.kernels.native`: the projection,
-the sum of squares, h_pre and the aggregate in one read of each block of tokens; Inductor's graph reads `x`
-three times, its GEMM being an extern call), and a small compiled graph makes h_post and h_res from its
-`proj` and `rms`. `MHC_NATIVE=0` keeps the compiled graph.
+bf16 activations, and n <= 8 (`native.passes`), the forward's passes over `x` are the native kernel's instead
+(`mhc_core.kernels.native`: the projection, the sum of squares, h_pre and the aggregate in one read of each
+block of tokens; Inductor's graph reads `x` three times, its GEMM being an extern call), and a small compiled
+graph makes h_post and h_res from its `proj` and `rms`. `MHC_NATIVE=0` keeps the compiled graph.
 
 Backward, one compiled graph, one gradient of `x` (where the unfused ops give two, mapping's and the
 aggregate's, that autograd adds in a pass of its own):
@@ -44,10 +44,7 @@ from mhc_core.ops.mapping import NORM_EPS
 from mhc_core.ops.pre import check_pre_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["NATIVE_MAX_N", "pre"]
-
-NATIVE_MAX_N = 8
-"""The most residual streams the native forward takes (`mhc_core/kernels/native/pre.c`, `MAX_N`)."""
+__all__ = ["pre"]
 
 
 def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pre_eps: float, norm_eps: float,
@@ -74,11 +71,11 @@ def _epilogue(proj, rms, a_pre, a_post, a_res, bias, n: int, compute, out_dtype,
     return h_post, h_res
 
 
-def _native_ok(x: torch.Tensor, compute: torch.dtype, n: int) -> bool:
-    """Whether the native forward takes this call: CPU, fp32 / bf16 x, the mapping in fp32 or in x's bf16,
-    n <= 8."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and compute in (torch.float32, x.dtype) and n <= NATIVE_MAX_N and native.available()[0])
+def _native_passes(x: torch.Tensor, compute: torch.dtype, n: int) -> tuple[bool, bool]:
+    """Whether the native kernels take this call's forward and backward (`native.passes`, on CPU tensors)."""
+    if x.device.type != "cpu" or not native.available()[0]:
+        return False, False
+    return native.passes(x.dtype, compute, n)
 
 
 def _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, rms, n: int, k: int, compute,
@@ -165,10 +162,7 @@ class _Pre(torch.autograd.Function):
         key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps,
                spec.norm_eps_placement, *sink, x.device.type)
         eps_outside = 0.0 if spec.norm_eps_inside else norm_eps
-        native_fwd = _native_ok(x, compute, n)
-        # The native backward where the mapping computes in fp32: in bf16 the compiled graph's bf16 GEMMs (oneDNN,
-        # AVX-512 BF16) outrun its fp32 FMAs (81 against 73 ms at C 2048 on one thread).
-        ctx.native = native_fwd and compute == torch.float32
+        native_fwd, ctx.native = _native_passes(x, compute, n)
         if native_fwd:
             proj, rms, h_pre, agg = native.pre_forward(x, weight, a_pre, bias, n, norm_eps, spec.norm_eps_inside,
                                                        spec.h_pre_eps, out_dtype, compute)

@@ -26,13 +26,25 @@ import os
 
 import torch
 
-__all__ = ["ENV", "KERNELS", "MIN_TOKENS_PER_THREAD", "available", "built", "chosen_kernel", "grad_h", "grad_x_w", "kernels",
-           "pre_forward"]
+__all__ = ["ENV", "KERNELS", "MAX_N", "MIN_TOKENS_PER_THREAD", "available", "built", "chosen_kernel", "grad_h",
+           "grad_x_w", "kernels", "passes", "pre_forward"]
 
 ENV = "MHC_NATIVE"
 KERNELS = ("avx512", "avx2", "portable")
 MIN_TOKENS_PER_THREAD = 64
 """Below this many tokens per thread, starting a thread costs more than its share of the work."""
+MAX_N = 8
+"""The most residual streams the kernels take (`pre.c`, `MAX_N`)."""
+
+
+def passes(x_dtype: torch.dtype, compute: torch.dtype, n: int) -> tuple[bool, bool]:
+    """Which of pre's passes the native kernels take (where they run at all, `available()`), for activations
+    `x_dtype` and a mapping computed in `compute`: the forward for fp32 / bf16 activations with the mapping in
+    fp32 or in their own dtype and n <= `MAX_N`; the backward where, further, the mapping computes in fp32 (in
+    bf16 the compiled graph's bf16 GEMMs, oneDNN with AVX-512 BF16, outrun the kernels' fp32 FMAs: 81 against
+    73 ms fwd+bwd at C 2048 on one thread)."""
+    forward = (x_dtype in (torch.float32, torch.bfloat16) and compute in (torch.float32, x_dtype) and n <= MAX_N)
+    return forward, forward and compute == torch.float32
 
 
 @functools.cache
@@ -44,8 +56,10 @@ def _module():
     return _pre, "built"
 
 
+@functools.cache
 def kernels() -> tuple[str, ...]:
-    """The kernels this CPU runs, the fastest first (empty where `_pre` is not built)."""
+    """The kernels this CPU runs, the fastest first (empty where `_pre` is not built); asked of the CPU once,
+    since every compiled `pre` call consults it."""
     module, _ = _module()
     return () if module is None else tuple(module.kernels())
 

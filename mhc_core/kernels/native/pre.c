@@ -1,4 +1,4 @@
-/* The CPU forward of the fused pre-op: one pass over the streams per block of tokens.
+/* The CPU forward and backward passes of the fused pre-op: one pass over the streams per block of tokens.
 
    `mhc_core.kernels.native` builds this into `mhc_core.kernels.native._pre` (setup.py, optional: without a
    C compiler the compiled backend keeps its torch.compile forward). Per block of tokens of x [T, K]
@@ -11,6 +11,12 @@
                                     h_pre[t, i] = sigmoid(r * proj[t, i] * alpha_pre + bias[i]) + h_pre_eps
                                     (rounded to bf16 where the coefficients are bf16)
      pass 2, the rows from cache:   agg[t, c] = sum_i h_pre[t, i] x[t, i*C + c]   (rounded to x's dtype)
+
+   The backward, in two passes over x (grad_h, then the compiled gates in Python, then grad_x_w):
+
+     g_h[t, i] = sum_c g_agg[t, c] x[t, i*C + c]
+     g_x[t, k] = sum_j g_proj[t, j] W[j, k] + coef[t] x[t, k] + h_pre[t, i] g_agg[t, c]   (k = i*C + c)
+     g_W[j, k] = sum_t g_proj[t, j] x[t, k]
 
    All sums in fp32, in vector lanes. Three kernels, named: `avx512` (AVX-512 F/BW/VL, 16 lanes), `avx2`
    (AVX2 + FMA, 8 lanes), both from one template (pre_simd.h) and chosen at run time with
@@ -56,7 +62,7 @@ typedef struct {
     void *agg;        /* [T, C] in x's dtype */
 } PreArgs;
 
-/* The backward's two passes (see backward() below). */
+/* The backward's two passes (grad_h and grad_x_w below). */
 typedef struct {
     const void *x;    /* [T, K] fp32 or bf16 */
     int x_bf16;       /* x, g_agg and g_x in bf16 (else fp32) */
@@ -88,10 +94,19 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
-static inline float load_x(const PreArgs *a, Py_ssize_t t, Py_ssize_t k) {
-    if (a->x_bf16) return bf16_to_f32(((const uint16_t *)a->x)[t * a->K + k]);
-    return ((const float *)a->x)[t * a->K + k];
+/* Element i of a buffer in bf16 or fp32, read as / written from fp32 (rounded to nearest even). */
+static inline float load_v(const void *p, int bf16, Py_ssize_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
+
+static inline void store_v(void *p, int bf16, Py_ssize_t i, float v) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline float load_x(const PreArgs *a, Py_ssize_t t, Py_ssize_t k) { return load_v(a->x, a->x_bf16, t * a->K + k); }
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -122,25 +137,11 @@ static void aggregate_from(const PreArgs *a, Py_ssize_t t, const float *hp, Py_s
     for (Py_ssize_t c = c0; c < C; c++) {
         float acc = 0.0f;
         for (Py_ssize_t i = 0; i < n; i++) acc += hp[i] * load_x(a, t, i * C + c);
-        if (a->x_bf16)
-            ((uint16_t *)a->agg)[t * C + c] = f32_to_bf16(acc);
-        else
-            ((float *)a->agg)[t * C + c] = acc;
+        store_v(a->agg, a->x_bf16, t * C + c, acc);
     }
 }
 
-static inline float load_v(const void *p, int bf16, Py_ssize_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void store_v(void *p, int bf16, Py_ssize_t i, float v) {
-    if (bf16)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
-/* Backward pass 1 of tokens [t_begin, t_end) from channel c0 on, added to g_h. */
+/* Backward pass 1 of token t and stream i from channel c0 on, added to `*sum`. */
 static void grad_h_from(const GradArgs *g, Py_ssize_t t, Py_ssize_t i, Py_ssize_t c0, float *sum) {
     const Py_ssize_t C = g->K / g->n;
     for (Py_ssize_t c = c0; c < C; c++)
@@ -473,7 +474,6 @@ static PyObject *grad_h(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KinnnKKsi", &x, &g.x_bf16, &g.T, &g.K, &g.n, &g_agg, &g_h, &name, &threads) ||
         resolve("grad_h", name, threads, g.n, g.K, g.T, &kernel) < 0)
         return NULL;
-    g.N = g.n * g.n + 2 * g.n;
     g.x = (const void *)(uintptr_t)x;
     g.g_agg = (const void *)(uintptr_t)g_agg;
     g.g_h = (float *)(uintptr_t)g_h;

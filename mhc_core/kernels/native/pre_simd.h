@@ -18,6 +18,15 @@
    JBS of W feed TBS * JBS FMAs. Then, per token, the coefficients, and the aggregate from the block's rows
    while they are in cache. */
 
+/* LANES values to element i of a buffer in bf16 (rounded to nearest even) or fp32. */
+SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(store_lanes)(void *p, int bf16, Py_ssize_t i,
+                                                                                   VEC v) {
+    if (bf16)
+        VSTOREBF16((uint16_t *)p + i, v);
+    else
+        VSTOREF((float *)p + i, v);
+}
+
 SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(project_block_as)(
         const PreArgs *a, Py_ssize_t t0, Py_ssize_t tb, float *sumsq, const int bf16) {
     const Py_ssize_t K = a->K, N = a->N, KV = K - K % LANES, WS = a->w_stride;
@@ -97,10 +106,7 @@ SIMD_TARGET static void SIMD_FN(pre_forward)(const PreArgs *a) {
             for (Py_ssize_t c = 0; c < CV; c += LANES) {
                 VEC acc = VZERO();
                 for (Py_ssize_t i = 0; i < n; i++) acc = VFMA(VSET1(hp[i]), VLOADX(a->x, a->x_bf16, t * K + i * C + c), acc);
-                if (a->x_bf16)
-                    VSTOREBF16((uint16_t *)a->agg + t * C + c, acc);
-                else
-                    VSTOREF((float *)a->agg + t * C + c, acc);
+                SIMD_FN(store_lanes)(a->agg, a->x_bf16, t * C + c, acc);
             }
             aggregate_from(a, t, hp, CV);
         }
@@ -121,8 +127,8 @@ SIMD_TARGET static void SIMD_FN(grad_h)(const GradArgs *g) {
         }
 }
 
-/* Backward pass 2 over LANES columns k = i*C + c of a block of TBG tokens (`full`: TBG of them, constant trip
-   counts, so that the 2 * TBG vectors of x and g_x stay in registers; else `tb`):
+/* Backward pass 2 over LANES columns k = i*C + c of a block of `tb` tokens (called with the constant TBG for a
+   whole block, so that the 2 * TBG vectors of x and g_x stay in registers):
      g_x[t, k] = coef[t] x[t, k] + h_pre[t, i] g_agg[t, c] + sum_j g_proj[t, j] W[j, k]
      g_w[j, k] += sum_t g_proj[t, j] x[t, k]                (t in the block, in order) */
 SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(grad_x_w_lanes)(
@@ -151,12 +157,7 @@ SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(grad_x_w_l
         }
     }
     if (g->g_x)
-        for (Py_ssize_t u = 0; u < tb; u++) {
-            if (bf16)
-                VSTOREBF16((uint16_t *)g->g_x + (t0 + u) * K + k, gx[u]);
-            else
-                VSTOREF((float *)g->g_x + (t0 + u) * K + k, gx[u]);
-        }
+        for (Py_ssize_t u = 0; u < tb; u++) SIMD_FN(store_lanes)(g->g_x, bf16, (t0 + u) * K + k, gx[u]);
 }
 
 SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(grad_x_w_as)(const GradArgs *g, const int bf16) {
