@@ -30,8 +30,8 @@ import torch
 from harness.megatron_tree import FUSED_FILE, HC_FILE, TreeError, hashes, tree_flavor
 from harness.peers.base import Peer, Sublayer, SublayerParams
 
-__all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeError", "hashes", "load_tree", "make_peers",
-           "tree_flavor"]
+__all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeError", "bind_params", "hashes", "load_tree",
+           "make_peers", "tree_flavor"]
 
 def load_tree(tree: Path) -> Any:
     """Import the tree's `hyper_connection` module (the tree first on `sys.path`); `TreeError` when
@@ -67,6 +67,13 @@ def _without_nvtx() -> None:
     cpu_support.install(["nvtx"])
 
 
+def bind_params(mod: Any, params: SublayerParams) -> None:
+    """Point an upstream `HyperConnectionModule`'s mapping weight, alphas and bias (their parameters deleted)
+    at `params`' tensors, so gradients reach those."""
+    mod.mapping_proj.weight, mod.bias = params.weight, params.bias
+    mod.alpha_pre, mod.alpha_post, mod.alpha_res = params.alpha_pre, params.alpha_post, params.alpha_res
+
+
 @dataclass(frozen=True, kw_only=True)
 class MegatronLMTreePeer(Peer):
     """Upstream's `HyperConnectionModule` from `tree` (see the module docstring)."""
@@ -93,9 +100,7 @@ class MegatronLMTreePeer(Peer):
         mod = hc.HyperConnectionModule(config, layer_number=1).to(dtype)
         if params is not None:
             del mod.mapping_proj.weight, mod.alpha_pre, mod.alpha_post, mod.alpha_res, mod.bias
-            mod.mapping_proj.weight = params.weight
-            mod.alpha_pre, mod.alpha_post, mod.alpha_res = params.alpha_pre, params.alpha_post, params.alpha_res
-            mod.bias = params.bias
+            bind_params(mod, params)
         return hc, mod
 
     def coefficients(self, x, params, iterations):

@@ -256,6 +256,20 @@ def test_peer_cases_and_a_peer_that_does_not_conform_is_not_timed():
     assert not ok and "its bound" in why
 
 
+def test_low_precision_conformance_compares_errors_against_fp64_and_still_fails_a_wrong_variant():
+    """In bf16 a peer whose worst error against fp64 is within 2x ours conforms; the untransposed mix does
+    not, although the rule is looser than the elementwise bound."""
+    pytest.importorskip("transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed")
+    from suites.perf.peers import LOW_PRECISION_FACTOR, PEERS, PeerCase
+
+    case = PeerCase(op="layer_mhc", tokens=64, n=4, hidden=256, dtype=torch.bfloat16, device="cpu")
+    hf = next(p for p in PEERS if p.name == "hf_deepseek_v4")
+    ok, why = hf.conforms_at(case)
+    assert ok, why
+    ok, why = dataclasses.replace(hf, variant="megatron_main").conforms_at(case)
+    assert not ok and f"beyond {LOW_PRECISION_FACTOR:g}x ours" in why, why
+
+
 def test_peer_table_reads_several_files_as_one_run(tmp_path):
     """The upstream tree's rows, written to a file of their own, join the peer table of the main run."""
     main, tree = tmp_path / "perf.json", tmp_path / "perf_megatron_lm.json"

@@ -34,13 +34,14 @@ from harness.peers.base import SublayerParams
 from harness.peers.megatron_lm import (
     MegatronLMTreePeer,
     TreeError,
+    bind_params,
     hashes,
     load_tree,
     make_peers,
     tree_flavor,
 )
 from harness.provenance import utc_now
-from suites.perf.peers import ITERATIONS, PeerCase, conforms, paired_fns, peer_info
+from suites.perf.peers import ITERATIONS, PeerCase, conforms, paired_fns, peer_cases, peer_info
 from suites.perf.timing import paired_samples, retain_heap
 
 __all__ = ["VARIANT", "main", "tree_rows", "upstream"]
@@ -49,27 +50,36 @@ VARIANT = {"main": "megatron_main", "dev": "megatron_dev"}
 """The variant each tree flavour conforms to (the conformance matrix: 48/48 and 24/24)."""
 
 
-def _params(d: dict[str, torch.Tensor], k: int) -> SublayerParams:
-    a = d[f"a{k}"]
-    return SublayerParams(n=d["x"].shape[1], weight=d[f"w{k}"], alpha_pre=a[0:1], alpha_post=a[1:2],
-                          alpha_res=a[2:3], bias=d[f"b{k}"])
+def _params(d: dict[str, torch.Tensor], k: int, dtype: torch.dtype) -> SublayerParams:
+    """Sublayer `k`'s parameters from the case's fp32 inputs, cast to `dtype` (a differentiable cast)."""
+    w, a, b = (d[f"{name}{k}"].to(dtype) for name in ("w", "a", "b"))
+    return SublayerParams(n=d["x"].shape[1], weight=w, alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3], bias=b)
 
 
 def upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.Tensor]):
     """Upstream's entry points for `case` on `inputs` (modules built once, parameters bound to the
-    inputs' tensors so gradients reach them): `fn(inputs) -> outputs` in ours' order."""
+    inputs' tensors on every call, so gradients reach them): `fn(inputs) -> outputs` in ours' order.
+    main's parameters are cast to the activation dtype, as Megatron's `Float16Module` holds them (its
+    `x @ W^T` refuses mixed dtypes); dev keeps them in fp32, as its module does."""
     t, n, c = case.tokens, case.n, case.hidden
-    mods = [peer._module(n, c, ITERATIONS, _params(inputs, k), case.dtype)[1]
+    param_dtype = case.dtype if peer.flavor == "main" else torch.float32
+    mods = [peer._module(n, c, ITERATIONS, _params(inputs, k, param_dtype), case.dtype)[1]
             for k in range(2 if case.op == "layer_mhc" else 1)]
+
+    def bind(d):
+        for k, mod in enumerate(mods):
+            bind_params(mod, _params(d, k, param_dtype))
 
     if case.op == "coefficients":
         def coefficients(d):
+            bind(d)
             flat = d["x"].reshape(t, 1, n * c)
             h_pre, h_post, h_res = mods[0].compute_mappings(flat)
             return h_post.reshape(t, n), h_res.reshape(t, n, n), mods[0].aggregate(flat, h_pre).reshape(t, c)
         return coefficients
 
     def layer(d):
+        bind(d)
         h = d["x"].reshape(t, 1, n * c)
         for mod in mods:
             out = mod(h)
@@ -81,9 +91,8 @@ def upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.T
 
 
 def _cases(smoke: bool) -> list[PeerCase]:
-    tokens = 1024 if smoke else 4096
-    return [PeerCase(op=op, tokens=tokens, n=4, hidden=1024, dtype=torch.float32, device="cpu")
-            for op in ("coefficients", "layer_mhc")]
+    """The perf suite's CPU peer sizes (fp32 C 1024 and bf16 C 2048 at T 4096), Sinkhorn aside."""
+    return [c for c in peer_cases("cpu", smoke_run=smoke) if c.op != "sinkhorn"]
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM source tree (main or dev)")
     p.add_argument("--out", required=True, type=Path, help="the benchmark JSON to write")
     p.add_argument("--reps", type=int, default=int(os.environ.get("MHC_PERF_REPS", "5")))
-    p.add_argument("--smoke", action="store_true", help="T 1024 instead of 4096")
+    p.add_argument("--smoke", action="store_true", help="T 1024 at C 1024 fp32 only")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     settings = {"malloc_retain": retain_heap(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
