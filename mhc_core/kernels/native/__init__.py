@@ -9,8 +9,10 @@ while the rows are in cache, computes h_pre and the aggregate. It runs where the
 (the projection then rounded to bf16, as a bf16 GEMM's output, the rest in fp32 as the compiled graph);
 the compiled backend's `pre` uses it on CPU tensors when `available()`, else its torch.compile forward.
 
-Three kernels, by name (`KERNELS`): `avx512` (AVX-512 F/BW/VL), `avx2` (AVX2 + FMA) and `portable`; each
-sums in its own order, so they differ by rounding, and each is deterministic; the tokens are split over
+Four kernels, by name (`KERNELS`): `avx512_bf16` (`avx512`, whose forward takes the projection and the sum of
+squares from dot products of bf16 pairs, `vdpbf16ps`, where the mapping computes in bf16 on bf16 x: the products
+exact, summed in fp32, twice as many per instruction), `avx512` (AVX-512 F/BW/VL), `avx2` (AVX2 + FMA) and
+`portable`; each sums in its own order, so they differ by rounding, and each is deterministic; the tokens are split over
 torch's intra-op threads (`torch.get_num_threads()`), which changes no bit. `MHC_NATIVE` chooses: unset,
 `1` or `auto` the fastest this CPU runs, `0` none (the torch.compile forward), a kernel's name that kernel
 (an error where the CPU lacks it: never a silent fallback). Unset, a CPU without AVX2 gets the compiled graph:
@@ -30,7 +32,7 @@ __all__ = ["ENV", "KERNELS", "MAX_N", "MIN_TOKENS_PER_THREAD", "available", "bui
            "grad_x_w", "kernels", "passes", "pre_forward"]
 
 ENV = "MHC_NATIVE"
-KERNELS = ("avx512", "avx2", "portable")
+KERNELS = ("avx512_bf16", "avx512", "avx2", "portable")
 MIN_TOKENS_PER_THREAD = 64
 """Below this many tokens per thread, starting a thread costs more than its share of the work."""
 MAX_N = 8

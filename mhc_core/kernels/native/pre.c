@@ -18,8 +18,9 @@
      g_x[t, k] = sum_j g_proj[t, j] W[j, k] + coef[t] x[t, k] + h_pre[t, i] g_agg[t, c]   (k = i*C + c)
      g_W[j, k] = sum_t g_proj[t, j] x[t, k]
 
-   All sums in fp32, in vector lanes. Three kernels, named: `avx512` (AVX-512 F/BW/VL, 16 lanes), `avx2`
-   (AVX2 + FMA, 8 lanes), both from one template (pre_simd.h) and chosen at run time with
+   All sums in fp32, in vector lanes. Four kernels, named: `avx512` (AVX-512 F/BW/VL, 16 lanes), `avx2`
+   (AVX2 + FMA, 8 lanes), both from one template (pre_simd.h), `avx512_bf16` (the avx512 kernel, with pass 1
+   from dot products of bf16 pairs where the mapping computes in bf16 on bf16 x), chosen at run time with
    __builtin_cpu_supports, so the file builds with the compiler's default flags, and `portable` (scalar).
    They sum in different orders, so their results differ by rounding; each is deterministic. The GIL is
    released while they run. */
@@ -48,6 +49,7 @@ typedef struct {
     Py_ssize_t T, K, n, N;
     Py_ssize_t t_begin, t_end; /* the tokens this call (one thread's slice) computes */
     const float *w;   /* [N, K] rows w_stride apart */
+    const uint16_t *w_bf16; /* W in bf16, rows w_stride apart, for the kernel with bf16 dot products, or NULL */
     Py_ssize_t w_stride;
     float alpha_pre;
     const float *bias_pre; /* [n] */
@@ -129,6 +131,23 @@ static void token_coefficients(const PreArgs *a, Py_ssize_t t, float sumsq, floa
         hp[i] = s;
         a->h_pre[t * n + i] = s;
     }
+}
+
+/* The end of pass 1 for token t, from its vector sums `sums` [N] (over K's first KV columns) and `sq`: the columns
+   from KV on added, the projection stored (rounded to bf16 where the mapping computes in bf16); returns the sum of
+   squares. */
+static float projection_tail(const PreArgs *a, Py_ssize_t t, Py_ssize_t KV, const float *sums, float sq) {
+    const Py_ssize_t K = a->K, N = a->N;
+    for (Py_ssize_t j = 0; j < N; j++) {
+        float s = sums[j];
+        for (Py_ssize_t k = KV; k < K; k++) s += load_x(a, t, k) * a->w[j * a->w_stride + k];
+        a->proj[t * N + j] = a->proj_bf16 ? round_bf16(s) : s;
+    }
+    for (Py_ssize_t k = KV; k < K; k++) {
+        float v = load_x(a, t, k);
+        sq += v * v;
+    }
+    return sq;
 }
 
 /* Pass 2 of token t from channel c0 on: agg[t, c] = sum_i hp[i] x[t, i*C + c]. */
@@ -282,11 +301,82 @@ AVX512_TARGET __attribute__((always_inline)) static inline void store_bf16x16(ui
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 #define VSTOREBF16(p, v) store_bf16x16((p), (v))
 #include "pre_simd.h"
+
+/* AVX-512 with AVX512_BF16: the avx512 kernel, whose forward, where the mapping computes in bf16 on bf16 x (W
+   then exact in bf16: `w_bf16`), takes pass 1 from dot products of bf16 pairs. vdpbf16ps adds to each of 16
+   lanes x[2l] w[2l] + x[2l+1] w[2l+1], the products exact and summed in fp32 (denormals flushed): 32 products
+   per instruction against the fp32 FMA's 16, and x is read without widening. */
+#define AVX512BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#define DOT_STEP 32 /* bf16 values per operand */
+#define DOT_TBS 4   /* tokens per block: 4 x 6 accumulators, 6 rows of W and one of x in 32 registers */
+#define DOT_JBS 6
+
+AVX512BF16_TARGET __attribute__((always_inline)) static inline __m512bh load_bf16x32(const uint16_t *p) {
+    return (__m512bh)_mm512_loadu_si512((const void *)p);
+}
+
+/* Pass 1 of the block of tb <= DOT_TBS tokens from t0, as project_block_as. Rows past the block's tokens or past
+   N repeat its last one (constant trip counts keep the accumulators in registers); their sums are not used. */
+AVX512BF16_TARGET static void project_block_dot(const PreArgs *a, Py_ssize_t t0, Py_ssize_t tb, float *sumsq) {
+    const Py_ssize_t K = a->K, N = a->N, KV = K - K % DOT_STEP, WS = a->w_stride;
+    const uint16_t *xr[DOT_TBS];
+    for (int u = 0; u < DOT_TBS; u++) xr[u] = (const uint16_t *)a->x + (t0 + (u < tb ? u : tb - 1)) * K;
+    __m512 part[DOT_TBS][MAX_N * (MAX_N + 2)], sq[DOT_TBS];
+    for (int u = 0; u < DOT_TBS; u++) {
+        sq[u] = _mm512_setzero_ps();
+        for (Py_ssize_t j = 0; j < N; j++) part[u][j] = _mm512_setzero_ps();
+    }
+    for (Py_ssize_t k0 = 0; k0 < KV; k0 += KC) {
+        const Py_ssize_t k1 = k0 + KC < KV ? k0 + KC : KV;
+        for (Py_ssize_t j0 = 0; j0 < N; j0 += DOT_JBS) {
+            const uint16_t *wr[DOT_JBS];
+            __m512 acc[DOT_TBS][DOT_JBS];
+            for (int v = 0; v < DOT_JBS; v++) {
+                const Py_ssize_t j = j0 + v < N ? j0 + v : N - 1;
+                wr[v] = a->w_bf16 + j * WS;
+                for (int u = 0; u < DOT_TBS; u++) acc[u][v] = part[u][j];
+            }
+            for (Py_ssize_t k = k0; k < k1; k += DOT_STEP) {
+                __m512bh wv[DOT_JBS];
+                for (int v = 0; v < DOT_JBS; v++) wv[v] = load_bf16x32(wr[v] + k);
+                for (int u = 0; u < DOT_TBS; u++) {
+                    const __m512bh xv = load_bf16x32(xr[u] + k);
+                    for (int v = 0; v < DOT_JBS; v++) acc[u][v] = _mm512_dpbf16_ps(acc[u][v], xv, wv[v]);
+                }
+            }
+            for (int u = 0; u < DOT_TBS; u++)
+                for (Py_ssize_t v = 0; v < DOT_JBS && j0 + v < N; v++) part[u][j0 + v] = acc[u][v];
+        }
+        for (Py_ssize_t u = 0; u < tb; u++)
+            for (Py_ssize_t k = k0; k < k1; k += DOT_STEP) {
+                const __m512bh xv = load_bf16x32(xr[u] + k);
+                sq[u] = _mm512_dpbf16_ps(sq[u], xv, xv);
+            }
+    }
+    for (Py_ssize_t u = 0; u < tb; u++) {
+        float sums[MAX_N * (MAX_N + 2)];
+        for (Py_ssize_t j = 0; j < N; j++) sums[j] = _mm512_reduce_add_ps(part[u][j]);
+        sumsq[u] = projection_tail(a, t0 + u, KV, sums, _mm512_reduce_add_ps(sq[u]));
+    }
+}
+
+AVX512BF16_TARGET static void pre_forward_avx512_bf16(const PreArgs *a) {
+    if (a->w_bf16 == NULL) {
+        pre_forward_avx512(a);
+        return;
+    }
+    for (Py_ssize_t t0 = a->t_begin; t0 < a->t_end; t0 += DOT_TBS) {
+        const Py_ssize_t tb = a->t_end - t0 < DOT_TBS ? a->t_end - t0 : DOT_TBS;
+        float sumsq[DOT_TBS] = {0};
+        project_block_dot(a, t0, tb, sumsq);
+        finish_block_avx512(a, t0, tb, sumsq);
+    }
+}
 #endif
 
 /* The kernels by name; a CPU runs those whose instruction sets it has. */
-typedef enum { KERNEL_PORTABLE, KERNEL_AVX2, KERNEL_AVX512, KERNEL_COUNT } Kernel;
-static const char *const KERNEL_NAMES[KERNEL_COUNT] = {"portable", "avx2", "avx512"};
+typedef enum { KERNEL_PORTABLE, KERNEL_AVX2, KERNEL_AVX512, KERNEL_AVX512_BF16, KERNEL_COUNT } Kernel;
+static const char *const KERNEL_NAMES[KERNEL_COUNT] = {"portable", "avx2", "avx512", "avx512_bf16"};
 
 static int cpu_has(Kernel k) {
     if (k == KERNEL_PORTABLE) return 1;
@@ -294,8 +384,10 @@ static int cpu_has(Kernel k) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     if (k == KERNEL_AVX2) return avx2;
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl");
+    if (k == KERNEL_AVX512) return avx512;
+    return avx512 && __builtin_cpu_supports("avx512bf16");
 #else
     return 0;
 #endif
@@ -329,6 +421,11 @@ typedef struct {
 static void run_slice(const Slice *s) {
     switch (s->kernel) {
 #if MHC_X86
+    case KERNEL_AVX512_BF16: /* the avx512 kernel's backward */
+        if (s->job == JOB_FORWARD) pre_forward_avx512_bf16(&s->a);
+        else if (s->job == JOB_GRAD_H) grad_h_avx512(&s->g);
+        else grad_x_w_avx512(&s->g);
+        break;
     case KERNEL_AVX512:
         if (s->job == JOB_FORWARD) pre_forward_avx512(&s->a);
         else if (s->job == JOB_GRAD_H) grad_h_avx512(&s->g);
@@ -398,7 +495,7 @@ static int resolve(const char *fn, const char *name, int threads, Py_ssize_t n, 
         if (strcmp(name, KERNEL_NAMES[k]) == 0) *kernel = (Kernel)k;
     if (*kernel == KERNEL_COUNT) {
         PyErr_Format(PyExc_ValueError, "mhc_core.kernels.native._pre.%s: kernel='%s' is none of 'auto', 'portable', "
-                     "'avx2', 'avx512'", fn, name);
+                     "'avx2', 'avx512', 'avx512_bf16'", fn, name);
         return -1;
     }
     if (!cpu_has(*kernel)) {
@@ -452,6 +549,18 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     float *w_pad = padded_blocks(a.N, a.w_stride, 1, &w_block);
     if (w_pad == NULL) return PyErr_NoMemory();
     copy_rows(w_pad, a.w_stride, (const float *)(uintptr_t)w, a.N, a.K);
+    /* The bf16 copy of W for the dot products (W's values are exact in bf16 where the mapping computes in it). */
+    uint16_t *w_bf16 = NULL;
+    if (kernel == KERNEL_AVX512_BF16 && a.x_bf16 && a.proj_bf16) {
+        w_bf16 = PyMem_RawCalloc((size_t)(a.N * a.w_stride), sizeof(uint16_t));
+        if (w_bf16 == NULL) {
+            PyMem_RawFree(w_block);
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t j = 0; j < a.N; j++)
+            for (Py_ssize_t k = 0; k < a.K; k++) w_bf16[j * a.w_stride + k] = f32_to_bf16(w_pad[j * a.w_stride + k]);
+    }
+    a.w_bf16 = w_bf16;
     a.x = (const void *)(uintptr_t)x;
     a.w = w_pad;
     a.bias_pre = (const float *)(uintptr_t)bias_pre;
@@ -460,6 +569,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     a.h_pre = (float *)(uintptr_t)h_pre;
     a.agg = (void *)(uintptr_t)agg;
     run_job(JOB_FORWARD, kernel, &a, NULL, threads, NULL, 0);
+    PyMem_RawFree(w_bf16);
     PyMem_RawFree(w_block);
     return PyUnicode_FromString(KERNEL_NAMES[kernel]);
 }

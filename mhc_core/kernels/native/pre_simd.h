@@ -9,8 +9,8 @@
      VZERO(), VLOADF(p), VLOADX(x, bf16, i), VFMA(a, b, c), VSET1(f), VSTOREF(p, v), VHSUM(v) and
                         VSTOREBF16(p, v) (rounded to nearest even, as f32_to_bf16)
 
-   and gets SIMD_FN(pre_forward)(const PreArgs *) and the backward's passes SIMD_FN(grad_h) and
-   SIMD_FN(grad_x_w)(const GradArgs *); the file undefines the parameters at its end.
+   and gets SIMD_FN(pre_forward)(const PreArgs *), its per-block SIMD_FN(finish_block), and the backward's passes
+   SIMD_FN(grad_h) and SIMD_FN(grad_x_w)(const GradArgs *); the file undefines the parameters at its end.
 
    Forward: projection and sum of squares of a block of TBS tokens run over K in chunks of KC: per chunk the
    block's slices of x (TBS * KC values) and, group by group, JBS rows of W stay in L1 / L2; the vector partial
@@ -76,22 +76,30 @@ SIMD_TARGET __attribute__((always_inline)) static inline void SIMD_FN(project_bl
             }
     }
     for (Py_ssize_t u = 0; u < tb; u++) {
-        for (Py_ssize_t j = 0; j < N; j++) {
-            float s = VHSUM(part[u][j]);
-            for (Py_ssize_t k = KV; k < K; k++) s += load_x(a, t0 + u, k) * w[j * WS + k];
-            a->proj[(t0 + u) * N + j] = a->proj_bf16 ? round_bf16(s) : s;
+        float sums[MAX_N * (MAX_N + 2)];
+        for (Py_ssize_t j = 0; j < N; j++) sums[j] = VHSUM(part[u][j]);
+        sumsq[u] = projection_tail(a, t0 + u, KV, sums, VHSUM(sq[u]));
+    }
+}
+
+/* Per token of a block whose projection and sums of squares are in: the coefficients, then the aggregate from
+   the block's rows while they are in cache. */
+SIMD_TARGET static void SIMD_FN(finish_block)(const PreArgs *a, Py_ssize_t t0, Py_ssize_t tb, const float *sumsq) {
+    const Py_ssize_t K = a->K, n = a->n, C = K / n, CV = C - C % LANES;
+    for (Py_ssize_t u = 0; u < tb; u++) {
+        const Py_ssize_t t = t0 + u;
+        float hp[MAX_N];
+        token_coefficients(a, t, sumsq[u], hp);
+        for (Py_ssize_t c = 0; c < CV; c += LANES) {
+            VEC acc = VZERO();
+            for (Py_ssize_t i = 0; i < n; i++) acc = VFMA(VSET1(hp[i]), VLOADX(a->x, a->x_bf16, t * K + i * C + c), acc);
+            SIMD_FN(store_lanes)(a->agg, a->x_bf16, t * C + c, acc);
         }
-        float q = VHSUM(sq[u]);
-        for (Py_ssize_t k = KV; k < K; k++) {
-            float v = load_x(a, t0 + u, k);
-            q += v * v;
-        }
-        sumsq[u] = q;
+        aggregate_from(a, t, hp, CV);
     }
 }
 
 SIMD_TARGET static void SIMD_FN(pre_forward)(const PreArgs *a) {
-    const Py_ssize_t K = a->K, n = a->n, C = K / n, CV = C - C % LANES;
     for (Py_ssize_t t0 = a->t_begin; t0 < a->t_end; t0 += TBS) {
         const Py_ssize_t tb = a->t_end - t0 < TBS ? a->t_end - t0 : TBS;
         float sumsq[TBS] = {0};
@@ -99,17 +107,7 @@ SIMD_TARGET static void SIMD_FN(pre_forward)(const PreArgs *a) {
             SIMD_FN(project_block_as)(a, t0, tb, sumsq, 1);
         else
             SIMD_FN(project_block_as)(a, t0, tb, sumsq, 0);
-        for (Py_ssize_t u = 0; u < tb; u++) {
-            const Py_ssize_t t = t0 + u;
-            float hp[MAX_N];
-            token_coefficients(a, t, sumsq[u], hp);
-            for (Py_ssize_t c = 0; c < CV; c += LANES) {
-                VEC acc = VZERO();
-                for (Py_ssize_t i = 0; i < n; i++) acc = VFMA(VSET1(hp[i]), VLOADX(a->x, a->x_bf16, t * K + i * C + c), acc);
-                SIMD_FN(store_lanes)(a->agg, a->x_bf16, t * C + c, acc);
-            }
-            aggregate_from(a, t, hp, CV);
-        }
+        SIMD_FN(finish_block)(a, t0, tb, sumsq);
     }
 }
 

@@ -1,8 +1,8 @@
-"""The native (C) forward and backward passes of the fused pre-op: each of its kernels (AVX-512, AVX2, portable;
-one this CPU lacks is skipped, naming it) against the reference or fp64 math, at sizes that leave tails (C not a
-multiple of the lanes, T not a multiple of the token block), on several threads, `MHC_NATIVE`'s choices, and the
-compiled `pre` with it turned off. The compiled `pre` with the native kernel in it, forward and backward, is
-`test_kernels_parity_pre.py`'s."""
+"""The native (C) forward and backward passes of the fused pre-op: each of its kernels (AVX-512 with BF16 dot
+products, AVX-512, AVX2, portable; one this CPU lacks is skipped, naming it) against the reference or fp64 math,
+at sizes that leave tails (C not a multiple of the lanes, T not a multiple of the token block), on several
+threads, `MHC_NATIVE`'s choices, and the compiled `pre` with it turned off. The compiled `pre` with the native
+kernel in it, forward and backward, is `test_kernels_parity_pre.py`'s."""
 
 from __future__ import annotations
 
@@ -167,6 +167,27 @@ def test_the_kernels_run_in_the_order_of_their_speed_and_are_deterministic():
                                                      native.pre_forward(*args, kernel=here[0]), strict=True))
 
 
+def test_avx512_bf16_is_avx512_but_for_the_bf16_mapping_forward():
+    """`avx512_bf16` runs `avx512`'s code (the same bits) wherever the mapping computes in fp32, and in the
+    backward; where it computes in bf16 on bf16 x, its forward sums the projection and the squares from bf16 pairs:
+    another order (the RMS's bits differ), within the bound of the reference (`test_native_forward_matches_...`)."""
+    if "avx512_bf16" not in native.kernels():
+        pytest.skip(f"this CPU lacks the instructions of the avx512_bf16 kernel (it runs {native.kernels()})")
+    d = _inputs(30, 4, 256, torch.bfloat16, seed=6)
+    args = (d["x"], d["weight"], d["alpha_pre"], d["bias"], 4, 1e-6, False, 1e-6, torch.float32)
+    same = native.pre_forward(*args, torch.float32, kernel="avx512_bf16")
+    assert all(torch.equal(a, b) for a, b in zip(same, native.pre_forward(*args, torch.float32, kernel="avx512"),
+                                                 strict=True))
+    dot = native.pre_forward(*args, torch.bfloat16, kernel="avx512_bf16")
+    fma = native.pre_forward(*args, torch.bfloat16, kernel="avx512")
+    assert not torch.equal(dot[1], fma[1]), "the bf16-mapping forward of avx512_bf16 ran avx512's fp32 FMAs"
+    assert_close("rms", dot[1], fma[1], tolerance(torch.float32, "fwd"))
+    g = _grad_inputs(30, 4, 64, torch.bfloat16)
+    grads = [native.grad_x_w(g["x"], g["g_agg"], g["weight"], g["g_proj"], g["coef"], g["h_pre"], 4, True, True,
+                             kernel=k) for k in ("avx512_bf16", "avx512")]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def test_auto_never_picks_the_scalar_kernel(monkeypatch):
     """On a CPU with no SIMD kernel (no AVX2: an ARM host, say) `auto` leaves the forward to the compiled graph,
     ~25x faster than the scalar kernel, and says why; `MHC_NATIVE=portable` still forces it."""
@@ -185,10 +206,11 @@ def test_the_thread_count_changes_no_bit():
     d = _inputs(197, 4, 40, torch.bfloat16, seed=4)
     args = (d["x"], d["weight"], d["alpha_pre"], d["bias"], 4, 1e-6, True, 1e-6, torch.bfloat16)
     for kernel in native.kernels():
-        one = native.pre_forward(*args, kernel=kernel, threads=1)
-        for threads in (2, 5):
-            many = native.pre_forward(*args, kernel=kernel, threads=threads)
-            assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True)), (kernel, threads)
+        for compute in (torch.float32, torch.bfloat16):
+            one = native.pre_forward(*args, compute, kernel=kernel, threads=1)
+            for threads in (2, 5):
+                many = native.pre_forward(*args, compute, kernel=kernel, threads=threads)
+                assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True)), (kernel, compute, threads)
     with pytest.raises(ValueError, match=r"threads=0 must be in \[1, 256\]"):
         native.pre_forward(*args, threads=0)
 
@@ -199,7 +221,7 @@ def test_mhc_native_names_a_kernel_or_is_refused(monkeypatch):
     monkeypatch.setenv(native.ENV, "portable")
     assert (True, "native pre-op kernels (portable)") == native.available()
     monkeypatch.setenv(native.ENV, "avx1024")
-    with pytest.raises(ValueError, match=r"MHC_NATIVE='avx1024' is none of 0, 1, auto, avx512, avx2, portable"):
+    with pytest.raises(ValueError, match=r"MHC_NATIVE='avx1024' is none of 0, 1, auto, avx512_bf16, avx512, avx2, portable"):
         native.available()
     missing = [k for k in native.KERNELS if k not in native.kernels()]
     if missing:
@@ -207,7 +229,7 @@ def test_mhc_native_names_a_kernel_or_is_refused(monkeypatch):
         with pytest.raises(ValueError, match=f"MHC_NATIVE='{missing[0]}': this CPU lacks that kernel's instructions"):
             native.available()
     d = _inputs(2, 4, 8, torch.float32)
-    with pytest.raises(ValueError, match=r"kernel='sse' is none of 'auto', 'portable', 'avx2', 'avx512'"):
+    with pytest.raises(ValueError, match=r"kernel='sse' is none of 'auto', 'portable', 'avx2', 'avx512', 'avx512_bf16'"):
         native.pre_forward(d["x"], d["weight"], d["alpha_pre"], d["bias"], 4, 1e-6, False, 0.0, torch.float32,
                            kernel="sse")
 
