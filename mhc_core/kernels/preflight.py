@@ -167,11 +167,10 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
             problems.append(str(exc))
         act = _DTYPES[dtype]
         compute = torch.float32 if spec.mapping_fp32 else act  # the mapping's dtype, as the compiled pre has it
-        takes_fwd, takes_bwd = native.passes(act, compute, n)
-        native_fwd, native_bwd = ok and takes_fwd, ok and takes_bwd
+        native_fwd, native_bwd = native.passes(act, compute, n, native.chosen_kernel() if ok else None)
         where = "its native kernel" if native_fwd else "its torch.compile graph"
         math = "fp32" if compute == torch.float32 else dtype
-        reason = why if not ok else (f"the mapping computes in {math}" if takes_fwd else
+        reason = why if not ok else (f"the mapping computes in {math}" if native_fwd else
                                      f"the native kernel reads no {dtype} activations"
                                      if act not in (torch.float32, torch.bfloat16) else "n > 8")
         backward = ("the native kernel's passes over x" if native_bwd else

@@ -22,10 +22,12 @@ aggregate's, that autograd adds in a pass of its own):
 with `c = -sum_k(gh_k * proj_k * alpha_k) * r^2 / (rms * K)`, all accumulated in fp32 (fp64 stays fp64)
 and `g_x` rounded once to `x.dtype`. Precision per variant as the reference ops.
 
-On CPU, where the forward was native and the mapping computes in fp32, the passes over `x` of the backward
-are the native kernel's too (`_native_bwd`): `g_h_pre`'s sum over C in one read of `x` and `g_agg`, the gates
-(`_bwd_gates`, compiled, on `[T, N]` tensors), then `g_x` and `g_W` together in one more, `g_W` summed in fp32
-(the compiled graph reads `x` three times and writes the GEMM's product before the pointwise pass reads it).
+On CPU, where the forward was native and the mapping computes in fp32 (or in bf16 under the `avx512_bf16`
+kernel, `native.passes`), the passes over `x` of the backward are the native kernel's too (`_native_bwd`):
+`g_h_pre`'s sum over C in one read of `x` and `g_agg`, the gates (`_bwd_gates`, compiled, on `[T, N]` tensors),
+then `g_x` and `g_W` together in one more, `g_W` summed in fp32 (rounded to bf16 after, for a bf16 mapping, as
+its GEMM's output) (the compiled graph reads `x` three times and writes the GEMM's product before the pointwise
+pass reads it).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def _native_passes(x: torch.Tensor, compute: torch.dtype, n: int) -> tuple[bool,
     """Whether the native kernels take this call's forward and backward (`native.passes`, on CPU tensors)."""
     if x.device.type != "cpu" or not native.available()[0]:
         return False, False
-    return native.passes(x.dtype, compute, n)
+    return native.passes(x.dtype, compute, n, native.chosen_kernel())
 
 
 def _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, rms, n: int, k: int, compute,
@@ -145,10 +147,11 @@ def _native_bwd(grads, x, params, proj, rms, n: int, compute, out_dtype, h_pre_e
     g_proj, coef, h_pre, g_params = compile_for(_bwd_gates, ("native", *key))(
         mark_dynamic(g_h_agg, 0), g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, rms, n, k, compute,
         out_dtype, h_pre_eps, eps_outside, *sink)
-    # The mapping's GEMMs read g_proj and W in its dtype: rounded to it first, as they would be.
+    # The mapping's GEMMs read g_proj and W in its dtype: rounded to it first, as they would be, and their gradient
+    # of W leaves in it.
     g_x, g_w = native.grad_x_w(x, g_agg, weight.detach().to(compute), g_proj.to(compute), coef, h_pre, n, need_x,
-                               need_w)
-    return g_x, None if g_w is None else g_w.to(weight.dtype), *g_params
+                               need_w, bf16_products=compute == torch.bfloat16)
+    return g_x, None if g_w is None else g_w.to(compute).to(weight.dtype), *g_params
 
 
 class _Pre(torch.autograd.Function):

@@ -39,14 +39,16 @@ MAX_N = 8
 """The most residual streams the kernels take (`pre.c`, `MAX_N`)."""
 
 
-def passes(x_dtype: torch.dtype, compute: torch.dtype, n: int) -> tuple[bool, bool]:
-    """Which of pre's passes the native kernels take (where they run at all, `available()`), for activations
-    `x_dtype` and a mapping computed in `compute`: the forward for fp32 / bf16 activations with the mapping in
-    fp32 or in their own dtype and n <= `MAX_N`; the backward where, further, the mapping computes in fp32 (in
-    bf16 the compiled graph's bf16 GEMMs, oneDNN with AVX-512 BF16, outrun the kernels' fp32 FMAs: 81 against
-    73 ms fwd+bwd at C 2048 on one thread)."""
+def passes(x_dtype: torch.dtype, compute: torch.dtype, n: int, kernel: str | None) -> tuple[bool, bool]:
+    """Which of pre's passes `kernel` takes (None: no native kernel runs, neither) for activations `x_dtype` and a
+    mapping computed in `compute`: the forward for fp32 / bf16 activations with the mapping in fp32 or in their
+    own dtype and n <= `MAX_N`; the backward where, further, the mapping computes in fp32, or in bf16 under
+    `avx512_bf16` (its bf16 dot products, 60 against 76 ms fwd+bwd at C 2048 on one thread; with fp32 FMAs the
+    compiled graph's bf16 GEMMs, oneDNN with AVX-512 BF16, were faster: 81 against 73 ms)."""
+    if kernel is None:
+        return False, False
     forward = (x_dtype in (torch.float32, torch.bfloat16) and compute in (torch.float32, x_dtype) and n <= MAX_N)
-    return forward, forward and compute == torch.float32
+    return forward, forward and (compute == torch.float32 or kernel == "avx512_bf16")
 
 
 @functools.cache
@@ -175,19 +177,23 @@ def grad_h(x: torch.Tensor, g_agg: torch.Tensor, n: int, kernel: str | None = No
 
 def grad_x_w(x: torch.Tensor, g_agg: torch.Tensor, weight: torch.Tensor, g_proj: torch.Tensor, coef: torch.Tensor,
              h_pre: torch.Tensor, n: int, need_x: bool, need_w: bool, kernel: str | None = None,
-             threads: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+             threads: int | None = None, bf16_products: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The backward's second pass, one read of x and g_agg per block of tokens: `g_x [T, n*C]` in x's dtype
     `= g_proj @ W + coef * x + h_pre (x) g_agg` (summed in fp32, rounded once) where `need_x`, and
     `g_w [N, n*C]` fp32 `= g_proj^T @ x` where `need_w`. weight `[N, n*C]`, g_proj `[T, N]`, coef `[T, 1]` and
-    h_pre `[T, n]` are read as fp32 (round them to the mapping's dtype first, as its GEMMs would)."""
+    h_pre `[T, n]` are read as fp32 (round them to the mapping's dtype first, as its GEMMs would).
+    `bf16_products` (a mapping computed in bf16): weight and g_proj are rounded to bf16 here, and with bf16 x the
+    `avx512_bf16` kernel takes their products, and x's with g_proj, from dot products of bf16 pairs."""
     _check_x("grad_x_w", x)
     module, kernel, threads = _resolve(kernel, threads, x.shape[0])
     x = x.contiguous()
     t, k = x.shape
     big_n = n * n + 2 * n
     g_agg = g_agg.to(x.dtype).contiguous()
-    f32 = {name: v.detach().to(torch.float32).contiguous()
-           for name, v in (("weight", weight), ("g_proj", g_proj), ("coef", coef), ("h_pre", h_pre))}
+    exact = torch.bfloat16 if bf16_products else torch.float32
+    f32 = {name: v.detach().to(dtype).to(torch.float32).contiguous()
+           for name, v, dtype in (("weight", weight, exact), ("g_proj", g_proj, exact), ("coef", coef, torch.float32),
+                                  ("h_pre", h_pre, torch.float32))}
     want = {"g_agg": (g_agg, (t, k // n)), "weight": (f32["weight"], (big_n, k)), "g_proj": (f32["g_proj"], (t, big_n)),
             "coef": (f32["coef"].view(-1), (t,)), "h_pre": (f32["h_pre"], (t, n))}
     for name, (v, shape) in want.items():
@@ -197,5 +203,6 @@ def grad_x_w(x: torch.Tensor, g_agg: torch.Tensor, weight: torch.Tensor, g_proj:
     g_w = torch.empty(big_n, k, dtype=torch.float32) if need_w else None
     module.grad_x_w(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, g_agg.data_ptr(), f32["weight"].data_ptr(),
                     f32["g_proj"].data_ptr(), f32["coef"].data_ptr(), f32["h_pre"].data_ptr(),
-                    0 if g_x is None else g_x.data_ptr(), 0 if g_w is None else g_w.data_ptr(), kernel, threads)
+                    0 if g_x is None else g_x.data_ptr(), 0 if g_w is None else g_w.data_ptr(), int(bf16_products),
+                    kernel, threads)
     return g_x, g_w

@@ -79,6 +79,9 @@ typedef struct {
     const float *h_pre;  /* [T, n] */
     void *g_x;        /* [T, K] in x's dtype, or NULL */
     float *g_w;       /* [N, K] rows w_stride apart: this slice's sum over its tokens, or NULL */
+    const uint32_t *w_pairs; /* [(N + 1) / 2, K] rows w_stride apart: (W[2p, k], W[2p + 1, k]) in bf16 (0 past N),
+                                for the kernel with bf16 dot products where W and g_proj are exact in bf16, or NULL */
+    const uint32_t *gp_pairs; /* with w_pairs: g_proj in pairs of bf16 (fill_gp_pairs) */
 } GradArgs;
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -94,6 +97,11 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* Two bf16 values as one 32-bit lane: `lo` in the lane's low half, the element vdpbf16ps multiplies first. */
+static inline uint32_t bf16_pair(float lo, float hi) {
+    return (uint32_t)f32_to_bf16(lo) | (uint32_t)f32_to_bf16(hi) << 16;
 }
 
 /* Element i of a buffer in bf16 or fp32, read as / written from fp32 (rounded to nearest even). */
@@ -217,6 +225,7 @@ static void pre_forward_portable(const PreArgs *a) {
 }
 
 #define KC 1024 /* K per chunk of the projection (pre_simd.h) */
+#define BWD_KC 2048 /* columns of a stream per chunk of grad_x_w_dot (the fp32 template's pass gained nothing from it) */
 
 #if MHC_X86
 /* AVX2 + FMA: 8 lanes, 16 registers (3 x 4 accumulators, 4 rows of W, one of x). */
@@ -360,6 +369,89 @@ AVX512BF16_TARGET static void project_block_dot(const PreArgs *a, Py_ssize_t t0,
     }
 }
 
+/* Backward pass 2 (as grad_x_w_lanes) over 16 columns k = i*C + c of a block of TBG_DOT tokens from t0, where W,
+   g_proj and x are exact in bf16, from dot products of bf16 pairs: g_x's sum over j in pairs of columns of W
+   (`w_pairs`), g_W's sum over the block's tokens in pairs of tokens (x of tokens 2p and 2p + 1 interleaved). The
+   pairs of g_proj are `gpx [TBG_DOT][NP]` (a token's columns 2p, 2p + 1) and `gpw [TBG_DOT / 2][N]` (a column's
+   tokens 2p, 2p + 1). */
+#define TBG_DOT 6
+AVX512BF16_TARGET __attribute__((always_inline)) static inline void grad_x_w_dot_lanes(
+        const GradArgs *g, Py_ssize_t t0, Py_ssize_t i, Py_ssize_t c, const uint32_t *gpx, const uint32_t *gpw) {
+    const Py_ssize_t K = g->K, n = g->n, N = g->N, NP = (N + 1) / 2, C = K / n, k = i * C + c, WS = g->w_stride;
+    const uint16_t *x = (const uint16_t *)g->x, *g_agg = (const uint16_t *)g->g_agg;
+    __m512 gx[TBG_DOT] = {0}; /* unused where g_x is not asked for */
+    __m512bh x2[TBG_DOT / 2];
+    for (int u = 0; u < TBG_DOT && g->g_x; u++) {
+        const Py_ssize_t t = t0 + u;
+        gx[u] = _mm512_fmadd_ps(_mm512_set1_ps(g->coef[t]), loadx16(x, 1, t * K + k),
+                                _mm512_mul_ps(_mm512_set1_ps(g->h_pre[t * n + i]), loadx16(g_agg, 1, t * C + c)));
+    }
+    for (int q = 0; q < TBG_DOT / 2; q++) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + (t0 + 2 * q) * K + k)));
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + (t0 + 2 * q + 1) * K + k)));
+        x2[q] = (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    }
+    for (Py_ssize_t p = 0; p < NP && g->g_x; p++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(g->w_pairs + p * WS + k));
+        for (int u = 0; u < TBG_DOT; u++)
+            gx[u] = _mm512_dpbf16_ps(gx[u], wv, (__m512bh)_mm512_set1_epi32((int)gpx[u * NP + p]));
+    }
+    if (g->g_w)
+        for (Py_ssize_t j = 0; j < N; j++) {
+            __m512 gw = _mm512_loadu_ps(g->g_w + j * WS + k);
+            for (int q = 0; q < TBG_DOT / 2; q++)
+                gw = _mm512_dpbf16_ps(gw, x2[q], (__m512bh)_mm512_set1_epi32((int)gpw[q * N + j]));
+            _mm512_storeu_ps(g->g_w + j * WS + k, gw);
+        }
+    if (g->g_x)
+        for (int u = 0; u < TBG_DOT; u++) store_bf16x16((uint16_t *)g->g_x + (t0 + u) * K + k, gx[u]);
+}
+
+/* g_proj's pairs for grad_x_w_dot, per block of TBG_DOT tokens from token 0 (`T / TBG_DOT` blocks of
+   `gp_pairs_per_block(N)`): gpx [TBG_DOT][(N + 1) / 2] (a token's columns 2p, 2p + 1; 0 past N), then
+   gpw [TBG_DOT / 2][N] (a column's tokens 2q, 2q + 1). */
+static Py_ssize_t gp_pairs_per_block(Py_ssize_t N) { return TBG_DOT * ((N + 1) / 2) + TBG_DOT / 2 * N; }
+
+static void fill_gp_pairs(uint32_t *pairs, const float *g_proj, Py_ssize_t T, Py_ssize_t N) {
+    const Py_ssize_t NP = (N + 1) / 2, per_block = gp_pairs_per_block(N);
+    for (Py_ssize_t b = 0; b < T / TBG_DOT; b++) {
+        const float *gp = g_proj + b * TBG_DOT * N;
+        uint32_t *gpx = pairs + b * per_block, *gpw = gpx + TBG_DOT * NP;
+        for (int u = 0; u < TBG_DOT; u++)
+            for (Py_ssize_t p = 0; p < NP; p++)
+                gpx[u * NP + p] = bf16_pair(gp[u * N + 2 * p], 2 * p + 1 < N ? gp[u * N + 2 * p + 1] : 0.0f);
+        for (int q = 0; q < TBG_DOT / 2; q++)
+            for (Py_ssize_t j = 0; j < N; j++) gpw[q * N + j] = bf16_pair(gp[2 * q * N + j], gp[(2 * q + 1) * N + j]);
+    }
+}
+
+/* Backward pass 2 where W, g_proj and x are exact in bf16 (`w_pairs` set): blocks of TBG_DOT tokens through
+   grad_x_w_dot_lanes, BWD_KC columns of a stream at a time over all the slice's blocks, so that those columns'
+   rows of g_W and W stay in L2 (at C 2048 all of them, 1.2 MB, would not: 40 against 17 ms for g_W at T 4096 on
+   one thread; 512 columns slowed g_x's pass, 30 against 22 ms); a short last block, and columns past the last 16
+   of each stream, as the portable kernel. Each g_W element still sums the tokens in order. */
+AVX512BF16_TARGET static void grad_x_w_dot(const GradArgs *g) {
+    const Py_ssize_t n = g->n, N = g->N, NP = (N + 1) / 2, C = g->K / n, CV = C - C % 16;
+    const Py_ssize_t blocks = (g->t_end - g->t_begin) / TBG_DOT, t_full = g->t_begin + blocks * TBG_DOT;
+    const Py_ssize_t per_block = gp_pairs_per_block(N);
+    const uint32_t *pairs = g->gp_pairs + g->t_begin / TBG_DOT * per_block; /* slices begin at whole blocks */
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (Py_ssize_t c0 = 0; c0 < CV; c0 += BWD_KC) {
+            const Py_ssize_t c1 = c0 + BWD_KC < CV ? c0 + BWD_KC : CV;
+            for (Py_ssize_t b = 0; b < blocks; b++) {
+                const uint32_t *gpx = pairs + b * per_block, *gpw = gpx + TBG_DOT * NP;
+                for (Py_ssize_t c = c0; c < c1; c += 16)
+                    grad_x_w_dot_lanes(g, g->t_begin + b * TBG_DOT, i, c, gpx, gpw);
+            }
+        }
+    for (Py_ssize_t t = g->t_begin; t < t_full; t++)
+        for (Py_ssize_t i = 0; i < n; i++)
+            for (Py_ssize_t c = CV; c < C; c++) grad_x_w_at(g, t, i, c);
+    for (Py_ssize_t t = t_full; t < g->t_end; t++)
+        for (Py_ssize_t i = 0; i < n; i++)
+            for (Py_ssize_t c = 0; c < C; c++) grad_x_w_at(g, t, i, c);
+}
+
 AVX512BF16_TARGET static void pre_forward_avx512_bf16(const PreArgs *a) {
     if (a->w_bf16 == NULL) {
         pre_forward_avx512(a);
@@ -408,6 +500,9 @@ static Kernel best_kernel(void) {
    order, then the slices in order: the same thread count gives the same bits. */
 #define MAX_THREADS 256
 #define SLICE_ALIGN 24
+#if MHC_X86
+_Static_assert(SLICE_ALIGN % TBG_DOT == 0, "a slice must begin at a whole block of grad_x_w_dot");
+#endif
 
 typedef enum { JOB_FORWARD, JOB_GRAD_H, JOB_GRAD_X_W } Job;
 
@@ -421,9 +516,10 @@ typedef struct {
 static void run_slice(const Slice *s) {
     switch (s->kernel) {
 #if MHC_X86
-    case KERNEL_AVX512_BF16: /* the avx512 kernel's backward */
+    case KERNEL_AVX512_BF16:
         if (s->job == JOB_FORWARD) pre_forward_avx512_bf16(&s->a);
         else if (s->job == JOB_GRAD_H) grad_h_avx512(&s->g);
+        else if (s->g.w_pairs != NULL) grad_x_w_dot(&s->g);
         else grad_x_w_avx512(&s->g);
         break;
     case KERNEL_AVX512:
@@ -598,8 +694,9 @@ static PyObject *grad_x_w(PyObject *self, PyObject *args) {
     const char *name;
     int threads;
     Kernel kernel;
-    if (!PyArg_ParseTuple(args, "KinnnKKKKKKKsi", &x, &g.x_bf16, &g.T, &g.K, &g.n, &g_agg, &w, &g_proj, &coef,
-                          &h_pre, &g_x, &g_w, &name, &threads) ||
+    int bf16_products;
+    if (!PyArg_ParseTuple(args, "KinnnKKKKKKKisi", &x, &g.x_bf16, &g.T, &g.K, &g.n, &g_agg, &w, &g_proj, &coef,
+                          &h_pre, &g_x, &g_w, &bf16_products, &name, &threads) ||
         resolve("grad_x_w", name, threads, g.n, g.K, g.T, &kernel) < 0)
         return NULL;
     g.N = g.n * g.n + 2 * g.n;
@@ -617,8 +714,26 @@ static PyObject *grad_x_w(PyObject *self, PyObject *args) {
     g.coef = (const float *)(uintptr_t)coef;
     g.h_pre = (const float *)(uintptr_t)h_pre;
     g.g_x = (void *)(uintptr_t)g_x;
+    /* W's columns in pairs of bf16 for the dot products (W and g_proj exact in bf16: a mapping computed in it). */
+    uint32_t *w_pairs = NULL;
+    if (kernel == KERNEL_AVX512_BF16 && bf16_products && g.x_bf16) {
+        const size_t w_len = (size_t)((g.N + 1) / 2 * g.w_stride), gp_len = (size_t)(g.T / TBG_DOT * gp_pairs_per_block(g.N));
+        w_pairs = PyMem_RawCalloc(w_len + gp_len, sizeof(uint32_t));
+        if (w_pairs == NULL) {
+            PyMem_RawFree(block);
+            return PyErr_NoMemory();
+        }
+        g.gp_pairs = w_pairs + w_len;
+        fill_gp_pairs(w_pairs + w_len, g.g_proj, g.T, g.N);
+        for (Py_ssize_t q = 0; q < (g.N + 1) / 2; q++)
+            for (Py_ssize_t k = 0; k < g.K; k++)
+                w_pairs[q * g.w_stride + k] = bf16_pair(pad[2 * q * g.w_stride + k],
+                                                        2 * q + 1 < g.N ? pad[(2 * q + 1) * g.w_stride + k] : 0.0f);
+    }
+    g.w_pairs = w_pairs;
     const Py_ssize_t rows = g.N * g.w_stride;
     run_job(JOB_GRAD_X_W, kernel, NULL, &g, threads, sums ? pad + rows : NULL, rows);
+    PyMem_RawFree(w_pairs);
     if (sums) {
         float *out = (float *)(uintptr_t)g_w; /* [N, K]: the slices' sums added in slice order */
         Py_BEGIN_ALLOW_THREADS
@@ -656,9 +771,10 @@ static PyMethodDef methods[] = {
      "grad_h(x_ptr, x_bf16, T, K, n, g_agg_ptr, g_h_ptr, kernel, threads) -> str: the backward's first pass, "
      "g_h [T, n] fp32 = sum_c g_agg[t, c] x[t, i*C + c]"},
     {"grad_x_w", grad_x_w, METH_VARARGS,
-     "grad_x_w(x_ptr, x_bf16, T, K, n, g_agg_ptr, w_ptr, g_proj_ptr, coef_ptr, h_pre_ptr, g_x_ptr, g_w_ptr, kernel, "
-     "threads) -> str: the backward's second pass, g_x [T, K] in x's dtype = g_proj @ W + coef x + h_pre (x) g_agg "
-     "and g_w [N, K] fp32 = g_proj^T @ x (a null pointer skips either)"},
+     "grad_x_w(x_ptr, x_bf16, T, K, n, g_agg_ptr, w_ptr, g_proj_ptr, coef_ptr, h_pre_ptr, g_x_ptr, g_w_ptr, "
+     "bf16_products, kernel, threads) -> str: the backward's second pass, g_x [T, K] in x's dtype = g_proj @ W + "
+     "coef x + h_pre (x) g_agg and g_w [N, K] fp32 = g_proj^T @ x (a null pointer skips either); bf16_products: W "
+     "and g_proj hold bf16 values, which the avx512_bf16 kernel multiplies with bf16 x as bf16 pairs"},
     {"kernels", kernels, METH_NOARGS, "kernels() -> list[str]: the kernels this CPU runs, the fastest first"},
     {NULL, NULL, 0, NULL}};
 

@@ -112,15 +112,42 @@ def test_native_backward_passes_match_fp64(t, n, c, dtype, kernel):
     assert none_w is None and none_x is None and torch.equal(only_x, g_x) and torch.equal(only_w, g_w)
 
 
+@pytest.mark.parametrize("kernel", native.KERNELS)
+@pytest.mark.parametrize(("t", "n", "c"), [(37, 4, 70), (50, 2, 64), (13, 1, 48), (31, 8, 16)],
+                         ids=lambda v: str(v))
+def test_native_backward_with_bf16_products_matches_fp64(t, n, c, kernel):
+    """With a mapping computed in bf16 (`bf16_products`: W and g_proj rounded to bf16, the avx512_bf16 kernel's
+    dot products of bf16 pairs) every kernel's g_x and g_W match fp64 math on the rounded inputs, on 1 and 4
+    threads, at sizes with tails (T not a multiple of the 6-token block, C of the 16 lanes, N = 3 odd at n = 1)."""
+    if kernel not in native.kernels():
+        pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
+    d = _grad_inputs(t, n, c, torch.bfloat16, seed=3)
+    f = {name: v.double() for name, v in d.items()}
+    for name in ("weight", "g_proj"):
+        f[name] = d[name].to(torch.bfloat16).double()
+    want_x = (f["g_proj"] @ f["weight"] + f["coef"] * f["x"]
+              + (f["h_pre"][:, :, None] * f["g_agg"][:, None, :]).reshape(t, n * c))
+    want_w = f["g_proj"].t() @ f["x"]
+    for threads in (1, 4):
+        g_x, g_w = native.grad_x_w(d["x"], d["g_agg"], d["weight"], d["g_proj"], d["coef"], d["h_pre"], n, True,
+                                   True, kernel=kernel, threads=threads, bf16_products=True)
+        assert_close("g_x", g_x.double(), want_x, tolerance(torch.bfloat16, "fwd"))
+        assert_close("g_w", g_w.double(), want_w, tolerance(torch.float32, "fwd"))
+        only_w = native.grad_x_w(d["x"], d["g_agg"], d["weight"], d["g_proj"], d["coef"], d["h_pre"], n, False,
+                                 True, kernel=kernel, threads=threads, bf16_products=True)[1]
+        assert torch.equal(only_w, g_w)
+
+
 def test_native_backward_bits_by_thread_count():
     """g_x does not depend on the thread count; g_W, each slice's tokens then the slices summed in order, gives
     the same bits for the same count."""
     d = _grad_inputs(101, 4, 40, torch.bfloat16, seed=2)
     args = (d["x"], d["g_agg"], d["weight"], d["g_proj"], d["coef"], d["h_pre"], 4, True, True)
-    g_x1, _ = native.grad_x_w(*args, threads=1)
-    g_x4, g_w4 = native.grad_x_w(*args, threads=4)
-    again_x4, again_w4 = native.grad_x_w(*args, threads=4)
-    assert torch.equal(g_x1, g_x4) and torch.equal(g_x4, again_x4) and torch.equal(g_w4, again_w4)
+    for bf16_products in (False, True):
+        g_x1, _ = native.grad_x_w(*args, threads=1, bf16_products=bf16_products)
+        g_x4, g_w4 = native.grad_x_w(*args, threads=4, bf16_products=bf16_products)
+        again_x4, again_w4 = native.grad_x_w(*args, threads=4, bf16_products=bf16_products)
+        assert torch.equal(g_x1, g_x4) and torch.equal(g_x4, again_x4) and torch.equal(g_w4, again_w4), bf16_products
     with pytest.raises(ValueError, match=r"native grad_x_w: g_proj \(101, 23\) must be \[101, 24\]"):
         native.grad_x_w(d["x"], d["g_agg"], d["weight"], d["g_proj"][:, :23], d["coef"], d["h_pre"], 4, True, True)
     with pytest.raises(ValueError, match=r"native grad_h: g_agg \(101, 39\) must be \[T, C\] = \[101, 40\]"):
@@ -167,10 +194,10 @@ def test_the_kernels_run_in_the_order_of_their_speed_and_are_deterministic():
                                                      native.pre_forward(*args, kernel=here[0]), strict=True))
 
 
-def test_avx512_bf16_is_avx512_but_for_the_bf16_mapping_forward():
-    """`avx512_bf16` runs `avx512`'s code (the same bits) wherever the mapping computes in fp32, and in the
-    backward; where it computes in bf16 on bf16 x, its forward sums the projection and the squares from bf16 pairs:
-    another order (the RMS's bits differ), within the bound of the reference (`test_native_forward_matches_...`)."""
+def test_avx512_bf16_is_avx512_but_for_the_bf16_mapping():
+    """`avx512_bf16` runs `avx512`'s code (the same bits) wherever the mapping computes in fp32; where it computes in
+    bf16 on bf16 x, its forward sums the projection and the squares, and its backward g_W, from bf16 pairs: another
+    order (the RMS's and g_W's bits differ), within the bounds of the reference and fp64 (the tests above)."""
     if "avx512_bf16" not in native.kernels():
         pytest.skip(f"this CPU lacks the instructions of the avx512_bf16 kernel (it runs {native.kernels()})")
     d = _inputs(30, 4, 256, torch.bfloat16, seed=6)
@@ -183,9 +210,12 @@ def test_avx512_bf16_is_avx512_but_for_the_bf16_mapping_forward():
     assert not torch.equal(dot[1], fma[1]), "the bf16-mapping forward of avx512_bf16 ran avx512's fp32 FMAs"
     assert_close("rms", dot[1], fma[1], tolerance(torch.float32, "fwd"))
     g = _grad_inputs(30, 4, 64, torch.bfloat16)
-    grads = [native.grad_x_w(g["x"], g["g_agg"], g["weight"], g["g_proj"], g["coef"], g["h_pre"], 4, True, True,
-                             kernel=k) for k in ("avx512_bf16", "avx512")]
-    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    for bf16_products in (False, True):
+        (gx_dot, gw_dot), (gx_fma, gw_fma) = [
+            native.grad_x_w(g["x"], g["g_agg"], g["weight"], g["g_proj"], g["coef"], g["h_pre"], 4, True, True,
+                            kernel=k, bf16_products=bf16_products) for k in ("avx512_bf16", "avx512")]
+        assert torch.equal(gx_dot, gx_fma) or bf16_products
+        assert torch.equal(gw_dot, gw_fma) != bf16_products, "g_W of the bf16 pairs' pass is avx512's fp32 FMAs'"
 
 
 def test_auto_never_picks_the_scalar_kernel(monkeypatch):
@@ -234,16 +264,19 @@ def test_mhc_native_names_a_kernel_or_is_refused(monkeypatch):
                            kernel="sse")
 
 
-@pytest.mark.parametrize(("dtype", "variant", "native_bwd"), [
-    (torch.float32, "megatron_main", True),
-    (torch.bfloat16, "megatron_dev", True),  # fp32 mappings on bf16 activations
-    (torch.bfloat16, "megatron_main", False),  # the mapping in bf16: the compiled graph's bf16 GEMMs
-], ids=["fp32-main", "bf16-dev", "bf16-main"])
-def test_compiled_pre_calls_the_native_passes(monkeypatch, dtype, variant, native_bwd):
+@pytest.mark.parametrize(("dtype", "variant", "kernel", "native_bwd"), [
+    (torch.float32, "megatron_main", "avx2", True),
+    (torch.bfloat16, "megatron_dev", "avx512", True),  # fp32 mappings on bf16 activations
+    (torch.bfloat16, "megatron_main", "avx512", False),  # the mapping in bf16: the compiled graph's bf16 GEMMs
+    (torch.bfloat16, "megatron_main", "avx512_bf16", True),  # ... or the kernel's bf16 dot products
+], ids=["fp32-main-avx2", "bf16-dev-avx512", "bf16-main-avx512", "bf16-main-avx512_bf16"])
+def test_compiled_pre_calls_the_native_passes(monkeypatch, dtype, variant, kernel, native_bwd):
     """The compiled `pre` on CPU runs the native forward, and its backward's two native passes exactly where the
-    mapping computes in fp32 (counted, so that a dispatch that quietly kept the compiled graph fails here)."""
-    if native.chosen_kernel() is None:
-        pytest.skip(f"the native kernels do not run here: {native.available()[1]}")
+    mapping computes in fp32, or in bf16 under `avx512_bf16` (counted, so that a dispatch that quietly kept the
+    compiled graph fails here)."""
+    if kernel not in native.kernels():
+        pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
+    monkeypatch.setenv(native.ENV, kernel)
     calls = {"pre_forward": 0, "grad_h": 0, "grad_x_w": 0}
     for name in calls:
         real = getattr(native, name)

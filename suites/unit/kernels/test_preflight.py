@@ -171,6 +171,11 @@ def test_preflight_says_where_pres_forward_runs(monkeypatch):
         notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_dev").notes)
         assert ("pre's forward runs its native kernel (the mapping computes in fp32), its backward the native "
                 "kernel's passes over x") in notes
-        notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_main").notes)
-        assert ("pre's forward runs its native kernel (the mapping computes in bf16), its backward its "
-                "torch.compile graph (bf16 GEMMs)") in notes
+        for kernel in ("avx512_bf16", "avx512"):  # bf16 dot products, or fp32 FMAs and the bf16 GEMMs
+            if kernel not in native.kernels():
+                continue
+            monkeypatch.setenv(native.ENV, kernel)
+            notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_main").notes)
+            backward = ("the native kernel's passes over x" if kernel == "avx512_bf16" else
+                        "its torch.compile graph (bf16 GEMMs)")
+            assert f"pre's forward runs its native kernel (the mapping computes in bf16), its backward {backward}" in notes
