@@ -34,11 +34,24 @@
 #include <stdint.h>
 #include <string.h>
 
+/* MHC_X86: the SIMD kernels; MHC_BF16: the avx512_bf16 kernel, whose compiler must know AVX512_BF16 (GCC 11,
+   clang 12). Either can be set to 0 on the command line to build without it. */
+#ifndef MHC_X86
 #if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
 #define MHC_X86 1
 #else
 #define MHC_X86 0
+#endif
+#endif
+#ifndef MHC_BF16
+#if MHC_X86 && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define MHC_BF16 1
+#else
+#define MHC_BF16 0
+#endif
+#endif
+#if MHC_X86
+#include <immintrin.h>
 #endif
 
 #define MAX_N 8 /* residual streams the kernels take (N = n*n + 2n <= 80) */
@@ -141,6 +154,7 @@ static void token_coefficients(const PreArgs *a, Py_ssize_t t, float sumsq, floa
     }
 }
 
+#if MHC_X86
 /* The end of pass 1 for token t, from its vector sums `sums` [N] (over K's first KV columns) and `sq`: the columns
    from KV on added, the projection stored (rounded to bf16 where the mapping computes in bf16); returns the sum of
    squares. */
@@ -157,6 +171,7 @@ static float projection_tail(const PreArgs *a, Py_ssize_t t, Py_ssize_t KV, cons
     }
     return sq;
 }
+#endif
 
 /* Pass 2 of token t from channel c0 on: agg[t, c] = sum_i hp[i] x[t, i*C + c]. */
 static void aggregate_from(const PreArgs *a, Py_ssize_t t, const float *hp, Py_ssize_t c0) {
@@ -310,7 +325,9 @@ AVX512_TARGET __attribute__((always_inline)) static inline void store_bf16x16(ui
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 #define VSTOREBF16(p, v) store_bf16x16((p), (v))
 #include "pre_simd.h"
+#endif
 
+#if MHC_BF16
 /* AVX-512 with AVX512_BF16: the avx512 kernel, whose forward, where the mapping computes in bf16 on bf16 x (W
    then exact in bf16: `w_bf16`), takes pass 1 from dot products of bf16 pairs. vdpbf16ps adds to each of 16
    lanes x[2l] w[2l] + x[2l+1] w[2l+1], the products exact and summed in fp32 (denormals flushed): 32 products
@@ -479,7 +496,11 @@ static int cpu_has(Kernel k) {
     const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                        __builtin_cpu_supports("avx512vl");
     if (k == KERNEL_AVX512) return avx512;
+#if MHC_BF16
     return avx512 && __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
 #else
     return 0;
 #endif
@@ -500,7 +521,7 @@ static Kernel best_kernel(void) {
    order, then the slices in order: the same thread count gives the same bits. */
 #define MAX_THREADS 256
 #define SLICE_ALIGN 24
-#if MHC_X86
+#if MHC_BF16
 _Static_assert(SLICE_ALIGN % TBG_DOT == 0, "a slice must begin at a whole block of grad_x_w_dot");
 #endif
 
@@ -515,13 +536,15 @@ typedef struct {
 
 static void run_slice(const Slice *s) {
     switch (s->kernel) {
-#if MHC_X86
+#if MHC_BF16
     case KERNEL_AVX512_BF16:
         if (s->job == JOB_FORWARD) pre_forward_avx512_bf16(&s->a);
         else if (s->job == JOB_GRAD_H) grad_h_avx512(&s->g);
         else if (s->g.w_pairs != NULL) grad_x_w_dot(&s->g);
         else grad_x_w_avx512(&s->g);
         break;
+#endif
+#if MHC_X86
     case KERNEL_AVX512:
         if (s->job == JOB_FORWARD) pre_forward_avx512(&s->a);
         else if (s->job == JOB_GRAD_H) grad_h_avx512(&s->g);
@@ -647,7 +670,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     copy_rows(w_pad, a.w_stride, (const float *)(uintptr_t)w, a.N, a.K);
     /* The bf16 copy of W for the dot products (W's values are exact in bf16 where the mapping computes in it). */
     uint16_t *w_bf16 = NULL;
-    if (kernel == KERNEL_AVX512_BF16 && a.x_bf16 && a.proj_bf16) {
+    if (MHC_BF16 && kernel == KERNEL_AVX512_BF16 && a.x_bf16 && a.proj_bf16) {
         w_bf16 = PyMem_RawCalloc((size_t)(a.N * a.w_stride), sizeof(uint16_t));
         if (w_bf16 == NULL) {
             PyMem_RawFree(w_block);
@@ -716,6 +739,7 @@ static PyObject *grad_x_w(PyObject *self, PyObject *args) {
     g.g_x = (void *)(uintptr_t)g_x;
     /* W's columns in pairs of bf16 for the dot products (W and g_proj exact in bf16: a mapping computed in it). */
     uint32_t *w_pairs = NULL;
+#if MHC_BF16
     if (kernel == KERNEL_AVX512_BF16 && bf16_products && g.x_bf16) {
         const size_t w_len = (size_t)((g.N + 1) / 2 * g.w_stride), gp_len = (size_t)(g.T / TBG_DOT * gp_pairs_per_block(g.N));
         w_pairs = PyMem_RawCalloc(w_len + gp_len, sizeof(uint32_t));
@@ -730,6 +754,7 @@ static PyObject *grad_x_w(PyObject *self, PyObject *args) {
                 w_pairs[q * g.w_stride + k] = bf16_pair(pad[2 * q * g.w_stride + k],
                                                         2 * q + 1 < g.N ? pad[(2 * q + 1) * g.w_stride + k] : 0.0f);
     }
+#endif
     g.w_pairs = w_pairs;
     const Py_ssize_t rows = g.N * g.w_stride;
     run_job(JOB_GRAD_X_W, kernel, NULL, &g, threads, sums ? pad + rows : NULL, rows);
