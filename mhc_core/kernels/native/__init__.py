@@ -1,4 +1,4 @@
-"""Native (C) CPU kernels of the compiled backend: the fused pre-op's forward in one pass over the streams.
+"""Native (C) CPU kernels of the compiled backend: the fused pre-op's passes over the streams.
 
 Inductor cannot give the pre-op's forward one read of `x`: the 24-column projection is an extern GEMM, so
 the sum of squares and the aggregate each read `x` again. `_pre` (`pre.c` and its SIMD template
@@ -10,10 +10,11 @@ while the rows are in cache, computes h_pre and the aggregate. It runs where the
 the compiled backend's `pre` uses it on CPU tensors when `available()`, else its torch.compile forward.
 
 Four kernels, by name (`KERNELS`): `avx512_bf16` (`avx512`, whose forward takes the projection and the sum of
-squares from dot products of bf16 pairs, `vdpbf16ps`, where the mapping computes in bf16 on bf16 x: the products
-exact, summed in fp32, twice as many per instruction), `avx512` (AVX-512 F/BW/VL), `avx2` (AVX2 + FMA) and
-`portable`; each sums in its own order, so they differ by rounding, and each is deterministic; the tokens are split over
-torch's intra-op threads (`torch.get_num_threads()`), which changes no bit. `MHC_NATIVE` chooses: unset,
+squares, and whose backward `g_x` and `g_W`, from dot products of bf16 pairs, `vdpbf16ps`, where the mapping
+computes in bf16 on bf16 x: the products exact, summed in fp32, twice as many per instruction), `avx512`
+(AVX-512 F/BW/VL), `avx2` (AVX2 + FMA) and `portable`; each sums in its own order, so they differ by rounding,
+and each is deterministic; the tokens are split over torch's intra-op threads (`torch.get_num_threads()`),
+which changes no bit of the forward and of `g_x`. `MHC_NATIVE` chooses: unset,
 `1` or `auto` the fastest this CPU runs, `0` none (the torch.compile forward), a kernel's name that kernel
 (an error where the CPU lacks it: never a silent fallback). Unset, a CPU without AVX2 gets the compiled graph:
 the scalar kernel is for tests and such forcing only.

@@ -20,7 +20,8 @@
 
    All sums in fp32, in vector lanes. Four kernels, named: `avx512` (AVX-512 F/BW/VL, 16 lanes), `avx2`
    (AVX2 + FMA, 8 lanes), both from one template (pre_simd.h), `avx512_bf16` (the avx512 kernel, with pass 1
-   from dot products of bf16 pairs where the mapping computes in bf16 on bf16 x), chosen at run time with
+   and the backward's g_x / g_W pass from dot products of bf16 pairs where the mapping computes in bf16 on bf16
+   x), chosen at run time with
    __builtin_cpu_supports, so the file builds with the compiler's default flags, and `portable` (scalar).
    They sum in different orders, so their results differ by rounding; each is deterministic. The GIL is
    released while they run. */
@@ -329,7 +330,8 @@ AVX512_TARGET __attribute__((always_inline)) static inline void store_bf16x16(ui
 
 #if MHC_BF16
 /* AVX-512 with AVX512_BF16: the avx512 kernel, whose forward, where the mapping computes in bf16 on bf16 x (W
-   then exact in bf16: `w_bf16`), takes pass 1 from dot products of bf16 pairs. vdpbf16ps adds to each of 16
+   then exact in bf16: `w_bf16`), takes pass 1 from dot products of bf16 pairs, and so does its backward's second
+   pass (grad_x_w_dot, W and g_proj then exact in bf16: `w_pairs`). vdpbf16ps adds to each of 16
    lanes x[2l] w[2l] + x[2l+1] w[2l+1], the products exact and summed in fp32 (denormals flushed): 32 products
    per instruction against the fp32 FMA's 16, and x is read without widening. */
 #define AVX512BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
