@@ -49,12 +49,19 @@ def _steps(start: str, iterations: int) -> list[int]:
     return [-2] + [-1, -2] * (iterations - 1)
 
 
+def _tokens_last(t):
+    """`[T, n, n]` -> `[n, n, T]`, contiguous: the log-domain steps' exp and log then run in vector lanes over
+    the tokens (with `n` innermost, Inductor's C++ code evaluated them lane by lane: `paper`'s forward took
+    10.5 ms at T 4096, n 4 on one thread, 4.5 ms this way). The linear-domain starts gain nothing from it."""
+    return t.permute(1, 2, 0).contiguous()
+
+
 def _fwd(z, start: str, guard: str, iterations: int, eps: float):
-    if start == "exp":
-        log_m = z
+    if start == "exp":  # log domain, on [n, n, T]: dims -2 / -1 of [T, n, n] are 0 / 1
+        log_m = _tokens_last(z)
         for dim in _steps(start, iterations):
-            log_m = log_m - torch.logsumexp(log_m, dim=dim, keepdim=True)
-        return torch.exp(log_m)
+            log_m = log_m - torch.logsumexp(log_m, dim=dim + 2, keepdim=True)
+        return torch.exp(log_m).permute(2, 0, 1)
     if start == "exp_rowmax":
         m = torch.exp(z - z.amax(dim=-1, keepdim=True))
     else:
@@ -66,16 +73,16 @@ def _fwd(z, start: str, guard: str, iterations: int, eps: float):
 
 def _bwd(z, g, start: str, guard: str, iterations: int, eps: float):
     dims = _steps(start, iterations)
-    if start == "exp":
+    if start == "exp":  # log domain, on [n, n, T] (`_tokens_last`)
         logs = []
-        log_m = z
+        log_m = _tokens_last(z)
         for dim in dims:
-            log_m = log_m - torch.logsumexp(log_m, dim=dim, keepdim=True)
+            log_m = log_m - torch.logsumexp(log_m, dim=dim + 2, keepdim=True)
             logs.append(log_m)
-        g = g * torch.exp(log_m)
+        g = _tokens_last(g) * torch.exp(log_m)
         for dim, l_out in zip(reversed(dims), reversed(logs), strict=True):
-            g = g - torch.exp(l_out) * g.sum(dim, keepdim=True)
-        return g
+            g = g - torch.exp(l_out) * g.sum(dim + 2, keepdim=True)
+        return g.permute(2, 0, 1)
     if start == "exp_rowmax":
         m0 = torch.exp(z - z.amax(dim=-1, keepdim=True))
     else:
