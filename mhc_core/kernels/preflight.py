@@ -172,7 +172,7 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
         math = "fp32" if compute == torch.float32 else dtype
         reason = why if not ok else (f"the mapping computes in {math}" if native_fwd else
                                      f"the native kernel reads no {dtype} activations"
-                                     if act not in (torch.float32, torch.bfloat16) else "n > 8")
+                                     if act not in (torch.float32, torch.bfloat16) else f"n > {native.MAX_N}")
         backward = ("the native kernel's passes over x" if native_bwd else
                     "its torch.compile graph" + (" (bf16 GEMMs)" if native_fwd else ""))
         notes.append(f"pre's forward runs {where} ({reason}), its backward {backward}; MHC_NATIVE=0 turns the "
