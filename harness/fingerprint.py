@@ -48,7 +48,7 @@ __all__ = ["PIN_VARIABLES", "NumericsFingerprint", "current_fingerprint", "finge
 PIN_VARIABLES: tuple[str, ...] = (
     "ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA",
     "CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NCCL_ALGO",
-    "NCCL_PROTO",
+    "NCCL_PROTO", "MHC_BACKEND", "MHC_NATIVE",
 )
 """Environment variables recorded in `pins` when set: each selects a code path or a summation order.
 Thread variables are not among them: `threads` records the count torch runs with, whatever set it."""

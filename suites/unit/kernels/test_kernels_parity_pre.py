@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mhc_core import ops
-from mhc_core.kernels import dispatch
+from mhc_core.kernels import dispatch, native
 from mhc_core.variants import Variant, get_variant
 from suites.unit.kernels.parity import Case, backend_params, check_parity, device_for, run_fwd_bwd
 
@@ -69,6 +69,26 @@ def test_pre_matches_reference(backend, case):
     )
 
 
+NATIVE_CASES = [c for c in CASES if c.n == 2 or (c.dtype != FP64 and c.variant in (Variant.MEGATRON_MAIN,
+                                                                                    Variant.MEGATRON_DEV))]
+"""The cases whose passes over x a native kernel takes (fp32 and bf16, the mapping in fp32 or bf16, n = 2 and 4)."""
+
+
+@pytest.mark.parametrize("kernel", native.KERNELS)
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=str)
+def test_compiled_pre_matches_reference_under_each_native_kernel(monkeypatch, case, kernel):
+    """The compiled pre with `MHC_NATIVE=<kernel>` (each kernel this CPU runs, not only the one `auto` picks, so that
+    an AVX-512 box proves the AVX2 path too) matches the reference, forward and every gradient."""
+    if not native.built()[0]:
+        pytest.skip(native.built()[1])
+    if kernel not in native.kernels():
+        pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
+    monkeypatch.setenv(native.ENV, kernel)
+    check_parity(f"pre[compiled, MHC_NATIVE={kernel}, {case}]", ops.pre, dispatch.get_impl("pre", "compiled"),
+                 _inputs(case, "cpu"), GRADS, case.dtype, cosine_groups=COSINE, n=case.n, iterations=ITERATIONS,
+                 variant=case.variant)
+
+
 @pytest.mark.parametrize("backend", backend_params())
 def test_pre_with_unused_outputs(backend):
     """Only the aggregate and h_res feed the loss (h_pre and h_post unused, their gradients None): the
@@ -110,9 +130,9 @@ def test_reference_pre_is_the_composition_of_the_ops():
     move when it calls pre instead of the three ops)."""
     case = Case(tokens=16, n=4, dtype=BF16, variant=Variant.MEGATRON_DEV)
     t = _inputs(case, "cpu")
-    params = [t[k] for k in GRADS[1:]]
-    agg, h_pre, h_post, h_res = ops.pre(t["x"], *params, 4, 7, case.variant)
-    p, q, logits = ops.mapping(t["x"], *params, 4, case.variant)
+    w, a_pre, a_post, a_res, b = (t[k] for k in GRADS[1:])
+    agg, h_pre, h_post, h_res = ops.pre(t["x"], w, a_pre, a_post, a_res, b, n=4, iterations=7, variant=case.variant)
+    p, q, logits = ops.mapping(t["x"], w, a_pre, a_post, a_res, b, n=4, variant=case.variant)
     assert torch.equal(h_pre, p) and torch.equal(h_post, q)
     assert torch.equal(h_res, ops.sinkhorn(logits, 7, None, case.variant))
     assert torch.equal(agg, ops.h_aggregate(t["x"].view(16, 4, -1), p))
@@ -122,9 +142,9 @@ def test_pre_refuses_bad_arguments_naming_them():
     """Bad shapes and iteration counts are the reference's ValueErrors, naming the argument, in every backend."""
     case = Case(tokens=8, n=4, dtype=FP32)
     t = _inputs(case, "cpu")
-    params = [t[k] for k in GRADS[1:]]
+    w, a_pre, a_post, a_res, b = (t[k] for k in GRADS[1:])
     for fn in (ops.pre, dispatch.get_impl("pre", "compiled")):
         with pytest.raises(ValueError, match="pre: iterations"):
-            fn(t["x"], *params, 4, 0)
+            fn(t["x"], w, a_pre, a_post, a_res, b, n=4, iterations=0)
         with pytest.raises(ValueError, match=r"pre: weight must have shape \[N, n\*C\] = \[24, 256\], got \[24, 8\]"):
-            fn(t["x"], params[0][:, :8], *params[1:], 4)
+            fn(t["x"], w[:, :8], a_pre, a_post, a_res, b, n=4)

@@ -49,7 +49,8 @@ def test_native_forward_matches_the_reference(t, n, c, dtype, variant, kernel):
     (h_pre in the coefficients' dtype, the aggregate in x's), and the projection and RMS the reference mapping's."""
     spec = get_variant(variant)
     d = _inputs(t, n, c, dtype)
-    agg, h_pre, _, _ = ops.pre(*d.values(), n, 20, spec)
+    agg, h_pre, _, _ = ops.pre(d["x"], d["weight"], d["alpha_pre"], d["alpha_post"], d["alpha_res"], d["bias"], n=n,
+                               iterations=20, variant=spec)
     compute = torch.float32 if spec.mapping_fp32 else dtype
     out_dtype = dtype if spec.coefficients_in_activation_dtype else compute
     if kernel not in native.kernels():
@@ -273,25 +274,28 @@ def test_mhc_native_names_a_kernel_or_is_refused(monkeypatch):
                            kernel="sse")
 
 
-@pytest.mark.parametrize(("dtype", "variant", "kernel", "native_bwd"), [
-    (torch.float32, "megatron_main", "avx2", True),
-    (torch.bfloat16, "megatron_dev", "avx512", True),  # fp32 mappings on bf16 activations
-    (torch.bfloat16, "megatron_main", "avx512", False),  # the mapping in bf16: the compiled graph's bf16 GEMMs
-    (torch.bfloat16, "megatron_main", "avx512_bf16", True),  # ... or the kernel's bf16 dot products
-], ids=["fp32-main-avx2", "bf16-dev-avx512", "bf16-main-avx512", "bf16-main-avx512_bf16"])
-def test_compiled_pre_calls_the_native_passes(monkeypatch, dtype, variant, kernel, native_bwd):
-    """The compiled `pre` on CPU runs the native forward, and its backward's two native passes exactly where the
-    mapping computes in fp32, or in bf16 under `avx512_bf16` (counted, so that a dispatch that quietly kept the
-    compiled graph fails here)."""
+@pytest.mark.parametrize("kernel", native.KERNELS)
+@pytest.mark.parametrize(("dtype", "variant", "native_bwd"), [
+    (torch.float32, "megatron_main", True),
+    (torch.bfloat16, "megatron_dev", True),  # fp32 mappings on bf16 activations
+    (torch.bfloat16, "megatron_main", False),  # the mapping in bf16: the compiled graph's bf16 GEMMs, but for ...
+], ids=["fp32-main", "bf16-dev", "bf16-main"])
+def test_compiled_pre_calls_the_native_passes(monkeypatch, dtype, variant, native_bwd, kernel):
+    """The compiled `pre` on CPU runs the native forward under every kernel this CPU runs, and its backward's two
+    native passes exactly where the mapping computes in fp32, or in bf16 under `avx512_bf16` (... its bf16 dot
+    products; counted, so that a dispatch that quietly kept the compiled graph, or another kernel, fails here)."""
+    native_bwd = native_bwd or kernel == "avx512_bf16"
     if kernel not in native.kernels():
         pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
     monkeypatch.setenv(native.ENV, kernel)
     calls = {"pre_forward": 0, "grad_h": 0, "grad_x_w": 0}
+    ran = set()
     for name in calls:
         real = getattr(native, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
             calls[_name] += 1
+            ran.add(kwargs.get("kernel") or native.chosen_kernel())
             return _real(*args, **kwargs)
         monkeypatch.setattr(native, name, counted)
     d = _inputs(30, 4, 32, dtype, seed=6)
@@ -299,6 +303,7 @@ def test_compiled_pre_calls_the_native_passes(monkeypatch, dtype, variant, kerne
     outs = dispatch.get_impl("pre", "compiled")(*leaves.values(), 4, 20, variant)
     torch.autograd.backward(outs[:1], [torch.ones_like(outs[0])])
     assert calls == {"pre_forward": 1, "grad_h": int(native_bwd), "grad_x_w": int(native_bwd)}, calls
+    assert ran == {kernel}, ran
     assert all(v.grad is not None and torch.isfinite(v.grad).all() for v in leaves.values())
 
 
