@@ -29,6 +29,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -64,7 +65,8 @@ def perf_launches() -> list[precompile.Recorded]:
 def forms_launches() -> list[precompile.Recorded]:
     """The formulation tests of `test_gpu_parity.py` (`tools.cutile.gpu_cases`): the ops each one runs, at its size."""
     both = (torch.bfloat16, torch.float32)
-    runs = [(("h_aggregate", "h_post_bda"), (4,), 300, both, forms) for forms in gpu_cases.STREAM_FORMS.values()]
+    runs: list[tuple[tuple[str, ...], tuple[int, ...], int, tuple[torch.dtype, ...], Any]] = [
+        (("h_aggregate", "h_post_bda"), (4,), 300, both, forms) for forms in gpu_cases.STREAM_FORMS.values()]
     runs += [(("mapping",), (2, 4), 1100, both, {"mapping_bwd": tiles})
              for tiles in gpu_cases.MAPPING_BWD_TILES.values()]
     runs += [(("sinkhorn",), (2, 4, 8), 300, (torch.float32,), {"sinkhorn": tiling.SinkhornTiles(64, **kw)})

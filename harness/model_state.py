@@ -39,7 +39,7 @@ def _split(param: torch.Tensor, tp_size: int) -> bool:
 def shard(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """The slice of the whole tensor `full` that `param` holds on TP rank `tp_rank` of `tp_size`."""
     if _split(param, tp_size):
-        return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]  # type: ignore[attr-defined]  # megatron's TP attribute
     return full
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from harness.errors import GoldenError
 from harness.plots import hc_pairs, loss_metrics, mhc_pairs, plot_case, plot_overlay, stability_metrics
@@ -68,7 +69,7 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
-def step_time_ratios(actuals: dict[str, dict[str, object]]) -> list[tuple[str, str, str, float, float, float]]:
+def step_time_ratios(actuals: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, float, float, float]]:
     """`(suite, baseline, mhc, baseline median s, mhc median s, ratio)` for every baseline / mHC pair
     whose results both carry `iteration-time` (median after `WARMUP_STEPS` steps)."""
     rows = []

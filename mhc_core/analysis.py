@@ -6,7 +6,7 @@ Legend: T tokens, n streams, C hidden size, N = n*n + 2n.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -133,7 +133,7 @@ def layer_extra_bytes(*, tokens: int, n: int, hidden: int, act_bytes: int, subla
     overhead). The sublayers (attention, MLP) see the same `[s, b, C]` input as in the plain layer,
     so their own traffic is not part of it.
     """
-    kw = dict(tokens=tokens, n=n, hidden=hidden, act_bytes=act_bytes)
+    kw: dict[str, Any] = dict(tokens=tokens, n=n, hidden=hidden, act_bytes=act_bytes)
     per_sublayer = sum(bytes_moved(op, d, **kw).total for op in ("mapping", "sinkhorn", "h_aggregate", "h_post_bda")
                        for d in ("fwd", "bwd"))
     per_sublayer -= sum(bytes_moved("residual_add", d, **kw).total for d in ("fwd", "bwd"))

@@ -65,7 +65,7 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
                 mark_keep_in_fp32(p)
         if config.sequence_parallel:
             for p in self.parameters():
-                p.sequence_parallel = True
+                p.sequence_parallel = True  # type: ignore[attr-defined]  # megatron-core's marker on a Parameter
         self._ops = select_ops(config.use_fused)
         self._spec = config.numerics
 

@@ -169,7 +169,9 @@ class StreamRecompute:
         j = max(i for i in range(k + 1) if self._states[i] is not None)
         with torch.no_grad():
             for i in range(j + 1, k + 1):
-                self._states[i] = self._steps[i](self._states[i - 1])
+                step = self._steps[i]
+                assert step is not None, "only state 0, the group's input, has no step"
+                self._states[i] = step(self._states[i - 1])
         return self._states[k]
 
     def _drop_unneeded(self) -> None:

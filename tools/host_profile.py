@@ -115,7 +115,8 @@ def profile_calls(fn: Callable[[], object], *, calls: int, device: str, top: int
             _drain(device)
         prof.disable()
     per_call = (time.perf_counter() - start) * 1e6 / calls
-    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    # {(file, line, name): (cc, nc, tottime, cumtime, callers)}: pstats' table, which typeshed does not declare
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     areas = dict.fromkeys(AREAS, 0.0)
     rows = []
     for (filename, line, name), (_, ncalls, tottime, _, _) in stats.items():

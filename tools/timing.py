@@ -23,9 +23,9 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int, device: str = "cu
     if device != "cuda":
         times = []
         for _ in range(iters):
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
     torch.cuda.synchronize()
     times = []
@@ -45,10 +45,10 @@ def pipelined_ms(fn: Callable[[], object], iters: int, device: str = "cuda") -> 
     `device="cpu"`)."""
     fn()
     if device != "cuda":
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         for _ in range(iters):
             fn()
-        return (time.perf_counter() - start) * 1e3 / iters
+        return (time.perf_counter() - t0) * 1e3 / iters
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -37,7 +37,7 @@ def _config(n: int, c: int, iterations: int):
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(hidden_size=c, hc_mult=n, hc_sinkhorn_iters=iterations, hc_eps=1e-6, rms_norm_eps=1e-6,
-                            intermediate_size=2 * c, moe_intermediate_size=c, num_attention_heads=1,
+                            moe_intermediate_size=c, num_attention_heads=1,
                             num_key_value_heads=1, head_dim=c, n_routed_experts=1, num_experts_per_tok=1,
                             vocab_size=8, num_hidden_layers=1)
 

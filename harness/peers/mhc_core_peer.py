@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ upstream dev passes `layernorm_epsilon`."""
 
 
 def sublayer(x: torch.Tensor, sub: Sublayer, iterations: int, variant: str,
-             ops: object | None = None) -> torch.Tensor:
+             ops: Any = None) -> torch.Tensor:
     """`x [T, n, C] -> [T, n, C]`: one mHC sublayer around `sub.f` with `mhc_core`'s ops (or `ops`,
     an object with `mapping`, `sinkhorn`, `h_aggregate` and `h_post_bda`)."""
     import mhc_core.ops as ref

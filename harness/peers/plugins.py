@@ -37,7 +37,7 @@ class PeerPluginError(PeerError, ValueError):
 def _as_peers(obj: Any, where: str) -> list[Peer]:
     if isinstance(obj, type) and issubclass(obj, Peer):
         try:
-            obj = obj()
+            obj = obj()  # type: ignore[call-arg]  # a plugin's subclass may take none of Peer's arguments
         except TypeError as exc:
             raise PeerPluginError(f"{where}: the Peer subclass {obj.__name__} cannot be built without arguments "
                             f"({exc}); export an instance or a function that returns one") from None

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def te_tree(path: Path | str) -> SourceTree:
 
 def _extension_placeholder() -> ModuleType:
     """`transformer_engine.pytorch.cpp_extensions.gemm` with a `general_gemm` that says it is not there."""
-    gemm = ModuleType("transformer_engine.pytorch.cpp_extensions.gemm")
+    gemm: Any = ModuleType("transformer_engine.pytorch.cpp_extensions.gemm")
 
     def general_gemm(*args: object, **kwargs: object) -> None:
         raise RuntimeError("TransformerEngine's compiled extension (general_gemm, cuBLAS) is not loaded: the mHC "
@@ -96,7 +97,7 @@ def load_te_mhc(tree: Path | None) -> ModuleType:
         wrapper = load_file("transformer_engine.pytorch.triton.mhc", src.path / WRAPPER_FILE)
     if interpreted():
         without_autotune_timing(kernels)
-        wrapper._support_tma = _no_tma
+        wrapper._support_tma = _no_tma  # type: ignore[attr-defined]  # the tree's module, loaded from its file
     return wrapper
 
 

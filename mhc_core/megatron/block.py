@@ -106,7 +106,7 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
         for p in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
             mark_keep_in_fp32(p)
             if getattr(config, "sequence_parallel", False):
-                p.sequence_parallel = True
+                p.sequence_parallel = True  # type: ignore[attr-defined]  # megatron-core's marker on a Parameter
 
     def contract_streams(self, hidden_states: Tensor) -> Tensor:
         """`[s, b, n*C] -> [s, b, C]`: mean of the streams, or the learned contraction."""

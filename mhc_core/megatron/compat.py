@@ -58,7 +58,7 @@ def gpt_decoder_block_class(cls: type) -> Iterator[None]:
     Restores the previous binding on exit, also on error. Serialised with a lock, so two threads
     constructing models never see each other's binding.
     """
-    gpt_model = importlib.import_module(_GPT_MODEL_MODULE)
+    gpt_model: Any = importlib.import_module(_GPT_MODEL_MODULE)
     if not hasattr(gpt_model, "TransformerBlock"):
         raise RuntimeError(
             f"{_GPT_MODEL_MODULE} has no name 'TransformerBlock' in megatron-core "

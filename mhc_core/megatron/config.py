@@ -80,7 +80,7 @@ class MHCTransformerConfig(TransformerConfig):
         # lacks upstream main's "mhc": take it out for the base validation, put it back after.
         lists_mhc = self._lists_mhc
         if lists_mhc:
-            self.recompute_modules = [m for m in self.recompute_modules if m != "mhc"]
+            self.recompute_modules: list[str] = [m for m in modules if m != "mhc"]
         try:
             super().__post_init__()
         except AssertionError as exc:  # megatron's own list of modules lacks upstream main's "mhc"

@@ -126,7 +126,7 @@ class _TorchOnCpu(types.ModuleType):
 
 
 def _shim_module(module_name: str) -> Callable[[], None]:
-    module = importlib.import_module(module_name)
+    module: Any = importlib.import_module(module_name)
     original = module.__dict__.get("torch")  # torch, or another tool's proxy: restored on undo
     if not isinstance(original, types.ModuleType):
         raise RuntimeError(

@@ -112,7 +112,7 @@ def interleaved_tensor_shape(
     return (s, micro_batch_size, width)
 
 
-class NStreamP2PCommunicator(_STOCK_P2P):
+class NStreamP2PCommunicator(p2p_communication.P2PCommunicator):  # the stock class (_STOCK_P2P)
     """megatron-core's `P2PCommunicator` that carries `[s', b, n*C]` for an mHC config with PP > 1."""
 
     def _widen(self, tensor_shape):

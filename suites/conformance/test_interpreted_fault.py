@@ -32,7 +32,9 @@ def _transposed_kernel(mhc):
     source = textwrap.dedent(inspect.getsource(getattr(kernel, "fn", kernel)))
     assert source.count(GOOD) == 1, f"liger-kernel's post_res kernel changed: {GOOD!r} not found once"
     tree = ast.parse(source.replace(GOOD, FAULT))
-    tree.body[0].decorator_list = []
+    kernel_def = tree.body[0]
+    assert isinstance(kernel_def, ast.FunctionDef), ast.dump(kernel_def)[:80]
+    kernel_def.decorator_list = []
     namespace = dict(vars(mhc))
     exec(compile(tree, "<liger post_res, transposed h_res index>", "exec"), namespace)
     return triton.jit(namespace["_mhc_post_res_fwd_kernel"])

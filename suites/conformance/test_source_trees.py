@@ -166,7 +166,9 @@ def test_a_transposed_index_in_tes_interpreted_kernel_is_caught(te_tree, monkeyp
     source = textwrap.dedent(inspect.getsource(tuner.fn.fn))
     assert source.count(GOOD) == 1, f"TE's expand-combine kernel changed: {GOOD!r} not found once"
     tree = ast.parse(source.replace(GOOD, FAULT))
-    tree.body[0].decorator_list = []
+    kernel_def = tree.body[0]
+    assert isinstance(kernel_def, ast.FunctionDef), ast.dump(kernel_def)[:80]
+    kernel_def.decorator_list = []
     namespace = dict(tuner.fn.fn.__globals__)
     exec(compile(tree, "<TE expand_combine, untransposed H_res>", "exec"), namespace)
     monkeypatch.setattr(tuner, "fn", triton.jit(namespace["_mhc_expand_combine_fwd"]))

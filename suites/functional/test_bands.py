@@ -13,7 +13,7 @@ import json
 import pytest
 
 from harness.bands import DEFAULT_BANDS
-from harness.compare import compare_metric
+from harness.compare import CheckResult, compare_metric
 from harness.launch.runs import REPO_ROOT
 from harness.schema import Golden, MetricSeries, load_golden, to_golden
 from harness.training.numerics import CpuNumerics
@@ -33,7 +33,7 @@ REAL_CHANGES = {
 }
 
 
-def _verdicts(actual: Golden, reference: Golden) -> dict[str, object]:
+def _verdicts(actual: Golden, reference: Golden) -> dict[str, CheckResult]:
     """Every default band's verdict on the metrics both runs hold (the AMD goldens of 2026-11-30 predate
     the stability metrics; the baseline case has none)."""
     return {m: compare_metric(m, actual.get(m), reference.get(m), band, source="avx2.json")

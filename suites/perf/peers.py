@@ -257,7 +257,7 @@ def _lucidrains_sinkhorn(case: PeerCase):
 
 def _te_coefficients(case: PeerCase):
     from harness.peers.base import SublayerParams
-    from harness.peers.gpu import TeTritonPeer
+    from harness.peers.te_triton import TeTritonPeer
 
     te = TeTritonPeer()
 
@@ -271,7 +271,7 @@ def _te_coefficients(case: PeerCase):
 
 
 def _te_sinkhorn(case: PeerCase):
-    from harness.peers.gpu import TeTritonPeer
+    from harness.peers.te_triton import TeTritonPeer
 
     return lambda d: (TeTritonPeer().sinkhorn(d["logits"], ITERATIONS),)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -33,9 +34,12 @@ from suites.perf.peers import (
 from suites.perf.timing import paired_samples, synced
 from tools.device_time import device_busy_seconds
 
+if TYPE_CHECKING:
+    from harness.conformance.matrix import PeerResult
+
 pytestmark = pytest.mark.perf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_MATRIX: dict[str, object] = {}
+_MATRIX: dict[str, PeerResult] = {}
 
 
 def _matrix_verdict(peer: PeerTimed, case: PeerCase) -> str:

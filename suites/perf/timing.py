@@ -65,9 +65,9 @@ def sample_seconds(fn: Callable[[], object], *, device: str, reps: int, warmup: 
     if device != "cuda":
         times = []
         for _ in range(reps):
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - t0)
         return times
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     run = fn

@@ -21,6 +21,7 @@ a pytest-benchmark-shaped JSON (`benchmarks[*].stats` from those samples, `extra
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -90,6 +91,11 @@ def upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.T
     return layer
 
 
+def _run_upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.Tensor]):
+    """`upstream(peer, case, inputs)` called on `inputs`: the outputs `conforms` compares."""
+    return upstream(peer, case, inputs)(inputs)
+
+
 def _cases(smoke: bool) -> list[PeerCase]:
     """The perf suite's CPU peer sizes (fp32 C 1024 and bf16 C 2048 at T 4096), Sinkhorn aside."""
     return [c for c in peer_cases("cpu", smoke_run=smoke) if c.op != "sinkhorn"]
@@ -112,7 +118,7 @@ def tree_rows(tree: Path, *, reps: int, smoke: bool) -> list[dict]:
     rows = []
     for peer in make_peers(tree, None):
         for case in _cases(smoke):
-            ok, worst = conforms(lambda d, case=case, peer=peer: upstream(peer, case, d)(d), case, variant)
+            ok, worst = conforms(functools.partial(_run_upstream, peer, case), case, variant)
             if not ok:
                 print(f"{peer.name} does not conform to {variant} at {case.id} ({worst}); not timed", file=sys.stderr)
                 continue

@@ -17,6 +17,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -158,7 +159,7 @@ def main() -> None:
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
     fb = get_forward_backward_func()
-    record = {"losses": [], "grads": [], "weights": [], "shapes": shapes, "rank": rank,
+    record: dict[str, Any] = {"losses": [], "grads": [], "weights": [], "shapes": shapes, "rank": rank,
               "tensor_shape_calls": shape_calls}
     for step in range(args.steps):
         opt.zero_grad(set_to_none=False)

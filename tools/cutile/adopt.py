@@ -132,13 +132,13 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
         if "error" in r or r.get("check") != "ok":
             continue
         try:
-            tiles = canonical_tiles(r["key"], r["tiles"])
+            row_tiles = canonical_tiles(r["key"], r["tiles"])
         except ValueError as exc:
             raise ValueError(f"{sweep}: rows[{i}]: {exc}") from None
-        if tiles is None:  # a retired formulation
+        if row_tiles is None:  # a retired formulation
             continue
         tile_key = r["key"].removesuffix("_occupancy")
-        times.setdefault(tile_key, {}).setdefault((r["key"], tiles), {})[r["direction"]] = rank_ms(r)
+        times.setdefault(tile_key, {}).setdefault((r["key"], row_tiles), {})[r["direction"]] = rank_ms(r)
     tiles: dict[str, Any] = {}
     occupancy: dict[str, int] = {}
     gains: dict[str, Any] = {}

@@ -11,6 +11,7 @@ Benchmarks measure; nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for backend, ops in (("cutile", cutile.OPS), ("reference", ref)):
             fn = op_call(ops, op, n, args.variant, args.iterations)
             inputs = [x.requires_grad_(True) if x is not None else None for x in make_inputs(op, t, n, c, act, args.variant)]
-            fwd_ms = time_ms(lambda fn=fn, inputs=inputs: fn(*inputs), args.warmup, args.iters)
+            fwd_ms = time_ms(functools.partial(fn, *inputs), args.warmup, args.iters)
             bwd = backward_fn(fn, inputs)
             bwd_ms = time_ms(bwd, args.warmup, args.iters)
             for direction, ms in (("fwd", fwd_ms), ("bwd", bwd_ms)):

@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     big_n = ref.num_mapping_outputs(n)
     inputs = [torch.randn(t, n * c, generator=gen), torch.randn(big_n, n * c, generator=gen) * 0.05,
               torch.tensor([0.7]), torch.tensor([-0.4]), torch.tensor([1.3]), torch.randn(big_n, generator=gen) * 0.5]
-    inputs = [x.cuda() for x in inputs]
-    oracle = ref.mapping(*(x.double() for x in inputs), n, args.variant)
+    x, w, a_pre, a_post, a_res, b = (v.cuda() for v in inputs)
+    oracle = ref.mapping(x.double(), w.double(), a_pre.double(), a_post.double(), a_res.double(), b.double(), n=n,
+                         variant=args.variant)
     result = {"tokens": t, "n": n, "hidden": c, "variant": args.variant, "outputs": ["h_pre", "h_post", "h_res_logits"]}
     saved = torch.backends.cuda.matmul.allow_tf32
     try:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             fn = ref.mapping if name.startswith("torch") else cutile.mapping
             with torch.no_grad():
-                result[name] = _max_err(fn(*inputs, n, args.variant), oracle)
+                result[name] = _max_err(fn(x, w, a_pre, a_post, a_res, b, n=n, variant=args.variant), oracle)
             print(f"{name:14s} max abs err vs fp64 (h_pre, h_post, h_res_logits): "
                   + ", ".join(f"{e:.3e}" for e in result[name]), flush=True)
     finally:

@@ -324,7 +324,8 @@ def _write_archive(db: Path, manifest: dict, keep: set[str], archive: Path) -> i
             conn.execute("VACUUM")
         Path(tmp, "manifest.json").write_text(json.dumps(manifest, indent=1))
         part = archive.with_name(archive.name + ".part")
-        with tarfile.open(part, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tar:
+        # typeshed types preset as a level 0-9; lzma also takes a level or-ed with PRESET_EXTREME
+        with tarfile.open(part, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tar:  # type: ignore[call-overload]
             tar.add(small, "cache.db")
             tar.add(Path(tmp, "manifest.json"), "manifest.json")
         part.replace(archive)  # never a half-written archive under the final name

@@ -60,15 +60,13 @@ KERNEL_MODULES: dict[str, str] = {
 
 def kernel_module(name: str) -> ModuleType:
     """The kernel module `name` of `KERNEL_MODULES` (imports `cuda.tile`): one per op family."""
-    if name == "sinkhorn_kernels":
-        from mhc_core.kernels.cutile import sinkhorn_kernels as module
-    elif name == "mapping_kernels":
-        from mhc_core.kernels.cutile import mapping_kernels as module
-    elif name == "stream_kernels":
-        from mhc_core.kernels.cutile import stream_kernels as module
-    else:
+    from mhc_core.kernels.cutile import mapping_kernels, sinkhorn_kernels, stream_kernels
+
+    modules = {"sinkhorn_kernels": sinkhorn_kernels, "mapping_kernels": mapping_kernels,
+               "stream_kernels": stream_kernels}
+    if name not in modules:
         raise ValueError(f"cutile: {name!r} is not a kernel module; valid: {sorted(set(KERNEL_MODULES.values()))}")
-    return module
+    return modules[name]
 
 
 _AS_TILING = object()

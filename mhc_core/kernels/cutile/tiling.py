@@ -89,7 +89,7 @@ KERNELS_OF = {
 }
 """The kernels each tile key drives."""
 
-_OVERRIDES: dict[str, object] = {}
+_OVERRIDES: dict[str, Any] = {}
 
 
 def _is_pow2(v: int) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -106,7 +107,7 @@ def available() -> tuple[bool, str]:
     return True, f"native pre-op kernels ({kernel})"
 
 
-def _resolve(kernel: str | None, threads: int | None, t: int) -> tuple[object, str, int]:
+def _resolve(kernel: str | None, threads: int | None, t: int) -> tuple[Any, str, int]:
     module, why = _module()
     if module is None:
         raise RuntimeError(why)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -39,7 +41,7 @@ def test_gain_takes_the_worst_token():
 
 def test_bytes_model_matches_the_anchor_table():
     """T=8192, C=4096, n=4, bf16: h_aggregate fwd ~335.7 MB, h_post_bda fwd ~604.6 MB."""
-    kw = dict(tokens=8192, n=4, hidden=4096, act_bytes=2)
+    kw: dict[str, Any] = dict(tokens=8192, n=4, hidden=4096, act_bytes=2)
     assert bytes_moved("h_aggregate", "fwd", **kw).total / 1e6 == pytest.approx(335.7, rel=2e-3)
     assert bytes_moved("h_post_bda", "fwd", **kw).total / 1e6 == pytest.approx(604.6, rel=2e-3)
     assert bytes_moved("residual_add", "fwd", **kw).total / 1e6 == pytest.approx(201.3, rel=2e-3)
@@ -49,7 +51,7 @@ def test_bytes_model_matches_the_anchor_table():
 def test_the_fused_pre_op_moves_x_once(direction):
     """The pre-op's model reads the streams once where mapping, Sinkhorn and aggregate read them twice forward
     (and write two gradients of x backward): at T 8192, C 4096, n 4, bf16 it saves one x-sized pass or more."""
-    kw = dict(tokens=8192, n=4, hidden=4096, act_bytes=2)
+    kw: dict[str, Any] = dict(tokens=8192, n=4, hidden=4096, act_bytes=2)
     x_bytes = 8192 * 4 * 4096 * 2
     fused = bytes_moved("pre", direction, **kw).total
     parts = sum(bytes_moved(op, direction, **kw).total for op in ("mapping", "sinkhorn", "h_aggregate"))

@@ -43,7 +43,7 @@ class TestOrientation:
 class TestDropout:
     """Dropout acts on the expanded branch only, as Megatron's bias-dropout-add."""
 
-    def _args(self):
+    def _args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None]:
         torch.manual_seed(0)
         t, n, c = 64, 4, 32
         return (
@@ -89,7 +89,7 @@ def test_gradcheck_h_post_bda(variant):
         torch.randn(c, dtype=torch.float64),
     ]
     inputs = tuple(a.requires_grad_(True) for a in args)
-    assert torch.autograd.gradcheck(lambda *a: h_post_bda(*a, 0.0, False, variant), inputs)
+    assert torch.autograd.gradcheck(lambda h_res, residual, h_post, y, bias: h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant), inputs)
 
 
 def test_gradcheck_h_aggregate():
@@ -160,7 +160,7 @@ class TestStreams:
             torch.ones(1, dtype=torch.float64),
         )
         inputs = tuple(a.requires_grad_(True) for a in args)
-        assert torch.autograd.gradcheck(lambda *a: learned_contract(*a, 2, 1e-5), inputs)
+        assert torch.autograd.gradcheck(lambda x, head_fn, head_base, head_scale: learned_contract(x, head_fn, head_base, head_scale, n=2, eps=1e-5), inputs)
 
     @pytest.mark.parametrize("fn", [expand, contract], ids=lambda f: f.__name__)
     def test_gradcheck_expand_contract(self, fn):

@@ -12,13 +12,14 @@ from mhc_core import Variant, mapping
 VARIANTS = list(Variant)
 
 
-def _params(n: int, c: int, dtype=torch.float64, seed: int = 0):
+def _params(n: int, c: int, dtype=torch.float64,
+            seed: int = 0) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     big_n = n * n + 2 * n
     w = torch.randn(big_n, n * c, generator=g, dtype=dtype) * 0.3
-    alphas = [torch.rand(1, generator=g, dtype=dtype) + 0.1 for _ in range(3)]
+    a_pre, a_post, a_res = (torch.rand(1, generator=g, dtype=dtype) + 0.1 for _ in range(3))
     bias = torch.randn(big_n, generator=g, dtype=dtype) * 0.1
-    return w, alphas, bias
+    return w, (a_pre, a_post, a_res), bias
 
 
 class TestHandComputed:
@@ -92,12 +93,14 @@ class TestHandComputed:
 class TestPrecision:
     """Where each variant computes, and what dtype it hands back."""
 
-    def _run(self, variant):
+    def _run(self, variant: str) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                                          tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                                                torch.Tensor]]:
         torch.manual_seed(0)
         n, c = 4, 16
         w, alphas, bias = _params(n, c, torch.float32)
         x = torch.randn(8, n * c).to(torch.bfloat16)
-        return x, mapping(x, w, *alphas, bias, n, variant), (w, alphas, bias)
+        return x, mapping(x, w, *alphas, bias, n=n, variant=variant), (w, alphas, bias)
 
     def test_paper_keeps_fp32_coefficients(self):
         """paper: bf16 activations, fp32 coefficients."""
@@ -108,25 +111,25 @@ class TestPrecision:
         """megatron_dev: fp32 math, outputs cast back to bf16 (equal to fp32 math rounded once)."""
         x, (h_pre, _, logits), (w, alphas, bias) = self._run("megatron_dev")
         assert h_pre.dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
-        ref = mapping(x.float(), w, *alphas, bias, 4, "megatron_dev")
+        ref = mapping(x.float(), w, *alphas, bias, n=4, variant="megatron_dev")
         assert torch.equal(logits, ref[2].to(torch.bfloat16))
 
     def test_fp32_mappings_option_makes_megatron_main_compute_in_fp32(self):
         """megatron_main+fp32_mappings: fp32 math rounded once to bf16, as megatron_dev does it."""
         x, (_, _, logits), (w, alphas, bias) = self._run("megatron_main+fp32_mappings")
         assert logits.dtype == torch.bfloat16
-        assert torch.equal(logits, mapping(x.float(), w, *alphas, bias, 4, "megatron_main")[2].to(torch.bfloat16))
+        assert torch.equal(logits, mapping(x.float(), w, *alphas, bias, n=4, variant="megatron_main")[2].to(torch.bfloat16))
 
     def test_activation_mappings_option_makes_megatron_dev_compute_in_bf16(self):
         """megatron_dev+activation_mappings: the projection in bf16, no longer the fp32 math rounded once."""
         x, (_, _, logits), (w, alphas, bias) = self._run("megatron_dev+activation_mappings")
-        assert not torch.equal(logits, mapping(x.float(), w, *alphas, bias, 4, "megatron_dev")[2].to(torch.bfloat16))
+        assert not torch.equal(logits, mapping(x.float(), w, *alphas, bias, n=4, variant="megatron_dev")[2].to(torch.bfloat16))
 
     def test_megatron_main_computes_in_activation_dtype(self):
         """megatron_main: the projection runs in bf16, so it differs from the fp32 math."""
         x, (_, _, logits), (w, alphas, bias) = self._run("megatron_main")
         assert logits.dtype == torch.bfloat16
-        ref = mapping(x.float(), w, *alphas, bias, 4, "megatron_main")[2].to(torch.bfloat16)
+        ref = mapping(x.float(), w, *alphas, bias, n=4, variant="megatron_main")[2].to(torch.bfloat16)
         assert not torch.equal(logits, ref)
 
 
@@ -138,8 +141,8 @@ def test_gradcheck_fp64(variant):
     x = torch.randn(4, n * c, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     inputs = tuple(t.clone().requires_grad_(True) for t in (x, w, *alphas, bias))
 
-    def fn(*args):
-        return mapping(*args, n, variant)
+    def fn(x, w, a_pre, a_post, a_res, b):
+        return mapping(x, w, a_pre, a_post, a_res, b, n=n, variant=variant)
 
     assert torch.autograd.gradcheck(fn, inputs)
 
@@ -148,7 +151,7 @@ def test_empty_tokens():
     """T = 0 gives [0, n], [0, n], [0, n, n]."""
     n, c = 4, 8
     w, alphas, bias = _params(n, c, torch.float32)
-    h_pre, h_post, logits = mapping(torch.zeros(0, n * c), w, *alphas, bias, n)
+    h_pre, h_post, logits = mapping(torch.zeros(0, n * c), w, *alphas, bias, n=n)
     assert h_pre.shape == (0, n) and h_post.shape == (0, n) and logits.shape == (0, n, n)
 
 

@@ -175,9 +175,9 @@ class TestBadInput:
         """The config cannot be mutated or built positionally."""
         cfg = HyperConnectionConfig(hidden_size=8)
         with pytest.raises(AttributeError):
-            cfg.hidden_size = 4
+            cfg.hidden_size = 4  # type: ignore[misc]  # frozen: the assignment is the test
         with pytest.raises(TypeError):
-            HyperConnectionConfig(8)
+            HyperConnectionConfig(8)  # type: ignore[call-arg]  # positional: the refusal is the test
 
     def test_wrong_width(self):
         """Hidden states whose width is not n*C name both numbers."""

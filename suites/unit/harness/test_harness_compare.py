@@ -17,13 +17,13 @@ from harness.compare import (
     timing_window,
     upstream_checks,
 )
-from harness.schema import series_from_list
+from harness.schema import MetricSeries, series_from_list
 
 UP = math.inf
 DOWN = -math.inf
 
 
-def _pair(golden: list[float], actual: list[float]):
+def _pair(golden: list[float], actual: list[float]) -> tuple[MetricSeries, MetricSeries]:
     return series_from_list(actual), series_from_list(golden)
 
 
@@ -212,10 +212,10 @@ class TestChecksConfig:
     def test_checks_are_keyword_only(self):
         """Checks take keyword arguments only."""
         with pytest.raises(TypeError):
-            ApproximateCheck(0.05)  # type: ignore[misc]
+            ApproximateCheck(0.05)  # type: ignore[call-arg]  # positional: the refusal is the test
 
     def test_compare_rejects_non_check(self):
         """A tolerance that is not a check object is refused, naming the metric."""
         g = {"m": series_from_list([1.0])}
         with pytest.raises(ValueError, match=r"checks\['m'\]=0\.05"):
-            compare(g, g, {"m": 0.05})  # type: ignore[dict-item]
+            compare(g, g, {"m": 0.05})

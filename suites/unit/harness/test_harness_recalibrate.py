@@ -74,10 +74,14 @@ class TestProgrammatic:
 
     def test_refuses_unknown_hw_before_running(self, tmp_path, tree):
         """An unknown hardware key is refused before the first repeat runs."""
-        calls = []
+        calls: list[int] = []
+
+        def runner(i):
+            calls.append(i)
+            return {"m": [1.0]}
         with pytest.raises(UnknownHardwareError, match="gpu_foo_x1"):
             recalibrate(store=GoldenStore(tmp_path), hw="gpu_foo_x1", suite="s", case="c", repeats=1,
-                        runner=lambda i: calls.append(i) or {"m": [1.0]}, out=lambda s: None)
+                        runner=runner, out=lambda s: None)
         assert ([], {}) == (calls, tree(tmp_path))
 
     def test_refuses_an_unwritable_golden_dir_before_running(self, tmp_path):
@@ -85,10 +89,14 @@ class TestProgrammatic:
         from harness.errors import GoldenFormatError
 
         (tmp_path / "store").write_text("a file, not a directory")
-        calls = []
+        calls: list[int] = []
+
+        def runner(i):
+            calls.append(i)
+            return {"lm loss": [1.0]}
         with pytest.raises(GoldenFormatError, match=r"store: not a writable directory.*nothing was run"):
             recalibrate(store=GoldenStore(tmp_path / "store"), hw=HW, suite="s", case="c", repeats=2,
-                        runner=lambda i: calls.append(i) or {"lm loss": [1.0]}, out=lambda s: None)
+                        runner=runner, out=lambda s: None)
         assert calls == []
 
     def test_allow_unknown_hw(self, tmp_path):

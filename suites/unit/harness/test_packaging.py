@@ -29,8 +29,10 @@ def _wheel(files: dict[str, Path], out: Path) -> Path:
     project = out / "project"
     project.mkdir()
     for name, src in files.items():
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, project / name, **({"ignore": _SKIP}
-                                                                                 if src.is_dir() else {}))
+        if src.is_dir():
+            shutil.copytree(src, project / name, ignore=_SKIP)
+        else:
+            shutil.copy2(src, project / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     "-w", str(out), str(project)], check=True, capture_output=True, text=True, timeout=300)
     (wheel,) = out.glob("*.whl")

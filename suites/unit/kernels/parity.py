@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def run_fwd_bwd(
     out = fn(**leaves, **kwargs)
     outs = out if isinstance(out, tuple) else (out,)
     gen = torch.Generator().manual_seed(seed)
-    loss = 0.0
+    loss: Any = 0.0  # a tensor from the first output on
     for o in outs:
         cot = torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device)
         loss = loss + (o.float() * cot).sum()

@@ -132,9 +132,10 @@ def mapping_oracle(n: int, variant):
     own rounding, up to 4 bf16 ulps of a logit at K = 8192 (measured on an H200).
     """
 
-    def fn(x, weight, *rest):
+    def fn(x, weight, alpha_pre, alpha_post, alpha_res, bias):
         w = weight if get_variant(variant).mapping_fp32 else weight.to(x.dtype)
-        return ref.mapping(x.double(), w.double(), *(t.double() for t in rest), n, variant)
+        return ref.mapping(x.double(), w.double(), alpha_pre.double(), alpha_post.double(), alpha_res.double(),
+                           bias.double(), n=n, variant=variant)
 
     return fn
 
@@ -142,9 +143,10 @@ def mapping_oracle(n: int, variant):
 def pre_oracle(n: int, variant, iterations: int):
     """`mapping_oracle` for the fused pre-op: `ref.pre` in fp64, the weight rounded as the mapping's is."""
 
-    def fn(x, weight, *rest):
+    def fn(x, weight, alpha_pre, alpha_post, alpha_res, bias):
         w = weight if get_variant(variant).mapping_fp32 else weight.to(x.dtype)
-        return ref.pre(x.double(), w.double(), *(t.double() for t in rest), n, iterations, variant)
+        return ref.pre(x.double(), w.double(), alpha_pre.double(), alpha_post.double(), alpha_res.double(),
+                       bias.double(), n=n, iterations=iterations, variant=variant)
 
     return fn
 

@@ -120,7 +120,7 @@ def test_h_post_bda(emu, n, variant, x_dtype, h_dtype, t, c, with_bias):
     compare(
         f"h_post_bda n{n} {variant} T{t} C{c} bias={with_bias}",
         lambda *a: emu.h_post_bda(*a, 0.0, False, variant),
-        lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+        lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
         post_bda_inputs(t, n, c, x_dtype, h_dtype, with_bias, "cpu"),
         x_dtype,
         input_names=POST_BDA_INPUT_NAMES,
@@ -134,7 +134,7 @@ def test_h_post_bda_n8(emu):
     compare(
         "h_post_bda n8 dev",
         lambda *a: emu.h_post_bda(*a, 0.0, False, variant),
-        lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+        lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
         post_bda_inputs(21, 8, 300, torch.float32, torch.float32, True, "cpu"),
         torch.float32,
         input_names=POST_BDA_INPUT_NAMES,
@@ -165,7 +165,10 @@ def test_stream_formulations(emu, op, mode, n, variant, with_bias, loop_c):
             t, n, c, torch.bfloat16, torch.float32, "cpu"), ("x", "h_pre")
     else:
         kernel = lambda *a: emu.h_post_bda(*a, 0.0, False, variant)  # noqa: E731
-        oracle = lambda *a: ref.h_post_bda(*a, 0.0, False, variant)  # noqa: E731
+
+        def post_bda(h_res, residual, h_post, y, bias):
+            return ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant)
+        oracle = post_bda
         inputs = post_bda_inputs(t, n, c, torch.bfloat16, torch.float32, with_bias, "cpu")
         names = POST_BDA_INPUT_NAMES
     overrides = {f"{op}_fwd": tiles}
@@ -303,7 +306,7 @@ def test_mapping(emu, n, variant, dtype, t, c, bwd):
         compare(
             f"mapping n{n} {variant} {dtype} T{t} C{c} {bwd}",
             lambda *a: emu.mapping(*a, n, variant),
-            lambda *a: ref.mapping(*a, n, variant),
+            lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=n, variant=variant),
             mapping_inputs(t, n, c, dtype, "cpu"),
             dtype,
             input_names=MAPPING_INPUT_NAMES,
@@ -320,7 +323,7 @@ def test_mapping_numerics_options(emu, variant):
     compare(
         f"mapping {variant}",
         lambda *a: emu.mapping(*a, 4, variant),
-        lambda *a: ref.mapping(*a, 4, variant),
+        lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=4, variant=variant),
         [x * 1e-3, *rest],
         torch.float32,
         input_names=MAPPING_INPUT_NAMES,
@@ -336,7 +339,7 @@ def test_pre(emu, variant, dtype):
     compare(
         f"pre {variant} {dtype}",
         lambda *a: emu.pre(*a, 4, 5, variant),
-        lambda *a: ref.pre(*a, 4, 5, variant),
+        lambda x, w, a_pre, a_post, a_res, b: ref.pre(x, w, a_pre, a_post, a_res, b, n=4, iterations=5, variant=variant),
         mapping_inputs(20, 4, 64, dtype, "cpu"),
         dtype,
         input_names=MAPPING_INPUT_NAMES,
@@ -374,7 +377,7 @@ def _check_pre_fused(n: int, t: int, c: int, variant, dtype, tiles=None) -> None
         compare(
             f"pre fused {tiles} n{n} {variant} {dtype}",
             lambda *a: ops.pre(*a, n, 20, variant),
-            lambda *a: ref.pre(*a, n, 20, variant),
+            lambda x, w, a_pre, a_post, a_res, b: ref.pre(x, w, a_pre, a_post, a_res, b, n=n, iterations=20, variant=variant),
             mapping_inputs(t, n, c, dtype, "cpu"),
             dtype,
             input_names=MAPPING_INPUT_NAMES,
@@ -418,7 +421,7 @@ def test_mapping_n8(emu):
     compare(
         "mapping n8",
         lambda *a: emu.mapping(*a, 8, Variant.MEGATRON_DEV),
-        lambda *a: ref.mapping(*a, 8, Variant.MEGATRON_DEV),
+        lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=8, variant=Variant.MEGATRON_DEV),
         mapping_inputs(20, 8, 300, torch.float32, "cpu"),
         torch.float32,
         input_names=MAPPING_INPUT_NAMES,

@@ -91,7 +91,7 @@ def test_launch_scalars_and_grid():
     """Scalar arguments arrive as fp32 / int32 values, an int beyond int32 and a grid beyond 2^24 - 1 are errors."""
     seen = []
 
-    def kernel(a, eps: float, k: int, C: ct.Constant[int]):  # noqa: N803 - kernel-style name
+    def kernel(a, eps: float, k: int, C: int):  # noqa: N803 - kernel-style name
         seen.append((eps, k, C))
 
     emulate_launch(ct, (1,), kernel, (None, 0.1, 3, 5))

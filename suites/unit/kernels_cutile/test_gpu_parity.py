@@ -94,7 +94,7 @@ def test_h_post_bda(n, variant, dtype, t, c, with_bias):
     compare(
         f"h_post_bda n{n} {variant} T{t} C{c} bias={with_bias}",
         lambda *a: cutile.h_post_bda(*a, 0.0, False, variant),
-        lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+        lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
         post_bda_inputs(t, n, c, dtype, _coef_dtype(variant, dtype), with_bias, DEV),
         dtype,
         input_names=POST_BDA_INPUT_NAMES,
@@ -112,7 +112,7 @@ def test_mapping(n, variant, dtype, t, c):
     compare(
         f"mapping n{n} {variant} T{t} C{c}",
         lambda *a: cutile.mapping(*a, n, variant),
-        lambda *a: ref.mapping(*a, n, variant),
+        lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=n, variant=variant),
         mapping_inputs(t, n, c, dtype, DEV),
         dtype,
         input_names=MAPPING_INPUT_NAMES,
@@ -136,7 +136,7 @@ def test_mapping_bwd_tiles(n, variant, dtype, tiles):
         compare(
             f"mapping {tiles} n{n} {variant}",
             lambda *a: cutile.mapping(*a, n, variant),
-            lambda *a: ref.mapping(*a, n, variant),
+            lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=n, variant=variant),
             mapping_inputs(1100, n, 1024, dtype, DEV),
             dtype,
             input_names=MAPPING_INPUT_NAMES,
@@ -160,7 +160,7 @@ def test_pre_fused(n, variant, dtype, tiles):
         compare(
             f"pre {tiles} n{n} {variant}",
             lambda *a: cutile.pre(*a, n, 20, variant),
-            lambda *a: ref.pre(*a, n, 20, variant),
+            lambda x, w, a_pre, a_post, a_res, b: ref.pre(x, w, a_pre, a_post, a_res, b, n=n, iterations=20, variant=variant),
             mapping_inputs(1100, n, 1024, dtype, DEV),
             dtype,
             input_names=MAPPING_INPUT_NAMES,
@@ -210,7 +210,7 @@ def test_stream_formulations(variant, dtype, forms):
         compare(
             f"h_post_bda {forms} {variant}",
             lambda *a: cutile.h_post_bda(*a, 0.0, False, variant),
-            lambda *a: ref.h_post_bda(*a, 0.0, False, variant),
+            lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
             post_bda_inputs(300, 4, 1024, dtype, _coef_dtype(variant, dtype), True, DEV),
             dtype,
             input_names=POST_BDA_INPUT_NAMES,

@@ -193,7 +193,11 @@ def test_a_fused_pre_that_wins_the_sweep_is_adopted_and_launched(tmp_path):
         rt = EmulatedRuntime(num_sms=4)
         names = []
         launch = rt.launch
-        rt.launch = lambda grid, name, args: (names.append(name), launch(grid, name, args))[1]
+
+        def counted(grid, name, args):
+            names.append(name)
+            return launch(grid, name, args)
+        rt.launch = counted  # this runtime object's launches, counted
         x = torch.randn(40, 4 * 256, requires_grad=True)
         w = (torch.randn(24, 4 * 256) * 0.05).requires_grad_(True)
         with tiling.tuned(tun):
