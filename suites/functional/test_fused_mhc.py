@@ -49,7 +49,7 @@ def _skip_reason(kernel: str, device: str) -> str | None:
         return why
     if kernel not in native.kernels():
         return f"this CPU lacks the instructions of the {kernel} kernel (it runs {', '.join(native.kernels())})"
-    if kernel == native.kernels()[0]:
+    if kernel == native.kernels()[0] != "portable":  # auto never picks the scalar kernel
         return f"`auto` runs {kernel} on this CPU: the [auto] case is its run"
     if kernel == "avx512" and native.kernels()[0] == "avx512_bf16":
         # This fp32 recipe's mapping computes in fp32, where avx512_bf16 runs avx512's code, bit for bit

@@ -25,7 +25,11 @@ COSINE = [["alpha_pre", "alpha_post", "alpha_res"], ["bias"], ["weight"], ["x"]]
 """In bf16, grad x too is compared as a vector: the reference rounds mapping's and the aggregate's gradients of x
 to bf16 before adding them, the fused pre rounds their sum once; where the two cancel (x at small RMS) the
 reference's own rounding is the difference. `test_bf16_pre_is_closer_to_fp64` checks the fused one elementwise."""
-ITERATIONS = 20
+ITERATIONS = 4
+"""Sinkhorn iterations of the parity cases, as `test_kernels_parity_sinkhorn.py`'s: every step kind of every variant
+(start, row and column normalisations, two full rounds) at a fifth of the default's compile time (the iterations
+are unrolled into the graphs: a cold compile of one case took 63-92 s at 20, 24-37 s at 4). The default 20 runs in
+`test_pre_default_iterations`, and in the fused functional run."""
 
 
 def _inputs(case: Case, device: str) -> dict[str, torch.Tensor]:
@@ -83,9 +87,21 @@ def test_compiled_pre_matches_reference_under_each_native_kernel(monkeypatch, ca
         pytest.skip(native.built()[1])
     if kernel not in native.kernels():
         pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
+    if kernel == native.kernels()[0] != "portable":  # auto never picks the scalar kernel
+        pytest.skip(f"`auto` runs {kernel} on this CPU: test_pre_matches_reference[{case}-compiled] is its run")
     monkeypatch.setenv(native.ENV, kernel)
     check_parity(f"pre[compiled, MHC_NATIVE={kernel}, {case}]", ops.pre, dispatch.get_impl("pre", "compiled"),
                  _inputs(case, "cpu"), GRADS, case.dtype, cosine_groups=COSINE, n=case.n, iterations=ITERATIONS,
+                 variant=case.variant)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_pre_default_iterations(backend):
+    """At the default 20 iterations (megatron_main, n = 4, fp32: the functional recipe's configuration) every output
+    and gradient match the reference."""
+    case = Case(tokens=48, n=4, dtype=FP32, variant=Variant.MEGATRON_MAIN)
+    check_parity(f"pre[{backend}, {case}, 20 iterations]", ops.pre, dispatch.get_impl("pre", backend),
+                 _inputs(case, device_for(backend)), GRADS, case.dtype, cosine_groups=COSINE, n=case.n, iterations=20,
                  variant=case.variant)
 
 
