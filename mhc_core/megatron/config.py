@@ -76,6 +76,11 @@ class MHCTransformerConfig(TransformerConfig):
         modules = self.recompute_modules
         if modules is not None and (not isinstance(modules, list | tuple) or not all(isinstance(m, str) for m in modules)):
             raise ValueError(_bad("recompute_modules", modules, "must be a list of module names, e.g. ['mhc']"))
+        if self.enable_mhc_connections is True and getattr(self, "overlap_moe_expert_parallel_comm", False):
+            # before megatron's own checks, which would ask for EP and bf16 first
+            raise NotImplementedError(_bad(
+                "overlap_moe_expert_parallel_comm", True, "the a2a-overlap schedule splits a layer into nodes of its "
+                "own, none for mHC's n-stream update; not supported with enable_mhc_connections=True"))
         # megatron-core 0.16.1 / 0.19.2 validate recompute_modules against their own list, which
         # lacks upstream main's "mhc": take it out for the base validation, put it back after.
         lists_mhc = self._lists_mhc
@@ -156,10 +161,6 @@ class MHCTransformerConfig(TransformerConfig):
         if self.mtp_num_layers is not None:
             raise ValueError(
                 _bad("mtp_num_layers", self.mtp_num_layers, f"multi-token prediction is not supported {on}")
-            )
-        if self.num_moe_experts is not None:
-            raise NotImplementedError(
-                _bad("num_moe_experts", self.num_moe_experts, f"MoE MLPs are not supported {on}")
             )
         if getattr(self, "inference_fuse_tp_communication", False):
             raise NotImplementedError(_bad("inference_fuse_tp_communication", True, f"not supported {on}"))

@@ -64,8 +64,27 @@ def _cpu_device(device: Any) -> Any:
     return device
 
 
+class _NoEvent:
+    """An event on the CPU's one stream: already complete when recorded."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
 class _NoStream:
     """The CPU's one stream, in program order: waiting on an event or another stream is a no-op."""
+
+    def record_event(self, event: Any = None) -> _NoEvent:
+        return _NoEvent()
 
     def wait_event(self, event: Any) -> None:
         return None
@@ -97,6 +116,14 @@ class _CudaOnCpu:
     @staticmethod
     def synchronize(device: Any = None) -> None:
         return None
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _NoStream:  # noqa: N802 - torch.cuda's name
+        return _NO_STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
@@ -306,6 +333,24 @@ def _patch_nvtx() -> Callable[[], None]:
     return undo
 
 
+def _patch_moe() -> Callable[[], None]:
+    """The MoE modules' torch shimmed; `moe_utils.te_general_gemm` defined as None where transformer_engine is
+    absent (megatron-core 0.16.1 imports it only with TE, then reads it unconditionally in the router's GEMM)."""
+    undo_modules = _shim_modules("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils",
+                                 "megatron.core.transformer.moe.token_dispatcher")
+    moe_utils: Any = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    defined = "te_general_gemm" not in moe_utils.__dict__
+    if defined:
+        moe_utils.te_general_gemm = None
+
+    def undo() -> None:
+        if defined:
+            del moe_utils.te_general_gemm
+        undo_modules()
+
+    return undo
+
+
 @dataclass(frozen=True)
 class Workaround:
     """One CPU patch: where megatron-core fails without CUDA, and how to apply it."""
@@ -375,6 +420,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "megatron.core.dist_checkpointing.strategies.filesystem_async",
             "megatron.core.dist_checkpointing.strategies.state_dict_saver",
         ),
+    ),
+    Workaround(
+        "moe",
+        "the MoE router, its aux-loss tracking and the alltoall dispatcher call torch.cuda.current_device() and "
+        "create a torch.cuda.Stream; without transformer_engine the router's GEMM reads an undefined te_general_gemm",
+        _patch_moe,
     ),
     Workaround(
         "nvtx",

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 from torch import Tensor
 
-from mhc_core.megatron.compat import checkpoint_without_output, spec_class
+from mhc_core.megatron.compat import checkpoint_without_output
 from mhc_core.recompute import StreamRecompute
 
 __all__ = ["HyperConnectionTransformerLayer", "HyperConnectionTransformerLayerSubmodules", "RecomputePlan",
@@ -99,20 +99,22 @@ def _check_norm_output(out: Any, name: str) -> Tensor:
 class HyperConnectionTransformerLayer(TransformerLayer):
     """`TransformerLayer` with mHC on the self-attention and MLP sublayers: `[s, b, n*C]` in and out.
 
+    The MLP may be megatron-core's `MoELayer` (upstream dev's data flow): the MLP-side hyper connection
+    aggregates the streams, the router and the experts see `[s, b, C]`, and the n-stream update takes the MoE
+    output as it takes a dense MLP's (the router's aux loss rides on that output into the backward).
+
     Built from a spec whose submodules are `HyperConnectionTransformerLayerSubmodules`; the two
     hyper connections are built with `build_module(slot, config=config, layer_number=...)`.
 
     Raises:
         ValueError: `config.enable_mhc_connections` is off, a hyper-connection slot is missing or
             `IdentityOp`, or the cross-attention slot is set.
-        NotImplementedError: an MoE MLP or a cross-attention sublayer.
+        NotImplementedError: a cross-attention sublayer.
     """
 
     def __init__(self, config: Any, submodules: TransformerLayerSubmodules, *args: Any, **kwargs: Any):
         self._check_spec(config, submodules)
         super().__init__(config, submodules, *args, **kwargs)
-        if self.is_moe_layer:
-            raise NotImplementedError("HyperConnectionTransformerLayer: MoE MLPs are not supported with mHC")
         if not isinstance(self.cross_attention, IdentityOp):
             raise NotImplementedError(
                 "HyperConnectionTransformerLayer: cross-attention is not supported with mHC"
@@ -149,13 +151,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             raise ValueError(
                 f"{who}: submodules.cross_attention_hyper_connection must be IdentityOp, "
                 f"got {submodules.cross_attention_hyper_connection!r}"
-            )
-        from megatron.core.transformer.moe.moe_layer import MoELayer
-
-        mlp_cls = spec_class(submodules.mlp)
-        if isinstance(mlp_cls, type) and issubclass(mlp_cls, MoELayer):
-            raise NotImplementedError(
-                f"{who}: MoE MLPs are not supported with mHC (submodules.mlp={mlp_cls.__name__})"
             )
 
     @property

@@ -18,6 +18,9 @@ class RunRecord:
     grads: list[dict[str, list[dict]]]
     weights: list[dict[str, list[dict]]]
     shapes: dict[int, list[tuple[str, tuple[int, ...]]]]
+    aux_losses: list[dict[str, torch.Tensor]]
+    """Per step, the MoE routers' tracked losses `{name: [layers]}` summed over the ranks (each layer's value lives
+    on the rank that holds the layer; empty without MoE)."""
 
 
 def unsharded(run: RunRecord) -> RunRecord:
@@ -35,7 +38,7 @@ def unsharded(run: RunRecord) -> RunRecord:
         return out
 
     return RunRecord(losses=run.losses, grads=[join(g) for g in run.grads], weights=[join(w) for w in run.weights],
-                     shapes=run.shapes)
+                     shapes=run.shapes, aux_losses=run.aux_losses)
 
 
 def load_run(directory: Path) -> RunRecord:
@@ -53,11 +56,17 @@ def load_run(directory: Path) -> RunRecord:
             for src, dst in ((r["grads"][step], merged_g[step]), (r["weights"][step], merged_w[step])):
                 for name, entry in src.items():
                     dst.setdefault(name, []).append(entry)
+    aux: list[dict[str, torch.Tensor]] = [{} for _ in range(steps)]
+    for r in records:
+        for step, tracked in enumerate(r.get("aux_losses", [])):
+            for name, values in tracked.items():
+                aux[step][name] = aux[step][name] + values if name in aux[step] else values.clone()
     return RunRecord(
         losses=losses[0] if losses else [],
         grads=merged_g,
         weights=merged_w,
         shapes={r["rank"]: r["shapes"] for r in records},
+        aux_losses=aux,
     )
 
 
@@ -103,6 +112,13 @@ def compare_to_reference(run: RunRecord, ref: RunRecord, rtol: float) -> list[st
         for mb, (a, e) in enumerate(zip(got, want, strict=True)):
             if abs(a - e) > rtol * abs(e):
                 problems.append(f"loss step {step} microbatch {mb}: {a:.9g} vs reference {e:.9g}")
+    for step, (got_aux, want_aux) in enumerate(zip(run.aux_losses, ref.aux_losses, strict=False)):
+        if set(got_aux) != set(want_aux):
+            problems.append(f"aux losses step {step}: tracked {sorted(got_aux)} vs reference {sorted(want_aux)}")
+        for name in set(got_aux) & set(want_aux):
+            a_v, e_v = got_aux[name], want_aux[name]
+            if a_v.shape != e_v.shape or not bool(((a_v - e_v).abs() <= rtol * e_v.abs()).all()):
+                problems.append(f"aux loss {name} step {step}: per layer {a_v.tolist()} vs reference {e_v.tolist()}")
     for kind, mine, theirs in (("grad", run.grads, ref.grads), ("weight", run.weights, ref.weights)):
         for step, (got, want) in enumerate(zip(mine, theirs, strict=True)):
             missing = sorted(set(want) - set(got))

@@ -34,6 +34,25 @@ def _recompute_kwargs(value: str | None) -> dict:
     return {"recompute_granularity": "selective", "recompute_modules": ["mhc"],
             "mhc_recompute_layer_num": None if value == "chunk" else int(value)}
 
+def _moe_kwargs(dispatcher: str) -> dict:
+    """Config keywords of `--moe`: every MLP an MoE of 4 local experts, top-2, the router's load-balancing loss on
+    (upstream's MoE recipes run without linear biases)."""
+    return {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64, "ffn_hidden_size": 64,
+            "add_bias_linear": False, "moe_aux_loss_coeff": 1e-2, "moe_token_dispatcher_type": dispatcher}
+
+
+def _aux_losses() -> dict[str, torch.Tensor]:
+    """The MoE routers' tracked losses of this step (`{name: [layers]}`, this rank's layers non-zero), then cleared."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    out = {name: entry["values"].detach().clone() for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    clear_aux_losses_tracker()
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -50,6 +69,8 @@ def parse_args() -> argparse.Namespace:
                    help="--impl ours: megatron_main, or megatron_dev with the learned block exit")
     p.add_argument("--mhc-recompute", default=None, metavar="LAYERS|chunk",
                    help='"mhc" in recompute_modules, LAYERS per recompute group or the whole chunk')
+    p.add_argument("--moe", choices=("allgather", "alltoall"), default=None,
+                   help="every MLP an MoE (4 local experts, top-2) with this token dispatcher")
     p.add_argument("--init", default=None, help="state dict to start from (written by the reference)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
@@ -118,6 +139,7 @@ def main() -> None:
         # order; gloo matches messages between a pair of ranks first-in-first-out, so with PP = 2
         # under VPP (both neighbours are the same rank) an activation lands in a gradient buffer.
         batch_p2p_comm=False,
+        **(_moe_kwargs(args.moe) if args.moe else {}),
     )
     if args.impl == "tree":
         from harness.tree_model import tree_chunks, tree_config
@@ -159,8 +181,8 @@ def main() -> None:
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
     fb = get_forward_backward_func()
-    record: dict[str, Any] = {"losses": [], "grads": [], "weights": [], "shapes": shapes, "rank": rank,
-              "tensor_shape_calls": shape_calls}
+    record: dict[str, Any] = {"losses": [], "aux_losses": [], "grads": [], "weights": [], "shapes": shapes,
+                              "rank": rank, "tensor_shape_calls": shape_calls}
     for step in range(args.steps):
         opt.zero_grad(set_to_none=False)
         for c in chunks:
@@ -183,6 +205,7 @@ def main() -> None:
         )
         _allreduce_sequence_parallel_grads(chunks, ps)
         record["losses"].append([float(d["lm loss"]) for d in losses])
+        record["aux_losses"].append(_aux_losses() if args.moe else {})
         record["grads"].append(_collect(chunks, names, lambda p: p.grad))
         opt.step()
         record["weights"].append(_collect(chunks, names, lambda p: p))

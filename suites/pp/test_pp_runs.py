@@ -25,6 +25,8 @@ class Case:
     nproc: int
     args: tuple[str, ...]
     mhc: bool = True
+    reference: str = "mhc"
+    """The single-process run it must reproduce (`ReferenceRuns.FLAGS`)."""
     rtol: float = 1e-6
     """TP splits every matmul's reduction, so the TP case allows fp32 reordering (documented)."""
 
@@ -38,18 +40,24 @@ CASES = [
     Case(name="pp2-vpp2-no-mhc", nproc=2, args=("--pp", "2", "--vpp", "2", "--no-mhc"), mhc=False),
     # mHC recompute: the chunk-spanning groups are rebuilt in backward under the interleaved schedule.
     Case(name="pp2-vpp2-mhc-recompute", nproc=2, args=("--pp", "2", "--vpp", "2", "--mhc-recompute", "chunk")),
+    # MoE MLPs (4 local experts, top-2, alltoall) under the MLP-side hyper connection; the routers'
+    # load-balancing losses are compared per layer too.
+    Case(name="pp2-moe", nproc=2, args=("--pp", "2", "--moe", "alltoall"), reference="mhc-moe"),
+    Case(name="pp2-vpp2-moe", nproc=2, args=("--pp", "2", "--vpp", "2", "--moe", "alltoall"), reference="mhc-moe"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_pipelined_run_reproduces_single_process(case, reference_runs, tmp_path):
     """Every microbatch loss, gradient and post-step weight equals the single-process run."""
-    ref_dir = reference_runs["mhc" if case.mhc else "no-mhc"]
+    ref_dir = reference_runs[case.reference if case.mhc else "no-mhc"]
     run_worker(tmp_path, case.nproc, [*case.args, "--init", str(ref_dir / "init.pt")])
     ref, run = load_run(ref_dir), load_run(tmp_path)
     problems = compare_to_reference(run, ref, case.rtol)
     assert not problems, f"{len(problems)} mismatches:\n" + "\n".join(problems[:20])
     assert len(run.losses) == 2 and len(run.losses[0]) == 4
+    if "--moe" in case.args:  # the routers' losses were tracked, every layer's on some rank
+        assert all(bool((step["load_balancing_loss"] > 0).all()) for step in run.aux_losses), run.aux_losses
 
     # Shapes: every send of rank r has the width the next rank receives; n*C with mHC, C without.
     width = HIDDEN * N if case.mhc else HIDDEN

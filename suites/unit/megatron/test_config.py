@@ -96,7 +96,6 @@ INCOMPATIBLE = [
         id="full-recompute",
     ),
     pytest.param({"mtp_num_layers": 1}, ValueError, "mtp_num_layers=1", id="mtp"),
-    pytest.param({"num_moe_experts": 2}, NotImplementedError, "num_moe_experts=2", id="moe"),
     pytest.param({"hidden_size": 0, "num_attention_heads": 1}, ValueError, "hidden_size=0", id="hidden-0"),
 ]
 
@@ -146,8 +145,8 @@ def test_bad_numerics_options(make_config, overrides, message):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"fp32_residual_connection": True}, {"num_moe_experts": 2, "moe_ffn_hidden_size": 64}],
-    ids=["fp32-residual", "moe"],
+    [{"fp32_residual_connection": True}],
+    ids=["fp32-residual"],
 )
 def test_compatibility_rules_apply_only_with_mhc_on(make_config, overrides):
     """Settings rejected with mHC are accepted when mHC is off."""

@@ -19,7 +19,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa
 
 from mhc_core import HyperConnectionModule  # noqa: E402
 from mhc_core.megatron import HyperConnectionTransformerLayer, get_gpt_layer_local_spec  # noqa: E402
-from mhc_core.megatron.specs import to_mhc_layer_spec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 N = 4
@@ -108,15 +107,6 @@ def test_stock_submodules_are_rejected(make_config):
 
     spec = dataclasses.replace(stock_spec(), module=HyperConnectionTransformerLayer)
     with pytest.raises(ValueError, match="use HyperConnectionTransformerLayerSubmodules"):
-        _layer(make_config(n=N), spec)
-
-
-def test_moe_mlp_is_not_implemented(make_config):
-    """An MoE MLP in the mHC layer spec raises NotImplementedError before anything is built."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as stock_spec
-
-    spec = to_mhc_layer_spec(stock_spec(num_experts=2))
-    with pytest.raises(NotImplementedError, match="MoE MLPs are not supported"):
         _layer(make_config(n=N), spec)
 
 
