@@ -18,15 +18,25 @@ __all__ = ["full_names", "gather_full_state", "load_full_state", "shard"]
 
 
 def full_names(chunk: Any) -> dict[str, str]:
-    """Local parameter name -> name in the single-stage model (decoder layers by global number)."""
-    layer_index = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
-                   for i, layer in enumerate(chunk.decoder.layers)}
+    """Local parameter name -> name in the single-stage model (decoder layers by global number, an expert-parallel
+    rank's local experts by their global index: `mlp.experts.local_experts.<j>` of a layer whose MoE holds experts
+    `local_expert_indices`)."""
+    layer_index = {}
+    for i, layer in enumerate(chunk.decoder.layers):
+        experts = {f"mlp.experts.local_experts.{j}.": f"mlp.experts.local_experts.{g}."
+                   for j, g in enumerate(getattr(layer.mlp, "local_expert_indices", ()))}
+        layer_index[f"decoder.layers.{i}."] = (f"decoder.layers.{layer.layer_number - 1}.", experts)
     mapping = {}
     for local, _ in chunk.named_parameters():
         full = local
-        for prefix, global_prefix in layer_index.items():
+        for prefix, (global_prefix, experts) in layer_index.items():
             if local.startswith(prefix):
-                full = global_prefix + local[len(prefix):]
+                rest = local[len(prefix):]
+                for local_expert, global_expert in experts.items():
+                    if rest.startswith(local_expert):
+                        rest = global_expert + rest[len(local_expert):]
+                        break
+                full = global_prefix + rest
                 break
         mapping[local] = full
     return mapping

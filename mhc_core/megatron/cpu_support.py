@@ -337,13 +337,26 @@ def _patch_moe() -> Callable[[], None]:
     """The MoE modules' torch shimmed; `moe_utils.te_general_gemm` defined as None where transformer_engine is
     absent (megatron-core 0.16.1 imports it only with TE, then reads it unconditionally in the router's GEMM)."""
     undo_modules = _shim_modules("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils",
-                                 "megatron.core.transformer.moe.token_dispatcher")
+                                 "megatron.core.transformer.moe.token_dispatcher",
+                                 "megatron.core.tensor_parallel.mappings")
     moe_utils: Any = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    dispatcher: Any = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     defined = "te_general_gemm" not in moe_utils.__dict__
     if defined:
         moe_utils.te_general_gemm = None
+    to_host = dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host_on_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        # The split sizes of the alltoall leave as numpy arrays, which all_to_all_single takes as lists; the stock
+        # function converts only CUDA tensors, so on the CPU they stayed tensors, which it refuses.
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.detach().numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    dispatcher.maybe_move_tensor_to_cpu = to_host_on_cpu
 
     def undo() -> None:
+        dispatcher.maybe_move_tensor_to_cpu = to_host
         if defined:
             del moe_utils.te_general_gemm
         undo_modules()
@@ -424,7 +437,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
         "moe",
         "the MoE router, its aux-loss tracking and the alltoall dispatcher call torch.cuda.current_device() and "
-        "create a torch.cuda.Stream; without transformer_engine the router's GEMM reads an undefined te_general_gemm",
+        "create a torch.cuda.Stream, the expert-parallel gathers allocate on torch.cuda.current_device(); without "
+        "transformer_engine the router's GEMM reads an undefined te_general_gemm; the alltoall's split sizes stay "
+        "tensors, which all_to_all_single refuses",
         _patch_moe,
     ),
     Workaround(

@@ -48,7 +48,12 @@ def load_run(directory: Path) -> RunRecord:
         raise FileNotFoundError(f"no rank*.pt files in {directory}")
     records = [torch.load(f) for f in files]
     steps = len(records[0]["grads"])
-    losses = [r["losses"] for r in records if r["losses"] and r["losses"][0]]
+    # The loss of each data-parallel rank's microbatches (from its first rank that holds them), in DP order.
+    by_dp: dict[int, list[list[float]]] = {}
+    for r in records:
+        if r["losses"] and r["losses"][0]:
+            by_dp.setdefault(r.get("dp_rank", 0), r["losses"])
+    losses = [[mb for d in sorted(by_dp) for mb in by_dp[d][step]] for step in range(steps)] if by_dp else []
     merged_g: list[dict] = [{} for _ in range(steps)]
     merged_w: list[dict] = [{} for _ in range(steps)]
     for r in records:
@@ -62,7 +67,7 @@ def load_run(directory: Path) -> RunRecord:
             for name, values in tracked.items():
                 aux[step][name] = aux[step][name] + values if name in aux[step] else values.clone()
     return RunRecord(
-        losses=losses[0] if losses else [],
+        losses=losses,
         grads=merged_g,
         weights=merged_w,
         shapes={r["rank"]: r["shapes"] for r in records},

@@ -71,6 +71,9 @@ def parse_args() -> argparse.Namespace:
                    help='"mhc" in recompute_modules, LAYERS per recompute group or the whole chunk')
     p.add_argument("--moe", choices=("allgather", "alltoall"), default=None,
                    help="every MLP an MoE (4 local experts, top-2) with this token dispatcher")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size (with --moe): the other ranks of the world are data-parallel, each "
+                        "taking its share of the step's microbatches")
     p.add_argument("--init", default=None, help="state dict to start from (written by the reference)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
@@ -113,6 +116,7 @@ def main() -> None:
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp,
+        expert_model_parallel_size=args.ep,
     )
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
@@ -140,6 +144,7 @@ def main() -> None:
         # under VPP (both neighbours are the same rank) an activation lands in a gradient buffer.
         batch_p2p_comm=False,
         **(_moe_kwargs(args.moe) if args.moe else {}),
+        **({"expert_model_parallel_size": args.ep} if args.ep > 1 else {}),
     )
     if args.impl == "tree":
         from harness.tree_model import tree_chunks, tree_config
@@ -182,12 +187,16 @@ def main() -> None:
     opt = torch.optim.SGD(params, lr=0.05)
     fb = get_forward_backward_func()
     record: dict[str, Any] = {"losses": [], "aux_losses": [], "grads": [], "weights": [], "shapes": shapes,
-                              "rank": rank, "tensor_shape_calls": shape_calls}
+                              "rank": rank, "tensor_shape_calls": shape_calls, "dp_rank": ps.get_data_parallel_rank()}
     for step in range(args.steps):
         opt.zero_grad(set_to_none=False)
         for c in chunks:
             c.zero_grad(set_to_none=False)
-        batch = [tokens[step * args.microbatches + i] for i in range(args.microbatches)]
+        # Data parallel (beside expert parallel): each DP rank its contiguous share of the step's microbatches.
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        local = args.microbatches // dp
+        first = step * args.microbatches + dp_rank * local
+        batch = [tokens[first + i] for i in range(local)]
         iters = [iter(batch) for _ in chunks]
         if args.crash_rank == rank:
             os._exit(17)
@@ -198,12 +207,13 @@ def main() -> None:
             forward_step_func=forward_step,
             data_iterator=iters if args.vpp else iters[0],
             model=chunks if args.vpp else chunks[0],
-            num_microbatches=args.microbatches,
+            num_microbatches=local,
             seq_length=m["seq"],
             micro_batch_size=m["mbs"],
             forward_only=False,
         )
         _allreduce_sequence_parallel_grads(chunks, ps)
+        _average_data_parallel_grads(chunks, ps)
         record["losses"].append([float(d["lm loss"]) for d in losses])
         record["aux_losses"].append(_aux_losses() if args.moe else {})
         record["grads"].append(_collect(chunks, names, lambda p: p.grad))
@@ -281,6 +291,23 @@ def _collect(chunks, names, get):
                 "tp_size": tp_size,
             }
     return out
+
+
+def _average_data_parallel_grads(chunks, ps) -> None:
+    """What megatron's DDP does with several data-parallel ranks: each gradient summed over its data-parallel group
+    (an expert's over the expert-data-parallel one: the other ranks' tokens already reached it through the
+    dispatcher) and divided by the data-parallel size."""
+    dp = ps.get_data_parallel_world_size()
+    if dp == 1:
+        return
+    for c in chunks:
+        for p in c.parameters():
+            if p.grad is None:
+                continue
+            expert = not getattr(p, "allreduce", True)
+            group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dp)
 
 
 def _allreduce_sequence_parallel_grads(chunks, ps) -> None:
