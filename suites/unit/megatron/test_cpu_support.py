@@ -582,3 +582,45 @@ class TestInstall:
             [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300
         )
         assert result.returncode == 0, result.stderr[-2000:]
+
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, ffn_hidden_size=64, add_bias_linear=False)
+
+
+class TestMoe:
+    """`moe`: megatron-core's MoE layer (router, aux-loss tracker, token dispatchers) runs on the CPU."""
+
+    def test_router_needed(self, make_config, build_gpt, batch):
+        """Without it, the router's gating asks torch.cuda for the current device (or, on 0.16.1 without
+        transformer_engine, reads an undefined te_general_gemm) on the first forward."""
+        model = build_gpt(make_config(**MOE, moe_token_dispatcher_type="allgather"))
+        with without("moe"), pytest.raises((*NO_CUDA, NameError), match="CUDA|NVIDIA driver|te_general_gemm"):
+            model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+
+    def test_alltoall_dispatcher_needed(self, make_config, build_gpt):
+        """Without it, building an alltoall dispatcher creates a torch.cuda.Stream (megatron-core 0.16.1; 0.19 makes
+        it lazily, and then the router call above still fails)."""
+        from megatron.core.transformer.moe import token_dispatcher
+
+        if not hasattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream"):
+            pytest.skip("this megatron-core creates the alltoall dispatcher's stream lazily")
+        saved = token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+        token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None  # as before the first dispatcher
+        try:
+            with without("moe"), pytest.raises(NO_CUDA, match="CUDA"):
+                build_gpt(make_config(**MOE, moe_token_dispatcher_type="alltoall"))
+        finally:
+            token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = saved
+
+    @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+    def test_moe_gpt_trains(self, make_config, build_gpt, batch, dispatcher):
+        """With it, forward and backward run and the tracked load-balancing loss is finite and positive."""
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+        clear_aux_losses_tracker()
+        model = build_gpt(make_config(**MOE, moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type=dispatcher))
+        out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        out.mean().backward()
+        assert model.decoder.layers[0].mlp.router.weight.grad.abs().max() > 0
+        tracked = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+        assert torch.isfinite(tracked).all() and bool((tracked > 0).all()), tracked
