@@ -615,7 +615,10 @@ class TestMoe:
     @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
     def test_moe_gpt_trains(self, make_config, build_gpt, batch, dispatcher):
         """With it, forward and backward run and the tracked load-balancing loss is finite and positive."""
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
 
         clear_aux_losses_tracker()
         model = build_gpt(make_config(**MOE, moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type=dispatcher))
