@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import inspect
 import threading
@@ -82,22 +81,3 @@ def checkpoint_without_output(config: Any) -> Any:
     if "fp8" in inspect.signature(CheckpointWithoutOutput).parameters:
         return CheckpointWithoutOutput(fp8=getattr(config, "fp8", None))
     return CheckpointWithoutOutput()
-
-
-def spec_class(spec: object) -> object:
-    """The class a layer-spec entry builds: a `ModuleSpec`'s module (0.16.1), or the class behind a
-    `functools.partial` / a bound `as_*_submodule` classmethod (0.19.2 builds MLP specs that way)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec, get_module
-
-    seen = 0
-    while seen < 8:
-        seen += 1
-        if isinstance(spec, ModuleSpec):
-            spec = get_module(spec)
-        elif isinstance(spec, functools.partial):
-            spec = spec.func
-        elif inspect.ismethod(spec) and isinstance(spec.__self__, type):
-            spec = spec.__self__
-        else:
-            break
-    return spec
