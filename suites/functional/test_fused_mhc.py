@@ -49,9 +49,9 @@ def _skip_reason(kernel: str, device: str) -> str | None:
         return why
     if kernel not in native.kernels():
         return f"this CPU lacks the instructions of the {kernel} kernel (it runs {', '.join(native.kernels())})"
-    if kernel == native.kernels()[0] != "portable":  # auto never picks the scalar kernel
+    if kernel == native.auto_kernel():
         return f"`auto` runs {kernel} on this CPU: the [auto] case is its run"
-    if kernel == "avx512" and native.kernels()[0] == "avx512_bf16":
+    if kernel == "avx512" and native.auto_kernel() == "avx512_bf16":
         # This fp32 recipe's mapping computes in fp32, where avx512_bf16 runs avx512's code, bit for bit
         # (test_native_pre.py::test_avx512_bf16_is_avx512_but_for_the_bf16_mapping).
         return "fp32 mappings: `auto`'s avx512_bf16 runs avx512's code here, the same bits: the [auto] case is its run"

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENV", "KERNELS", "MAX_N", "MIN_TOKENS_PER_THREAD", "available", "built", "chosen_kernel", "grad_h",
+__all__ = ["ENV", "KERNELS", "MAX_N", "MIN_TOKENS_PER_THREAD", "auto_kernel", "available", "built", "chosen_kernel",
+           "grad_h",
            "grad_x_w", "kernels", "passes", "pre_forward"]
 
 ENV = "MHC_NATIVE"
@@ -76,6 +77,12 @@ def built() -> tuple[bool, str]:
     return module is not None, why
 
 
+def auto_kernel() -> str | None:
+    """The kernel `auto` picks here: the fastest this CPU runs, None where that is the scalar one (or none is built)."""
+    here = kernels()
+    return here[0] if here and here[0] != "portable" else None
+
+
 def chosen_kernel() -> str | None:
     """The kernel `MHC_NATIVE` selects here: None where it is `0`, `_pre` is not built, or (unset, `1`, `auto`)
     the CPU runs no SIMD kernel (the scalar one is ~25x slower than the compiled graph; `MHC_NATIVE=portable`
@@ -83,9 +90,9 @@ def chosen_kernel() -> str | None:
     value = os.environ.get(ENV, "1").strip() or "1"
     if value == "0" or _module()[0] is None:
         return None
-    here = kernels()
     if value in ("1", "auto"):
-        return None if here[0] == "portable" else here[0]
+        return auto_kernel()
+    here = kernels()
     if value not in KERNELS:
         raise ValueError(f"{ENV}={value!r} is none of 0, 1, auto, {', '.join(KERNELS)}")
     if value not in here:
