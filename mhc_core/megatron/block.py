@@ -11,7 +11,10 @@ Legend: s sequence, b micro-batch, C hidden size, n residual streams.
   `hc_head_base`, `hc_head_scale`), right before the final layernorm when this chunk has one,
   else at the end of the forward. So the output layer always receives `[s, b, C]`: also with
   `post_layer_norm=False` (where upstream main hands it `[s, b, n*C]`) and when the chunk holds
-  zero transformer layers. Every other chunk returns `[s, b, n*C]`.
+  zero transformer layers. Every other chunk returns `[s, b, n*C]`. The final layernorm stays in the
+  post_process chunk also with multi-token prediction (megatron-core moves it to the chunk of the
+  last decoder layer there), and the streams before the contraction are kept in `mtp_streams` for
+  the MTP block (`mhc_core.megatron.mtp`).
 
 The stock forward runs unchanged in between (recompute, quantization contexts, offloading); the
 contraction before the final layernorm is a forward pre-hook on `final_layernorm` that acts only
@@ -44,8 +47,6 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
 
     Raises:
         ValueError: mHC is on and a layer is not a `HyperConnectionTransformerLayer`.
-        NotImplementedError: the final layernorm sits in a chunk without `post_process`
-            (multi-token prediction placement).
     """
 
     def __init__(self, config: Any, spec: Any, *args: Any, **kwargs: Any):
@@ -53,6 +54,8 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
         self.mhc_enabled = bool(getattr(config, "enable_mhc_connections", False))
         self._contract_hook = None
         self._in_forward = False
+        self.mtp_streams: Tensor | None = None
+        """With MTP: the streams `[s, b, n*C]` of the last forward before their contraction (the model takes them)."""
         if not self.mhc_enabled:
             return
         self.num_residual_streams = int(config.mhc_num_residual_streams)
@@ -63,11 +66,6 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
                     "config.enable_mhc_connections=True needs HyperConnectionTransformerLayer "
                     "(build the spec with enable_mhc=True)"
                 )
-        if self.final_layernorm is not None and not self.post_process:
-            raise NotImplementedError(
-                "HyperConnectionTransformerBlock: a final layernorm outside the post_process chunk "
-                "(multi-token prediction placement) is not supported with mHC"
-            )
         if getattr(config, "mhc_recompute", False):
             self._plan_mhc_recompute(config)
         self.learned_contraction = bool(getattr(config, "mhc_learned_contraction", False))
@@ -122,12 +120,27 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
             )
         return contract(hidden_states, n)
 
+    def has_final_layernorm_in_this_stage(self) -> bool:
+        """With mHC the final layernorm sits in the post_process chunk, with the contraction it follows,
+        also with MTP (where megatron-core moves it to the chunk of the last decoder layer): so the
+        streams, not a contracted tensor, cross every stage boundary, and the MTP depths on the
+        post_process chunk receive them."""
+        if getattr(self.config, "enable_mhc_connections", False):
+            return bool(self.submodules.layer_norm and self.post_process and self.post_layer_norm)
+        return bool(super().has_final_layernorm_in_this_stage())
+
+    def _exit(self, hidden_states: Tensor) -> Tensor:
+        """The contraction at the block's exit; with MTP the streams are kept for the MTP block first."""
+        if getattr(self.config, "mtp_num_layers", None):
+            self.mtp_streams = hidden_states
+        return self.contract_streams(hidden_states)
+
     def _contract_before_final_layernorm(
         self, module: nn.Module, args: tuple[Any, ...]
     ) -> tuple[Any, ...] | None:
         if not self._in_forward:
             return None  # a direct call of the norm, not the block's exit
-        return (self.contract_streams(args[0]), *args[1:])
+        return (self._exit(args[0]), *args[1:])
 
     def _check_entry(self, hidden_states: Tensor | None) -> None:
         """`ValueError` naming the chunk's role, n, C and the shape, unless the chunk receives `[s, b, C]`
@@ -153,6 +166,7 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
         self._check_entry(hidden_states)
         if self.pre_process:
             hidden_states = expand(hidden_states, self.num_residual_streams)
+        self.mtp_streams = None
         self._in_forward = True
         try:
             output = super().forward(hidden_states, *args, **kwargs)
@@ -164,7 +178,5 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
                     f"HyperConnectionTransformerBlock: the stock forward returned {type(output).__name__}, "
                     "expected the hidden states tensor; mhc_core.megatron.compat needs updating"
                 )
-            output = make_viewless_tensor(
-                inp=self.contract_streams(output), requires_grad=True, keep_graph=True
-            )
+            output = make_viewless_tensor(inp=self._exit(output), requires_grad=True, keep_graph=True)
         return output

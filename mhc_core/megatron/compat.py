@@ -1,11 +1,12 @@
 """The few places where megatron-core versions (0.16.1 CI, 0.19.2 latest) need care, in one module.
 
 - `megatron_core_version()`: the installed version as a tuple.
-- `gpt_decoder_block_class(cls)`: `GPTModel.__init__` builds its decoder by the module-global
-  name `TransformerBlock` of `megatron.core.models.gpt.gpt_model` in both versions (it takes no
-  block class argument, and 0.19.2 adds constructor keywords such as `use_fused_lce`). Binding that
-  name to `cls` for the duration of one constructor call lets `MHCGPTModel` build its decoder once,
-  with exactly the arguments the installed version passes.
+- `gpt_model_classes(**classes)`: `GPTModel.__init__` builds its decoder and its MTP block by the
+  module-global names `TransformerBlock` and `MultiTokenPredictionBlock` of
+  `megatron.core.models.gpt.gpt_model` in both versions (it takes no class arguments, and 0.19.2 adds
+  constructor keywords such as `use_fused_lce`). Binding those names to subclasses for the duration of
+  one constructor call lets `MHCGPTModel` build each once, with exactly the arguments the installed
+  version passes.
 - `transformer_engine_available()`: TE specs need `transformer_engine`, which never installs on CPU.
 - `checkpoint_without_output(config)`: megatron-core 0.16.1's `CheckpointWithoutOutput(fp8=False)`
   default reads as "fp8 on" (`self.fp8 = fp8 is not None`) and then needs TE; the real setting
@@ -23,7 +24,7 @@ from typing import Any
 
 __all__ = [
     "checkpoint_without_output",
-    "gpt_decoder_block_class",
+    "gpt_model_classes",
     "megatron_core_version",
     "transformer_engine_available",
 ]
@@ -51,27 +52,33 @@ def transformer_engine_available() -> bool:
 
 
 @contextlib.contextmanager
-def gpt_decoder_block_class(cls: type) -> Iterator[None]:
-    """Within the block, `GPTModel.__init__` builds its decoder as `cls` (a `TransformerBlock` subclass).
+def gpt_model_classes(**classes: type) -> Iterator[None]:
+    """Within the block, `GPTModel.__init__` builds with `classes` (name -> a subclass of the stock class).
 
-    Restores the previous binding on exit, also on error. Serialised with a lock, so two threads
-    constructing models never see each other's binding.
+    `gpt_model_classes(TransformerBlock=MyBlock)` binds the module-global name `TransformerBlock` of
+    `megatron.core.models.gpt.gpt_model` to `MyBlock`. Restores the previous bindings on exit, also on
+    error. Serialised with a lock, so two threads constructing models never see each other's binding.
     """
     gpt_model: Any = importlib.import_module(_GPT_MODEL_MODULE)
-    if not hasattr(gpt_model, "TransformerBlock"):
-        raise RuntimeError(
-            f"{_GPT_MODEL_MODULE} has no name 'TransformerBlock' in megatron-core "
-            f"{'.'.join(map(str, megatron_core_version()))}: mhc_core.megatron.compat needs updating"
-        )
     with _LOCK:
-        previous = gpt_model.TransformerBlock
-        if not issubclass(cls, previous):
-            raise TypeError(f"gpt_decoder_block_class: {cls.__name__} must subclass {previous.__name__}")
-        gpt_model.TransformerBlock = cls
+        previous: dict[str, type] = {}
+        for name, cls in classes.items():
+            if not hasattr(gpt_model, name):
+                raise RuntimeError(
+                    f"{_GPT_MODEL_MODULE} has no name {name!r} in megatron-core "
+                    f"{'.'.join(map(str, megatron_core_version()))}: mhc_core.megatron.compat needs updating"
+                )
+            stock = getattr(gpt_model, name)
+            if not issubclass(cls, stock):
+                raise TypeError(f"gpt_model_classes: {cls.__name__} must subclass {stock.__name__}")
+            previous[name] = stock
         try:
+            for name, cls in classes.items():
+                setattr(gpt_model, name, cls)
             yield
         finally:
-            gpt_model.TransformerBlock = previous
+            for name, stock in previous.items():
+                setattr(gpt_model, name, stock)
 
 
 def checkpoint_without_output(config: Any) -> Any:

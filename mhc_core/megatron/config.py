@@ -158,10 +158,6 @@ class MHCTransformerConfig(TransformerConfig):
                     "recompute_granularity", "full", f"full recompute is not supported {on}; use 'selective'"
                 )
             )
-        if self.mtp_num_layers is not None:
-            raise ValueError(
-                _bad("mtp_num_layers", self.mtp_num_layers, f"multi-token prediction is not supported {on}")
-            )
         if getattr(self, "inference_fuse_tp_communication", False):
             raise NotImplementedError(_bad("inference_fuse_tp_communication", True, f"not supported {on}"))
         if getattr(self, "fine_grained_activation_offloading", False):

@@ -18,6 +18,8 @@ around a block. Nothing happens at import, and on a machine where `torch.cuda.is
 | `clip_grads` | `optimizer.step()` -> `get_grad_norm_fp32` / `count_zeros_fp32` create their buffers with `device='cuda'` | same shim in `megatron.core.optimizer.clip_grads` |
 | `clip_assert` | `optimizer.step()` with `clip_grad > 0` -> `clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'` | `megatron.core.optimizer.optimizer` calls a copy that asserts fp32 grads on any device and scales them the same way |
 | `dist_ckpt` | `dist_checkpointing.save` (torch_dist) calls `torch.cuda.synchronize()` after staging the tensors (`...strategies.filesystem_async`) and reduces / broadcasts its flags on the CUDA device (`...strategies.state_dict_saver`) | same shim in both modules |
+| `moe` | the MoE router and its aux-loss tracking call `torch.cuda.current_device()`, the alltoall dispatcher creates a `torch.cuda.Stream`, the expert-parallel gathers allocate on the CUDA device; 0.16.1 without TE reads an undefined `te_general_gemm` in the router; the alltoall's split sizes stay tensors | the shim in the router, `moe_utils`, the token dispatcher and `tensor_parallel.mappings`; `te_general_gemm = None`; split sizes leave as numpy arrays |
+| `mtp` | the MTP loss tracker (`MTPLossLoggingHelper.save_loss_to_tracker`) allocates on `torch.cuda.current_device()`; with pipeline stages the MTP stage's `LanguageModule.setup_embeddings_and_output_layer` calls `.cuda()` on the embedding weight it all-reduces | the shim in `megatron.core.transformer.multi_token_prediction`; `Tensor.cuda` is the identity during that one method |
 | `nvtx` | upstream Megatron-LM's mHC ops (`hyper_connection.py` on main and dev) open profiling ranges with `torch.cuda.nvtx.range` / `nvtx_decorator`; torch's CPU wheel has no NVTX and raises `RuntimeError: NVTX functions not installed` | where torch has no NVTX (`torch.cuda.nvtx._nvtx` is torch's stub), the ranges are no-ops; a build with NVTX is left alone |
 
 The "shim" replaces the module-global name `torch` in that one megatron-core module by a thin
@@ -30,6 +32,7 @@ global undoes it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import threading
 import types
@@ -364,6 +367,33 @@ def _patch_moe() -> Callable[[], None]:
     return undo
 
 
+def _patch_mtp() -> Callable[[], None]:
+    """The MTP module's torch shimmed (its loss tracker); `LanguageModule.setup_embeddings_and_output_layer`
+    with `Tensor.cuda` as the identity for the duration of one call (it moves the shared embedding weight
+    to the GPU before the all-reduce that ties the MTP stage's copy to the first stage's)."""
+    undo_module = _shim_module("megatron.core.transformer.multi_token_prediction")
+    language_module: Any = importlib.import_module("megatron.core.models.common.language_module.language_module")
+    cls = language_module.LanguageModule
+    original = cls.__dict__["setup_embeddings_and_output_layer"]
+
+    @functools.wraps(original)
+    def setup_on_cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
+        real_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # on the CPU only
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = real_cuda
+
+    cls.setup_embeddings_and_output_layer = setup_on_cpu
+
+    def undo() -> None:
+        cls.setup_embeddings_and_output_layer = original
+        undo_module()
+
+    return undo
+
+
 @dataclass(frozen=True)
 class Workaround:
     """One CPU patch: where megatron-core fails without CUDA, and how to apply it."""
@@ -441,6 +471,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "transformer_engine the router's GEMM reads an undefined te_general_gemm; the alltoall's split sizes stay "
         "tensors, which all_to_all_single refuses",
         _patch_moe,
+    ),
+    Workaround(
+        "mtp",
+        "the MTP loss tracker allocates on torch.cuda.current_device(); with pipeline stages, "
+        "LanguageModule.setup_embeddings_and_output_layer calls .cuda() on the embedding weight it all-reduces",
+        _patch_mtp,
     ),
     Workaround(
         "nvtx",

@@ -10,30 +10,40 @@ from megatron.core.transformer.spec_utils import ModuleSpec, get_module
 
 from mhc_core.checks import check_int
 from mhc_core.megatron.block import HyperConnectionTransformerBlock
-from mhc_core.megatron.compat import gpt_decoder_block_class
+from mhc_core.megatron.compat import gpt_model_classes
 from mhc_core.megatron.layer import HyperConnectionTransformerLayer
+from mhc_core.megatron.mtp import HyperConnectionMTPBlock, get_gpt_mtp_block_spec
 from mhc_core.megatron.specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
 
 __all__ = ["MHCGPTModel", "build_gpt_model"]
 
 
 class MHCGPTModel(GPTModel):
-    """`GPTModel` whose `decoder` is a `HyperConnectionTransformerBlock`.
+    """`GPTModel` whose `decoder` is a `HyperConnectionTransformerBlock` (and `mtp` a `HyperConnectionMTPBlock`).
 
-    Same constructor as the installed `GPTModel` (all arguments passed through); the decoder is
-    built once, by `GPTModel.__init__` itself, as `HyperConnectionTransformerBlock` (see
-    `compat.gpt_decoder_block_class`). With `config.enable_mhc_connections` off the block is the
-    stock block, so the model equals a `GPTModel`.
+    Same constructor as the installed `GPTModel` (all arguments passed through); the decoder and the
+    MTP block are built once, by `GPTModel.__init__` itself, as the mHC classes (see
+    `compat.gpt_model_classes`). With `config.enable_mhc_connections` off the blocks are the stock
+    blocks, so the model equals a `GPTModel`. With MTP, the decoder's pre-contraction streams reach
+    the MTP block within `_postprocess` (upstream dev's `mhc_multistream`).
     """
 
     def __init__(self, config: Any, transformer_layer_spec: ModuleSpec, *args: Any, **kwargs: Any):
-        with gpt_decoder_block_class(HyperConnectionTransformerBlock):
+        with gpt_model_classes(TransformerBlock=HyperConnectionTransformerBlock,
+                               MultiTokenPredictionBlock=HyperConnectionMTPBlock):
             super().__init__(config, transformer_layer_spec, *args, **kwargs)
         if not isinstance(self.decoder, HyperConnectionTransformerBlock):
             raise RuntimeError(
                 f"MHCGPTModel: GPTModel built its decoder as {type(self.decoder).__name__}, not "
                 "HyperConnectionTransformerBlock; mhc_core.megatron.compat needs updating"
             )
+
+    def _postprocess(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (self.mtp_process and self.decoder.mhc_enabled):
+            return super()._postprocess(hidden_states, *args, **kwargs)
+        streams, self.decoder.mtp_streams = self.decoder.mtp_streams, None
+        with self.mtp.streams_from_decoder(streams):
+            return super()._postprocess(hidden_states, *args, **kwargs)
 
 
 def _layer_class(spec: Any) -> Any:
@@ -58,7 +68,9 @@ def build_gpt_model(
         spec: `"local"` (megatron-core modules), `"te"` (Transformer Engine), or a layer
             `ModuleSpec`, which must match the flag (an mHC layer spec exactly when mHC is on).
         **kwargs: passed to the model constructor (`position_embedding_type`,
-            `share_embeddings_and_output_weights`, `parallel_output`, ...).
+            `share_embeddings_and_output_weights`, `parallel_output`, ...). With `config.mtp_num_layers`
+            and no `mtp_block_spec`, this stage's MTP block spec is built from the layer spec
+            (`mhc_core.megatron.mtp.get_gpt_mtp_block_spec`).
 
     Raises:
         ValueError: an unknown `spec` name, a layer spec that does not match the flag, or a
@@ -98,6 +110,9 @@ def build_gpt_model(
     else:
         raise ValueError(f"build_gpt_model: spec={spec!r}; valid: 'local', 'te' or a ModuleSpec")
     model_cls = MHCGPTModel if enable else GPTModel
+    if getattr(config, "mtp_num_layers", None) and "mtp_block_spec" not in kwargs:
+        kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=spec == "te",
+                                                          vp_stage=vp_stage)
     return model_cls(
         config=config,
         transformer_layer_spec=layer_spec,

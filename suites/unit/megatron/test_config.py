@@ -95,7 +95,6 @@ INCOMPATIBLE = [
         "recompute_granularity='full'",
         id="full-recompute",
     ),
-    pytest.param({"mtp_num_layers": 1}, ValueError, "mtp_num_layers=1", id="mtp"),
     pytest.param({"hidden_size": 0, "num_attention_heads": 1}, ValueError, "hidden_size=0", id="hidden-0"),
 ]
 

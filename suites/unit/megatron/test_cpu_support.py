@@ -627,3 +627,17 @@ class TestMoe:
         assert model.decoder.layers[0].mlp.router.weight.grad.abs().max() > 0
         tracked = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
         assert torch.isfinite(tracked).all() and bool((tracked > 0).all()), tracked
+
+
+class TestMtp:
+    """`mtp`: megatron-core's multi-token prediction runs on the CPU (its loss tracker; the `.cuda()` of the
+    embedding weight the MTP stage ties under pipeline stages is run by the pp suite's MTP cases)."""
+
+    def test_tracker_needed(self, make_config, build_gpt, batch):
+        """Without it, the first MTP loss the model tracks asks torch.cuda for the current device."""
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        model = build_gpt(make_config(mtp_num_layers=1))
+        MTPLossLoggingHelper.tracker.clear()
+        with without("mtp"), pytest.raises(NO_CUDA, match="CUDA|NVIDIA driver"):
+            model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
