@@ -21,6 +21,8 @@ class RunRecord:
     aux_losses: list[dict[str, torch.Tensor]]
     """Per step, the MoE routers' tracked losses `{name: [layers]}` summed over the ranks (each layer's value lives
     on the rank that holds the layer; empty without MoE)."""
+    mtp_losses: list[list[list[float]]]
+    """Per step and microbatch, the MTP loss of each depth (`mtp_<k> loss`; empty lists without MTP)."""
 
 
 def unsharded(run: RunRecord) -> RunRecord:
@@ -38,7 +40,7 @@ def unsharded(run: RunRecord) -> RunRecord:
         return out
 
     return RunRecord(losses=run.losses, grads=[join(g) for g in run.grads], weights=[join(w) for w in run.weights],
-                     shapes=run.shapes, aux_losses=run.aux_losses)
+                     shapes=run.shapes, aux_losses=run.aux_losses, mtp_losses=run.mtp_losses)
 
 
 def load_run(directory: Path) -> RunRecord:
@@ -49,11 +51,16 @@ def load_run(directory: Path) -> RunRecord:
     records = [torch.load(f) for f in files]
     steps = len(records[0]["grads"])
     # The loss of each data-parallel rank's microbatches (from its first rank that holds them), in DP order.
-    by_dp: dict[int, list[list[float]]] = {}
+    by_dp: dict[int, dict] = {}
     for r in records:
         if r["losses"] and r["losses"][0]:
-            by_dp.setdefault(r.get("dp_rank", 0), r["losses"])
-    losses = [[mb for d in sorted(by_dp) for mb in by_dp[d][step]] for step in range(steps)] if by_dp else []
+            by_dp.setdefault(r.get("dp_rank", 0), r)
+
+    def per_microbatch(key: str) -> list[list]:
+        return [[mb for d in sorted(by_dp) for mb in by_dp[d].get(key, [[]] * steps)[step]] for step in range(steps)]
+
+    losses = per_microbatch("losses") if by_dp else []
+    mtp_losses = per_microbatch("mtp_losses") if by_dp else []
     merged_g: list[dict] = [{} for _ in range(steps)]
     merged_w: list[dict] = [{} for _ in range(steps)]
     for r in records:
@@ -72,6 +79,7 @@ def load_run(directory: Path) -> RunRecord:
         weights=merged_w,
         shapes={r["rank"]: r["shapes"] for r in records},
         aux_losses=aux,
+        mtp_losses=mtp_losses,
     )
 
 
@@ -117,6 +125,12 @@ def compare_to_reference(run: RunRecord, ref: RunRecord, rtol: float) -> list[st
         for mb, (a, e) in enumerate(zip(got, want, strict=True)):
             if abs(a - e) > rtol * abs(e):
                 problems.append(f"loss step {step} microbatch {mb}: {a:.9g} vs reference {e:.9g}")
+    for step, (got_mtp, want_mtp) in enumerate(zip(run.mtp_losses, ref.mtp_losses, strict=False)):
+        if len(got_mtp) != len(want_mtp):
+            problems.append(f"mtp losses step {step}: {len(got_mtp)} microbatches vs reference {len(want_mtp)}")
+        for mb, (a_d, e_d) in enumerate(zip(got_mtp, want_mtp, strict=False)):
+            if len(a_d) != len(e_d) or any(abs(a - e) > rtol * abs(e) for a, e in zip(a_d, e_d, strict=True)):
+                problems.append(f"mtp losses step {step} microbatch {mb}: per depth {a_d} vs reference {e_d}")
     for step, (got_aux, want_aux) in enumerate(zip(run.aux_losses, ref.aux_losses, strict=False)):
         if set(got_aux) != set(want_aux):
             problems.append(f"aux losses step {step}: tracked {sorted(got_aux)} vs reference {sorted(want_aux)}")

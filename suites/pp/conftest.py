@@ -12,11 +12,11 @@ from suites.pp.launch import run_worker  # noqa: E402
 
 
 class ReferenceRuns:
-    """Single-process (PP = TP = 1) runs, with (`"mhc"`) and without (`"no-mhc"`) mHC, and with MoE MLPs
-    (`"mhc-moe"`), each run on its
-    first lookup (so a selection without the no-mHC case launches one); each writes init.pt + rank0.pt."""
+    """Single-process (PP = TP = 1) runs, with (`"mhc"`) and without (`"no-mhc"`) mHC, with MoE MLPs
+    (`"mhc-moe"`), and with two MTP depths under dev's numerics (`"mhc-mtp"`), each run on its first lookup (so a selection without the no-mHC case launches one); each writes init.pt + rank0.pt."""
 
-    FLAGS = {"mhc": [], "no-mhc": ["--no-mhc"], "mhc-moe": ["--moe", "alltoall"]}
+    FLAGS = {"mhc": [], "no-mhc": ["--no-mhc"], "mhc-moe": ["--moe", "alltoall"],
+             "mhc-mtp": ["--mtp", "2", "--numerics", "dev"]}
 
     def __init__(self, root: Path) -> None:
         self.root, self.done, self.failed = root, set(), {}

@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size (with --moe): the other ranks of the world are data-parallel, each "
                         "taking its share of the step's microbatches")
+    p.add_argument("--layout", default=None, help="pipeline_model_parallel_layout, e.g. 'Et|tt|t|mL'")
+    p.add_argument("--mtp", type=int, default=None, metavar="D",
+                   help="D multi-token prediction depths on the last stage (MTP loss scale 0.1, rope positions)")
     p.add_argument("--init", default=None, help="state dict to start from (written by the reference)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
@@ -145,6 +148,8 @@ def main() -> None:
         batch_p2p_comm=False,
         **(_moe_kwargs(args.moe) if args.moe else {}),
         **({"expert_model_parallel_size": args.ep} if args.ep > 1 else {}),
+        **({"mtp_num_layers": args.mtp, "mtp_loss_scaling_factor": 0.1} if args.mtp else {}),
+        **({"pipeline_model_parallel_layout": args.layout} if args.layout else {}),
     )
     if args.impl == "tree":
         from harness.tree_model import tree_chunks, tree_config
@@ -179,14 +184,14 @@ def main() -> None:
 
         def loss_func(per_token):
             loss = per_token.float().mean()
-            return loss, {"lm loss": loss.detach().clone()}
+            return loss, {"lm loss": loss.detach().clone(), **_mtp_losses()}
 
         return output, loss_func
 
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
     fb = get_forward_backward_func()
-    record: dict[str, Any] = {"losses": [], "aux_losses": [], "grads": [], "weights": [], "shapes": shapes,
+    record: dict[str, Any] = {"losses": [], "aux_losses": [], "mtp_losses": [], "grads": [], "weights": [], "shapes": shapes,
                               "rank": rank, "tensor_shape_calls": shape_calls, "dp_rank": ps.get_data_parallel_rank()}
     for step in range(args.steps):
         opt.zero_grad(set_to_none=False)
@@ -213,8 +218,12 @@ def main() -> None:
             forward_only=False,
         )
         _allreduce_sequence_parallel_grads(chunks, ps)
+        if args.mtp:
+            _allreduce_embedding_grads(chunks, ps)
         _average_data_parallel_grads(chunks, ps)
         record["losses"].append([float(d["lm loss"]) for d in losses])
+        record["mtp_losses"].append([[float(d[f"mtp_{k + 1} loss"]) for k in range(args.mtp)] for d in losses]
+                                    if args.mtp else [[] for _ in losses])
         record["aux_losses"].append(_aux_losses() if args.moe else {})
         record["grads"].append(_collect(chunks, names, lambda p: p.grad))
         opt.step()
@@ -271,6 +280,7 @@ def _our_chunks(args: argparse.Namespace, common: dict) -> list:
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 vp_stage=vp_stage,
                 share_embeddings_and_output_weights=False,
+                **({"position_embedding_type": "rope"} if args.mtp else {}),
             )
         )
     return chunks
@@ -308,6 +318,30 @@ def _average_data_parallel_grads(chunks, ps) -> None:
             group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(dp)
+
+
+def _mtp_losses() -> dict[str, torch.Tensor]:
+    """This microbatch's MTP loss per depth (`{"mtp_<k> loss": ...}`) from megatron-core's tracker, which is then
+    zeroed, so each microbatch reads only its own; empty without MTP."""
+    from mhc_core.megatron.mtp import tracked_mtp_losses
+
+    values = tracked_mtp_losses()
+    if values is None:
+        return {}
+    out = {f"mtp_{k + 1} loss": v.detach().clone() for k, v in enumerate(values)}
+    values.zero_()
+    return out
+
+
+def _allreduce_embedding_grads(chunks, ps) -> None:
+    """What megatron's finalize_model_grads does for the word embedding with MTP under pipeline stages: the first
+    stage's and the MTP stage's copies sum their gradients over the embedding group."""
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+        return
+    for c in chunks:
+        embedding = getattr(c, "embedding", None)
+        if embedding is not None:
+            dist.all_reduce(embedding.word_embeddings.weight.grad, group=ps.get_embedding_group())
 
 
 def _allreduce_sequence_parallel_grads(chunks, ps) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from harness.launch.torchrun import LaunchError, live_pids
-from suites.pp.compare_runs import compare_to_reference, load_run
+from suites.pp.compare_runs import compare_to_reference, load_run, worst_differences
 from suites.pp.launch import run_worker
 
 HIDDEN, N = 32, 4
@@ -50,6 +50,18 @@ CASES = [
     # scaled by 1/2 and summed, then the ranks, where one process scales four by 1/4: fp32 reordering, measured
     # 5.4e-6 relative at worst, on an mHC alpha's gradient).
     Case(name="ep2-moe", nproc=2, args=("--ep", "2", "--moe", "alltoall"), reference="mhc-moe", rtol=1e-5),
+    # Two MTP depths on the last stage (dev's numerics: each depth its own learned contraction), every
+    # microbatch's mtp_1 / mtp_2 loss compared too. The word embedding's gradient is summed over the first and the
+    # MTP stage (an all-reduce, as megatron's finalize_model_grads does) where one process accumulates both uses in
+    # autograd's order: fp32 reordering, which moves the second step's gradients (measured in docs/pipeline.md).
+    Case(name="pp2-mtp", nproc=2, args=("--pp", "2", "--mtp", "2", "--numerics", "dev"), reference="mhc-mtp",
+         rtol=1e-5),
+    Case(name="pp2-vpp2-mtp", nproc=2, args=("--pp", "2", "--vpp", "2", "--mtp", "2", "--numerics", "dev"),
+         reference="mhc-mtp", rtol=1e-5),
+    # PP 4 with the MTP depths and the loss on a stage of their own (no decoder layer there): the streams cross
+    # into it, and it contracts them (megatron-core would put the final layernorm with the last decoder layer).
+    Case(name="pp4-mtp-loss-stage", nproc=4, args=("--pp", "4", "--mtp", "2", "--numerics", "dev", "--layout",
+                                                  "Et|tt|t|mmL"), reference="mhc-mtp", rtol=1e-5),
     # No TP x PP with MoE here: megatron-core requires sequence parallelism with MoE and TP > 1, and the local
     # spec's torch norms refuse sequence parallelism (TE's or apex's norms take it: a GPU node).
 ]
@@ -62,10 +74,13 @@ def test_pipelined_run_reproduces_single_process(case, reference_runs, tmp_path)
     run_worker(tmp_path, case.nproc, [*case.args, "--init", str(ref_dir / "init.pt")])
     ref, run = load_run(ref_dir), load_run(tmp_path)
     problems = compare_to_reference(run, ref, case.rtol)
+    print(f"{case.name}: worst relative difference {worst_differences(run, ref)}")
     assert not problems, f"{len(problems)} mismatches:\n" + "\n".join(problems[:20])
     assert len(run.losses) == 2 and len(run.losses[0]) == 4
     if "--moe" in case.args:  # the routers' losses were tracked, every layer's on some rank
         assert all(bool((step["load_balancing_loss"] > 0).all()) for step in run.aux_losses), run.aux_losses
+    if "--mtp" in case.args:  # each microbatch's loss of each depth was tracked
+        assert all(len(mb) == 2 and min(mb) > 0 for step in run.mtp_losses for mb in step), run.mtp_losses
 
     if "--pp" not in case.args:  # no pipeline: no P2P traffic to check
         assert all(not shapes for shapes in run.shapes.values()), run.shapes
