@@ -28,7 +28,7 @@ if [ -z "${MHC_PYTHON312:-}" ] && command -v pyenv >/dev/null 2>&1; then
         export MHC_PYTHON312="$(pyenv root)/versions/$v/bin/python3.12"
     fi
 fi
-ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf,conformance,kernels,compat}
+ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf,conformance,typecheck,kernels,compat}
 # The perf env here is a smoke run beside the other lane (its figures are no measurement): three timed
 # repetitions per benchmark instead of five, and the peers at T 1024 with one compiled peer op
 # (suites/perf/peers.py), keep CI's wall time down (`tox -e perf` alone measures).
@@ -37,7 +37,8 @@ SIDE_ENVS=(compat kernels)
 # conformance (shared .tox/cpu, which the foreground's first env installs) follows kernels in the side lane,
 # which by then has run for minutes: with the kernels env's compile time cut, the foreground was the longer
 # lane (measured on a 2-core Zen 4 box, cold caches: 953 s against 956 s with perf there, 1217 s with perf here).
-if [[ ",$ENVS," == *",kernels,"* ]]; then SIDE_ENVS+=(conformance); fi
+# typecheck (mypy, cold: about a minute) follows it there, for the same reason.
+if [[ ",$ENVS," == *",kernels,"* ]]; then SIDE_ENVS+=(conformance typecheck); fi
 main=() side=()
 IFS=, read -ra requested <<< "$ENVS"
 for e in "${requested[@]}"; do

@@ -32,6 +32,8 @@ DEFAULT_BANDS: Mapping[str, ApproximateCheck] = {
     "mhc-amax-gain-bwd": ApproximateCheck(rtol=1e-5, atol=0.0, max_misses=0),
     "mhc-layer-gain-max": ApproximateCheck(rtol=1e-5, atol=0.0, max_misses=0),
     "mhc-sum-dev-max": ApproximateCheck(rtol=0.0, atol=1e-5, max_misses=0),
+    "mtp_1 loss": ApproximateCheck(rtol=1e-5, atol=0.0, max_misses=0),
+    "load_balancing_loss": ApproximateCheck(rtol=1e-5, atol=0.0, max_misses=0),
 }
 """Measured bands (see the module docstring); a recipe names them with `band: default`."""
 

@@ -65,6 +65,8 @@ class StepRecord:
     memory: dict[str, float] = field(default_factory=dict)
     stability: dict[str, float] = field(default_factory=dict)
     """The mHC stability monitor's metrics of this step (`mhc_core.monitor.METRICS`), on mHC runs."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """Further losses of this step under Megatron's names (`mtp_1 loss`, ...)."""
 
     def metrics(self) -> dict[str, float]:
         out = {LM_LOSS: self.loss, ITERATION_TIME: self.seconds}
@@ -72,6 +74,7 @@ class StepRecord:
             out[GRAD_NORM] = self.grad_norm
         if self.num_zeros is not None:
             out[NUM_ZEROS] = self.num_zeros
+        out.update(self.extra)
         out.update(self.memory)
         out.update(self.stability)
         return out

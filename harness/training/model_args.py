@@ -57,9 +57,23 @@ class TrainArgs:
     """The fused mHC ops (`mhc_core.kernels` dispatch: cuTile on an NVIDIA GPU, else compiled)."""
     mhc_learned_contraction: bool = False
     """The learned block exit (`megatron_dev` only), as upstream dev's block contracts."""
+    disable_bias_linear: bool = False
+    """No biases in the linear layers (upstream's MoE recipes)."""
+    # MoE (megatron-core's MoELayer, local experts) and multi-token prediction
+    num_experts: int | None = None
+    """None: dense MLPs; else every MLP an MoE of this many experts."""
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    """None: --ffn-hidden-size."""
+    moe_token_dispatcher_type: str = "allgather"
+    moe_aux_loss_coeff: float = 0.0
+    mtp_num_layers: int | None = None
+    """Multi-token prediction depths on the last stage (None: no MTP)."""
+    mtp_loss_scaling_factor: float = 0.1
     # parallelism
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     # batch, schedule, optimizer
     micro_batch_size: int
@@ -152,8 +166,17 @@ FLAGS: dict[str, _Flag] = {
     "--mhc-h-res-constraint": _f(str, choices=("sinkhorn", "none")),
     "--use-fused-mhc": _f(bool),
     "--mhc-learned-contraction": _f(bool),
+    "--disable-bias-linear": _f(bool),
+    "--num-experts": _f(int, minimum=1),
+    "--moe-router-topk": _f(int, minimum=1),
+    "--moe-ffn-hidden-size": _f(int, minimum=1),
+    "--moe-token-dispatcher-type": _f(str, choices=("allgather", "alltoall")),
+    "--moe-aux-loss-coeff": _f(float, minimum=0.0),
+    "--mtp-num-layers": _f(int, minimum=1),
+    "--mtp-loss-scaling-factor": _f(float, minimum=0.0),
     "--tensor-model-parallel-size": _f(int, minimum=1),
     "--pipeline-model-parallel-size": _f(int, minimum=1),
+    "--expert-model-parallel-size": _f(int, minimum=1),
     "--sequence-parallel": _f(bool),
     "--micro-batch-size": _f(int, minimum=1),
     "--global-batch-size": _f(int, minimum=1),
@@ -279,6 +302,13 @@ def _cross_check(a: TrainArgs, source: str) -> None:
         raise bad("--sequence-parallel", True, "needs --tensor-model-parallel-size > 1")
     if a.save_interval is not None and a.save_interval > a.train_iters:
         raise bad("--save-interval", a.save_interval, f"must be <= --train-iters={a.train_iters}")
+    if a.num_experts is None and a.expert_model_parallel_size > 1:
+        raise bad("--expert-model-parallel-size", a.expert_model_parallel_size, "needs --num-experts")
+    if a.num_experts is not None and a.num_experts % a.expert_model_parallel_size:
+        raise bad("--num-experts", a.num_experts,
+                  f"must be divisible by --expert-model-parallel-size={a.expert_model_parallel_size}")
+    if a.num_experts is not None and a.moe_router_topk > a.num_experts:
+        raise bad("--moe-router-topk", a.moe_router_topk, f"must be <= --num-experts={a.num_experts}")
     if a.recompute_modules is not None and a.recompute_granularity is None:
         raise bad("--recompute-modules", list(a.recompute_modules), "needs --recompute-granularity selective")
 

@@ -366,6 +366,9 @@ def resolve(recipe: Recipe, hw: str, *, variables: Mapping[str, str] | None = No
         raise _err(recipe.path, f"HARDWARE.{hw}.nproc", spec.nproc,
                    f"{ranks} = {world} ranks must be a multiple of TP*PP = {args.model_parallel_size}")
     dp = world // args.model_parallel_size
+    if (dp * args.tensor_model_parallel_size) % args.expert_model_parallel_size:
+        raise _err(recipe.path, "MODEL_ARGS.--expert-model-parallel-size", args.expert_model_parallel_size,
+                   f"must divide DP * TP = {dp} * {args.tensor_model_parallel_size} ({ranks} on {hw})")
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise _err(recipe.path, "MODEL_ARGS.--global-batch-size", args.global_batch_size,
                    f"must be a multiple of --micro-batch-size * DP = {args.micro_batch_size} * {dp} "

@@ -68,7 +68,8 @@ def _config(a: TrainArgs, backend: str, tree_flavor: str | None = None) -> Any:
         recompute_modules=list(a.recompute_modules) if a.recompute_modules else None,
         deterministic_mode=a.deterministic_mode, gradient_accumulation_fusion=False,
         mhc_sinkhorn_iterations=a.mhc_sinkhorn_iterations, mhc_init_gating_factor=a.mhc_init_gating_factor,
-        deallocate_pipeline_outputs=False,
+        deallocate_pipeline_outputs=False, add_bias_linear=not a.disable_bias_linear,
+        **_moe_and_mtp(a),
         # gloo matches messages between a pair of ranks first-in-first-out; batched P2P posts sends and
         # receives in one fixed order, which gloo cannot match for PP = 2 (see suites/pp/pp_worker.py).
         batch_p2p_comm=backend == "nccl",
@@ -87,6 +88,48 @@ def _config(a: TrainArgs, backend: str, tree_flavor: str | None = None) -> Any:
         mhc_variant=a.mhc_variant, mhc_h_res_constraint=a.mhc_h_res_constraint, use_fused_mhc=a.use_fused_mhc,
         mhc_learned_contraction=a.mhc_learned_contraction,
     )
+
+
+def _moe_and_mtp(a: TrainArgs) -> dict[str, Any]:
+    """Config keywords of the MoE and MTP flags (none for a dense model without MTP, so its config is unchanged)."""
+    out: dict[str, Any] = {}
+    if a.num_experts is not None:
+        out.update(num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+                   moe_ffn_hidden_size=a.moe_ffn_hidden_size or a.ffn_size,
+                   moe_token_dispatcher_type=a.moe_token_dispatcher_type, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
+                   expert_model_parallel_size=a.expert_model_parallel_size)
+    if a.mtp_num_layers is not None:
+        out.update(mtp_num_layers=a.mtp_num_layers, mtp_loss_scaling_factor=a.mtp_loss_scaling_factor)
+    return out
+
+
+def _mtp_metrics(num_microbatches: int) -> dict[str, float]:
+    """`{"mtp_<k> loss": ...}` of this step, as megatron's training loop logs it (`track_mtp_metrics`): each depth's
+    tracked sum of micro-batch means over `num_microbatches`, averaged over data parallel; the tracker is zeroed."""
+    from megatron.core import parallel_state as ps
+
+    from mhc_core.megatron.mtp import tracked_mtp_losses
+
+    values = tracked_mtp_losses()
+    if values is None:
+        return {}
+    total = values.detach().clone()
+    values.zero_()
+    dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    total /= ps.get_data_parallel_world_size(with_context_parallel=True) * num_microbatches
+    return {f"mtp_{k + 1} loss": float(v) for k, v in enumerate(total)}
+
+
+def _moe_metrics(a: TrainArgs, step: int, num_microbatches: int) -> dict[str, float]:
+    """The routers' tracked losses of this step (`load_balancing_loss`, ...) as megatron's training loop logs them
+    (`track_moe_metrics`: summed over the pipeline stages, averaged over data parallel, over `num_microbatches`,
+    the mean over the MoE layers); the tracker is cleared. Every rank calls it (its reductions span PP and DP)."""
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    totals: dict[str, torch.Tensor] = {}
+    track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=step, total_loss_dict=totals,
+                      num_layers=a.num_layers, mtp_num_layers=a.mtp_num_layers)
+    return {name: float(value) for name, value in totals.items()}
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -210,18 +253,20 @@ class Trainer:
         ok, grad_norm, num_zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
-        loss = float("nan")
+        loss, extra = float("nan"), {}
+        moe = _moe_metrics(a, step, plan.num_microbatches) if a.num_experts is not None else {}
         if self.holds_loss:
             total = torch.vstack([r["lm loss"].view(-1) for r in reports]).sum(dim=0)
             dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
             loss = float(total[0] / total[1])
+            extra = {**_mtp_metrics(plan.num_microbatches), **moe}
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return StepRecord(step=step, loss=loss, grad_norm=None if grad_norm is None else float(grad_norm),
                           num_zeros=None if num_zeros is None else float(num_zeros),
                           seconds=time.perf_counter() - start,
                           learning_rate=self.optimizer.param_groups[0]["lr"], memory=memory_metrics(),
-                          stability=stability)
+                          stability=stability, extra=extra)
 
     def train(self, *, start: int = 0, save: Path | None = None) -> list[StepRecord]:
         """Steps start+1 .. train_iters; saves every --save-interval steps into `save` (when given)."""

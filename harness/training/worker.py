@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.deterministic_mode:
         torch.use_deterministic_algorithms(True)
     ps.initialize_model_parallel(tensor_model_parallel_size=a.tensor_model_parallel_size,
-                                 pipeline_model_parallel_size=a.pipeline_model_parallel_size)
+                                 pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+                                 expert_model_parallel_size=a.expert_model_parallel_size)
     try:
         trainer = Trainer(plan, data_cache=cli.data_cache, tree_flavor=cli.tree_flavor, init=cli.init)
         if cli.dump_init is not None:

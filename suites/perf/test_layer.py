@@ -36,6 +36,7 @@ from mhc_core.analysis import layer_extra_bytes
 from mhc_core.kernels import dispatch
 from mhc_core.recompute import StreamRecompute
 from suites.perf.memory import peak_bytes, saved_activation_bytes
+from suites.perf.peers import smoke
 from suites.perf.timing import copy_seconds, paired_samples, synced
 from tools.cutile.gpu_cases import LAYER_SIZES
 from tools.device_time import device_busy_seconds
@@ -64,7 +65,9 @@ GPU_SHAPES = tuple(LayerShape(seq=s, batch=b, hidden=c, heads=h) for s, b, c, h 
 their kernels ahead of time)."""
 CPU_SHAPE = LayerShape(seq=256, batch=2, hidden=1024, heads=8)
 """The largest CPU layer the 2-core box times in seconds: hidden 1024, 512 tokens."""
-SHAPES = GPU_SHAPES if DEVICE == "cuda" else (CPU_SHAPE,)
+SMOKE_CPU_SHAPE = LayerShape(seq=128, batch=2, hidden=512, heads=8)
+"""CI's smoke run (`MHC_PERF_SMOKE=1`): a quarter of the work, the same code paths (measure with `tox -e perf`)."""
+SHAPES = GPU_SHAPES if DEVICE == "cuda" else ((SMOKE_CPU_SHAPE,) if smoke() else (CPU_SHAPE,))
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 

@@ -114,8 +114,8 @@ def test_hung_rank_is_killed_at_the_timeout(reference_runs, tmp_path):
     init = reference_runs["mhc"] / "init.pt"
     with pytest.raises(LaunchError) as err:
         # Rank 0 of a PP=2 run whose rank 1 hangs before the first P2P: rank 0 blocks in recv.
-        run_worker(tmp_path, 2, ["--pp", "2", "--init", str(init), "--hang-rank", "1"], timeout=25)
+        run_worker(tmp_path, 2, ["--pp", "2", "--init", str(init), "--hang-rank", "1"], timeout=12)
     assert err.value.result.timed_out
-    assert "timed out after 25 s and was killed" in str(err.value)
+    assert "timed out after 12 s and was killed" in str(err.value)
     assert "--- rank 0 stderr" in str(err.value)
     assert not live_pids("pp_worker.py", str(tmp_path))
