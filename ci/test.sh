@@ -3,7 +3,7 @@
 #
 # Two lanes, so that a 2-core machine is kept busy: the `compat` and `kernels` envs (each with its
 # own environment and no tox package build, so nothing is shared with the other lane) run in the
-# background, in that order, then `conformance` (in the shared CPU env, long installed by then), while
+# background, in that order, then `conformance` and `typecheck` (in the shared CPU env, long installed by then), while
 # the other CPU envs run in the foreground. compat goes first: its
 # download of the CUDA torch wheel needs little CPU and overlaps the foreground, and the kernels
 # env, which keeps both cores busy, is the tail. Their output goes to .tox/ci-side.log and is
