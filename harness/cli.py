@@ -9,6 +9,7 @@ writable); 2 bad usage (arguments, unknown suite).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from collections.abc import Sequence
@@ -204,6 +205,10 @@ def _cmd_import(args: argparse.Namespace) -> int:
         old = None
     meta = build_meta(hw=key, suite=args.suite, case=args.case, golden=golden,
                       source=f"import-megatron {Path(args.file).name}", repeats=1)
+    # Where the values come from (the versions and commit above are the importing machine's, not the recording's).
+    meta["imported"] = {"file": args.upstream_path or Path(args.file).name,
+                        "file_sha256": hashlib.sha256(Path(args.file).read_bytes()).hexdigest(),
+                        "upstream_commit": args.upstream_commit}
     if old is not None:
         print(f"replacing the existing {args.suite}/{args.case} on {key}:")
         print("\n".join(change_lines(old, golden)))
@@ -362,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hw", required=True)
     s.add_argument("--golden-dir", default="golden")
     s.add_argument("--allow-unknown-hw", action="store_true")
+    s.add_argument("--upstream-commit", default=None, help="the commit of the tree the file comes from (provenance)")
+    s.add_argument("--upstream-path", default=None, help="the file's path in that tree (provenance)")
     s.set_defaults(func=_cmd_import)
 
     s = sub.add_parser("import-log", help="a Megatron training log (stdout, or a TensorBoard log directory) as a "

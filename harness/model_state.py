@@ -2,8 +2,9 @@
 
 Runs that must start from the same weights (a pipelined run and the single process, a Megatron-LM
 tree and our integration) exchange one full state dict keyed by the names of the single-stage model:
-decoder layers by their global number (`layer_number - 1`), TP-split parameters whole. Each rank
-loads the slice it holds.
+decoder layers by their global number (`layer_number - 1`), TP-split parameters whole, an MTP depth's inner
+layer under upstream dev's name (`mtp.layers.<k>.mtp_model_layer.`, `transformer_layer` in megatron-core 0.16).
+Each rank loads the slice it holds.
 """
 
 from __future__ import annotations
@@ -14,7 +15,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["full_names", "gather_full_state", "load_full_state", "shard"]
+__all__ = ["canonical_name", "full_names", "gather_full_state", "load_full_state", "shard"]
+
+_MTP_INNER = (".transformer_layer.", ".mtp_model_layer.")
+"""megatron-core 0.16's name of an MTP depth's inner layer, and upstream dev's (and 0.17+'s)."""
+
+
+def canonical_name(name: str) -> str:
+    """`name` with an MTP depth's inner layer under dev's name (every other name unchanged)."""
+    old, new = _MTP_INNER
+    if name.startswith("mtp.layers.") and old in name:
+        return name.replace(old, new, 1)
+    return name
 
 
 def full_names(chunk: Any) -> dict[str, str]:
@@ -38,7 +50,7 @@ def full_names(chunk: Any) -> dict[str, str]:
                         break
                 full = global_prefix + rest
                 break
-        mapping[local] = full
+        mapping[local] = canonical_name(full)
     return mapping
 
 

@@ -33,36 +33,45 @@ def tree_config(flavor: str, **kwargs: Any) -> Any:
     return TransformerConfig(**kwargs, **names)
 
 
-def layer_spec(flavor: str) -> Any:
-    """The tree's mHC layer spec (local modules): dev's builder, or main's classes assembled here."""
+def layer_spec(flavor: str, num_experts: int | None = None) -> Any:
+    """The tree's mHC layer spec (local modules, MoE MLPs of `num_experts` local experts when given): dev's
+    builder, or main's classes assembled here."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if flavor == "dev":
-        return get_gpt_layer_local_spec(enable_hyper_connection=True)
+        return get_gpt_layer_local_spec(num_experts=num_experts, enable_hyper_connection=True)
     from megatron.core.transformer.hyper_connection import HyperConnectionModule
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import HyperConnectionTransformerLayer
 
-    stock = get_gpt_layer_local_spec()
+    stock = get_gpt_layer_local_spec(num_experts=num_experts)
     submodules = dataclasses.replace(stock.submodules, self_attention_hyper_connection=HyperConnectionModule,
                                      mlp_hyper_connection=HyperConnectionModule)
     return ModuleSpec(module=HyperConnectionTransformerLayer, submodules=submodules)
 
 
-def tree_chunks(flavor: str, config: Any, *, vocab: int, seq: int, vpp: int | None) -> list[Any]:
-    """The model chunks of this rank (one per virtual stage), each a tree `GPTModel`."""
+def tree_chunks(flavor: str, config: Any, *, vocab: int, seq: int, vpp: int | None, **kwargs: Any) -> list[Any]:
+    """The model chunks of this rank (one per virtual stage), each a tree `GPTModel`: MoE MLPs where
+    `config.num_moe_experts` is set, and with `config.mtp_num_layers` the MTP block of the tree's own
+    `get_gpt_mtp_block_spec` on the stage that holds it; `kwargs` go to `GPTModel` (`position_embedding_type`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    spec = layer_spec(flavor)
+    spec = layer_spec(flavor, num_experts=getattr(config, "num_moe_experts", None))
     chunks = []
     for vp in range(vpp or 1):
         vp_stage = vp if vpp else None
+        mtp: dict[str, Any] = {}
+        if getattr(config, "mtp_num_layers", None):
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
+                                                           vp_stage=vp_stage)
         chunks.append(GPTModel(
             config, spec, vocab_size=vocab, max_sequence_length=seq,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage, share_embeddings_and_output_weights=False))
+            vp_stage=vp_stage, share_embeddings_and_output_weights=False, **mtp, **kwargs))
     return chunks
 
 

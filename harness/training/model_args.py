@@ -57,6 +57,15 @@ class TrainArgs:
     """The fused mHC ops (`mhc_core.kernels` dispatch: cuTile on an NVIDIA GPU, else compiled)."""
     mhc_learned_contraction: bool = False
     """The learned block exit (`megatron_dev` only), as upstream dev's block contracts."""
+    mhc_recompute_layer_num: int | None = None
+    """With `mhc` in --recompute-modules: layers per mHC recompute group (None: the whole chunk)."""
+    # GPU-only features of upstream's recipes: recorded so their recipes load; the trainer refuses them
+    cuda_graph_impl: str = "none"
+    cuda_graph_modules: tuple[str, ...] | None = None
+    cuda_graph_warmup_steps: int | None = None
+    te_rng_tracker: bool = False
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    overlap_moe_expert_parallel_comm: bool = False
     disable_bias_linear: bool = False
     """No biases in the linear layers (upstream's MoE recipes)."""
     # MoE (megatron-core's MoELayer, local experts) and multi-token prediction
@@ -67,6 +76,9 @@ class TrainArgs:
     """None: --ffn-hidden-size."""
     moe_token_dispatcher_type: str = "allgather"
     moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_grouped_gemm: bool = False
+    moe_router_dtype: str | None = None
     mtp_num_layers: int | None = None
     """Multi-token prediction depths on the last stage (None: no MTP)."""
     mtp_loss_scaling_factor: float = 0.1
@@ -74,6 +86,7 @@ class TrainArgs:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     sequence_parallel: bool = False
     # batch, schedule, optimizer
     micro_batch_size: int
@@ -172,6 +185,17 @@ FLAGS: dict[str, _Flag] = {
     "--moe-ffn-hidden-size": _f(int, minimum=1),
     "--moe-token-dispatcher-type": _f(str, choices=("allgather", "alltoall")),
     "--moe-aux-loss-coeff": _f(float, minimum=0.0),
+    "--moe-router-load-balancing-type": _f(str, choices=("aux_loss", "seq_aux_loss", "none")),
+    "--moe-grouped-gemm": _f(bool),
+    "--moe-router-dtype": _f(str, choices=("fp32", "fp64")),
+    "--mhc-recompute-layer-num": _f(int, minimum=1),
+    "--cuda-graph-impl": _f(str, choices=("none", "local", "transformer_engine")),
+    "--cuda-graph-modules": _f(tuple),
+    "--cuda-graph-warmup-steps": _f(int, minimum=0),
+    "--te-rng-tracker": _f(bool),
+    "--num-layers-per-virtual-pipeline-stage": _f(int, minimum=1),
+    "--overlap-moe-expert-parallel-comm": _f(bool),
+    "--expert-tensor-parallel-size": _f(int, minimum=1),
     "--mtp-num-layers": _f(int, minimum=1),
     "--mtp-loss-scaling-factor": _f(float, minimum=0.0),
     "--tensor-model-parallel-size": _f(int, minimum=1),

@@ -86,8 +86,27 @@ def _config(a: TrainArgs, backend: str, tree_flavor: str | None = None) -> Any:
     return MHCTransformerConfig(
         **common, enable_mhc_connections=a.enable_mhc_connections, mhc_num_residual_streams=a.mhc_num_residual_streams,
         mhc_variant=a.mhc_variant, mhc_h_res_constraint=a.mhc_h_res_constraint, use_fused_mhc=a.use_fused_mhc,
-        mhc_learned_contraction=a.mhc_learned_contraction,
+        mhc_learned_contraction=a.mhc_learned_contraction, mhc_recompute_layer_num=a.mhc_recompute_layer_num,
     )
+
+
+UNSUPPORTED = {
+    "cuda_graph_impl": ("none", "CUDA graph capture (upstream's training loop drives it; this runner does not)"),
+    "num_layers_per_virtual_pipeline_stage": (None, "interleaved pipeline schedules (this runner trains one model "
+                                                    "chunk per rank; the pp suite runs them)"),
+    "overlap_moe_expert_parallel_comm": (False, "the MoE a2a-overlap schedule (refused with mHC: docs/megatron.md)"),
+}
+"""Flags of upstream's GPU recipes this runner refuses, with why (their goldens are committed as data)."""
+
+
+def _refuse_unsupported(a: TrainArgs) -> None:
+    """`NotImplementedError` naming each flag of `UNSUPPORTED` that is set."""
+    from harness.training.model_args import flag_of
+
+    bad = [f"{flag_of(name)}={getattr(a, name)!r}: {why}" for name, (off, why) in UNSUPPORTED.items()
+           if getattr(a, name) != off]
+    if bad:
+        raise NotImplementedError("this runner does not train with " + "; ".join(bad))
 
 
 def _moe_and_mtp(a: TrainArgs) -> dict[str, Any]:
@@ -97,7 +116,10 @@ def _moe_and_mtp(a: TrainArgs) -> dict[str, Any]:
         out.update(num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
                    moe_ffn_hidden_size=a.moe_ffn_hidden_size or a.ffn_size,
                    moe_token_dispatcher_type=a.moe_token_dispatcher_type, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
-                   expert_model_parallel_size=a.expert_model_parallel_size)
+                   moe_router_load_balancing_type=a.moe_router_load_balancing_type,
+                   moe_grouped_gemm=a.moe_grouped_gemm, moe_router_dtype=a.moe_router_dtype,
+                   expert_model_parallel_size=a.expert_model_parallel_size,
+                   expert_tensor_parallel_size=a.expert_tensor_parallel_size)
     if a.mtp_num_layers is not None:
         out.update(mtp_num_layers=a.mtp_num_layers, mtp_loss_scaling_factor=a.mtp_loss_scaling_factor)
     return out
@@ -162,6 +184,7 @@ class Trainer:
         from mhc_core.megatron.gpt import build_gpt_model
 
         self.plan, a = plan, plan.args
+        _refuse_unsupported(a)
         _seed(a.seed)
         self.config = _config(a, plan.backend, tree_flavor)
         self.holds_loss = ps.is_pipeline_last_stage()
@@ -175,7 +198,13 @@ class Trainer:
 
             from harness.tree_model import layer_spec
 
-            model = GPTModel(self.config, layer_spec(tree_flavor), **sizes)
+            spec = layer_spec(tree_flavor, num_experts=a.num_experts)
+            mtp: dict[str, Any] = {}
+            if a.mtp_num_layers is not None:
+                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+                mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(self.config, spec, use_transformer_engine=False)
+            model = GPTModel(self.config, spec, **sizes, **mtp)
         else:
             model = build_gpt_model(self.config, spec="te" if a.transformer_impl == "transformer_engine" else "local",
                                     **sizes)

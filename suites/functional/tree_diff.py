@@ -31,10 +31,11 @@ __all__ = ["CASES", "METRICS", "OUR_NUMERICS", "RECIPE_DIR", "differences", "dum
            "functional_checks", "recipe_sha256", "skip_reason",
            "run_ours", "run_tree"]
 
-CASES = ("gpt_tp2_pp2_mhc", "gpt_tp1_pp1_mhc", "gpt_tp1_pp1_mhc_gate1")
+CASES = ("gpt_tp2_pp2_mhc", "gpt_tp1_pp1_mhc", "gpt_tp1_pp1_mhc_gate1", "gpt_tp1_pp2_ep2_mhc_moe",
+         "gpt_tp1_pp2_mhc_mtp")
 """The recipes a tree trains: TP 2 x PP 2 (4 ranks, 20 steps: upstream's gpt3_mcore_tp2_pp2_mhc at CPU
-size) and the one-rank mHC recipes (24 steps; gate1 starts the gates at 1.0, so that the mix is far from
-uniform from step 1 and an orientation or variant difference shows in the loss)."""
+size), the one-rank mHC recipes (24 steps; gate1 starts the gates at 1.0, so that the mix is far from
+uniform from step 1 and an orientation or variant difference shows in the loss), MoE with EP 2 and MTP."""
 
 
 def skip_reason(case: str, hw: str, flavor: str) -> str | None:
@@ -46,8 +47,8 @@ def skip_reason(case: str, hw: str, flavor: str) -> str | None:
         return f"{case} has PP {plan.args.pipeline_model_parallel_size}: {MAIN_PP_NOTE}"
     return None
 
-METRICS = ("lm loss", "grad-norm", "num-zeros")
-"""Compared step by step. The stability metrics come from `mhc_core.monitor`, which reads mhc_core's
+METRICS = ("lm loss", "grad-norm", "num-zeros", "mtp_1 loss", "load_balancing_loss")
+"""Compared step by step, each where the tree's run has it (the MTP and router losses on those recipes). The stability metrics come from `mhc_core.monitor`, which reads mhc_core's
 `HyperConnectionModule`: the tree's module has no such hook, so they are ours only."""
 
 OUR_NUMERICS: Mapping[str, Mapping[str, Any]] = {
@@ -99,7 +100,7 @@ def differences(ours: Mapping[str, Mapping[int, float]], theirs: Mapping[str, Ma
     pick = {m: dict(theirs[m]) for m in metrics if m in theirs}
     mine = {m: dict(ours[m]) for m in metrics if m in ours}
     return drift(to_golden(pick, source="the tree's run"), to_golden(mine, source="our run"),
-                 {m: DEFAULT_BANDS[m] for m in metrics})
+                 {m: DEFAULT_BANDS[m] for m in metrics if m in pick or m in mine})
 
 
 def describe(rows: list[MetricDrift]) -> str:

@@ -78,26 +78,32 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
 
 
 class TreeRuns:
-    """The tree of `$MHC_MEGATRON_LM` (validated and imported once) and its single-process reference run."""
+    """The tree of `$MHC_MEGATRON_LM` (validated and imported once) and its single-process reference runs: the
+    dense GPT (`"dense"`), with MoE MLPs (`"moe"`) and with two MTP depths (`"mtp"`), each launched on first use."""
+
+    FLAGS = {"dense": [], "moe": ["--moe", "alltoall"], "mtp": ["--mtp", "2"]}
 
     def __init__(self, tree, root: Path) -> None:
-        self.tree, self.root, self._ref, self._failed = tree, root, None, None
+        self.tree, self.root = tree, root
+        self._refs: dict[str, Path] = {}
+        self._failed: dict[str, Exception] = {}
 
-    def reference(self) -> Path:
-        """The tree's single-process run (init.pt + rank0.pt), launched on first use."""
+    def reference(self, model: str = "dense") -> Path:
+        """The tree's single-process run of `model` (init.pt + rank0.pt), launched on first use."""
         from suites.pp.launch import run_worker
 
-        if self._failed is not None:
-            raise self._failed
-        if self._ref is None:
-            out = self.root / "tree-reference"
+        if model in self._failed:
+            raise self._failed[model]
+        if model not in self._refs:
+            out = self.root / f"tree-reference-{model}"
             try:
-                run_worker(out, 1, ["--impl", "tree", "--flavor", self.tree.flavor], tree=self.tree.path)
+                run_worker(out, 1, ["--impl", "tree", "--flavor", self.tree.flavor, *self.FLAGS[model]],
+                           tree=self.tree.path)
             except Exception as exc:
-                self._failed = exc
+                self._failed[model] = exc
                 raise
-            self._ref = out
-        return self._ref
+            self._refs[model] = out
+        return self._refs[model]
 
 
 @pytest.fixture(scope="session")

@@ -97,7 +97,7 @@ def main() -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func, p2p_communication, schedules
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from harness.model_state import full_names, load_full_state
+    from harness.model_state import canonical_name, full_names, load_full_state
     from mhc_core.megatron import cpu_support
 
     cpu_support.install()
@@ -156,7 +156,8 @@ def main() -> None:
 
         try:
             config = tree_config(args.flavor, n=m["n"], **common)
-            chunks = tree_chunks(args.flavor, config, vocab=m["vocab"], seq=m["seq"], vpp=args.vpp)
+            chunks = tree_chunks(args.flavor, config, vocab=m["vocab"], seq=m["seq"], vpp=args.vpp,
+                                 **({"position_embedding_type": "rope"} if args.mtp else {}))
         except (ValueError, AssertionError, NotImplementedError) as exc:  # the tree's own validation
             (Path(args.out) / f"refusal-rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n", encoding="utf-8")
             raise SystemExit(REFUSED) from exc
@@ -168,7 +169,8 @@ def main() -> None:
     out = Path(args.out)
     if args.init is None:
         assert args.pp == 1 and args.tp == 1, "only the reference run writes the initial weights"
-        torch.save({k: v.clone() for k, v in chunks[0].state_dict().items() if v is not None}, out / "init.pt")
+        torch.save({canonical_name(k): v.clone() for k, v in chunks[0].state_dict().items() if v is not None},
+                   out / "init.pt")
     else:
         load_full_state(chunks, torch.load(args.init), source=f"--init {args.init}", tp_rank=tp_rank, tp_size=tp_size)
 

@@ -43,6 +43,8 @@ class TreeCase:
     args: tuple[str, ...]
     rtol: float = 1e-6
     vpp: bool = False
+    model: str = "dense"
+    """The tree's single-process run it must reproduce (`TreeRuns.FLAGS`): `dense`, `moe` or `mtp`."""
 
 
 CASES = [
@@ -53,7 +55,18 @@ CASES = [
     # TP splits every matmul's reduction; dev's learned block exit has a small, cancellation-dominated
     # gradient (hc_head_fn, |g| ~1e-5): measured 5.6e-6 against the tree's single process.
     TreeCase(name="tp2-pp2", nproc=4, args=("--tp", "2", "--pp", "2"), rtol=2e-5),
+    # MoE MLPs (4 local experts, top-2, alltoall) and two MTP depths, as in test_pp_runs.py (same bounds: EP's data
+    # parallelism and the MTP stage's embedding-gradient sum reorder fp32 sums).
+    TreeCase(name="pp2-moe", nproc=2, args=("--pp", "2", "--moe", "alltoall"), model="moe"),
+    TreeCase(name="ep2-moe", nproc=2, args=("--ep", "2", "--moe", "alltoall"), model="moe", rtol=1e-5),
+    TreeCase(name="pp2-mtp", nproc=2, args=("--pp", "2", "--mtp", "2"), model="mtp", rtol=1e-5),
+    TreeCase(name="pp2-vpp2-mtp", nproc=2, args=("--pp", "2", "--vpp", "2", "--mtp", "2"), model="mtp", rtol=1e-5,
+             vpp=True),
+    TreeCase(name="pp4-mtp-loss-stage", nproc=4, args=("--pp", "4", "--mtp", "2", "--layout", "Et|tt|t|mmL"),
+             model="mtp", rtol=1e-5),
 ]
+MODELS = {"dense": (), "moe": ("--moe", "alltoall"), "mtp": ("--mtp", "2")}
+"""Each model's worker flags (the single-process runs)."""
 
 
 def _numerics(tree) -> list[str]:
@@ -71,17 +84,44 @@ def _launch_tree(tree, out: Path, nproc: int, args: list[str]):
         raise
 
 
-def test_tree_single_process_matches_ours(tree_runs, tmp_path, tree_report, tree_rows):
+def _reference(tree_runs, model: str, case: str, tree_rows) -> Path:
+    """The tree's single-process run of `model`; a tree that raises in it is a finding: the row names the case and
+    the tree's error, and the test fails with it (the other cases still run)."""
+    try:
+        return tree_runs.reference(model)
+    except LaunchError as exc:
+        tree_rows(TreeRow(suite="pp", case=case, comparison="tree vs its single process", tree=tree_runs.tree.label,
+                          ok=False, note=f"the tree's single process ({model}) raised: {_first_error(exc)}"))
+        pytest.fail(f"the tree ({tree_runs.tree.label}) raised in its single-process {model} run: "
+                    f"{_first_error(exc)}", pytrace=False)
+
+
+def _first_error(exc: LaunchError) -> str:
+    """The first `[rankN]: SomethingError: message` line of a failed launch with the frame that raised it (the
+    last `File ..., line ..., in ...` before it), else the message's first line."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    for i, line in enumerate(lines):
+        if "Error:" in line or "Exception:" in line:
+            frames = [f.split("]: ", 1)[-1].strip() for f in lines[:i]]
+            frames = [f for f in frames if f.startswith("File ")]
+            where = f" (at {frames[-1]})" if frames else ""
+            return line + where
+    return lines[0]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_tree_single_process_matches_ours(model, tree_runs, tmp_path, tree_report, tree_rows):
     """Our integration, from the tree's initial weights and on its microbatches, reproduces the tree's
-    single-process losses, gradients and updated weights."""
+    single-process losses (lm, MTP per depth), router losses, gradients and updated weights."""
     tree = tree_runs.tree
-    ref = tree_runs.reference()
-    run_worker(tmp_path, 1, [*_numerics(tree), "--init", str(ref / "init.pt")])
+    case = f"single-process-{model}"
+    ref = _reference(tree_runs, model, case, tree_rows)
+    run_worker(tmp_path, 1, [*MODELS[model], *_numerics(tree), "--init", str(ref / "init.pt")])
     theirs, ours = load_run(ref), load_run(tmp_path)
     worst = worst_differences(ours, theirs)
-    tree_report.add("single process", None, worst)
+    tree_report.add(case, None, worst)
     problems = compare_to_reference(ours, theirs, TREE_VS_OURS_RTOL)
-    tree_rows(TreeRow(suite="pp", case="single-process", comparison="tree vs ours", tree=tree.label, worst=worst,
+    tree_rows(TreeRow(suite="pp", case=case, comparison="tree vs ours", tree=tree.label, worst=worst,
                       ok=not problems, note=f"bound {TREE_VS_OURS_RTOL:g}"))
     assert not problems, (f"ours vs the tree ({tree.label}): {len(problems)} mismatches, first "
                           f"{problems[0]}\n" + "\n".join(problems[1:20]))
@@ -96,7 +136,7 @@ def test_tree_pipelined_run(case, tree_runs, tmp_path, tree_report, tree_rows):
         tree_rows(TreeRow(suite="pp", case=case.name, comparison="not run", tree=tree.label, ok=True,
                           note=MAIN_PP_NOTE))
         pytest.skip(f"{tree.label}: {MAIN_PP_NOTE}; {MAIN_SPEC_NOTE}")
-    ref = tree_runs.reference()
+    ref = _reference(tree_runs, case.model, case.name, tree_rows)
     init = ["--init", str(ref / "init.pt")]
     _launch_tree(tree, tmp_path / "tree", case.nproc, [*case.args, *init])
     single, run = load_run(ref), load_run(tmp_path / "tree")

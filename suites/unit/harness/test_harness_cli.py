@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import xml.etree.ElementTree as ET
 
@@ -148,6 +149,15 @@ class TestImport:
         meta = json.loads((tmp_path / "dgx_h100" / "functional" / "gpt_mhc.meta.json").read_text())
         assert meta["source"] == "import-megatron golden_values_legacy_nan.json"
         assert "iteration-time: 49 steps" in capsys.readouterr().out
+
+    def test_import_records_the_upstream_provenance(self, data_dir, tmp_path):
+        """The meta names the upstream file, its sha256 and the upstream commit given."""
+        src = data_dir / "golden_values_legacy_nan.json"
+        assert 0 == main(["import-megatron", str(src), "functional", "gpt_mhc", "--hw", "dgx_h100", "--golden-dir",
+                          str(tmp_path), "--upstream-commit", "d48bd6be", "--upstream-path", "tests/x/golden.json"])
+        meta = json.loads((tmp_path / "dgx_h100" / "functional" / "gpt_mhc.meta.json").read_text())
+        assert meta["imported"] == {"file": "tests/x/golden.json", "upstream_commit": "d48bd6be",
+                                    "file_sha256": hashlib.sha256(src.read_bytes()).hexdigest()}
 
     def test_import_says_what_it_drops_and_replaces(self, data_dir, tmp_path, capsys):
         """import-megatron counts the 'nan' steps it drops and shows the change when it replaces a case."""
