@@ -18,7 +18,10 @@ cost nothing) and reports (`StabilityReport`):
 A `MonitorConfig` bound turns a value into an alarm: warned once per kind with sublayer, step
 and value, or raised (`StabilityAlarm`). `log_report` writes a report through a TensorBoard
 `SummaryWriter` and / or a W&B run (megatron-core's usual writers) under `mhc/...` tags.
-Megatron-free: any module tree holding `HyperConnectionModule` s works.
+Megatron-free: any module tree holding `HyperConnectionModule` s works, and also a Megatron-LM tree's own
+`HyperConnectionModule` (main's or dev's: found by its `n`, `hidden_size` and `fused_h_res_h_post_bda`,
+whose forward returns `(aggregated, h_res, h_post, residual)` as ours): its applied matrix is probed through
+its own `fused_h_res_h_post_bda`; it claims no variant, so its orientation error is not measured.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from torch import nn
 from mhc_core.module import HyperConnectionModule
 from mhc_core.variants import ResidualConstraint, get_variant
 
-__all__ = ["METRICS", "MonitorConfig", "StabilityAlarm", "StabilityMonitor", "StabilityReport", "log_report"]
+__all__ = ["METRICS", "MonitorConfig", "StabilityAlarm", "StabilityMonitor", "StabilityReport", "is_tree_module",
+           "log_report"]
 
 METRICS = {
     "forward_gain": "mhc-amax-gain-fwd", "backward_gain": "mhc-amax-gain-bwd",
@@ -109,6 +113,13 @@ def _gains(m: torch.Tensor) -> tuple[float, float]:
     return float(a.sum(-1).amax()), float(a.sum(-2).amax())
 
 
+def is_tree_module(m: nn.Module) -> bool:
+    """A Megatron-LM tree's hyper connection (main or dev), told by what it has, not by where it comes from."""
+    return (not isinstance(m, HyperConnectionModule) and type(m).__name__ == "HyperConnectionModule"
+            and callable(getattr(m, "fused_h_res_h_post_bda", None)) and isinstance(getattr(m, "n", None), int)
+            and isinstance(getattr(m, "hidden_size", None), int))
+
+
 class StabilityMonitor:
     """Samples the mHC stack of `model` (a module or model chunks) every `config.every` steps.
 
@@ -124,11 +135,11 @@ class StabilityMonitor:
         self.config = config or MonitorConfig()
         chunks = [model] if isinstance(model, nn.Module) else list(model)
         self.chunks = len(chunks)
-        self.modules: list[tuple[str, HyperConnectionModule]] = []
+        self.modules: list[tuple[str, Any]] = []  # ours (HyperConnectionModule) or a tree's (is_tree_module)
         self._chunk_of: dict[str, int] = {}
         for i, chunk in enumerate(chunks):
             for name, m in chunk.named_modules():
-                if isinstance(m, HyperConnectionModule):
+                if isinstance(m, HyperConnectionModule) or is_tree_module(m):
                     key = f"{i}.{name}" if len(chunks) > 1 else name
                     self.modules.append((key, m))
                     self._chunk_of[key] = i
@@ -164,18 +175,21 @@ class StabilityMonitor:
             self._hook_seconds += time.perf_counter() - t0
         return hook
 
-    def _applied(self, name: str, module: HyperConnectionModule, h_res: torch.Tensor) -> torch.Tensor:
-        """`[T, n, n]`: the matrix `module.post_residual_bda` applies, probed with basis streams
-        (`y = 0`, `h_post = 0`) through the module's own ops; needs C >= n."""
+    def _applied(self, name: str, module: Any, h_res: torch.Tensor) -> torch.Tensor:
+        """`[T, n, n]`: the matrix the module's n-stream update applies, probed with basis streams (`y = 0`,
+        `h_post = 0`) through its own ops (`post_residual_bda`, a tree's `fused_h_res_h_post_bda`); needs C >= n."""
         t, n, c = h_res.shape[0], module.n, module.hidden_size
-        dev, dt = module.mapping_proj.weight.device, module.mapping_proj.weight.dtype
+        weight = next(module.parameters())
+        dev, dt = weight.device, weight.dtype
         basis = torch.zeros(t, 1, n, c, device=dev, dtype=dt)
         basis[:, 0, :, :n] = torch.eye(n, device=dev, dtype=dt)
+        args = (h_res.to(dev, dt).view(t, 1, n, n), basis.view(t, 1, n * c), torch.zeros(t, 1, n, device=dev, dtype=dt),
+                (torch.zeros(t, 1, c, device=dev, dtype=dt), None))
         with torch.no_grad():
-            out = module.post_residual_bda(h_res.to(dev, dt).view(t, 1, n, n), basis.view(t, 1, n * c),
-                                           torch.zeros(t, 1, n, device=dev, dtype=dt),
-                                           (torch.zeros(t, 1, c, device=dev, dtype=dt), None), dropout_p=0.0,
-                                           training=False)
+            if isinstance(module, HyperConnectionModule):
+                out = module.post_residual_bda(*args, dropout_p=0.0, training=False)
+            else:
+                out = module.fused_h_res_h_post_bda(*args, 0.0, False, False)
         return out.view(t, n, c)[:, :, :n].to(torch.float64)  # out_i[j] = M[i, j]
 
     def report(self, step: int, *, group: Any = None) -> StabilityReport | None:
@@ -195,14 +209,18 @@ class StabilityMonitor:
         worst, worst_name, sum_dev, orient = 0.0, "", 0.0, 0.0
         for name, module in self.modules:
             h = self._captured[name]
-            spec = get_variant(module.hc_config.variant)
-            expected = h.transpose(-1, -2) if spec.res_transposed else h
+            ours = isinstance(module, HyperConnectionModule)
+            expected = h  # a tree's module claims no variant: what it applies is what it is checked by
+            if ours:
+                spec = get_variant(module.hc_config.variant)
+                expected = h.transpose(-1, -2) if spec.res_transposed else h
             if module.hidden_size >= module.n:
                 applied = self._applied(name, module, h)
-                orient = max(orient, float((applied - expected).abs().max()))
+                if ours:
+                    orient = max(orient, float((applied - expected).abs().max()))
             else:
                 applied = expected
-            if module.hc_config.h_res_constraint == ResidualConstraint.SINKHORN:
+            if not ours or module.hc_config.h_res_constraint == ResidualConstraint.SINKHORN:
                 sum_dev = max(sum_dev, float((h.sum(-1) - 1).abs().max()), float((h.sum(-2) - 1).abs().max()))
             g = max(_gains(applied))
             if g > worst:

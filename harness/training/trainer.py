@@ -241,7 +241,7 @@ class Trainer:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.dataset = build_train_dataset(a, num_samples=a.train_iters * a.global_batch_size, cache_dir=data_cache)
         self.monitor = None
-        if a.enable_mhc_connections and tree_flavor is None:  # every step, 64 tokens: the stability curve
+        if a.enable_mhc_connections:  # every step, 64 tokens: the stability curve (a tree's modules too)
             from mhc_core.monitor import MonitorConfig, StabilityMonitor
 
             self.monitor = StabilityMonitor(self.chunks, MonitorConfig(every=1, tokens=64))

@@ -47,9 +47,11 @@ def skip_reason(case: str, hw: str, flavor: str) -> str | None:
         return f"{case} has PP {plan.args.pipeline_model_parallel_size}: {MAIN_PP_NOTE}"
     return None
 
-METRICS = ("lm loss", "grad-norm", "num-zeros", "mtp_1 loss", "load_balancing_loss")
-"""Compared step by step, each where the tree's run has it (the MTP and router losses on those recipes). The stability metrics come from `mhc_core.monitor`, which reads mhc_core's
-`HyperConnectionModule`: the tree's module has no such hook, so they are ours only."""
+METRICS = ("lm loss", "grad-norm", "num-zeros", "mtp_1 loss", "load_balancing_loss", "mhc-amax-gain-fwd",
+           "mhc-amax-gain-bwd")
+"""Compared step by step, each where both runs have it: the MTP and router losses on those recipes; the
+stability monitor's composite gains (`mhc_core.monitor` reads the tree's own hyper connections too, probing
+the matrix each applies through its own `fused_h_res_h_post_bda`; recordings made before it did hold none)."""
 
 OUR_NUMERICS: Mapping[str, Mapping[str, Any]] = {
     "dev": {"--mhc-variant": "megatron_dev", "--mhc-learned-contraction": True},

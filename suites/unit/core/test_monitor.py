@@ -168,3 +168,56 @@ def test_model_chunks_compose_in_order():
     whole, chunks, swapped = reports
     assert chunks.forward_gain == pytest.approx(whole.forward_gain, rel=1e-12) and chunks.sublayers == 6
     assert swapped.forward_gain != pytest.approx(whole.forward_gain, rel=1e-6)
+
+
+class HyperConnectionModule_(nn.Module):  # noqa: N801 - renamed below: a tree's class is called HyperConnectionModule
+    """A Megatron-LM tree's hyper connection as the monitor sees one: `n`, `hidden_size`, a forward returning
+    `(aggregated, h_res, h_post, residual)` and dev's `fused_h_res_h_post_bda` (H_res^T applied), here over one
+    of ours in dev's numerics."""
+
+    def __init__(self, inner: HyperConnectionModule):
+        super().__init__()
+        object.__setattr__(self, "inner", inner)  # not a submodule: the monitor must see the tree's class only
+        self.mapping_weight = inner.mapping_proj.weight  # the device and dtype the probe reads
+        self.n, self.hidden_size = inner.n, inner.hidden_size
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def fused_h_res_h_post_bda(self, h_res, residual, h_post, out_with_bias, dropout_prob, training, fused):
+        return self.inner.post_residual_bda(h_res, residual, h_post, out_with_bias, dropout_p=dropout_prob,
+                                            training=training)
+
+
+HyperConnectionModule_.__name__ = "HyperConnectionModule"
+
+
+class TreeStack(nn.Module):
+    """`Stack` through a tree's API: each update is the module's `fused_h_res_h_post_bda`."""
+
+    def __init__(self, hcs):
+        super().__init__()
+        self.hcs = nn.ModuleList(HyperConnectionModule_(hc) for hc in hcs)
+
+    def forward(self, x):
+        for hc in self.hcs:
+            agg, h_res, h_post, residual = hc(x)
+            x = hc.fused_h_res_h_post_bda(h_res, residual, h_post, (torch.tanh(agg), None), 0.0, True, False)
+        return x
+
+
+def test_a_trees_hyper_connections_are_read_too():
+    """A tree's modules (found by what they have) are sampled and probed through their own update: the same gains
+    as our modules they wrap, and no orientation error claimed for them."""
+    ours = _stack(variant="megatron_dev")
+    tree = TreeStack(ours.hcs)
+    mon_tree = StabilityMonitor(tree, MonitorConfig(every=5))
+    assert len(mon_tree.modules) == 2 * LAYERS and all(isinstance(m, HyperConnectionModule_) for _, m in mon_tree.modules)
+    torch.manual_seed(3)
+    rep_tree = _run(tree, mon_tree)
+    torch.manual_seed(3)
+    rep_ours = _run(ours, StabilityMonitor(ours, MonitorConfig(every=5)))
+    assert rep_tree.sublayers == rep_ours.sublayers == 2 * LAYERS
+    assert rep_tree.forward_gain == pytest.approx(rep_ours.forward_gain, rel=1e-12), (rep_tree, rep_ours)
+    assert rep_tree.backward_gain == pytest.approx(rep_ours.backward_gain, rel=1e-12)
+    assert rep_tree.orientation_error == 0.0 and rep_tree.sum_deviation == pytest.approx(rep_ours.sum_deviation)
