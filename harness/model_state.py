@@ -35,8 +35,10 @@ def full_names(chunk: Any) -> dict[str, str]:
     `local_expert_indices`)."""
     layer_index = {}
     for i, layer in enumerate(chunk.decoder.layers):
-        experts = {f"mlp.experts.local_experts.{j}.": f"mlp.experts.local_experts.{g}."
-                   for j, g in enumerate(getattr(layer.mlp, "local_expert_indices", ()))}
+        inner = getattr(layer, "inner_layer", None)  # a hybrid layer wraps its TransformerLayer
+        mlp, where = (inner.mlp, "inner_layer.mlp") if inner is not None else (getattr(layer, "mlp", None), "mlp")
+        experts = {f"{where}.experts.local_experts.{j}.": f"{where}.experts.local_experts.{g}."
+                   for j, g in enumerate(getattr(mlp, "local_expert_indices", ()))}
         layer_index[f"decoder.layers.{i}."] = (f"decoder.layers.{layer.layer_number - 1}.", experts)
     mapping = {}
     for local, _ in chunk.named_parameters():

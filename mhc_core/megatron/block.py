@@ -59,14 +59,19 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
         if not self.mhc_enabled:
             return
         self.num_residual_streams = int(config.mhc_num_residual_streams)
+        from mhc_core.megatron.hybrid import HyperConnectionHybridLayer
+
         for i, layer in enumerate(self.layers):
-            if not isinstance(layer, HyperConnectionTransformerLayer):
+            if not isinstance(layer, HyperConnectionTransformerLayer | HyperConnectionHybridLayer):
                 raise ValueError(
                     f"HyperConnectionTransformerBlock: layers[{i}] is a {type(layer).__name__}, but "
                     "config.enable_mhc_connections=True needs HyperConnectionTransformerLayer "
-                    "(build the spec with enable_mhc=True)"
+                    "(build the spec with enable_mhc=True) or HyperConnectionHybridLayer (mhc_core.megatron.hybrid)"
                 )
         if getattr(config, "mhc_recompute", False):
+            if any(isinstance(layer, HyperConnectionHybridLayer) for layer in self.layers):
+                raise NotImplementedError("HyperConnectionTransformerBlock: mHC recompute ('mhc' in recompute_modules) "
+                                          "is not implemented for hybrid layers (mhc_core.megatron.hybrid)")
             self._plan_mhc_recompute(config)
         self.learned_contraction = bool(getattr(config, "mhc_learned_contraction", False))
         if self.post_process and self.learned_contraction:

@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size (with --moe): the other ranks of the world are data-parallel, each "
                         "taking its share of the step's microbatches")
+    p.add_argument("--hybrid", default=None, metavar="PATTERN",
+                   help="--impl ours: the hybrid stack of this layer pattern (mhc_core.megatron.hybrid: '*' attention, "
+                        "'-' MLP, 'E' MoE of 4 local experts, '|' a stage boundary)")
     p.add_argument("--layout", default=None, help="pipeline_model_parallel_layout, e.g. 'Et|tt|t|mL'")
     p.add_argument("--mtp", type=int, default=None, metavar="D",
                    help="D multi-token prediction depths on the last stage (MTP loss scale 0.1, rope positions)")
@@ -151,6 +154,8 @@ def main() -> None:
         **({"mtp_num_layers": args.mtp, "mtp_loss_scaling_factor": 0.1} if args.mtp else {}),
         **({"pipeline_model_parallel_layout": args.layout} if args.layout else {}),
     )
+    if args.hybrid:
+        common.update(_hybrid_kwargs(args.hybrid))
     if args.impl == "tree":
         from harness.tree_model import tree_chunks, tree_config
 
@@ -273,6 +278,18 @@ def _our_chunks(args: argparse.Namespace, common: dict) -> list:
     chunks = []
     for vp in range(args.vpp or 1):
         vp_stage = vp if args.vpp else None
+        if args.hybrid:
+            from mhc_core.megatron.gpt import MHCGPTModel
+            from mhc_core.megatron.hybrid import hybrid_block_spec
+
+            chunks.append(MHCGPTModel(
+                config, hybrid_block_spec(config, args.hybrid, stage=ps.get_pipeline_model_parallel_rank(),
+                                          vp_stage=vp_stage),
+                vocab_size=m["vocab"], max_sequence_length=m["seq"],
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                vp_stage=vp_stage, share_embeddings_and_output_weights=False))
+            continue
         chunks.append(
             build_gpt_model(
                 config,
@@ -320,6 +337,19 @@ def _average_data_parallel_grads(chunks, ps) -> None:
             group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(dp)
+
+
+def _hybrid_kwargs(pattern: str) -> dict:
+    """Config keywords of `--hybrid`: its layer count, its stages as megatron-core's layout, MoE for `E`."""
+    from mhc_core.megatron.hybrid import hybrid_layout, parse_pattern
+
+    stages = parse_pattern(pattern)
+    out: dict = {"num_layers": sum(len(s) for s in stages)}
+    if len(stages) > 1:
+        out["pipeline_model_parallel_layout"] = hybrid_layout(pattern)
+    if "E" in pattern:
+        out.update(_moe_kwargs("alltoall"))
+    return out
 
 
 def _mtp_losses() -> dict[str, torch.Tensor]:

@@ -62,6 +62,9 @@ CASES = [
     # into it, and it contracts them (megatron-core would put the final layernorm with the last decoder layer).
     Case(name="pp4-mtp-loss-stage", nproc=4, args=("--pp", "4", "--mtp", "2", "--numerics", "dev", "--layout",
                                                   "Et|tt|t|mmL"), reference="mhc-mtp", rtol=1e-5),
+    # The hybrid stack (one hyper connection per layer: attention, MLP, attention, MoE) split at the pattern's
+    # `|` over two stages.
+    Case(name="pp2-hybrid", nproc=2, args=("--pp", "2", "--hybrid", "*-|*E"), reference="mhc-hybrid"),
     # No TP x PP with MoE here: megatron-core requires sequence parallelism with MoE and TP > 1, and the local
     # spec's torch norms refuse sequence parallelism (TE's or apex's norms take it: a GPU node).
 ]

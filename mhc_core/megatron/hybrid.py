@@ -1,0 +1,192 @@
+"""A hybrid stack with mHC: one hyper connection around each layer of a layer pattern (upstream dev's
+`HyperConnectionHybridLayer`), on megatron-core's `TransformerBlock`.
+
+Legend: s sequence, b micro-batch, C hidden size, n residual streams.
+
+A pattern names one layer per symbol, as upstream's `hybrid_layer_allocation`: `*` attention, `-` MLP, `E` MoE;
+`|` is a pipeline stage boundary. Each layer is a `HyperConnectionHybridLayer` holding one
+`HyperConnectionModule` (`hyper_connection`) and the wrapped megatron-core `TransformerLayer` (`inner_layer`,
+with the other branch an `IdentityOp`): dev's keys, `decoder.layers.<i>.hyper_connection.*` and
+`decoder.layers.<i>.inner_layer.*`. Per layer, `x [s, b, n*C]`:
+
+    aggregated, h_res, h_post, residual = hyper_connection(x)
+    y, bias = branch(norm(aggregated))          # single-branch layers: the raw branch output
+    x = hyper_connection.post_residual_bda(h_res, residual, h_post, (y, bias), hidden_dropout, training)
+
+A layer holding both branches runs whole and feeds `layer_output - aggregated` (its own residual already
+added), with no further dropout, as dev does. The block boundary (expand, contract, the final norm, n*C wide
+pipeline hops) is the GPT one: `HyperConnectionTransformerBlock`. Symbols that need CUDA-only packages or
+Transformer Engine (`M` Mamba, `G` gated delta net, `D` DSA, `C` / `H` / `W` DeepSeek-V4 attention) and MTP
+(`/`) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import Tensor
+
+from mhc_core.module import HyperConnectionModule
+
+__all__ = ["HyperConnectionHybridLayer", "HybridLayerSubmodules", "hybrid_block_spec", "hybrid_layout",
+           "parse_pattern"]
+
+ATTENTION, MLP, MOE, STAGE = "*", "-", "E", "|"
+RUNS_HERE = (ATTENTION, MLP, MOE)
+NOT_HERE = {
+    "M": "Mamba needs mamba_ssm's CUDA kernels",
+    "G": "the gated delta net needs its CUDA-only kernels",
+    "D": "DSA (DeepSeek sparse attention) needs Transformer Engine and CUDA kernels",
+    "C": "DeepSeek-V4's compressed attention needs Transformer Engine",
+    "H": "DeepSeek-V4's hybrid attention needs Transformer Engine",
+    "W": "DeepSeek-V4's windowed attention needs Transformer Engine",
+    "/": "MTP layers in a hybrid pattern are not built here yet (GPT's MTP is: mhc_core.megatron.mtp)",
+}
+"""Symbols of upstream's patterns this stack refuses, and why."""
+
+
+def parse_pattern(pattern: str) -> list[str]:
+    """`pattern` -> one segment of layer symbols per pipeline stage (split at `|`).
+
+    Raises:
+        ValueError: an unknown symbol or an empty segment, naming the pattern and the position.
+        NotImplementedError: a symbol that cannot run here (`NOT_HERE`), with its reason.
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"hybrid pattern {pattern!r}: a non-empty string of {RUNS_HERE} and {STAGE!r}")
+    for i, sym in enumerate(pattern):
+        if sym in NOT_HERE:
+            raise NotImplementedError(f"hybrid pattern {pattern!r}: {sym!r} at position {i}: {NOT_HERE[sym]}")
+        if sym not in RUNS_HERE and sym != STAGE:
+            raise ValueError(f"hybrid pattern {pattern!r}: unknown symbol {sym!r} at position {i}; valid: "
+                             f"{', '.join(RUNS_HERE)} and {STAGE!r} (a stage boundary)")
+    segments = pattern.split(STAGE)
+    empty = [i for i, seg in enumerate(segments) if not seg]
+    if empty:
+        raise ValueError(f"hybrid pattern {pattern!r}: stage {empty[0]} holds no layer")
+    return segments
+
+
+def hybrid_layout(pattern: str) -> str:
+    """megatron-core's `pipeline_model_parallel_layout` for the pattern's stages: `*-|*E` -> `Ett|ttL`."""
+    segments = parse_pattern(pattern)
+    stages = ["t" * len(seg) for seg in segments]
+    stages[0] = "E" + stages[0]
+    stages[-1] = stages[-1] + "L"
+    return "|".join(stages)
+
+
+@dataclasses.dataclass
+class HybridLayerSubmodules:
+    """The wrapped layer's spec (a `TransformerLayer` spec, one branch possibly an `IdentityOp`)."""
+
+    inner_layer: ModuleSpec | type = IdentityOp
+
+
+class HyperConnectionHybridLayer(MegatronModule):
+    """One hyper connection around one hybrid layer: `[s, b, n*C]` in and out.
+
+    Built by `TransformerBlock` like a layer (`config`, `submodules`, `layer_number`, ...); `forward` takes the
+    layer's keyword arguments and returns `(hidden_states, context)`.
+    """
+
+    def __init__(self, config: Any, submodules: HybridLayerSubmodules, layer_number: int = 1, **kwargs: Any):
+        super().__init__(config=config)
+        self.inner_layer = build_module(submodules.inner_layer, config=config, layer_number=layer_number, **kwargs)
+        if not isinstance(self.inner_layer, TransformerLayer):
+            raise TypeError(f"HyperConnectionHybridLayer: the wrapped layer is a {type(self.inner_layer).__name__}; "
+                            "only megatron-core TransformerLayer branches run here")
+        self.layer_number = self.inner_layer.layer_number
+        self.hyper_connection = HyperConnectionModule(config, layer_number=self.layer_number)
+        layer = self.inner_layer
+        self.has_attention = not isinstance(layer.self_attention, IdentityOp)
+        self.has_mlp = not isinstance(layer.mlp, IdentityOp)
+
+    @property
+    def single_branch(self) -> bool:
+        """Exactly one of attention and MLP: its raw output feeds the n-stream update (dev's fast path)."""
+        return self.has_attention != self.has_mlp
+
+    def _branch(self, aggregated: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """`[s, b, C]` -> the branch output and bias, before any residual add."""
+        layer = self.inner_layer
+        if self.has_attention:
+            out = layer.self_attention(layer.input_layernorm(aggregated), attention_mask=kwargs.get("attention_mask"),
+                                       rotary_pos_emb=kwargs.get("rotary_pos_emb"),
+                                       packed_seq_params=kwargs.get("packed_seq_params"))
+        else:
+            out = layer.mlp(layer.pre_mlp_layernorm(aggregated))
+        return out[0], out[1]
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        """`hidden_states [s, b, n*C]` -> `([s, b, n*C], context)`."""
+        hc = self.hyper_connection
+        aggregated, h_res, h_post, residual = hc(hidden_states)
+        context = kwargs.get("context")
+        if self.single_branch:
+            y, bias = self._branch(aggregated, **kwargs)
+            dropout = self.inner_layer.hidden_dropout
+        else:
+            out, context = self.inner_layer(aggregated, *args, **kwargs)
+            y, bias, dropout = out - aggregated, None, 0.0
+        if y.shape != aggregated.shape:
+            raise RuntimeError(f"HyperConnectionHybridLayer {self.layer_number}: the branch output "
+                               f"{list(y.shape)} is not the shape of its input {list(aggregated.shape)}")
+        return hc.post_residual_bda(h_res, residual, h_post, (y, bias), dropout, self.training), context
+
+
+def _layer_spec(symbol: str, *, num_experts: int | None, normalization: str) -> ModuleSpec:
+    """The wrapped `TransformerLayer` spec of one symbol (local modules), the other branch an `IdentityOp`."""
+    experts = num_experts if symbol == MOE else None
+    if symbol == MOE and not num_experts:
+        raise ValueError(f"hybrid pattern symbol {MOE!r} (MoE) needs config.num_moe_experts")
+    stock = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, normalization=normalization)
+    sub = stock.submodules
+    if symbol == ATTENTION:
+        sub = dataclasses.replace(sub, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityOp)
+    else:
+        sub = dataclasses.replace(sub, input_layernorm=IdentityOp, self_attention=IdentityOp,
+                                  self_attn_bda=IdentityOp)
+    inner = dataclasses.replace(stock, submodules=sub)
+    return ModuleSpec(module=HyperConnectionHybridLayer, submodules=HybridLayerSubmodules(inner_layer=inner))
+
+
+def hybrid_block_spec(config: Any, pattern: str, *, stage: int = 0, vp_stage: int | None = None) -> Any:
+    """The `TransformerBlockSubmodules` of one pipeline chunk of `pattern`: the layers of its segment
+    (chunk `vp_stage * PP + stage` under virtual stages), and the final layernorm.
+
+    Raises:
+        ValueError: the pattern's stage count is not PP (x VPP), or with PP > 1 the config's
+            `pipeline_model_parallel_layout` is not `hybrid_layout(pattern)` (layer numbers follow it).
+    """
+    segments = parse_pattern(pattern)
+    pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    vpp = int(getattr(config, "virtual_pipeline_model_parallel_size", None) or 1)
+    if len(segments) != pp * vpp:
+        raise ValueError(f"hybrid pattern {pattern!r} has {len(segments)} stages; the config runs PP {pp} x VPP {vpp}")
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if pp > 1 and str(layout) != hybrid_layout(pattern) and _layout_str(layout) != hybrid_layout(pattern):
+        raise ValueError(f"hybrid pattern {pattern!r}: set pipeline_model_parallel_layout={hybrid_layout(pattern)!r} "
+                         f"(got {layout!r}) so that layer numbers follow the pattern's stages")
+    chunk = (vp_stage or 0) * pp + stage
+    normalization = getattr(config, "normalization", "LayerNorm")
+    specs = [_layer_spec(sym, num_experts=getattr(config, "num_moe_experts", None), normalization=normalization)
+             for sym in segments[chunk]]
+    stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=stock.submodules.input_layernorm)
+
+
+def _layout_str(layout: Any) -> str | None:
+    """A megatron-core `PipelineParallelLayerLayout` back as its string (`Ett|ttL`), where it keeps one."""
+    for name in ("input_data", "_input_data", "layout_str"):
+        value = getattr(layout, name, None)
+        if isinstance(value, str):
+            return value
+    return None

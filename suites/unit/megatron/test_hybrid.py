@@ -1,0 +1,117 @@
+"""The hybrid stack with mHC (`mhc_core.megatron.hybrid`): one hyper connection around each layer of a pattern,
+single-branch layers feeding their raw branch output into the n-stream update, dev's keys, the symbols a CPU cannot
+run refused with their reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from mhc_core.megatron.hybrid import (  # noqa: E402
+    HyperConnectionHybridLayer,
+    hybrid_block_spec,
+    hybrid_layout,
+    parse_pattern,
+)
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+N = 4
+MOE: dict[str, Any] = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, ffn_hidden_size=64,
+                           add_bias_linear=False, moe_aux_loss_coeff=1e-2)
+
+
+def _model(make_config, pattern: str = "*-*E", seed: int = 0, **overrides: Any) -> Any:
+    from mhc_core.megatron.gpt import MHCGPTModel
+
+    config = make_config(n=N, num_layers=len(pattern.replace("|", "")), **{**MOE, **overrides})
+    torch.manual_seed(seed)
+    return MHCGPTModel(config, hybrid_block_spec(config, pattern), vocab_size=64, max_sequence_length=32)
+
+
+def _loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]).mean()
+
+
+def test_pattern_parsing_and_layout():
+    """`|` splits stages; the layout names them for megatron-core (embedding first, loss last)."""
+    assert parse_pattern("*-|*E") == ["*-", "*E"]
+    assert hybrid_layout("*-|*E") == "Ett|ttL" and hybrid_layout("*-*E") == "EttttL"
+
+
+@pytest.mark.parametrize(("pattern", "error", "match"), [
+    ("*M-", NotImplementedError, r"'M' at position 1: Mamba needs mamba_ssm"),
+    ("W-", NotImplementedError, r"'W' at position 0: DeepSeek-V4's windowed attention needs Transformer Engine"),
+    ("*-/*", NotImplementedError, r"'/' at position 2: MTP layers"),
+    ("*x", ValueError, r"unknown symbol 'x' at position 1"),
+    ("*-||E", ValueError, r"stage 1 holds no layer"),
+], ids=["mamba", "dsv4-attention", "mtp", "unknown", "empty-stage"])
+def test_a_pattern_that_cannot_run_here_is_refused_with_why(pattern, error, match):
+    with pytest.raises(error, match=match):
+        parse_pattern(pattern)
+
+
+@pytest.mark.parametrize("variant", ["megatron_main", "megatron_dev+learned_exit", "paper"])
+def test_every_parameter_of_a_hybrid_mhc_model_gets_a_gradient(make_config, batch, variant):
+    """`*-*E` (attention, MLP, attention, MoE) trains: finite loss, every parameter a finite non-zero gradient."""
+    name, _, option = variant.partition("+")
+    model = _model(make_config, mhc_variant=name, mhc_learned_contraction=option == "learned_exit")
+    assert all(isinstance(layer, HyperConnectionHybridLayer) and layer.single_branch for layer in model.decoder.layers)
+    loss = _loss(model, batch)
+    loss.backward()
+    bad = {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
+           if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
+    assert torch.isfinite(loss) and not bad, bad
+
+
+def test_keys_are_devs(make_config):
+    """One hyper connection per layer under `hyper_connection`, the wrapped layer under `inner_layer`."""
+    sd = _model(make_config).state_dict()
+    assert "decoder.layers.0.hyper_connection.mapping_proj.weight" in sd
+    assert "decoder.layers.0.inner_layer.self_attention.linear_qkv.weight" in sd
+    assert "decoder.layers.3.inner_layer.mlp.router.weight" in sd
+    assert not [k for k in sd if "self_attention_hyper_connection" in k or "mlp_hyper_connection" in k]
+
+
+@pytest.mark.parametrize("index", [0, 1, 3], ids=["attention", "mlp", "moe"])
+def test_a_single_branch_layer_feeds_its_raw_branch_output(make_config, batch, index):
+    """The layer's output is the hyper connection's update of the branch's raw output (no residual added first),
+    bit for bit."""
+    model = _model(make_config).eval()
+    layer = model.decoder.layers[index]
+    seen: dict[str, Any] = {}
+    def keep_input(module, args, kwargs):
+        seen.setdefault("x", kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+
+    def keep_output(module, args, out):
+        seen.setdefault("out", out[0])
+
+    layer.register_forward_pre_hook(keep_input, with_kwargs=True)
+    layer.register_forward_hook(keep_output)
+    with torch.no_grad():
+        model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+        hc, inner = layer.hyper_connection, layer.inner_layer
+        aggregated, h_res, h_post, residual = hc(seen["x"])
+        if index == 0:
+            rope = model.rotary_pos_emb(batch["input_ids"].shape[1]) if hasattr(model, "rotary_pos_emb") else None
+            y = inner.self_attention(inner.input_layernorm(aggregated), attention_mask=batch["attention_mask"],
+                                     rotary_pos_emb=rope)
+        else:
+            y = inner.mlp(inner.pre_mlp_layernorm(aggregated))
+        want = hc.post_residual_bda(h_res, residual, h_post, (y[0], y[1]), inner.hidden_dropout, False)
+    assert torch.equal(seen["out"], want), float((seen["out"] - want).abs().max())
+
+
+def test_mhc_recompute_is_refused(make_config):
+    with pytest.raises(NotImplementedError, match="mHC recompute .* not implemented for hybrid layers"):
+        _model(make_config, recompute_granularity="selective", recompute_modules=["mhc"])
+
+
+def test_the_stage_count_must_match_the_pipeline(make_config):
+    """A pattern of two stages on one pipeline stage is a configuration error naming both."""
+    config = make_config(n=N, num_layers=4, **MOE)
+    with pytest.raises(ValueError, match=r"has 2 stages; the config runs PP 1 x VPP 1"):
+        hybrid_block_spec(config, "*-|*E")
