@@ -63,8 +63,12 @@ CASES = [
     Case(name="pp4-mtp-loss-stage", nproc=4, args=("--pp", "4", "--mtp", "2", "--numerics", "dev", "--layout",
                                                   "Et|tt|t|mmL"), reference="mhc-mtp", rtol=1e-5),
     # The hybrid stack (one hyper connection per layer: attention, MLP, attention, MoE) split at the pattern's
-    # `|` over two stages.
+    # `|`: two stages, four, two of two virtual stages; and EP 2 (data parallel: measured 1.4e-6).
     Case(name="pp2-hybrid", nproc=2, args=("--pp", "2", "--hybrid", "*-|*E"), reference="mhc-hybrid"),
+    Case(name="pp4-hybrid", nproc=4, args=("--pp", "4", "--hybrid", "*|-|*|E"), reference="mhc-hybrid"),
+    Case(name="pp2-vpp2-hybrid", nproc=2, args=("--pp", "2", "--vpp", "2", "--hybrid", "*|-|*|E"),
+         reference="mhc-hybrid"),
+    Case(name="ep2-hybrid", nproc=2, args=("--ep", "2", "--hybrid", "*-*E"), reference="mhc-hybrid", rtol=1e-5),
     # No TP x PP with MoE here: megatron-core requires sequence parallelism with MoE and TP > 1, and the local
     # spec's torch norms refuse sequence parallelism (TE's or apex's norms take it: a GPU node).
 ]
