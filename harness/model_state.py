@@ -3,7 +3,8 @@
 Runs that must start from the same weights (a pipelined run and the single process, a Megatron-LM
 tree and our integration) exchange one full state dict keyed by the names of the single-stage model:
 decoder layers by their global number (`layer_number - 1`), TP-split parameters whole, an MTP depth's inner
-layer under upstream dev's name (`mtp.layers.<k>.mtp_model_layer.`, `transformer_layer` in megatron-core 0.16).
+layer under upstream dev's name (`mtp.layers.<k>.mtp_model_layer.`, `transformer_layer` in megatron-core 0.16),
+dev's hybrid final norm (`decoder.final_norm.`) under the GPT block's `decoder.final_layernorm.`.
 Each rank loads the slice it holds.
 """
 
@@ -21,11 +22,19 @@ _MTP_INNER = (".transformer_layer.", ".mtp_model_layer.")
 """megatron-core 0.16's name of an MTP depth's inner layer, and upstream dev's (and 0.17+'s)."""
 
 
+_HYBRID_FINAL_NORM = ("decoder.final_norm.", "decoder.final_layernorm.")
+"""dev's `HybridStack` names its final norm `final_norm`; the GPT block (and ours) `final_layernorm`."""
+
+
 def canonical_name(name: str) -> str:
-    """`name` with an MTP depth's inner layer under dev's name (every other name unchanged)."""
+    """`name` with an MTP depth's inner layer under dev's name and a hybrid stack's final norm under the GPT block's
+    (every other name unchanged)."""
     old, new = _MTP_INNER
     if name.startswith("mtp.layers.") and old in name:
         return name.replace(old, new, 1)
+    old, new = _HYBRID_FINAL_NORM
+    if name.startswith(old):
+        return new + name[len(old):]
     return name
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["MAIN_PP_NOTE", "MAIN_SPEC_NOTE", "layer_spec", "record_tensor_shapes", "tree_chunks", "tree_config"]
+__all__ = ["MAIN_PP_NOTE", "MAIN_SPEC_NOTE", "hybrid_chunks", "layer_spec", "record_tensor_shapes", "tree_chunks",
+           "tree_config"]
 
 MAIN_SPEC_NOTE = ("main has no mHC spec wiring (megatron/core/models/gpt/gpt_layer_specs.py has no "
                   "enable_hyper_connection): the suite builds the layer spec from main's "
@@ -72,6 +73,64 @@ def tree_chunks(flavor: str, config: Any, *, vocab: int, seq: int, vpp: int | No
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage, share_embeddings_and_output_weights=False, **mtp, **kwargs))
+    return chunks
+
+
+def _hybrid_stack_spec(num_experts: int | None) -> Any:
+    """A local `HybridStack` spec from the tree's own classes (the tree's hybrid specs are TE-only): attention
+    (`TransformerLayer`: norm + self-attention), MLP (`MLPLayer`: norm + MLP), MoE (`MoETransformerLayer`:
+    norm + `MoELayer` of `num_experts` local experts), each from the tree's `get_gpt_layer_local_spec`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    dense = get_gpt_layer_local_spec().submodules
+    parts: dict[str, Any] = dict(
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=dense.input_layernorm, self_attention=dense.self_attention,
+            self_attn_bda=dense.self_attn_bda)),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda)))
+    if num_experts:
+        moe = get_gpt_layer_local_spec(num_experts=num_experts).submodules
+        parts["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**parts))
+
+
+def hybrid_chunks(config: Any, pattern: str, *, vocab: int, seq: int, vpp: int | None) -> list[Any]:
+    """This rank's chunks of the tree's own `HybridModel` with mHC for `pattern` (dev only), a local spec from the
+    tree's classes; its final norm, which the tree builds as `TENorm`, is the tree's torch norm where TE is
+    absent (a CPU workaround: the module is the same norm TE's would compute)."""
+    import importlib.util
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    spec = _hybrid_stack_spec(getattr(config, "num_moe_experts", None))
+    te_norm = hybrid_block.TENorm
+    if importlib.util.find_spec("transformer_engine") is None:
+        hybrid_block.TENorm = WrappedTorchNorm
+    try:
+        chunks = []
+        for vp in range(vpp or 1):
+            vp_stage = vp if vpp else None
+            chunks.append(HybridModel(
+                config, spec, vocab_size=vocab, max_sequence_length=seq, hybrid_layer_pattern=pattern,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,
+                vp_stage=vp_stage))
+    finally:
+        hybrid_block.TENorm = te_norm
     return chunks
 
 

@@ -80,9 +80,10 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
 
 class TreeRuns:
     """The tree of `$MHC_MEGATRON_LM` (validated and imported once) and its single-process reference runs: the
-    dense GPT (`"dense"`), with MoE MLPs (`"moe"`) and with two MTP depths (`"mtp"`), each launched on first use."""
+    dense GPT (`"dense"`), with MoE MLPs (`"moe"`), with two MTP depths (`"mtp"`) and its `HybridModel` of the pattern
+    `*-*E` (`"hybrid"`), each launched on first use."""
 
-    FLAGS = {"dense": [], "moe": ["--moe", "alltoall"], "mtp": ["--mtp", "2"]}
+    FLAGS = {"dense": [], "moe": ["--moe", "alltoall"], "mtp": ["--mtp", "2"], "hybrid": ["--hybrid", "*-*E"]}
 
     def __init__(self, tree, root: Path) -> None:
         self.tree, self.root = tree, root

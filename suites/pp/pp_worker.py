@@ -75,7 +75,7 @@ def parse_args() -> argparse.Namespace:
                    help="expert-parallel size (with --moe): the other ranks of the world are data-parallel, each "
                         "taking its share of the step's microbatches")
     p.add_argument("--hybrid", default=None, metavar="PATTERN",
-                   help="--impl ours: the hybrid stack of this layer pattern (mhc_core.megatron.hybrid: '*' attention, "
+                   help="the hybrid stack of this layer pattern (ours, or the tree's HybridModel (mhc_core.megatron.hybrid: '*' attention, "
                         "'-' MLP, 'E' MoE of 4 local experts, '|' a stage boundary)")
     p.add_argument("--layout", default=None, help="pipeline_model_parallel_layout, e.g. 'Et|tt|t|mL'")
     p.add_argument("--mtp", type=int, default=None, metavar="D",
@@ -161,8 +161,13 @@ def main() -> None:
 
         try:
             config = tree_config(args.flavor, n=m["n"], **common)
-            chunks = tree_chunks(args.flavor, config, vocab=m["vocab"], seq=m["seq"], vpp=args.vpp,
-                                 **({"position_embedding_type": "rope"} if args.mtp else {}))
+            if args.hybrid:
+                from harness.tree_model import hybrid_chunks
+
+                chunks = hybrid_chunks(config, args.hybrid, vocab=m["vocab"], seq=m["seq"], vpp=args.vpp)
+            else:
+                chunks = tree_chunks(args.flavor, config, vocab=m["vocab"], seq=m["seq"], vpp=args.vpp,
+                                     **({"position_embedding_type": "rope"} if args.mtp else {}))
         except (ValueError, AssertionError, NotImplementedError) as exc:  # the tree's own validation
             (Path(args.out) / f"refusal-rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n", encoding="utf-8")
             raise SystemExit(REFUSED) from exc

@@ -66,8 +66,14 @@ CASES = [
              vpp=True),
     TreeCase(name="pp4-mtp-loss-stage", nproc=4, args=("--pp", "4", "--mtp", "2", "--layout", "Et|tt|t|mmL"),
              model="mtp", rtol=1e-5),
+    # The tree's HybridModel (a local spec of its own classes) split at the pattern's `|`.
+    TreeCase(name="pp2-hybrid", nproc=2, args=("--pp", "2", "--hybrid", "*-|*E"), model="hybrid"),
+    TreeCase(name="pp4-hybrid", nproc=4, args=("--pp", "4", "--hybrid", "*|-|*|E"), model="hybrid"),
+    TreeCase(name="pp2-vpp2-hybrid", nproc=2, args=("--pp", "2", "--vpp", "2", "--hybrid", "*|-|*|E"), model="hybrid",
+             vpp=True),
+    TreeCase(name="ep2-hybrid", nproc=2, args=("--ep", "2", "--hybrid", "*-*E"), model="hybrid", rtol=2e-5),
 ]
-MODELS = {"dense": (), "moe": ("--moe", "alltoall"), "mtp": ("--mtp", "2")}
+MODELS = {"dense": (), "moe": ("--moe", "alltoall"), "mtp": ("--mtp", "2"), "hybrid": ("--hybrid", "*-*E")}
 """Each model's worker flags (the single-process runs)."""
 
 
