@@ -17,6 +17,7 @@ from mhc_core.megatron.hybrid import (  # noqa: E402
     hybrid_layout,
     parse_pattern,
 )
+from suites.unit.megatron.conftest import SEQ, VOCAB  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 N = 4
@@ -24,12 +25,17 @@ MOE: dict[str, Any] = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_
                            add_bias_linear=False, moe_aux_loss_coeff=1e-2)
 
 
+DENSE: dict[str, Any] = dict(ffn_hidden_size=64, add_bias_linear=False)
+"""The MLPs of `MOE`'s models without experts."""
+
+
 def _model(make_config, pattern: str = "*-*E", seed: int = 0, **overrides: Any) -> Any:
     from mhc_core.megatron.gpt import MHCGPTModel
 
-    config = make_config(n=N, num_layers=len(pattern.replace("|", "")), **{**MOE, **overrides})
+    base = MOE if "E" in pattern else DENSE
+    config = make_config(n=N, num_layers=len(pattern.replace("|", "")), **{**base, **overrides})
     torch.manual_seed(seed)
-    return MHCGPTModel(config, hybrid_block_spec(config, pattern), vocab_size=64, max_sequence_length=32)
+    return MHCGPTModel(config, hybrid_block_spec(config, pattern), vocab_size=VOCAB, max_sequence_length=2 * SEQ)
 
 
 def _loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -115,3 +121,38 @@ def test_the_stage_count_must_match_the_pipeline(make_config):
     config = make_config(n=N, num_layers=4, **MOE)
     with pytest.raises(ValueError, match=r"has 2 stages; the config runs PP 1 x VPP 1"):
         hybrid_block_spec(config, "*-|*E")
+
+
+def _gpt_key(hybrid_key: str) -> str:
+    """A hybrid `*-*-` key -> the two-layer GPT's: hybrid layer 2i is GPT layer i's attention sublayer, 2i+1 its MLP
+    sublayer; each hyper connection becomes that sublayer's."""
+    prefix = "decoder.layers."
+    if not hybrid_key.startswith(prefix):
+        return hybrid_key
+    index, rest = hybrid_key[len(prefix):].split(".", 1)
+    layer, attention = divmod(int(index), 2)
+    slot = "self_attention_hyper_connection" if attention == 0 else "mlp_hyper_connection"
+    rest = rest.replace("hyper_connection.", f"{slot}.", 1).replace("inner_layer.", "", 1)
+    return f"{prefix}{layer}.{rest}"
+
+
+@pytest.mark.parametrize("variant", ["megatron_main", "megatron_dev+learned_exit"])
+def test_a_hybrid_of_attention_and_mlp_layers_is_the_gpt(make_config, build_gpt, batch, variant):
+    """Upstream's cross-family equivalence, for mHC: the hybrid `*-*-` and a two-layer GPT from the same weights
+    (keys mapped: each GPT sublayer is one hybrid layer with its own hyper connection) give the same loss and
+    the same gradients, bit for bit."""
+    name, _, option = variant.partition("+")
+    numerics = dict(mhc_variant=name, mhc_learned_contraction=option == "learned_exit")
+    hybrid = _model(make_config, "*-*-", **numerics)
+    gpt = build_gpt(make_config(n=N, num_layers=2, **DENSE, **numerics))
+    state = {_gpt_key(k): v for k, v in hybrid.state_dict().items()}
+    missing = set(gpt.state_dict()) ^ set(state)
+    assert not missing, sorted(missing)[:6]
+    gpt.load_state_dict(state)
+    losses = [_loss(m, batch) for m in (hybrid, gpt)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1]), [float(x) for x in losses]
+    grads = {_gpt_key(n): p.grad for n, p in hybrid.named_parameters()}
+    diff = {n: float((p.grad - grads[n]).abs().max()) for n, p in gpt.named_parameters() if not torch.equal(p.grad, grads[n])}
+    assert not diff, diff
