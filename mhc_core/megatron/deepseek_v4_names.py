@@ -12,6 +12,11 @@ maps to its own `hc_attn_pre.hc_fn`):
 | `decoder.layers.<i>.mlp_hyper_connection.*` | `model.layers.<i>.ffn_hc.*` | `layers.<i>.hc_ffn_*` |
 | `decoder.hc_head_fn` / `hc_head_base` / `hc_head_scale` | `model.hc_head.hc_fn` / ... | `hc_head_fn` / ... |
 
+The hybrid stack's keys (`mhc_core.megatron.hybrid`, one `decoder.layers.<j>.hyper_connection` per layer, a
+pattern of logical layers as DeepSeek-V4's conversion writes them: attention, then MLP or MoE) map through
+`hybrid.gpt_key`: hybrid layer 2i is logical layer i's `attn_hc`, 2i+1 its `ffn_hc`.
+`to_deepseek_v4` takes either form; `from_deepseek_v4(..., form="hybrid")` writes the hybrid keys.
+
 Both use the `[pre(n) | post(n) | res(n*n row-major)]` layout and stream-major flattening, so the
 tensors move unchanged (the three alphas become one `scale` vector). Only the mHC parameters are
 converted: attention and MLP weights are the caller's. DeepSeek-V4 computes the `megatron_dev`
@@ -28,7 +33,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["DeepseekV4Names", "from_deepseek_v4", "to_deepseek_v4"]
+__all__ = ["DeepseekV4Names", "Form", "from_deepseek_v4", "to_deepseek_v4"]
 
 
 class DeepseekV4Names(enum.StrEnum):
@@ -38,6 +43,26 @@ class DeepseekV4Names(enum.StrEnum):
     """transformers' module names (`model.layers.<i>.attn_hc.fn`)."""
     CHECKPOINT = "checkpoint"
     """DeepSeek's released checkpoint (`layers.<i>.hc_attn_fn`), as torchtitan's adapter reads it."""
+
+
+class Form(enum.StrEnum):
+    """Which model's keys: the GPT's (two hyper connections per layer) or the hybrid stack's (one per layer)."""
+
+    GPT = "gpt"
+    HYBRID = "hybrid"
+
+
+_HYBRID = re.compile(r"^(?:module\.)?decoder\.layers\.\d+\.hyper_connection\.")
+
+
+def _as_gpt(key: str) -> str:
+    """A hybrid stack's hyper-connection key as the GPT's (`hybrid.gpt_key`); any other key unchanged."""
+    if not _HYBRID.match(key):
+        return key
+    from mhc_core.megatron.hybrid import gpt_key
+
+    prefix = "module." if key.startswith("module.") else ""
+    return prefix + gpt_key(key.removeprefix("module."))
 
 
 _SUBLAYERS = {"self_attention_hyper_connection": "attn_hc", "mlp_hyper_connection": "ffn_hc"}
@@ -73,11 +98,12 @@ def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str,
                          "another function under its names")
     groups: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, value in state.items():
-        m = _MEGATRON.match(key)
+        m = _MEGATRON.match(_as_gpt(key))
         if m:
             groups.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = value
     if not groups:
-        raise ValueError("no mHC parameters (decoder.layers.<i>.*_hyper_connection.*) in the state dict")
+        raise ValueError("no mHC parameters (decoder.layers.<i>.*_hyper_connection.*, or a hybrid stack's "
+                         "decoder.layers.<j>.hyper_connection.*) in the state dict")
     out: dict[str, torch.Tensor] = {}
     for (i, sub), p in sorted(groups.items()):
         missing = sorted({"mapping_proj.weight", "bias", *_ALPHAS} - set(p))
@@ -109,9 +135,14 @@ def _from_checkpoint(key: str) -> str:
     return key
 
 
-def from_deepseek_v4(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_deepseek_v4(state: Mapping[str, torch.Tensor], *, form: Form | str = Form.GPT) -> dict[str, torch.Tensor]:
     """The mHC entries of a DeepSeek-V4 state dict (either naming) under `mhc_core.megatron`'s names (a
-    `megatron_dev` model's); `ValueError` naming a bad `scale` shape or an empty result."""
+    `megatron_dev` model's): the GPT's, or with `form="hybrid"` the hybrid stack's; `ValueError` naming a bad
+    `scale` shape, an unknown form or an empty result."""
+    try:
+        form = Form(form)
+    except ValueError:
+        raise ValueError(f"form={form!r}: valid: {', '.join(f.value for f in Form)}") from None
     inverse = {v: k for k, v in _SUBLAYERS.items()}
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
@@ -132,4 +163,8 @@ def from_deepseek_v4(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     if not out:
         raise ValueError("no DeepSeek-V4 mHC parameters (model.layers.<i>.attn_hc/ffn_hc.*, model.hc_head.*, or the "
                          "checkpoint's layers.<i>.hc_attn_*/hc_ffn_*, hc_head_*) in the state dict")
+    if form == Form.HYBRID:
+        from mhc_core.megatron.hybrid import hybrid_key
+
+        return {hybrid_key(k): v for k, v in out.items()}
     return out

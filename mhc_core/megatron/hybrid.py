@@ -35,8 +35,8 @@ from torch import Tensor
 
 from mhc_core.module import HyperConnectionModule
 
-__all__ = ["HyperConnectionHybridLayer", "HybridLayerSubmodules", "hybrid_block_spec", "hybrid_layout",
-           "parse_pattern"]
+__all__ = ["HyperConnectionHybridLayer", "HybridLayerSubmodules", "gpt_key", "hybrid_block_spec", "hybrid_key",
+           "hybrid_layout", "parse_pattern"]
 
 ATTENTION, MLP, MOE, STAGE = "*", "-", "E", "|"
 RUNS_HERE = (ATTENTION, MLP, MOE)
@@ -190,3 +190,34 @@ def _layout_str(layout: Any) -> str | None:
         if isinstance(value, str):
             return value
     return None
+
+
+_LAYERS = "decoder.layers."
+_SLOTS = ("self_attention_hyper_connection", "mlp_hyper_connection")
+
+
+def gpt_key(key: str) -> str:
+    """A hybrid model's key as the GPT's of the same weights, for a pattern of logical layers as DeepSeek-V4's
+    conversion writes them (attention, then MLP or MoE: `*-*E...`): hybrid layer 2i is GPT layer i's attention
+    sublayer, 2i+1 its MLP sublayer, and each layer's `hyper_connection` becomes that sublayer's (its
+    `inner_layer.` prefix dropped). Keys outside `decoder.layers.` are unchanged."""
+    if not key.startswith(_LAYERS):
+        return key
+    index, rest = key[len(_LAYERS):].split(".", 1)
+    layer, branch = divmod(int(index), 2)
+    if rest.startswith("hyper_connection."):
+        rest = f"{_SLOTS[branch]}." + rest[len("hyper_connection."):]
+    rest = rest.removeprefix("inner_layer.")
+    return f"{_LAYERS}{layer}.{rest}"
+
+
+def hybrid_key(key: str) -> str:
+    """The inverse of `gpt_key` for a GPT layer's hyper connections (`decoder.layers.<i>.<slot>.*` ->
+    `decoder.layers.<2i or 2i+1>.hyper_connection.*`); other keys unchanged."""
+    if not key.startswith(_LAYERS):
+        return key
+    index, rest = key[len(_LAYERS):].split(".", 1)
+    for branch, slot in enumerate(_SLOTS):
+        if rest.startswith(f"{slot}."):
+            return f"{_LAYERS}{2 * int(index) + branch}.hyper_connection." + rest[len(slot) + 1:]
+    return key

@@ -202,3 +202,41 @@ def test_torchtitans_adapter_beside_ours(model):
     head = mhc.HcHead.Config(hc_mult=N, dim=c.hidden_size).build()
     head.load_state_dict({k.rsplit(".", 1)[1]: v for k, v in titan.items() if k.startswith("hc_head.")})
     assert_close("block exit", model.decoder.contract_streams(x).transpose(0, 1), head(streams), tol)
+
+
+@pytest.fixture
+def hybrid(make_config):
+    """The hybrid stack `*E*E` (two logical DeepSeek-V4 layers: attention, then MoE) in megatron_dev with the learned
+    block exit, its mHC parameters moved off their init."""
+    from mhc_core.megatron.gpt import MHCGPTModel
+    from mhc_core.megatron.hybrid import hybrid_block_spec
+
+    config = make_config(n=N, num_layers=4, mhc_variant="megatron_dev", mhc_learned_contraction=True,
+                         layernorm_epsilon=1e-6, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                         ffn_hidden_size=64, add_bias_linear=False)
+    torch.manual_seed(0)
+    model = MHCGPTModel(config, hybrid_block_spec(config, "*E*E"), vocab_size=64, max_sequence_length=16)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "hyper_connection." in name or "hc_head" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def test_a_hybrid_stacks_keys_map_per_logical_layer_both_ways(hybrid):
+    """Hybrid layer 2i's hyper connection is logical layer i's `attn_hc`, 2i+1's its `ffn_hc` (each tensor bit for
+    bit, in both namings), the head is `hc_head`; back with `form="hybrid"` gives the hybrid keys and tensors."""
+    sd = hybrid.state_dict()
+    hf = to_deepseek_v4(sd, variant="megatron_dev")
+    assert set(hf) == {f"model.layers.{i}.{s}.{p}" for i in range(2) for s in ("attn_hc", "ffn_hc")
+                       for p in ("fn", "base", "scale")} | {"model.hc_head.hc_fn", "model.hc_head.hc_base",
+                                                            "model.hc_head.hc_scale"}
+    assert torch.equal(hf["model.layers.1.ffn_hc.fn"], sd["decoder.layers.3.hyper_connection.mapping_proj.weight"])
+    assert torch.equal(hf["model.layers.1.attn_hc.base"], sd["decoder.layers.2.hyper_connection.bias"])
+    for names in ("transformers", "checkpoint"):
+        back = from_deepseek_v4(to_deepseek_v4(sd, variant="megatron_dev", names=names), form="hybrid")
+        assert set(back) == {k for k in sd if "hyper_connection" in k or "hc_head" in k}, names
+        assert all(torch.equal(back[k], sd[k]) for k in back), names
+    with pytest.raises(ValueError, match="form='moe': valid: gpt, hybrid"):
+        from_deepseek_v4(hf, form="moe")

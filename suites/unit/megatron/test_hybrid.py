@@ -13,6 +13,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from mhc_core.megatron.hybrid import (  # noqa: E402
     HyperConnectionHybridLayer,
+    gpt_key,
     hybrid_block_spec,
     hybrid_layout,
     parse_pattern,
@@ -123,19 +124,6 @@ def test_the_stage_count_must_match_the_pipeline(make_config):
         hybrid_block_spec(config, "*-|*E")
 
 
-def _gpt_key(hybrid_key: str) -> str:
-    """A hybrid `*-*-` key -> the two-layer GPT's: hybrid layer 2i is GPT layer i's attention sublayer, 2i+1 its MLP
-    sublayer; each hyper connection becomes that sublayer's."""
-    prefix = "decoder.layers."
-    if not hybrid_key.startswith(prefix):
-        return hybrid_key
-    index, rest = hybrid_key[len(prefix):].split(".", 1)
-    layer, attention = divmod(int(index), 2)
-    slot = "self_attention_hyper_connection" if attention == 0 else "mlp_hyper_connection"
-    rest = rest.replace("hyper_connection.", f"{slot}.", 1).replace("inner_layer.", "", 1)
-    return f"{prefix}{layer}.{rest}"
-
-
 @pytest.mark.parametrize("variant", ["megatron_main", "megatron_dev+learned_exit"])
 def test_a_hybrid_of_attention_and_mlp_layers_is_the_gpt(make_config, build_gpt, batch, variant):
     """Upstream's cross-family equivalence, for mHC: the hybrid `*-*-` and a two-layer GPT from the same weights
@@ -145,7 +133,7 @@ def test_a_hybrid_of_attention_and_mlp_layers_is_the_gpt(make_config, build_gpt,
     numerics = dict(mhc_variant=name, mhc_learned_contraction=option == "learned_exit")
     hybrid = _model(make_config, "*-*-", **numerics)
     gpt = build_gpt(make_config(n=N, num_layers=2, **DENSE, **numerics))
-    state = {_gpt_key(k): v for k, v in hybrid.state_dict().items()}
+    state = {gpt_key(k): v for k, v in hybrid.state_dict().items()}
     missing = set(gpt.state_dict()) ^ set(state)
     assert not missing, sorted(missing)[:6]
     gpt.load_state_dict(state)
@@ -153,6 +141,6 @@ def test_a_hybrid_of_attention_and_mlp_layers_is_the_gpt(make_config, build_gpt,
     for loss in losses:
         loss.backward()
     assert torch.equal(losses[0], losses[1]), [float(x) for x in losses]
-    grads = {_gpt_key(n): p.grad for n, p in hybrid.named_parameters()}
+    grads = {gpt_key(n): p.grad for n, p in hybrid.named_parameters()}
     diff = {n: float((p.grad - grads[n]).abs().max()) for n, p in gpt.named_parameters() if not torch.equal(p.grad, grads[n])}
     assert not diff, diff
