@@ -104,10 +104,11 @@ def _hybrid_stack_spec(num_experts: int | None) -> Any:
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**parts))
 
 
-def hybrid_chunks(config: Any, pattern: str, *, vocab: int, seq: int, vpp: int | None) -> list[Any]:
+def hybrid_chunks(config: Any, pattern: str, *, vpp: int | None, **model_kwargs: Any) -> list[Any]:
     """This rank's chunks of the tree's own `HybridModel` with mHC for `pattern` (dev only), a local spec from the
     tree's classes; its final norm, which the tree builds as `TENorm`, is the tree's torch norm where TE is
-    absent (a CPU workaround: the module is the same norm TE's would compute)."""
+    absent (a CPU workaround: the module is the same norm TE's would compute). `model_kwargs` go to `HybridModel`
+    (`vocab_size`, `max_sequence_length`, `position_embedding_type`, `share_embeddings_and_output_weights`)."""
     import importlib.util
 
     from megatron.core import parallel_state as ps
@@ -124,11 +125,10 @@ def hybrid_chunks(config: Any, pattern: str, *, vocab: int, seq: int, vpp: int |
         for vp in range(vpp or 1):
             vp_stage = vp if vpp else None
             chunks.append(HybridModel(
-                config, spec, vocab_size=vocab, max_sequence_length=seq, hybrid_layer_pattern=pattern,
+                config, spec, hybrid_layer_pattern=pattern,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,
-                vp_stage=vp_stage))
+                vp_stage=vp_stage, **model_kwargs))
     finally:
         hybrid_block.TENorm = te_norm
     return chunks

@@ -82,6 +82,9 @@ class TrainArgs:
     mtp_num_layers: int | None = None
     """Multi-token prediction depths on the last stage (None: no MTP)."""
     mtp_loss_scaling_factor: float = 0.1
+    hybrid_layer_pattern: str | None = None
+    """The hybrid stack of this layer pattern (`mhc_core.megatron.hybrid`: `*` attention, `-` MLP, `E` MoE, `|` a
+    stage boundary) instead of the GPT's layers; --num-layers must count its layers."""
     # parallelism
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -197,6 +200,7 @@ FLAGS: dict[str, _Flag] = {
     "--overlap-moe-expert-parallel-comm": _f(bool),
     "--expert-tensor-parallel-size": _f(int, minimum=1),
     "--mtp-num-layers": _f(int, minimum=1),
+    "--hybrid-layer-pattern": _f(str),
     "--mtp-loss-scaling-factor": _f(float, minimum=0.0),
     "--tensor-model-parallel-size": _f(int, minimum=1),
     "--pipeline-model-parallel-size": _f(int, minimum=1),
@@ -333,6 +337,14 @@ def _cross_check(a: TrainArgs, source: str) -> None:
                   f"must be divisible by --expert-model-parallel-size={a.expert_model_parallel_size}")
     if a.num_experts is not None and a.moe_router_topk > a.num_experts:
         raise bad("--moe-router-topk", a.moe_router_topk, f"must be <= --num-experts={a.num_experts}")
+    if a.hybrid_layer_pattern is not None:
+        stages = a.hybrid_layer_pattern.split("|")
+        if sum(map(len, stages)) != a.num_layers:
+            raise bad("--hybrid-layer-pattern", a.hybrid_layer_pattern,
+                      f"holds {sum(map(len, stages))} layers; --num-layers={a.num_layers}")
+        if len(stages) != a.pipeline_model_parallel_size:
+            raise bad("--hybrid-layer-pattern", a.hybrid_layer_pattern,
+                      f"has {len(stages)} stages; --pipeline-model-parallel-size={a.pipeline_model_parallel_size}")
     if a.recompute_modules is not None and a.recompute_granularity is None:
         raise bad("--recompute-modules", list(a.recompute_modules), "needs --recompute-granularity selective")
 

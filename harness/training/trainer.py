@@ -122,6 +122,10 @@ def _moe_and_mtp(a: TrainArgs) -> dict[str, Any]:
                    expert_tensor_parallel_size=a.expert_tensor_parallel_size)
     if a.mtp_num_layers is not None:
         out.update(mtp_num_layers=a.mtp_num_layers, mtp_loss_scaling_factor=a.mtp_loss_scaling_factor)
+    if a.hybrid_layer_pattern is not None and a.pipeline_model_parallel_size > 1:
+        from mhc_core.megatron.hybrid import hybrid_layout  # the layer numbers follow the pattern's stages
+
+        out["pipeline_model_parallel_layout"] = hybrid_layout(a.hybrid_layer_pattern)
     return out
 
 
@@ -193,7 +197,9 @@ class Trainer:
                      pre_process=ps.is_pipeline_first_stage(), post_process=self.holds_loss,
                      share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
                      position_embedding_type=a.position_embedding_type)
-        if tree_flavor is not None:
+        if a.hybrid_layer_pattern is not None:
+            model = self._hybrid_model(a, sizes, tree_flavor)
+        elif tree_flavor is not None:
             from megatron.core.models.gpt import GPTModel
 
             from harness.tree_model import layer_spec
@@ -245,6 +251,24 @@ class Trainer:
             from mhc_core.monitor import MonitorConfig, StabilityMonitor
 
             self.monitor = StabilityMonitor(self.chunks, MonitorConfig(every=1, tokens=64))
+
+    def _hybrid_model(self, a: TrainArgs, sizes: dict[str, Any], tree_flavor: str | None) -> Any:
+        """The hybrid stack of `--hybrid-layer-pattern`: ours (`mhc_core.megatron.hybrid`), or the tree's own
+        `HybridModel` (`harness.tree_model.hybrid_chunks`)."""
+        from megatron.core import parallel_state as ps
+
+        pattern = a.hybrid_layer_pattern
+        assert pattern is not None
+        if tree_flavor is not None:
+            from harness.tree_model import hybrid_chunks
+
+            kwargs = {k: v for k, v in sizes.items() if k not in ("pre_process", "post_process")}
+            return hybrid_chunks(self.config, pattern, vpp=None, **kwargs)[0]
+        from mhc_core.megatron.gpt import MHCGPTModel
+        from mhc_core.megatron.hybrid import hybrid_block_spec
+
+        spec = hybrid_block_spec(self.config, pattern, stage=ps.get_pipeline_model_parallel_rank())
+        return MHCGPTModel(self.config, spec, **sizes)
 
     def load(self, root: Path) -> int:
         """Resume from the checkpoint the tracker in `root` names; returns its iteration."""

@@ -164,7 +164,9 @@ def main() -> None:
             if args.hybrid:
                 from harness.tree_model import hybrid_chunks
 
-                chunks = hybrid_chunks(config, args.hybrid, vocab=m["vocab"], seq=m["seq"], vpp=args.vpp)
+                chunks = hybrid_chunks(config, args.hybrid, vpp=args.vpp, vocab_size=m["vocab"],
+                                       max_sequence_length=m["seq"], position_embedding_type="learned_absolute",
+                                       share_embeddings_and_output_weights=False)
             else:
                 chunks = tree_chunks(args.flavor, config, vocab=m["vocab"], seq=m["seq"], vpp=args.vpp,
                                      **({"position_embedding_type": "rope"} if args.mtp else {}))
