@@ -60,6 +60,25 @@ def megatron_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def fresh_loss_trackers() -> Iterator[None]:
+    """megatron-core's MoE and MTP loss trackers are module globals sized by the first model that fills them: each
+    test starts with them empty, so one test's model (4 MoE layers) never shapes another's tracked losses."""
+    import sys
+
+    def clear() -> None:
+        moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+        if moe_utils is not None:
+            moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        mtp = sys.modules.get("megatron.core.transformer.multi_token_prediction")
+        if mtp is not None:
+            mtp.MTPLossLoggingHelper.tracker.clear()
+
+    clear()
+    yield
+    clear()
+
+
 @pytest.fixture
 def make_config() -> Callable[..., Any]:
     """`make_config(n=None, **overrides)`: a 2-layer, C=32, 4-head fp32 `MHCTransformerConfig` on CPU
