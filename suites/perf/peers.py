@@ -92,8 +92,8 @@ class PeerCase:
 
 
 SMOKE_ENV_VAR = "MHC_PERF_SMOKE"
-"""`1`: CI's smoke run (`ci/test.sh`): T 1024, the fp32 size only, DeepSeek-V4 compiled for its
-coefficients only (each compile costs tens of seconds on two cores)."""
+"""`1`: CI's smoke run (`ci/test.sh`): T 256 at C 512, fp32 only, DeepSeek-V4 compiled for its coefficients only
+(each compile costs tens of seconds on two cores): every peer's timed path runs, no figure is a measurement."""
 
 
 def smoke() -> bool:
@@ -102,12 +102,12 @@ def smoke() -> bool:
 
 def peer_cases(device: str, *, smoke_run: bool | None = None) -> list[PeerCase]:
     """The sizes: the CPU perf registry's largest fp32 and bf16 (T 4096, C 1024 fp32 and 2048 bf16); on a
-    GPU T 8192, C 4096, bf16; in a smoke run (`smoke_run`, by default `MHC_PERF_SMOKE=1`) T 1024 at C 1024
+    GPU T 8192, C 4096, bf16; in a smoke run (`smoke_run`, by default `MHC_PERF_SMOKE=1`) T 256 at C 512
     fp32."""
     if device == "cuda":
         sizes, tokens = ((4096, torch.bfloat16),), 8192
     elif smoke() if smoke_run is None else smoke_run:
-        sizes, tokens = ((1024, torch.float32),), 1024
+        sizes, tokens = ((512, torch.float32),), 256
     else:
         sizes, tokens = ((1024, torch.float32), (2048, torch.bfloat16)), 4096
     out = [PeerCase(op=op, tokens=tokens, n=4, hidden=c, dtype=dt, device=device)

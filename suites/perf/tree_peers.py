@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM source tree (main or dev)")
     p.add_argument("--out", required=True, type=Path, help="the benchmark JSON to write")
     p.add_argument("--reps", type=int, default=int(os.environ.get("MHC_PERF_REPS", "5")))
-    p.add_argument("--smoke", action="store_true", help="T 1024 at C 1024 fp32 only")
+    p.add_argument("--smoke", action="store_true", help="T 256 at C 512 fp32 only")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     settings = {"malloc_retain": retain_heap(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}

@@ -67,9 +67,12 @@ def fresh_loss_trackers() -> Iterator[None]:
     import sys
 
     def clear() -> None:
+        moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")  # megatron-core >= 0.16's home
+        if moe_logging is not None and hasattr(moe_logging, "get_moe_metrics_tracker"):
+            moe_logging.get_moe_metrics_tracker().metrics.clear()
         moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
-        if moe_utils is not None:
-            moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        if moe_utils is not None and not hasattr(moe_logging, "get_moe_metrics_tracker"):
+            moe_utils.get_moe_layer_wise_logging_tracker().clear()  # the tracker dict itself (0.16.1)
         mtp = sys.modules.get("megatron.core.transformer.multi_token_prediction")
         if mtp is not None:
             mtp.MTPLossLoggingHelper.tracker.clear()
