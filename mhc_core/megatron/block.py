@@ -36,10 +36,50 @@ from mhc_core.megatron.layer import HyperConnectionTransformerLayer, RecomputePl
 from mhc_core.ops import contract, expand, learned_contract
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
 
-__all__ = ["HyperConnectionTransformerBlock"]
+__all__ = ["HyperConnectionTransformerBlock", "StreamContraction"]
 
 
-class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
+class StreamContraction:
+    """The contraction of the n streams at an exit, `[s, b, n*C] -> [s, b, C]`: the mean, or with
+    `mhc_learned_contraction` the learned one with its own `hc_head_fn`, `hc_head_base`, `hc_head_scale`.
+
+    Shared by the block's exit and each MTP depth's; the class using it sets `config`,
+    `num_residual_streams` and `learned_contraction`, and calls `_build_learned_contraction` when learned.
+    """
+
+    config: Any
+    num_residual_streams: int
+    learned_contraction: bool
+
+    def _build_learned_contraction(self, config: Any) -> None:
+        """`hc_head_fn [n, n*C]` (xavier), `hc_head_base [n]` (0), `hc_head_scale [1]` (1), fp32 and
+        kept fp32 under `Float16Module` as upstream dev's, named as there (`decoder.hc_head_fn`, ...)."""
+        n, c = self.num_residual_streams, config.hidden_size
+        device = None
+        if not config.use_cpu_initialization and torch.cuda.is_available():
+            device = torch.cuda.current_device()
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * c, dtype=PARAM_DTYPE, device=device))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=PARAM_DTYPE, device=device))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=PARAM_DTYPE, device=device))
+        if getattr(config, "perform_initialization", True):
+            nn.init.xavier_uniform_(self.hc_head_fn)
+        else:
+            nn.init.zeros_(self.hc_head_fn)
+        for p in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
+            mark_keep_in_fp32(p)
+            if getattr(config, "sequence_parallel", False):
+                p.sequence_parallel = True  # type: ignore[attr-defined]  # megatron-core's marker on a Parameter
+
+    def contract_streams(self, hidden_states: Tensor) -> Tensor:
+        """`[s, b, n*C] -> [s, b, C]`: mean of the streams, or the learned contraction."""
+        n = self.num_residual_streams
+        if self.learned_contraction:
+            return learned_contract(hidden_states, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, n,
+                                    self.config.layernorm_epsilon)
+        return contract(hidden_states, n)
+
+
+class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, TransformerBlock):
     """`TransformerBlock` that expands to n residual streams on entry and contracts on exit.
 
     Same constructor as `TransformerBlock`. With `config.enable_mhc_connections` off it is the
@@ -91,39 +131,6 @@ class HyperConnectionTransformerBlock(KeepInFp32Mixin, TransformerBlock):
             layer.mhc_recompute_plan = RecomputePlan(
                 start=i % per_group == 0, end=(i + 1) % per_group == 0 or i == count - 1, slot=slot
             )
-
-    def _build_learned_contraction(self, config: Any) -> None:
-        """`hc_head_fn [n, n*C]` (xavier), `hc_head_base [n]` (0), `hc_head_scale [1]` (1), fp32 and
-        kept fp32 under `Float16Module` as upstream's dev block, named as there (`decoder.hc_head_fn`, ...)."""
-        n, c = self.num_residual_streams, config.hidden_size
-        device = None
-        if not config.use_cpu_initialization and torch.cuda.is_available():
-            device = torch.cuda.current_device()
-        self.hc_head_fn = nn.Parameter(torch.empty(n, n * c, dtype=PARAM_DTYPE, device=device))
-        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=PARAM_DTYPE, device=device))
-        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=PARAM_DTYPE, device=device))
-        if getattr(config, "perform_initialization", True):
-            nn.init.xavier_uniform_(self.hc_head_fn)
-        else:
-            nn.init.zeros_(self.hc_head_fn)
-        for p in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
-            mark_keep_in_fp32(p)
-            if getattr(config, "sequence_parallel", False):
-                p.sequence_parallel = True  # type: ignore[attr-defined]  # megatron-core's marker on a Parameter
-
-    def contract_streams(self, hidden_states: Tensor) -> Tensor:
-        """`[s, b, n*C] -> [s, b, C]`: mean of the streams, or the learned contraction."""
-        n = self.num_residual_streams
-        if self.learned_contraction:
-            return learned_contract(
-                hidden_states,
-                self.hc_head_fn,
-                self.hc_head_base,
-                self.hc_head_scale,
-                n,
-                self.config.layernorm_epsilon,
-            )
-        return contract(hidden_states, n)
 
     def has_final_layernorm_in_this_stage(self) -> bool:
         """With mHC the final layernorm sits in the post_process chunk, with the contraction it follows,

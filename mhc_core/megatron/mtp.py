@@ -41,9 +41,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor, nn
 
-from mhc_core.config import PARAM_DTYPE
-from mhc_core.ops import contract, learned_contract
-from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
+from mhc_core.megatron.block import StreamContraction
+from mhc_core.precision import KeepInFp32Mixin
 
 __all__ = ["HyperConnectionMTPBlock", "HyperConnectionMTPLayer", "get_gpt_mtp_block_spec", "tracked_mtp_losses"]
 
@@ -60,7 +59,7 @@ def _inner_field(submodules: Any) -> str:
                        "mhc_core.megatron.mtp needs updating for this megatron-core")
 
 
-class HyperConnectionMTPLayer(KeepInFp32Mixin, mcore_mtp.MultiTokenPredictionLayer):
+class HyperConnectionMTPLayer(StreamContraction, KeepInFp32Mixin, mcore_mtp.MultiTokenPredictionLayer):
     """One MTP depth on n streams: `[s, b, n*C]` in, `[s, b, n*C]` out of `forward`.
 
     Same constructor as the installed `MultiTokenPredictionLayer`; its `eh_proj` spec is the
@@ -82,7 +81,7 @@ class HyperConnectionMTPLayer(KeepInFp32Mixin, mcore_mtp.MultiTokenPredictionLay
         self.e_proj = self._build_projection(linear, config, "mtp_e_proj")
         self.h_proj = self._build_projection(linear, config, "mtp_h_proj")
         if self.learned_contraction:
-            self._build_head(config)
+            self._build_learned_contraction(config)
 
     def _build_projection(self, linear: Any, config: Any, buffer_name: str) -> nn.Module:
         """A C -> C column-parallel linear, built with the arguments the stock `eh_proj` gets."""
@@ -95,24 +94,6 @@ class HyperConnectionMTPLayer(KeepInFp32Mixin, mcore_mtp.MultiTokenPredictionLay
         c = config.hidden_size
         return build_module(linear, c, c, config=config, init_method=config.init_method, gather_output=False,
                             bias=False, skip_bias_add=False, is_expert=False, **extra)
-
-    def _build_head(self, config: Any) -> None:
-        """This depth's `hc_head_fn [n, n*C]` (xavier), `hc_head_base [n]` (0), `hc_head_scale [1]` (1), fp32."""
-        n, c = self.num_residual_streams, config.hidden_size
-        device = None
-        if not config.use_cpu_initialization and torch.cuda.is_available():
-            device = torch.cuda.current_device()
-        self.hc_head_fn = nn.Parameter(torch.empty(n, n * c, dtype=PARAM_DTYPE, device=device))
-        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=PARAM_DTYPE, device=device))
-        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=PARAM_DTYPE, device=device))
-        if getattr(config, "perform_initialization", True):
-            nn.init.xavier_uniform_(self.hc_head_fn)
-        else:
-            nn.init.zeros_(self.hc_head_fn)
-        for p in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
-            mark_keep_in_fp32(p)
-            if getattr(config, "sequence_parallel", False):
-                p.sequence_parallel = True  # type: ignore[attr-defined]  # megatron-core's marker on a Parameter
 
     def _check_streams(self, hidden_states: Tensor) -> None:
         n, c = self.num_residual_streams, self.config.hidden_size
@@ -164,11 +145,7 @@ class HyperConnectionMTPLayer(KeepInFp32Mixin, mcore_mtp.MultiTokenPredictionLay
     def contract_streams(self, hidden_states: Tensor) -> Tensor:
         """`[s, b, n*C] -> [s, b, C]`: the mean of the streams, or this depth's learned contraction."""
         self._check_streams(hidden_states)
-        n = self.num_residual_streams
-        if self.learned_contraction:
-            return learned_contract(hidden_states, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, n,
-                                    self.config.layernorm_epsilon)
-        return contract(hidden_states, n)
+        return super().contract_streams(hidden_states)
 
     def contract_and_norm(self, hidden_states: Tensor) -> Tensor:
         """`[s, b, n*C] -> [s, b, C]`: this depth's output for the shared lm head."""
