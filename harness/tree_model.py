@@ -51,29 +51,38 @@ def layer_spec(flavor: str, num_experts: int | None = None) -> Any:
     return ModuleSpec(module=HyperConnectionTransformerLayer, submodules=submodules)
 
 
-def tree_chunks(flavor: str, config: Any, *, vocab: int, seq: int, vpp: int | None, **kwargs: Any) -> list[Any]:
-    """The model chunks of this rank (one per virtual stage), each a tree `GPTModel`: MoE MLPs where
-    `config.num_moe_experts` is set, and with `config.mtp_num_layers` the MTP block of the tree's own
-    `get_gpt_mtp_block_spec` on the stage that holds it; `kwargs` go to `GPTModel` (`position_embedding_type`)."""
+def _chunks(vpp: int | None, build: Any) -> list[Any]:
+    """`build(pre_process=..., post_process=..., vp_stage=...)` for each virtual stage of this rank."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
 
-    spec = layer_spec(flavor, num_experts=getattr(config, "num_moe_experts", None))
     chunks = []
     for vp in range(vpp or 1):
         vp_stage = vp if vpp else None
+        chunks.append(build(pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                            vp_stage=vp_stage))
+    return chunks
+
+
+def tree_chunks(flavor: str, config: Any, *, vpp: int | None, **model_kwargs: Any) -> list[Any]:
+    """The model chunks of this rank (one per virtual stage), each a tree `GPTModel`: MoE MLPs where
+    `config.num_moe_experts` is set, and with `config.mtp_num_layers` the MTP block of the tree's own
+    `get_gpt_mtp_block_spec` on the stage that holds it; `model_kwargs` go to `GPTModel` (`vocab_size`,
+    `max_sequence_length`, `share_embeddings_and_output_weights`, `position_embedding_type`)."""
+    from megatron.core.models.gpt import GPTModel
+
+    spec = layer_spec(flavor, num_experts=getattr(config, "num_moe_experts", None))
+
+    def build(vp_stage: int | None, **stage: Any) -> Any:
         mtp: dict[str, Any] = {}
         if getattr(config, "mtp_num_layers", None):
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
             mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
                                                            vp_stage=vp_stage)
-        chunks.append(GPTModel(
-            config, spec, vocab_size=vocab, max_sequence_length=seq,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage, share_embeddings_and_output_weights=False, **mtp, **kwargs))
-    return chunks
+        return GPTModel(config, spec, vp_stage=vp_stage, **stage, **mtp, **model_kwargs)
+
+    return _chunks(vpp, build)
 
 
 def _hybrid_stack_spec(num_experts: int | None) -> Any:
@@ -111,7 +120,6 @@ def hybrid_chunks(config: Any, pattern: str, *, vpp: int | None, **model_kwargs:
     (`vocab_size`, `max_sequence_length`, `position_embedding_type`, `share_embeddings_and_output_weights`)."""
     import importlib.util
 
-    from megatron.core import parallel_state as ps
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -121,17 +129,10 @@ def hybrid_chunks(config: Any, pattern: str, *, vpp: int | None, **model_kwargs:
     if importlib.util.find_spec("transformer_engine") is None:
         hybrid_block.TENorm = WrappedTorchNorm
     try:
-        chunks = []
-        for vp in range(vpp or 1):
-            vp_stage = vp if vpp else None
-            chunks.append(HybridModel(
-                config, spec, hybrid_layer_pattern=pattern,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                vp_stage=vp_stage, **model_kwargs))
+        return _chunks(vpp, lambda **stage: HybridModel(config, spec, hybrid_layer_pattern=pattern, **stage,
+                                                        **model_kwargs))
     finally:
         hybrid_block.TENorm = te_norm
-    return chunks
 
 
 def record_tensor_shapes(schedules: Any, calls: list[dict]) -> None:

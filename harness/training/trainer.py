@@ -158,6 +158,11 @@ def _moe_metrics(a: TrainArgs, step: int, num_microbatches: int) -> dict[str, fl
     return {name: float(value) for name, value in totals.items()}
 
 
+def _without_stage(sizes: dict[str, Any]) -> dict[str, Any]:
+    """The model keywords without `pre_process` / `post_process`, which the tree's chunk builders set per stage."""
+    return {k: v for k, v in sizes.items() if k not in ("pre_process", "post_process")}
+
+
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron's `pretrain_gpt.loss_func`: (sum of unmasked token losses, token count, report)."""
     losses = output_tensor.view(-1).float()
@@ -200,17 +205,9 @@ class Trainer:
         if a.hybrid_layer_pattern is not None:
             model = self._hybrid_model(a, sizes, tree_flavor)
         elif tree_flavor is not None:
-            from megatron.core.models.gpt import GPTModel
+            from harness.tree_model import tree_chunks
 
-            from harness.tree_model import layer_spec
-
-            spec = layer_spec(tree_flavor, num_experts=a.num_experts)
-            mtp: dict[str, Any] = {}
-            if a.mtp_num_layers is not None:
-                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-                mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(self.config, spec, use_transformer_engine=False)
-            model = GPTModel(self.config, spec, **sizes, **mtp)
+            model = tree_chunks(tree_flavor, self.config, vpp=None, **_without_stage(sizes))[0]
         else:
             model = build_gpt_model(self.config, spec="te" if a.transformer_impl == "transformer_engine" else "local",
                                     **sizes)
@@ -262,8 +259,7 @@ class Trainer:
         if tree_flavor is not None:
             from harness.tree_model import hybrid_chunks
 
-            kwargs = {k: v for k, v in sizes.items() if k not in ("pre_process", "post_process")}
-            return hybrid_chunks(self.config, pattern, vpp=None, **kwargs)[0]
+            return hybrid_chunks(self.config, pattern, vpp=None, **_without_stage(sizes))[0]
         from mhc_core.megatron.gpt import MHCGPTModel
         from mhc_core.megatron.hybrid import hybrid_block_spec
 

@@ -161,15 +161,15 @@ def main() -> None:
 
         try:
             config = tree_config(args.flavor, n=m["n"], **common)
+            model_kwargs = dict(vocab_size=m["vocab"], max_sequence_length=m["seq"],
+                                share_embeddings_and_output_weights=False,
+                                position_embedding_type="rope" if args.mtp else "learned_absolute")
             if args.hybrid:
                 from harness.tree_model import hybrid_chunks
 
-                chunks = hybrid_chunks(config, args.hybrid, vpp=args.vpp, vocab_size=m["vocab"],
-                                       max_sequence_length=m["seq"], position_embedding_type="learned_absolute",
-                                       share_embeddings_and_output_weights=False)
+                chunks = hybrid_chunks(config, args.hybrid, vpp=args.vpp, **model_kwargs)
             else:
-                chunks = tree_chunks(args.flavor, config, vocab=m["vocab"], seq=m["seq"], vpp=args.vpp,
-                                     **({"position_embedding_type": "rope"} if args.mtp else {}))
+                chunks = tree_chunks(args.flavor, config, vpp=args.vpp, **model_kwargs)
         except (ValueError, AssertionError, NotImplementedError) as exc:  # the tree's own validation
             (Path(args.out) / f"refusal-rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n", encoding="utf-8")
             raise SystemExit(REFUSED) from exc
