@@ -172,7 +172,7 @@ def hybrid_block_spec(config: Any, pattern: str, *, stage: int = 0, vp_stage: in
     if len(segments) != pp * vpp:
         raise ValueError(f"hybrid pattern {pattern!r} has {len(segments)} stages; the config runs PP {pp} x VPP {vpp}")
     layout = getattr(config, "pipeline_model_parallel_layout", None)
-    if pp > 1 and str(layout) != hybrid_layout(pattern) and _layout_str(layout) != hybrid_layout(pattern):
+    if pp > 1 and str(layout) != hybrid_layout(pattern):  # a layout object prints as its string (0.16, 0.19)
         raise ValueError(f"hybrid pattern {pattern!r}: set pipeline_model_parallel_layout={hybrid_layout(pattern)!r} "
                          f"(got {layout!r}) so that layer numbers follow the pattern's stages")
     chunk = (vp_stage or 0) * pp + stage
@@ -181,15 +181,6 @@ def hybrid_block_spec(config: Any, pattern: str, *, stage: int = 0, vp_stage: in
              for sym in segments[chunk]]
     stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=stock.submodules.input_layernorm)
-
-
-def _layout_str(layout: Any) -> str | None:
-    """A megatron-core `PipelineParallelLayerLayout` back as its string (`Ett|ttL`), where it keeps one."""
-    for name in ("input_data", "_input_data", "layout_str"):
-        value = getattr(layout, name, None)
-        if isinstance(value, str):
-            return value
-    return None
 
 
 _LAYERS = "decoder.layers."
