@@ -23,6 +23,7 @@ from harness.tree_report import TreeRow
 from mhc_core.megatron.config import MHCTransformerConfig
 from mhc_core.megatron.pipeline import get_tensor_shapes
 from suites.pp.compare_runs import compare_to_reference, load_run, unsharded, worst_differences
+from suites.pp.conftest import TreeRuns
 from suites.pp.launch import run_worker
 from suites.pp.pp_worker import MODEL
 from suites.pp.test_pp_shapes import Group
@@ -73,8 +74,6 @@ CASES = [
              vpp=True),
     TreeCase(name="ep2-hybrid", nproc=2, args=("--ep", "2", "--hybrid", "*-*E"), model="hybrid", rtol=2e-5),
 ]
-MODELS = {"dense": (), "moe": ("--moe", "alltoall"), "mtp": ("--mtp", "2"), "hybrid": ("--hybrid", "*-*E")}
-"""Each model's worker flags (the single-process runs)."""
 
 
 def _numerics(tree) -> list[str]:
@@ -117,14 +116,14 @@ def _first_error(exc: LaunchError) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", list(TreeRuns.FLAGS))
 def test_tree_single_process_matches_ours(model, tree_runs, tmp_path, tree_report, tree_rows):
     """Our integration, from the tree's initial weights and on its microbatches, reproduces the tree's
     single-process losses (lm, MTP per depth), router losses, gradients and updated weights."""
     tree = tree_runs.tree
     case = f"single-process-{model}"
     ref = _reference(tree_runs, model, case, tree_rows)
-    run_worker(tmp_path, 1, [*MODELS[model], *_numerics(tree), "--init", str(ref / "init.pt")])
+    run_worker(tmp_path, 1, [*TreeRuns.FLAGS[model], *_numerics(tree), "--init", str(ref / "init.pt")])
     theirs, ours = load_run(ref), load_run(tmp_path)
     worst = worst_differences(ours, theirs)
     tree_report.add(case, None, worst)
