@@ -89,6 +89,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    from harness.launch.deferred_compile import defer_compile
+
+    defer_compile()  # before megatron-core is imported: its jit_fuser decorations would import Inductor
     args = parse_args()
     if torch.cuda.is_available():  # cpu_support would apply nothing and megatron's p2p buffers would be CUDA
         raise SystemExit("pp_worker runs its ranks on the CPU: launch it with CUDA_VISIBLE_DEVICES='' "
