@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     if not torch.cuda.is_available():  # before megatron-core is imported (a CPU rank's start-up)
-        from harness.launch.deferred_compile import defer_compile
+        from harness.deferred_compile import defer_compile
 
         defer_compile()
 

@@ -89,7 +89,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    from harness.launch.deferred_compile import defer_compile
+    from harness.deferred_compile import defer_compile
 
     defer_compile()  # before megatron-core is imported: its jit_fuser decorations would import Inductor
     args = parse_args()

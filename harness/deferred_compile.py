@@ -51,4 +51,4 @@ def _compile(model: Any = None, **options: Any) -> Any:
 
 def defer_compile() -> None:
     """Install the deferred `torch.compile` for the rest of this process (idempotent)."""
-    torch.compile = _compile  # type: ignore[assignment]  # the same call forms; mypy sees the overloads only
+    torch.compile = _compile
