@@ -9,17 +9,21 @@ the orientation of the mix would not show; `docs/functional.md`, "Bands").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from harness.peers.base import Sublayer, SublayerParams
 
-__all__ = ["TOKENS", "WIDTH", "Case", "make_case", "params", "sublayer_fn"]
+__all__ = ["STACK_LAYERS", "TOKENS", "WIDTH", "Case", "make_case", "params", "stack_layers", "sublayer_fn"]
 
 TOKENS = 6
 """T of every case: small, so that a peer driven one token at a time stays fast."""
 WIDTH = 8
 """C, per stream."""
+STACK_LAYERS = 2
+"""Layers of the `stack` checks (two sublayers each): one boundary between layers, where the streams must
+stay n."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +51,12 @@ class Case:
     attn_w: torch.Tensor
     mlp_w: torch.Tensor
     seed: int
+    h0: torch.Tensor
+    """`[T, C]`: the one stream a `stack` check expands (an embedding output)."""
+    stack_params: tuple[tuple[SublayerParams, SublayerParams], ...]
+    """`(attn, mlp)` parameters of each of the `STACK_LAYERS` layers."""
+    stack_w: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    """`(attn_w, mlp_w)` `[C, C]` of each layer's stand-in functions."""
 
     def cast(self, dtype: torch.dtype) -> Case:
         """The same case with every tensor rounded to `dtype` (then kept there)."""
@@ -60,7 +70,9 @@ class Case:
         return Case(n=self.n, x=c(self.x), params=cp(self.params), mlp_params=cp(self.mlp_params),
                     h_pre=c(self.h_pre), h_post=c(self.h_post), h_res=c(self.h_res), y=c(self.y),
                     logits=c(self.logits), head_fn=c(self.head_fn), head_base=c(self.head_base),
-                    head_scale=c(self.head_scale), attn_w=c(self.attn_w), mlp_w=c(self.mlp_w), seed=self.seed)
+                    head_scale=c(self.head_scale), attn_w=c(self.attn_w), mlp_w=c(self.mlp_w), seed=self.seed,
+                    h0=c(self.h0), stack_params=tuple((cp(a), cp(m)) for a, m in self.stack_params),
+                    stack_w=tuple((c(a), c(m)) for a, m in self.stack_w))
 
 
 def params(n: int, c: int, g: torch.Generator) -> SublayerParams:
@@ -83,8 +95,10 @@ def make_case(n: int, *, seed: int = 0, x_scale: float = 1.0) -> Case:
     g = torch.Generator().manual_seed(1000 * seed + n)
     t, c = TOKENS, WIDTH
     x = torch.randn(t, n, c, generator=g, dtype=torch.float64) * x_scale
-    return Case(
-        n=n, x=x, params=params(n, c, g), mlp_params=params(n, c, g),
+    # Drawn in the order of the fields below, the stack's last: the earlier checks' inputs (and the
+    # digests of their recordings) do not depend on it.
+    case: dict[str, Any] = dict(
+        params=params(n, c, g), mlp_params=params(n, c, g),
         h_pre=0.1 + 0.9 * torch.rand(t, n, generator=g, dtype=torch.float64),
         h_post=0.2 + 1.6 * torch.rand(t, n, generator=g, dtype=torch.float64),
         h_res=0.05 + torch.rand(t, n, n, generator=g, dtype=torch.float64),
@@ -97,9 +111,20 @@ def make_case(n: int, *, seed: int = 0, x_scale: float = 1.0) -> Case:
         mlp_w=torch.randn(c, c, generator=g, dtype=torch.float64) / c ** 0.5,
         seed=seed,
     )
+    h0 = torch.randn(t, c, generator=g, dtype=torch.float64) * x_scale
+    stack_params = tuple((params(n, c, g), params(n, c, g)) for _ in range(STACK_LAYERS))
+    stack_w = tuple((torch.randn(c, c, generator=g, dtype=torch.float64) / c ** 0.5,
+                     torch.randn(c, c, generator=g, dtype=torch.float64) / c ** 0.5) for _ in range(STACK_LAYERS))
+    return Case(n=n, x=x, **case, h0=h0, stack_params=stack_params, stack_w=stack_w)
 
 
 def sublayers(case: Case) -> tuple[Sublayer, Sublayer]:
     """The attention-like and MLP-like sublayers of a `layer` check."""
     return (Sublayer(params=case.params, f=sublayer_fn(case.attn_w)),
             Sublayer(params=case.mlp_params, f=sublayer_fn(case.mlp_w)))
+
+
+def stack_layers(case: Case) -> list[tuple[Sublayer, Sublayer]]:
+    """The `(attn, mlp)` sublayers of each layer of a `stack` check."""
+    return [(Sublayer(params=a, f=sublayer_fn(wa)), Sublayer(params=m, f=sublayer_fn(wm)))
+            for (a, m), (wa, wm) in zip(case.stack_params, case.stack_w, strict=True)]

@@ -16,8 +16,12 @@ does not produce (a detached input) counts as zero.
 | `exact-sums` | which sums a 3-iteration Sinkhorn at scale 3 leaves exact: rows, cols or none |
 | `layer` | two sublayers end to end (`x -> mix(x, f(aggregate(x)))`, attention then MLP) and the gradients w.r.t. x and both sublayers' parameters |
 | `block-exit` | the learned contraction (`megatron_dev` / DeepSeek-V4 `hc_head`); no variant |
+| `stack` | the peer's own composition of `STACK_LAYERS` layers: one stream expanded, the layers, the exit; outputs and the gradients w.r.t. the input and every parameter |
+| `stack-grads` | the same run: the size (norm) of the gradient each mHC parameter receives, per part (`pre`, `post`, `res` rows of the projection and the bias, each alpha), against the reference's: within `GRAD_SIZE_FACTOR` either way |
 
-Each runs for n in the peer's `streams` among (2, 4) and each dtype of its `dtypes`.
+Each runs for n in the peer's `streams` among (2, 4) and each dtype of its `dtypes` (orientation,
+exact-sums and the two stack checks at n = 4 only). The stack checks, like `block-exit`, depend on the
+exit and are compared with configurations only.
 """
 
 from __future__ import annotations
@@ -29,17 +33,24 @@ from typing import Any, Literal
 
 import torch
 
-from harness.conformance.cases import Case, make_case, sublayers
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.conformance.cases import Case, make_case, stack_layers, sublayers
+from harness.peers.base import Head, Peer, Sublayer, SublayerParams, has_own
 from mhc_core.testing import tolerance
 from mhc_core.variants import get_variant
 
-__all__ = ["CHECK_STREAMS", "SINKHORN_ITERATIONS", "CheckSpec", "Comparison", "check_specs", "compare",
-           "inputs_digest", "observe_exact_sums", "observe_orientation", "run_side"]
+__all__ = ["CHECK_STREAMS", "EXIT_OPS", "GRAD_SIZE_FACTOR", "SINKHORN_ITERATIONS", "STACK_ITERATIONS", "CheckSpec", "Comparison",
+           "GRAD_FLOOR", "GradSize", "chained_stack", "check_specs", "compare", "grad_sizes", "inputs_digest", "observe_exact_sums",
+           "observe_orientation", "run_side", "stack_source"]
 
 CHECK_STREAMS = (2, 4)
 SINKHORN_ITERATIONS = 20
 """Iterations of the coefficient, mix and layer checks (upstream's default)."""
+STACK_ITERATIONS = 4
+"""Sinkhorn iterations of the stack checks (the Sinkhorn checks cover the iterations; here the structure)."""
+GRAD_SIZE_FACTOR = 10.0
+"""`stack-grads`: how far (a factor, either way) a parameter's gradient norm may be from the reference's."""
+EXIT_OPS = ("block_exit", "stack")
+"""The ops whose checks depend on the block exit: compared with configurations only, not the plain variants."""
 _EXACT = {torch.float64: 1e-12, torch.float32: 5e-7, torch.bfloat16: 4e-3}
 """How far from 1 a sum may be and still count as exact, per dtype (megatron_dev's eps leaves 1e-6)."""
 
@@ -66,7 +77,7 @@ class CheckSpec:
     n: int
     dtype: torch.dtype
     case: Case
-    kind: Literal["numeric", "orientation", "exact_sums"] = "numeric"
+    kind: Literal["numeric", "orientation", "exact_sums", "grad_sizes"] = "numeric"
     variant_free: bool = False
     """Compared with one oracle whatever the variant (the learned block exit)."""
     scale: float = 1.0
@@ -104,6 +115,9 @@ def _specs_for(n: int, dtype: torch.dtype) -> list[CheckSpec]:
     if n >= 3:
         out.append(spec("exact-sums", "sinkhorn", kind="exact_sums", scale=3.0, iterations=3))
     out += [spec("layer", "layer"), spec("block-exit", "block_exit", variant_free=True)]
+    if n >= 3:  # what a stack adds (where the streams live between layers) shows at any n: the larger one only
+        out += [spec("stack", "stack", iterations=STACK_ITERATIONS),
+                spec("stack-grads", "stack", kind="grad_sizes", iterations=STACK_ITERATIONS)]
     return out
 
 
@@ -147,7 +161,82 @@ def _inputs(spec: CheckSpec) -> tuple[dict[str, torch.Tensor], Callable[[Peer, d
     if spec.op == "block_exit":
         return ({"x": c.x, "head_fn": c.head_fn, "head_base": c.head_base, "head_scale": c.head_scale},
                 lambda p, d: {"out": p.block_exit(d["x"], d["head_fn"], d["head_base"], d["head_scale"])})
+    if spec.op == "stack":
+        fns = stack_layers(c)
+
+        def run_stack(p: Peer, d: dict) -> dict[str, torch.Tensor]:
+            layers = [(Sublayer(params=_params(d, f"layer{i}.attn.", c.n), f=a.f),
+                       Sublayer(params=_params(d, f"layer{i}.mlp.", c.n), f=m.f)) for i, (a, m) in enumerate(fns)]
+            head = Head(fn=d["head_fn"], base=d["head_base"], scale=d["head_scale"])
+            go = p.stack if has_own(p, "stack") else lambda *a: chained_stack(p, *a)
+            return {"out": go(d["h"], layers, head, it)}
+
+        stack_inputs = {"h": c.h0}
+        for i, (a, m) in enumerate(c.stack_params):
+            stack_inputs |= {**_param_inputs(a, f"layer{i}.attn."), **_param_inputs(m, f"layer{i}.mlp.")}
+        return {**stack_inputs, "head_fn": c.head_fn, "head_base": c.head_base, "head_scale": c.head_scale}, run_stack
     raise ValueError(f"check {spec.id}: unknown op {spec.op!r}")
+
+
+def stack_source(peer: Peer) -> str | None:
+    """How a peer's `stack` checks run: `"own"` (its `stack`), `"chained"` (its `layer` chained by the suite)
+    or None (neither)."""
+    if "stack" in peer.ops:
+        return "own"
+    return "chained" if "layer" in peer.ops and not hasattr(peer, "side") else None
+
+
+def chained_stack(peer: Peer, h: torch.Tensor, layers, head: Head, iterations: int) -> torch.Tensor:
+    """`h [T, C] -> [T, C]`: n copies of `h`, the peer's `layer` per layer, its `block_exit` (the mean of the
+    streams when it has none): a peer's layers composed by the suite."""
+    n = layers[0][0].params.n
+    x = h.unsqueeze(1).expand(h.shape[0], n, h.shape[1]).contiguous()
+    for attn, mlp in layers:
+        x = peer.layer(x, attn, mlp, iterations)
+    if "block_exit" in peer.ops:
+        return peer.block_exit(x, head.fn, head.base, head.scale)
+    return x.mean(dim=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradSize:
+    """One mHC parameter part of a `stack-grads` check: the norms of the peer's and the reference's gradient."""
+
+    name: str
+    peer: float
+    reference: float
+
+    @property
+    def ratio(self) -> float:
+        return self.peer / self.reference if self.reference > 0 else (math.inf if self.peer > 0 else 1.0)
+
+
+def _parts(name: str, g: torch.Tensor, n: int) -> list[tuple[str, torch.Tensor]]:
+    """A stack parameter's gradient split into its `pre`, `post`, `res` parts (weight rows, bias entries)."""
+    if name.endswith(".weight") or name.endswith(".bias"):
+        return [(f"{name}[pre]", g[:n]), (f"{name}[post]", g[n:2 * n]), (f"{name}[res]", g[2 * n:])]
+    return [(name, g)]
+
+
+GRAD_FLOOR = 1e-6
+"""A parameter part whose reference gradient norm is below this fraction of the largest part's gets none by
+construction (the head under a mean exit; the last sublayer's `res` part under a mean exit, which a doubly
+stochastic H_res leaves unchanged): `stack-grads` leaves it out."""
+
+
+def grad_sizes(peer_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor], n: int) -> list[GradSize]:
+    """The gradient norm of every mHC parameter part of a stack (the input `h` left out), peer against reference,
+    without the parts the reference gives no gradient (`GRAD_FLOOR`)."""
+    out = []
+    for key, ref in ref_grads.items():
+        name = key.removeprefix("grad ")
+        if name == "h":
+            continue
+        peer = peer_grads.get(key, torch.zeros_like(ref))
+        for (part, r), (_, p) in zip(_parts(name, ref, n), _parts(name, peer, n), strict=True):
+            out.append(GradSize(name=part, peer=float(p.norm()), reference=float(r.norm())))
+    top = max((g.reference for g in out), default=0.0)
+    return [g for g in out if g.reference > GRAD_FLOOR * top]
 
 
 def inputs_digest(spec: CheckSpec) -> str:

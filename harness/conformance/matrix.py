@@ -27,15 +27,19 @@ from typing import Any
 import torch
 
 from harness.conformance.checks import (
+    EXIT_OPS,
+    GRAD_SIZE_FACTOR,
     CheckSpec,
     Comparison,
     check_specs,
     compare,
     expected_exact_sums,
     expected_orientation,
+    grad_sizes,
     observe_exact_sums,
     observe_orientation,
     run_side,
+    stack_source,
 )
 from harness.conformance.oracle import VARIANT_NAMES, oracle
 from harness.peers.base import Peer
@@ -99,8 +103,19 @@ class PeerResult:
         return passes, -logs
 
     def score(self, variant: str) -> tuple[int, float]:
-        """(passes, minus the sum of log error ratios) against `variant` or a configuration tried."""
-        return self._score(self.by_variant.get(variant) or self.by_configuration.get(variant, []))
+        """(passes, minus the sum of log error ratios) against the plain `variant` (`by_variant`)."""
+        return self._score(self.by_variant.get(variant, []))
+
+    def tally(self, name: str) -> tuple[int, int]:
+        """`(passes, checks)` against a variant (`by_variant`: without the exit-dependent checks) or, for a name
+        that is not a plain variant, a configuration (`by_configuration`): the one count every output prints."""
+        cells = self.by_variant[name] if name in self.by_variant else self.by_configuration.get(name, [])
+        return sum(c.status == "pass" for c in cells), len(cells)
+
+    def configuration_tally(self, name: str) -> tuple[int, int]:
+        """`(passes, checks)` against the configuration `name` (all its checks, the exit-dependent ones too)."""
+        cells = self.by_configuration.get(name, [])
+        return sum(c.status == "pass" for c in cells), len(cells)
 
     @property
     def best(self) -> str | None:
@@ -145,8 +160,10 @@ class PeerResult:
         return {"peer": self.peer, "description": self.description, "version": self.version,
                 "skipped": self.skipped, "claims": self.claims, "best": self.best,
                 "configuration": self.configuration,
-                "scores": {v: {"pass": self.score(v)[0], "of": len(cs)}
-                           for v, cs in (*self.by_variant.items(), *self.by_configuration.items())},
+                "scores": {v: dict(zip(("pass", "of"), self.tally(v), strict=True)) for v in self.by_variant},
+                "configuration_scores": {c: dict(zip(("pass", "of"), self.configuration_tally(c), strict=True))
+                                         for c in self.by_configuration},
+                "claim": None if self.claims is None else {"claims": self.claims, "met": self.meets_claim},
                 "cells": [c.to_json() for c in self.cells()],
                 "by_variant": {v: [c.to_json() for c in cs] for v, cs in self.by_variant.items()},
                 "by_configuration": {v: [c.to_json() for c in cs] for v, cs in self.by_configuration.items()}}
@@ -192,8 +209,8 @@ def _shapes(spec: CheckSpec) -> str:
     return f"x {list(c.x.shape)}, n={spec.n}, {spec.dtype}"
 
 
-OPTION_OPS = {"norm_eps_placement": ("coefficients", "layer"), "residual_mix": ("mix", "layer"),
-              "output_contraction": ("block_exit",)}
+OPTION_OPS = {"norm_eps_placement": ("coefficients", "layer", "stack"), "residual_mix": ("mix", "layer", "stack"),
+              "output_contraction": ("block_exit", "stack")}
 """The options the checks can observe, and the ops whose checks show them."""
 
 
@@ -214,7 +231,8 @@ def _relevant(spec: CheckSpec, configuration: str) -> str:
     if spec.op == "block_exit":  # the exit alone
         return configure("megatron_dev", NumericsOptions(output_contraction=s.output_contraction)).name
     keep = {"norm_eps_placement": s.norm_eps_placement if spec.op in OPTION_OPS["norm_eps_placement"] else None,
-            "residual_mix": s.residual_mix if spec.op in OPTION_OPS["residual_mix"] else None}
+            "residual_mix": s.residual_mix if spec.op in OPTION_OPS["residual_mix"] else None,
+            "output_contraction": s.output_contraction if spec.op in OPTION_OPS["output_contraction"] else None}
     return configure(s.variant, NumericsOptions(**keep)).name
 
 
@@ -222,7 +240,7 @@ class _Cells:
     """The cells of one peer's checks against any configuration, each oracle run once."""
 
     def __init__(self, peer: Peer):
-        self.peer, self.sides, self._cache = peer, [], {}
+        self.peer, self.sides, self._cache, self._refs = peer, [], {}, {}
 
     def cell(self, spec: CheckSpec, side: Any, configuration: str) -> Cell:
         key = (spec.id, _relevant(spec, configuration))
@@ -248,15 +266,46 @@ class _Cells:
             return Cell(check=spec.id, op=spec.op, variant=v, status="pass" if ok else "fail", observed=seen,
                         max_abs=max(rows, cols), message=f"max |rowsum - 1| {rows:.2e}, |colsum - 1| {cols:.2e}"
                         + ("" if ok else f"; {v} leaves {want} exact"))
+        ref = self._reference(spec, side, v)
+        if spec.kind == "grad_sizes":
+            return _grad_size_cell(spec, v, grad_sizes(side[1], ref[1], spec.n))
+        cell = _numeric_cell(spec, v, compare(side, ref, spec.dtype), self.peer.differences.get(spec.op))
+        if spec.op == "stack" and stack_source(self.peer) == "chained":
+            cell = replace(cell, message=(cell.message + "; " if cell.message else "") + _CHAINED)
+        return cell
+
+    def _reference(self, spec: CheckSpec, side: Any, v: str) -> tuple[dict, dict]:
+        """The oracle's side of a check; `stack` and `stack-grads` share their inputs, so one run."""
+        key = (spec.op, spec.n, spec.dtype, v) if spec.op == "stack" else None
+        if key is not None and key in self._refs:
+            return self._refs[key]
         ref = run_side(oracle(v), spec, torch.float64, keys=tuple(side[0]))
-        return _numeric_cell(spec, v, compare(side, ref, spec.dtype), self.peer.differences.get(spec.op))
+        if key is not None:
+            self._refs[key] = ref
+        return ref
 
     def against(self, configuration: str, exit_check: bool) -> list[Cell]:
-        """Every check (`block-exit` only when `exit_check`) against `configuration`, n/a cells first."""
-        ops = _VARIANT_OPS + (("block_exit",) if exit_check else ())
-        return [*_na_cells(self.peer, configuration, ops),
+        """Every check (those of `EXIT_OPS` only when `exit_check`) against `configuration`, n/a cells first."""
+        ops = _VARIANT_OPS + (EXIT_OPS if exit_check else ())
+        return [*_na_cells(self.peer, configuration, ops), *self.absent(configuration, ops),
                 *(self.cell(spec, side, configuration) for spec, side in self.sides
-                  if exit_check or spec.op != "block_exit")]
+                  if exit_check or spec.op not in EXIT_OPS)]
+
+    def absent(self, configuration: str, ops: Sequence[str]) -> list[Cell]:
+        """n/a cells for the stack checks a peer cannot run (no stack or layer of its own, a recording made
+        before them, no backward), each with its reason; nothing when the peer names the stack a difference."""
+        if "stack" not in ops or "stack" in self.peer.differences:
+            return []
+        ran = {spec.id.split(" ")[0] for spec, _ in self.sides if spec.op == "stack"}
+        why = {}
+        if stack_source(self.peer) is None:
+            why["stack"] = why["stack-grads"] = (
+                "not recorded: the recording predates the stack checks; re-record it" if hasattr(self.peer, "side")
+                else "the peer has neither a stack nor a layer op to compose")
+        elif not self.peer.differentiable:
+            why["stack-grads"] = "no backward: forward-only peer"
+        return [Cell(check=check, op="stack", variant=configuration, status="n/a", message=f"not comparable: {r}")
+                for check, r in why.items() if check not in ran]
 
 
 def _configurations(peer: Peer, variants: Sequence[str]) -> list[str]:
@@ -270,10 +319,41 @@ def _configurations(peer: Peer, variants: Sequence[str]) -> list[str]:
     return list(dict.fromkeys([*variants, *names]))
 
 
+_CHAINED = "its layers chained by the suite (the peer has no stack of its own)"
+
+
+def _grad_size_cell(spec: CheckSpec, variant: str, sizes: list) -> Cell:
+    """`stack-grads`: pass when every part's gradient norm is within `GRAD_SIZE_FACTOR` of the reference's."""
+    if not sizes:
+        return Cell(check=spec.id, op=spec.op, variant=variant, status="n/a", message="no gradient to compare")
+
+    def off(g) -> float:
+        return abs(math.log10(g.ratio)) if 0 < g.ratio < math.inf else math.inf
+
+    worst = max(sizes, key=off)
+    bad = [g for g in sizes if off(g) > math.log10(GRAD_SIZE_FACTOR)]
+    text = ", ".join(f"{g.name} {g.peer:.2e} vs {g.reference:.2e}" for g in sorted(bad, key=off, reverse=True)[:4])
+    msg = "" if not bad else (f"{len(bad)} of {len(sizes)} parameter parts get a gradient more than "
+                              f"{GRAD_SIZE_FACTOR:g}x off the reference's (peer vs reference norm): {text}")
+    return Cell(check=spec.id, op=spec.op, variant=variant, status="fail" if bad else "pass",
+                ratio=worst.ratio, bound=f"norm within {GRAD_SIZE_FACTOR:g}x",
+                worst=f"{worst.name} {worst.peer:.3e} vs {worst.reference:.3e}", message=msg)
+
+
+def _runs(peer: Peer, spec: CheckSpec) -> bool:
+    """Whether `peer` runs `spec` (the stack checks: with a stack or a layer it has; the gradient sizes need
+    a backward)."""
+    if spec.op != "stack":
+        return spec.op in peer.ops
+    if "stack" in peer.differences or stack_source(peer) is None:
+        return False
+    return spec.kind != "grad_sizes" or peer.differentiable
+
+
 def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
     cells = _Cells(peer)
     for spec in check_specs(peer):
-        if spec.op not in peer.ops:
+        if not _runs(peer, spec):
             continue
         try:
             side = peer.side(spec) if hasattr(peer, "side") else run_side(peer, spec, spec.dtype)

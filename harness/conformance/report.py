@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from harness.conformance.matrix import Cell, Matrix, PeerResult
+from mhc_core.variants import get_variant
 
 __all__ = ["format_summary", "markdown", "read_matrix_json", "write_outputs"]
 
@@ -20,19 +21,25 @@ def _cell_text(c: Cell) -> str:
 
 
 def _scores(p: PeerResult) -> str:
-    return ", ".join(f"{v} {p.score(v)[0]}/{len(cs)}" for v, cs in p.by_variant.items())
+    return ", ".join("{} {}/{}".format(v, *p.tally(v)) for v in p.by_variant)
 
 
 def _configuration(p: PeerResult) -> str:
-    """The best configuration and its passes, when options were tried (`-` when none could be)."""
-    if len(p.by_configuration) < 2:
-        return "-"
-    c = p.configuration
-    return f"{c} {p.score(c)[0]}/{len(p.by_configuration[c])}"
+    """The best configuration and its passes over all its checks (`-` when there is none)."""
+    if p.configuration is None or p.configuration not in p.by_configuration:
+        return p.configuration or "-"
+    na = sum(c.status == "n/a" for c in p.by_configuration[p.configuration])
+    return "{} {}/{}".format(p.configuration, *p.configuration_tally(p.configuration)) + (f" ({na} n/a)" if na else "")
 
 
 def _claim(p: PeerResult) -> str:
-    return "" if p.claims is None or p.meets_claim or not p.conforms else f", not its claim {p.claims}"
+    """The peer's claim and whether it holds: `claims X: met`, or `claims X: NOT met (...)`; empty without one."""
+    if p.claims is None:
+        return ""
+    if p.meets_claim:
+        return f"; claims {p.claims}: met"
+    passes, of = p.configuration_tally(get_variant(p.claims).name)
+    return f"; claims {p.claims}: NOT met ({passes}/{of} of its checks pass)"
 
 
 def format_summary(matrix: Matrix) -> str:
@@ -44,8 +51,8 @@ def format_summary(matrix: Matrix) -> str:
             continue
         verdict = "conforms to" if p.conforms else "best matches"
         tried = "" if len(p.by_configuration) < 2 else f" [{len(p.by_configuration)} configurations tried]"
-        lines.append(f"{p.peer} ({p.version or 'no version'}): {verdict} {p.configuration}{_claim(p)} "
-                     f"[{_scores(p)}]{tried}")
+        lines.append(f"{p.peer} ({p.version or 'no version'}): {verdict} {_configuration(p)}{_claim(p)} "
+                     f"[per variant: {_scores(p)}]{tried}")
         for c in p.cells():
             if c.status != "pass":
                 lines.append(f"    {c.check}: {c.status}: {c.message}")

@@ -15,26 +15,33 @@ Ops (a peer implements those in `Peer.ops`):
 | `sinkhorn` | `(logits [T, n, n], iterations)` | `[T, n, n]` |
 | `layer` | `(x [T, n, C], attn, mlp, iterations)`: two sublayers | `[T, n, C]` |
 | `block_exit` | `(x [T, n, C], head_fn [n, n*C], head_base [n], head_scale [1])` | `[T, C]` |
+| `stack` | `(h [T, C], layers, head, iterations)`: `layers` a sequence of `(attn, mlp)` `Sublayer` pairs, `head` a `Head` | `[T, C]` |
 
 `coefficients` returns the subset of `{"h_pre" [T, n], "h_post" [T, n], "h_res" [T, n, n]
 (after Sinkhorn), "aggregate" [T, C]}` the peer exposes (DeepSeek-V4 consumes `h_pre` itself and
 returns the aggregate). `layer` runs attention-like then MLP-like sublayers,
 `x -> mix(x, f(aggregate(x)))` twice, with `attn` / `mlp` a `Sublayer` each.
 `block_exit` is the learned contraction of `megatron_dev` / DeepSeek-V4 (`hc_head`).
+
+`stack` is the peer's own composition of several layers, as its model runs them: one stream in,
+expanded to n copies, every layer on the n streams, the block exit out. A peer whose exit is the mean
+of the streams ignores `head` (its gradients are then zero, as the mean-exit oracle's are). A peer
+without a `stack` of its own but with `layer` is chained by the suite (expand, its `layer` per layer,
+its `block_exit` or the mean), and its report says so.
 """
 
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["OPS", "Peer", "PeerError", "Sublayer", "SublayerParams"]
+__all__ = ["OPS", "Head", "Peer", "PeerError", "Sublayer", "SublayerParams", "has_own"]
 
-OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit")
+OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack")
 
 
 class PeerError(RuntimeError):
@@ -75,6 +82,15 @@ class Sublayer:
 
     params: SublayerParams
     f: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Head:
+    """The learned block exit's parameters: `fn [n, n*C]`, `base [n]`, `scale [1]` (`hc_head_*`)."""
+
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,3 +145,12 @@ class Peer(ABC):
     def block_exit(self, x: torch.Tensor, head_fn: torch.Tensor, head_base: torch.Tensor,
                    head_scale: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def stack(self, h: torch.Tensor, layers: Sequence[tuple[Sublayer, Sublayer]], head: Head,
+              iterations: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def has_own(peer: Peer, op: str) -> bool:
+    """Whether `peer`'s class implements `op` itself (not `Peer`'s `NotImplementedError`)."""
+    return getattr(type(peer), op) is not getattr(Peer, op)

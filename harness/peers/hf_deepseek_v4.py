@@ -1,9 +1,11 @@
 """Hugging Face transformers' DeepSeek-V4 mHC as a peer (`transformers` 5.23, pure PyTorch, CPU).
 
 What runs is transformers' own code: `DeepseekV4HyperConnection` (coefficients, Sinkhorn, the
-collapse of the streams), `DeepseekV4HyperHead` (the block exit) and
+collapse of the streams), `DeepseekV4HyperHead` (the block exit),
 `DeepseekV4DecoderLayer.forward` (the residual mix `post * out + comb^T @ streams`), with the
-layer's attention, MoE and norms replaced by the check's functions.
+layer's attention, MoE and norms replaced by the check's functions, and for `stack`
+`DeepseekV4Model.forward` (the expansion of the embeddings to `hc_mult` streams, the layers, `hc_head`)
+with such layers and its final norm left out (it follows the exit and is no part of mHC).
 
 Parameter map (reference -> DeepSeek-V4): `mapping_proj.weight` `[N, n*C]` -> `fn` (the same
 `[pre | post | res]` rows), `bias` -> `base`, `(alpha_pre, alpha_post, alpha_res)` -> `scale[3]`;
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.base import Head, Peer, Sublayer, SublayerParams
 
 __all__ = ["HfDeepseekV4Peer", "VERSION"]
 
@@ -33,13 +35,13 @@ VERSION = "5.23.0"
 """The transformers release this adapter is written against (`pip install transformers==5.23.0`)."""
 
 
-def _config(n: int, c: int, iterations: int):
+def _config(n: int, c: int, iterations: int, layers: int = 1):
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(hidden_size=c, hc_mult=n, hc_sinkhorn_iters=iterations, hc_eps=1e-6, rms_norm_eps=1e-6,
                             moe_intermediate_size=c, num_attention_heads=1,
                             num_key_value_heads=1, head_dim=c, n_routed_experts=1, num_experts_per_tok=1,
-                            vocab_size=8, num_hidden_layers=1)
+                            vocab_size=8, num_hidden_layers=layers)
 
 
 def _hc(n: int, c: int, iterations: int, dtype: torch.dtype):
@@ -105,7 +107,7 @@ class HfDeepseekV4Peer(Peer):
 
     name: str = "hf_deepseek_v4"
     description: str = "Hugging Face transformers DeepseekV4HyperConnection / HyperHead / DecoderLayer"
-    ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit"})
+    ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack"})
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)  # its mHC upcasts to fp32 whatever the input
     differences: dict[str, str] = field(default_factory=lambda: {
         "coefficients": "its RMSNorm puts eps inside the square root (x * rsqrt(mean(x^2) + eps)); the reference "
@@ -178,6 +180,26 @@ class HfDeepseekV4Peer(Peer):
 
         t, n, c = x.shape
         head = DeepseekV4HyperHead(_config(n, c, 1)).to(x.dtype)
-        del head.hc_fn, head.hc_base, head.hc_scale
-        head.hc_fn, head.hc_base, head.hc_scale = head_fn, head_base, head_scale
+        _load_head(head, Head(fn=head_fn, base=head_base, scale=head_scale))
         return head(x.unsqueeze(0))[0]
+
+    def stack(self, h, layers, head: Head, iterations):
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Model
+
+        t, c = h.shape
+        n = layers[0][0].params.n
+        model = DeepseekV4Model(_config(n, c, iterations, layers=len(layers))).to(h.dtype)
+        for i, (attn, mlp) in enumerate(layers):
+            attn_hc, ffn_hc = _hc(n, c, iterations, h.dtype), _hc(n, c, iterations, h.dtype)
+            _load(attn_hc, attn.params)
+            _load(ffn_hc, mlp.params)
+            model.layers[i] = _decoder_layer(attn_hc, attn.f, ffn_hc, mlp.f)
+        _load_head(model.hc_head, head)
+        model.norm = nn.Identity()
+        return model(inputs_embeds=h.unsqueeze(0)).last_hidden_state[0]
+
+
+def _load_head(module: nn.Module, head: Head) -> None:
+    """Bind the learned exit's parameters as a `DeepseekV4HyperHead`'s hc_fn / hc_base / hc_scale."""
+    del module.hc_fn, module.hc_base, module.hc_scale
+    module.hc_fn, module.hc_base, module.hc_scale = head.fn, head.base, head.scale

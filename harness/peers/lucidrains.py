@@ -59,6 +59,8 @@ class LucidrainsPeer(Peer):
         "coefficients": _COEFFICIENTS,
         "layer": "its sublayer computes the coefficients above, so it cannot be fed the reference's parameters",
         "block_exit": "its streams are reduced by a plain sum (reduce_fn); it has no learned contraction",
+        "stack": "its layers compute the coefficients above and its exit sums the streams, so its stack cannot be "
+                 "fed the reference's parameters",
     })
 
     def version(self) -> str | None:

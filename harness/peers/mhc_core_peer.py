@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.base import Head, Peer, Sublayer, SublayerParams
 
 __all__ = ["BLOCK_EXIT_EPS", "MhcCorePeer", "mhc_core_peers", "sublayer"]
 
@@ -95,6 +95,17 @@ class MhcCorePeer(Peer):
             return contract(x.reshape(1, t, n * c), n)[0]
         return learned_contract(x.reshape(1, t, n * c), head_fn, head_base, head_scale, n, eps=BLOCK_EXIT_EPS)[0]
 
+    def stack(self, h, layers, head: Head, iterations):
+        """`h [T, C] -> [T, C]`: `expand` to n streams, `layer` per layer, `block_exit`."""
+        from mhc_core.ops import expand
+
+        t, c = h.shape
+        n = layers[0][0].params.n
+        x = expand(h.unsqueeze(0), n).reshape(t, n, c)
+        for attn, mlp in layers:
+            x = self.layer(x, attn, mlp, iterations)
+        return self.block_exit(x, head.fn, head.base, head.scale)
+
 
 def mhc_core_peers(backends: tuple[str, ...] = ("reference",)) -> list[MhcCorePeer]:
     """`mhc_core[<variant>]` (reference backend) and `mhc_core[<variant>,<backend>]` for the others."""
@@ -107,5 +118,5 @@ def mhc_core_peers(backends: tuple[str, ...] = ("reference",)) -> list[MhcCorePe
             out.append(MhcCorePeer(name=f"mhc_core[{tag}]", variant=v.value, backend=backend, claims=v.value,
                                    description=f"mhc_core's {v.value} variant, {backend} backend",
                                    ops=frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer",
-                                                  "block_exit"})))
+                                                  "block_exit", "stack"})))
     return out

@@ -83,6 +83,16 @@ class Mutant(MhcCorePeer):
         o = self._ops()
         return sublayer(sublayer(x, attn, iterations, self.variant, o), mlp, iterations, self.variant, o)
 
+    def stack(self, h, layers, head, iterations):
+        if self.fault != "streams collapsed every layer":
+            return super().stack(h, layers, head, iterations)
+        t, c = h.shape
+        n = layers[0][0].params.n
+        x = h.unsqueeze(1).expand(t, n, c)
+        for attn, mlp in layers:  # one stream carried between layers: expanded in, collapsed out of each
+            x = self.layer(x.mean(dim=1, keepdim=True).expand(t, n, c), attn, mlp, iterations)
+        return self.block_exit(x, head.fn, head.base, head.scale)
+
 
 def _mutant(fault: str, variant: str, caught_by: tuple[str, ...], spared: tuple[str, ...]) -> Mutant:
     slug = fault.replace(" ", "-").replace("/", "-").lower()
@@ -102,4 +112,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _mutant("H_post without its factor 2", "paper", ("coefficients", "layer"), ("mix", "sinkhorn", "aggregate")),
     _mutant("gradient detached before Sinkhorn", "megatron_dev", ("coefficients", "layer", "sinkhorn s1 it20"),
             ("mix", "aggregate", "block-exit")),
+    # mhc-pytorch 0.2.3's design: no n-stream residual between layers, so H_res acts on n equal copies
+    _mutant("streams collapsed every layer", "megatron_main", ("stack", "stack-grads"),
+            ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block-exit", "orientation", "exact-sums")),
 )

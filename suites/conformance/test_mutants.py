@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from harness.conformance.matrix import run_matrix
-from suites.conformance.mutants import MUTANTS
+from harness.conformance.matrix import Matrix, run_matrix
+from suites.conformance.mutants import MUTANTS, Mutant
+
+_MATRICES: dict[str, Matrix] = {}
+
+
+def _matrix(mutant: Mutant) -> Matrix:
+    """The matrix of one mutant, run once for the tests (of this worker) that read it."""
+    if mutant.name not in _MATRICES:
+        _MATRICES[mutant.name] = run_matrix([mutant])
+    return _MATRICES[mutant.name]
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.fault.replace(" ", "-") for m in MUTANTS])
 def test_mutant_is_caught_by_its_check(mutant):
-    """Against the variant it claims, the fault's checks fail (with numbers) and the untouched ones pass."""
-    row = run_matrix([mutant]).peer(mutant.name)
-    cells = row.by_variant[mutant.variant]
+    """Against the variant it claims (every check, the exit-dependent ones included), the fault's checks fail
+    (with numbers) and the untouched ones pass."""
+    row = _matrix(mutant).peer(mutant.name)
+    cells = row.cells(mutant.variant)
     failing = {c.check for c in cells if c.status == "fail"}
     assert not row.meets_claim
     for prefix in mutant.caught_by:
@@ -33,18 +43,21 @@ def test_a_fault_that_is_a_named_option_is_named(fault, configuration):
     from harness.conformance.report import format_summary
 
     (mutant,) = (m for m in MUTANTS if m.fault == fault)
-    matrix = run_matrix([mutant])
+    matrix = _matrix(mutant)
     row = matrix.peer(mutant.name)
     assert row.configuration == configuration and row.conforms and not row.meets_claim
-    assert f"conforms to {configuration}, not its claim {mutant.claims}" in format_summary(matrix)
+    passes, of = row.configuration_tally(configuration)
+    assert passes == of
+    assert (f"conforms to {configuration} {passes}/{of}; claims {mutant.claims}: NOT met ("
+            in format_summary(matrix)), format_summary(matrix)
 
 
 @pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.fault in (
     "Sinkhorn ends on a row pass", "bias pre/post halves swapped", "H_post without its factor 2",
-    "gradient detached before Sinkhorn")], ids=lambda m: m.fault.replace(" ", "-"))
+    "gradient detached before Sinkhorn", "streams collapsed every layer")], ids=lambda m: m.fault.replace(" ", "-"))
 def test_a_fault_that_is_no_option_conforms_to_nothing(mutant):
     """The other faults match no variant and no configuration."""
-    assert not run_matrix([mutant]).peer(mutant.name).conforms
+    assert not _matrix(mutant).peer(mutant.name).conforms
 
 
 def test_the_unmutated_core_passes_every_check():
@@ -54,3 +67,37 @@ def test_the_unmutated_core_passes_every_check():
     for row in run_matrix(mhc_core_peers()).peers:
         assert row.meets_claim and row.configuration == row.claims, \
             [c.message for c in row.cells() if c.status != "pass"]
+
+
+def test_collapsed_streams_starve_the_residual_mix_of_gradient():
+    """The collapse mutant's `stack-grads` names the H_res parameters: with n equal copies entering every
+    layer, the gradient reaching them is orders of magnitude below the reference's."""
+    (mutant,) = (m for m in MUTANTS if m.fault == "streams collapsed every layer")
+    row = _matrix(mutant).peer(mutant.name)
+    (cell,) = (c for c in row.cells(mutant.variant) if c.check == "stack-grads n4 fp64")
+    assert cell.status == "fail" and "alpha_res" in cell.message and "[res]" in cell.message, cell.message
+    assert cell.ratio is not None and cell.ratio < 1 / 1000, cell
+
+
+def test_console_markdown_and_json_print_the_same_counts_and_the_claim():
+    """One count everywhere: the configuration's passes over all its checks and the per-variant passes over the
+    variant's checks are the same in the console line, the markdown table and the JSON; a claim not met is in
+    the console line and the markdown, with the claim's own count."""
+    from harness.conformance.report import format_summary, markdown
+
+    (mutant,) = (m for m in MUTANTS if m.fault == "norm eps inside the square root")
+    matrix = _matrix(mutant)
+    row, doc = matrix.peer(mutant.name), matrix.to_json()["peers"][0]
+    cfg = row.configuration
+    passes, of = row.configuration_tally(cfg)
+    assert doc["configuration_scores"][cfg] == {"pass": passes, "of": of} and passes == of
+    line = format_summary(matrix).splitlines()[0]
+    table = next(x for x in markdown(matrix).splitlines() if x.startswith(f"| {mutant.name} |"))
+    for v in ("paper", "megatron_main", "megatron_dev"):
+        p, o = row.tally(v)
+        assert doc["scores"][v] == {"pass": p, "of": o} and o == len(row.by_variant[v])
+        assert f"{v} {p}/{o}" in line and f"{v} {p}/{o}" in table
+    claimed = doc["configuration_scores"][mutant.claims]
+    assert claimed["pass"] < claimed["of"] and doc["claim"] == {"claims": mutant.claims, "met": False}
+    want = f"claims {mutant.claims}: NOT met ({claimed['pass']}/{claimed['of']} of its checks pass)"
+    assert want in line and want in table, (line, table)

@@ -24,6 +24,10 @@ def _not_passing(row):
     return {c.check: c for c in row.cells() if c.status != "pass"}
 
 
+_UNRECORDED = ("stack", "stack-grads")
+"""n/a in a recording made before the stack checks (each says so and how to re-record)."""
+
+
 @pytest.mark.parametrize("variant", ["paper", "megatron_main", "megatron_dev"])
 def test_mhc_core_matches_its_own_variant_and_no_other(matrix, variant):
     """Each mhc_core variant passes every check against itself and is told apart from the other two."""
@@ -120,7 +124,7 @@ def test_te_triton_is_main_with_a_transposed_mix_but_for_its_norm_eps(matrix):
     row = matrix.peer("te_triton[recorded]")
     assert row.configuration == "megatron_main+transposed_mix", row.configuration
     failing = _not_passing(row)
-    assert set(failing) - {"block_exit"} == {"coefficients@rms1e-2 n4 fp32"}, failing
+    assert set(failing) - {"block_exit", *_UNRECORDED} == {"coefficients@rms1e-2 n4 fp32"}, failing
     assert "grad x" in failing["coefficients@rms1e-2 n4 fp32"].message
     assert "machine eps" in failing["coefficients@rms1e-2 n4 fp32"].message
     inside = {c.check: c for c in row.cells("megatron_main+eps_inside_sqrt+transposed_mix")}
@@ -138,7 +142,7 @@ def test_torchtitan_sinkhorn_is_not_deepseek_v4s(matrix):
     row = matrix.peer("torchtitan[recorded]")
     assert row.configuration == "megatron_main+eps_inside_sqrt+learned_exit+transposed_mix", row.configuration
     failing = _not_passing(row)
-    assert set(failing) - {"aggregate"} == {"sinkhorn s10 it1 n2 fp32", "sinkhorn s10 it1 n4 fp32",
+    assert set(failing) - {"aggregate", *_UNRECORDED} == {"sinkhorn s10 it1 n2 fp32", "sinkhorn s10 it1 n4 fp32",
                                             "sinkhorn s10 it20 n4 fp32", "exact-sums n4 fp32"}, failing
     assert all(c.status == "pass" for c in row.cells() if c.op in ("coefficients", "mix", "layer", "block_exit"))
     deepseek = {c.check: c for c in row.cells("megatron_dev+eps_inside_sqrt+learned_exit")}
@@ -151,7 +155,7 @@ def test_a_recording_on_other_inputs_is_an_error_naming_it():
     (peer, *_) = load_recording(RECORDED_DIR / "megatron_lm_main.json")
     checks = {k: {**v, "inputs_sha256": "0" * 64} for k, v in peer.checks.items()}
     row = run_matrix([replace(peer, checks=checks)]).peer(peer.name)
-    cell = row.cells()[0]
+    cell = next(c for c in row.cells() if c.status != "n/a")
     assert cell.status == "error" and "was recorded on other inputs" in cell.message
     assert "megatron_lm_main.json" in cell.message and "record_megatron_lm" in cell.message
 
