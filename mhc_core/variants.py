@@ -13,7 +13,8 @@
 
 Four numerics choices real implementations differ in are named options of any variant
 (`NumericsOptions`, `configure`): where the norm's eps sits (`eps_inside_sqrt`: `rsqrt(mean(x^2) + eps)`
-as DeepSeek-V4, TE and Liger), the mapping precision (`fp32_mappings` / `activation_mappings`: compute
+as DeepSeek-V4 and Liger; `dtype_eps_inside_sqrt`: the same with the compute dtype's machine eps, as
+`F.rms_norm(eps=None)` and TE), the mapping precision (`fp32_mappings` / `activation_mappings`: compute
 and parameters in fp32 or in the activation dtype), the block exit (`learned_exit` / `mean_exit`) and
 the orientation of the residual mix (`transposed_mix`: `H^T @ x` / `untransposed_mix`: `H @ x`; Liger
 mixes dev's H_res untransposed).
@@ -57,8 +58,11 @@ class NormEpsPlacement(enum.StrEnum):
     OUTSIDE_SQRT = "outside_sqrt"
     """`r = 1 / (sqrt(mean(x^2)) + eps)`: upstream Megatron-LM main and dev, the paper."""
     INSIDE_SQRT = "inside_sqrt"
-    """`r = rsqrt(mean(x^2) + eps)`: DeepSeek-V4, TE, Liger-Kernel, TileKernels (#7521's
+    """`r = rsqrt(mean(x^2) + eps)`: DeepSeek-V4, Liger-Kernel, TileKernels (#7521's
     `mhc_norm_eps_inside_sqrt`)."""
+    INSIDE_SQRT_DTYPE_EPS = "inside_sqrt_dtype_eps"
+    """`r = rsqrt(mean(x^2) + finfo(compute dtype).eps)`, whatever eps is configured: `F.rms_norm(...,
+    eps=None)`, an `nn.RMSNorm` built without eps, TE's Triton mHC (fp32: 1.19e-7)."""
 
 
 class MappingPrecision(enum.StrEnum):
@@ -148,7 +152,12 @@ class VariantSpec:
     @property
     def norm_eps_inside(self) -> bool:
         """Whether the eps goes in `sqrt(mean(x^2) + eps)` (True) or in `1 / (rms + eps)` (False)."""
-        return self.norm_eps_placement == NormEpsPlacement.INSIDE_SQRT
+        return self.norm_eps_placement in (NormEpsPlacement.INSIDE_SQRT, NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS)
+
+    @property
+    def norm_eps_from_dtype(self) -> bool:
+        """Whether the eps is the machine eps of the mapping's compute dtype rather than the configured one."""
+        return self.norm_eps_placement == NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,6 +237,7 @@ _OPTION_FIELDS = ("norm_eps_placement", "mapping_fp32", "params_fp32", "output_c
 _OPTION_NAMES: dict[str, tuple[str, str]] = {
     "eps_inside_sqrt": ("norm_eps_placement", NormEpsPlacement.INSIDE_SQRT),
     "eps_outside_sqrt": ("norm_eps_placement", NormEpsPlacement.OUTSIDE_SQRT),
+    "dtype_eps_inside_sqrt": ("norm_eps_placement", NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS),
     "fp32_mappings": ("mapping_precision", MappingPrecision.FP32),
     "activation_mappings": ("mapping_precision", MappingPrecision.ACTIVATION),
     "learned_exit": ("output_contraction", OutputContraction.LEARNED),

@@ -41,7 +41,7 @@ from harness.conformance.checks import (
     run_side,
     stack_source,
 )
-from harness.conformance.oracle import VARIANT_NAMES, oracle
+from harness.conformance.oracle import VARIANT_NAMES, oracle_for
 from harness.peers.base import Peer
 from mhc_core.testing import tolerance
 from mhc_core.variants import (
@@ -279,7 +279,7 @@ class _Cells:
         key = (spec.op, spec.n, spec.dtype, v) if spec.op == "stack" else None
         if key is not None and key in self._refs:
             return self._refs[key]
-        ref = run_side(oracle(v), spec, torch.float64, keys=tuple(side[0]))
+        ref = run_side(oracle_for(v, spec.dtype), spec, torch.float64, keys=tuple(side[0]))
         if key is not None:
             self._refs[key] = ref
         return ref
@@ -311,7 +311,8 @@ class _Cells:
 def _configurations(peer: Peer, variants: Sequence[str]) -> list[str]:
     """Each variant with each combination of the options the peer's ops show (the plain variants first)."""
     shown = {o for o, ops in OPTION_OPS.items() if set(ops) & peer.ops}
-    eps = [None, NormEpsPlacement.INSIDE_SQRT] if "norm_eps_placement" in shown else [None]
+    eps = [None, NormEpsPlacement.INSIDE_SQRT, NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS] \
+        if "norm_eps_placement" in shown else [None]
     mixes = [ResidualMix.UNTRANSPOSED, ResidualMix.TRANSPOSED] if "residual_mix" in shown else [None]
     exits = [OutputContraction.MEAN, OutputContraction.LEARNED] if "output_contraction" in shown else [None]
     names = [configure(v, NumericsOptions(norm_eps_placement=e, residual_mix=m, output_contraction=x)).name

@@ -10,20 +10,35 @@ from __future__ import annotations
 
 from functools import cache
 
-from harness.peers.mhc_core_peer import MhcCorePeer
-from mhc_core.variants import get_variant
+import torch
 
-__all__ = ["VARIANT_NAMES", "oracle"]
+from harness.peers.mhc_core_peer import MhcCorePeer
+from mhc_core.ops.mapping import NORM_EPS
+from mhc_core.variants import NormEpsPlacement, NumericsOptions, configure, get_variant
+
+__all__ = ["VARIANT_NAMES", "oracle", "oracle_for"]
 
 VARIANT_NAMES = ("paper", "megatron_main", "megatron_dev")
 
 
 @cache
-def oracle(configuration: str) -> MhcCorePeer:
+def oracle(configuration: str, norm_eps: float = NORM_EPS) -> MhcCorePeer:
     """The fp64 reference of `configuration` (a variant name, or `<variant>+<option>...`)."""
     try:
         name = get_variant(configuration).name
     except ValueError as exc:
         raise ValueError(f"oracle({configuration!r}): {exc}") from None
     return MhcCorePeer(name=f"oracle[{name}]", variant=name, description=f"{name} in fp64",
-                       ops=frozenset(), claims=name)
+                       ops=frozenset(), claims=name, norm_eps=norm_eps)
+
+
+def oracle_for(configuration: str, dtype: torch.dtype) -> MhcCorePeer:
+    """The oracle of `configuration` for a check in `dtype`. Under `dtype_eps_inside_sqrt` the eps is the machine
+    eps of the dtype the configuration computes its mapping in for `dtype` inputs (fp32 for a bf16 check of an
+    fp32 mapping), not fp64's: the oracle is that configuration with `eps_inside_sqrt` and that eps."""
+    spec = get_variant(configuration)
+    if not spec.norm_eps_from_dtype:
+        return oracle(configuration)
+    compute = torch.promote_types(dtype, torch.float32) if spec.mapping_fp32 else dtype
+    inside = configure(spec, NumericsOptions(norm_eps_placement=NormEpsPlacement.INSIDE_SQRT)).name
+    return oracle(inside, float(torch.finfo(compute).eps))

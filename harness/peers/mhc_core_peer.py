@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from harness.peers.base import Head, Peer, Sublayer, SublayerParams
+from mhc_core.ops.mapping import NORM_EPS
 
 __all__ = ["BLOCK_EXIT_EPS", "MhcCorePeer", "mhc_core_peers", "sublayer"]
 
@@ -22,15 +23,17 @@ upstream dev passes `layernorm_epsilon`."""
 
 
 def sublayer(x: torch.Tensor, sub: Sublayer, iterations: int, variant: str,
-             ops: Any = None) -> torch.Tensor:
+             ops: Any = None, norm_eps: float | None = None) -> torch.Tensor:
     """`x [T, n, C] -> [T, n, C]`: one mHC sublayer around `sub.f` with `mhc_core`'s ops (or `ops`,
-    an object with `mapping`, `sinkhorn`, `h_aggregate` and `h_post_bda`)."""
+    an object with `mapping`, `sinkhorn`, `h_aggregate` and `h_post_bda`; `norm_eps`: the mapping's, when
+    not its default)."""
     import mhc_core.ops as ref
 
     o = ops or ref
     p, (t, n, c) = sub.params, x.shape
+    eps = {} if norm_eps is None else {"norm_eps": norm_eps}
     h_pre, h_post, logits = o.mapping(x.reshape(t, n * c), p.weight, p.alpha_pre, p.alpha_post, p.alpha_res,
-                                      p.bias, n, variant=variant)
+                                      p.bias, n, variant=variant, **eps)
     h_res = o.sinkhorn(logits, iterations, variant=variant)
     y = sub.f(o.h_aggregate(x, h_pre))
     return o.h_post_bda(h_res, x, h_post, y, None, variant=variant)
@@ -43,6 +46,8 @@ class MhcCorePeer(Peer):
 
     variant: str
     backend: str = "reference"
+    norm_eps: float = NORM_EPS
+    """The mapping's RMS eps (an oracle standing for a dtype's machine eps sets it)."""
 
     def version(self) -> str | None:
         try:
@@ -68,7 +73,7 @@ class MhcCorePeer(Peer):
         t, n, c = x.shape
         p = params
         h_pre, h_post, logits = o.mapping(x.reshape(t, n * c), p.weight, p.alpha_pre, p.alpha_post, p.alpha_res,
-                                          p.bias, n, variant=self.variant)
+                                          p.bias, n, variant=self.variant, norm_eps=self.norm_eps)
         h_res = o.sinkhorn(logits, iterations, variant=self.variant)
         return {"h_pre": h_pre, "h_post": h_post, "h_res": h_res, "aggregate": o.h_aggregate(x, h_pre)}
 
@@ -83,7 +88,8 @@ class MhcCorePeer(Peer):
 
     def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):
         o = self._ops()
-        return sublayer(sublayer(x, attn, iterations, self.variant, o), mlp, iterations, self.variant, o)
+        e = self.norm_eps
+        return sublayer(sublayer(x, attn, iterations, self.variant, o, e), mlp, iterations, self.variant, o, e)
 
     def block_exit(self, x, head_fn, head_base, head_scale):
         """The configuration's exit: the learned contraction, or the mean of the streams (the head unused)."""

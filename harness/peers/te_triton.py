@@ -129,7 +129,8 @@ class TeTritonPeer(Peer):
     differences: dict[str, str] = field(default_factory=lambda: {
         "block_exit": "no learned block exit (TE's mHC ends at the last sublayer)",
         "coefficients": "RMS eps inside the square root and float32's machine eps (sqrt(ms + 1.19e-7)), not the "
-                        "model's 1e-6: seen only where the RMS is small (coefficients@rms1e-2)",
+                        "model's 1e-6 (the option dtype_eps_inside_sqrt): seen only where the RMS is small "
+                        "(coefficients@rms1e-2)",
     })
 
     def version(self) -> str | None:

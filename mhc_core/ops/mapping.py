@@ -5,6 +5,7 @@
 
     r     = 1 / (||x||_2 / sqrt(n*C) + norm_eps)        RMS over all n*C, eps outside the sqrt
           = rsqrt(||x||_2^2 / (n*C) + norm_eps)         with the option `eps_inside_sqrt`
+          = rsqrt(||x||_2^2 / (n*C) + finfo(compute).eps)   with `dtype_eps_inside_sqrt` (`effective_norm_eps`)
     h     = r * (x @ weight^T) * alpha + bias           RMS applied after the projection
     alpha = [alpha_pre x n | alpha_post x n | alpha_res x n*n]
     h_pre = sigmoid(h[:, :n]) (+ 1e-6 in megatron_dev), h_post = 2 * sigmoid(h[:, n:2n]),
@@ -24,11 +25,17 @@ import torch
 from mhc_core.checks import check_dim, check_floating, check_number, check_rank, check_streams, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "NORM_EPS"]
+__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "effective_norm_eps", "NORM_EPS"]
 
 NORM_EPS = 1e-6
 """eps of the RMS norm (outside the square root, as upstream, unless the spec says inside)."""
 
+
+
+def effective_norm_eps(spec: VariantSpec, norm_eps: float, compute: torch.dtype) -> float:
+    """The eps the RMS norm adds: `norm_eps`, or under `dtype_eps_inside_sqrt` the machine eps of `compute`, the
+    dtype the mapping computes in (every backend resolves it here)."""
+    return float(torch.finfo(compute).eps) if spec.norm_eps_from_dtype else norm_eps
 
 
 def num_mapping_outputs(n: int) -> int:
@@ -84,6 +91,7 @@ def mapping(
     width = x.shape[1]
 
     compute = torch.promote_types(x.dtype, torch.float32) if spec.mapping_fp32 else x.dtype
+    norm_eps = effective_norm_eps(spec, norm_eps, compute)
     xc = x.to(compute)
     proj = xc @ weight.to(compute).t()  # [T, N]
     if spec.norm_eps_inside:

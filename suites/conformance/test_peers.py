@@ -117,18 +117,19 @@ def test_recordings_carry_their_provenance():
             ("pytorch/torchtitan", "pull/3634")} <= seen
 
 
-def test_te_triton_is_main_with_a_transposed_mix_but_for_its_norm_eps(matrix):
+def test_te_triton_is_main_with_a_transposed_mix_and_the_dtype_eps(matrix):
     """TransformerEngine's Triton mHC (recorded through the interpreter from d0067d0d): megatron_main's
-    coefficients and log-domain Sinkhorn (columns exact), mixed H^T @ x; only where the RMS is small does
-    its norm differ (eps = float32's machine eps inside the square root), with either eps placement."""
+    coefficients and log-domain Sinkhorn (columns exact), mixed H^T @ x, its norm's eps float32's machine eps
+    inside the square root: it conforms to `megatron_main+dtype_eps_inside_sqrt+transposed_mix`, and with the
+    model's 1e-6 on either side of the square root it fails where the RMS is small."""
     row = matrix.peer("te_triton[recorded]")
-    assert row.configuration == "megatron_main+transposed_mix", row.configuration
-    failing = _not_passing(row)
-    assert set(failing) - {"block_exit", *_UNRECORDED} == {"coefficients@rms1e-2 n4 fp32"}, failing
-    assert "grad x" in failing["coefficients@rms1e-2 n4 fp32"].message
-    assert "machine eps" in failing["coefficients@rms1e-2 n4 fp32"].message
-    inside = {c.check: c for c in row.cells("megatron_main+eps_inside_sqrt+transposed_mix")}
-    assert inside["coefficients@rms1e-2 n4 fp32"].status == "fail" and inside["coefficients n4 fp32"].status == "pass"
+    assert row.configuration == "megatron_main+dtype_eps_inside_sqrt+transposed_mix", row.configuration
+    assert row.conforms
+    assert set(_not_passing(row)) == {"block_exit", *_UNRECORDED}, _not_passing(row)
+    for other in ("megatron_main+transposed_mix", "megatron_main+eps_inside_sqrt+transposed_mix"):
+        cells = {c.check: c for c in row.cells(other)}
+        assert cells["coefficients@rms1e-2 n4 fp32"].status == "fail" and cells["coefficients n4 fp32"].status == "pass"
+        assert "grad x" in cells["coefficients@rms1e-2 n4 fp32"].message
     cells = {c.check: c for c in row.cells()}
     assert cells["exact-sums n4 fp32"].observed == "cols" and cells["orientation n4 fp32"].observed == "H^T @ x"
     assert "interpreted" in row.version

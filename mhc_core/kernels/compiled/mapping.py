@@ -28,7 +28,7 @@ import torch
 
 from mhc_core import ops
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops.mapping import NORM_EPS, check_mapping_args
+from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, effective_norm_eps
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["mapping"]
@@ -134,6 +134,7 @@ class _Mapping(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, a_pre, a_post, a_res, bias, n: int, spec: VariantSpec, norm_eps: float):
         compute = acc_dtype(x.dtype) if spec.mapping_fp32 else x.dtype
+        norm_eps = effective_norm_eps(spec, norm_eps, compute)
         out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
         params = (weight, a_pre, a_post, a_res, bias)
         key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps,

@@ -42,7 +42,7 @@ from mhc_core.kernels.compiled.mapping import _alpha, gate_grads, rms_coef
 from mhc_core.kernels.compiled.mapping import _fwd as _mapping_fwd
 from mhc_core.kernels.compiled.sinkhorn import _bwd as _sinkhorn_bwd
 from mhc_core.kernels.compiled.sinkhorn import _fwd as _sinkhorn_fwd
-from mhc_core.ops.mapping import NORM_EPS
+from mhc_core.ops.mapping import NORM_EPS, effective_norm_eps
 from mhc_core.ops.pre import check_pre_args
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
@@ -160,6 +160,7 @@ class _Pre(torch.autograd.Function):
     def forward(ctx, x, weight, a_pre, a_post, a_res, bias, n: int, iterations: int, spec: VariantSpec,
                 norm_eps: float):
         compute = acc_dtype(x.dtype) if spec.mapping_fp32 else x.dtype
+        norm_eps = effective_norm_eps(spec, norm_eps, compute)
         out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
         params = (weight, a_pre, a_post, a_res, bias)
         sink = (spec.sinkhorn_start, spec.sinkhorn_guard, iterations, spec.sinkhorn_eps)

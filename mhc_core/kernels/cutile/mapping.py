@@ -21,7 +21,7 @@ from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.constants import MMA_3XTF32, MMA_BF16, MMA_TF32
 from mhc_core.kernels.cutile.runtime import cdiv, require_device, require_dtypes, require_n
 from mhc_core.kernels.cutile.streams import aggregate_forward, aggregate_grad_h
-from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, num_mapping_outputs
+from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, effective_norm_eps, num_mapping_outputs
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["mapping", "mma_mode", "pre", "pre_fuses"]
@@ -212,6 +212,7 @@ def _launch_settings(rt: Callable[[], Any], op: str, args: tuple, n: int, spec: 
     require_device(runtime, op, **tensors)
     x = args[0]
     compute = torch.float32 if spec.mapping_fp32 else x.dtype
+    norm_eps = effective_norm_eps(spec, norm_eps, compute)
     out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
     inside = spec.norm_eps_inside
     return (out_dtype, mma_mode(x.dtype, spec), float(spec.h_pre_eps), 0.0 if inside else float(norm_eps),

@@ -74,6 +74,30 @@ class TestHandComputed:
         far = (logits(small, "paper") - logits(small, "paper+eps_inside_sqrt")).abs().item()
         assert near < 1e-6 and far > 1e-4, (near, far)
 
+    @pytest.mark.parametrize(("spec", "dtype", "compute"), [
+        ("megatron_main+dtype_eps_inside_sqrt", torch.float32, torch.float32),
+        ("megatron_main+dtype_eps_inside_sqrt", torch.bfloat16, torch.bfloat16),
+        ("megatron_dev+dtype_eps_inside_sqrt", torch.bfloat16, torch.float32),
+        ("paper+dtype_eps_inside_sqrt", torch.float64, torch.float64)], ids=str)
+    def test_dtype_eps_is_the_compute_dtypes_machine_eps(self, spec, dtype, compute):
+        """`dtype_eps_inside_sqrt` adds `finfo(compute dtype).eps` inside the square root, whatever eps is
+        passed: bitwise the `eps_inside_sqrt` mapping given that eps (fp32: 1.19e-7)."""
+        g = torch.Generator().manual_seed(3)
+        n, c, t = 2, 4, 5
+        x = (torch.randn(t, n * c, generator=g) * 1e-3).to(dtype)
+        w = torch.randn(n * n + 2 * n, n * c, generator=g).to(dtype)
+        a_pre, a_post, a_res = (torch.rand(1, generator=g).to(dtype) for _ in range(3))
+        bias = torch.randn(n * n + 2 * n, generator=g).to(dtype)
+
+        def run(s, eps):
+            return mapping(x, w, a_pre, a_post, a_res, bias, n, s, norm_eps=eps)
+
+        inside = spec.replace("dtype_eps_inside_sqrt", "eps_inside_sqrt")
+        got, want = run(spec, 0.25), run(inside, torch.finfo(compute).eps)
+        for name, a, b in zip(("h_pre", "h_post", "h_res_logits"), got, want, strict=True):
+            assert torch.equal(a, b), name
+        assert not torch.equal(got[2], run(inside, 1e-6)[2]), "at RMS 1e-3 the dtype eps must differ from 1e-6"
+
     def test_bias_layout_is_pre_post_res_row_major(self):
         """bias [pre(n) | post(n) | res(n*n row-major)]: with zero weight the logits are the bias."""
         n, c = 3, 2
