@@ -182,7 +182,7 @@ def stack_source(peer: Peer) -> str | None:
     """How a peer's `stack` checks run: `"own"` (its `stack`), `"chained"` (its `layer` chained by the suite)
     or None (neither)."""
     if "stack" in peer.ops:
-        return "own"
+        return "chained" if getattr(peer, "stack_chained", False) else "own"
     return "chained" if "layer" in peer.ops and not hasattr(peer, "side") else None
 
 

@@ -70,11 +70,13 @@ def record(tree: Path, *, branch: str | None, commit: str | None, command: str, 
         os.environ.setdefault("MHC_FORCE_BACKEND", "native")
     load_tree(tree)  # a tree that does not import here fails once, with its reason, before any check
     commit = commit or tree_commit(tree)
-    made = make_peers(tree, commit)
+    made = make_peers(tree, commit, label=branch)
     peers = [record_peer(p) for p in (_triton_peers(made) if backend == "triton" else made)]
     return {"format": FORMAT,
-            "source": {"repository": "NVIDIA/Megatron-LM", "branch": branch or flavor, "flavor": flavor,
-                       "commit": commit, "tree": str(Path(tree).resolve()), "files_sha256": hashes(tree),
+            "source": {"repository": "NVIDIA/Megatron-LM", "branch": branch, "api": made[0].api.line() if made[0].api
+                       else None, "commit": commit,
+                       # the local path only where nothing else names the tree (no commit)
+                       **({} if commit else {"tree": str(Path(tree).resolve())}), "files_sha256": hashes(tree),
                        "recorded": utc_now(),
                        "torch": torch.__version__, "python": platform.python_version(), "command": command,
                        "device": "cuda" if torch.cuda.is_available() else "cpu",
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM source tree (main or dev)")
     p.add_argument("--out", required=True, type=Path, help="the recording (JSON)")
-    p.add_argument("--branch", default=None, help="the branch name to record (default: main / dev, by its config)")
+    p.add_argument("--branch", default=None, help="the branch the tree is (its peers' label; default: its commit, "
+                   "else its folder's name)")
     p.add_argument("--commit", default=None, help="the tree's commit (default: git rev-parse HEAD in the tree)")
     p.add_argument("--backend", choices=("native", "triton"), default="native",
                    help="dev's fused module: its torch backend (default without a GPU), or Triton alone")
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     write_recording(doc, args.out)
     errors = sum("error" in c for peer in doc["peers"] for c in peer["checks"].values())
     print(f"recorded {', '.join(p['name'] for p in doc['peers'])} from {args.megatron_lm} "
-          f"({doc['source']['branch']}@{doc['source']['commit']}): "
+          f"({doc['source']['branch'] or 'no branch named'}@{doc['source']['commit']}): "
           f"{sum(len(p['checks']) for p in doc['peers'])} checks, {errors} raised -> {args.out}")
     return 0
 

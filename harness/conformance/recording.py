@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from harness.conformance.checks import check_specs, inputs_digest, run_side
+from harness.conformance.checks import check_specs, inputs_digest, run_side, stack_source
 from harness.conformance.replay import FORMAT, tensor_to_json
 from harness.peers.base import Peer
 from harness.provenance import utc_now
@@ -36,10 +36,13 @@ RECORDED_SUFFIX = "[recorded]"
 
 
 def record_peer(peer: Peer, *, name: str | None = None) -> dict[str, Any]:
-    """The recording entry of `peer`: its fields and every check of its ops (see the module docstring)."""
+    """The recording entry of `peer`: its fields and every check of its ops (see the module docstring); a peer
+    that cannot run here is recorded with its reason (`skipped`) and no checks."""
     checks = {}
-    for spec in check_specs(peer):
-        if spec.op not in peer.ops:
+    skipped = peer.unavailable()
+    chained = stack_source(peer) == "chained"  # its layers chained by the suite: recorded as such
+    for spec in [] if skipped else check_specs(peer):
+        if spec.op not in peer.ops and not (spec.op == "stack" and chained):
             continue
         entry: dict[str, Any] = {"inputs_sha256": inputs_digest(spec)}
         try:
@@ -51,8 +54,10 @@ def record_peer(peer: Peer, *, name: str | None = None) -> dict[str, Any]:
             entry["grads"] = {k: tensor_to_json(v, spec.dtype) for k, v in grads.items()}
         checks[spec.id] = entry
     return {"name": name or peer.name, "description": peer.description, "claims": peer.claims,
-            "ops": sorted(peer.ops), "dtypes": [str(d).removeprefix("torch.") for d in peer.dtypes],
-            "streams": list(peer.streams), "differences": dict(peer.differences), "checks": checks}
+            "ops": sorted({*peer.ops, *(("stack",) if chained else ())}), **({"stack_chained": True} if chained else {}),
+            "dtypes": [str(d).removeprefix("torch.") for d in peer.dtypes],
+            "streams": list(peer.streams), "differences": dict(peer.differences), "checks": checks,
+            **({"skipped": skipped} if skipped else {})}
 
 
 def write_recording(doc: dict[str, Any], path: Path) -> None:

@@ -46,11 +46,21 @@ class RecordedPeer(Peer):
     source: dict[str, Any] = field(default_factory=dict)
     checks: dict[str, Any] = field(default_factory=dict)
     path: Path = Path()
+    skipped: str | None = None
+    """Why the peer did not run where it was recorded (its row is then skipped with that reason)."""
+    stack_chained: bool = False
+    """Its recorded `stack` checks chained its `layer` (it has no stack of its own)."""
+
+    def unavailable(self) -> str | None:
+        return None if self.skipped is None else f"not run where recorded: {self.skipped}"
 
     def version(self) -> str | None:
         """`<branch>@<commit[:12]>`, plus `(interpreted)` for Triton kernels recorded through the interpreter."""
-        commit, branch = self.source.get("commit"), self.source.get("branch", "?")
-        where = f"{branch}@{commit[:12]}" if commit else f"{branch} tree {self.source.get('tree', '?')} (no commit)"
+        commit, branch = self.source.get("commit"), self.source.get("branch")
+        if commit:
+            where = f"{branch}@{commit[:12]}" if branch else commit[:12]
+        else:
+            where = f"{branch or 'a'} tree {self.source.get('tree', '?')} (no commit)"
         interpreted = self.source.get("TRITON_INTERPRET") == "1" and self.source.get("device") == "cpu"
         return f"{where} (interpreted)" if interpreted else where
 
@@ -98,7 +108,8 @@ def load_recording(path: Path, *, prefix: str | None = None) -> list[RecordedPee
         out.append(RecordedPeer(name=name, description=f"{p['description']} (recorded)", ops=frozenset(p["ops"]),
                                 dtypes=tuple(_DTYPES[d] for d in p["dtypes"]), streams=tuple(p["streams"]),
                                 differences=p.get("differences", {}), claims=p.get("claims"), source=doc["source"],
-                                checks=p["checks"], path=path))
+                                checks=p["checks"], path=path, skipped=p.get("skipped"),
+                                stack_chained=p.get("stack_chained", False)))
     return out
 
 

@@ -42,6 +42,14 @@ def _claim(p: PeerResult) -> str:
     return f"; claims {p.claims}: NOT met ({passes}/{of} of its checks pass)"
 
 
+_API = "API generation "
+
+
+def _api(p: PeerResult) -> str:
+    """The `API generation ...` part of a tree peer's description (`harness.peers.megatron_lm.TreeApi.line`)."""
+    return p.description[p.description.index(_API):].removesuffix(" (recorded)")
+
+
 def format_summary(matrix: Matrix) -> str:
     """One line per peer (best configuration, passes per variant), then every check that did not pass."""
     lines = []
@@ -53,6 +61,8 @@ def format_summary(matrix: Matrix) -> str:
         tried = "" if len(p.by_configuration) < 2 else f" [{len(p.by_configuration)} configurations tried]"
         lines.append(f"{p.peer} ({p.version or 'no version'}): {verdict} {_configuration(p)}{_claim(p)} "
                      f"[per variant: {_scores(p)}]{tried}")
+        if _API in p.description:  # a source tree's peer: which API generation the adapter found
+            lines.append("    " + _api(p))
         for c in p.cells():
             if c.status != "pass":
                 lines.append(f"    {c.check}: {c.status}: {c.message}")
@@ -76,8 +86,8 @@ def markdown(matrix: Matrix) -> str:
     for p in matrix.peers:
         if p.skipped:
             continue
-        md += ["", f"### {p.peer} against {p.configuration}", "", "| check | result | bound | note |",
-               "|---|---|---|---|"]
+        md += ["", f"### {p.peer} against {p.configuration}", "", p.description, "",
+               "| check | result | bound | note |", "|---|---|---|---|"]
         for c in p.cells():
             note = (c.message or c.worst).replace("|", "\\|")
             bound = (c.bound or "-").replace("|", "\\|")

@@ -30,8 +30,62 @@ import torch
 from harness.megatron_tree import FUSED_FILE, HC_FILE, TreeError, hashes, tree_flavor
 from harness.peers.base import Peer, Sublayer, SublayerParams
 
-__all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeError", "bind_params", "hashes", "load_tree",
-           "make_peers", "tree_flavor"]
+__all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeApi", "TreeError", "bind_params", "detect_api",
+           "hashes", "load_tree", "make_peers", "tree_flavor"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TreeApi:
+    """What a tree's mHC module has (detected on the loaded module, not guessed from a branch name)."""
+
+    config: str
+    """The config switch: `enable_mhc_connections` (main's generation) or `enable_hyper_connections`."""
+    mix: str
+    """The module's method that mixes and adds the sublayer output: `fused_h_res_h_post_bda` or `h_res_h_post_bda`."""
+    sinkhorn: str
+    """The Sinkhorn entry point: `native_sinkhorn(x, iters, eps)` or `SinkhornKnopp.apply(x, iters)`."""
+    learned_exit: bool
+    """Whether it has `learned_output_contract`."""
+    fused: str | None
+    """Its `fused_mhc_kernels`: `torch backend on CPU` (`MHC_FORCE_BACKEND`), `cuTile only`, or None (none)."""
+
+    @property
+    def generation(self) -> str:
+        """`main`, `dev` or `other` by the features above (main: `enable_mhc_connections`; dev: the switch
+        `enable_hyper_connections`, `fused_h_res_h_post_bda` and a fused module with a torch backend)."""
+        if self.config == "enable_mhc_connections":
+            return "main"
+        if self.mix == "fused_h_res_h_post_bda" and self.fused == "torch backend on CPU":
+            return "dev"
+        return "other"
+
+    def line(self) -> str:
+        """One line: the generation and each feature."""
+        return (f"API generation {self.generation}: config {self.config}, mix {self.mix}, Sinkhorn {self.sinkhorn}, "
+                f"{'learned exit' if self.learned_exit else 'no learned exit'}, fused kernels: {self.fused or 'none'}")
+
+
+def detect_api(hc: Any) -> TreeApi:
+    """The `TreeApi` of a loaded tree (`hc`: its `megatron.core.transformer.hyper_connection`)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = TransformerConfig.__dataclass_fields__
+    config = "enable_mhc_connections" if "enable_mhc_connections" in fields else "enable_hyper_connections"
+    module = hc.HyperConnectionModule
+    mix = next((m for m in ("fused_h_res_h_post_bda", "h_res_h_post_bda") if hasattr(module, m)), None)
+    if mix is None:
+        raise TreeError("the tree's HyperConnectionModule has neither fused_h_res_h_post_bda nor h_res_h_post_bda: "
+                        "an mHC API this adapter does not know")
+    sinkhorn = "native_sinkhorn(x, iters, eps)" if hasattr(hc, "native_sinkhorn") else "SinkhornKnopp.apply(x, iters)"
+    fused = None
+    try:
+        import megatron.core.fusions.fused_mhc_kernels as kernels
+    except ImportError:
+        kernels = None
+    if kernels is not None:
+        fused = "torch backend on CPU" if hasattr(kernels, "_forced_backend") else "cuTile only"
+    return TreeApi(config=config, mix=mix, sinkhorn=sinkhorn, learned_exit=hasattr(hc, "learned_output_contract"),
+                   fused=fused)
 
 def load_tree(tree: Path) -> Any:
     """Import the tree's `hyper_connection` module (the tree first on `sys.path`); `TreeError` when
@@ -82,17 +136,32 @@ class MegatronLMTreePeer(Peer):
     flavor: str
     fused: bool = False
     commit: str | None = None
+    api: TreeApi | None = None
+    """Detected on the loaded tree (`make_peers`); None: main's or dev's generation by `flavor`."""
     ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer"})
     differences: dict[str, str] = field(default_factory=dict)
 
     def version(self) -> str | None:
         return self.commit
 
+    def unavailable(self) -> str | None:
+        if self.fused and self.api is not None and self.api.fused == "cuTile only":
+            import megatron.core.fusions.fused_mhc_kernels as kernels
+
+            if not kernels.is_cutile_available():
+                return ("its fused_mhc_kernels has no torch backend in this API generation and needs cuda.tile "
+                        "(cuTile) on a GPU: not installed here")
+        return None
+
+    def _mix_method(self, mod: Any):
+        return getattr(mod, self.api.mix if self.api is not None else "fused_h_res_h_post_bda")
+
     def _module(self, n: int, c: int, iterations: int, params: SublayerParams | None, dtype: torch.dtype):
         hc = load_tree(self.tree)
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        names = ({"enable_mhc_connections": True, "mhc_num_residual_streams": n} if self.flavor == "main" else
+        main = self.api.config == "enable_mhc_connections" if self.api is not None else self.flavor == "main"
+        names = ({"enable_mhc_connections": True, "mhc_num_residual_streams": n} if main else
                  {"enable_hyper_connections": True, "num_residual_streams": n, "use_fused_mhc": self.fused})
         config = TransformerConfig(num_layers=1, hidden_size=c, num_attention_heads=1, use_cpu_initialization=True,
                                    mhc_sinkhorn_iterations=iterations, recompute_granularity="selective",
@@ -119,15 +188,15 @@ class MegatronLMTreePeer(Peer):
     def mix(self, h_res, residual, h_post, y):
         t, n, c = residual.shape
         _, mod = self._module(n, c, 1, None, residual.dtype)
-        out = mod.fused_h_res_h_post_bda(h_res.reshape(t, 1, n, n), residual.reshape(t, 1, n * c),
-                                         h_post.reshape(t, 1, n), (y.reshape(t, 1, c), None), 0.0, False, False)
+        out = self._mix_method(mod)(h_res.reshape(t, 1, n, n), residual.reshape(t, 1, n * c),
+                                    h_post.reshape(t, 1, n), (y.reshape(t, 1, c), None), 0.0, False, False)
         return out.reshape(t, n, c)
 
     def sinkhorn(self, logits, iterations):
         t, n, _ = logits.shape
         hc = load_tree(self.tree)
         x = logits.reshape(t, 1, n, n)
-        if self.flavor == "main":
+        if not hasattr(hc, "native_sinkhorn"):  # main's generation
             return hc.SinkhornKnopp.apply(x, iterations).reshape(t, n, n)
         if self.fused:
             from megatron.core.fusions.fused_mhc_kernels import fused_sinkhorn
@@ -144,7 +213,7 @@ class MegatronLMTreePeer(Peer):
             aggregated, h_res, h_post = out[:3]
             residual = out[3] if len(out) == 4 else h  # dev returns its residual alias as a 4th output
             y = sub.f(aggregated.reshape(t, c)).reshape(t, 1, c)
-            h = mod.fused_h_res_h_post_bda(h_res, residual, h_post, (y, None), 0.0, False, False)
+            h = self._mix_method(mod)(h_res, residual, h_post, (y, None), 0.0, False, False)
         return h.reshape(t, n, c)
 
     def block_exit(self, x, head_fn, head_base, head_scale):
@@ -158,18 +227,27 @@ DEV_CLAIM = "megatron_dev+learned_exit"
 """What dev's module computes: its block exits through `learned_output_contract`."""
 
 
-def make_peers(tree: Path, commit: str | None) -> list[MegatronLMTreePeer]:
-    """The peers of a tree: main's module, or dev's native and fused (`use_fused_mhc`) modules."""
+def make_peers(tree: Path, commit: str | None, label: str | None = None) -> list[MegatronLMTreePeer]:
+    """The peers of a loaded tree by what its module has (`detect_api`): the module on its native ops, and with
+    a fused module that module too. Named `megatron_lm[<label>]` / `megatron_lm[<label>,fused]`, the label
+    the tree's provenance (a branch the caller names, else its commit, else its folder); the claim is that of
+    its API generation (main: `megatron_main`; dev: `megatron_dev+learned_exit`; another: none)."""
     flavor = tree_flavor(tree)
-    base = dict(tree=Path(tree), flavor=flavor, commit=commit)
-    if flavor == "main":
-        return [MegatronLMTreePeer(name="megatron_lm[main]", description="upstream Megatron-LM main, "
-                                   "HyperConnectionModule", claims="megatron_main", **base)]
-    dev_ops = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit"})
-    fp32 = (torch.float32,)  # dev upcasts its mapping to fp32 and casts the coefficients back
-    return [MegatronLMTreePeer(name="megatron_lm[dev]", description="upstream Megatron-LM dev, HyperConnectionModule "
-                               "(native ops)", claims=DEV_CLAIM, ops=dev_ops, dtypes=fp32, **base),
-            MegatronLMTreePeer(name="megatron_lm[dev,fused]", description="upstream Megatron-LM dev, use_fused_mhc "
-                               "(fused_mhc_kernels; torch backend on CPU)", claims=DEV_CLAIM, fused=True,
-                               ops=dev_ops, dtypes=fp32, **base)]
-
+    api = detect_api(load_tree(tree))
+    label = label or (commit[:12] if commit else Path(tree).resolve().name)
+    base = dict(tree=Path(tree), flavor=flavor, commit=commit, api=api)
+    where = f"upstream Megatron-LM {label}"
+    claim = {"main": "megatron_main", "dev": DEV_CLAIM}.get(api.generation)
+    if api.config == "enable_mhc_connections":
+        return [MegatronLMTreePeer(name=f"megatron_lm[{label}]", description=f"{where}, HyperConnectionModule; "
+                                   f"{api.line()}", claims=claim, **base)]
+    ops = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer", *(("block_exit",) if api.learned_exit
+                                                                                 else ())})
+    fp32 = (torch.float32,)  # its mapping upcasts to fp32 and casts the coefficients back
+    peers = [MegatronLMTreePeer(name=f"megatron_lm[{label}]", description=f"{where}, HyperConnectionModule (native "
+                                f"ops); {api.line()}", claims=claim, ops=ops, dtypes=fp32, **base)]
+    if api.fused is not None:
+        peers.append(MegatronLMTreePeer(name=f"megatron_lm[{label},fused]", description=f"{where}, use_fused_mhc "
+                                        f"(fused_mhc_kernels; {api.fused}); {api.line()}", claims=claim, fused=True,
+                                        ops=ops, dtypes=fp32, **base))
+    return peers

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness.conformance.matrix import run_matrix
+from harness.conformance.matrix import Matrix, run_matrix
 from harness.conformance.replay import RECORDED_DIR, load_recording
 from harness.peers.base import Peer
 
@@ -196,3 +196,23 @@ def test_a_peer_that_raises_is_named_and_the_rest_still_runs():
     assert "raising raised RuntimeError in mix (x [6, 2, 8], n=2, torch.float64): kernel exploded" in errors[0].message
     assert row.best == "paper" and any(c.status == "pass" for c in row.cells() if c.op == "sinkhorn")
     assert m.peer("mhc_core[paper]").conforms
+
+
+def test_the_dsv4_branch_gets_a_verdict_on_every_row(matrix):
+    """Upstream's dsv4 branch (26b830a6, recorded), adapted by what its module has: no error rows; its API
+    generation is named (`h_res_h_post_bda`, a cuTile-only fused module); its fused module is skipped with
+    that reason; its Sinkhorn is torchtitan's (`exp(Z - rowmax)`, then (row, column) passes over `sum + eps`),
+    so it matches no variant's Sinkhorn at logit scale 10, and it mixes `H @ x`."""
+    from harness.conformance.report import format_summary
+
+    row = matrix.peer("megatron_lm[dsv4]")
+    assert row.version.startswith("dsv4@26b830a67d25")
+    assert not [c for c in row.cells() if c.status == "error"]
+    assert "API generation other: config enable_hyper_connections, mix h_res_h_post_bda" in row.description
+    cells = {c.check: c for c in row.cells()}
+    assert cells["orientation n4 fp32"].observed == "H @ x"
+    assert cells["sinkhorn s10 it1 n4 fp32"].status == "fail" and cells["layer n4 fp32"].status == "pass"
+    assert "its layers chained by the suite" in cells["stack n4 fp32"].message
+    fused = matrix.peer("megatron_lm[dsv4,fused]")
+    assert fused.skipped and "needs cuda.tile" in fused.skipped
+    assert "    API generation other:" in format_summary(Matrix(peers=(row,)))
