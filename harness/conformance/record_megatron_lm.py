@@ -50,7 +50,7 @@ def _triton_peers(peers: list) -> list:
     where = "interpreted on CPU" if interpreted() else "on the GPU"
     return [dataclasses.replace(p, name=f"{p.name[:-1]},triton]",
                                 description=f"{p.description.split(' (')[0]} (fused_mhc_kernels, Triton backend, "
-                                            f"{where})")
+                                            f"{where}){'; ' + p.api.line() if p.api else ''}")
             for p in peers if p.fused]
 
 
