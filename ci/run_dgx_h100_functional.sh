@@ -54,7 +54,7 @@ else
     # Read from the recipe files themselves (data); the suite validates them when it runs.
     CASES="$("$PY" -c "
 import pathlib, yaml
-recipes = sorted(pathlib.Path('suites/functional/recipes').glob('*.yaml'))
+recipes = sorted(pathlib.Path('harness/training/recipes').glob('*.yaml'))
 print(' '.join(p.stem for p in recipes if '$HW' in (yaml.safe_load(p.read_text()).get('HARDWARE') or {})))
 ")"
 fi

@@ -58,6 +58,10 @@ def check_suites(suites: Sequence[str], suites_dir: str | Path) -> list[str]:
     """Return `suites` (all when empty) or raise `ValueError` listing the valid names."""
     valid = available_suites(suites_dir)
     unknown = [s for s in suites if s not in valid]
+    if not Path(suites_dir).is_dir():
+        raise ValueError(f"no suites directory {suites_dir} here ({Path.cwd()}): `mhc-harness run` and `recalibrate` "
+                         "run the suites of a checkout of mhc-suite; run them from its root or pass --suites-dir "
+                         "(`mhc-harness conformance` needs no checkout)")
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown} in {suites_dir}; valid suites: {', '.join(valid) or '(none)'}")
     return list(suites) or valid

@@ -39,8 +39,8 @@ __all__ = [
     "text_documents",
 ]
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "suites" / "functional" / "data"
-"""The corpus the functional suite trains on (its recipes' data, beside them in the checkout)."""
+DATA_DIR = Path(__file__).resolve().with_name("corpus")
+"""The corpus the functional recipes train on (package data of the harness, beside `recipes/`)."""
 TEXT_SUFFIX = "_text_document"
 """`tools/preprocess_data.py` names its output `<prefix>_text_document.{bin,idx}`; so do we."""
 

@@ -53,7 +53,7 @@ __all__ = [
     "resolve",
 ]
 
-RECIPE_DIR = Path(__file__).resolve().parents[2] / "suites" / "functional" / "recipes"
+RECIPE_DIR = Path(__file__).resolve().with_name("recipes")
 """The functional suite's recipes (the default of every `recipe_dir` here; a checkout's)."""
 TOP_KEYS = ("DESCRIPTION", "ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS", "HARDWARE")
 TEST_TYPES = ("regular", "ckpt-resume")

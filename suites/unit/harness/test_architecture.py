@@ -211,3 +211,30 @@ def test_a_cycle_is_seen(tmp_path, monkeypatch):
         (tmp_path / rel).write_text(text)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _cycles(_module_graph(("mhc_core",))) == [["mhc_core.a", "mhc_core.b"]]
+
+
+def test_the_harness_reads_no_file_under_suites():
+    """No harness module names `suites` as a path part in code (strings in docstrings and comments aside): what
+    the harness reads (recipes, corpus, recordings) is its package data, so an installed harness finds it."""
+    pattern = re.compile(r"""(/\s*["']suites["'])|(["']suites/[\w./-]+["'])""")
+    bad = []
+    for path in _modules("harness"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                text = ast.get_source_segment(path.read_text(encoding="utf-8"), node) or ""
+                if pattern.search(text):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                  and re.fullmatch(r"suites/(functional|pp|perf|unit|conformance)/[\w./-]*\.(yaml|txt|json)",
+                                   node.value)):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not bad, "\n".join(bad)
+    from harness.training.data import DATA_DIR
+    from harness.training.recipe import RECIPE_DIR, recipe_names
+
+    assert (ROOT / "harness") in RECIPE_DIR.parents and (ROOT / "harness") in DATA_DIR.parents
+    assert len(recipe_names()) >= 10 and (DATA_DIR / "declaration.txt").is_file()

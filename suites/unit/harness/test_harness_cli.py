@@ -96,6 +96,12 @@ class TestRun:
         assert 2 == main(["run", "nope", "--suites-dir", str(demo.path / "suites")])
         assert "unknown suite(s) ['nope']" in capsys.readouterr().err
 
+    def test_run_outside_a_checkout_says_so(self, tmp_path, capsys):
+        """Without a suites directory (an installed harness, run elsewhere) `run` says it needs a checkout."""
+        assert 2 == main(["run", "unit", "--suites-dir", str(tmp_path / "suites")])
+        err = capsys.readouterr().err
+        assert f"no suites directory {tmp_path / 'suites'}" in err and "checkout of mhc-suite" in err
+
 
 class TestDiff:
     def test_reports_change_and_one_sided_steps(self, tmp_path, capsys):

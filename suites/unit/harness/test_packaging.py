@@ -74,14 +74,15 @@ def test_the_core_wheel_holds_mhc_core_and_depends_on_torch_only(core_wheel):
 
 
 def test_the_harness_wheel_carries_the_cli_the_plugin_and_the_recordings(tmp_path):
-    """mhc-harness's wheel: the harness package with its recordings, the CLI and the pytest plugin; it
-    depends on mhc-core."""
+    """mhc-harness's wheel: the harness package with its recordings, the functional recipes and corpus, the CLI
+    and the pytest plugin; it depends on mhc-core."""
     harness = {p.name: p for p in (ROOT / "harness").iterdir() if p.name not in ("__pycache__", "build")
                and not p.name.endswith(".egg-info")}
     names, meta = _metadata(_wheel(harness, tmp_path))
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"harness"}, tops
     assert "harness/conformance/recorded/te_triton.json" in names and "harness/peers/base.py" in names
+    assert "harness/training/recipes/gpt_tp1_pp1_mhc.yaml" in names and "harness/training/corpus/declaration.txt" in names
     assert "Requires-Dist: mhc-core==0.1.0" in meta
     with zipfile.ZipFile(next(tmp_path.glob("*.whl"))) as z:
         entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
