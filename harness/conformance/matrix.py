@@ -106,16 +106,18 @@ class PeerResult:
         """(passes, minus the sum of log error ratios) against the plain `variant` (`by_variant`)."""
         return self._score(self.by_variant.get(variant, []))
 
-    def tally(self, name: str) -> tuple[int, int]:
-        """`(passes, checks)` against a variant (`by_variant`: without the exit-dependent checks) or, for a name
-        that is not a plain variant, a configuration (`by_configuration`): the one count every output prints."""
-        cells = self.by_variant[name] if name in self.by_variant else self.by_configuration.get(name, [])
+    @staticmethod
+    def _count(cells: Sequence[Cell]) -> tuple[int, int]:
         return sum(c.status == "pass" for c in cells), len(cells)
+
+    def tally(self, variant: str) -> tuple[int, int]:
+        """`(passes, checks)` against the plain `variant` (`by_variant`: without the exit-dependent checks): the
+        per-variant count every output prints."""
+        return self._count(self.by_variant.get(variant, []))
 
     def configuration_tally(self, name: str) -> tuple[int, int]:
         """`(passes, checks)` against the configuration `name` (all its checks, the exit-dependent ones too)."""
-        cells = self.by_configuration.get(name, [])
-        return sum(c.status == "pass" for c in cells), len(cells)
+        return self._count(self.by_configuration.get(name, []))
 
     @property
     def best(self) -> str | None:

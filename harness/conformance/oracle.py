@@ -13,7 +13,7 @@ from functools import cache
 import torch
 
 from harness.peers.mhc_core_peer import MhcCorePeer
-from mhc_core.ops.mapping import NORM_EPS
+from mhc_core.ops.mapping import NORM_EPS, compute_dtype, effective_norm_eps
 from mhc_core.variants import NormEpsPlacement, NumericsOptions, configure, get_variant
 
 __all__ = ["VARIANT_NAMES", "oracle", "oracle_for"]
@@ -39,6 +39,5 @@ def oracle_for(configuration: str, dtype: torch.dtype) -> MhcCorePeer:
     spec = get_variant(configuration)
     if not spec.norm_eps_from_dtype:
         return oracle(configuration)
-    compute = torch.promote_types(dtype, torch.float32) if spec.mapping_fp32 else dtype
     inside = configure(spec, NumericsOptions(norm_eps_placement=NormEpsPlacement.INSIDE_SQRT)).name
-    return oracle(inside, float(torch.finfo(compute).eps))
+    return oracle(inside, effective_norm_eps(spec, NORM_EPS, compute_dtype(spec, dtype)))

@@ -34,6 +34,12 @@ __all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeApi", "TreeError"
            "hashes", "load_tree", "make_peers", "tree_flavor"]
 
 
+_MAIN_SWITCH = "enable_mhc_connections"
+"""Main's config switch (the other generations' is `enable_hyper_connections`)."""
+_KNOPP = "SinkhornKnopp.apply(x, iters)"
+"""Main's Sinkhorn entry point (the others': `native_sinkhorn(x, iters, eps)`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TreeApi:
     """What a tree's mHC module has (detected on the loaded module, not guessed from a branch name)."""
@@ -53,7 +59,7 @@ class TreeApi:
     def generation(self) -> str:
         """`main`, `dev` or `other` by the features above (main: `enable_mhc_connections`; dev: the switch
         `enable_hyper_connections`, `fused_h_res_h_post_bda` and a fused module with a torch backend)."""
-        if self.config == "enable_mhc_connections":
+        if self.config == _MAIN_SWITCH:
             return "main"
         if self.mix == "fused_h_res_h_post_bda" and self.fused == "torch backend on CPU":
             return "dev"
@@ -70,13 +76,13 @@ def detect_api(hc: Any) -> TreeApi:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = TransformerConfig.__dataclass_fields__
-    config = "enable_mhc_connections" if "enable_mhc_connections" in fields else "enable_hyper_connections"
+    config = _MAIN_SWITCH if _MAIN_SWITCH in fields else "enable_hyper_connections"
     module = hc.HyperConnectionModule
     mix = next((m for m in ("fused_h_res_h_post_bda", "h_res_h_post_bda") if hasattr(module, m)), None)
     if mix is None:
         raise TreeError("the tree's HyperConnectionModule has neither fused_h_res_h_post_bda nor h_res_h_post_bda: "
                         "an mHC API this adapter does not know")
-    sinkhorn = "native_sinkhorn(x, iters, eps)" if hasattr(hc, "native_sinkhorn") else "SinkhornKnopp.apply(x, iters)"
+    sinkhorn = "native_sinkhorn(x, iters, eps)" if hasattr(hc, "native_sinkhorn") else _KNOPP
     fused = None
     try:
         import megatron.core.fusions.fused_mhc_kernels as kernels
@@ -133,11 +139,10 @@ class MegatronLMTreePeer(Peer):
     """Upstream's `HyperConnectionModule` from `tree` (see the module docstring)."""
 
     tree: Path
-    flavor: str
+    api: TreeApi
+    """What the loaded tree's module has (`detect_api`): every op reads it."""
     fused: bool = False
     commit: str | None = None
-    api: TreeApi | None = None
-    """Detected on the loaded tree (`make_peers`); None: main's or dev's generation by `flavor`."""
     ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer"})
     differences: dict[str, str] = field(default_factory=dict)
 
@@ -145,7 +150,7 @@ class MegatronLMTreePeer(Peer):
         return self.commit
 
     def unavailable(self) -> str | None:
-        if self.fused and self.api is not None and self.api.fused == "cuTile only":
+        if self.fused and self.api.fused == "cuTile only":
             import megatron.core.fusions.fused_mhc_kernels as kernels
 
             if not kernels.is_cutile_available():
@@ -154,14 +159,13 @@ class MegatronLMTreePeer(Peer):
         return None
 
     def _mix_method(self, mod: Any):
-        return getattr(mod, self.api.mix if self.api is not None else "fused_h_res_h_post_bda")
+        return getattr(mod, self.api.mix)
 
     def _module(self, n: int, c: int, iterations: int, params: SublayerParams | None, dtype: torch.dtype):
         hc = load_tree(self.tree)
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        main = self.api.config == "enable_mhc_connections" if self.api is not None else self.flavor == "main"
-        names = ({"enable_mhc_connections": True, "mhc_num_residual_streams": n} if main else
+        names = ({"enable_mhc_connections": True, "mhc_num_residual_streams": n} if self.api.config == _MAIN_SWITCH else
                  {"enable_hyper_connections": True, "num_residual_streams": n, "use_fused_mhc": self.fused})
         config = TransformerConfig(num_layers=1, hidden_size=c, num_attention_heads=1, use_cpu_initialization=True,
                                    mhc_sinkhorn_iterations=iterations, recompute_granularity="selective",
@@ -196,7 +200,7 @@ class MegatronLMTreePeer(Peer):
         t, n, _ = logits.shape
         hc = load_tree(self.tree)
         x = logits.reshape(t, 1, n, n)
-        if not hasattr(hc, "native_sinkhorn"):  # main's generation
+        if self.api.sinkhorn == _KNOPP:  # main's generation
             return hc.SinkhornKnopp.apply(x, iterations).reshape(t, n, n)
         if self.fused:
             from megatron.core.fusions.fused_mhc_kernels import fused_sinkhorn
@@ -232,13 +236,13 @@ def make_peers(tree: Path, commit: str | None, label: str | None = None) -> list
     a fused module that module too. Named `megatron_lm[<label>]` / `megatron_lm[<label>,fused]`, the label
     the tree's provenance (a branch the caller names, else its commit, else its folder); the claim is that of
     its API generation (main: `megatron_main`; dev: `megatron_dev+learned_exit`; another: none)."""
-    flavor = tree_flavor(tree)
+    tree_flavor(tree)  # a path that is no tree with mHC is named before anything imports it
     api = detect_api(load_tree(tree))
     label = label or (commit[:12] if commit else Path(tree).resolve().name)
-    base = dict(tree=Path(tree), flavor=flavor, commit=commit, api=api)
+    base = dict(tree=Path(tree), commit=commit, api=api)
     where = f"upstream Megatron-LM {label}"
     claim = {"main": "megatron_main", "dev": DEV_CLAIM}.get(api.generation)
-    if api.config == "enable_mhc_connections":
+    if api.config == _MAIN_SWITCH:
         return [MegatronLMTreePeer(name=f"megatron_lm[{label}]", description=f"{where}, HyperConnectionModule; "
                                    f"{api.line()}", claims=claim, **base)]
     ops = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer", *(("block_exit",) if api.learned_exit

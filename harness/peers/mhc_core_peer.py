@@ -23,17 +23,15 @@ upstream dev passes `layernorm_epsilon`."""
 
 
 def sublayer(x: torch.Tensor, sub: Sublayer, iterations: int, variant: str,
-             ops: Any = None, norm_eps: float | None = None) -> torch.Tensor:
+             ops: Any = None, norm_eps: float = NORM_EPS) -> torch.Tensor:
     """`x [T, n, C] -> [T, n, C]`: one mHC sublayer around `sub.f` with `mhc_core`'s ops (or `ops`,
-    an object with `mapping`, `sinkhorn`, `h_aggregate` and `h_post_bda`; `norm_eps`: the mapping's, when
-    not its default)."""
+    an object with `mapping`, `sinkhorn`, `h_aggregate` and `h_post_bda`; `norm_eps`: the mapping's)."""
     import mhc_core.ops as ref
 
     o = ops or ref
     p, (t, n, c) = sub.params, x.shape
-    eps = {} if norm_eps is None else {"norm_eps": norm_eps}
     h_pre, h_post, logits = o.mapping(x.reshape(t, n * c), p.weight, p.alpha_pre, p.alpha_post, p.alpha_res,
-                                      p.bias, n, variant=variant, **eps)
+                                      p.bias, n, variant=variant, norm_eps=norm_eps)
     h_res = o.sinkhorn(logits, iterations, variant=variant)
     y = sub.f(o.h_aggregate(x, h_pre))
     return o.h_post_bda(h_res, x, h_post, y, None, variant=variant)

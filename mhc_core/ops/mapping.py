@@ -25,11 +25,16 @@ import torch
 from mhc_core.checks import check_dim, check_floating, check_number, check_rank, check_streams, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "effective_norm_eps", "NORM_EPS"]
+__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "compute_dtype", "effective_norm_eps", "NORM_EPS"]
 
 NORM_EPS = 1e-6
 """eps of the RMS norm (outside the square root, as upstream, unless the spec says inside)."""
 
+
+
+def compute_dtype(spec: VariantSpec, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the mapping computes in for `dtype` inputs: fp32 at least under fp32 mappings, else `dtype`."""
+    return torch.promote_types(dtype, torch.float32) if spec.mapping_fp32 else dtype
 
 
 def effective_norm_eps(spec: VariantSpec, norm_eps: float, compute: torch.dtype) -> float:
@@ -90,7 +95,7 @@ def mapping(
     n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
     width = x.shape[1]
 
-    compute = torch.promote_types(x.dtype, torch.float32) if spec.mapping_fp32 else x.dtype
+    compute = compute_dtype(spec, x.dtype)
     norm_eps = effective_norm_eps(spec, norm_eps, compute)
     xc = x.to(compute)
     proj = xc @ weight.to(compute).t()  # [T, N]

@@ -16,6 +16,7 @@ import torch
 import mhc_core.ops as ops
 from harness.peers.base import SublayerParams
 from harness.peers.mhc_core_peer import MhcCorePeer, mhc_core_peers, sublayer
+from mhc_core.ops.mapping import NORM_EPS
 from mhc_core.variants import get_variant
 
 __all__ = ["MUTANTS", "Mutant"]
@@ -32,18 +33,19 @@ class Mutant(MhcCorePeer):
     caught_by: tuple[str, ...]
     spared: tuple[str, ...] = ()
 
-    def _mapping(self, flat, w, a_pre, a_post, a_res, bias, n, variant=None):
+    def _mapping(self, flat, w, a_pre, a_post, a_res, bias, n, variant=None, norm_eps=NORM_EPS):
         """`[T, n*C] -> h_pre, h_post, logits` with the mapping faults."""
         if self.fault == "bias pre/post halves swapped":
             bias = torch.cat([bias[n:2 * n], bias[:n], bias[2 * n:]])
         if self.fault == "norm eps inside the square root":
             spec = get_variant(self.variant)
-            r = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6)
+            r = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
             alpha = torch.cat([a_pre.expand(n), a_post.expand(n), a_res.expand(n * n)])
             h = r * (flat @ w.t()) * alpha + bias
             return (torch.sigmoid(h[:, :n]) + spec.h_pre_eps, 2 * torch.sigmoid(h[:, n:2 * n]),
                     h[:, 2 * n:].reshape(-1, n, n))
-        h_pre, h_post, logits = ops.mapping(flat, w, a_pre, a_post, a_res, bias, n, variant=self.variant)
+        h_pre, h_post, logits = ops.mapping(flat, w, a_pre, a_post, a_res, bias, n, variant=self.variant,
+                                            norm_eps=norm_eps)
         if self.fault == "H_post without its factor 2":
             h_post = h_post / 2
         return h_pre, h_post, logits

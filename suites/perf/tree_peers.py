@@ -63,7 +63,7 @@ def upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.T
     main's parameters are cast to the activation dtype, as Megatron's `Float16Module` holds them (its
     `x @ W^T` refuses mixed dtypes); dev keeps them in fp32, as its module does."""
     t, n, c = case.tokens, case.n, case.hidden
-    param_dtype = case.dtype if peer.flavor == "main" else torch.float32
+    param_dtype = case.dtype if peer.api.generation == "main" else torch.float32
     mods = [peer._module(n, c, ITERATIONS, _params(inputs, k, param_dtype), case.dtype)[1]
             for k in range(2 if case.op == "layer_mhc" else 1)]
 
@@ -86,7 +86,7 @@ def upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.T
             out = mod(h)
             aggregated, h_res, h_post = out[:3]
             residual = out[3] if len(out) == 4 else h  # dev returns its residual alias as a 4th output
-            h = mod.fused_h_res_h_post_bda(h_res, residual, h_post, (aggregated, None), 0.0, False, False)
+            h = peer._mix_method(mod)(h_res, residual, h_post, (aggregated, None), 0.0, False, False)
         return (h.reshape(t, n, c),)
     return layer
 
