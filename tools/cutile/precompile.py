@@ -46,6 +46,7 @@ import torch
 import mhc_core.kernels.cutile as _cutile
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.runtime import KERNEL_MODULES
+from mhc_core.variants import Variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
 __all__ = ["Recorded", "LaunchRecorder", "record", "sweep_launches", "ops_launches", "build", "pack", "check", "report",
@@ -119,16 +120,20 @@ def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, vari
 
 
 def ops_launches(set_name: str, ns: Sequence[int], tokens: int, hidden: Sequence[int],
-                 acts: Sequence[torch.dtype], overrides: dict | None = None) -> list[Recorded]:
+                 acts: Sequence[torch.dtype], overrides: dict | None = None,
+                 variants: Sequence[Variant] | None = None) -> list[Recorded]:
     """Every op forward and backward at `[tokens, n, c]` for each `n` in `ns`, `c` in `hidden` and
-    activation dtype (all variants, bias or not: `signatures.record_all`), inside
+    activation dtype (`variants`, default all, bias or not: `signatures.record_all`), inside
     `tiling.overridden(**overrides)`."""
     from tools.cutile.signatures import record_all
 
     rec = LaunchRecorder()
     rec.set = set_name
     with tiling.overridden(**(overrides or {})):
-        record_all(rec, ns, tokens, tuple(hidden), tuple(acts))
+        if variants is None:
+            record_all(rec, ns, tokens, tuple(hidden), tuple(acts))
+        else:
+            record_all(rec, ns, tokens, tuple(hidden), tuple(acts), tuple(variants))
     return rec.recorded
 
 

@@ -81,14 +81,16 @@ def _mapping_leaves(t: int, n: int, c: int, act: torch.dtype, pdt: torch.dtype) 
 
 
 def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, ...],
-               acts: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
+               acts: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
+               variants: tuple[Variant, ...] = (Variant.MEGATRON_MAIN, Variant.MEGATRON_DEV, Variant.PAPER)) -> None:
     """Every op forward and backward through `rec` at `[t, n, c]` for each `n`, `c` and activation
-    dtype, every variant, parameter dtype and bias / no bias (launch labels `op|tag|direction`)."""
+    dtype, each of `variants` (default all), parameter dtype and bias / no bias (launch labels
+    `op|tag|direction`)."""
     ops = make_ops(rec)
     for c, n in ((c, n) for c in cs for n in ns):
         c_tag = "" if c == cs[0] else f"-c{c}"
         for act in acts:
-            for variant in (Variant.MEGATRON_MAIN, Variant.MEGATRON_DEV, Variant.PAPER):
+            for variant in variants:
                 spec = get_variant(variant)
                 coef = act if spec.coefficients_in_activation_dtype else torch.float32
                 tag = f"n{n}-{_DTYPE_NAMES[act]}-{_VARIANT_NAMES[variant]}{c_tag}"

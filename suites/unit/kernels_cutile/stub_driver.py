@@ -130,13 +130,17 @@ def main(argv: list[str]) -> int:
             except Exception as exc:
                 self.errors.append(f"{self.label} {kernel_name}: {type(exc).__name__}: {exc}"[:300])
 
+    from mhc_core.variants import Variant
+
     n, t, c = (int(v) for v in argv[:3])
-    acts = (torch.bfloat16,) if argv[3:] == ["bf16"] else (torch.float32,) if argv[3:] == ["fp32"] else (
+    act = argv[3] if len(argv) > 3 else "both"
+    acts = (torch.bfloat16,) if act == "bf16" else (torch.float32,) if act == "fp32" else (
         torch.bfloat16, torch.float32)
+    variants = tuple(Variant(v) for v in argv[4:]) or tuple(Variant)
     rt = StubGpuRuntime()
-    signatures.record_all(rt, (n,), t, (c,), acts)
+    signatures.record_all(rt, (n,), t, (c,), acts, variants)
     first_round, first_compiles = len(rt.launches), len(compiles)
-    signatures.record_all(rt, (n,), t, (c,), acts)  # new tensors, the same kinds: no compile expected
+    signatures.record_all(rt, (n,), t, (c,), acts, variants)  # new tensors, the same kinds: no compile expected
     print(json.dumps({"launches": first_round, "misses": len(misses), "errors": rt.errors[:20],
                       "compiles": first_compiles, "recompiles": len(compiles) - first_compiles}))
     return 0

@@ -21,12 +21,14 @@ import pytest
 import torch
 
 from mhc_core.kernels.cutile import toolchain
+from mhc_core.variants import Variant
 from suites.unit.kernels_cutile import stub_driver
 from tools.cutile import precompile, sweep
 from tools.cutile.recording import ArrayArg
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = dict(n=4, t=64, c=512)
+VARIANT = Variant.MEGATRON_DEV
 
 
 def test_sweep_launches_are_labelled_by_key_and_keep_their_hints():
@@ -53,7 +55,8 @@ def test_kernel_sources_follow_the_kernel_imports():
 
 
 def _build(out: Path) -> dict:
-    launches = precompile.ops_launches("ops", (SHAPE["n"],), SHAPE["t"], (SHAPE["c"],), (torch.bfloat16,))
+    launches = precompile.ops_launches("ops", (SHAPE["n"],), SHAPE["t"], (SHAPE["c"],), (torch.bfloat16,),
+                                       variants=(VARIANT,))
     entries, failures = precompile.build(launches, out, arch="sm_90", jobs=2)
     archive = out / "all.tar.xz"
     kept, size = precompile.pack(entries, out / "cache.db", archive, arch="sm_90", max_bytes=1 << 30)
@@ -65,7 +68,8 @@ def _build(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """The n = 4, T = 64, C = 512 bf16 launches of every op, compiled for sm_90, and the archive.
+    """The n = 4, T = 64, C = 512 bf16 launches of every op in one variant, compiled for sm_90, and the archive
+    (every variant's kernels compile in `test_export.py`; one keeps this build to a third of the time).
 
     Built once per run: under xdist the first worker builds it (~50 s of tileiras) in the run's
     shared base directory, under a file lock, and the others load what it recorded."""
@@ -151,7 +155,7 @@ def test_jit_launches_find_the_precompiled_entries(built, tmp_path):
     env.update(CUDA_TILE_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT),
                LD_LIBRARY_PATH=f"{tmp_path}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}")
     done = subprocess.run([sys.executable, "-m", "suites.unit.kernels_cutile.stub_driver", str(SHAPE["n"]),
-                           str(SHAPE["t"]), str(SHAPE["c"]), "bf16"], cwd=ROOT, env=env, capture_output=True,
+                           str(SHAPE["t"]), str(SHAPE["c"]), "bf16", str(VARIANT)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
