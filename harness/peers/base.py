@@ -28,6 +28,19 @@ expanded to n copies, every layer on the n streams, the block exit out. A peer w
 of the streams ignores `head` (its gradients are then zero, as the mean-exit oracle's are). A peer
 without a `stack` of its own but with `layer` is chained by the suite (expand, its `layer` per layer,
 its `block_exit` or the mean), and its report says so.
+
+Timing (the perf suite, `suites/perf/test_peers.py`): a peer with a `timing` times its own natural entry
+points, the calls a user makes over all tokens at once, through `timed(op, n=, hidden=, dtype=,
+iterations=)`, which returns `fn(inputs) -> outputs` in the reference's output order. `inputs` (seeded
+by the suite): `x [T, n, C]` in the activation dtype; per sublayer `k` (0, and 1 for `layer_mhc`) fp32
+`w{k} [N, n*C]`, `a{k} [3]` (alpha_pre, alpha_post, alpha_res) and `b{k} [N]`; for `sinkhorn` fp32
+`logits [T, n, n]`.
+
+| timed op | what is timed | returns |
+|---|---|---|
+| `coefficients` | H_pre / H_post / H_res and the aggregate from the streams | `(h_post [T, n], h_res [T, n, n], aggregate [T, C])` |
+| `layer_mhc` | the mHC part of one decoder layer, both sublayers the identity | `(x [T, n, C],)` |
+| `sinkhorn` | Sinkhorn of `logits` | `(h_res [T, n, n],)` |
 """
 
 from __future__ import annotations
@@ -39,9 +52,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["OPS", "Head", "Peer", "PeerError", "Sublayer", "SublayerParams", "has_own"]
+__all__ = ["OPS", "TIMED_OPS", "Head", "Peer", "PeerError", "Sublayer", "SublayerParams", "TimedFn", "Timing",
+           "has_own", "timed_params"]
 
 OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack")
+TIMED_OPS = ("coefficients", "layer_mhc", "sinkhorn")
+
+TimedFn = Callable[[Mapping[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+"""A peer's timed entry point: `fn(inputs) -> outputs` (the module docstring's table)."""
 
 
 class PeerError(RuntimeError):
@@ -94,6 +112,33 @@ class Head:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Timing:
+    """How the perf suite times a peer beside ours."""
+
+    variant: str
+    """The configuration ours runs beside it (the one it conforms to, e.g. `megatron_dev`)."""
+    ops: frozenset[str]
+    """Its timed ops, of `TIMED_OPS`."""
+    gpu_only: bool = False
+    """Timed on an NVIDIA GPU only (a CPU cannot run it, or runs it under an interpreter whose times mean nothing)."""
+    compiled: bool = False
+    """Also timed under `torch.compile`, as `<name>[compiled]`."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(self.ops - set(TIMED_OPS))
+        if unknown or not self.ops:
+            raise ValueError(f"Timing.ops {sorted(self.ops)}: {unknown or 'none'} not among {list(TIMED_OPS)}")
+
+
+def timed_params(inputs: Mapping[str, torch.Tensor], k: int, dtype: torch.dtype | None = None) -> SublayerParams:
+    """Sublayer `k`'s parameters from timing inputs (`w{k}`, `a{k}`, `b{k}`), cast to `dtype` if given (a
+    differentiable cast: gradients reach the inputs)."""
+    w, a, b = (inputs[f"{name}{k}"] if dtype is None else inputs[f"{name}{k}"].to(dtype) for name in "wab")
+    return SublayerParams(n=inputs["x"].shape[1], weight=w, alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3],
+                          bias=b)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Peer(ABC):
     """An mHC implementation under test. Subclasses set the fields and implement the ops in `ops`."""
 
@@ -113,6 +158,8 @@ class Peer(ABC):
     differentiable: bool = True
     """False for inference kernels without a backward (vLLM, sglang): its ops run under `torch.no_grad` and
     only their outputs are compared."""
+    timing: Timing | None = None
+    """How the perf suite times it (None: not timed); `timed` builds the calls."""
 
     def version(self) -> str | None:
         """The peer's version (package version, commit), or None."""
@@ -149,6 +196,11 @@ class Peer(ABC):
     def stack(self, h: torch.Tensor, layers: Sequence[tuple[Sublayer, Sublayer]], head: Head,
               iterations: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def timed(self, op: str, *, n: int, hidden: int, dtype: torch.dtype, iterations: int) -> TimedFn:
+        """The timed entry point of `op` (of `timing.ops`) at `n` streams, width `hidden`, activation `dtype`
+        (the module docstring's table); built once, called per timed repetition."""
+        raise NotImplementedError(f"{self.name} has no timed entry points")
 
 
 def has_own(peer: Peer, op: str) -> bool:

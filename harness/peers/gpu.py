@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.peers.base import Peer, SublayerParams
+from harness.peers.base import Peer, SublayerParams, TimedFn, Timing, timed_params
 
 __all__ = ["SglangPeer", "TileKernelsPeer", "VllmPeer", "gpu_peers"]
 
@@ -64,6 +64,7 @@ class TileKernelsPeer(Peer):
     ops: frozenset[str] = frozenset({"coefficients", "mix", "sinkhorn"})
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)  # residual streams are bf16, fn fp32
     streams: tuple[int, ...] = (4,)
+    timing: Timing | None = Timing(variant="megatron_dev", ops=frozenset({"coefficients"}), gpu_only=True)
 
     def version(self) -> str | None:
         return _version("tile-kernels")
@@ -94,6 +95,13 @@ class TileKernelsPeer(Peer):
 
     def sinkhorn(self, logits, iterations):
         return self._tk().sinkhorn_normalize(_cuda(logits.float()), repeat=iterations).to(logits.device)
+
+    def timed(self, op, *, n, hidden, dtype, iterations) -> TimedFn:
+        """`coefficients`: `mhc_pre` (norm, projection, coefficients, Sinkhorn and the aggregate in one)."""
+        def coefficients(d):
+            out = self.coefficients(d["x"], timed_params(d, 0), iterations)
+            return out["h_post"], out["h_res"], out["aggregate"]
+        return coefficients
 
 
 _EPS = 1e-6

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from harness.peers.base import Head, Peer, Sublayer, SublayerParams
+from harness.peers.base import Head, Peer, Sublayer, SublayerParams, TimedFn, Timing
 
 __all__ = ["HfDeepseekV4Peer", "VERSION"]
 
@@ -113,6 +113,7 @@ class HfDeepseekV4Peer(Peer):
         "coefficients": "its RMSNorm puts eps inside the square root (x * rsqrt(mean(x^2) + eps)); the reference "
                         "adds eps to the RMS: the same below fp32 rounding at RMS ~1, visible at small RMS",
     })
+    timing: Timing | None = Timing(variant="megatron_dev", ops=frozenset({"coefficients", "layer_mhc"}), compiled=True)
 
     def version(self) -> str | None:
         try:
@@ -197,6 +198,30 @@ class HfDeepseekV4Peer(Peer):
         _load_head(model.hc_head, head)
         model.norm = nn.Identity()
         return model(inputs_embeds=h.unsqueeze(0)).last_hidden_state[0]
+
+    def timed(self, op, *, n, hidden, dtype, iterations) -> TimedFn:
+        """`coefficients`: `DeepseekV4HyperConnection.forward`; `layer_mhc`: `DeepseekV4DecoderLayer.forward`
+        with its attention, MoE and norms the identity (the module computes in fp32 whatever `dtype`)."""
+        hcs = [_hc(n, hidden, iterations, torch.float32) for _ in range(2 if op == "layer_mhc" else 1)]
+        for hc in hcs:
+            del hc.fn, hc.base, hc.scale
+
+        def bind(d):
+            for k, hc in enumerate(hcs):
+                hc.fn, hc.base, hc.scale = d[f"w{k}"], d[f"b{k}"], d[f"a{k}"]
+
+        if op == "coefficients":
+            def coefficients(d):
+                bind(d)
+                post, comb, collapsed = hcs[0](d["x"].unsqueeze(0))
+                return post[0], comb[0], collapsed[0]
+            return coefficients
+        layer = _decoder_layer(hcs[0], lambda y: y, hcs[1], lambda y: y)
+
+        def layer_mhc(d):
+            bind(d)
+            return (layer(d["x"].unsqueeze(0))[0],)
+        return layer_mhc
 
 
 def _load_head(module: nn.Module, head: Head) -> None:

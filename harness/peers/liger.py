@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.base import Peer, Sublayer, SublayerParams, TimedFn, Timing, timed_params
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 
 __all__ = ["VERSION", "LigerPeer"]
@@ -53,6 +53,10 @@ class LigerPeer(Peer):
         "block_exit": "no learned block exit",
         "coefficients": "RMS eps inside the square root (rsqrt(mean(x^2) + eps))",
     })
+    timing: Timing | None = Timing(variant="megatron_dev+eps_inside_sqrt+untransposed_mix",
+                                   ops=frozenset({"coefficients", "layer_mhc"}), gpu_only=True)
+    """The configuration the conformance matrix finds it conforms to; timed on a GPU only (under Triton's
+    interpreter its times mean nothing)."""
 
     def version(self) -> str | None:
         try:
@@ -93,3 +97,21 @@ class LigerPeer(Peer):
             y = sub.f(f.liger_mhc_pre(h.contiguous(), h_pre))
             h = f.liger_mhc_post_res(h.contiguous(), y.contiguous(), h_post, h_res)
         return h
+
+    def timed(self, op, *, n, hidden, dtype, iterations) -> TimedFn:
+        """`coefficients`: `liger_mhc_coeffs` + `liger_mhc_pre`; `layer_mhc`: the two sublayers with
+        `liger_mhc_post_res` and an identity branch."""
+        f = _functional()
+
+        def coefficients(d, k=0, x=None):
+            x = d["x"] if x is None else x
+            h_pre, h_post, h_res = self._coeffs(x, timed_params(d, k), iterations)
+            return h_post, h_res, f.liger_mhc_pre(x.contiguous(), h_pre)
+
+        def layer_mhc(d):
+            x = d["x"]
+            for k in (0, 1):
+                h_post, h_res, agg = coefficients(d, k, x)
+                x = f.liger_mhc_post_res(x.contiguous(), agg.contiguous(), h_post, h_res)
+            return (x,)
+        return coefficients if op == "coefficients" else layer_mhc

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.peers.base import Peer
+from harness.peers.base import Peer, TimedFn, Timing
 
 __all__ = ["LucidrainsPeer", "VERSION"]
 
@@ -62,6 +62,7 @@ class LucidrainsPeer(Peer):
         "stack": "its layers compute the coefficients above and its exit sums the streams, so its stack cannot be "
                  "fed the reference's parameters",
     })
+    timing: Timing | None = Timing(variant="paper", ops=frozenset({"sinkhorn"}))
 
     def version(self) -> str | None:
         try:
@@ -102,3 +103,9 @@ class LucidrainsPeer(Peer):
         from hyper_connections.manifold_constrained_hyper_connections import sinkhorn_knopps
 
         return sinkhorn_knopps(logits, iters=iterations)
+
+    def timed(self, op, *, n, hidden, dtype, iterations) -> TimedFn:
+        """`sinkhorn`: `sinkhorn_knopps` of the logits."""
+        from hyper_connections.manifold_constrained_hyper_connections import sinkhorn_knopps
+
+        return lambda d: (sinkhorn_knopps(d["logits"], iters=iterations),)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from harness.megatron_tree import FUSED_FILE, HC_FILE, TreeError, hashes, tree_flavor
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.base import Peer, Sublayer, SublayerParams, TimedFn, Timing, timed_params
 
 __all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeApi", "TreeError", "bind_params", "detect_api",
            "hashes", "load_tree", "make_peers", "tree_flavor"]
@@ -226,6 +226,44 @@ class MegatronLMTreePeer(Peer):
         return hc.learned_output_contract(x.reshape(t, 1, n * c), head_fn, head_base, head_scale, n,
                                           1e-6).reshape(t, c)
 
+    def timed(self, op, *, n, hidden, dtype, iterations) -> TimedFn:
+        """`coefficients`: `compute_mappings` + `aggregate`; `layer_mhc`: the module's forward and its mix
+        (`api.mix`) for both sublayers, the sublayers the identity. Modules built once, parameters bound to the
+        inputs' tensors on every call (gradients reach them). main's parameters are cast to the activation dtype,
+        as Megatron's `Float16Module` holds them (its `x @ W^T` refuses mixed dtypes); dev keeps them in fp32, as
+        its module does."""
+        t_dtype = dtype if self.api.generation == "main" else torch.float32
+        big = n * n + 2 * n
+        zeros = SublayerParams(n=n, weight=torch.zeros(big, n * hidden, dtype=t_dtype),
+                               alpha_pre=torch.zeros(1, dtype=t_dtype), alpha_post=torch.zeros(1, dtype=t_dtype),
+                               alpha_res=torch.zeros(1, dtype=t_dtype), bias=torch.zeros(big, dtype=t_dtype))
+        mods = [self._module(n, hidden, iterations, zeros, dtype)[1] for _ in range(2 if op == "layer_mhc" else 1)]
+
+        def bind(d):
+            for k, mod in enumerate(mods):
+                bind_params(mod, timed_params(d, k, t_dtype))
+
+        if op == "coefficients":
+            def coefficients(d):
+                bind(d)
+                t = d["x"].shape[0]
+                flat = d["x"].reshape(t, 1, n * hidden)
+                h_pre, h_post, h_res = mods[0].compute_mappings(flat)
+                return h_post.reshape(t, n), h_res.reshape(t, n, n), mods[0].aggregate(flat, h_pre).reshape(t, hidden)
+            return coefficients
+
+        def layer_mhc(d):
+            bind(d)
+            t = d["x"].shape[0]
+            h = d["x"].reshape(t, 1, n * hidden)
+            for mod in mods:
+                out = mod(h)
+                aggregated, h_res, h_post = out[:3]
+                residual = out[3] if len(out) == 4 else h  # dev returns its residual alias as a 4th output
+                h = self._mix_method(mod)(h_res, residual, h_post, (aggregated, None), 0.0, False, False)
+            return (h.reshape(t, n, hidden),)
+        return layer_mhc
+
 
 DEV_CLAIM = "megatron_dev+learned_exit"
 """What dev's module computes: its block exits through `learned_output_contract`."""
@@ -242,6 +280,9 @@ def make_peers(tree: Path, commit: str | None, label: str | None = None) -> list
     base = dict(tree=Path(tree), commit=commit, api=api)
     where = f"upstream Megatron-LM {label}"
     claim = {"main": "megatron_main", "dev": DEV_CLAIM}.get(api.generation)
+    timed = {"main": "megatron_main", "dev": "megatron_dev"}.get(api.generation)  # the conformance matrix's verdict
+    if timed is not None:
+        base["timing"] = Timing(variant=timed, ops=frozenset({"coefficients", "layer_mhc"}))
     if api.config == _MAIN_SWITCH:
         return [MegatronLMTreePeer(name=f"megatron_lm[{label}]", description=f"{where}, HyperConnectionModule; "
                                    f"{api.line()}", claims=claim, **base)]

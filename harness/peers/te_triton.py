@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.base import Peer, Sublayer, SublayerParams, TimedFn, Timing, timed_params
 from harness.peers.triton_interpreter import (
     device_properties,
     interpreted,
@@ -132,6 +132,9 @@ class TeTritonPeer(Peer):
                         "model's 1e-6 (the option dtype_eps_inside_sqrt): seen only where the RMS is small "
                         "(coefficients@rms1e-2)",
     })
+    timing: Timing | None = Timing(variant="megatron_main+dtype_eps_inside_sqrt+transposed_mix",
+                                   ops=frozenset({"coefficients", "sinkhorn"}), gpu_only=True)
+    """Timed on a GPU only: under Triton's interpreter its times mean nothing."""
 
     def version(self) -> str | None:
         if self.tree is None:
@@ -243,3 +246,14 @@ class TeTritonPeer(Peer):
             y = sub.f(agg.reshape(t, c).to(x.device))
             h = self._mix(h_res, xs, h_post, y)
         return h.to(x.device)
+
+    def timed(self, op, *, n, hidden, dtype, iterations) -> TimedFn:
+        """`coefficients`: projection, scale, Sinkhorn and aggregate (`coefficients`); `sinkhorn`:
+        `mhc_fused_sinkhorn`."""
+        if op == "sinkhorn":
+            return lambda d: (self.sinkhorn(d["logits"], iterations),)
+
+        def coefficients(d):
+            out = self.coefficients(d["x"], timed_params(d, 0), iterations)
+            return out["h_post"], out["h_res"], out["aggregate"]
+        return coefficients

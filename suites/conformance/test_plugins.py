@@ -80,3 +80,28 @@ def test_entry_point_plugin_is_loaded(user_dir):
     (info / "entry_points.txt").write_text("[mhc_suite.peers]\nmine = my_mhc:NoSuchThing\n", encoding="utf-8")
     with pytest.raises(PeerPluginError, match=r"entry point mine = my_mhc:NoSuchThing \(mhc_suite.peers\): failed"):
         entry_point_peers()
+
+
+def test_an_installed_plugin_with_a_timing_is_timed_by_the_perf_suite(user_dir):
+    """The doc's peer, installed as an entry point, is one of the perf suite's timed rows (one file, one line):
+    its Sinkhorn conforms to its configuration at a small shape, and the ops it does not time say so."""
+    import torch
+
+    from suites.perf.peers import PeerCase, registry_peers
+
+    info = user_dir / "my_mhc_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-mhc-plugin\nVersion: 1.0\n", encoding="utf-8")
+    (info / "entry_points.txt").write_text("[mhc_suite.peers]\nmy_mhc = my_mhc:MyPeer\n", encoding="utf-8")
+    registry_peers.cache_clear()
+    try:
+        rows = [r for r in registry_peers() if r.conformance_peer == "my_mhc"]
+    finally:
+        registry_peers.cache_clear()
+    assert [r.name for r in rows] == ["my_mhc"] and rows[0].variant == "megatron_main"
+    case = PeerCase(op="sinkhorn", tokens=8, n=4, hidden=8, dtype=torch.float32, device="cpu")
+    assert rows[0].unavailable(case) is None
+    ok, why = rows[0].conforms_at(case)
+    assert ok, why
+    coefficients = PeerCase(op="coefficients", tokens=8, n=4, hidden=8, dtype=torch.float32, device="cpu")
+    assert rows[0].unavailable(coefficients) == "my_mhc has no coefficients entry point"

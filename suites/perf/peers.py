@@ -1,41 +1,40 @@
 """What the perf suite times of each peer, beside ours on the same inputs: the peers' natural entry points.
 
-The conformance adapters (`harness.peers`) drive a peer through whatever reaches its code with given
-coefficients, one token at a time where they must; timing needs the calls a user makes, over all
-tokens at once. Per op (`PeerCase.op`):
+Each peer's timed forms live in its one home, its adapter (`harness.peers.<name>`: `Peer.timing` says which
+ops and beside which configuration of ours, `Peer.timed` builds the calls; the table of ops and their inputs
+is in `harness.peers.base`); the peers timed are those of the conformance registry that have a `timing`
+(`registry_peers`), so a new peer is its adapter plus its registry line, checked and timed. This module sets the
+sizes (`PeerCase`), ours beside them, the conformance gate and the row's figures.
 
-| op | what is timed |
-|---|---|
-| `coefficients` | H_pre / H_post / H_res (20 Sinkhorn iterations) and the aggregate from the streams: ours the pre-op (mapping, Sinkhorn and aggregate in one); DeepSeek-V4 `DeepseekV4HyperConnection.forward`; TransformerEngine projection, scale, Sinkhorn and aggregate; TileKernels `mhc_pre` |
-| `layer_mhc` | the mHC part of one decoder layer (both sublayers' coefficients and mixes; the sublayers themselves the identity): ours the pre-op and the mix twice; DeepSeek-V4 `DeepseekV4DecoderLayer.forward` with its attention, MoE and norms replaced |
-| `sinkhorn` | Sinkhorn of fp32 logits, 20 iterations: lucidrains `sinkhorn_knopps`; TE `mhc_fused_sinkhorn` |
-
-Ours run the variant the peer conforms to (`megatron_dev` for DeepSeek-V4, TE and TileKernels,
-`paper` for lucidrains' Sinkhorn). Before a peer is timed at a shape, its outputs there are compared
-with our reference's (`PeerTimed.conforms_at`): a peer is timed only where it conforms.
-Bytes: `mhc_core.analysis.bytes_moved` of the ops ours runs (`layer_mhc`: twice coefficients +
-`h_post_bda` without bias).
+Ours run the configuration the peer's `timing` names (`megatron_dev` for DeepSeek-V4 and TileKernels, `paper`
+for lucidrains' Sinkhorn, the configurations the matrix finds for TE and Liger). Before a peer is timed at a
+shape, its outputs there are compared with our reference's (`PeerTimed.conforms_at`): a peer is timed only
+where it conforms. Bytes: `mhc_core.analysis.bytes_moved` of the ops ours runs (`layer_mhc`: twice
+coefficients + `h_post_bda` without bias).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
+import functools
 import os
 import re
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from harness import TimingCheck
+from harness.peers.base import Peer
 from mhc_core.analysis import bytes_moved
 from mhc_core.kernels import dispatch
 from mhc_core.testing import tolerance
 from suites.perf.timing import copy_fn
 
-__all__ = ["PEERS", "SMOKE_ENV_VAR", "LOW_PRECISION_FACTOR", "PeerCase", "PeerTimed", "conforms", "peer_cases", "paired_fns", "peer_golden", "peer_golden_case",
-           "peer_info", "ours", "runner", "smoke"]
+__all__ = ["SMOKE_ENV_VAR", "LOW_PRECISION_FACTOR", "PeerCase", "PeerTimed", "conforms", "peer_cases",
+           "paired_fns", "peer_golden", "peer_golden_case", "peer_info", "ours", "registry_peers", "runner", "smoke",
+           "timed_peers"]
 
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 ITERATIONS = 20
@@ -147,38 +146,49 @@ def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torc
 
 @dataclass(frozen=True, kw_only=True)
 class PeerTimed:
-    """A peer's timed entry points: `build(case) -> fn(inputs) -> outputs` in ours' output order."""
+    """One timed row: a peer (`Peer.timing`, `Peer.timed`), as is or under `torch.compile`."""
 
-    name: str
-    conformance_peer: str
-    """Its row in the conformance matrix (`harness.peers`)."""
-    variant: str
-    ops: frozenset[str]
-    package: str | None = None
-    """The import that must succeed (None: always)."""
-    gpu: bool = False
+    peer: Peer
     compiled: bool = False
-    cases: Callable[[PeerCase], bool] = lambda case: True
-    """Which cases it is timed at (a compiled peer not at CI's smoke layer, for CI's time)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.peer.name}[compiled]" if self.compiled else self.peer.name
+
+    @property
+    def conformance_peer(self) -> str:
+        """Its row in the conformance matrix."""
+        return self.peer.name
+
+    @property
+    def variant(self) -> str:
+        assert self.peer.timing is not None
+        return self.peer.timing.variant
 
     def unavailable(self, case: PeerCase) -> str | None:
-        if self.gpu and case.device != "cuda":
-            return f"{self.name} runs on NVIDIA GPUs only"
-        if self.package and importlib.util.find_spec(self.package.split(".")[0]) is None:
-            return f"{self.name}: {self.package} is not installed"
-        if case.op not in self.ops:
+        timing = self.peer.timing
+        assert timing is not None
+        if timing.gpu_only and case.device != "cuda":
+            return f"{self.name} is timed on NVIDIA GPUs only"
+        if case.op not in timing.ops:
             return f"{self.name} has no {case.op} entry point"
-        if not self.cases(case):
+        if self.compiled and smoke() and case.device != "cuda" and case.op == "layer_mhc":
             return f"{self.name} is not timed in a smoke run (each compile costs tens of seconds on two cores)"
-        return None
+        return self.peer.unavailable()
 
     def build(self, case: PeerCase) -> Callable[[dict[str, torch.Tensor]], tuple]:
-        fn = _BUILDERS[self.name.removesuffix("[compiled]")](case)
+        fn = self.peer.timed(case.op, n=case.n, hidden=case.hidden, dtype=case.dtype, iterations=ITERATIONS)
         return torch.compile(fn) if self.compiled else fn
 
     def conforms_at(self, case: PeerCase) -> tuple[bool, str]:
         """The peer against our reference on this case's inputs (forward): `(ok, worst error text)`."""
         return conforms(self.build(case), case, self.variant)
+
+    def beside(self, variant: str) -> PeerTimed:
+        """This row compared and timed beside `variant` instead of its timing's (a wrong one must fail)."""
+        assert self.peer.timing is not None
+        timing = dataclasses.replace(self.peer.timing, variant=variant)
+        return dataclasses.replace(self, peer=dataclasses.replace(self.peer, timing=timing))
 
 
 LOW_PRECISION_FACTOR = 2.0
@@ -219,129 +229,23 @@ def conforms(fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCase, var
     return ok, f"{text}; {text_fa} ({'within' if ok else 'beyond'} {LOW_PRECISION_FACTOR:g}x ours + atol)"
 
 
-def _hf_coefficients(case: PeerCase):
-    from harness.peers.hf_deepseek_v4 import _hc
-
-    n, c = case.n, case.hidden
-    hc = _hc(n, c, ITERATIONS, torch.float32)
-    del hc.fn, hc.base, hc.scale
-
-    def fn(d):
-        hc.fn, hc.base, hc.scale = d["w0"], d["b0"], d["a0"]
-        post, comb, collapsed = hc(d["x"].unsqueeze(0))
-        return post[0], comb[0], collapsed[0]
-    return fn
+def timed_peers(peers: Sequence[Peer]) -> tuple[PeerTimed, ...]:
+    """The timed rows of `peers`: each peer with a `timing`, and its `[compiled]` form where it has one."""
+    out: list[PeerTimed] = []
+    for p in peers:
+        if p.timing is not None:
+            out.append(PeerTimed(peer=p))
+            if p.timing.compiled:
+                out.append(PeerTimed(peer=p, compiled=True))
+    return tuple(out)
 
 
-def _hf_layer(case: PeerCase):
-    from harness.peers.hf_deepseek_v4 import _decoder_layer, _hc
+@functools.cache
+def registry_peers() -> tuple[PeerTimed, ...]:
+    """The timed rows of every peer of the conformance registry (`harness.conformance.registry.all_peers`)."""
+    from harness.conformance.registry import all_peers
 
-    n, c = case.n, case.hidden
-    hcs = [_hc(n, c, ITERATIONS, torch.float32) for _ in (0, 1)]
-    for hc in hcs:
-        del hc.fn, hc.base, hc.scale
-    layer = _decoder_layer(hcs[0], lambda y: y, hcs[1], lambda y: y)
-
-    def fn(d):
-        for k, hc in enumerate(hcs):
-            hc.fn, hc.base, hc.scale = d[f"w{k}"], d[f"b{k}"], d[f"a{k}"]
-        return (layer(d["x"].unsqueeze(0))[0],)
-    return fn
-
-
-def _lucidrains_sinkhorn(case: PeerCase):
-    from hyper_connections.manifold_constrained_hyper_connections import sinkhorn_knopps
-
-    return lambda d: (sinkhorn_knopps(d["logits"], iters=ITERATIONS),)
-
-
-def _te_coefficients(case: PeerCase):
-    from harness.peers.base import SublayerParams
-    from harness.peers.te_triton import TeTritonPeer
-
-    te = TeTritonPeer()
-
-    def fn(d):
-        a = d["a0"]
-        p = SublayerParams(n=case.n, weight=d["w0"], alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3],
-                           bias=d["b0"])
-        out = te.coefficients(d["x"], p, ITERATIONS)
-        return out["h_post"], out["h_res"], out["aggregate"]
-    return fn
-
-
-def _te_sinkhorn(case: PeerCase):
-    from harness.peers.te_triton import TeTritonPeer
-
-    return lambda d: (TeTritonPeer().sinkhorn(d["logits"], ITERATIONS),)
-
-
-def _tile_kernels_coefficients(case: PeerCase):
-    from harness.peers.base import SublayerParams
-    from harness.peers.gpu import TileKernelsPeer
-
-    tk = TileKernelsPeer()
-
-    def fn(d):
-        a = d["a0"]
-        p = SublayerParams(n=case.n, weight=d["w0"], alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3],
-                           bias=d["b0"])
-        out = tk.coefficients(d["x"], p, ITERATIONS)
-        return out["h_post"], out["h_res"], out["aggregate"]
-    return fn
-
-
-def _liger(case: PeerCase):
-    """Liger-Kernel's `liger_mhc_coeffs` + `liger_mhc_pre` (coefficients), and the two sublayers with
-    `liger_mhc_post_res` and an identity branch (layer), on our parameters (`harness.peers.liger`)."""
-    from harness.peers.base import SublayerParams
-    from harness.peers.liger import LigerPeer, _functional
-
-    liger, f = LigerPeer(), _functional()
-
-    def coefficients(d, k=0, x=None):
-        x = d["x"] if x is None else x
-        a = d[f"a{k}"]
-        p = SublayerParams(n=case.n, weight=d[f"w{k}"], alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3],
-                           bias=d[f"b{k}"])
-        h_pre, h_post, h_res = liger._coeffs(x, p, ITERATIONS)
-        return h_post, h_res, f.liger_mhc_pre(x.contiguous(), h_pre)
-
-    def layer(d):
-        x = d["x"]
-        for k in (0, 1):
-            h_post, h_res, agg = coefficients(d, k, x)
-            x = f.liger_mhc_post_res(x.contiguous(), agg.contiguous(), h_post, h_res)
-        return (x,)
-    return coefficients if case.op == "coefficients" else layer
-
-
-_BUILDERS = {
-    "hf_deepseek_v4": lambda case: _hf_coefficients(case) if case.op == "coefficients" else _hf_layer(case),
-    "lucidrains": _lucidrains_sinkhorn,
-    "te_triton": lambda case: _te_coefficients(case) if case.op == "coefficients" else _te_sinkhorn(case),
-    "tile_kernels": _tile_kernels_coefficients,
-    "liger_kernel": _liger,
-}
-
-PEERS: tuple[PeerTimed, ...] = (
-    PeerTimed(name="hf_deepseek_v4", conformance_peer="hf_deepseek_v4", variant="megatron_dev",
-              ops=frozenset({"coefficients", "layer_mhc"}), package="transformers.models.deepseek_v4"),
-    PeerTimed(name="hf_deepseek_v4[compiled]", conformance_peer="hf_deepseek_v4", variant="megatron_dev",
-              ops=frozenset({"coefficients", "layer_mhc"}), package="transformers.models.deepseek_v4", compiled=True,
-              cases=lambda case: case.device == "cuda" or not (smoke() and case.op == "layer_mhc")),
-    PeerTimed(name="lucidrains", conformance_peer="lucidrains", variant="paper", ops=frozenset({"sinkhorn"}),
-              package="hyper_connections"),
-    PeerTimed(name="te_triton", conformance_peer="te_triton", variant="megatron_dev",
-              ops=frozenset({"coefficients", "sinkhorn"}), package="transformer_engine", gpu=True),
-    PeerTimed(name="tile_kernels", conformance_peer="tile_kernels", variant="megatron_dev",
-              ops=frozenset({"coefficients"}), package="tile_kernels", gpu=True),
-    # The configuration the conformance matrix finds it conforms to (docs/conformance.md); timed on a GPU
-    # only: under Triton's interpreter its times mean nothing.
-    PeerTimed(name="liger_kernel", conformance_peer="liger_kernel",
-              variant="megatron_dev+eps_inside_sqrt+untransposed_mix", ops=frozenset({"coefficients", "layer_mhc"}),
-              package="liger_kernel", gpu=True),
-)
+    return timed_peers(all_peers())
 
 
 def peer_golden_case(case: PeerCase, direction: str, peer: str) -> str:

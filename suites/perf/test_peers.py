@@ -20,7 +20,6 @@ import torch
 
 from mhc_core.kernels import dispatch
 from suites.perf.peers import (
-    PEERS,
     PeerCase,
     PeerTimed,
     ours,
@@ -29,6 +28,7 @@ from suites.perf.peers import (
     peer_golden,
     peer_golden_case,
     peer_info,
+    registry_peers,
     runner,
 )
 from suites.perf.timing import paired_samples, synced
@@ -59,7 +59,7 @@ def _matrix_verdict(peer: PeerTimed, case: PeerCase) -> str:
             + (f" (not: {', '.join(bad)})" if bad else ""))
 
 
-@pytest.mark.parametrize("peer", PEERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("peer", registry_peers(), ids=lambda p: p.name)
 @pytest.mark.parametrize("direction", ["fwd", "fwdbwd"])
 @pytest.mark.parametrize("case", peer_cases(DEVICE), ids=lambda c: c.id)
 def test_peer(benchmark, golden_metrics, case, direction, peer, reps):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sqlite3
 from pathlib import Path
@@ -244,14 +243,14 @@ def test_peer_cases_and_a_peer_that_does_not_conform_is_not_timed():
     """Peer cases have unique ids and positive bytes; a peer compared with the wrong variant fails
     `conforms_at` with its error (so it is skipped, not timed)."""
     pytest.importorskip("transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed")
-    from suites.perf.peers import PEERS, PeerCase, peer_cases
+    from suites.perf.peers import PeerCase, peer_cases, registry_peers
 
     cases = peer_cases("cpu")
     assert len({c.id for c in cases}) == len(cases) and all(c.bytes(d) > 0 for c in cases for d in ("fwd", "fwdbwd"))
     small = PeerCase(op="layer_mhc", tokens=8, n=4, hidden=8, dtype=torch.float32, device="cpu")
-    hf = next(p for p in PEERS if p.name == "hf_deepseek_v4")
+    hf = next(p for p in registry_peers() if p.name == "hf_deepseek_v4")
     assert hf.conforms_at(small)[0]
-    wrong = dataclasses.replace(hf, variant="megatron_main")  # untransposed mix: not DeepSeek-V4's
+    wrong = hf.beside("megatron_main")  # untransposed mix: not DeepSeek-V4's
     ok, why = wrong.conforms_at(small)
     assert not ok and "its bound" in why
 
@@ -260,13 +259,13 @@ def test_low_precision_conformance_compares_errors_against_fp64_and_still_fails_
     """In bf16 a peer whose worst error against fp64 is within 2x ours conforms; the untransposed mix does
     not, although the rule is looser than the elementwise bound."""
     pytest.importorskip("transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed")
-    from suites.perf.peers import LOW_PRECISION_FACTOR, PEERS, PeerCase
+    from suites.perf.peers import LOW_PRECISION_FACTOR, PeerCase, registry_peers
 
     case = PeerCase(op="layer_mhc", tokens=64, n=4, hidden=256, dtype=torch.bfloat16, device="cpu")
-    hf = next(p for p in PEERS if p.name == "hf_deepseek_v4")
+    hf = next(p for p in registry_peers() if p.name == "hf_deepseek_v4")
     ok, why = hf.conforms_at(case)
     assert ok, why
-    ok, why = dataclasses.replace(hf, variant="megatron_main").conforms_at(case)
+    ok, why = hf.beside("megatron_main").conforms_at(case)
     assert not ok and f"beyond {LOW_PRECISION_FACTOR:g}x ours" in why, why
 
 
@@ -317,19 +316,19 @@ def test_tree_peers_refuses_a_path_that_is_no_megatron_lm_tree(tmp_path, capsys)
 
 
 _LIGER_CHECK = """
-import dataclasses, json, torch
+import json, torch
 from harness.peers.liger import LigerPeer
-from suites.perf.peers import PEERS, PeerCase
+from suites.perf.peers import PeerCase, registry_peers
 why = LigerPeer().unavailable()
 if why:
     print(json.dumps({"skip": why}))
     raise SystemExit(0)
-liger = next(p for p in PEERS if p.name == "liger_kernel")
+liger = next(p for p in registry_peers() if p.name == "liger_kernel")
 case = lambda op, dtype: PeerCase(op=op, tokens=8, n=4, hidden=16, dtype=dtype, device="cpu")
 out = {"gpu_only": liger.unavailable(case("coefficients", torch.float32)),
        "rows": [[op, str(dt), *liger.conforms_at(case(op, dt))]
                 for op in ("coefficients", "layer_mhc") for dt in (torch.float32, torch.bfloat16)],
-       "plain": list(dataclasses.replace(liger, variant="megatron_dev+eps_inside_sqrt").conforms_at(
+       "plain": list(liger.beside("megatron_dev+eps_inside_sqrt").conforms_at(
            case("layer_mhc", torch.float32)))}
 print(json.dumps(out))
 """
@@ -352,7 +351,23 @@ def test_liger_gpu_peer_conforms_to_its_configuration_interpreted():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in out:
         pytest.skip(out["skip"])
-    assert out["gpu_only"] == "liger_kernel runs on NVIDIA GPUs only"
+    assert out["gpu_only"] == "liger_kernel is timed on NVIDIA GPUs only"
     assert all(ok for *_, ok, _ in out["rows"]), out["rows"]
     ok, why = out["plain"]
     assert not ok and "its bound" in why
+
+
+def test_every_timed_peer_of_the_registry_has_its_entry_points():
+    """Each registry peer with a `timing` implements `timed` on its own adapter (one home), the rows' names are
+    unique, and the built-in timed peers are all there; a timing of an unknown op is refused naming it."""
+    from harness.peers.base import Timing, has_own
+    from suites.perf.peers import registry_peers
+
+    rows = registry_peers()
+    assert all(has_own(r.peer, "timed") for r in rows), [r.name for r in rows if not has_own(r.peer, "timed")]
+    names = [r.name for r in rows]
+    assert len(set(names)) == len(names), names
+    assert {"hf_deepseek_v4", "hf_deepseek_v4[compiled]", "lucidrains", "te_triton", "tile_kernels",
+            "liger_kernel"} <= set(names), names
+    with pytest.raises(ValueError, match=r"\['mix'\] not among"):
+        Timing(variant="paper", ops=frozenset({"mix"}))

@@ -12,7 +12,8 @@ rows paid first-touch page faults the later ones did not (ours 24 against 16 ms 
 Per peer of the tree (main's `HyperConnectionModule`; dev's native and fused modules) and per op of
 `suites.perf.peers` (`coefficients`: `compute_mappings` + `aggregate`; `layer_mhc`: the module's forward
 and `fused_h_res_h_post_bda` for both sublayers, the sublayers the identity), forward and forward +
-backward: a conformance check at the shape against our reference in the variant the tree claims, then
+backward: a conformance check at the shape against our reference in the configuration the peer's `timing`
+names (`MegatronLMTreePeer.timed` builds the calls; a tree of neither generation is not timed), then
 the peer, a same-bytes copy and ours (compiled, reference) timed rep by rep in alternation. The output is
 a pytest-benchmark-shaped JSON (`benchmarks[*].stats` from those samples, `extra_info` as
 `test_peers.py` writes it), which `python -m suites.perf.table` and `mhc-harness perf-history` read.
@@ -21,7 +22,6 @@ a pytest-benchmark-shaped JSON (`benchmarks[*].stats` from those samples, `extra
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -31,11 +31,9 @@ from pathlib import Path
 
 import torch
 
-from harness.peers.base import SublayerParams
 from harness.peers.megatron_lm import (
     MegatronLMTreePeer,
     TreeError,
-    bind_params,
     hashes,
     load_tree,
     make_peers,
@@ -45,55 +43,12 @@ from harness.provenance import utc_now
 from suites.perf.peers import ITERATIONS, PeerCase, conforms, paired_fns, peer_cases, peer_info
 from suites.perf.timing import paired_samples, retain_heap
 
-__all__ = ["VARIANT", "main", "tree_rows", "upstream"]
-
-VARIANT = {"main": "megatron_main", "dev": "megatron_dev"}
-"""The variant each tree flavour conforms to (the conformance matrix: 48/48 and 24/24)."""
+__all__ = ["main", "tree_rows"]
 
 
-def _params(d: dict[str, torch.Tensor], k: int, dtype: torch.dtype) -> SublayerParams:
-    """Sublayer `k`'s parameters from the case's fp32 inputs, cast to `dtype` (a differentiable cast)."""
-    w, a, b = (d[f"{name}{k}"].to(dtype) for name in ("w", "a", "b"))
-    return SublayerParams(n=d["x"].shape[1], weight=w, alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3], bias=b)
-
-
-def upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.Tensor]):
-    """Upstream's entry points for `case` on `inputs` (modules built once, parameters bound to the
-    inputs' tensors on every call, so gradients reach them): `fn(inputs) -> outputs` in ours' order.
-    main's parameters are cast to the activation dtype, as Megatron's `Float16Module` holds them (its
-    `x @ W^T` refuses mixed dtypes); dev keeps them in fp32, as its module does."""
-    t, n, c = case.tokens, case.n, case.hidden
-    param_dtype = case.dtype if peer.api.generation == "main" else torch.float32
-    mods = [peer._module(n, c, ITERATIONS, _params(inputs, k, param_dtype), case.dtype)[1]
-            for k in range(2 if case.op == "layer_mhc" else 1)]
-
-    def bind(d):
-        for k, mod in enumerate(mods):
-            bind_params(mod, _params(d, k, param_dtype))
-
-    if case.op == "coefficients":
-        def coefficients(d):
-            bind(d)
-            flat = d["x"].reshape(t, 1, n * c)
-            h_pre, h_post, h_res = mods[0].compute_mappings(flat)
-            return h_post.reshape(t, n), h_res.reshape(t, n, n), mods[0].aggregate(flat, h_pre).reshape(t, c)
-        return coefficients
-
-    def layer(d):
-        bind(d)
-        h = d["x"].reshape(t, 1, n * c)
-        for mod in mods:
-            out = mod(h)
-            aggregated, h_res, h_post = out[:3]
-            residual = out[3] if len(out) == 4 else h  # dev returns its residual alias as a 4th output
-            h = peer._mix_method(mod)(h_res, residual, h_post, (aggregated, None), 0.0, False, False)
-        return (h.reshape(t, n, c),)
-    return layer
-
-
-def _run_upstream(peer: MegatronLMTreePeer, case: PeerCase, inputs: dict[str, torch.Tensor]):
-    """`upstream(peer, case, inputs)` called on `inputs`: the outputs `conforms` compares."""
-    return upstream(peer, case, inputs)(inputs)
+def _build(peer: MegatronLMTreePeer, case: PeerCase):
+    """The tree peer's timed entry point for `case` (`MegatronLMTreePeer.timed`)."""
+    return peer.timed(case.op, n=case.n, hidden=case.hidden, dtype=case.dtype, iterations=ITERATIONS)
 
 
 def _cases(smoke: bool) -> list[PeerCase]:
@@ -109,22 +64,26 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 def tree_rows(tree: Path, *, reps: int, smoke: bool) -> list[dict]:
     """One benchmark entry per peer, op and direction that conforms at its shape (see the module docstring)."""
-    flavor = tree_flavor(tree)
+    tree_flavor(tree)  # a path that is no tree is named first
     if not torch.cuda.is_available():
         os.environ.setdefault("MHC_FORCE_BACKEND", "native")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "0")  # load_tree would otherwise switch upstream's compile off
     load_tree(tree)
-    variant = VARIANT[flavor]
     rows = []
     for peer in make_peers(tree, None):
+        if peer.timing is None:
+            print(f"{peer.name}: its API generation ({peer.api.generation}) has no timed configuration; not timed",
+                  file=sys.stderr)
+            continue
+        variant = peer.timing.variant
         for case in _cases(smoke):
-            ok, worst = conforms(functools.partial(_run_upstream, peer, case), case, variant)
+            ok, worst = conforms(_build(peer, case), case, variant)
             if not ok:
                 print(f"{peer.name} does not conform to {variant} at {case.id} ({worst}); not timed", file=sys.stderr)
                 continue
             for direction in ("fwd", "fwdbwd"):
                 inputs = case.inputs(requires_grad=direction == "fwdbwd")
-                fns = paired_fns(upstream(peer, case, inputs), case, inputs, direction, variant)
+                fns = paired_fns(_build(peer, case), case, inputs, direction, variant)
                 timed = paired_samples(fns, device=case.device, reps=reps, warmup=2)
                 info = peer_info(case, direction, peer.name, variant, timed, f"at {case.id}: {worst}")
                 rows.append({"name": f"test_peer[{case.id}-{direction}-{peer.name}]",
