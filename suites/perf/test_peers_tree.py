@@ -37,7 +37,8 @@ def test_megatron_lm_tree_peers(request):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600, check=False)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     rows = [b["extra_info"] for b in json.loads(out.read_text())["benchmarks"]]
-    peers = {"main": {"megatron_lm[main]"}, "dev": {"megatron_lm[dev]", "megatron_lm[dev,fused]"}}[flavor]
+    label = Path(tree).resolve().name  # the tree's peers are named by its folder (`make_peers`)
+    peers = {"main": {f"megatron_lm[{label}]"}, "dev": {f"megatron_lm[{label}]", f"megatron_lm[{label},fused]"}}[flavor]
     timed = {(r["peer"], r["op"], r["direction"]) for r in rows}
     missing = {(p, op, d) for p in peers for op in ("coefficients", "layer_mhc") for d in ("fwd", "fwdbwd")} - timed
     assert not missing, f"not timed (not conforming, see stderr): {sorted(missing)}\n{proc.stderr[-2000:]}"
