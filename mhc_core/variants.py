@@ -41,6 +41,11 @@ class Variant(enum.StrEnum):
     MEGATRON_MAIN = "megatron_main"
     MEGATRON_DEV = "megatron_dev"
 
+    @property
+    def tag(self) -> str:
+        """The short name in kernel launch labels and test ids: `paper`, `main`, `dev`."""
+        return self.value.removeprefix("megatron_")
+
 
 class ResidualConstraint(enum.StrEnum):
     """How H_res is formed from its logits."""
@@ -122,6 +127,19 @@ class VariantSpec:
     """Where the RMS norm's eps sits (an option: `configure`)."""
     output_contraction: OutputContraction = OutputContraction.MEAN
     """The block exit (an option: `configure`)."""
+
+    def __post_init__(self) -> None:
+        if self.sinkhorn_start == "exp" and self.sinkhorn_guard != "none":
+            raise ValueError(f"VariantSpec {self.variant.value}: sinkhorn_start='exp' runs in the log domain, which has "
+                             f"no sum to guard; sinkhorn_guard={self.sinkhorn_guard!r} needs a linear start")
+        if self.sinkhorn_start == "softmax_eps" and self.sinkhorn_order != "row_col":
+            raise ValueError(f"VariantSpec {self.variant.value}: sinkhorn_start='softmax_eps' is the first row step, "
+                             f"so sinkhorn_order must be 'row_col', got {self.sinkhorn_order!r}")
+
+    @property
+    def sinkhorn_form(self) -> tuple[str, str, str]:
+        """`(start, order, guard)`: what a Sinkhorn kernel computes (eps and iterations are its arguments)."""
+        return (self.sinkhorn_start, self.sinkhorn_order, self.sinkhorn_guard)
 
     @property
     def mapping_precision(self) -> MappingPrecision:

@@ -14,11 +14,11 @@ import torch
 
 from harness.peers.mhc_core_peer import MhcCorePeer
 from mhc_core.ops.mapping import NORM_EPS, compute_dtype, effective_norm_eps
-from mhc_core.variants import NormEpsPlacement, NumericsOptions, configure, get_variant
+from mhc_core.variants import NormEpsPlacement, NumericsOptions, Variant, configure, get_variant
 
 __all__ = ["VARIANT_NAMES", "oracle", "oracle_for"]
 
-VARIANT_NAMES = ("paper", "megatron_main", "megatron_dev")
+VARIANT_NAMES = tuple(v.value for v in Variant)
 
 
 @cache

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,13 +144,23 @@ class TrainArgs:
 @dataclass(frozen=True, kw_only=True)
 class _Flag:
     kind: type
-    choices: tuple[Any, ...] | None = None
+    choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None
+    """The valid values, or a function giving them (read when a value is checked)."""
     minimum: float | None = None
     """Inclusive lower bound for numbers."""
 
 
-def _f(kind: type, *, choices: tuple[Any, ...] | None = None, minimum: float | None = None) -> _Flag:
+def _f(kind: type, *, choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
+       minimum: float | None = None) -> _Flag:
     return _Flag(kind=kind, choices=choices, minimum=minimum)
+
+
+def _variant_names() -> tuple[str, ...]:
+    """The variants of `mhc_core.variants` (imported when a recipe names one: `mhc_core` imports torch, which a
+    CLI that only lists or plans keeps out)."""
+    from mhc_core.variants import Variant
+
+    return tuple(v.value for v in Variant)
 
 
 FLAGS: dict[str, _Flag] = {
@@ -178,7 +188,7 @@ FLAGS: dict[str, _Flag] = {
     "--mhc-num-residual-streams": _f(int, minimum=1),
     "--mhc-sinkhorn-iterations": _f(int, minimum=1),
     "--mhc-init-gating-factor": _f(float, minimum=0.0),
-    "--mhc-variant": _f(str, choices=("paper", "megatron_main", "megatron_dev")),
+    "--mhc-variant": _f(str, choices=_variant_names),
     "--mhc-h-res-constraint": _f(str, choices=("sinkhorn", "none")),
     "--use-fused-mhc": _f(bool),
     "--mhc-learned-contraction": _f(bool),
@@ -276,8 +286,9 @@ def _convert(flag: str, value: Any, spec: _Flag, source: str) -> Any:
         value = float(value)
     elif kind is str and not isinstance(value, str):
         raise _bad(source, flag, value, "must be a string")
-    if spec.choices is not None and value not in spec.choices:
-        raise _bad(source, flag, value, f"valid: {', '.join(map(str, spec.choices))}")
+    choices = spec.choices() if callable(spec.choices) else spec.choices
+    if choices is not None and value not in choices:
+        raise _bad(source, flag, value, f"valid: {', '.join(map(str, choices))}")
     if spec.minimum is not None and value < spec.minimum:
         raise _bad(source, flag, value, f"must be >= {spec.minimum:g}")
     return value

@@ -5,7 +5,9 @@
 The autograd function saves only its input: the backward recomputes the iterations from it, so the
 bytes kept for backward do not grow with `iterations`.
 
-Per variant (see `mhc_core.variants`):
+The iteration reads the variant's Sinkhorn fields (`VariantSpec.sinkhorn_start`, `_order`, `_guard`,
+`_eps`; `normalisation_dims` is the step order every backend shares), so a variant that recombines them
+needs no code here. The three variants (see `mhc_core.variants`):
 - `paper`: `M = exp(Z)`, then `iterations` times column-normalise, row-normalise. Computed in the
   log domain (`log M -= logsumexp`), which is the same arithmetic without overflow: the row sums
   are exact after any iteration count, at any logit scale.
@@ -25,7 +27,7 @@ import torch
 from mhc_core.checks import check_finite, check_floating, check_int, check_number, check_rank, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["sinkhorn", "sinkhorn_iterate", "check_sinkhorn_args"]
+__all__ = ["sinkhorn", "sinkhorn_iterate", "check_sinkhorn_args", "normalisation_dims"]
 
 
 def check_sinkhorn_args(
@@ -57,29 +59,31 @@ def _normalise(m: torch.Tensor, dim: int, guard: str, eps: float) -> torch.Tenso
     return m / s
 
 
+def normalisation_dims(start: str, order: str, iterations: int) -> list[int]:
+    """The dims normalised after the start map, in order (-1 a row step, -2 a column step): `iterations`
+    pairs in `order`, less the first row step under `softmax_eps` (the softmax is that step)."""
+    dims = [-2, -1] * iterations if order == "col_row" else [-1, -2] * iterations
+    return dims[1:] if start == "softmax_eps" else dims
+
+
 def sinkhorn_iterate(logits: torch.Tensor, iterations: int, eps: float, spec: VariantSpec) -> torch.Tensor:
     """The plain differentiable iteration of `spec` on `logits[..., n, n]` (no checks, no recompute)."""
+    dims = normalisation_dims(spec.sinkhorn_start, spec.sinkhorn_order, iterations)
     if spec.sinkhorn_start == "exp":
-        # paper: exp(Z) then (column, row) normalisations, carried out in the log domain.
+        # exp(Z) normalised in the log domain (unguarded: `VariantSpec` requires it).
         log_m = logits
-        for _ in range(iterations):
-            log_m = log_m - torch.logsumexp(log_m, dim=-2, keepdim=True)
-            log_m = log_m - torch.logsumexp(log_m, dim=-1, keepdim=True)
+        for dim in dims:
+            log_m = log_m - torch.logsumexp(log_m, dim=dim, keepdim=True)
         return torch.exp(log_m)
     if spec.sinkhorn_start == "exp_rowmax":
-        # megatron_main: the rowmax is a per-row constant that the first row step cancels, so it
-        # is detached, as upstream's backward does.
-        m = torch.exp(logits - logits.detach().amax(dim=-1, keepdim=True))
-        for _ in range(iterations):
-            m = _normalise(m, -1, "clamp", eps)
-            m = _normalise(m, -2, "clamp", eps)
-        return m
-    # megatron_dev
-    m = torch.softmax(logits, dim=-1) + eps
-    m = _normalise(m, -2, "add", eps)
-    for _ in range(iterations - 1):
-        m = _normalise(m, -1, "add", eps)
-        m = _normalise(m, -2, "add", eps)
+        # The rowmax is a per-row constant that a first row step cancels, so it is then detached, as upstream's
+        # backward does; a column step first keeps it in the result, and in the gradient.
+        rowmax = logits.amax(dim=-1, keepdim=True)
+        m = torch.exp(logits - (rowmax.detach() if dims[0] == -1 else rowmax))
+    else:  # softmax_eps
+        m = torch.softmax(logits, dim=-1) + eps
+    for dim in dims:
+        m = _normalise(m, dim, spec.sinkhorn_guard, eps)
     return m
 
 

@@ -30,7 +30,7 @@ from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
-__all__ = ["PlannedLaunch", "KernelCase", "kernel_object", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
+__all__ = ["ALL_VARIANTS", "PlannedLaunch", "KernelCase", "kernel_object", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
            "ALTERNATIVE_TILES", "kernel_cases",
            "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C", "BYTECODE_VERSION",
            "export_bytecode", "export_cubin"]
@@ -40,7 +40,10 @@ REPRESENTATIVE_C = (512, 64)
 """Hidden sizes of the plan: the production tile class first, then the toy-model one."""
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
-_VARIANT_NAMES = {Variant.MEGATRON_MAIN: "main", Variant.MEGATRON_DEV: "dev", Variant.PAPER: "paper"}
+_LABELLING_FIRST = (Variant.MEGATRON_MAIN, Variant.MEGATRON_DEV)
+ALL_VARIANTS = (*_LABELLING_FIRST, *(v for v in Variant if v not in _LABELLING_FIRST))
+"""Every variant, in the order `record_all` records them: a launch two variants share keeps the first one's tag
+in its id (main's, then dev's), so the shipped ids stay put as variants are added."""
 _ROLE = {
     "mapping_fwd_partial_kernel": "partial",
     "mapping_fwd_epilogue_kernel": "epilogue",
@@ -82,7 +85,7 @@ def _mapping_leaves(t: int, n: int, c: int, act: torch.dtype, pdt: torch.dtype) 
 
 def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, ...],
                acts: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
-               variants: tuple[Variant, ...] = (Variant.MEGATRON_MAIN, Variant.MEGATRON_DEV, Variant.PAPER)) -> None:
+               variants: tuple[Variant, ...] = ALL_VARIANTS) -> None:
     """Every op forward and backward through `rec` at `[t, n, c]` for each `n`, `c` and activation
     dtype, each of `variants` (default all), parameter dtype and bias / no bias (launch labels
     `op|tag|direction`)."""
@@ -93,7 +96,7 @@ def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, 
             for variant in variants:
                 spec = get_variant(variant)
                 coef = act if spec.coefficients_in_activation_dtype else torch.float32
-                tag = f"n{n}-{_DTYPE_NAMES[act]}-{_VARIANT_NAMES[variant]}{c_tag}"
+                tag = f"n{n}-{_DTYPE_NAMES[act]}-{variant.tag}{c_tag}"
                 param_dtypes = [torch.float32]
                 if not spec.params_fp32 and act != torch.float32:
                     param_dtypes.append(act)  # Float16Module casts main's params to bf16 (mhc_core.precision)

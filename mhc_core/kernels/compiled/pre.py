@@ -50,18 +50,18 @@ __all__ = ["pre"]
 
 
 def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pre_eps: float, norm_eps: float,
-         eps_inside: bool, start: str, guard: str, iterations: int, s_eps: float):
+         eps_inside: bool, start: str, order: str, guard: str, iterations: int, s_eps: float):
     h_pre, h_post, logits, proj, rms = _mapping_fwd(x, weight, a_pre, a_post, a_res, bias, n, compute, out_dtype,
                                                     h_pre_eps, norm_eps, eps_inside)
     z = logits.to(acc_dtype(logits.dtype))
-    h_res = _sinkhorn_fwd(z, start, guard, iterations, s_eps).to(logits.dtype)
+    h_res = _sinkhorn_fwd(z, start, order, guard, iterations, s_eps).to(logits.dtype)
     t, k = x.shape
     aggregate = _aggregate_fwd(x.view(t, n, k // n), h_pre)
     return aggregate, h_pre, h_post, h_res, proj, rms
 
 
 def _epilogue(proj, rms, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, eps_outside: float, start: str,
-              guard: str, iterations: int, s_eps: float):
+              order: str, guard: str, iterations: int, s_eps: float):
     """h_post and h_res from the native forward's `proj [T, N]` and `rms [T, 1]` (the gates as `_fwd` computes them)."""
     acc = acc_dtype(compute)
     t = proj.shape[0]
@@ -69,7 +69,7 @@ def _epilogue(proj, rms, a_pre, a_post, a_res, bias, n: int, compute, out_dtype,
     h = (1.0 / (rms + eps_outside)) * proj.to(acc) * alpha + bias.to(compute).to(acc)
     h_post = (2.0 * torch.sigmoid(h[:, n : 2 * n])).to(out_dtype)
     logits = h[:, 2 * n :].reshape(t, n, n).to(out_dtype)
-    h_res = _sinkhorn_fwd(logits.to(acc_dtype(logits.dtype)), start, guard, iterations, s_eps).to(logits.dtype)
+    h_res = _sinkhorn_fwd(logits.to(acc_dtype(logits.dtype)), start, order, guard, iterations, s_eps).to(logits.dtype)
     return h_post, h_res
 
 
@@ -82,7 +82,8 @@ def _native_passes(x: torch.Tensor, compute: torch.dtype, n: int) -> tuple[bool,
 
 
 def _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, rms, n: int, k: int, compute,
-               out_dtype, h_pre_eps: float, eps_outside: float, start: str, guard: str, iterations: int, s_eps: float):
+               out_dtype, h_pre_eps: float, eps_outside: float, start: str, order: str, guard: str, iterations: int,
+               s_eps: float):
     """The backward up to the gradient of the projection: from `g_h_agg [T, n]`, the aggregate's gradient of h_pre,
     and the coefficients' gradients, `g_proj [T, N]`, `coef [T, 1]` (the RMS term of the gradient of x), h_pre
     `[T, n]` as the forward used it, and the gradients of alpha_pre, alpha_post, alpha_res and bias."""
@@ -97,7 +98,7 @@ def _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, 
     h_pre = (s_pre + h_pre_eps).to(out_dtype)
     logits = h[:, 2 * n :].reshape(t, n, n).to(out_dtype)
     s_acc = acc_dtype(logits.dtype)
-    g_logits = _sinkhorn_bwd(logits.to(s_acc), g_res.to(logits.dtype).to(s_acc), start, guard, iterations, s_eps)
+    g_logits = _sinkhorn_bwd(logits.to(s_acc), g_res.to(logits.dtype).to(s_acc), start, order, guard, iterations, s_eps)
     g_pre_total = g_pre.to(acc) + g_h_agg.to(acc)  # [T, n]
     gh = torch.cat(
         [
@@ -112,7 +113,7 @@ def _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, 
 
 
 def _bwd(g_agg, g_pre, g_post, g_res, x, weight, a_pre, a_post, a_res, bias, proj, rms, n: int, compute, out_dtype,
-         h_pre_eps: float, eps_outside: float, start: str, guard: str, iterations: int, s_eps: float,
+         h_pre_eps: float, eps_outside: float, start: str, order: str, guard: str, iterations: int, s_eps: float,
          need_x: bool, need_w: bool):
     acc = acc_dtype(compute)
     t, k = x.shape
@@ -122,8 +123,8 @@ def _bwd(g_agg, g_pre, g_post, g_res, x, weight, a_pre, a_post, a_res, bias, pro
     g_aggf = g_agg.to(a_acc)
     g_h_agg = (g_aggf[:, None, :] * xs).sum(-1)  # [T, n]
     g_proj, coef, h_pre, g_params = _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, rms,
-                                               n, k, compute, out_dtype, h_pre_eps, eps_outside, start, guard,
-                                               iterations, s_eps)
+                                               n, k, compute, out_dtype, h_pre_eps, eps_outside, start, order,
+                                               guard, iterations, s_eps)
     g_x = g_w = None
     if need_x:
         # One pointwise pass after the GEMM adds c * x and h_pre (x) g_agg to its product, read as [T, n, C] (the
@@ -163,7 +164,7 @@ class _Pre(torch.autograd.Function):
         norm_eps = effective_norm_eps(spec, norm_eps, compute)
         out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
         params = (weight, a_pre, a_post, a_res, bias)
-        sink = (spec.sinkhorn_start, spec.sinkhorn_guard, iterations, spec.sinkhorn_eps)
+        sink = (*spec.sinkhorn_form, iterations, spec.sinkhorn_eps)
         key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps,
                spec.norm_eps_placement, *sink, x.device.type)
         eps_outside = 0.0 if spec.norm_eps_inside else norm_eps

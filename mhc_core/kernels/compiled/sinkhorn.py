@@ -23,7 +23,7 @@ import torch
 
 from mhc_core import ops
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops.sinkhorn import check_sinkhorn_args
+from mhc_core.ops.sinkhorn import check_sinkhorn_args, normalisation_dims
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["sinkhorn"]
@@ -40,15 +40,6 @@ def _divide(m, dim: int, guard: str, eps: float):
     return m / d, d, s
 
 
-def _steps(start: str, iterations: int) -> list[int]:
-    """The normalisation dims in forward order (after the start)."""
-    if start == "exp":
-        return [-2, -1] * iterations
-    if start == "exp_rowmax":
-        return [-1, -2] * iterations
-    return [-2] + [-1, -2] * (iterations - 1)
-
-
 def _tokens_last(t):
     """`[T, n, n]` -> `[n, n, T]`, contiguous: the log-domain steps' exp and log then run in vector lanes over
     the tokens (with `n` innermost, Inductor's C++ code evaluated them lane by lane: `paper`'s forward took
@@ -56,23 +47,23 @@ def _tokens_last(t):
     return t.permute(1, 2, 0).contiguous()
 
 
-def _fwd(z, start: str, guard: str, iterations: int, eps: float):
+def _fwd(z, start: str, order: str, guard: str, iterations: int, eps: float):
     if start == "exp":  # log domain, on [n, n, T]: dims -2 / -1 of [T, n, n] are 0 / 1
         log_m = _tokens_last(z)
-        for dim in _steps(start, iterations):
+        for dim in normalisation_dims(start, order, iterations):
             log_m = log_m - torch.logsumexp(log_m, dim=dim + 2, keepdim=True)
         return torch.exp(log_m).permute(2, 0, 1)
     if start == "exp_rowmax":
         m = torch.exp(z - z.amax(dim=-1, keepdim=True))
     else:
         m = torch.softmax(z, dim=-1) + eps
-    for dim in _steps(start, iterations):
+    for dim in normalisation_dims(start, order, iterations):
         m, _, _ = _divide(m, dim, guard, eps)
     return m
 
 
-def _bwd(z, g, start: str, guard: str, iterations: int, eps: float):
-    dims = _steps(start, iterations)
+def _bwd(z, g, start: str, order: str, guard: str, iterations: int, eps: float):
+    dims = normalisation_dims(start, order, iterations)
     if start == "exp":  # log domain, on [n, n, T] (`_tokens_last`)
         logs = []
         log_m = _tokens_last(z)
@@ -99,12 +90,16 @@ def _bwd(z, g, start: str, guard: str, iterations: int, eps: float):
             inner = torch.where(s >= eps, inner, torch.zeros_like(inner))
         g = (g - inner) / d
     if start == "exp_rowmax":
-        return g * m0
+        g = g * m0
+        if dims[0] == -1:  # a first row step cancels the rowmax: no gradient through it
+            return g
+        top = (z == z.amax(dim=-1, keepdim=True)).to(g.dtype)  # amax's gradient: split among the row's maxima
+        return g - top / top.sum(-1, keepdim=True) * g.sum(-1, keepdim=True)
     return p * (g - (g * p).sum(-1, keepdim=True))
 
 
 def _key(z: torch.Tensor, spec: VariantSpec, iterations: int, eps: float):
-    return (z.dtype, spec.sinkhorn_start, spec.sinkhorn_guard, iterations, eps, z.shape[-1], z.device.type)
+    return (z.dtype, *spec.sinkhorn_form, iterations, eps, z.shape[-1], z.device.type)
 
 
 class _Sinkhorn(torch.autograd.Function):
@@ -113,7 +108,7 @@ class _Sinkhorn(torch.autograd.Function):
         ctx.iterations, ctx.eps, ctx.spec = iterations, eps, spec
         ctx.save_for_backward(z)
         fwd = compile_for(_fwd, _key(z, spec, iterations, eps))
-        return fwd(mark_dynamic(z, 0), spec.sinkhorn_start, spec.sinkhorn_guard, iterations, eps)
+        return fwd(mark_dynamic(z, 0), *spec.sinkhorn_form, iterations, eps)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -122,7 +117,7 @@ class _Sinkhorn(torch.autograd.Function):
         spec = ctx.spec
         bwd = compile_for(_bwd, _key(z, spec, ctx.iterations, ctx.eps))
         z, g = mark_dynamic(z, 0), mark_dynamic(g.contiguous(), 0)
-        return bwd(z, g, spec.sinkhorn_start, spec.sinkhorn_guard, ctx.iterations, ctx.eps), None, None, None
+        return bwd(z, g, *spec.sinkhorn_form, ctx.iterations, ctx.eps), None, None, None
 
 
 def sinkhorn(

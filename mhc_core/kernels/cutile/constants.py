@@ -1,7 +1,8 @@
 """What the kernels and their launch wrappers share, without any import (so `cuda.tile` is not needed
 to read them, and a kernel module's compiled bytecode depends on nothing else of the package): the
-variant codes (the Sinkhorn kernels' `VARIANT` constant), the number of normalisation pairs each
-variant runs, and the tensor-core precision codes (the `MMA` constant of the mapping and stream
+Sinkhorn form codes (the Sinkhorn kernels' `VARIANT` constant: one per form of start, order and guard,
+named after the variant that introduced it; `runtime.SINKHORN_FORM_CODE` maps a variant's form to its code),
+the number of normalisation pairs each form runs, and the tensor-core precision codes (the `MMA` constant of the mapping and stream
 kernels)."""
 
 from __future__ import annotations

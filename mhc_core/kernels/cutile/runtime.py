@@ -23,12 +23,13 @@ import torch
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.constants import DEV, MAIN, PAPER
-from mhc_core.variants import Variant
+from mhc_core.variants import VariantSpec
 
 __all__ = [
     "KERNEL_MODULES",
     "SUPPORTED_DTYPES",
-    "VARIANT_CODE",
+    "SINKHORN_FORM_CODE",
+    "sinkhorn_code",
     "CuTileRuntime",
     "cdiv",
     "kernel_module",
@@ -124,8 +125,22 @@ class CuTileRuntime:
 
 # --- what every launch wrapper shares -------------------------------------------------------------------
 
-VARIANT_CODE = {Variant.PAPER: PAPER, Variant.MEGATRON_MAIN: MAIN, Variant.MEGATRON_DEV: DEV}
-"""The `VARIANT` constant of the Sinkhorn kernels."""
+SINKHORN_FORM_CODE = {("exp", "col_row", "none"): PAPER, ("exp_rowmax", "row_col", "clamp"): MAIN,
+                      ("softmax_eps", "row_col", "add"): DEV}
+"""The `VARIANT` constant of the Sinkhorn kernels per Sinkhorn form (`VariantSpec.sinkhorn_form`: start, order,
+guard), each code named after the variant that introduced its form: a variant with one of these forms runs on
+the kernels as they are; a new form is a new kernel branch."""
+
+
+def sinkhorn_code(spec: VariantSpec) -> int:
+    """The Sinkhorn kernels' `VARIANT` constant for `spec`; `NotImplementedError` naming the form when no kernel
+    computes it."""
+    try:
+        return SINKHORN_FORM_CODE[spec.sinkhorn_form]
+    except KeyError:
+        raise NotImplementedError(
+            f"cutile sinkhorn: no kernel computes the Sinkhorn form (start, order, guard) = {spec.sinkhorn_form} of "
+            f"{spec.variant.value}; the kernels compute {sorted(SINKHORN_FORM_CODE)}") from None
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 

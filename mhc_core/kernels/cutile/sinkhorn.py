@@ -15,7 +15,7 @@ import torch
 
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.constants import num_pairs
-from mhc_core.kernels.cutile.runtime import VARIANT_CODE, cdiv, require_device, require_dtypes, require_n
+from mhc_core.kernels.cutile.runtime import cdiv, require_device, require_dtypes, require_n, sinkhorn_code
 from mhc_core.ops.sinkhorn import check_sinkhorn_args
 from mhc_core.variants import Variant, get_variant
 
@@ -66,4 +66,4 @@ def sinkhorn(rt: Callable[[], Any], logits, iterations=20, eps=None, variant=Var
     require_dtypes(op, logits=logits)
     runtime = rt()
     require_device(runtime, op, logits=logits)
-    return _SinkhornFn.apply(logits, iterations, eps, VARIANT_CODE[spec.variant], runtime)
+    return _SinkhornFn.apply(logits, iterations, eps, sinkhorn_code(spec), runtime)

@@ -83,3 +83,21 @@ def test_sinkhorn_default_iterations(backend):
         eps=None,
         variant=case.variant,
     )
+
+
+def test_compiled_sinkhorn_of_a_new_form_matches_reference():
+    """A Sinkhorn form no variant has (main's start, the paper's order, dev's guard; the unit suite's
+    `test_variant_table.py`) runs on the compiled backend from the table's fields: output and d(logits) match
+    the reference, the rowmax's gradient included (a first column step does not cancel it)."""
+    import dataclasses
+
+    from mhc_core.variants import VARIANTS
+
+    ok, why = dispatch.availability("compiled", "cpu")
+    if not ok:
+        pytest.skip(why)
+    spec = dataclasses.replace(VARIANTS[Variant.MEGATRON_MAIN], sinkhorn_order="col_row", sinkhorn_guard="add",
+                               exact_sums="rows")
+    case = Case(tokens=48, n=4, dtype=FP32)
+    check_parity("sinkhorn[compiled, new form]", ops.sinkhorn, dispatch.get_impl("sinkhorn", "compiled"),
+                 {"logits": _logits(case, "cpu")}, ["logits"], FP32, iterations=ITERATIONS, eps=None, variant=spec)

@@ -23,7 +23,7 @@ from mhc_core.testing import assert_close, assert_cosine, tolerance
 from mhc_core.variants import Variant, get_variant
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-VARIANT_NAMES = {Variant.PAPER: "paper", Variant.MEGATRON_MAIN: "main", Variant.MEGATRON_DEV: "dev"}
+VARIANT_NAMES = {v: v.tag for v in Variant}
 
 
 def _run(fn: Callable, inputs: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor] | None):
