@@ -2,7 +2,9 @@
 
 Layout as Megatron-LM's trainer writes it: `<dir>/iter_0000010/` (torch_dist format:
 `*.distcp`, `common.pt`, `metadata.json`) and `<dir>/latest_checkpointed_iteration.txt`.
-The state: the model's `sharded_state_dict()`, the optimizer's `sharded_state_dict(model_sd)`,
+The state: the model's `sharded_state_dict(metadata=...)`, the optimizer's `sharded_state_dict(model_sd,
+metadata=...)` with the content metadata Megatron-LM's trainer passes (`_metadata`: GPT with MTP on a stage
+without the embedding ties the embedding copy over the data-parallel group it names),
 the lr scheduler and the iteration (common, written by rank 0), and every rank's RNG states as
 a `ShardedObject` over (PP, TP) with the DP rank as replica id (as `megatron.training` does).
 """
@@ -58,14 +60,25 @@ def _set_rng_state(states: list[dict[str, Any]]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
+def _metadata() -> dict[str, Any]:
+    """The sharded-state-dict content metadata `megatron.training.checkpointing` builds for a run without the
+    distributed optimizer (`_build_sharded_state_dict_metadata`): plain local shards, chained optimizers
+    without a prefix, and the data-parallel (with context-parallel) group."""
+    from megatron.core import parallel_state as ps
+
+    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+
+
 def _state(chunks: list[Any], optimizer: Any, scheduler: Any, iteration: int, *, is_loading: bool) -> dict[str, Any]:
     model_sd: dict[str, Any] = {}
     state: dict[str, Any] = {}
+    metadata = _metadata()
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
-        state[key] = chunk.module.sharded_state_dict()
+        state[key] = chunk.module.sharded_state_dict(metadata=metadata)
         model_sd.update(state[key])
-    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     state["opt_param_scheduler"] = scheduler.state_dict()
     state["iteration"] = iteration
     state["rng_state"] = _rng_state()

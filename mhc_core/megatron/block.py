@@ -121,6 +121,22 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
                 self._contract_before_final_layernorm
             )
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """The stock block's sharded state dict plus the block's own parameters (the learned exit's `hc_head_*`):
+        released megatron-core's block saves its children only, so a checkpoint lost them and the optimizer
+        found parameters it could not map (upstream dev's block saves them the same way)."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        local: dict[str, Any] = {}
+        self._save_to_state_dict(local, "", keep_vars=True)
+        if local:
+            from megatron.core import parallel_state as ps
+            from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+            dp_cp = (metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(with_context_parallel=True)
+            out.update(make_sharded_tensors_for_checkpoint(local, prefix, sharded_offsets=sharded_offsets,
+                                                           tp_group=getattr(self, "tp_group", None), dp_cp_group=dp_cp))
+        return out
+
     def _plan_mhc_recompute(self, config: Any) -> None:
         """Group this chunk's layers for mHC recompute: `mhc_recompute_layer_num` per group (None:
         all), the chunk's last layer always ends a group (`mhc_core.recompute`)."""

@@ -118,12 +118,17 @@ def test_mhc_parameter_shapes(make_config, build_gpt, dims):
         assert all(getattr(hc, a).shape == (1,) for a in ("alpha_pre", "alpha_post", "alpha_res"))
 
 
-def test_sharded_state_dict_holds_the_mhc_parameters(make_config, build_gpt):
-    """megatron's sharded_state_dict (distributed checkpointing) includes every mHC parameter."""
-    model = build_gpt(make_config(n=2))
-    sharded = {k for k in model.sharded_state_dict() if "hyper_connection" in k}
-    plain = {k for k in model.state_dict() if "hyper_connection" in k}
-    assert sharded == plain
+@pytest.mark.parametrize("exit_", ["mean", "learned"])
+def test_sharded_state_dict_holds_every_parameter(make_config, build_gpt, exit_):
+    """megatron's sharded_state_dict (distributed checkpointing) includes every parameter, the mHC ones and the
+    learned exit's `decoder.hc_head_*` (which released megatron-core's block leaves out of its own)."""
+    learned = {"mhc_variant": "megatron_dev", "mhc_learned_contraction": True} if exit_ == "learned" else {}
+    model = build_gpt(make_config(n=2, **learned))
+    sharded = set(model.sharded_state_dict())
+    params = {name for name, _ in model.named_parameters()}
+    assert params <= sharded, sorted(params - sharded)
+    assert {k for k in sharded if "hyper_connection" in k} == {k for k in model.state_dict() if "hyper_connection" in k}
+    assert ("decoder.hc_head_fn" in sharded) == (exit_ == "learned")
 
 
 def _assert_same_state(ours, stock) -> None:
