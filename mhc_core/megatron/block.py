@@ -124,7 +124,14 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
         """The stock block's sharded state dict plus the block's own parameters (the learned exit's `hc_head_*`):
         released megatron-core's block saves its children only, so a checkpoint lost them and the optimizer
-        found parameters it could not map (upstream dev's block saves them the same way)."""
+        found parameters it could not map (upstream dev's block saves them the same way). A hybrid stack's layers
+        differ in kind (attention, MLP, MoE), so their tensors are keyed per layer (`non_homogeneous_layers`, as
+        megatron-core does for heterogeneous specs): one tensor stacked over all layers would miss the layers of
+        the other kinds."""
+        from mhc_core.megatron.hybrid import HyperConnectionHybridLayer
+
+        if any(isinstance(layer, HyperConnectionHybridLayer) for layer in self.layers):
+            metadata = {**(metadata or {}), "non_homogeneous_layers": True}
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         local: dict[str, Any] = {}
         self._save_to_state_dict(local, "", keep_vars=True)

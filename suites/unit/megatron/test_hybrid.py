@@ -83,6 +83,19 @@ def test_keys_are_devs(make_config):
     assert not [k for k in sd if "self_attention_hyper_connection" in k or "mlp_hyper_connection" in k]
 
 
+def test_the_sharded_state_dict_keys_every_parameter_per_layer(make_config):
+    """Distributed checkpointing sees every parameter under its layer's own key (the layers differ in kind, so no
+    tensor is stacked over all of them), the learned exit's `hc_head_*` included."""
+    model = _model(make_config, mhc_variant="megatron_dev", mhc_learned_contraction=True)
+    sharded = model.sharded_state_dict()
+    params = {name for name, _ in model.named_parameters()}
+    assert params <= set(sharded), sorted(params - set(sharded))
+    assert "decoder.layers.3.inner_layer.mlp.router.weight" in sharded and "decoder.hc_head_fn" in sharded
+    stacked = [f"{name} -> {t.key}" for name, t in sharded.items() if name.startswith("decoder.layers.")
+               and hasattr(t, "key") and not t.key.startswith("decoder.layers." + name.split(".")[2] + ".")]
+    assert not stacked, stacked[:5]
+
+
 @pytest.mark.parametrize("index", [0, 1, 3], ids=["attention", "mlp", "moe"])
 def test_a_single_branch_layer_feeds_its_raw_branch_output(make_config, batch, index):
     """The layer's output is the hyper connection's update of the branch's raw output (no residual added first),
