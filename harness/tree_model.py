@@ -68,10 +68,15 @@ def tree_chunks(flavor: str, config: Any, *, vpp: int | None, **model_kwargs: An
     """The model chunks of this rank (one per virtual stage), each a tree `GPTModel`: MoE MLPs where
     `config.num_moe_experts` is set, and with `config.mtp_num_layers` the MTP block of the tree's own
     `get_gpt_mtp_block_spec` on the stage that holds it; `model_kwargs` go to `GPTModel` (`vocab_size`,
-    `max_sequence_length`, `share_embeddings_and_output_weights`, `position_embedding_type`)."""
+    `max_sequence_length`, `share_embeddings_and_output_weights`, `position_embedding_type`). Under
+    `config.sequence_parallel` the local spec's norms, which refuse it, are the same torch norms taking it
+    (`mhc_core.megatron.norms`; TE's and apex's norms, which take it, are not installed here)."""
     from megatron.core.models.gpt import GPTModel
 
+    from mhc_core.megatron.norms import sequence_parallel_block_spec, with_sequence_parallel_norms
+
     spec = layer_spec(flavor, num_experts=getattr(config, "num_moe_experts", None))
+    sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def build(vp_stage: int | None, **stage: Any) -> Any:
         mtp: dict[str, Any] = {}
@@ -80,7 +85,12 @@ def tree_chunks(flavor: str, config: Any, *, vpp: int | None, **model_kwargs: An
 
             mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
                                                            vp_stage=vp_stage)
-        return GPTModel(config, spec, vp_stage=vp_stage, **stage, **mtp, **model_kwargs)
+        block: Any = spec
+        if sequence_parallel:  # the local spec's torch norms refuse it: the same norms, taking it (a CPU workaround)
+            block = sequence_parallel_block_spec(config, spec, vp_stage=vp_stage)
+            if mtp.get("mtp_block_spec") is not None:
+                mtp["mtp_block_spec"] = with_sequence_parallel_norms(mtp["mtp_block_spec"])
+        return GPTModel(config, block, vp_stage=vp_stage, **stage, **mtp, **model_kwargs)
 
     return _chunks(vpp, build)
 

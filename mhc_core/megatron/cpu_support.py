@@ -20,6 +20,7 @@ around a block. Nothing happens at import, and on a machine where `torch.cuda.is
 | `dist_ckpt` | `dist_checkpointing.save` (torch_dist) calls `torch.cuda.synchronize()` after staging the tensors (`...strategies.filesystem_async`) and reduces / broadcasts its flags on the CUDA device (`...strategies.state_dict_saver`) | same shim in both modules |
 | `moe` | the MoE router and its aux-loss tracking call `torch.cuda.current_device()`, the alltoall dispatcher creates a `torch.cuda.Stream`, the expert-parallel gathers allocate on the CUDA device; 0.16.1 without TE reads an undefined `te_general_gemm` in the router; the alltoall's split sizes stay tensors | the shim in the router, `moe_utils`, the token dispatcher and `tensor_parallel.mappings`; `te_general_gemm = None`; split sizes leave as numpy arrays |
 | `mtp` | the MTP loss tracker (`MTPLossLoggingHelper.save_loss_to_tracker`) allocates on `torch.cuda.current_device()`; with pipeline stages the MTP stage's `LanguageModule.setup_embeddings_and_output_layer` calls `.cuda()` on the embedding weight it all-reduces | the shim in `megatron.core.transformer.multi_token_prediction`; `Tensor.cuda` is the identity during that one method |
+| `sequence_parallel` | under sequence parallelism the tensor-parallel linears' backward (`LinearWithGradAccumulationAndAsyncCommunication`) allocates its reduce-scatter output on `torch.cuda.current_device()` | the shim in `megatron.core.tensor_parallel.layers` |
 | `nvtx` | upstream Megatron-LM's mHC ops (`hyper_connection.py` on main and dev) open profiling ranges with `torch.cuda.nvtx.range` / `nvtx_decorator`; torch's CPU wheel has no NVTX and raises `RuntimeError: NVTX functions not installed` | where torch has no NVTX (`torch.cuda.nvtx._nvtx` is torch's stub), the ranges are no-ops; a build with NVTX is left alone |
 
 The "shim" replaces the module-global name `torch` in that one megatron-core module by a thin
@@ -477,6 +478,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "the MTP loss tracker allocates on torch.cuda.current_device(); with pipeline stages, "
         "LanguageModule.setup_embeddings_and_output_layer calls .cuda() on the embedding weight it all-reduces",
         _patch_mtp,
+    ),
+    Workaround(
+        "sequence_parallel",
+        "under sequence parallelism the tensor-parallel linears' backward allocates on torch.cuda.current_device()",
+        lambda: _shim_module("megatron.core.tensor_parallel.layers"),
     ),
     Workaround(
         "nvtx",

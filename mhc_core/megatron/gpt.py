@@ -13,6 +13,7 @@ from mhc_core.megatron.block import HyperConnectionTransformerBlock
 from mhc_core.megatron.compat import gpt_model_classes
 from mhc_core.megatron.layer import HyperConnectionTransformerLayer
 from mhc_core.megatron.mtp import HyperConnectionMTPBlock, get_gpt_mtp_block_spec
+from mhc_core.megatron.norms import sequence_parallel_block_spec, with_sequence_parallel_norms
 from mhc_core.megatron.specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
 
 __all__ = ["MHCGPTModel", "build_gpt_model"]
@@ -65,8 +66,9 @@ def build_gpt_model(
 
     Args:
         config: a `TransformerConfig` (an `MHCTransformerConfig` for mHC).
-        spec: `"local"` (megatron-core modules), `"te"` (Transformer Engine), or a layer
-            `ModuleSpec`, which must match the flag (an mHC layer spec exactly when mHC is on).
+        spec: `"local"` (megatron-core modules; under `config.sequence_parallel` with torch norms that take it,
+            `mhc_core.megatron.norms`), `"te"` (Transformer Engine), or a layer `ModuleSpec`, which must match
+            the flag (an mHC layer spec exactly when mHC is on).
         **kwargs: passed to the model constructor (`position_embedding_type`,
             `share_embeddings_and_output_weights`, `parallel_output`, ...). With `config.mtp_num_layers`
             and no `mtp_block_spec`, this stage's MTP block spec is built from the layer spec
@@ -113,9 +115,15 @@ def build_gpt_model(
     if getattr(config, "mtp_num_layers", None) and "mtp_block_spec" not in kwargs:
         kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=spec == "te",
                                                           vp_stage=vp_stage)
+    block_spec: Any = layer_spec
+    if spec == "local" and getattr(config, "sequence_parallel", False):
+        # megatron-core's local norms refuse sequence parallelism: torch norms that take it (mhc_core.megatron.norms)
+        block_spec = sequence_parallel_block_spec(config, layer_spec, vp_stage=vp_stage)
+        if kwargs.get("mtp_block_spec") is not None:
+            kwargs["mtp_block_spec"] = with_sequence_parallel_norms(kwargs["mtp_block_spec"])
     return model_cls(
         config=config,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=block_spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

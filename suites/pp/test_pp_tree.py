@@ -62,6 +62,8 @@ CASES = [
     # EP 2's data parallelism reorders the microbatch sums; dev's learned-exit gradient hc_head_fn (|g| ~1e-5,
     # cancellation-dominated) moves most: measured 1.3e-5 against the tree's single process.
     TreeCase(name="ep2-moe", nproc=2, args=("--ep", "2", "--moe", "alltoall"), model="moe", rtol=2e-5),
+    TreeCase(name="tp2-pp2-sp-moe", nproc=4, args=("--tp", "2", "--pp", "2", "--sp", "--moe", "alltoall"), model="moe",
+             rtol=2e-5),
     TreeCase(name="pp2-mtp", nproc=2, args=("--pp", "2", "--mtp", "2"), model="mtp", rtol=1e-5),
     TreeCase(name="pp2-vpp2-mtp", nproc=2, args=("--pp", "2", "--vpp", "2", "--mtp", "2"), model="mtp", rtol=1e-5,
              vpp=True),
