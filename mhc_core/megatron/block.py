@@ -109,9 +109,6 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
                     "(build the spec with enable_mhc=True) or HyperConnectionHybridLayer (mhc_core.megatron.hybrid)"
                 )
         if getattr(config, "mhc_recompute", False):
-            if any(isinstance(layer, HyperConnectionHybridLayer) for layer in self.layers):
-                raise NotImplementedError("HyperConnectionTransformerBlock: mHC recompute ('mhc' in recompute_modules) "
-                                          "is not implemented for hybrid layers (mhc_core.megatron.hybrid)")
             self._plan_mhc_recompute(config)
         self.learned_contraction = bool(getattr(config, "mhc_learned_contraction", False))
         if self.post_process and self.learned_contraction:

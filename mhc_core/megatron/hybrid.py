@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
+from mhc_core.megatron.layer import RecomputeMember
 from mhc_core.module import HyperConnectionModule
 
 __all__ = ["HyperConnectionHybridLayer", "HybridLayerSubmodules", "gpt_key", "hybrid_block_spec", "hybrid_key",
@@ -90,7 +91,7 @@ class HybridLayerSubmodules:
     inner_layer: ModuleSpec | type = IdentityOp
 
 
-class HyperConnectionHybridLayer(MegatronModule):
+class HyperConnectionHybridLayer(RecomputeMember, MegatronModule):
     """One hyper connection around one hybrid layer: `[s, b, n*C]` in and out.
 
     Built by `TransformerBlock` like a layer (`config`, `submodules`, `layer_number`, ...); `forward` takes the
@@ -126,7 +127,11 @@ class HyperConnectionHybridLayer(MegatronModule):
         return out[0], out[1]
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
-        """`hidden_states [s, b, n*C]` -> `([s, b, n*C], context)`."""
+        """`hidden_states [s, b, n*C]` -> `([s, b, n*C], context)`; with mHC recompute on, inside this layer's
+        recompute group (`RecomputeMember`, the rule GPT's layer follows)."""
+        return self._in_recompute_group(hidden_states, lambda: self._forward(hidden_states, *args, **kwargs))
+
+    def _forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         hc = self.hyper_connection
         aggregated, h_res, h_post, residual = hc(hidden_states)
         context = kwargs.get("context")
@@ -139,7 +144,7 @@ class HyperConnectionHybridLayer(MegatronModule):
         if y.shape != aggregated.shape:
             raise RuntimeError(f"HyperConnectionHybridLayer {self.layer_number}: the branch output "
                                f"{list(y.shape)} is not the shape of its input {list(aggregated.shape)}")
-        return hc.post_residual_bda(h_res, residual, h_post, (y, bias), dropout, self.training), context
+        return self._mix(hc, h_res, residual, h_post, (y, bias), dropout), context
 
 
 def _layer_spec(symbol: str, *, num_experts: int | None, normalization: str) -> ModuleSpec:

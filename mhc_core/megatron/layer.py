@@ -32,8 +32,8 @@ from torch import Tensor
 from mhc_core.megatron.compat import checkpoint_without_output
 from mhc_core.recompute import StreamRecompute
 
-__all__ = ["HyperConnectionTransformerLayer", "HyperConnectionTransformerLayerSubmodules", "RecomputePlan",
-           "RecomputeSlot"]
+__all__ = ["HyperConnectionTransformerLayer", "HyperConnectionTransformerLayerSubmodules", "RecomputeMember",
+           "RecomputePlan", "RecomputeSlot"]
 
 _HC_SLOTS = ("self_attention_hyper_connection", "cross_attention_hyper_connection", "mlp_hyper_connection")
 
@@ -70,6 +70,55 @@ class RecomputePlan:
     slot: RecomputeSlot
 
 
+class RecomputeMember:
+    """A layer with mHC recompute: its forward runs inside its chunk's recompute group and its n-stream mixes are
+    the group's steps. The rule every mHC layer kind shares (GPT's `HyperConnectionTransformerLayer`, the hybrid
+    stack's `HyperConnectionHybridLayer`); the block plans the groups (`RecomputePlan`)."""
+
+    config: Any
+    training: bool
+    mhc_recompute_plan: RecomputePlan | None = None
+    """Set by `HyperConnectionTransformerBlock` when `"mhc"` is in `recompute_modules`; a layer
+    used on its own with mHC recompute on is a group by itself."""
+    _mhc_group: StreamRecompute | None = None
+
+    def _in_recompute_group(self, hidden_states: Tensor, run: Any) -> Any:
+        """`run()` (the layer's forward on `hidden_states [s, b, n*C]`), inside this layer's recompute group when
+        mHC recompute is on and autograd records: the n-stream states the group produces are dropped from
+        autograd's saved tensors and rebuilt in backward (`mhc_core.recompute`); the group closes at the plan's
+        `end`, or when the forward raises."""
+        plan = self.mhc_recompute_plan
+        if plan is None and getattr(self.config, "mhc_recompute", False):
+            plan = RecomputePlan(start=True, end=True, slot=RecomputeSlot())
+        if plan is None or not torch.is_grad_enabled():
+            return run()
+        group = plan.slot.group
+        if plan.start or group is None or not group.continues_from(hidden_states):
+            if group is not None:
+                group.close()  # a group that should have ended: let go of its states
+            group = plan.slot.group = StreamRecompute(hidden_states)
+        self._mhc_group = group
+        ended = plan.end
+        try:
+            with group.saving():
+                return run()
+        except BaseException:
+            ended = True  # a failed forward leaves no open group holding its states
+            raise
+        finally:
+            self._mhc_group = None
+            if ended:
+                group.close()
+                plan.slot.group = None
+
+    def _mix(self, hc: Any, h_res: Tensor, residual: Tensor, h_post: Tensor,
+             output_with_bias: tuple[Tensor, Tensor | None], dropout: float) -> Tensor:
+        """`hc.post_residual_bda` with hidden dropout `dropout`, as a recompute step when a group is open."""
+        if self._mhc_group is None:
+            return hc.post_residual_bda(h_res, residual, h_post, output_with_bias, dropout, self.training)
+        return self._mhc_group.post_residual_bda(hc, h_res, residual, h_post, output_with_bias, dropout, self.training)
+
+
 class _Streams(NamedTuple):
     """What a sublayer's post/residual mix needs besides the sublayer output."""
 
@@ -96,7 +145,7 @@ def _check_norm_output(out: Any, name: str) -> Tensor:
     return out
 
 
-class HyperConnectionTransformerLayer(TransformerLayer):
+class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
     """`TransformerLayer` with mHC on the self-attention and MLP sublayers: `[s, b, n*C]` in and out.
 
     The MLP may be megatron-core's `MoELayer` (upstream dev's data flow): the MLP-side hyper connection
@@ -158,50 +207,16 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         """n."""
         return self.self_attention_hyper_connection.n
 
-    mhc_recompute_plan: RecomputePlan | None = None
-    """Set by `HyperConnectionTransformerBlock` when `"mhc"` is in `recompute_modules`; a layer
-    used on its own with mHC recompute on is a group by itself."""
-    _mhc_group: StreamRecompute | None = None
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The stock forward; with mHC recompute on, run inside this layer's recompute group.
-
-        The n-stream states the group produces are dropped from autograd's saved tensors and
-        rebuilt in backward (`mhc_core.recompute`); the group closes at the plan's `end`.
-        """
-        plan = self.mhc_recompute_plan
-        if plan is None and getattr(self.config, "mhc_recompute", False):
-            plan = RecomputePlan(start=True, end=True, slot=RecomputeSlot())
-        if plan is None or not torch.is_grad_enabled():
-            return super().forward(*args, **kwargs)
+        """The stock forward; with mHC recompute on, run inside this layer's recompute group (`RecomputeMember`)."""
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        group = plan.slot.group
-        if plan.start or group is None or not group.continues_from(hidden_states):
-            if group is not None:
-                group.close()  # a group that should have ended: let go of its states
-            group = plan.slot.group = StreamRecompute(hidden_states)
-        self._mhc_group = group
-        ended = plan.end
-        try:
-            with group.saving():
-                return super().forward(*args, **kwargs)
-        except BaseException:
-            ended = True  # a failed forward leaves no open group holding its states
-            raise
-        finally:
-            self._mhc_group = None
-            if ended:
-                group.close()
-                plan.slot.group = None
+        return self._in_recompute_group(hidden_states, lambda: super(HyperConnectionTransformerLayer, self).forward(
+            *args, **kwargs))
 
     def _post_bda(self, hc: Any, h_res: Tensor, residual: Tensor, h_post: Tensor,
                   output_with_bias: tuple[Tensor, Tensor | None]) -> Tensor:
         """`hc.post_residual_bda` with the layer's hidden dropout, as a recompute step when a group is open."""
-        if self._mhc_group is None:
-            return hc.post_residual_bda(h_res, residual, h_post, output_with_bias, self.hidden_dropout, self.training)
-        return self._mhc_group.post_residual_bda(
-            hc, h_res, residual, h_post, output_with_bias, self.hidden_dropout, self.training
-        )
+        return self._mix(hc, h_res, residual, h_post, output_with_bias, self.hidden_dropout)
 
     def _forward_attention(
         self,

@@ -125,9 +125,50 @@ def test_a_single_branch_layer_feeds_its_raw_branch_output(make_config, batch, i
     assert torch.equal(seen["out"], want), float((seen["out"] - want).abs().max())
 
 
-def test_mhc_recompute_is_refused(make_config):
-    with pytest.raises(NotImplementedError, match="mHC recompute .* not implemented for hybrid layers"):
-        _model(make_config, recompute_granularity="selective", recompute_modules=["mhc"])
+def _loss_and_grads(model: Any, batch: dict[str, torch.Tensor], seed: int = 11) -> tuple[Any, dict[str, Any]]:
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = _loss(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("per_group", [None, 1], ids=["chunk", "per-layer"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+def test_mhc_recompute_equals_the_plain_run(make_config, batch, per_group, dropout):
+    """With "mhc" recompute the hybrid stack's loss and every gradient equal the run without it, bitwise (dropout
+    masks replayed), and the n-stream states inside a group are not kept after forward (only its anchor)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from mhc_core.recompute import StreamRecompute
+
+    plain = _model(make_config, seed=1, hidden_dropout=dropout).train()
+    recomputed = _model(make_config, seed=1, hidden_dropout=dropout, recompute_granularity="selective",
+                        recompute_modules=["mhc"], mhc_recompute_layer_num=per_group).train()
+    recomputed.load_state_dict(plain.state_dict())
+    want_loss, want = _loss_and_grads(plain, batch)
+    made = []
+    original = StreamRecompute.post_residual_bda
+
+    def recording(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        made.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+    StreamRecompute.post_residual_bda = recording
+    try:
+        torch.manual_seed(11)
+        recomputed.zero_grad(set_to_none=True)
+        loss = _loss(recomputed, batch)
+        kept = [not r.expired() for r in made[:-1]]
+        loss.backward()
+    finally:
+        StreamRecompute.post_residual_bda = original
+    got = {n: p.grad for n, p in recomputed.named_parameters() if p.grad is not None}
+    assert len(made) == 4 and kept == ([False] * 3 if per_group is None else [True] * 3), kept
+    assert torch.equal(loss.detach(), want_loss) and got.keys() == want.keys()
+    different = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not different, different
 
 
 def test_the_stage_count_must_match_the_pipeline(make_config):
