@@ -4,7 +4,11 @@
 Legend: s sequence, b micro-batch, C hidden size, n residual streams.
 
 A pattern names one layer per symbol, as upstream's `hybrid_layer_allocation`: `*` attention, `-` MLP, `E` MoE;
-`|` is a pipeline stage boundary. Each layer is a `HyperConnectionHybridLayer` holding one
+`|` is a pipeline stage boundary; `/` starts the multi-token prediction depths, dev's unified form
+`<main>/<mtp>/<mtp>...` (one segment per depth, all alike): each depth is a `HyperConnectionMTPLayer`
+(`mhc_core.megatron.mtp`: `e_proj` / `h_proj`, its own contraction) whose inner layers are the depth's pattern
+as hybrid layers, run nested on the n streams without an expand of their own (`HybridLayerSequence`), on the
+last stage. Each layer is a `HyperConnectionHybridLayer` holding one
 `HyperConnectionModule` (`hyper_connection`) and the wrapped megatron-core `TransformerLayer` (`inner_layer`,
 with the other branch an `IdentityOp`): dev's keys, `decoder.layers.<i>.hyper_connection.*` and
 `decoder.layers.<i>.inner_layer.*`. Per layer, `x [s, b, n*C]`:
@@ -16,8 +20,8 @@ with the other branch an `IdentityOp`): dev's keys, `decoder.layers.<i>.hyper_co
 A layer holding both branches runs whole and feeds `layer_output - aggregated` (its own residual already
 added), with no further dropout, as dev does. The block boundary (expand, contract, the final norm, n*C wide
 pipeline hops) is the GPT one: `HyperConnectionTransformerBlock`. Symbols that need CUDA-only packages or
-Transformer Engine (`M` Mamba, `G` gated delta net, `D` DSA, `C` / `H` / `W` DeepSeek-V4 attention) and MTP
-(`/`) are refused with the reason.
+Transformer Engine (`M` Mamba, `G` gated delta net, `D` DSA, `C` / `H` / `W` DeepSeek-V4 attention) are refused
+with the reason.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
@@ -36,10 +41,11 @@ from torch import Tensor
 from mhc_core.megatron.layer import RecomputeMember
 from mhc_core.module import HyperConnectionModule
 
-__all__ = ["HyperConnectionHybridLayer", "HybridLayerSubmodules", "gpt_key", "hybrid_block_spec", "hybrid_key",
-           "hybrid_layout", "parse_pattern"]
+__all__ = ["HyperConnectionHybridLayer", "HybridLayerSequence", "HybridLayerSubmodules", "HybridSequenceSubmodules",
+           "gpt_key", "hybrid_block_spec", "hybrid_key", "hybrid_layout", "hybrid_mtp_block_spec", "parse_pattern",
+           "split_mtp"]
 
-ATTENTION, MLP, MOE, STAGE = "*", "-", "E", "|"
+ATTENTION, MLP, MOE, STAGE, MTP = "*", "-", "E", "|", "/"
 RUNS_HERE = (ATTENTION, MLP, MOE)
 NOT_HERE = {
     "M": "Mamba needs mamba_ssm's CUDA kernels",
@@ -48,27 +54,48 @@ NOT_HERE = {
     "C": "DeepSeek-V4's compressed attention needs Transformer Engine",
     "H": "DeepSeek-V4's hybrid attention needs Transformer Engine",
     "W": "DeepSeek-V4's windowed attention needs Transformer Engine",
-    "/": "MTP layers in a hybrid pattern are not built here yet (GPT's MTP is: mhc_core.megatron.mtp)",
 }
 """Symbols of upstream's patterns this stack refuses, and why."""
 
 
+def split_mtp(pattern: str) -> tuple[str, str | None, int]:
+    """dev's unified pattern `<main>/<mtp>/<mtp>...` -> `(main, the depths' pattern or None, the depth count)`.
+
+    Raises:
+        ValueError: an empty depth, depths that differ, or a stage boundary inside a depth, naming the pattern.
+    """
+    main, *depths = pattern.split(MTP)
+    if not depths:
+        return pattern, None, 0
+    if any(not d for d in depths):
+        raise ValueError(f"hybrid pattern {pattern!r}: an MTP depth after {MTP!r} holds no layer")
+    if len(set(depths)) != 1:
+        raise ValueError(f"hybrid pattern {pattern!r}: every MTP depth has the same layers (dev's form "
+                         f"<main>/<mtp>/<mtp>), got {depths}")
+    if STAGE in depths[0]:
+        raise ValueError(f"hybrid pattern {pattern!r}: an MTP depth holds no stage boundary {STAGE!r} (the depths run "
+                         "on the last stage)")
+    return main, depths[0], len(depths)
+
+
 def parse_pattern(pattern: str) -> list[str]:
-    """`pattern` -> one segment of layer symbols per pipeline stage (split at `|`).
+    """`pattern` -> one segment of layer symbols per pipeline stage (split at `|`; MTP depths after `/` aside:
+    `split_mtp`).
 
     Raises:
         ValueError: an unknown symbol or an empty segment, naming the pattern and the position.
         NotImplementedError: a symbol that cannot run here (`NOT_HERE`), with its reason.
     """
     if not isinstance(pattern, str) or not pattern:
-        raise ValueError(f"hybrid pattern {pattern!r}: a non-empty string of {RUNS_HERE} and {STAGE!r}")
+        raise ValueError(f"hybrid pattern {pattern!r}: a non-empty string of {RUNS_HERE}, {STAGE!r} and {MTP!r}")
     for i, sym in enumerate(pattern):
         if sym in NOT_HERE:
             raise NotImplementedError(f"hybrid pattern {pattern!r}: {sym!r} at position {i}: {NOT_HERE[sym]}")
-        if sym not in RUNS_HERE and sym != STAGE:
+        if sym not in RUNS_HERE and sym not in (STAGE, MTP):
             raise ValueError(f"hybrid pattern {pattern!r}: unknown symbol {sym!r} at position {i}; valid: "
-                             f"{', '.join(RUNS_HERE)} and {STAGE!r} (a stage boundary)")
-    segments = pattern.split(STAGE)
+                             f"{', '.join(RUNS_HERE)}, {STAGE!r} (a stage boundary) and {MTP!r} (MTP depths)")
+    main, _, _ = split_mtp(pattern)
+    segments = main.split(STAGE)
     empty = [i for i, seg in enumerate(segments) if not seg]
     if empty:
         raise ValueError(f"hybrid pattern {pattern!r}: stage {empty[0]} holds no layer")
@@ -76,11 +103,13 @@ def parse_pattern(pattern: str) -> list[str]:
 
 
 def hybrid_layout(pattern: str) -> str:
-    """megatron-core's `pipeline_model_parallel_layout` for the pattern's stages: `*-|*E` -> `Ett|ttL`."""
+    """megatron-core's `pipeline_model_parallel_layout` for the pattern's stages: `*-|*E` -> `Ett|ttL`; MTP depths
+    on the last stage: `*-|*E/*E` -> `Ett|ttmL`."""
     segments = parse_pattern(pattern)
+    depths = split_mtp(pattern)[2]
     stages = ["t" * len(seg) for seg in segments]
     stages[0] = "E" + stages[0]
-    stages[-1] = stages[-1] + "L"
+    stages[-1] = stages[-1] + "m" * depths + "L"
     return "|".join(stages)
 
 
@@ -147,6 +176,45 @@ class HyperConnectionHybridLayer(RecomputeMember, MegatronModule):
         return self._mix(hc, h_res, residual, h_post, (y, bias), dropout), context
 
 
+@dataclasses.dataclass
+class HybridSequenceSubmodules:
+    """The specs of an MTP depth's inner hybrid layers, in order."""
+
+    layers: list[ModuleSpec] = dataclasses.field(default_factory=list)
+
+    @property
+    def self_attention(self) -> Any:
+        """The depth's first self-attention spec: megatron-core's MTP layer reads its mask type from its inner
+        layer's `submodules.self_attention` (a depth without attention answers with a causal stand-in)."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        for spec in self.layers:
+            attention = spec.submodules.inner_layer.submodules.self_attention
+            if attention is not IdentityOp:
+                return attention
+        return ModuleSpec(module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal})
+
+
+class HybridLayerSequence(MegatronModule):
+    """An MTP depth's inner layers (dev's nested `HybridStack`): `HyperConnectionHybridLayer`s run in order on the
+    n streams, `[s, b, n*C]` in and out, no expand or contraction of their own. Called as the depth's inner layer
+    (`hidden_states=...` and the layer's keyword arguments), returns `(hidden_states, context)`."""
+
+    def __init__(self, config: Any, submodules: HybridSequenceSubmodules, layer_number: int = 1, **kwargs: Any):
+        super().__init__(config=config)
+        if not submodules.layers:
+            raise ValueError("HybridLayerSequence: an MTP depth needs at least one layer")
+        # One number for the depth's layers: megatron-core numbers an MTP depth's inner layer after the decoder's.
+        self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=layer_number, **kwargs)
+                                          for spec in submodules.layers)
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        context = kwargs.get("context")
+        for layer in self.layers:
+            hidden_states, context = layer(hidden_states, *args, **kwargs)
+        return hidden_states, context
+
+
 def _layer_spec(symbol: str, *, num_experts: int | None, normalization: str) -> ModuleSpec:
     """The wrapped `TransformerLayer` spec of one symbol (local modules), the other branch an `IdentityOp`."""
     experts = num_experts if symbol == MOE else None
@@ -180,12 +248,33 @@ def hybrid_block_spec(config: Any, pattern: str, *, stage: int = 0, vp_stage: in
     if pp > 1 and str(layout) != hybrid_layout(pattern):  # a layout object prints as its string (0.16, 0.19)
         raise ValueError(f"hybrid pattern {pattern!r}: set pipeline_model_parallel_layout={hybrid_layout(pattern)!r} "
                          f"(got {layout!r}) so that layer numbers follow the pattern's stages")
+    depths = split_mtp(pattern)[2]
+    if depths != int(getattr(config, "mtp_num_layers", None) or 0):
+        raise ValueError(f"hybrid pattern {pattern!r} has {depths} MTP depth(s); set config.mtp_num_layers={depths} "
+                         f"(got {getattr(config, 'mtp_num_layers', None)!r})")
     chunk = (vp_stage or 0) * pp + stage
     normalization = getattr(config, "normalization", "LayerNorm")
     specs = [_layer_spec(sym, num_experts=getattr(config, "num_moe_experts", None), normalization=normalization)
              for sym in segments[chunk]]
     stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=stock.submodules.input_layernorm)
+
+
+def hybrid_mtp_block_spec(config: Any, pattern: str, *, vp_stage: int | None = None) -> Any:
+    """The MTP block spec of this stage for the pattern's depths (`<main>/<mtp>/...`): each depth a
+    `HyperConnectionMTPLayer` whose inner layer is the depth's pattern as a `HybridLayerSequence`; None without MTP
+    depths or where this stage builds none (megatron-core puts them on the last stage)."""
+    from mhc_core.megatron.mtp import get_gpt_mtp_block_spec
+
+    _, depth_pattern, depths = split_mtp(pattern)
+    if depth_pattern is None:
+        return None
+    normalization = getattr(config, "normalization", "LayerNorm")
+    inner = ModuleSpec(module=HybridLayerSequence, submodules=HybridSequenceSubmodules(layers=[
+        _layer_spec(sym, num_experts=getattr(config, "num_moe_experts", None), normalization=normalization)
+        for sym in depth_pattern]))
+    stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+    return get_gpt_mtp_block_spec(config, stock, vp_stage=vp_stage, inner=inner)
 
 
 _LAYERS = "decoder.layers."

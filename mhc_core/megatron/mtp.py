@@ -209,12 +209,14 @@ class HyperConnectionMTPBlock(mcore_mtp.MultiTokenPredictionBlock):
 
 
 def get_gpt_mtp_block_spec(config: Any, layer_spec: ModuleSpec, *, use_transformer_engine: bool = False,
-                           vp_stage: int | None = None) -> Any:
+                           vp_stage: int | None = None, inner: ModuleSpec | None = None) -> Any:
     """The MTP block spec of the installed megatron-core for this stage, each depth an mHC depth.
 
     Args:
         layer_spec: the decoder's layer spec (an mHC spec when `config.enable_mhc_connections`);
             each depth's inner layer is built from it, as upstream builds it from the decoder's last layer.
+        inner: each depth's inner layer instead (the hybrid stack's `HybridLayerSequence`); `layer_spec` then
+            only shapes megatron-core's depth (its norms and projection).
 
     Returns:
         `MultiTokenPredictionBlockSubmodules`, or None where this stage builds no MTP depth.
@@ -228,8 +230,8 @@ def get_gpt_mtp_block_spec(config: Any, layer_spec: ModuleSpec, *, use_transform
         return spec
     depths = []
     for depth in spec.layer_specs:
-        inner = _inner_field(depth.submodules)
-        submodules = dataclasses.replace(depth.submodules, **{inner: layer_spec})
+        field = _inner_field(depth.submodules)
+        submodules = dataclasses.replace(depth.submodules, **{field: inner or layer_spec})
         depths.append(dataclasses.replace(depth, module=HyperConnectionMTPLayer, submodules=submodules))
     return dataclasses.replace(spec, layer_specs=depths)
 

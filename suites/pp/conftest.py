@@ -13,11 +13,13 @@ from suites.pp.launch import run_worker  # noqa: E402
 
 class ReferenceRuns:
     """Single-process (PP = TP = 1) runs, with (`"mhc"`) and without (`"no-mhc"`) mHC, with MoE MLPs
-    (`"mhc-moe"`), with two MTP depths under dev's numerics (`"mhc-mtp"`), and the hybrid stack `*-*E` (`"mhc-hybrid"`),
+    (`"mhc-moe"`), with two MTP depths under dev's numerics (`"mhc-mtp"`), and the hybrid stack `*-*E` (`"mhc-hybrid"`; with an MTP depth `*E` under dev's numerics:
+    `"mhc-hybrid-mtp"`),
     each run on its first lookup (so a selection without the no-mHC case launches one); each writes init.pt + rank0.pt."""
 
     FLAGS = {"mhc": [], "no-mhc": ["--no-mhc"], "mhc-moe": ["--moe", "alltoall"],
-             "mhc-mtp": ["--mtp", "2", "--numerics", "dev"], "mhc-hybrid": ["--hybrid", "*-*E"]}
+             "mhc-mtp": ["--mtp", "2", "--numerics", "dev"], "mhc-hybrid": ["--hybrid", "*-*E"],
+             "mhc-hybrid-mtp": ["--hybrid", "*-*E/*E", "--numerics", "dev"]}
 
     def __init__(self, root: Path) -> None:
         self.root, self.done, self.failed = root, set(), {}

@@ -76,7 +76,8 @@ def parse_args() -> argparse.Namespace:
                         "taking its share of the step's microbatches")
     p.add_argument("--hybrid", default=None, metavar="PATTERN",
                    help="the hybrid stack of this layer pattern (ours, or the tree's HybridModel (mhc_core.megatron.hybrid: '*' attention, "
-                        "'-' MLP, 'E' MoE of 4 local experts, '|' a stage boundary)")
+                        "'-' MLP, 'E' MoE of 4 local experts, '|' a stage boundary, '/' MTP depths after the decoder's "
+                        "pattern: their count is --mtp)")
     p.add_argument("--layout", default=None, help="pipeline_model_parallel_layout, e.g. 'Et|tt|t|mL'")
     p.add_argument("--mtp", type=int, default=None, metavar="D",
                    help="D multi-token prediction depths on the last stage (MTP loss scale 0.1, rope positions)")
@@ -85,7 +86,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--crash-rank", type=int, default=None, help="test hook: this rank dies mid-run")
     p.add_argument("--hang-rank", type=int, default=None, help="test hook: this rank sleeps forever")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.hybrid and "/" in args.hybrid:  # the pattern's MTP depths (dev's unified form) are the run's MTP depths
+        args.mtp = args.hybrid.count("/")
+    return args
 
 
 def main() -> None:
@@ -290,15 +294,17 @@ def _our_chunks(args: argparse.Namespace, common: dict) -> list:
         vp_stage = vp if args.vpp else None
         if args.hybrid:
             from mhc_core.megatron.gpt import MHCGPTModel
-            from mhc_core.megatron.hybrid import hybrid_block_spec
+            from mhc_core.megatron.hybrid import hybrid_block_spec, hybrid_mtp_block_spec
 
+            mtp = ({"mtp_block_spec": hybrid_mtp_block_spec(config, args.hybrid, vp_stage=vp_stage),
+                    "position_embedding_type": "rope"} if args.mtp else {})
             chunks.append(MHCGPTModel(
                 config, hybrid_block_spec(config, args.hybrid, stage=ps.get_pipeline_model_parallel_rank(),
                                           vp_stage=vp_stage),
                 vocab_size=m["vocab"], max_sequence_length=m["seq"],
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                vp_stage=vp_stage, share_embeddings_and_output_weights=False))
+                vp_stage=vp_stage, share_embeddings_and_output_weights=False, **mtp))
             continue
         chunks.append(
             build_gpt_model(
@@ -356,7 +362,7 @@ def _hybrid_kwargs(pattern: str) -> dict:
     stages = parse_pattern(pattern)
     out: dict = {"num_layers": sum(len(s) for s in stages)}
     if len(stages) > 1:
-        out["pipeline_model_parallel_layout"] = hybrid_layout(pattern)
+        out["pipeline_model_parallel_layout"] = hybrid_layout(pattern)  # with the MTP depths' 'm' on the last stage
     if "E" in pattern:
         out.update(_moe_kwargs("alltoall"))
     return out

@@ -69,6 +69,11 @@ CASES = [
     Case(name="pp2-vpp2-hybrid", nproc=2, args=("--pp", "2", "--vpp", "2", "--hybrid", "*|-|*|E"),
          reference="mhc-hybrid"),
     Case(name="ep2-hybrid", nproc=2, args=("--ep", "2", "--hybrid", "*-*E"), reference="mhc-hybrid", rtol=1e-5),
+    # DeepSeek-V4's shape: the hybrid stack with an MTP depth of its own pattern (`*-|*E/*E`: dev's unified form,
+    # the depth's attention and MoE nested on the n streams) on the last stage, dev's numerics. The word embedding's
+    # two copies sum their gradients over the embedding group, as in pp2-mtp: the same bound.
+    Case(name="pp2-hybrid-mtp", nproc=2, args=("--pp", "2", "--hybrid", "*-|*E/*E", "--numerics", "dev"),
+         reference="mhc-hybrid-mtp", rtol=1e-5),
     # TP 2 x PP 2 with MoE, which megatron-core runs sequence parallel only: the local spec's norms take it here
     # (mhc_core.megatron.norms). Each TP rank holds half the tokens, so every replicated parameter's gradient is
     # summed over the two ranks where one process sums all tokens at once: fp32 reordering, measured 1.0e-5
@@ -90,8 +95,10 @@ def test_pipelined_run_reproduces_single_process(case, reference_runs, tmp_path)
     assert len(run.losses) == 2 and len(run.losses[0]) == 4
     if "--moe" in case.args:  # the routers' losses were tracked, every layer's on some rank
         assert all(bool((step["load_balancing_loss"] > 0).all()) for step in run.aux_losses), run.aux_losses
-    if "--mtp" in case.args:  # each microbatch's loss of each depth was tracked
-        assert all(len(mb) == 2 and min(mb) > 0 for step in run.mtp_losses for mb in step), run.mtp_losses
+    depths = (int(case.args[case.args.index("--mtp") + 1]) if "--mtp" in case.args
+              else sum(a.count("/") for a in case.args))
+    if depths:  # each microbatch's loss of each depth was tracked
+        assert all(len(mb) == depths and min(mb) > 0 for step in run.mtp_losses for mb in step), run.mtp_losses
 
     if "--pp" not in case.args:  # no pipeline: no P2P traffic to check
         assert all(not shapes for shapes in run.shapes.values()), run.shapes

@@ -32,11 +32,16 @@ DENSE: dict[str, Any] = dict(ffn_hidden_size=64, add_bias_linear=False)
 
 def _model(make_config, pattern: str = "*-*E", seed: int = 0, **overrides: Any) -> Any:
     from mhc_core.megatron.gpt import MHCGPTModel
+    from mhc_core.megatron.hybrid import hybrid_mtp_block_spec, split_mtp
 
     base = MOE if "E" in pattern else DENSE
-    config = make_config(n=N, num_layers=len(pattern.replace("|", "")), **{**base, **overrides})
+    main, _, depths = split_mtp(pattern)
+    mtp = {"mtp_num_layers": depths, "mtp_loss_scaling_factor": 0.1} if depths else {}
+    config = make_config(n=N, num_layers=len(main.replace("|", "")), **{**base, **mtp, **overrides})
     torch.manual_seed(seed)
-    return MHCGPTModel(config, hybrid_block_spec(config, pattern), vocab_size=VOCAB, max_sequence_length=2 * SEQ)
+    extra = {"mtp_block_spec": hybrid_mtp_block_spec(config, pattern), "position_embedding_type": "rope"} if depths else {}
+    return MHCGPTModel(config, hybrid_block_spec(config, pattern), vocab_size=VOCAB, max_sequence_length=2 * SEQ,
+                       **extra)
 
 
 def _loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -47,15 +52,15 @@ def test_pattern_parsing_and_layout():
     """`|` splits stages; the layout names them for megatron-core (embedding first, loss last)."""
     assert parse_pattern("*-|*E") == ["*-", "*E"]
     assert hybrid_layout("*-|*E") == "Ett|ttL" and hybrid_layout("*-*E") == "EttttL"
+    assert parse_pattern("*-|*E/*E/*E") == ["*-", "*E"] and hybrid_layout("*-|*E/*E/*E") == "Ett|ttmmL"
 
 
 @pytest.mark.parametrize(("pattern", "error", "match"), [
     ("*M-", NotImplementedError, r"'M' at position 1: Mamba needs mamba_ssm"),
     ("W-", NotImplementedError, r"'W' at position 0: DeepSeek-V4's windowed attention needs Transformer Engine"),
-    ("*-/*", NotImplementedError, r"'/' at position 2: MTP layers"),
     ("*x", ValueError, r"unknown symbol 'x' at position 1"),
     ("*-||E", ValueError, r"stage 1 holds no layer"),
-], ids=["mamba", "dsv4-attention", "mtp", "unknown", "empty-stage"])
+], ids=["mamba", "dsv4-attention", "unknown", "empty-stage"])
 def test_a_pattern_that_cannot_run_here_is_refused_with_why(pattern, error, match):
     with pytest.raises(error, match=match):
         parse_pattern(pattern)
@@ -72,6 +77,36 @@ def test_every_parameter_of_a_hybrid_mhc_model_gets_a_gradient(make_config, batc
     bad = {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
            if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
     assert torch.isfinite(loss) and not bad, bad
+
+
+def test_mtp_depths_of_the_pattern_train_on_the_streams(make_config, batch):
+    """`*E/*E` (dev's unified pattern: a decoder of attention and MoE, one MTP depth of the same kinds) trains with
+    dev's numerics: the depth's inner layers are hybrid layers nested on the n streams, its loss is tracked, every
+    parameter gets a finite non-zero gradient; the keys are dev's (`mtp.layers.0.e_proj`, the inner layers')."""
+    from mhc_core.megatron.hybrid import HybridLayerSequence
+    from mhc_core.megatron.mtp import tracked_mtp_losses
+
+    model = _model(make_config, "*E/*E", mhc_variant="megatron_dev", mhc_learned_contraction=True)
+    depth = model.mtp.layers[0]
+    inner = next(m for m in depth.children() if isinstance(m, HybridLayerSequence))
+    assert [type(layer).__name__ for layer in inner.layers] == ["HyperConnectionHybridLayer"] * 2
+    loss = _loss(model, batch)
+    loss.backward()
+    assert tracked_mtp_losses() is not None
+    bad = {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
+           if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
+    assert torch.isfinite(loss) and not bad, bad
+    keys = set(model.state_dict())
+    assert {"mtp.layers.0.e_proj.weight", "mtp.layers.0.h_proj.weight", "mtp.layers.0.hc_head_fn"} <= keys
+    assert any(".layers.1.inner_layer.mlp.router.weight" in k and k.startswith("mtp.") for k in keys), sorted(keys)
+
+
+@pytest.mark.parametrize(("pattern", "match"), [("*E/*E/-", "every MTP depth has the same layers"),
+                                                ("*E/", "holds no layer"), ("*E/*|E", "holds no stage boundary")])
+def test_bad_mtp_depths_are_named(pattern, match):
+    """Depths that differ, an empty depth or a stage boundary inside one are refused, naming the pattern."""
+    with pytest.raises(ValueError, match=match):
+        parse_pattern(pattern)
 
 
 def test_keys_are_devs(make_config):
