@@ -84,7 +84,8 @@ class TrainArgs:
     mtp_loss_scaling_factor: float = 0.1
     hybrid_layer_pattern: str | None = None
     """The hybrid stack of this layer pattern (`mhc_core.megatron.hybrid`: `*` attention, `-` MLP, `E` MoE, `|` a
-    stage boundary) instead of the GPT's layers; --num-layers must count its layers."""
+    stage boundary, `/` MTP depths after the decoder's layers) instead of the GPT's layers; --num-layers must count
+    the decoder's layers, --mtp-num-layers the depths."""
     # parallelism
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -349,7 +350,11 @@ def _cross_check(a: TrainArgs, source: str) -> None:
     if a.num_experts is not None and a.moe_router_topk > a.num_experts:
         raise bad("--moe-router-topk", a.moe_router_topk, f"must be <= --num-experts={a.num_experts}")
     if a.hybrid_layer_pattern is not None:
-        stages = a.hybrid_layer_pattern.split("|")
+        main, *depths = a.hybrid_layer_pattern.split("/")  # dev's unified form: <main>/<mtp>/<mtp>...
+        if len(depths) != (a.mtp_num_layers or 0):
+            raise bad("--hybrid-layer-pattern", a.hybrid_layer_pattern,
+                      f"has {len(depths)} MTP depth(s) after '/'; --mtp-num-layers={a.mtp_num_layers}")
+        stages = main.split("|")
         if sum(map(len, stages)) != a.num_layers:
             raise bad("--hybrid-layer-pattern", a.hybrid_layer_pattern,
                       f"holds {sum(map(len, stages))} layers; --num-layers={a.num_layers}")

@@ -261,10 +261,11 @@ class Trainer:
 
             return hybrid_chunks(self.config, pattern, vpp=None, **_without_stage(sizes))[0]
         from mhc_core.megatron.gpt import MHCGPTModel
-        from mhc_core.megatron.hybrid import hybrid_block_spec
+        from mhc_core.megatron.hybrid import hybrid_block_spec, hybrid_mtp_block_spec
 
         spec = hybrid_block_spec(self.config, pattern, stage=ps.get_pipeline_model_parallel_rank())
-        return MHCGPTModel(self.config, spec, **sizes)
+        mtp = hybrid_mtp_block_spec(self.config, pattern)  # the pattern's MTP depths where this stage holds them
+        return MHCGPTModel(self.config, spec, **sizes, **({"mtp_block_spec": mtp} if mtp is not None else {}))
 
     def load(self, root: Path) -> int:
         """Resume from the checkpoint the tracker in `root` names; returns its iteration."""
