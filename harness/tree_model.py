@@ -95,7 +95,27 @@ def tree_chunks(flavor: str, config: Any, *, vpp: int | None, **model_kwargs: An
     return _chunks(vpp, build)
 
 
-def _hybrid_stack_spec(num_experts: int | None) -> Any:
+def _hybrid_mtp_block_spec() -> Any:
+    """A local MTP block spec from the tree's own classes (the tree's is TE-only): its torch norms, column-parallel
+    `eh_proj` / `e_proj` / `h_proj`; the depths' inner layers the tree builds from the pattern itself."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=WrappedTorchNorm, hnorm=WrappedTorchNorm, eh_proj=ColumnParallelLinear, e_proj=ColumnParallelLinear,
+        h_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=WrappedTorchNorm))
+    return ModuleSpec(module=MultiTokenPredictionBlock,
+                      submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer]))
+
+
+def _hybrid_stack_spec(num_experts: int | None, mtp: bool = False) -> Any:
     """A local `HybridStack` spec from the tree's own classes (the tree's hybrid specs are TE-only): attention
     (`TransformerLayer`: norm + self-attention), MLP (`MLPLayer`: norm + MLP), MoE (`MoETransformerLayer`:
     norm + `MoELayer` of `num_experts` local experts), each from the tree's `get_gpt_layer_local_spec`."""
@@ -120,6 +140,8 @@ def _hybrid_stack_spec(num_experts: int | None) -> Any:
         moe = get_gpt_layer_local_spec(num_experts=num_experts).submodules
         parts["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+    if mtp:
+        parts["mtp_block_spec"] = _hybrid_mtp_block_spec()
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**parts))
 
 
@@ -134,7 +156,7 @@ def hybrid_chunks(config: Any, pattern: str, *, vpp: int | None, **model_kwargs:
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    spec = _hybrid_stack_spec(getattr(config, "num_moe_experts", None))
+    spec = _hybrid_stack_spec(getattr(config, "num_moe_experts", None), mtp="/" in pattern)
     te_norm = hybrid_block.TENorm
     if importlib.util.find_spec("transformer_engine") is None:
         hybrid_block.TENorm = WrappedTorchNorm

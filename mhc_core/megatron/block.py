@@ -32,7 +32,12 @@ from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from torch import Tensor, nn
 
 from mhc_core.config import PARAM_DTYPE
-from mhc_core.megatron.layer import HyperConnectionTransformerLayer, RecomputePlan, RecomputeSlot
+from mhc_core.megatron.layer import (
+    HyperConnectionTransformerLayer,
+    RecomputeMember,
+    RecomputePlan,
+    RecomputeSlot,
+)
 from mhc_core.ops import contract, expand, learned_contract
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
 
@@ -99,10 +104,8 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
         if not self.mhc_enabled:
             return
         self.num_residual_streams = int(config.mhc_num_residual_streams)
-        from mhc_core.megatron.hybrid import HyperConnectionHybridLayer
-
         for i, layer in enumerate(self.layers):
-            if not isinstance(layer, HyperConnectionTransformerLayer | HyperConnectionHybridLayer):
+            if not isinstance(layer, RecomputeMember):  # the mHC layer kinds' common base (no import of hybrid)
                 raise ValueError(
                     f"HyperConnectionTransformerBlock: layers[{i}] is a {type(layer).__name__}, but "
                     "config.enable_mhc_connections=True needs HyperConnectionTransformerLayer "
@@ -125,9 +128,7 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
         differ in kind (attention, MLP, MoE), so their tensors are keyed per layer (`non_homogeneous_layers`, as
         megatron-core does for heterogeneous specs): one tensor stacked over all layers would miss the layers of
         the other kinds."""
-        from mhc_core.megatron.hybrid import HyperConnectionHybridLayer
-
-        if any(isinstance(layer, HyperConnectionHybridLayer) for layer in self.layers):
+        if any(not isinstance(layer, HyperConnectionTransformerLayer) for layer in self.layers):  # hybrid layers
             metadata = {**(metadata or {}), "non_homogeneous_layers": True}
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         local: dict[str, Any] = {}

@@ -71,9 +71,9 @@ class RecomputePlan:
 
 
 class RecomputeMember:
-    """A layer with mHC recompute: its forward runs inside its chunk's recompute group and its n-stream mixes are
-    the group's steps. The rule every mHC layer kind shares (GPT's `HyperConnectionTransformerLayer`, the hybrid
-    stack's `HyperConnectionHybridLayer`); the block plans the groups (`RecomputePlan`)."""
+    """The base of every mHC layer kind (GPT's `HyperConnectionTransformerLayer`, the hybrid stack's
+    `HyperConnectionHybridLayer`), and the rule they share under mHC recompute: the forward runs inside its chunk's
+    recompute group and its n-stream mixes are the group's steps; the block plans the groups (`RecomputePlan`)."""
 
     config: Any
     training: bool

@@ -32,7 +32,7 @@ __all__ = ["CASES", "METRICS", "OUR_NUMERICS", "RECIPE_DIR", "differences", "dum
            "run_ours", "run_tree"]
 
 CASES = ("gpt_tp2_pp2_mhc", "gpt_tp1_pp1_mhc", "gpt_tp1_pp1_mhc_gate1", "gpt_tp1_pp2_ep2_mhc_moe",
-         "gpt_tp1_pp2_mhc_mtp", "hybrid_tp1_pp2_mhc_moe")
+         "gpt_tp1_pp2_mhc_mtp", "hybrid_tp1_pp2_mhc_moe", "hybrid_tp1_pp2_mhc_moe_mtp")
 """The recipes a tree trains: TP 2 x PP 2 (4 ranks, 20 steps: upstream's gpt3_mcore_tp2_pp2_mhc at CPU
 size), the one-rank mHC recipes (24 steps; gate1 starts the gates at 1.0, so that the mix is far from
 uniform from step 1 and an orientation or variant difference shows in the loss), MoE with EP 2, MTP, and the
