@@ -78,12 +78,14 @@ class PerfCase:
         raise ValueError(f"PerfCase.op={self.op!r}; valid: {', '.join(OPS)}")
 
 
-def cases_for(device: str) -> list[PerfCase]:
-    """The registry for `device` ("cpu" or "cuda")."""
+def cases_for(device: str, *, tokens: int | None = None) -> list[PerfCase]:
+    """The registry for `device` ("cpu" or "cuda"); `tokens` replaces its token count (CI's smoke run: the same
+    ops, dtypes and widths over fewer tokens)."""
     if device == "cuda":
-        tokens, sizes = 8192, ((4096, torch.bfloat16), (7168, torch.bfloat16))
+        default, sizes = 8192, ((4096, torch.bfloat16), (7168, torch.bfloat16))
     else:
-        tokens, sizes = 4096, ((256, torch.float32), (1024, torch.float32), (2048, torch.bfloat16))
+        default, sizes = 4096, ((256, torch.float32), (1024, torch.float32), (2048, torch.bfloat16))
+    tokens = default if tokens is None else tokens
     # Sinkhorn's logits are fp32 whatever the activation dtype; its id says so.
     out = [PerfCase(op="sinkhorn", tokens=tokens, n=4, hidden=sizes[0][0], dtype=torch.float32, device=device)]
     for op in OPS[1:]:

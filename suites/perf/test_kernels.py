@@ -23,6 +23,7 @@ from harness import TimingCheck
 from mhc_core.kernels import dispatch
 from mhc_core.kernels.preflight import cutile_gap
 from suites.perf.nsys import RANGE_PREFIX
+from suites.perf.peers import smoke
 from suites.perf.timing import copy_fn, paired_samples, pipelined_seconds, synced
 from tools.device_time import device_busy_seconds
 from tools.perf_cases import PerfCase, cases_for, cpu_gap
@@ -72,9 +73,15 @@ def _bytes(case: PerfCase, direction: str) -> int:
     return case.bytes("fwd") + (case.bytes("bwd") if direction == "fwdbwd" else 0)
 
 
+SMOKE_TOKENS = 1024
+"""The token count of CI's smoke run (`MHC_PERF_SMOKE=1`): every op, dtype and width, a quarter of the tokens on CPU
+(its figures are no measurement; `tox -e perf` alone times the registry's)."""
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", ["fwd", "fwdbwd"])
-@pytest.mark.parametrize("case", cases_for(DEVICE), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", cases_for(DEVICE, tokens=SMOKE_TOKENS if smoke() and DEVICE == "cpu" else None),
+                         ids=lambda c: c.id)
 def test_kernel(benchmark, golden_metrics, nsys_ranges, case, direction, backend, reps):
     """Time one op; record bytes/s, roofline ratio against a same-run copy, speed-up over reference."""
     ok, why = dispatch.availability(backend, DEVICE)
