@@ -35,7 +35,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch import Tensor
 
 from mhc_core.megatron.layer import RecomputeMember
@@ -177,22 +177,21 @@ class HyperConnectionHybridLayer(RecomputeMember, MegatronModule):
 
 
 @dataclasses.dataclass
-class HybridSequenceSubmodules:
-    """The specs of an MTP depth's inner hybrid layers, in order."""
+class HybridSequenceSubmodules(TransformerLayerSubmodules):
+    """The specs of an MTP depth's inner hybrid layers, in order (`layers`). A `TransformerLayerSubmodules` whose
+    `self_attention` is the depth's first self-attention spec, because megatron-core's MTP layer validates its inner
+    layer's mask type there (0.16 reads `submodules.self_attention`, 0.19 first requires a
+    `TransformerLayerSubmodules`); a depth without attention answers with a causal stand-in. Only `layers` is built."""
 
     layers: list[ModuleSpec] = dataclasses.field(default_factory=list)
 
-    @property
-    def self_attention(self) -> Any:
-        """The depth's first self-attention spec: megatron-core's MTP layer reads its mask type from its inner
-        layer's `submodules.self_attention` (a depth without attention answers with a causal stand-in)."""
+    def __post_init__(self) -> None:
         from megatron.core.transformer.enums import AttnMaskType
 
-        for spec in self.layers:
-            attention = spec.submodules.inner_layer.submodules.self_attention
-            if attention is not IdentityOp:
-                return attention
-        return ModuleSpec(module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal})
+        attention = [spec.submodules.inner_layer.submodules.self_attention for spec in self.layers]
+        attention = [a for a in attention if a is not IdentityOp]
+        self.self_attention = attention[0] if attention else ModuleSpec(
+            module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal})
 
 
 class HybridLayerSequence(MegatronModule):
