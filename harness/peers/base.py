@@ -202,6 +202,14 @@ class Peer(ABC):
         (the module docstring's table); built once, called per timed repetition."""
         raise NotImplementedError(f"{self.name} has no timed entry points")
 
+    def timed_coefficients(self, iterations: int) -> TimedFn:
+        """The peer's own `coefficients` op as the timed `coefficients` call (for a peer whose op already runs
+        its entry point over all tokens): `inputs -> (h_post, h_res, aggregate)`."""
+        def coefficients(d: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            out = self.coefficients(d["x"], timed_params(d, 0), iterations)
+            return out["h_post"], out["h_res"], out["aggregate"]
+        return coefficients
+
 
 def has_own(peer: Peer, op: str) -> bool:
     """Whether `peer`'s class implements `op` itself (not `Peer`'s `NotImplementedError`)."""

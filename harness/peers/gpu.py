@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.peers.base import Peer, SublayerParams, TimedFn, Timing, timed_params
+from harness.peers.base import Peer, SublayerParams, TimedFn, Timing
 
 __all__ = ["SglangPeer", "TileKernelsPeer", "VllmPeer", "gpu_peers"]
 
@@ -98,10 +98,7 @@ class TileKernelsPeer(Peer):
 
     def timed(self, op, *, n, hidden, dtype, iterations) -> TimedFn:
         """`coefficients`: `mhc_pre` (norm, projection, coefficients, Sinkhorn and the aggregate in one)."""
-        def coefficients(d):
-            out = self.coefficients(d["x"], timed_params(d, 0), iterations)
-            return out["h_post"], out["h_res"], out["aggregate"]
-        return coefficients
+        return self.timed_coefficients(iterations)
 
 
 _EPS = 1e-6

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from harness.peers.base import Peer, Sublayer, SublayerParams, TimedFn, Timing, timed_params
+from harness.peers.base import Peer, Sublayer, SublayerParams, TimedFn, Timing
 from harness.peers.triton_interpreter import (
     device_properties,
     interpreted,
@@ -252,8 +252,4 @@ class TeTritonPeer(Peer):
         `mhc_fused_sinkhorn`."""
         if op == "sinkhorn":
             return lambda d: (self.sinkhorn(d["logits"], iterations),)
-
-        def coefficients(d):
-            out = self.coefficients(d["x"], timed_params(d, 0), iterations)
-            return out["h_post"], out["h_res"], out["aggregate"]
-        return coefficients
+        return self.timed_coefficients(iterations)
