@@ -73,10 +73,9 @@ def tree_chunks(flavor: str, config: Any, *, vpp: int | None, **model_kwargs: An
     (`mhc_core.megatron.norms`; TE's and apex's norms, which take it, are not installed here)."""
     from megatron.core.models.gpt import GPTModel
 
-    from mhc_core.megatron.norms import sequence_parallel_block_spec, with_sequence_parallel_norms
+    from mhc_core.megatron.norms import sequence_parallel_specs
 
     spec = layer_spec(flavor, num_experts=getattr(config, "num_moe_experts", None))
-    sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def build(vp_stage: int | None, **stage: Any) -> Any:
         mtp: dict[str, Any] = {}
@@ -85,11 +84,10 @@ def tree_chunks(flavor: str, config: Any, *, vpp: int | None, **model_kwargs: An
 
             mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
                                                            vp_stage=vp_stage)
-        block: Any = spec
-        if sequence_parallel:  # the local spec's torch norms refuse it: the same norms, taking it (a CPU workaround)
-            block = sequence_parallel_block_spec(config, spec, vp_stage=vp_stage)
-            if mtp.get("mtp_block_spec") is not None:
-                mtp["mtp_block_spec"] = with_sequence_parallel_norms(mtp["mtp_block_spec"])
+        # The local spec's torch norms refuse sequence parallelism: the same norms, taking it (a CPU workaround).
+        block, mtp_spec = sequence_parallel_specs(config, spec, mtp.get("mtp_block_spec"), vp_stage=vp_stage)
+        if mtp_spec is not None:
+            mtp["mtp_block_spec"] = mtp_spec
         return GPTModel(config, block, vp_stage=vp_stage, **stage, **mtp, **model_kwargs)
 
     return _chunks(vpp, build)

@@ -13,7 +13,7 @@ from mhc_core.megatron.block import HyperConnectionTransformerBlock
 from mhc_core.megatron.compat import gpt_model_classes
 from mhc_core.megatron.layer import HyperConnectionTransformerLayer
 from mhc_core.megatron.mtp import HyperConnectionMTPBlock, get_gpt_mtp_block_spec
-from mhc_core.megatron.norms import sequence_parallel_block_spec, with_sequence_parallel_norms
+from mhc_core.megatron.norms import sequence_parallel_specs
 from mhc_core.megatron.specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
 
 __all__ = ["MHCGPTModel", "build_gpt_model"]
@@ -116,11 +116,10 @@ def build_gpt_model(
         kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=spec == "te",
                                                           vp_stage=vp_stage)
     block_spec: Any = layer_spec
-    if spec == "local" and getattr(config, "sequence_parallel", False):
-        # megatron-core's local norms refuse sequence parallelism: torch norms that take it (mhc_core.megatron.norms)
-        block_spec = sequence_parallel_block_spec(config, layer_spec, vp_stage=vp_stage)
-        if kwargs.get("mtp_block_spec") is not None:
-            kwargs["mtp_block_spec"] = with_sequence_parallel_norms(kwargs["mtp_block_spec"])
+    if spec == "local":  # megatron-core's local norms refuse sequence parallelism: torch norms that take it
+        block_spec, mtp = sequence_parallel_specs(config, layer_spec, kwargs.get("mtp_block_spec"), vp_stage=vp_stage)
+        if mtp is not None:
+            kwargs["mtp_block_spec"] = mtp
     return model_cls(
         config=config,
         transformer_layer_spec=block_spec,

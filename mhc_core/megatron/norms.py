@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SequenceParallelTorchNorm", "sequence_parallel_block_spec", "with_sequence_parallel_norms"]
+__all__ = ["SequenceParallelTorchNorm", "sequence_parallel_block_spec", "sequence_parallel_specs",
+           "with_sequence_parallel_norms"]
 
 
 class SequenceParallelTorchNorm:
@@ -80,3 +81,14 @@ def sequence_parallel_block_spec(config: Any, layer_spec: Any, *, vp_stage: int 
     layer = with_sequence_parallel_norms(layer_spec)
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                       layer_norm=SequenceParallelTorchNorm)
+
+
+def sequence_parallel_specs(config: Any, layer_spec: Any, mtp_block_spec: Any = None, *,
+                            vp_stage: int | None = None) -> tuple[Any, Any]:
+    """A GPT chunk's `(block spec, MTP block spec)` from a local layer spec under `config.sequence_parallel`,
+    every norm `SequenceParallelTorchNorm` (the MTP block's too, None stays None); without sequence parallelism
+    `(layer_spec, mtp_block_spec)` unchanged."""
+    if not getattr(config, "sequence_parallel", False):
+        return layer_spec, mtp_block_spec
+    mtp = None if mtp_block_spec is None else with_sequence_parallel_norms(mtp_block_spec)
+    return sequence_parallel_block_spec(config, layer_spec, vp_stage=vp_stage), mtp
