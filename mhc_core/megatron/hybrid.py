@@ -230,6 +230,13 @@ def _layer_spec(symbol: str, *, num_experts: int | None, normalization: str) -> 
     return ModuleSpec(module=HyperConnectionHybridLayer, submodules=HybridLayerSubmodules(inner_layer=inner))
 
 
+def _layer_specs(config: Any, symbols: str) -> list[ModuleSpec]:
+    """The hybrid layer spec of each symbol, with the config's experts and normalization."""
+    normalization = getattr(config, "normalization", "LayerNorm")
+    return [_layer_spec(sym, num_experts=getattr(config, "num_moe_experts", None), normalization=normalization)
+            for sym in symbols]
+
+
 def hybrid_block_spec(config: Any, pattern: str, *, stage: int = 0, vp_stage: int | None = None) -> Any:
     """The `TransformerBlockSubmodules` of one pipeline chunk of `pattern`: the layers of its segment
     (chunk `vp_stage * PP + stage` under virtual stages), and the final layernorm.
@@ -252,11 +259,9 @@ def hybrid_block_spec(config: Any, pattern: str, *, stage: int = 0, vp_stage: in
         raise ValueError(f"hybrid pattern {pattern!r} has {depths} MTP depth(s); set config.mtp_num_layers={depths} "
                          f"(got {getattr(config, 'mtp_num_layers', None)!r})")
     chunk = (vp_stage or 0) * pp + stage
-    normalization = getattr(config, "normalization", "LayerNorm")
-    specs = [_layer_spec(sym, num_experts=getattr(config, "num_moe_experts", None), normalization=normalization)
-             for sym in segments[chunk]]
-    stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=stock.submodules.input_layernorm)
+    stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=getattr(config, "normalization", "LayerNorm"))
+    return TransformerBlockSubmodules(layer_specs=_layer_specs(config, segments[chunk]),
+                                      layer_norm=stock.submodules.input_layernorm)
 
 
 def hybrid_mtp_block_spec(config: Any, pattern: str, *, vp_stage: int | None = None) -> Any:
@@ -268,11 +273,9 @@ def hybrid_mtp_block_spec(config: Any, pattern: str, *, vp_stage: int | None = N
     _, depth_pattern, depths = split_mtp(pattern)
     if depth_pattern is None:
         return None
-    normalization = getattr(config, "normalization", "LayerNorm")
-    inner = ModuleSpec(module=HybridLayerSequence, submodules=HybridSequenceSubmodules(layers=[
-        _layer_spec(sym, num_experts=getattr(config, "num_moe_experts", None), normalization=normalization)
-        for sym in depth_pattern]))
-    stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+    inner = ModuleSpec(module=HybridLayerSequence,
+                       submodules=HybridSequenceSubmodules(layers=_layer_specs(config, depth_pattern)))
+    stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=getattr(config, "normalization", "LayerNorm"))
     return get_gpt_mtp_block_spec(config, stock, vp_stage=vp_stage, inner=inner)
 
 
