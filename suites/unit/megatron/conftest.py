@@ -150,3 +150,23 @@ def dims() -> Any:
     from types import SimpleNamespace
 
     return SimpleNamespace(s=SEQ, b=BATCH, c=HIDDEN, heads=HEADS, v=VOCAB, layers=LAYERS)
+
+
+@pytest.fixture
+def recompute_states(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Weak references to the storage of every n-stream state an mHC recompute group produces
+    (`StreamRecompute.post_residual_bda`), in order: `not ref.expired()` after forward means the state is kept."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from mhc_core.recompute import StreamRecompute
+
+    made: list[Any] = []
+    original = StreamRecompute.post_residual_bda
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = original(self, *args, **kwargs)
+        made.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+    monkeypatch.setattr(StreamRecompute, "post_residual_bda", recording)
+    return made

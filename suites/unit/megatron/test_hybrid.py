@@ -44,6 +44,12 @@ def _model(make_config, pattern: str = "*-*E", seed: int = 0, **overrides: Any) 
                        **extra)
 
 
+def _bad_gradients(model: Any) -> dict[str, float | None]:
+    """The parameters whose gradient is missing, non-finite or zero: `{name: max |grad| or None}`."""
+    return {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
+            if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
+
+
 def _loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]).mean()
 
@@ -74,8 +80,7 @@ def test_every_parameter_of_a_hybrid_mhc_model_gets_a_gradient(make_config, batc
     assert all(isinstance(layer, HyperConnectionHybridLayer) and layer.single_branch for layer in model.decoder.layers)
     loss = _loss(model, batch)
     loss.backward()
-    bad = {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
-           if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
+    bad = _bad_gradients(model)
     assert torch.isfinite(loss) and not bad, bad
 
 
@@ -93,8 +98,7 @@ def test_mtp_depths_of_the_pattern_train_on_the_streams(make_config, batch):
     loss = _loss(model, batch)
     loss.backward()
     assert tracked_mtp_losses() is not None
-    bad = {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
-           if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
+    bad = _bad_gradients(model)
     assert torch.isfinite(loss) and not bad, bad
     keys = set(model.state_dict())
     assert {"mtp.layers.0.e_proj.weight", "mtp.layers.0.h_proj.weight", "mtp.layers.0.hc_head_fn"} <= keys
@@ -170,35 +174,21 @@ def _loss_and_grads(model: Any, batch: dict[str, torch.Tensor], seed: int = 11) 
 
 @pytest.mark.parametrize("per_group", [None, 1], ids=["chunk", "per-layer"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
-def test_mhc_recompute_equals_the_plain_run(make_config, batch, per_group, dropout):
+def test_mhc_recompute_equals_the_plain_run(make_config, batch, per_group, dropout, recompute_states):
     """With "mhc" recompute the hybrid stack's loss and every gradient equal the run without it, bitwise (dropout
     masks replayed), and the n-stream states inside a group are not kept after forward (only its anchor)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    from mhc_core.recompute import StreamRecompute
-
     plain = _model(make_config, seed=1, hidden_dropout=dropout).train()
     recomputed = _model(make_config, seed=1, hidden_dropout=dropout, recompute_granularity="selective",
                         recompute_modules=["mhc"], mhc_recompute_layer_num=per_group).train()
     recomputed.load_state_dict(plain.state_dict())
     want_loss, want = _loss_and_grads(plain, batch)
-    made = []
-    original = StreamRecompute.post_residual_bda
-
-    def recording(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        made.append(StorageWeakRef(out.untyped_storage()))
-        return out
-
-    StreamRecompute.post_residual_bda = recording
-    try:
-        torch.manual_seed(11)
-        recomputed.zero_grad(set_to_none=True)
-        loss = _loss(recomputed, batch)
-        kept = [not r.expired() for r in made[:-1]]
-        loss.backward()
-    finally:
-        StreamRecompute.post_residual_bda = original
+    recompute_states.clear()  # the plain run makes none; start from the recomputed run's forward
+    torch.manual_seed(11)
+    recomputed.zero_grad(set_to_none=True)
+    loss = _loss(recomputed, batch)
+    made = list(recompute_states)
+    kept = [not r.expired() for r in made[:-1]]
+    loss.backward()
     got = {n: p.grad for n, p in recomputed.named_parameters() if p.grad is not None}
     assert len(made) == 4 and kept == ([False] * 3 if per_group is None else [True] * 3), kept
     assert torch.equal(loss.detach(), want_loss) and got.keys() == want.keys()

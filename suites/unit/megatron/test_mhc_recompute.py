@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from mhc_core.recompute import StreamRecompute
 
@@ -91,17 +90,9 @@ def test_failed_forward_leaves_no_open_group(make_config, build_gpt, batch, monk
 @pytest.mark.parametrize(("per_group", "kept"), [(None, [False] * 7), (1, [False, True] * 3 + [False]),
                                                  (2, [False, False, False, True, False, False, False])],
                          ids=["chunk", "per-layer", "groups-of-2"])
-def test_states_inside_groups_are_not_kept(make_config, build_gpt, batch, monkeypatch, per_group, kept):
+def test_states_inside_groups_are_not_kept(make_config, build_gpt, batch, recompute_states, per_group, kept):
     """After forward only each group's anchor survives among the 7 inner states of a 4-layer block (8 mixes)."""
-    made = []
-    original = StreamRecompute.post_residual_bda
-
-    def recording(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        made.append(StorageWeakRef(out.untyped_storage()))
-        return out
-
-    monkeypatch.setattr(StreamRecompute, "post_residual_bda", recording)
+    made = recompute_states
     model = build_gpt(_config(make_config, per_group=per_group), seed=1)
     out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     assert len(made) == 8
