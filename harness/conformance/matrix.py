@@ -263,7 +263,7 @@ class _Cells:
                                               f"to H^T @ x); {v} mixes as {want}")
         if spec.kind == "exact_sums":
             seen, rows, cols = observe_exact_sums(side[0]["h_res"], spec.dtype)
-            want = expected_exact_sums(v)
+            want = expected_exact_sums(v, spec.dtype)
             ok = seen == want
             return Cell(check=spec.id, op=spec.op, variant=v, status="pass" if ok else "fail", observed=seen,
                         max_abs=max(rows, cols), message=f"max |rowsum - 1| {rows:.2e}, |colsum - 1| {cols:.2e}"

@@ -3,7 +3,7 @@
 `default_peers` is what `mhc-harness conformance` runs without `--peer`: `mhc_core`'s three
 variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, Liger-Kernel, TransformerEngine's
 Triton mHC and torchtitan's DeepSeek-V4 (each from a source tree, `transformer_engine` / `torchtitan`,
-else skipped saying so), the committed recordings (upstream Megatron-LM `main` and `dev`, TE,
+else skipped saying so), the serving engines sglang and vLLM (forward only, from their installed wheels), the committed recordings (upstream Megatron-LM `main` and `dev`, TE,
 torchtitan), the GPU-only peers (skipped with a reason on a machine without one), the installed plugins
 (entry point group `mhc_suite.peers`), the `--peer-module` peers and, given `megatron_lm` (a source
 tree), that tree's own modules (`harness.peers.plugins`).
@@ -42,8 +42,10 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, mod
     from harness.peers.lucidrains import LucidrainsPeer
     from harness.peers.mhc_core_peer import mhc_core_peers
     from harness.peers.plugins import entry_point_peers, module_peers
+    from harness.peers.sglang import SglangPeer, SglangTritonPeer
     from harness.peers.te_triton import TeTritonPeer, te_tree
     from harness.peers.torchtitan import TorchtitanPeer, torchtitan_tree
+    from harness.peers.vllm import VllmPeer, VllmTritonPeer
 
     # A tree named explicitly is checked here (SourceTreeError, a ValueError naming it: the CLI exits 2); one
     # from the environment is checked by the peer, whose row then says why it did not run.
@@ -51,7 +53,8 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, mod
     titan = {"tree": torchtitan_tree(torchtitan).path} if torchtitan is not None else {}
 
     peers: list[Peer] = [*mhc_core_peers(("reference", "compiled")), HfDeepseekV4Peer(), LucidrainsPeer(),
-                         LigerPeer(), TeTritonPeer(**trees), TorchtitanPeer(**titan),
+                         LigerPeer(), TeTritonPeer(**trees), TorchtitanPeer(**titan), SglangPeer(), SglangTritonPeer(),
+                         VllmPeer(), VllmTritonPeer(),
                          *recorded_peers(), *gpu_peers(), *entry_point_peers(), *module_peers(modules)]
     names = [p.name for p in peers]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -1,0 +1,171 @@
+"""vLLM's mHC (its DeepSeek-V4 serving path) as two peers, forward only, bf16, from the installed 0.33.0 wheel.
+
+The wheel is a CUDA build (its `_C` extension does not load on a CPU machine), installed without its
+dependencies; the adapters execute vLLM's own kernel files on their own
+(`harness.source_tree.load_file`):
+
+- `vllm`: `vllm/model_executor/kernels/mhc/torch.py`, the eager kernels vLLM's `forward_native` runs
+  (`mhc_pre_torch`: projection, RMS, coefficients, Sinkhorn and the layer input; `mhc_post_torch`: the mix);
+  it asserts bf16 streams, so its checks run in bf16 only;
+- `vllm[triton]`: `vllm/model_executor/kernels/mhc/triton.py`, its Triton kernels, through Triton's
+  interpreter without a GPU: `hc_collapse_triton` (the layer input from given `h_pre`) and
+  `hc_head_reduce_triton_kernel` (the block exit: a weight-free RMSNorm kernel whose output is rounded to
+  bf16 before the fp32 projection, then the weighted sum of the streams). The file's two imports of vLLM
+  (`vllm.triton_utils`, whose `tl` / `triton` are triton's own, and `direct_register_custom_op`, which
+  registers the functions as `torch.ops.vllm.*`: not needed to call them) are stood in.
+
+vLLM's fused pre / post / post-pre kernels are TileLang (GPU only): not run here. Parameter map and layout:
+as sglang's (`harness.peers.sglang`): `hc_fn` `[N, n*C]` fp32, `hc_scale [3]`, `hc_base [N]`, eps 1e-6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.installed import InstalledFiles, stand_in
+from harness.peers.sglang import EPS, hc_params
+from harness.peers.triton_interpreter import interpreted, prepare_interpreter
+from harness.source_tree import load_file, placeholder_packages
+
+__all__ = ["TORCH_FILE", "TRITON_FILE", "VLLM", "VllmPeer", "VllmTritonPeer", "load_vllm_file"]
+
+TORCH_FILE = "vllm/model_executor/kernels/mhc/torch.py"
+TRITON_FILE = "vllm/model_executor/kernels/mhc/triton.py"
+VLLM = InstalledFiles(dist="vllm", version="0.33.0", files=(TORCH_FILE, TRITON_FILE))
+_PACKAGES = ("vllm", "vllm.utils", "vllm.model_executor", "vllm.model_executor.kernels",
+             "vllm.model_executor.kernels.mhc")
+
+
+def _runtime() -> list[ModuleType]:
+    import triton
+    import triton.language as tl
+
+    return [stand_in("vllm.triton_utils", triton=triton, tl=tl),
+            stand_in("vllm.utils.torch_utils", direct_register_custom_op=lambda **kwargs: None)]
+
+
+@cache
+def load_vllm_file(path: Path, name: str) -> ModuleType:
+    """vLLM's kernel file at `path` as `vllm.model_executor.kernels.mhc.<name>`; loaded once per path."""
+    if name == "triton":
+        prepare_interpreter()
+    with placeholder_packages(_PACKAGES, _runtime() if name == "triton" else []):
+        return load_file(f"vllm.model_executor.kernels.mhc.{name}", path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmPeer(Peer):
+    """vLLM's eager mHC kernels (see the module docstring)."""
+
+    name: str = "vllm"
+    description: str = "vLLM 0.33.0 vllm.model_executor.kernels.mhc.torch mhc_pre_torch / mhc_post_torch"
+    ops: frozenset[str] = frozenset({"coefficients", "mix", "sinkhorn", "layer"})
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+    """bf16: `mhc_pre_torch` asserts bf16 streams (what it serves in)."""
+    differentiable: bool = False
+    claims: str | None = "megatron_dev"
+    """DeepSeek-V4's variant; bf16 checks cannot see the norm's eps placement (sglang's fp32 row does)."""
+    differences: dict[str, str] = field(default_factory=lambda: {
+        "aggregate": "mhc_pre_torch computes the layer input from its own h_pre (checked inside coefficients); "
+                     "hc_collapse_triton takes a given h_pre: the vllm[triton] row",
+        "block_exit": "the exit is a Triton kernel: the vllm[triton] row",
+    })
+    source: Path | None = None
+    """The file to run (default: the installed wheel's); a copy, for the planted-fault tests."""
+    file: str = TORCH_FILE
+
+    def version(self) -> str | None:
+        v = VLLM.installed_version()
+        return None if v is None else f"{v} (interpreted)" if interpreted() and self.file == TRITON_FILE else v
+
+    def unavailable(self) -> str | None:
+        why = VLLM.unavailable() if self.source is None else None
+        if why:
+            return why
+        try:
+            self.module()
+        except Exception as exc:  # a file that does not load is a reason, not a crash
+            return f"vLLM's mHC file failed to load: {type(exc).__name__}: {exc}"
+        return None
+
+    def module(self) -> ModuleType:
+        return load_vllm_file(self.source or VLLM.path(self.file), Path(self.file).stem)
+
+    def files(self) -> InstalledFiles:
+        return VLLM
+
+    def pre(self, x: torch.Tensor, p: SublayerParams, iterations: int) -> tuple[torch.Tensor, ...]:
+        """`(layer_input [T, C], h_res [T, n, n], h_post [T, n])` of `x [T, n, C]` (`mhc_pre_torch`)."""
+        t, n, _ = x.shape
+        fn, scale, base = hc_params(p)
+        post, comb, y = self.module().mhc_pre_torch(x.contiguous(), fn, scale, base, EPS, EPS, EPS, 2.0, iterations)
+        return y, comb, post.reshape(t, n)
+
+    def post(self, y: torch.Tensor, x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
+        """The next streams `[T, n, C]` (`mhc_post_torch`)."""
+        return self.module().mhc_post_torch(y, x, h_post.unsqueeze(-1), h_res)
+
+    def coefficients(self, x, params: SublayerParams, iterations):
+        y, h_res, h_post = self.pre(x, params, iterations)
+        return {"h_post": h_post, "h_res": h_res, "aggregate": y}
+
+    def mix(self, h_res, residual, h_post, y):
+        return self.post(y, residual, h_post, h_res)
+
+    def sinkhorn(self, logits, iterations):
+        """Through `mhc_pre_torch` with the projection zeroed: `h_res` of `hc_base` = the logits, per token."""
+        t, n, _ = logits.shape
+        out = []
+        for i in range(t):
+            p = SublayerParams(n=n, weight=torch.zeros(n * n + 2 * n, n), alpha_pre=torch.ones(1),
+                               alpha_post=torch.ones(1), alpha_res=torch.ones(1),
+                               bias=torch.cat([torch.zeros(2 * n), logits[i].reshape(n * n).float()]))
+            out.append(self.pre(torch.ones(1, n, 1, dtype=torch.bfloat16), p, iterations)[1][0])
+        return torch.stack(out).to(logits.dtype)
+
+    def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):
+        h = x
+        for sub in (attn, mlp):
+            y, h_res, h_post = self.pre(h, sub.params, iterations)
+            h = self.post(sub.f(y), h, h_post, h_res)
+        return h
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmTritonPeer(VllmPeer):
+    """vLLM's Triton mHC kernels (see the module docstring)."""
+
+    name: str = "vllm[triton]"
+    description: str = ("vLLM 0.33.0 vllm.model_executor.kernels.mhc.triton hc_collapse_triton / "
+                        "hc_head_reduce_triton_kernel (interpreted without a GPU)")
+    ops: frozenset[str] = frozenset({"aggregate", "block_exit"})
+    claims: str | None = "megatron_dev+learned_exit"
+    differences: dict[str, str] = field(default_factory=lambda: {
+        "coefficients": "vLLM's fused pre is TileLang (GPU only): the eager kernels are the vllm row",
+        "mix": "as coefficients (the fused post is TileLang)",
+        "block_exit": "its RMSNorm kernel rounds the normalised streams to bf16 before the fp32 projection",
+    })
+    file: str = TRITON_FILE
+
+    def unavailable(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed (vLLM's kernels are Triton; the peers extra has triton 3.9.0)"
+        return super().unavailable() or prepare_interpreter()
+
+    def aggregate(self, x, h_pre):
+        return self.module().hc_collapse_triton(x.contiguous(), h_pre.float().contiguous())
+
+    def block_exit(self, x, head_fn, head_base, head_scale):
+        t, _, c = x.shape
+        out = torch.empty(t, c, dtype=x.dtype)
+        self.module().hc_head_reduce_triton_kernel(x.contiguous(), head_fn.float().contiguous(), head_scale.float(),
+                                                   head_base.float().contiguous(), out, EPS, EPS)
+        return out
