@@ -1,4 +1,4 @@
-"""`mhc-harness`: hw, run, recalibrate, diff, import-megatron, import-log, conformance, perf-history {append,check,plot}.
+"""`mhc-harness`: hw, run, recalibrate, diff, import-megatron, import-log, conformance, trainserve, perf-history {append,check,plot}.
 
 Exit codes: 0 success; 1 a failure (test, golden mismatch, regression, differing files for
 `diff`) or a refused input (any `GoldenError`: malformed or non-finite
@@ -129,6 +129,34 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
             print(f"--strict: {', '.join(bad)} do not conform to any variant or configuration on every check")
             return 1
     return 0
+
+
+def _cmd_trainserve(args: argparse.Namespace) -> int:
+    """The train/serve mismatch of the serving peers (harness.conformance.trainserve); exit 1 when one fails."""
+    from harness.peers.triton_interpreter import prepare_interpreter
+
+    prepare_interpreter()  # before anything imports triton
+    from harness.conformance.trainserve import TrainServeSetup, measure, serving_peers
+    from harness.conformance.trainserve_report import verdict, write_trainserve
+
+    try:
+        depths = tuple(int(d) for d in args.depths.split(","))
+        setup = TrainServeSetup(depths=depths, tokens=args.tokens, hidden=args.hidden)
+    except ValueError as exc:
+        print(f"error: --depths {args.depths!r} / --tokens {args.tokens} / --hidden {args.hidden}: {exc}",
+              file=sys.stderr)
+        return 2
+    peers = [p for p in serving_peers() if not args.peer or p.name in args.peer]
+    for p in serving_peers():
+        why = p.unavailable()
+        if why and (not args.peer or p.name in args.peer):
+            print(f"trainserve: {p.name} skipped: {why}")
+    rows = measure(peers, setup)
+    paths = write_trainserve(rows, setup, Path(args.out))
+    for r in rows[1:]:
+        print(f"trainserve: {r.name}: {verdict(r, rows[0])}")
+    print(f"trainserve: {', '.join(map(str, paths))}")
+    return 0 if all(r.passed for r in rows) else 1
 
 
 def _cmd_recalibrate(args: argparse.Namespace) -> int:
@@ -340,6 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="results", help="writes conformance.json and conformance.md here (default: ./results)")
     s.add_argument("--strict", action="store_true", help="exit 1 when an available peer does not conform fully")
     s.set_defaults(func=_cmd_conformance)
+
+    s = sub.add_parser("trainserve", help="the serving engines' mHC against the trainer's, by depth")
+    s.add_argument("--out", default="results", help="writes trainserve.{json,md,png} here (default: ./results)")
+    s.add_argument("--depths", default="1,8,32,61", help="the depths reported (default 1,8,32,61)")
+    s.add_argument("--tokens", type=int, default=64, help="tokens per run, the batch of the invariance check (64)")
+    s.add_argument("--hidden", type=int, default=64, help="stream width C (n*C a multiple of 64; default 64)")
+    s.add_argument("--peer", action="append", default=[], help="only this serving peer (repeatable)")
+    s.set_defaults(func=_cmd_trainserve)
 
     s = sub.add_parser("recalibrate", help="run a case N times and rewrite its golden values")
     s.add_argument("suite")

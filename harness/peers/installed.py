@@ -24,7 +24,7 @@ def stand_in(name: str, package: bool = False, **attrs: Any) -> ModuleType:
     that submodules can be registered under it)."""
     mod = ModuleType(name)
     if package:
-        mod.__path__ = []  # type: ignore[attr-defined]
+        mod.__path__ = []  # a package: submodules may be registered under it
     for k, v in attrs.items():
         setattr(mod, k, v)
     return mod

@@ -13,7 +13,10 @@ off), so its dispatch takes the paths such a machine takes:
   projection with the row sum of squares, then RMS scaling, the coefficients and Sinkhorn in one kernel;
   `mhc_combine`: the layer input) and of the gfx1250 port of the split + Sinkhorn
   (`_hc_split_sinkhorn_triton`), through Triton's interpreter without a GPU; the mix is the torch
-  `hc_post` (sglang's fused post is TileLang, GPU only), and the block exit `fused_hc_head` (`mhc_head.py`).
+  `hc_post` (sglang's fused post is TileLang), and the block exit `fused_hc_head` (`mhc_head.py`).
+
+- `sglang[tilelang]`: its TileLang kernels (`hc_split_sinkhorn`, `mhc_post`), on a GPU with sglang installed with
+  its dependencies (skipped with the reason elsewhere).
 
 Parameter map (reference -> sglang): `mapping_proj.weight` `[N, n*C]` -> `hc_fn` (fp32, the same
 `[pre | post | res]` rows), `bias` -> `hc_base`, `(alpha_pre, alpha_post, alpha_res)` -> `hc_scale[3]`;
@@ -33,11 +36,12 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.gpu import cuda, no_gpu
 from harness.peers.installed import InstalledFiles, stand_in
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 from harness.source_tree import load_file, placeholder_packages
 
-__all__ = ["EPS", "HEAD_FILE", "KERNEL_FILE", "SGLANG", "SglangPeer", "SglangTritonPeer", "hc_params", "load_sglang_mhc"]
+__all__ = ["EPS", "HEAD_FILE", "KERNEL_FILE", "SGLANG", "SglangPeer", "SglangTileLangPeer", "SglangTritonPeer", "hc_params", "load_sglang_mhc"]
 
 KERNEL_FILE = "sglang/kernels/ops/layernorm/mhc.py"
 HEAD_FILE = "sglang/kernels/ops/layernorm/mhc_head.py"
@@ -232,3 +236,46 @@ class SglangTritonPeer(SglangPeer):
         head = load_sglang_mhc(SGLANG.path(HEAD_FILE), "mhc_head")
         return head.fused_hc_head(x.contiguous(), head_fn.float().contiguous(), head_scale.float(),
                                   head_base.float().contiguous(), EPS, EPS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SglangTileLangPeer(Peer):
+    """sglang's TileLang mHC kernels, on a GPU with sglang installed with its dependencies: `hc_split_sinkhorn`
+    (driven with zero pre / post logits, `hc_scale = 1`, `hc_base = 0`) and `mhc_post` (the mix)."""
+
+    name: str = "sglang[tilelang]"
+    description: str = "sglang sglang.kernels.ops.layernorm.mhc hc_split_sinkhorn / mhc_post (TileLang, GPU)"
+    ops: frozenset[str] = frozenset({"sinkhorn", "mix"})
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+    streams: tuple[int, ...] = (4,)
+    differentiable: bool = False
+    differences: dict[str, str] = field(default_factory=lambda: {
+        "coefficients": "mhc_pre takes only n*C in {16384, 28672} at <= 2048 tokens (its split-K GEMM): not at the "
+                        "checks' C = 8; the torch path and the Triton kernels are the sglang and sglang[triton] rows",
+        "sinkhorn": "fp32 Sinkhorn of bf16-rounded logits"})
+
+    def version(self) -> str | None:
+        return SGLANG.installed_version()
+
+    def unavailable(self) -> str | None:
+        return no_gpu("sglang", "sglang.kernels.ops.layernorm.mhc", "pip install sglang")
+
+    @staticmethod
+    def _mhc():
+        import sglang.kernels.ops.layernorm.mhc as mhc
+
+        return mhc
+
+    def sinkhorn(self, logits, iterations):
+        t, n, _ = logits.shape
+        mixes = torch.zeros(1, t, (2 + n) * n, dtype=torch.float32, device="cuda")
+        mixes[..., 2 * n:] = cuda(logits.float()).reshape(1, t, n * n)
+        ones, zeros = torch.ones(3, device="cuda"), torch.zeros((2 + n) * n, device="cuda")
+        _, _, comb = self._mhc().hc_split_sinkhorn(mixes, ones, zeros, hc_mult=n, sinkhorn_iters=iterations, eps=EPS)
+        return comb.reshape(t, n, n).to(logits.device)
+
+    def mix(self, h_res, residual, h_post, y):
+        t, n, c = residual.shape
+        out = self._mhc().mhc_post(cuda(y), cuda(residual), cuda(h_post.float()).reshape(t, n, 1),
+                                   cuda(h_res.float()))
+        return out.reshape(t, n, c).to(residual.device)

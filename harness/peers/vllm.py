@@ -14,7 +14,8 @@ dependencies; the adapters execute vLLM's own kernel files on their own
   (`vllm.triton_utils`, whose `tl` / `triton` are triton's own, and `direct_register_custom_op`, which
   registers the functions as `torch.ops.vllm.*`: not needed to call them) are stood in.
 
-vLLM's fused pre / post / post-pre kernels are TileLang (GPU only): not run here. Parameter map and layout:
+vLLM's fused pre / post / post-pre kernels are TileLang: `vllm[tilelang]` runs them on a GPU, with vLLM installed
+with its dependencies (skipped with the reason elsewhere). Parameter map and layout:
 as sglang's (`harness.peers.sglang`): `hc_fn` `[N, n*C]` fp32, `hc_scale [3]`, `hc_base [N]`, eps 1e-6.
 """
 
@@ -28,12 +29,13 @@ from types import ModuleType
 import torch
 
 from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.gpu import cuda, no_gpu
 from harness.peers.installed import InstalledFiles, stand_in
 from harness.peers.sglang import EPS, hc_params
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 from harness.source_tree import load_file, placeholder_packages
 
-__all__ = ["TORCH_FILE", "TRITON_FILE", "VLLM", "VllmPeer", "VllmTritonPeer", "load_vllm_file"]
+__all__ = ["TORCH_FILE", "TRITON_FILE", "VLLM", "VllmPeer", "VllmTileLangPeer", "VllmTritonPeer", "load_vllm_file"]
 
 TORCH_FILE = "vllm/model_executor/kernels/mhc/torch.py"
 TRITON_FILE = "vllm/model_executor/kernels/mhc/triton.py"
@@ -169,3 +171,53 @@ class VllmTritonPeer(VllmPeer):
         self.module().hc_head_reduce_triton_kernel(x.contiguous(), head_fn.float().contiguous(), head_scale.float(),
                                                    head_base.float().contiguous(), out, EPS, EPS)
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmTileLangPeer(Peer):
+    """vLLM's TileLang mHC custom ops, on a GPU (`torch.ops.vllm.mhc_pre_tilelang` / `mhc_post_tilelang` /
+    `hc_head_fused_kernel_tilelang`, registered by importing `vllm.model_executor.layers.mhc`)."""
+
+    name: str = "vllm[tilelang]"
+    description: str = "vLLM torch.ops.vllm mhc_pre / mhc_post / hc_head (TileLang, inference: forward only)"
+    ops: frozenset[str] = frozenset({"coefficients", "mix", "block_exit"})
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+    streams: tuple[int, ...] = (4,)
+    differentiable: bool = False
+    differences: dict[str, str] = field(default_factory=lambda: {
+        "sinkhorn": "no standalone Sinkhorn op (it is inside mhc_pre): checked through coefficients",
+        "coefficients": "RMS eps inside the square root; the aggregate in bf16"})
+
+    def version(self) -> str | None:
+        return VLLM.installed_version()
+
+    def unavailable(self) -> str | None:
+        return no_gpu("vllm", "vllm.model_executor.layers.mhc", "pip install vllm")
+
+    @staticmethod
+    def _ops():
+        import vllm.model_executor.layers.mhc  # noqa: F401 - registers torch.ops.vllm.mhc_*
+
+        return torch.ops.vllm
+
+    def coefficients(self, x, params: SublayerParams, iterations):
+        t, n, c = x.shape
+        scale = torch.cat([params.alpha_pre, params.alpha_post, params.alpha_res]).float()
+        post, comb, layer_input = self._ops().mhc_pre_tilelang(
+            cuda(x), cuda(params.weight.float()), cuda(scale), cuda(params.bias.float()), EPS, EPS, EPS, 2.0,
+            iterations)
+        home = x.device
+        return {"h_post": post.reshape(t, n).to(home), "h_res": comb.reshape(t, n, n).to(home),
+                "aggregate": layer_input.reshape(t, c).to(home)}
+
+    def mix(self, h_res, residual, h_post, y):
+        t, n, c = residual.shape
+        out = self._ops().mhc_post_tilelang(cuda(y), cuda(residual), cuda(h_post.float()).reshape(t, n, 1),
+                                            cuda(h_res.float()))
+        return out.reshape(t, n, c).to(residual.device)
+
+    def block_exit(self, x, head_fn, head_base, head_scale):
+        t, n, c = x.shape
+        out = self._ops().hc_head_fused_kernel_tilelang(cuda(x), cuda(head_fn.float()), cuda(head_scale.float()),
+                                                        cuda(head_base.float()), EPS, EPS)
+        return out.reshape(t, c).to(x.device)
