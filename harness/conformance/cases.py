@@ -120,11 +120,11 @@ def make_case(n: int, *, seed: int = 0, x_scale: float = 1.0) -> Case:
 
 def sublayers(case: Case) -> tuple[Sublayer, Sublayer]:
     """The attention-like and MLP-like sublayers of a `layer` check."""
-    return (Sublayer(params=case.params, f=sublayer_fn(case.attn_w)),
-            Sublayer(params=case.mlp_params, f=sublayer_fn(case.mlp_w)))
+    return (Sublayer(params=case.params, f=sublayer_fn(case.attn_w), w=case.attn_w),
+            Sublayer(params=case.mlp_params, f=sublayer_fn(case.mlp_w), w=case.mlp_w))
 
 
 def stack_layers(case: Case) -> list[tuple[Sublayer, Sublayer]]:
     """The `(attn, mlp)` sublayers of each layer of a `stack` check."""
-    return [(Sublayer(params=a, f=sublayer_fn(wa)), Sublayer(params=m, f=sublayer_fn(wm)))
+    return [(Sublayer(params=a, f=sublayer_fn(wa), w=wa), Sublayer(params=m, f=sublayer_fn(wm), w=wm))
             for (a, m), (wa, wm) in zip(case.stack_params, case.stack_w, strict=True)]

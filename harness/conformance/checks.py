@@ -153,8 +153,8 @@ def _inputs(spec: CheckSpec) -> tuple[dict[str, torch.Tensor], Callable[[Peer, d
         attn, mlp = sublayers(c)
 
         def run(p: Peer, d: dict) -> dict[str, torch.Tensor]:
-            a = Sublayer(params=_params(d, "attn.", c.n), f=attn.f)
-            m = Sublayer(params=_params(d, "mlp.", c.n), f=mlp.f)
+            a = Sublayer(params=_params(d, "attn.", c.n), f=attn.f, w=attn.w)
+            m = Sublayer(params=_params(d, "mlp.", c.n), f=mlp.f, w=mlp.w)
             return {"out": p.layer(d["x"], a, m, it)}
 
         return {"x": c.x, **_param_inputs(c.params, "attn."), **_param_inputs(c.mlp_params, "mlp.")}, run
@@ -165,8 +165,8 @@ def _inputs(spec: CheckSpec) -> tuple[dict[str, torch.Tensor], Callable[[Peer, d
         fns = stack_layers(c)
 
         def run_stack(p: Peer, d: dict) -> dict[str, torch.Tensor]:
-            layers = [(Sublayer(params=_params(d, f"layer{i}.attn.", c.n), f=a.f),
-                       Sublayer(params=_params(d, f"layer{i}.mlp.", c.n), f=m.f)) for i, (a, m) in enumerate(fns)]
+            layers = [(Sublayer(params=_params(d, f"layer{i}.attn.", c.n), f=a.f, w=a.w),
+                       Sublayer(params=_params(d, f"layer{i}.mlp.", c.n), f=m.f, w=m.w)) for i, (a, m) in enumerate(fns)]
             head = Head(fn=d["head_fn"], base=d["head_base"], scale=d["head_scale"])
             go = p.stack if has_own(p, "stack") else lambda *a: chained_stack(p, *a)
             return {"out": go(d["h"], layers, head, it)}

@@ -12,8 +12,14 @@ orientation of the mix (`mix`, `orientation`, `layer`) and the block exit (`bloc
 is compared only here). The best configuration is the one with the most passes (ties: fewer options,
 the one claimed, then the smaller sum of log error ratios), e.g.
 `megatron_dev+eps_inside_sqrt+learned_exit`; `PeerResult.cells` reports every check against
-it. Each oracle runs once per part of a configuration a check can see. The mapping precision is not
-among the options tried: the oracle computes in fp64, where it changes nothing.
+it. Each oracle runs once per part of a configuration a check can see.
+
+Half precision (bf16 / fp16 checks): the bound scales with the reference's own rounding. The configuration's
+reference runs the check in the same dtype too, and a tensor of the peer passes when its error against fp64 is
+within `HALF_FACTOR` times the reference's own error ratio (or within the bound). So the bound follows what the
+configuration computes in that dtype, and the mapping precision (`fp32_mappings` / `activation_mappings`), which
+changes nothing in fp64, is among the options tried for those checks: a peer whose projection and gates run in
+bf16 matches `activation_mappings`.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from harness.conformance.oracle import VARIANT_NAMES, oracle_for
 from harness.peers.base import Peer
 from mhc_core.testing import tolerance
 from mhc_core.variants import (
+    MappingPrecision,
     NormEpsPlacement,
     NumericsOptions,
     OutputContraction,
@@ -53,7 +60,12 @@ from mhc_core.variants import (
     get_variant,
 )
 
-__all__ = ["Cell", "Matrix", "PeerResult", "run_matrix"]
+__all__ = ["HALF_FACTOR", "Cell", "Matrix", "PeerResult", "run_matrix"]
+
+HALF_FACTOR = 4.0
+"""A half-precision check passes a tensor whose error is within this many times the reference's own error in that
+dtype (both as ratios to the dtype's bound, against fp64)."""
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,8 +224,9 @@ def _shapes(spec: CheckSpec) -> str:
 
 
 OPTION_OPS = {"norm_eps_placement": ("coefficients", "layer", "stack"), "residual_mix": ("mix", "layer", "stack"),
-              "output_contraction": ("block_exit", "stack")}
-"""The options the checks can observe, and the ops whose checks show them."""
+              "output_contraction": ("block_exit", "stack"), "mapping_precision": ("coefficients", "layer", "stack")}
+"""The options the checks can observe, and the ops whose checks show them (the mapping precision: in half
+precision only)."""
 
 
 def _error_cells(peer: Peer, spec: CheckSpec, exc: Exception, variants: Sequence[str | None]) -> list[Cell]:
@@ -234,7 +247,9 @@ def _relevant(spec: CheckSpec, configuration: str) -> str:
         return configure("megatron_dev", NumericsOptions(output_contraction=s.output_contraction)).name
     keep = {"norm_eps_placement": s.norm_eps_placement if spec.op in OPTION_OPS["norm_eps_placement"] else None,
             "residual_mix": s.residual_mix if spec.op in OPTION_OPS["residual_mix"] else None,
-            "output_contraction": s.output_contraction if spec.op in OPTION_OPS["output_contraction"] else None}
+            "output_contraction": s.output_contraction if spec.op in OPTION_OPS["output_contraction"] else None,
+            "mapping_precision": s.mapping_precision if spec.op in OPTION_OPS["mapping_precision"]
+            and spec.dtype in _HALF else None}
     return configure(s.variant, NumericsOptions(**keep)).name
 
 
@@ -242,7 +257,7 @@ class _Cells:
     """The cells of one peer's checks against any configuration, each oracle run once."""
 
     def __init__(self, peer: Peer):
-        self.peer, self.sides, self._cache, self._refs = peer, [], {}, {}
+        self.peer, self.sides, self._cache, self._refs, self._own = peer, [], {}, {}, {}
 
     def cell(self, spec: CheckSpec, side: Any, configuration: str) -> Cell:
         key = (spec.id, _relevant(spec, configuration))
@@ -270,8 +285,15 @@ class _Cells:
                         + ("" if ok else f"; {v} leaves {want} exact"))
         ref = self._reference(spec, side, v)
         if spec.kind == "grad_sizes":
-            return _grad_size_cell(spec, v, grad_sizes(side[1], ref[1], spec.n))
-        cell = _numeric_cell(spec, v, compare(side, ref, spec.dtype), self.peer.differences.get(spec.op))
+            own = None
+            if spec.dtype in _HALF:
+                own_side = run_side(oracle_for(v, spec.dtype), spec, spec.dtype)
+                own = {g.name: g.ratio for g in grad_sizes(own_side[1], ref[1], spec.n)}
+            return _grad_size_cell(spec, v, grad_sizes(side[1], ref[1], spec.n), own)
+        comparisons = compare(side, ref, spec.dtype)
+        if spec.dtype in _HALF:
+            comparisons = _scaled(comparisons, self._own_rounding(spec, v, side, ref))
+        cell = _numeric_cell(spec, v, comparisons, self.peer.differences.get(spec.op))
         if spec.op == "stack" and stack_source(self.peer) == "chained":
             cell = replace(cell, message=(cell.message + "; " if cell.message else "") + _CHAINED)
         return cell
@@ -285,6 +307,18 @@ class _Cells:
         if key is not None:
             self._refs[key] = ref
         return ref
+
+    def _own_rounding(self, spec: CheckSpec, v: str, side: Any, ref: tuple[dict, dict]) -> dict[str, float]:
+        """`{tensor: error ratio}` of configuration `v`'s reference run in the check's (half-precision) dtype,
+        against the fp64 oracle `ref`."""
+        key = (spec.id, v)
+        if key not in self._own:
+            keys = tuple(side[0])
+            own = run_side(oracle_for(v, spec.dtype), spec, spec.dtype, keys=keys)
+            if not self.peer.differentiable:
+                own = (own[0], {})
+            self._own[key] = {c.name: c.ratio for c in compare(own, ref, spec.dtype)}
+        return self._own[key]
 
     def against(self, configuration: str, exit_check: bool) -> list[Cell]:
         """Every check (those of `EXIT_OPS` only when `exit_check`) against `configuration`, n/a cells first."""
@@ -310,31 +344,52 @@ class _Cells:
                 for check, r in why.items() if check not in ran]
 
 
+def _scaled(comparisons: list[Comparison], own: dict[str, float]) -> list[Comparison]:
+    """Half precision: each ratio over `HALF_FACTOR` times the reference's own (at least the bound itself)."""
+    out = []
+    for c in comparisons:
+        mine = own.get(c.name, 0.0)
+        scale = max(1.0, HALF_FACTOR * mine)
+        out.append(replace(c, ratio=c.ratio / scale, detail=f"{c.detail}; the reference's own error in this dtype "
+                                                           f"{mine:.3g}x the bound, allowed {HALF_FACTOR:g}x that"))
+    return out
+
+
 def _configurations(peer: Peer, variants: Sequence[str]) -> list[str]:
     """Each variant with each combination of the options the peer's ops show (the plain variants first)."""
     shown = {o for o, ops in OPTION_OPS.items() if set(ops) & peer.ops}
+    if not set(peer.dtypes) & set(_HALF):
+        shown.discard("mapping_precision")
     eps = [None, NormEpsPlacement.INSIDE_SQRT, NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS] \
         if "norm_eps_placement" in shown else [None]
     mixes = [ResidualMix.UNTRANSPOSED, ResidualMix.TRANSPOSED] if "residual_mix" in shown else [None]
     exits = [OutputContraction.MEAN, OutputContraction.LEARNED] if "output_contraction" in shown else [None]
-    names = [configure(v, NumericsOptions(norm_eps_placement=e, residual_mix=m, output_contraction=x)).name
-             for v in variants for e in eps for m in mixes for x in exits]
+    precisions = [MappingPrecision.FP32, MappingPrecision.ACTIVATION] if "mapping_precision" in shown else [None]
+    names = [configure(v, NumericsOptions(norm_eps_placement=e, residual_mix=m, output_contraction=x,
+                                          mapping_precision=p)).name
+             for v in variants for e in eps for m in mixes for x in exits for p in precisions]
     return list(dict.fromkeys([*variants, *names]))
 
 
 _CHAINED = "its layers chained by the suite (the peer has no stack of its own)"
 
 
-def _grad_size_cell(spec: CheckSpec, variant: str, sizes: list) -> Cell:
-    """`stack-grads`: pass when every part's gradient norm is within `GRAD_SIZE_FACTOR` of the reference's."""
+def _grad_size_cell(spec: CheckSpec, variant: str, sizes: list, own: dict[str, float] | None = None) -> Cell:
+    """`stack-grads`: pass when every part's gradient norm is within `GRAD_SIZE_FACTOR` of the reference's; in half
+    precision (`own`: the reference's own norm ratios in that dtype, where a cancelled, tiny gradient is mostly
+    rounding) within that factor times the reference's own deviation."""
     if not sizes:
         return Cell(check=spec.id, op=spec.op, variant=variant, status="n/a", message="no gradient to compare")
 
     def off(g) -> float:
         return abs(math.log10(g.ratio)) if 0 < g.ratio < math.inf else math.inf
 
+    def allowed(g) -> float:
+        mine = (own or {}).get(g.name, 1.0)
+        return math.log10(GRAD_SIZE_FACTOR) + (abs(math.log10(mine)) if 0 < mine < math.inf else 0.0)
+
     worst = max(sizes, key=off)
-    bad = [g for g in sizes if off(g) > math.log10(GRAD_SIZE_FACTOR)]
+    bad = [g for g in sizes if off(g) > allowed(g)]
     text = ", ".join(f"{g.name} {g.peer:.2e} vs {g.reference:.2e}" for g in sorted(bad, key=off, reverse=True)[:4])
     msg = "" if not bad else (f"{len(bad)} of {len(sizes)} parameter parts get a gradient more than "
                               f"{GRAD_SIZE_FACTOR:g}x off the reference's (peer vs reference norm): {text}")

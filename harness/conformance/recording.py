@@ -76,8 +76,18 @@ def _triton() -> dict[str, str | None]:
     return {"triton": version, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
 
 
+def _jax() -> dict[str, str]:
+    """JAX's version where a JAX peer ran (`jax` imported)."""
+    return {"jax": md.version("jax")} if "jax" in sys.modules else {}
+
+
 def _tree_source(peer: Peer) -> dict[str, Any]:
-    """The commit and file hashes of a peer that runs from a source tree (`tree` field), else `{}`."""
+    """The commit and file hashes of a peer that runs from a source tree (`tree` field), the package version and
+    file hashes of one that runs an installed distribution's files (`files()`), else `{}`."""
+    files = getattr(peer, "files", None)
+    if files is not None:
+        installed = files()
+        return {"package": installed.describe(), "files_sha256": installed.hashes()}
     tree = getattr(peer, "tree", None)
     describe = getattr(peer, "source_tree", None)
     if tree is None or describe is None:
@@ -115,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                           "--out", args.out.name])
     tree = _tree_source(peer)
     source = {"repository": args.repository, "branch": args.branch or "?",
-              "commit": args.commit or tree.get("commit"), "files_sha256": tree.get("files_sha256", {}),
+              "commit": args.commit or tree.get("commit"), **({"package": tree["package"]} if "package" in tree else {}),
+              "files_sha256": tree.get("files_sha256", {}),
               "recorded": utc_now(), "torch": torch.__version__,
               "python": platform.python_version(), "device": "cuda" if torch.cuda.is_available() else "cpu",
+              **_jax(),
               **(_triton() if "interpreted" in (peer.version() or "") else {}), "command": command}
     doc = {"format": FORMAT, "source": source, "peers": [record_peer(peer, name=peer.name + RECORDED_SUFFIX)]}
     write_recording(doc, args.out)

@@ -3,7 +3,8 @@
 `default_peers` is what `mhc-harness conformance` runs without `--peer`: `mhc_core`'s three
 variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, Liger-Kernel, TransformerEngine's
 Triton mHC and torchtitan's DeepSeek-V4 (each from a source tree, `transformer_engine` / `torchtitan`,
-else skipped saying so), the serving engines sglang and vLLM (forward only, from their installed wheels), the committed recordings (upstream Megatron-LM `main` and `dev`, TE,
+else skipped saying so), the serving engines sglang and vLLM (forward only, from their installed wheels), MaxText
+(JAX, Python >= 3.12: the compat env), the committed recordings (upstream Megatron-LM `main` and `dev`, TE,
 torchtitan), the GPU-only peers (skipped with a reason on a machine without one), the installed plugins
 (entry point group `mhc_suite.peers`), the `--peer-module` peers and, given `megatron_lm` (a source
 tree), that tree's own modules (`harness.peers.plugins`).
@@ -40,6 +41,7 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, mod
     from harness.peers.hf_deepseek_v4 import HfDeepseekV4Peer
     from harness.peers.liger import LigerPeer
     from harness.peers.lucidrains import LucidrainsPeer
+    from harness.peers.maxtext import MaxTextPeer
     from harness.peers.mhc_core_peer import mhc_core_peers
     from harness.peers.plugins import entry_point_peers, module_peers
     from harness.peers.sglang import SglangPeer, SglangTritonPeer
@@ -54,7 +56,7 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, mod
 
     peers: list[Peer] = [*mhc_core_peers(("reference", "compiled")), HfDeepseekV4Peer(), LucidrainsPeer(),
                          LigerPeer(), TeTritonPeer(**trees), TorchtitanPeer(**titan), SglangPeer(), SglangTritonPeer(),
-                         VllmPeer(), VllmTritonPeer(),
+                         VllmPeer(), VllmTritonPeer(), MaxTextPeer(),
                          *recorded_peers(), *gpu_peers(), *entry_point_peers(), *module_peers(modules)]
     names = [p.name for p in peers]
     twice = sorted({n for n in names if names.count(n) > 1})

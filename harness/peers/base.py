@@ -100,6 +100,9 @@ class Sublayer:
 
     params: SublayerParams
     f: Callable[[torch.Tensor], torch.Tensor]
+    w: torch.Tensor | None = None
+    """The stand-in's weight where `f` is the checks' `tanh(y @ w)` `[C, C]`: a peer in another framework (JAX)
+    runs that function itself."""
 
 
 @dataclass(frozen=True, kw_only=True)
