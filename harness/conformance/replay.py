@@ -55,9 +55,12 @@ class RecordedPeer(Peer):
         return None if self.skipped is None else f"not run where recorded: {self.skipped}"
 
     def version(self) -> str | None:
-        """`<branch>@<commit[:12]>`, plus `(interpreted)` for Triton kernels recorded through the interpreter."""
+        """`<branch>@<commit[:12]>` (a package: its name and version), plus `(interpreted)` for Triton kernels
+        recorded through the interpreter."""
         commit, branch = self.source.get("commit"), self.source.get("branch")
-        if commit:
+        if self.source.get("package"):
+            where = str(self.source["package"])
+        elif commit:
             where = f"{branch}@{commit[:12]}" if branch else commit[:12]
         else:
             where = f"{branch or 'a'} tree {self.source.get('tree', '?')} (no commit)"

@@ -41,7 +41,7 @@ from harness.peers.installed import InstalledFiles, stand_in
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 from harness.source_tree import load_file, placeholder_packages
 
-__all__ = ["EPS", "HEAD_FILE", "KERNEL_FILE", "SGLANG", "SglangPeer", "SglangTileLangPeer", "SglangTritonPeer", "hc_params", "load_sglang_mhc"]
+__all__ = ["EPS", "HEAD_FILE", "KERNEL_FILE", "SGLANG", "SglangPeer", "SglangTileLangPeer", "SglangTritonPeer", "device_for_triton", "hc_params", "load_sglang_mhc"]
 
 KERNEL_FILE = "sglang/kernels/ops/layernorm/mhc.py"
 HEAD_FILE = "sglang/kernels/ops/layernorm/mhc_head.py"
@@ -92,6 +92,11 @@ def load_sglang_mhc(path: Path, name: str = "mhc") -> ModuleType:
     prepare_interpreter()
     with placeholder_packages(_PACKAGES, _runtime()):
         return load_file(f"sglang.kernels.ops.layernorm.{name}", path)
+
+
+def device_for_triton(t: torch.Tensor) -> torch.Tensor:
+    """`t` where the Triton kernels run: the CPU under the interpreter, else the GPU."""
+    return t if interpreted() else t.to("cuda")
 
 
 def hc_params(p: SublayerParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -214,28 +219,29 @@ class SglangTritonPeer(SglangPeer):
     def pre(self, x, p, iterations):
         """The Blackwell path: `hc_mix_stats_sinkhorn` then `mhc_combine` (n*C a multiple of 64)."""
         t, n, c = x.shape
-        mod, (fn, scale, base) = self.module(), hc_params(p)
-        flat = x.reshape(t, n * c).contiguous()
+        mod, (fn, scale, base) = self.module(), (device_for_triton(a) for a in hc_params(p))
+        flat = device_for_triton(x.reshape(t, n * c).contiguous())
         h_pre, h_post, h_res = mod.hc_mix_stats_sinkhorn(flat, fn, scale, base, n, iterations, EPS, EPS)
-        return mod.mhc_combine(flat, h_pre, n, x.dtype), h_res, h_post
+        return (mod.mhc_combine(flat, h_pre, n, x.dtype).to(x.device), h_res.to(x.device), h_post.to(x.device))
 
     def aggregate(self, x, h_pre):
         t, n, c = x.shape
-        return self.module().mhc_combine(x.reshape(t, n * c).contiguous(), h_pre.float().contiguous(), n, x.dtype)
+        return self.module().mhc_combine(device_for_triton(x.reshape(t, n * c).contiguous()), device_for_triton(h_pre.float().contiguous()),
+                                         n, x.dtype).to(x.device)
 
     def sinkhorn(self, logits, iterations):
         """`_hc_split_sinkhorn_triton` with the logits as the `comb` part of `mixes`, scale 1, base 0."""
         t, n, _ = logits.shape
         mixes = torch.cat([torch.zeros(t, 2 * n), logits.reshape(t, n * n).float()], dim=1).reshape(1, t, -1)
-        _, _, comb = self.module()._hc_split_sinkhorn_triton(mixes, torch.ones(3), torch.zeros(n * n + 2 * n), n,
-                                                              iterations, EPS)
-        return comb.reshape(t, n, n).to(logits.dtype)
+        _, _, comb = self.module()._hc_split_sinkhorn_triton(device_for_triton(mixes), device_for_triton(torch.ones(3)),
+                                                              device_for_triton(torch.zeros(n * n + 2 * n)), n, iterations, EPS)
+        return comb.reshape(t, n, n).to(logits.device, logits.dtype)
 
     def block_exit(self, x, head_fn, head_base, head_scale):
         """`fused_hc_head` (`mhc_head.py`): RMS, projection, `sigmoid + eps`, the weighted sum of the streams."""
         head = load_sglang_mhc(SGLANG.path(HEAD_FILE), "mhc_head")
-        return head.fused_hc_head(x.contiguous(), head_fn.float().contiguous(), head_scale.float(),
-                                  head_base.float().contiguous(), EPS, EPS)
+        return head.fused_hc_head(device_for_triton(x.contiguous()), device_for_triton(head_fn.float().contiguous()), device_for_triton(head_scale.float()),
+                                  device_for_triton(head_base.float().contiguous()), EPS, EPS).to(x.device)
 
 
 @dataclass(frozen=True, kw_only=True)

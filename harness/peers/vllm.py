@@ -31,7 +31,7 @@ import torch
 from harness.peers.base import Peer, Sublayer, SublayerParams
 from harness.peers.gpu import cuda, no_gpu
 from harness.peers.installed import InstalledFiles, stand_in
-from harness.peers.sglang import EPS, hc_params
+from harness.peers.sglang import EPS, device_for_triton, hc_params
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 from harness.source_tree import load_file, placeholder_packages
 
@@ -163,14 +163,16 @@ class VllmTritonPeer(VllmPeer):
         return super().unavailable() or prepare_interpreter()
 
     def aggregate(self, x, h_pre):
-        return self.module().hc_collapse_triton(x.contiguous(), h_pre.float().contiguous())
+        d = device_for_triton
+        return self.module().hc_collapse_triton(d(x.contiguous()), d(h_pre.float().contiguous())).to(x.device)
 
     def block_exit(self, x, head_fn, head_base, head_scale):
         t, _, c = x.shape
-        out = torch.empty(t, c, dtype=x.dtype)
-        self.module().hc_head_reduce_triton_kernel(x.contiguous(), head_fn.float().contiguous(), head_scale.float(),
-                                                   head_base.float().contiguous(), out, EPS, EPS)
-        return out
+        d = device_for_triton
+        out = d(torch.empty(t, c, dtype=x.dtype))
+        self.module().hc_head_reduce_triton_kernel(d(x.contiguous()), d(head_fn.float().contiguous()),
+                                                   d(head_scale.float()), d(head_base.float().contiguous()), out, EPS, EPS)
+        return out.to(x.device)
 
 
 @dataclass(frozen=True, kw_only=True)
