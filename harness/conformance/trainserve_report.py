@@ -53,8 +53,11 @@ def _plot(rows: Sequence[PeerMismatch], path: Path) -> None:
     fig = Figure(figsize=(7.0, 4.0), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
+    seen: dict[tuple[float, ...], str] = {}
     for r in rows:
-        ax.plot(r.depths, [max(v, 1e-8) for v in r.vs_fp64], marker="o", label=r.name,
+        same = seen.setdefault(r.vs_fp64, r.name)
+        label = r.name if same == r.name else f"{r.name} (= {same})"
+        ax.plot(r.depths, [max(v, 1e-8) for v in r.vs_fp64], marker="o", label=label,
                 linestyle="-" if r.passed else "--")
     ax.set_xlabel("depth (layers)")
     ax.set_ylabel("worst relative error of the streams vs fp64")
