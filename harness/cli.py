@@ -114,6 +114,11 @@ def _conformance(args: argparse.Namespace, out_dir: Path):
     print(format_summary(matrix))
     js, md = write_outputs(matrix, out_dir)
     print(f"conformance: {js}, {md}")
+    if getattr(args, "save_matrix", None):
+        from harness.conformance.saved import save_matrix
+
+        save_matrix(matrix, Path(args.save_matrix), [p.name for p in peers])
+        print(f"conformance: matrix kept for the conformance suite in {args.save_matrix}")
     return matrix
 
 
@@ -366,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("conformance", help="every mHC implementation against every variant: the matrix")
     peer_options(s)
     s.add_argument("--out", default="results", help="writes conformance.json and conformance.md here (default: ./results)")
+    s.add_argument("--save-matrix", default=None, metavar="PATH",
+                   help="also keep the computed matrix at PATH for the conformance suite (its fixture loads it when "
+                        "$MHC_CONFORMANCE_MATRIX names it and it matches the checkout)")
     s.add_argument("--strict", action="store_true", help="exit 1 when an available peer does not conform fully")
     s.set_defaults(func=_cmd_conformance)
 
