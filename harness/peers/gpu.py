@@ -1,5 +1,5 @@
-"""GPU-only peers: DeepSeek's TileKernels (training kernels, forward and backward), and the helpers of every
-GPU-only peer; the serving engines' TileLang ops live with their engines (`harness.peers.vllm`,
+"""GPU-only peers: DeepSeek's TileKernels (training kernels, forward and backward); the serving engines' TileLang
+ops live with their engines (`harness.peers.vllm`,
 `harness.peers.sglang`: `vllm[tilelang]`, `sglang[tilelang]`), and `gpu_peers` lists all three.
 
 They run on CUDA only: on a machine without a GPU (or without the package) they are skipped with the
@@ -16,40 +16,14 @@ TileKernels (streams before hidden, `[..., n, C]`): `mhc_pre` (norm, projection,
 
 from __future__ import annotations
 
-import importlib.metadata as md
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from harness.peers.base import Peer, SublayerParams, TimedFn, Timing
+from harness.peers.gpu_support import cuda, no_gpu, package_version
 
-__all__ = ["TileKernelsPeer", "cuda", "gpu_peers", "no_gpu"]
-
-
-def no_gpu(package: str, module: str, pip: str) -> str | None:
-    """None when a CUDA GPU is here and `module` of `package` imports, else why not (`pip`: how to install it)."""
-    if not torch.cuda.is_available():
-        return f"needs a CUDA GPU (torch.cuda.is_available() is False); {pip} runs on NVIDIA GPUs only"
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-        return f"{package} is not installed ({pip})"
-    try:
-        importlib.import_module(module)
-    except Exception as exc:  # a broken install is a reason, not a crash
-        return f"{module} failed to import: {type(exc).__name__}: {exc}"
-    return None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
-def cuda(t: torch.Tensor) -> torch.Tensor:
-    """`t` on the GPU (the GPU peers' inputs; results go back to the inputs' device)."""
-    return t.to("cuda")
+__all__ = ["TileKernelsPeer", "gpu_peers"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +38,7 @@ class TileKernelsPeer(Peer):
     timing: Timing | None = Timing(variant="megatron_dev", ops=frozenset({"coefficients"}), gpu_only=True)
 
     def version(self) -> str | None:
-        return _version("tile-kernels")
+        return package_version("tile-kernels")
 
     def unavailable(self) -> str | None:
         return no_gpu("tile-kernels", "tile_kernels.modeling.mhc", "pip install tile-kernels==2.1.0")

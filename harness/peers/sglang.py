@@ -36,7 +36,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 from harness.peers.base import Peer, Sublayer, SublayerParams
-from harness.peers.gpu import cuda, no_gpu
+from harness.peers.gpu_support import cuda, no_gpu
 from harness.peers.installed import InstalledFiles, stand_in
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 from harness.source_tree import load_file, placeholder_packages

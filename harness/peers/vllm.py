@@ -29,7 +29,7 @@ from types import ModuleType
 import torch
 
 from harness.peers.base import Peer, Sublayer, SublayerParams
-from harness.peers.gpu import cuda, no_gpu
+from harness.peers.gpu_support import cuda, no_gpu
 from harness.peers.installed import InstalledFiles, stand_in
 from harness.peers.sglang import EPS, device_for_triton, hc_params
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
