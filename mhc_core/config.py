@@ -60,8 +60,9 @@ class HyperConnectionConfig:
     sequence_parallel: bool = False
     """Tag the parameters `sequence_parallel=True` so Megatron all-reduces their grads over TP."""
     h_res_constraint: ResidualConstraint = ResidualConstraint.SINKHORN
-    """`sinkhorn` (mHC) or `none`: unconstrained Hyper-Connections, `H_res = I + logits` (the baseline of
-    the paper's stability comparison)."""
+    """`sinkhorn` (mHC), `none`: unconstrained Hyper-Connections, `H_res = I + logits` (the baseline of
+    the paper's stability comparison), or `permutations`: mHC-lite, a softmax mixture of the n! permutation
+    matrices (n <= 6)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, rule: str) -> ValueError:
@@ -99,6 +100,10 @@ class HyperConnectionConfig:
         except ValueError:
             raise bad("h_res_constraint", self.h_res_constraint,
                       f"valid: {', '.join(c.value for c in ResidualConstraint)}") from None
+        if self.h_res_constraint == ResidualConstraint.PERMUTATIONS and self.num_residual_streams > 6:
+            raise bad("h_res_constraint", self.h_res_constraint,
+                      f"needs num_residual_streams <= 6 (n! = {math.factorial(self.num_residual_streams)} logits "
+                      f"per token at n={self.num_residual_streams})")
 
     @property
     def numerics(self) -> VariantSpec:
@@ -110,8 +115,10 @@ class HyperConnectionConfig:
 
     @property
     def num_mapping_outputs(self) -> int:
-        """N = n*n + 2n."""
-        return self.num_residual_streams**2 + 2 * self.num_residual_streams
+        """N = n*n + 2n (2n + n! for the permutation mixture, mHC-lite)."""
+        from mhc_core.ops.mapping import num_mapping_outputs
+
+        return num_mapping_outputs(self.num_residual_streams, self.h_res_constraint)
 
     @classmethod
     def from_transformer_config(cls, config: Any) -> HyperConnectionConfig:

@@ -20,6 +20,8 @@ from torch import nn
 from mhc_core.checks import NonFiniteError, check_dim, check_finite, check_rank, shape_str
 from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
 from mhc_core.kernels import select_ops
+from mhc_core.ops.mapping import mapping
+from mhc_core.ops.permutations import permutation_mixture
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
 from mhc_core.variants import ResidualConstraint
 
@@ -34,7 +36,8 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         alpha_pre, alpha_post, alpha_res `[1]` = `init_gating_factor`;
         bias `[N]` zeros, laid out `[pre(n) | post(n) | res(n*n row-major)]`.
     With `h_res_constraint="none"` H_res is `I + logits` (unconstrained Hyper-Connections) instead of
-    the Sinkhorn projection. Under `paper` and `megatron_dev` (and any variant with `mapping_precision="fp32"`)
+    the Sinkhorn projection; with `"permutations"` (mHC-lite) a softmax mixture of the n! permutation matrices
+    from `2n + n!` projection outputs, on the reference ops whatever the backend. Under `paper` and `megatron_dev` (and any variant with `mapping_precision="fp32"`)
     they stay fp32 when the module is cast to bf16 / fp16 (megatron's `Float16Module`), as upstream dev's
     `mark_keep_in_fp32`; under `megatron_main` they are cast with the model, as upstream main
     (`mhc_core.precision`). The ops get `config.numerics`: the variant with the config's options.
@@ -109,6 +112,10 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
             if cfg.h_res_constraint == ResidualConstraint.NONE:  # unconstrained Hyper-Connections
                 h_pre, h_post, logits = self._ops.mapping(x, *params, n, self._spec, cfg.norm_eps)
                 h_res = torch.eye(n, dtype=logits.dtype, device=logits.device) + logits
+                aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
+            elif cfg.h_res_constraint == ResidualConstraint.PERMUTATIONS:  # mHC-lite, on the reference mapping
+                h_pre, h_post, logits = mapping(x, *params, n, self._spec, cfg.norm_eps, residual=cfg.h_res_constraint)
+                h_res = permutation_mixture(logits, n)
                 aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
             else:  # mapping, Sinkhorn and aggregate in one op (one pass over x where the backend fuses them)
                 aggregated, h_pre, h_post, h_res = self._ops.pre(x, *params, n, cfg.sinkhorn_iterations, self._spec,

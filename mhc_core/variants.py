@@ -55,6 +55,10 @@ class ResidualConstraint(enum.StrEnum):
     NONE = "none"
     """Unconstrained Hyper-Connections, the HC paper's dynamic form: `H_res = I + logits` (identity at
     init, then whatever training makes of it). The baseline the mHC paper's stability figure compares."""
+    PERMUTATIONS = "permutations"
+    """mHC-lite (MaxText's `enable_mhc_lite`): `H_res = sum_p softmax(logits)_p P_p` over the n! permutation
+    matrices, exactly doubly stochastic without iterations; the projection has `2n + n!` outputs
+    (`mhc_core.ops.permutations`)."""
 
 
 class NormEpsPlacement(enum.StrEnum):

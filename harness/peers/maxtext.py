@@ -21,10 +21,11 @@ softmax + eps, a column step, then rows and columns with `sum + eps`) cast back;
 mix `einsum("bskm,bskd->bsmd")`, i.e. `H^T @ x`.
 
 Its Pallas kernels (`maxtext/kernels/mhc/`, forward and backward, bf16, n = 4, C a multiple of 128) implement only
-mHC-lite (`enable_mhc_lite`: H_res a softmax-weighted mixture of the n! permutation matrices, a residual
-constraint none of the suite's configurations names), so they are not a row of the matrix (its checks' C is 8):
-`suites/conformance/test_maxtext.py` runs them in Pallas's interpret mode, the fused mix against the oracle and
-the mHC-lite pre against MaxText's own XLA path (`pallas_layer`).
+mHC-lite (`enable_mhc_lite`: H_res a softmax-weighted mixture of the n! permutation matrices, `mhc_core`'s
+`ResidualConstraint.PERMUTATIONS`, whose `2n + n!` logits the conformance checks' parameters do not have), so
+they are not a row of the matrix: `suites/conformance/test_maxtext.py` runs them in Pallas's interpret mode (the
+fused mix against the oracle, the mHC-lite pre and post against MaxText's own XLA path), and that XLA path against
+`mhc_core`'s permutation mixture.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ FLAGS: dict[str, _Flag] = {
     "--mhc-sinkhorn-iterations": _f(int, minimum=1),
     "--mhc-init-gating-factor": _f(float, minimum=0.0),
     "--mhc-variant": _f(str, choices=_variant_names),
-    "--mhc-h-res-constraint": _f(str, choices=("sinkhorn", "none")),
+    "--mhc-h-res-constraint": _f(str, choices=("sinkhorn", "none", "permutations")),
     "--use-fused-mhc": _f(bool),
     "--mhc-learned-contraction": _f(bool),
     "--disable-bias-linear": _f(bool),

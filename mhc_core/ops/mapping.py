@@ -23,9 +23,10 @@ import math
 import torch
 
 from mhc_core.checks import check_dim, check_floating, check_number, check_rank, check_streams, shape_str
-from mhc_core.variants import Variant, VariantSpec, get_variant
+from mhc_core.variants import ResidualConstraint, Variant, VariantSpec, get_variant
 
-__all__ = ["mapping", "num_mapping_outputs", "check_mapping_args", "compute_dtype", "effective_norm_eps", "NORM_EPS"]
+__all__ = ["mapping", "num_mapping_outputs", "num_res_logits", "check_mapping_args", "compute_dtype", "effective_norm_eps",
+           "NORM_EPS"]
 
 NORM_EPS = 1e-6
 """eps of the RMS norm (outside the square root, as upstream, unless the spec says inside)."""
@@ -43,13 +44,22 @@ def effective_norm_eps(spec: VariantSpec, norm_eps: float, compute: torch.dtype)
     return float(torch.finfo(compute).eps) if spec.norm_eps_from_dtype else norm_eps
 
 
-def num_mapping_outputs(n: int) -> int:
-    """N = n*n + 2n, the width of the projection."""
-    return n * n + 2 * n
+def num_res_logits(n: int, residual: ResidualConstraint = ResidualConstraint.SINKHORN) -> int:
+    """The residual logits per token: n*n, or n! for the permutation mixture (mHC-lite)."""
+    if residual == ResidualConstraint.PERMUTATIONS:
+        from mhc_core.ops.permutations import num_permutations
+
+        return num_permutations(n)
+    return n * n
+
+
+def num_mapping_outputs(n: int, residual: ResidualConstraint = ResidualConstraint.SINKHORN) -> int:
+    """N = n*n + 2n, the width of the projection (2n + n! for the permutation mixture)."""
+    return num_res_logits(n, residual) + 2 * n
 
 
 def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, op: str = "mapping",
-                       norm_eps: float = NORM_EPS) -> int:
+                       norm_eps: float = NORM_EPS, residual: ResidualConstraint = ResidualConstraint.SINKHORN) -> int:
     """The argument checks of `mapping`, shared by every backend; returns `n` as a Python int."""
     n = check_streams(n, op=op)
     check_number(norm_eps, name="norm_eps", op=op, low=0.0)
@@ -57,7 +67,7 @@ def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, 
     width = x.shape[1]
     if width % n != 0 or width == 0:
         raise ValueError(f"{op}: x width n*C={width} is not a positive multiple of n={n}; x is {shape_str(x)}")
-    big_n = num_mapping_outputs(n)
+    big_n = num_mapping_outputs(n, residual)
     check_dim(weight, (big_n, width), name="weight", op=op, layout="[N, n*C]")
     for name, a in (("alpha_pre", alpha_pre), ("alpha_post", alpha_post), ("alpha_res", alpha_res)):
         check_dim(a, (1,), name=name, op=op, layout="[1]")
@@ -77,6 +87,7 @@ def mapping(
     n: int,
     variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
     norm_eps: float = NORM_EPS,
+    residual: ResidualConstraint = ResidualConstraint.SINKHORN,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients of one mHC sublayer for `T` tokens.
 
@@ -88,11 +99,15 @@ def mapping(
         n: residual streams.
 
     Returns:
-        `h_pre [T, n]`, `h_post [T, n]`, `h_res_logits [T, n, n]`.
+        `h_pre [T, n]`, `h_post [T, n]`, `h_res_logits [T, n, n]` (`[T, n!]` with `residual` =
+        `permutations`, whose weight and bias have `2n + n!` rows: mHC-lite).
     """
     op = "mapping"
     spec = get_variant(variant)
-    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
+    residual = ResidualConstraint(residual)
+    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps,
+                           residual=residual)
+    n_res = num_res_logits(n, residual)
     width = x.shape[1]
 
     compute = compute_dtype(spec, x.dtype)
@@ -108,7 +123,7 @@ def mapping(
         [
             alpha_pre.to(compute).expand(n),
             alpha_post.to(compute).expand(n),
-            alpha_res.to(compute).expand(n * n),
+            alpha_res.to(compute).expand(n_res),
         ]
     )
     h = r * proj * alpha + bias.to(compute)
@@ -116,7 +131,8 @@ def mapping(
     if spec.h_pre_eps:
         h_pre = h_pre + spec.h_pre_eps
     h_post = 2.0 * torch.sigmoid(h[:, n : 2 * n])
-    h_res_logits = h[:, 2 * n :].reshape(x.shape[0], n, n)
+    h_res_logits = h[:, 2 * n :] if residual == ResidualConstraint.PERMUTATIONS else h[:, 2 * n :].reshape(
+        x.shape[0], n, n)
     if spec.coefficients_in_activation_dtype:
         h_pre, h_post, h_res_logits = (t.to(x.dtype) for t in (h_pre, h_post, h_res_logits))
     return h_pre, h_post, h_res_logits

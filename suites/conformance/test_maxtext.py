@@ -129,3 +129,52 @@ def test_pallas_mhc_lite_kernels_match_maxtexts_xla_path(live):
     r_out, r_grad = run(xla)
     assert_close("pallas mHC-lite output", k_out, r_out, tolerance(torch.bfloat16, "fwd"))
     assert_close("pallas mHC-lite grad x", k_grad, r_grad, tolerance(torch.bfloat16, "bwd"))
+
+
+def _lite_reference(hc, x: torch.Tensor, w: torch.Tensor, configuration: str) -> torch.Tensor:
+    """`mhc_core`'s reference of one mHC-lite connection (`ResidualConstraint.PERMUTATIONS`) around `tanh(y @ w)`,
+    with MaxText module `hc`'s parameters: `x [T, n, C]` -> `[T, n, C]`."""
+    import numpy as np
+
+    from mhc_core.ops import h_aggregate, h_post_bda, mapping
+    from mhc_core.ops.permutations import permutation_mixture
+
+    t, n, c = x.shape
+
+    def param(v) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(v[...], np.float64)).to(x.dtype)
+
+    weight = torch.cat([param(hc.pre_alpha).T, param(hc.post_alpha).T, param(hc.res_alpha).T])
+    bias = torch.cat([param(hc.pre_beta), param(hc.post_beta), param(hc.res_beta)])
+    h_pre, h_post, logits = mapping(x.reshape(t, n * c), weight, param(hc.pre_alpha_scale), param(hc.post_alpha_scale),
+                                    param(hc.res_alpha_scale), bias, n, configuration, 1e-6, residual="permutations")
+    y = torch.tanh(h_aggregate(x, h_pre) @ w.to(x.dtype))
+    return h_post_bda(permutation_mixture(logits, n), x, h_post, y, None, variant=configuration)
+
+
+def test_maxtext_mhc_lite_is_the_permutation_mixture(live):
+    """MaxText's mHC-lite layer (`enable_mhc_lite`, its XLA path, fp32) is `mhc_core`'s permutation mixture
+    (`ResidualConstraint.PERMUTATIONS`) in MaxText's configuration, `megatron_dev+eps_inside_sqrt+activation_mappings`,
+    within the fp32 bound."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from maxtext.common.common_types import HyperConnectionType
+    from maxtext.layers.mhc import ManifoldConstrainedHyperConnections
+
+    from harness.peers.maxtext import _mesh
+    from mhc_core.testing import assert_close, tolerance
+
+    t, n, c = 6, 4, 16
+    x = _streams(t, n, c, 8).float()
+    w = torch.randn(c, c, generator=torch.Generator().manual_seed(9)) / c ** 0.5
+    hc = ManifoldConstrainedHyperConnections(maxtext_config(n, c, 20, jnp.float32, enable_mhc_lite=True), dim=c,
+                                             mesh=_mesh(), rngs=nnx.Rngs(3))
+    wj = jnp.asarray(w.numpy())
+    out, _ = hc(lambda z: z, lambda inputs: jnp.tanh(inputs @ wj), jnp.asarray(x.numpy()).reshape(1, t, n, c),
+                HyperConnectionType.MLP_DENSE)
+    theirs = torch.from_numpy(np.asarray(out[0], np.float64))
+    ours = _lite_reference(hc, x, w, "megatron_dev+eps_inside_sqrt+activation_mappings")
+    assert_close("maxtext mHC-lite vs the permutation mixture", theirs, ours.double(), tolerance(torch.float32, "fwd"))
+    wrong = _lite_reference(hc, x, w, "megatron_dev+eps_inside_sqrt+activation_mappings+untransposed_mix")
+    assert (theirs - wrong.double()).abs().max() > 1e-3  # the comparison sees the mix's orientation
