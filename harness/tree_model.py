@@ -12,6 +12,7 @@ built here from main's own classes (`MAIN_SPEC_NOTE`), and main's schedules carr
 from __future__ import annotations
 
 import dataclasses
+from functools import cache
 from typing import Any
 
 __all__ = ["MAIN_PP_NOTE", "MAIN_SPEC_NOTE", "hybrid_chunks", "layer_spec", "record_tensor_shapes", "tree_chunks",
@@ -82,8 +83,8 @@ def tree_chunks(flavor: str, config: Any, *, vpp: int | None, **model_kwargs: An
         if getattr(config, "mtp_num_layers", None):
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-            mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
-                                                           vp_stage=vp_stage)
+            mtp["mtp_block_spec"] = _per_stream_h_proj(get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
+                                                                              vp_stage=vp_stage))
         # The local spec's torch norms refuse sequence parallelism: the same norms, taking it (a CPU workaround).
         block, mtp_spec = sequence_parallel_specs(config, spec, mtp.get("mtp_block_spec"), vp_stage=vp_stage)
         if mtp_spec is not None:
@@ -93,9 +94,42 @@ def tree_chunks(flavor: str, config: Any, *, vpp: int | None, **model_kwargs: An
     return _chunks(vpp, build)
 
 
+@cache
+def _per_stream_linear() -> type:
+    """The tree's `ColumnParallelLinear` taking `[s, b, n, C]`: with mHC, dev's MTP depth calls its `h_proj` on the
+    4-D streams, which TE's linear takes and the local one's backward refuses (`t()` of a 4-D gradient); here the
+    leading dims are folded to `[s, b*n, C]` and back, as TE's linear treats them (a CPU workaround, the same
+    weights and math; sequence stays first for sequence parallelism)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class PerStreamColumnParallelLinear(ColumnParallelLinear):
+        def forward(self, input_: Any, *args: Any, **kwargs: Any) -> Any:
+            if input_.dim() <= 3:
+                return super().forward(input_, *args, **kwargs)
+            lead = input_.shape[:-1]
+            out, bias = super().forward(input_.reshape(lead[0], -1, input_.shape[-1]), *args, **kwargs)
+            return out.reshape(*lead, out.shape[-1]), bias
+
+    return PerStreamColumnParallelLinear
+
+
+def _per_stream_h_proj(block_spec: Any) -> Any:
+    """`block_spec` (an MTP block's `ModuleSpec`, or its submodules as `get_gpt_mtp_block_spec` returns them) with
+    each depth's `h_proj`, where it has one, the per-stream linear."""
+    if block_spec is None:
+        return None
+    subs = getattr(block_spec, "submodules", block_spec)
+    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, h_proj=_per_stream_linear()))
+              if getattr(layer.submodules, "h_proj", None) is not None else layer for layer in subs.layer_specs]
+    subs = dataclasses.replace(subs, layer_specs=layers)
+    return dataclasses.replace(block_spec, submodules=subs) if subs is not block_spec and hasattr(
+        block_spec, "submodules") else subs
+
+
 def _hybrid_mtp_block_spec() -> Any:
     """A local MTP block spec from the tree's own classes (the tree's is TE-only): its torch norms, column-parallel
-    `eh_proj` / `e_proj` / `h_proj`; the depths' inner layers the tree builds from the pattern itself."""
+    `eh_proj` / `e_proj`, the per-stream `h_proj` (`_per_stream_linear`); the depths' inner layers the tree builds
+    from the pattern itself."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
@@ -108,7 +142,7 @@ def _hybrid_mtp_block_spec() -> Any:
 
     layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
         enorm=WrappedTorchNorm, hnorm=WrappedTorchNorm, eh_proj=ColumnParallelLinear, e_proj=ColumnParallelLinear,
-        h_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=WrappedTorchNorm))
+        h_proj=_per_stream_linear(), mtp_model_layer=None, layer_norm=WrappedTorchNorm))
     return ModuleSpec(module=MultiTokenPredictionBlock,
                       submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer]))
 

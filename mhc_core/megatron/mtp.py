@@ -238,7 +238,12 @@ def get_gpt_mtp_block_spec(config: Any, layer_spec: ModuleSpec, *, use_transform
 
 def tracked_mtp_losses() -> Tensor | None:
     """`[D]`: the per-depth MTP losses megatron-core's tracker has summed since it was last cleared (each a
-    micro-batch's token mean), None before the first; the key is `values` in 0.16, `loss_values` from 0.17."""
+    micro-batch's token mean), None before the first; the key is `values` in 0.16, `loss_values` from 0.17 and
+    `loss_sums` in upstream dev (whose per-token mode, `calculate_per_token_loss`, sums losses and token counts
+    apart: ValueError naming it)."""
     tracker = mcore_mtp.MTPLossLoggingHelper.tracker
-    values = tracker.get("loss_values", tracker.get("values"))
+    if tracker.get("calculate_per_token_loss"):
+        raise ValueError("megatron-core's MTP tracker holds per-token loss sums (calculate_per_token_loss=True); the "
+                         "per-depth MTP loss here is the micro-batch mean: train without calculate_per_token_loss")
+    values = tracker.get("loss_values", tracker.get("values", tracker.get("loss_sums")))
     return values if isinstance(values, Tensor) else None

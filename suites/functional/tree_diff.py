@@ -102,14 +102,24 @@ def differences(ours: Mapping[str, Mapping[int, float]], theirs: Mapping[str, Ma
     """Per metric, how far `ours` is from `theirs` (the reference) under the default bands."""
     pick = {m: dict(theirs[m]) for m in metrics if m in theirs}
     mine = {m: dict(ours[m]) for m in metrics if m in ours}
-    return drift(to_golden(pick, source="the tree's run"), to_golden(mine, source="our run"),
+    rows = drift(to_golden(pick, source="the tree's run"), to_golden(mine, source="our run"),
                  {m: DEFAULT_BANDS[m] for m in metrics if m in pick or m in mine})
+    # A metric one side logs and the other does not is a difference too (drift covers the metrics both hold).
+    for m in [m for m in metrics if (m in pick) != (m in mine)]:
+        rows.append(MetricDrift(metric=m, n_steps=0, max_abs=0.0, max_rel=None, worst_step=None, outside=None,
+                                band=DEFAULT_BANDS.get(m), only_a=tuple(sorted(pick.get(m, {}))),
+                                only_b=tuple(sorted(mine.get(m, {})))))
+    return rows
 
 
 def describe(rows: list[MetricDrift]) -> str:
     """One line per metric: worst relative difference, its step, steps outside the band."""
     out = []
     for r in rows:
+        if r.n_steps == 0 and (r.only_a or r.only_b):
+            out.append(f"{r.metric}: logged only by {'the tree' if r.only_a else 'ours'} "
+                       f"({len(r.only_a or r.only_b)} steps)")
+            continue
         rel = "n/a" if r.max_rel is None else f"{r.max_rel:.2e}"
         out.append(f"{r.metric}: worst rel {rel} (abs {r.max_abs:.2e}) at step {r.worst_step}, "
                    f"{r.outside} of {r.n_steps} steps outside rtol {r.band.rtol:g} atol {r.band.atol:g}")

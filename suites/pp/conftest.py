@@ -85,7 +85,8 @@ class TreeRuns:
     dense GPT (`"dense"`), with MoE MLPs (`"moe"`), with two MTP depths (`"mtp"`) and its `HybridModel` of the pattern
     `*-*E` (`"hybrid"`), each launched on first use."""
 
-    FLAGS = {"dense": [], "moe": ["--moe", "alltoall"], "mtp": ["--mtp", "2"], "hybrid": ["--hybrid", "*-*E"]}
+    FLAGS = {"dense": [], "moe": ["--moe", "alltoall"], "mtp": ["--mtp", "2"], "hybrid": ["--hybrid", "*-*E"],
+             "hybrid-mtp": ["--hybrid", "*-*E/*E"]}
 
     def __init__(self, tree, root: Path) -> None:
         self.tree, self.root = tree, root

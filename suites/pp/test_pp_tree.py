@@ -45,7 +45,8 @@ class TreeCase:
     rtol: float = 1e-6
     vpp: bool = False
     model: str = "dense"
-    """The tree's single-process run it must reproduce (`TreeRuns.FLAGS`): `dense`, `moe` or `mtp`."""
+    """The tree's single-process run it must reproduce (`TreeRuns.FLAGS`): `dense`, `moe`, `mtp`, `hybrid` or
+    `hybrid-mtp`."""
 
 
 CASES = [
@@ -75,6 +76,9 @@ CASES = [
     TreeCase(name="pp2-vpp2-hybrid", nproc=2, args=("--pp", "2", "--vpp", "2", "--hybrid", "*|-|*|E"), model="hybrid",
              vpp=True),
     TreeCase(name="ep2-hybrid", nproc=2, args=("--ep", "2", "--hybrid", "*-*E"), model="hybrid", rtol=2e-5),
+    # An MTP depth of the pattern (`/`) on the last stage (the per-stream h_proj: harness.tree_model).
+    TreeCase(name="pp2-hybrid-mtp", nproc=2, args=("--pp", "2", "--hybrid", "*-|*E/*E"), model="hybrid-mtp",
+             rtol=1e-5),
 ]
 
 
