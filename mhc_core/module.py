@@ -20,8 +20,7 @@ from torch import nn
 from mhc_core.checks import NonFiniteError, check_dim, check_finite, check_rank, shape_str
 from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
 from mhc_core.kernels import select_ops
-from mhc_core.ops.mapping import mapping
-from mhc_core.ops.permutations import permutation_mixture
+from mhc_core.ops.mapping import permutation_mapping
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
 from mhc_core.variants import ResidualConstraint
 
@@ -114,8 +113,7 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
                 h_res = torch.eye(n, dtype=logits.dtype, device=logits.device) + logits
                 aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
             elif cfg.h_res_constraint == ResidualConstraint.PERMUTATIONS:  # mHC-lite, on the reference mapping
-                h_pre, h_post, logits = mapping(x, *params, n, self._spec, cfg.norm_eps, residual=cfg.h_res_constraint)
-                h_res = permutation_mixture(logits, n)
+                h_pre, h_post, h_res = permutation_mapping(x, *params, n, self._spec, cfg.norm_eps)
                 aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
             else:  # mapping, Sinkhorn and aggregate in one op (one pass over x where the backend fuses them)
                 aggregated, h_pre, h_post, h_res = self._ops.pre(x, *params, n, cfg.sinkhorn_iterations, self._spec,

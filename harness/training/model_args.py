@@ -2,7 +2,9 @@
 validated into one frozen, keyword-only `TrainArgs`.
 
 Only the flags in `FLAGS` are accepted; each maps to one `TrainArgs` field (the flag name with
-dashes as underscores). Values are YAML scalars: `true` for a bare switch, ints, floats, strings;
+dashes as underscores); upstream dev's names of two mHC flags are aliases (`upstream_flags.ALIASES`), and the
+flags of upstream's GPU recipes this runner does not implement are typed in `upstream_flags.UPSTREAM_FLAGS` and
+kept in `TrainArgs.upstream`. Without `--num-layers`, a hybrid pattern's decoder layers count them (as upstream). Values are YAML scalars: `true` for a bare switch, ints, floats, strings;
 a list for `--recompute-modules` (upstream writes `"[mhc]"`; the brackets are accepted and stripped).
 Every error names the flag, the value and the file.
 """
@@ -123,6 +125,9 @@ class TrainArgs:
     save_interval: int | None = None
     ckpt_format: str = "torch_dist"
     ckpt_fully_parallel_save: bool = False
+    upstream: tuple[tuple[str, Any], ...] = ()
+    """Upstream-only flags of the recipe, as given (`harness.training.upstream_flags`): validated by type, refused
+    by the trainer where they change the model or the data, ignored where they only log."""
 
     @property
     def ffn_size(self) -> int:
@@ -254,7 +259,7 @@ def _field(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
-_FIELDS = {f.name for f in dataclasses.fields(TrainArgs)}
+_FIELDS = {f.name for f in dataclasses.fields(TrainArgs)} - {"upstream"}
 assert {_field(f) for f in FLAGS} == _FIELDS, sorted(_FIELDS ^ {_field(f) for f in FLAGS})
 _REQUIRED = sorted(
     flag_of(f.name) for f in dataclasses.fields(TrainArgs)
@@ -299,12 +304,26 @@ def parse_model_args(raw: Mapping[str, Any], *, source: str) -> TrainArgs:
     """Validate a `MODEL_ARGS` mapping into `TrainArgs`; `ValueError` naming flag, value and `source`."""
     if not isinstance(raw, Mapping):
         raise ValueError(f"{source}: MODEL_ARGS must be a mapping of --flags to values, got {type(raw).__name__}")
+    from harness.training.upstream_flags import ALIASES, UPSTREAM_FLAGS
+
     kwargs: dict[str, Any] = {}
+    upstream: dict[str, Any] = {}
     for flag, value in raw.items():
-        if flag not in FLAGS:
+        if flag in UPSTREAM_FLAGS:
+            upstream[flag] = _convert(flag, value, _f(UPSTREAM_FLAGS[flag].kind), source)
+            continue
+        name = ALIASES.get(flag, flag)
+        if name not in FLAGS:
             hint = "" if str(flag).startswith("--") else " (flags start with --)"
-            raise ValueError(f"{source}: MODEL_ARGS: unknown flag {flag!r}{hint}; valid: {', '.join(sorted(FLAGS))}")
-        kwargs[_field(flag)] = _convert(flag, value, FLAGS[flag], source)
+            raise ValueError(f"{source}: MODEL_ARGS: unknown flag {flag!r}{hint}; valid: {', '.join(sorted(FLAGS))} "
+                             f"(and upstream's, recorded but not implemented: {', '.join(sorted(UPSTREAM_FLAGS))})")
+        if _field(name) in kwargs:
+            raise _bad(source, flag, value, f"sets {name} a second time (upstream dev's name of it)")
+        kwargs[_field(name)] = _convert(flag, value, FLAGS[name], source)
+    if "num_layers" not in kwargs and isinstance(kwargs.get("hybrid_layer_pattern"), str):
+        # upstream's hybrid recipes give no --num-layers: the pattern's decoder layers count them
+        kwargs["num_layers"] = sum(c not in "|" for c in kwargs["hybrid_layer_pattern"].split("/")[0])
+    kwargs["upstream"] = tuple(upstream.items())
     missing = [f for f in _REQUIRED if _field(f) not in kwargs]
     if missing:
         raise ValueError(f"{source}: MODEL_ARGS is missing required flag(s) {', '.join(missing)}")

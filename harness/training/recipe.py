@@ -407,6 +407,8 @@ def load_plan(path: Path) -> RunPlan:
     """Read a plan written by `dump_plan`."""
     doc = json.loads(Path(path).read_text(encoding="utf-8"))
     args = doc.pop("args")
-    if args.get("recompute_modules") is not None:
-        args["recompute_modules"] = tuple(args["recompute_modules"])
+    for name in ("recompute_modules", "cuda_graph_modules"):  # JSON has lists where TrainArgs has tuples
+        if args.get(name) is not None:
+            args[name] = tuple(args[name])
+    args["upstream"] = tuple((flag, value) for flag, value in args.get("upstream", ()))
     return RunPlan(**doc, args=TrainArgs(**args))

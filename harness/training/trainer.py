@@ -100,11 +100,13 @@ UNSUPPORTED = {
 
 
 def _refuse_unsupported(a: TrainArgs) -> None:
-    """`NotImplementedError` naming each flag of `UNSUPPORTED` that is set."""
+    """`NotImplementedError` naming each flag of `UNSUPPORTED` that is set, and each refused upstream-only flag
+    (`harness.training.upstream_flags`)."""
     from harness.training.model_args import flag_of
+    from harness.training.upstream_flags import refused
 
     bad = [f"{flag_of(name)}={getattr(a, name)!r}: {why}" for name, (off, why) in UNSUPPORTED.items()
-           if getattr(a, name) != off]
+           if getattr(a, name) != off] + refused(dict(a.upstream))
     if bad:
         raise NotImplementedError("this runner does not train with " + "; ".join(bad))
 

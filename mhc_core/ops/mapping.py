@@ -23,9 +23,10 @@ import math
 import torch
 
 from mhc_core.checks import check_dim, check_floating, check_number, check_rank, check_streams, shape_str
+from mhc_core.ops.permutations import num_permutations, permutation_mixture
 from mhc_core.variants import ResidualConstraint, Variant, VariantSpec, get_variant
 
-__all__ = ["mapping", "num_mapping_outputs", "num_res_logits", "check_mapping_args", "compute_dtype", "effective_norm_eps",
+__all__ = ["mapping", "gated_projection", "permutation_mapping", "num_mapping_outputs", "num_res_logits", "check_mapping_args", "compute_dtype", "effective_norm_eps",
            "NORM_EPS"]
 
 NORM_EPS = 1e-6
@@ -47,8 +48,6 @@ def effective_norm_eps(spec: VariantSpec, norm_eps: float, compute: torch.dtype)
 def num_res_logits(n: int, residual: ResidualConstraint = ResidualConstraint.SINKHORN) -> int:
     """The residual logits per token: n*n, or n! for the permutation mixture (mHC-lite)."""
     if residual == ResidualConstraint.PERMUTATIONS:
-        from mhc_core.ops.permutations import num_permutations
-
         return num_permutations(n)
     return n * n
 
@@ -87,7 +86,6 @@ def mapping(
     n: int,
     variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
     norm_eps: float = NORM_EPS,
-    residual: ResidualConstraint = ResidualConstraint.SINKHORN,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients of one mHC sublayer for `T` tokens.
 
@@ -99,10 +97,29 @@ def mapping(
         n: residual streams.
 
     Returns:
-        `h_pre [T, n]`, `h_post [T, n]`, `h_res_logits [T, n, n]` (`[T, n!]` with `residual` =
-        `permutations`, whose weight and bias have `2n + n!` rows: mHC-lite).
+        `h_pre [T, n]`, `h_post [T, n]`, `h_res_logits [T, n, n]`.
     """
-    op = "mapping"
+    h_pre, h_post, logits = gated_projection(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, variant, norm_eps,
+                                             ResidualConstraint.SINKHORN, op="mapping")
+    return h_pre, h_post, logits.reshape(x.shape[0], n, n)
+
+
+def gated_projection(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    alpha_pre: torch.Tensor,
+    alpha_post: torch.Tensor,
+    alpha_res: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    variant: str | Variant | VariantSpec,
+    norm_eps: float,
+    residual: ResidualConstraint | str,
+    *,
+    op: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mapping`'s math for any residual constraint: `h_pre [T, n]`, `h_post [T, n]` and the residual logits flat,
+    `[T, n*n]`, or `[T, n!]` for `permutations` (whose weight and bias have `2n + n!` rows: mHC-lite)."""
     spec = get_variant(variant)
     residual = ResidualConstraint(residual)
     n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps,
@@ -131,8 +148,19 @@ def mapping(
     if spec.h_pre_eps:
         h_pre = h_pre + spec.h_pre_eps
     h_post = 2.0 * torch.sigmoid(h[:, n : 2 * n])
-    h_res_logits = h[:, 2 * n :] if residual == ResidualConstraint.PERMUTATIONS else h[:, 2 * n :].reshape(
-        x.shape[0], n, n)
+    h_res_logits = h[:, 2 * n :]
     if spec.coefficients_in_activation_dtype:
         h_pre, h_post, h_res_logits = (t.to(x.dtype) for t in (h_pre, h_post, h_res_logits))
     return h_pre, h_post, h_res_logits
+
+
+def permutation_mapping(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, alpha_post: torch.Tensor,
+                        alpha_res: torch.Tensor, bias: torch.Tensor, n: int,
+                        variant: str | Variant | VariantSpec = Variant.MEGATRON_DEV, norm_eps: float = NORM_EPS,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC-lite's coefficients (`ResidualConstraint.PERMUTATIONS`): `mapping` with `2n + n!` projection outputs
+    (`weight [2n + n!, n*C]`, `bias` likewise): `h_pre [T, n]`, `h_post [T, n]`, and `h_res [T, n, n]`, the
+    permutation mixture of the `n!` logits (`mhc_core.ops.permutations`)."""
+    h_pre, h_post, logits = gated_projection(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, variant, norm_eps,
+                                             ResidualConstraint.PERMUTATIONS, op="permutation_mapping")
+    return h_pre, h_post, permutation_mixture(logits, n)

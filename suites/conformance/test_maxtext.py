@@ -136,8 +136,8 @@ def _lite_reference(hc, x: torch.Tensor, w: torch.Tensor, configuration: str) ->
     with MaxText module `hc`'s parameters: `x [T, n, C]` -> `[T, n, C]`."""
     import numpy as np
 
-    from mhc_core.ops import h_aggregate, h_post_bda, mapping
-    from mhc_core.ops.permutations import permutation_mixture
+    from mhc_core.ops import h_aggregate, h_post_bda
+    from mhc_core.ops.mapping import permutation_mapping
 
     t, n, c = x.shape
 
@@ -146,10 +146,11 @@ def _lite_reference(hc, x: torch.Tensor, w: torch.Tensor, configuration: str) ->
 
     weight = torch.cat([param(hc.pre_alpha).T, param(hc.post_alpha).T, param(hc.res_alpha).T])
     bias = torch.cat([param(hc.pre_beta), param(hc.post_beta), param(hc.res_beta)])
-    h_pre, h_post, logits = mapping(x.reshape(t, n * c), weight, param(hc.pre_alpha_scale), param(hc.post_alpha_scale),
-                                    param(hc.res_alpha_scale), bias, n, configuration, 1e-6, residual="permutations")
+    h_pre, h_post, h_res = permutation_mapping(x.reshape(t, n * c), weight, param(hc.pre_alpha_scale),
+                                               param(hc.post_alpha_scale), param(hc.res_alpha_scale), bias, n,
+                                               configuration, 1e-6)
     y = torch.tanh(h_aggregate(x, h_pre) @ w.to(x.dtype))
-    return h_post_bda(permutation_mixture(logits, n), x, h_post, y, None, variant=configuration)
+    return h_post_bda(h_res, x, h_post, y, None, variant=configuration)
 
 
 def test_maxtext_mhc_lite_is_the_permutation_mixture(live):

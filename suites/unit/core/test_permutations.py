@@ -9,7 +9,7 @@ import torch
 
 from mhc_core.config import HyperConnectionConfig
 from mhc_core.module import HyperConnectionModule
-from mhc_core.ops.mapping import mapping
+from mhc_core.ops.mapping import gated_projection
 from mhc_core.ops.permutations import num_permutations, permutation_matrices, permutation_mixture
 
 
@@ -60,8 +60,8 @@ def test_module_with_the_permutation_mixture():
         m.bias.copy_(torch.randn(32, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
     x = torch.randn(5, 1, 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     agg, h_res, h_post, _ = m(x)
-    _, _, logits = mapping(x.reshape(5, 32), m.mapping_proj.weight, m.alpha_pre, m.alpha_post, m.alpha_res, m.bias, 4,
-                           cfg.numerics, cfg.norm_eps, residual="permutations")
+    _, _, logits = gated_projection(x.reshape(5, 32), m.mapping_proj.weight, m.alpha_pre, m.alpha_post, m.alpha_res,
+                                    m.bias, 4, cfg.numerics, cfg.norm_eps, "permutations", op="test")
     assert logits.shape == (5, 24)
     assert torch.allclose(h_res.reshape(5, 4, 4), permutation_mixture(logits, 4), rtol=0, atol=1e-15)
     (agg.sum() + (h_res * torch.arange(16.0, dtype=torch.float64).reshape(4, 4)).sum() + h_post.sum()).backward()
