@@ -37,6 +37,7 @@ import torch
 from harness.conformance.cases import params
 from harness.peers.base import Peer, Sublayer, SublayerParams
 from harness.peers.mhc_core_peer import MhcCorePeer, sublayer
+from harness.peers.pre_post import PrePostPeer
 
 __all__ = ["DEPTHS", "GROWTH_FACTOR", "LEVEL_FACTOR", "TRAINER", "PeerMismatch", "TrainServeSetup", "measure",
            "rel_err", "serving_peers"]
@@ -145,7 +146,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
 
 
-def serving_peers() -> list[Peer]:
+def serving_peers() -> list[PrePostPeer]:
     """The serving peers whose whole connection runs here (pre and post)."""
     from harness.peers.sglang import SglangPeer, SglangTritonPeer
     from harness.peers.vllm import VllmPeer
@@ -153,15 +154,15 @@ def serving_peers() -> list[Peer]:
     return [SglangPeer(), SglangTritonPeer(), VllmPeer()]
 
 
-def _connection(peer: Peer | None, x: torch.Tensor, sub: Sublayer, iterations: int) -> torch.Tensor:
+def _connection(peer: PrePostPeer | None, x: torch.Tensor, sub: Sublayer, iterations: int) -> torch.Tensor:
     """One hyper connection around `sub.f`: the peer's pre / post, or (None) `mhc_core`'s reference."""
     if peer is None:
         return sublayer(x, sub, iterations, TRAINER)
-    y, h_res, h_post = peer.pre(x, sub.params, iterations)  # type: ignore[attr-defined]  # serving peers have it
-    return peer.post(sub.f(y), x, h_post, h_res)  # type: ignore[attr-defined]
+    y, h_res, h_post = peer.pre(x, sub.params, iterations)
+    return peer.post(sub.f(y), x, h_post, h_res)
 
 
-def _run(peer: Peer | None, x: torch.Tensor, subs: Sequence[Sublayer], iterations: int, depths: Sequence[int],
+def _run(peer: PrePostPeer | None, x: torch.Tensor, subs: Sequence[Sublayer], iterations: int, depths: Sequence[int],
          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The first connection's output and the streams after each of `depths` layers."""
     first, out, h = None, [], x
@@ -176,7 +177,7 @@ def _run(peer: Peer | None, x: torch.Tensor, subs: Sequence[Sublayer], iteration
     return first, out
 
 
-def _invariance(peer: Peer | None, x: torch.Tensor, subs: Sequence[Sublayer], iterations: int) -> tuple[bool, bool, float]:
+def _invariance(peer: PrePostPeer | None, x: torch.Tensor, subs: Sequence[Sublayer], iterations: int) -> tuple[bool, bool, float]:
     """`(deterministic, batch invariant, max |alone - in batch|)` of one layer of `peer` (None: the trainer)."""
     def layer(z: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -188,25 +189,24 @@ def _invariance(peer: Peer | None, x: torch.Tensor, subs: Sequence[Sublayer], it
     return torch.equal(a, b), max(diffs) == 0.0, max(diffs)
 
 
-def _first_differing_op(peer: Peer, x: torch.Tensor, sub: Sublayer, iterations: int) -> str:
+def _first_differing_op(peer: PrePostPeer, x: torch.Tensor, sub: Sublayer, iterations: int) -> str:
     """The first of `h_res`, `h_post`, the layer input and the mix whose one-connection error against fp64 stands
     `LEVEL_FACTOR` above the trainer's, or an empty string."""
-    trainer = MhcCorePeer(name="trainer", description="", ops=frozenset(), variant=TRAINER)
-    oracle = MhcCorePeer(name="oracle", description="", ops=frozenset(), variant=TRAINER)
+    reference = MhcCorePeer(name="trainer", description="", ops=frozenset(), variant=TRAINER)  # bf16 in: the trainer
     x64, p64 = x.double(), _cast(sub.params, torch.float64)
     with torch.no_grad():
-        ref = oracle.coefficients(x64, p64, iterations)
-        mine = trainer.coefficients(x, sub.params, iterations)
-        y, h_res, h_post = peer.pre(x, sub.params, iterations)  # type: ignore[attr-defined]
+        ref = reference.coefficients(x64, p64, iterations)
+        mine = reference.coefficients(x, sub.params, iterations)
+        y, h_res, h_post = peer.pre(x, sub.params, iterations)
         theirs = {"h_res": h_res, "h_post": h_post, "aggregate": y}
         for name, what in (("h_res", "H_res (the Sinkhorn output)"), ("h_post", "H_post"),
                            ("aggregate", "the layer input (H_pre and the aggregate)")):
             if rel_err(theirs[name], ref[name]) > LEVEL_FACTOR * max(rel_err(mine[name], ref[name]), _FLOOR):
                 return f"{what}: {rel_err(theirs[name], ref[name]):.2e} vs the trainer's {rel_err(mine[name], ref[name]):.2e}"
         f = sub.f(y)
-        ref_mix = oracle.mix(ref["h_res"], x64, ref["h_post"], f.double())
-        mix = peer.post(f, x, h_post, h_res)  # type: ignore[attr-defined]
-        trainer_mix = trainer.mix(mine["h_res"], x, mine["h_post"], f)
+        ref_mix = reference.mix(ref["h_res"], x64, ref["h_post"], f.double())
+        mix = peer.post(f, x, h_post, h_res)
+        trainer_mix = reference.mix(mine["h_res"], x, mine["h_post"], f)
         if rel_err(mix, ref_mix) > LEVEL_FACTOR * max(rel_err(trainer_mix, ref_mix), _FLOOR):
             return f"the mix (H_res, H_post and the streams): {rel_err(mix, ref_mix):.2e} vs the trainer's {rel_err(trainer_mix, ref_mix):.2e}"
     return ""
@@ -219,7 +219,7 @@ def _configuration(peer: Peer) -> str | None:
     return run_matrix([peer]).peer(peer.name).configuration
 
 
-def measure(peers: Sequence[Peer], setup: TrainServeSetup = TrainServeSetup()) -> list[PeerMismatch]:
+def measure(peers: Sequence[PrePostPeer], setup: TrainServeSetup = TrainServeSetup()) -> list[PeerMismatch]:
     """The trainer's own bf16 row first, then one row per peer that can run here (see the module docstring)."""
     x, layers = _setup(setup)
     depths = setup.depths

@@ -35,9 +35,10 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.base import Peer, SublayerParams
 from harness.peers.gpu_support import cuda, no_gpu
 from harness.peers.installed import InstalledFiles, stand_in
+from harness.peers.pre_post import PrePostPeer
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 from harness.source_tree import load_file, placeholder_packages
 
@@ -106,7 +107,7 @@ def hc_params(p: SublayerParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 @dataclass(frozen=True, kw_only=True)
-class SglangPeer(Peer):
+class SglangPeer(PrePostPeer):
     """sglang's `hc_pre` / `hc_post` (see the module docstring)."""
 
     name: str = "sglang"
@@ -146,7 +147,7 @@ class SglangPeer(Peer):
 
     # -- the entry points ------------------------------------------------------------------------------------------
 
-    def pre(self, x: torch.Tensor, p: SublayerParams, iterations: int) -> tuple[torch.Tensor, ...]:
+    def pre(self, x: torch.Tensor, p: SublayerParams, iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(layer_input [T, C], h_res [T, n, n], h_post [T, n])` of `x [T, n, C]`."""
         t, n, c = x.shape
         fn, scale, base = hc_params(p)
@@ -160,32 +161,6 @@ class SglangPeer(Peer):
         out = self.module().hc_post(y.contiguous(), x.reshape(t, n * c).contiguous(), h_post.float(), h_res.float(), n)
         return out.reshape(t, n, c)
 
-    # -- ops ------------------------------------------------------------------------------------------------------
-
-    def coefficients(self, x, params: SublayerParams, iterations):
-        y, h_res, h_post = self.pre(x, params, iterations)
-        return {"h_post": h_post, "h_res": h_res, "aggregate": y}
-
-    def mix(self, h_res, residual, h_post, y):
-        return self.post(y, residual, h_post, h_res)
-
-    def sinkhorn(self, logits, iterations):
-        """Through `hc_pre` with the projection zeroed: `h_res` of `hc_base` = the logits, one call per token."""
-        t, n, _ = logits.shape
-        out = []
-        for i in range(t):
-            p = SublayerParams(n=n, weight=torch.zeros(n * n + 2 * n, n), alpha_pre=torch.ones(1),
-                               alpha_post=torch.ones(1), alpha_res=torch.ones(1),
-                               bias=torch.cat([torch.zeros(2 * n), logits[i].reshape(n * n).float()]))
-            out.append(self.pre(torch.ones(1, n, 1, dtype=logits.dtype), p, iterations)[1][0])
-        return torch.stack(out)
-
-    def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):
-        h = x
-        for sub in (attn, mlp):
-            y, h_res, h_post = self.pre(h, sub.params, iterations)
-            h = self.post(sub.f(y), h, h_post, h_res)
-        return h
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,9 +28,10 @@ from types import ModuleType
 
 import torch
 
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.base import Peer, SublayerParams
 from harness.peers.gpu_support import cuda, no_gpu
 from harness.peers.installed import InstalledFiles, stand_in
+from harness.peers.pre_post import PrePostPeer
 from harness.peers.sglang import EPS, device_for_triton, hc_params
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 from harness.source_tree import load_file, placeholder_packages
@@ -62,7 +63,7 @@ def load_vllm_file(path: Path, name: str) -> ModuleType:
 
 
 @dataclass(frozen=True, kw_only=True)
-class VllmPeer(Peer):
+class VllmPeer(PrePostPeer):
     """vLLM's eager mHC kernels (see the module docstring)."""
 
     name: str = "vllm"
@@ -70,6 +71,7 @@ class VllmPeer(Peer):
     ops: frozenset[str] = frozenset({"coefficients", "mix", "sinkhorn", "layer"})
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
     """bf16: `mhc_pre_torch` asserts bf16 streams (what it serves in)."""
+    pre_dtype: torch.dtype | None = torch.bfloat16
     differentiable: bool = False
     claims: str | None = "megatron_dev"
     """DeepSeek-V4's variant; bf16 checks cannot see the norm's eps placement (sglang's fp32 row does)."""
@@ -102,7 +104,7 @@ class VllmPeer(Peer):
     def files(self) -> InstalledFiles:
         return VLLM
 
-    def pre(self, x: torch.Tensor, p: SublayerParams, iterations: int) -> tuple[torch.Tensor, ...]:
+    def pre(self, x: torch.Tensor, p: SublayerParams, iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(layer_input [T, C], h_res [T, n, n], h_post [T, n])` of `x [T, n, C]` (`mhc_pre_torch`)."""
         t, n, _ = x.shape
         fn, scale, base = hc_params(p)
@@ -112,31 +114,6 @@ class VllmPeer(Peer):
     def post(self, y: torch.Tensor, x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
         """The next streams `[T, n, C]` (`mhc_post_torch`)."""
         return self.module().mhc_post_torch(y, x, h_post.unsqueeze(-1), h_res)
-
-    def coefficients(self, x, params: SublayerParams, iterations):
-        y, h_res, h_post = self.pre(x, params, iterations)
-        return {"h_post": h_post, "h_res": h_res, "aggregate": y}
-
-    def mix(self, h_res, residual, h_post, y):
-        return self.post(y, residual, h_post, h_res)
-
-    def sinkhorn(self, logits, iterations):
-        """Through `mhc_pre_torch` with the projection zeroed: `h_res` of `hc_base` = the logits, per token."""
-        t, n, _ = logits.shape
-        out = []
-        for i in range(t):
-            p = SublayerParams(n=n, weight=torch.zeros(n * n + 2 * n, n), alpha_pre=torch.ones(1),
-                               alpha_post=torch.ones(1), alpha_res=torch.ones(1),
-                               bias=torch.cat([torch.zeros(2 * n), logits[i].reshape(n * n).float()]))
-            out.append(self.pre(torch.ones(1, n, 1, dtype=torch.bfloat16), p, iterations)[1][0])
-        return torch.stack(out).to(logits.dtype)
-
-    def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):
-        h = x
-        for sub in (attn, mlp):
-            y, h_res, h_post = self.pre(h, sub.params, iterations)
-            h = self.post(sub.f(y), h, h_post, h_res)
-        return h
 
 
 @dataclass(frozen=True, kw_only=True)
