@@ -2,45 +2,70 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core", reason="the pp suite needs megatron-core")
 
-from suites.pp.launch import run_worker  # noqa: E402
+from suites.pp.batches import Batches, Planned  # noqa: E402
+from suites.pp.cases import CASES, Case  # noqa: E402
 
 
 class ReferenceRuns:
     """Single-process (PP = TP = 1) runs, with (`"mhc"`) and without (`"no-mhc"`) mHC, with MoE MLPs
-    (`"mhc-moe"`), with two MTP depths under dev's numerics (`"mhc-mtp"`), and the hybrid stack `*-*E` (`"mhc-hybrid"`; with an MTP depth `*E` under dev's numerics:
-    `"mhc-hybrid-mtp"`),
-    each run on its first lookup (so a selection without the no-mHC case launches one); each writes init.pt + rank0.pt."""
+    (`"mhc-moe"`), with two MTP depths under dev's numerics (`"mhc-mtp"`), and the hybrid stack `*-*E` (`"mhc-hybrid"`;
+    with an MTP depth `*E` under dev's numerics: `"mhc-hybrid-mtp"`); each writes init.pt + rank0.pt. Those the
+    session's pipelined cases need run in one launch on the first lookup (`suites.pp.batches`), any other alone."""
 
     FLAGS = {"mhc": [], "no-mhc": ["--no-mhc"], "mhc-moe": ["--moe", "alltoall"],
              "mhc-mtp": ["--mtp", "2", "--numerics", "dev"], "mhc-hybrid": ["--hybrid", "*-*E"],
              "mhc-hybrid-mtp": ["--hybrid", "*-*E/*E", "--numerics", "dev"]}
 
-    def __init__(self, root: Path) -> None:
-        self.root, self.done, self.failed = root, set(), {}
+    def __init__(self, root: Path, *, wanted: Iterable[str] = (), batch: bool = True) -> None:
+        self.runs = Batches(root, batch=batch)
+        for name in wanted:
+            self._plan(name)
+
+    def _plan(self, name: str) -> None:
+        self.runs.plan(name, Planned(nproc=1, args=tuple(self.FLAGS[name])))
 
     def __getitem__(self, name: str) -> Path:
-        if name in self.failed:  # a failed reference is launched once, its error raised for each test
-            raise self.failed[name]
-        if name not in self.done:
-            try:
-                run_worker(self.root / name, 1, self.FLAGS[name])
-            except Exception as exc:
-                self.failed[name] = exc
-                raise
-            self.done.add(name)
-        return self.root / name
+        if name not in self.runs.planned:
+            self._plan(name)
+        return self.runs[name]
+
+
+def _selected_cases(session: pytest.Session) -> list[Case]:
+    """The pipelined cases this session runs (after -k and other deselection)."""
+    cases = [item.callspec.params["case"] for item in session.items
+             if isinstance(item, pytest.Function) and item.originalname == "test_pipelined_run_reproduces_single_process"]
+    return [c for c in cases if isinstance(c, Case)]
+
+
+def _batching(config: pytest.Config) -> bool:
+    """Batches need the session's own selection; an xdist worker holds every item and runs some."""
+    return not hasattr(config, "workerinput")
 
 
 @pytest.fixture(scope="session")
-def reference_runs(tmp_path_factory) -> ReferenceRuns:
+def reference_runs(tmp_path_factory, request) -> ReferenceRuns:
     """The single-process reference runs (`ReferenceRuns`)."""
-    return ReferenceRuns(tmp_path_factory.mktemp("pp-reference"))
+    wanted = sorted({c.reference_run for c in _selected_cases(request.session)})
+    return ReferenceRuns(tmp_path_factory.mktemp("pp-reference"), wanted=wanted, batch=_batching(request.config))
+
+
+@pytest.fixture(scope="session")
+def pipelined_runs(tmp_path_factory, request, reference_runs) -> Batches:
+    """The session's pipelined cases by name, each from its reference's initial weights, batched by world size."""
+    runs = Batches(tmp_path_factory.mktemp("pp-runs"), batch=_batching(request.config),
+                   before=lambda need: reference_runs[need])
+    for case in (_selected_cases(request.session) if _batching(request.config) else CASES):
+        init = reference_runs.runs.root / case.reference_run / "init.pt"
+        runs.plan(case.name, Planned(nproc=case.nproc, args=(*case.args, "--init", str(init)),
+                                     needs=(case.reference_run,)))
+    return runs
 
 
 class TreeReport:

@@ -9,13 +9,22 @@ full state dict, which every pipelined rank loads (layers mapped by global layer
 sliced), so all runs start from the same weights. Each rank writes `rank<r>.pt` with its
 microbatch losses, gradients and post-step weights (keyed by full parameter name, with the TP slice
 they hold) and every P2P shape it sent or received.
+
+`--batch FILE` runs several cases one after the other in one launch (FILE: a JSON list of
+`{"out": DIR, "args": [flags]}`; the model-parallel state is torn down and rebuilt between cases, the seeds
+set again): a launch's start-up (the agent, each rank's imports of torch and megatron-core) is most of a
+case's time on a CPU, so the suite runs its cases of one world size together (`suites/pp/batches.py`). A rank
+whose case raises writes `error-rank<r>.txt` into that case's directory before the launch fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +62,7 @@ def _aux_losses() -> dict[str, torch.Tensor]:
     return out
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
@@ -86,21 +95,58 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--crash-rank", type=int, default=None, help="test hook: this rank dies mid-run")
     p.add_argument("--hang-rank", type=int, default=None, help="test hook: this rank sleeps forever")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.hybrid and "/" in args.hybrid:  # the pattern's MTP depths (dev's unified form) are the run's MTP depths
         args.mtp = args.hybrid.count("/")
     return args
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from harness.deferred_compile import defer_compile
 
     defer_compile()  # before megatron-core is imported: its jit_fuser decorations would import Inductor
-    args = parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    cases = _batch(argv) if "--batch" in argv else [None]
     if torch.cuda.is_available():  # cpu_support would apply nothing and megatron's p2p buffers would be CUDA
         raise SystemExit("pp_worker runs its ranks on the CPU: launch it with CUDA_VISIBLE_DEVICES='' "
                          "(suites/pp/launch.py does)")
     dist.init_process_group("gloo")
+
+    from mhc_core.megatron import cpu_support
+
+    cpu_support.install()
+    for case in cases:
+        args = parse_args(argv if case is None else ["--out", case["out"], *case["args"]])
+        try:
+            run_case(args)
+        except Exception:  # SystemExit (a tree's refusal) has its own file
+            (Path(args.out) / f"error-rank{dist.get_rank()}.txt").write_text(traceback.format_exc(), encoding="utf-8")
+            raise
+    dist.destroy_process_group()
+
+
+def _batch(argv: list[str]) -> list[dict[str, Any]]:
+    """The cases of `--out DIR --batch FILE` (DIR: the launch's logs), each `{"out": DIR, "args": [flags]}`."""
+    p = argparse.ArgumentParser(prog="pp_worker.py --batch")
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch", required=True, type=Path)
+    cases = json.loads(p.parse_args(argv).batch.read_text(encoding="utf-8"))
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and {"out", "args"} <= c.keys() for c in cases):
+        raise SystemExit(f"{argv}: --batch wants a JSON list of {{'out': DIR, 'args': [flags]}}")
+    return cases
+
+
+def _clear_trackers() -> None:
+    """Empty megatron-core's MoE and MTP loss trackers: a case of a batch starts as a fresh process would."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    get_moe_layer_wise_logging_tracker().clear()
+    MTPLossLoggingHelper.tracker.clear()
+
+
+def run_case(args: argparse.Namespace) -> None:
+    """Train one case on the process group already initialised; writes `rank<r>.pt` into `args.out`."""
     rank = dist.get_rank()
 
     from megatron.core import parallel_state as ps
@@ -108,9 +154,8 @@ def main() -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from harness.model_state import canonical_name, full_names, load_full_state
-    from mhc_core.megatron import cpu_support
 
-    cpu_support.install()
+    _clear_trackers()
     shapes: list[tuple[str, tuple[int, ...]]] = []
     shape_calls: list[dict] = []
     if args.impl == "tree":
@@ -252,7 +297,6 @@ def main() -> None:
     torch.save(record, out / f"rank{rank}.pt")
     dist.barrier()
     ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 
