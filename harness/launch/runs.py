@@ -127,7 +127,8 @@ def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None 
     """Launch `plan` into `out_dir`; raises `LaunchError` (with the failing ranks' stderr) on failure.
     A plan of `nnodes > 1` runs as that many torchrun agents on this machine (c10d on 127.0.0.1).
     `env` adds to the ranks' environment (test hooks, a Megatron-LM tree's path); `worker_args` to the
-    worker's (`--tree-flavor`, `--init`, `--dump-init`: a dump returns None, it trains nothing)."""
+    worker's (`--tree-flavor`, `--init`, `--dump-init`: a dump returns None, it trains nothing, unless
+    `--then-train` follows it)."""
     if save is not None and importlib.util.find_spec("psutil") is None:
         raise RuntimeError(f"{plan.case}: saving a torch_dist checkpoint needs psutil (megatron-core 0.16.1's "
                            "filesystem_async writer imports it without declaring it); install the test extra")
@@ -150,7 +151,7 @@ def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None 
             launch(WORKER, args, nproc=plan.nproc, timeout=timeout or plan.timeout, log_dir=log_dir, env=env)
     seconds = time.monotonic() - start
     echo(f"[functional] {plan.case}: done in {seconds:.1f} s")
-    if "--dump-init" in worker_args:
+    if "--dump-init" in worker_args and "--then-train" not in worker_args:
         return None
     fingerprint = json.loads((out_dir / "fingerprint.json").read_text(encoding="utf-8"))
     return RunResult(plan=plan, metrics=read_metrics(out_dir / "metrics.json"), seconds=seconds, out_dir=out_dir,

@@ -32,7 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init", type=Path, default=None, help="full state dict to start from (harness.model_state)")
     p.add_argument("--dump-init", type=Path, default=None,
                    help="write the initial full state dict here (rank 0) and stop before the first step")
-    return p.parse_args(argv)
+    p.add_argument("--then-train", action="store_true",
+                   help="with --dump-init: train on after writing it (one launch where dump-then---init takes two)")
+    args = p.parse_args(argv)
+    if args.then_train and args.dump_init is None:
+        p.error("--then-train needs --dump-init")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
                 torch.save(full, tmp)
                 os.replace(tmp, cli.dump_init)
             dist.barrier()
-            return
+            if not cli.then_train:
+                return
         start = trainer.load(cli.load) if cli.load else 0
         records = trainer.train(start=start, save=cli.save)
         if trainer.holds_loss and dist.get_rank() == dist.get_world_size() - 1:

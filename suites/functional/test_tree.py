@@ -26,10 +26,11 @@ def test_tree_training_matches_ours(case, megatron_lm_tree, hw_key, tmp_path, tr
     if reason:
         pytest.skip(f"{tree.label}: {reason}")
     data = tmp_path / "data"
-    init = tree_diff.dump_init(case, hw_key, tree.flavor, work_dir=tmp_path / "init", data_dir=data)
+    init = tmp_path / "init" / "init.pt"
+    ours = tree_diff.run_ours(case, hw_key, tree.flavor, init, work_dir=tmp_path / "ours", data_dir=data,
+                              write_init=True)
     ckpt = tmp_path / "tree-checkpoints"
     theirs = tree_diff.run_tree(case, hw_key, tree, init, work_dir=tmp_path / "tree", data_dir=data, save=ckpt)
-    ours = tree_diff.run_ours(case, hw_key, tree.flavor, init, work_dir=tmp_path / "ours", data_dir=data)
     rows = tree_diff.differences(ours.metrics, theirs.metrics)
     report = f"ours vs {tree.label} on {case} ({theirs.seconds:.0f} s for the tree):\n" + tree_diff.describe(rows)
     print(report)

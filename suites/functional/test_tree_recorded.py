@@ -40,8 +40,9 @@ def _ours(rec, hw_key: str, tmp_path: Path, functional_runs) -> tuple[RunResult,
     plain = plan_case(rec.case, hw_key, data_dir=data)
     if plain.args == plan_case(rec.case, hw_key, data_dir=data, overrides=tree_diff.OUR_NUMERICS[rec.branch]).args:
         return functional_runs.run(rec.case), None
-    init = tree_diff.dump_init(rec.case, hw_key, rec.branch, work_dir=tmp_path / "init", data_dir=data)
-    ours = tree_diff.run_ours(rec.case, hw_key, rec.branch, init, work_dir=tmp_path / "ours", data_dir=data)
+    init = tmp_path / "init" / "init.pt"
+    ours = tree_diff.run_ours(rec.case, hw_key, rec.branch, init, work_dir=tmp_path / "ours", data_dir=data,
+                              write_init=True)
     return ours, tree_diff.file_sha256(init) == rec.init_sha256
 
 

@@ -1,10 +1,11 @@
 """A Megatron-LM tree's training of a recipe against ours: same initial weights, same data, step by step.
 
-Three launches of one recipe on one hardware key (`harness.launch.runs`):
+Launches of one recipe on one hardware key (`harness.launch.runs`):
 
 1. `dump_init`: our model of the recipe (with the tree's numerics, `OUR_NUMERICS`) writes its initial
    full state dict (`harness.model_state`) and stops;
-2. `run_ours`: our integration trains from it;
+2. `run_ours`: our integration trains from it (or, `write_init`, writes it and trains on: 1 and 2 in one
+   launch, which is how the tests run them);
 3. `run_tree`: the tree trains from it with its own GPT, schedules, DDP and optimizer (the tree first on
    `PYTHONPATH`: `harness.megatron_tree.tree_env`).
 
@@ -78,10 +79,13 @@ def dump_init(case: str, hw: str, flavor: str, *, work_dir: Path, data_dir: Path
     return out
 
 
-def run_ours(case: str, hw: str, flavor: str, init: Path, *, work_dir: Path, data_dir: Path) -> RunResult:
-    """Our integration trains `case` from `init` with the `flavor`'s numerics."""
+def run_ours(case: str, hw: str, flavor: str, init: Path, *, work_dir: Path, data_dir: Path,
+             write_init: bool = False) -> RunResult:
+    """Our integration trains `case` with the `flavor`'s numerics from `init`, or (`write_init`) from the weights
+    it builds, which it writes to `init` first: what `dump_init` writes, in the same launch."""
     plan = plan_case(case, hw, data_dir=data_dir, overrides=OUR_NUMERICS[flavor])
-    return run_plan(plan, Path(work_dir), data_dir=data_dir, worker_args=["--init", init])
+    args = ["--dump-init", init, "--then-train"] if write_init else ["--init", init]
+    return run_plan(plan, Path(work_dir), data_dir=data_dir, worker_args=args)
 
 
 def run_tree(case: str, hw: str, tree: Tree, init: Path, *, work_dir: Path, data_dir: Path,

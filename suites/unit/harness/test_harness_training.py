@@ -57,3 +57,14 @@ def test_upstream_flags_are_typed_and_dev_aliases_are_not_set_twice():
         parse_model_args({**base, "--q-lora-rank": "big"}, source="t")
     with pytest.raises(ValueError, match="sets --enable-mhc-connections a second time"):
         parse_model_args({**base, "--enable-mhc-connections": True, "--enable-hyper-connections": True}, source="t")
+
+
+def test_then_train_without_a_dump_is_refused(capsys):
+    """The worker's --then-train (write the initial weights, then train on) is refused without --dump-init."""
+    from harness.training.worker import parse_args
+
+    base = ["--plan", "p.json", "--out", "o", "--data-cache", "d"]
+    assert parse_args([*base, "--dump-init", "i.pt", "--then-train"]).then_train
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--then-train"])
+    assert "--then-train needs --dump-init" in capsys.readouterr().err
