@@ -70,14 +70,18 @@ class Batches:
                 self._run_alone(name)
         return self.root / name
 
+    def _run_needs(self, name: str) -> None:
+        """The runs `name` needs, through `before`; the error of one that failed."""
+        if self.before is not None:
+            for need in self.planned[name].needs:
+                self.before(need)
+
     def _ready(self, names: Iterable[str]) -> list[str]:
-        """Those of `names` whose needed runs succeed (`before`); the others run alone, later, and fail there."""
+        """Those of `names` whose needed runs succeed; the others run alone, later, and fail there."""
         ready = []
         for name in names:
             try:
-                for need in self.planned[name].needs:
-                    if self.before is not None:
-                        self.before(need)
+                self._run_needs(name)
             except Exception:  # noqa: BLE001 - raised again by the run's own request
                 continue
             ready.append(name)
@@ -104,9 +108,7 @@ class Batches:
     def _run_alone(self, name: str) -> None:
         run = self.planned[name]
         try:
-            for need in run.needs:
-                if self.before is not None:
-                    self.before(need)
+            self._run_needs(name)
             run_worker(self._fresh(name), run.nproc, list(run.args))
         except Exception as exc:
             self.failed[name] = exc
