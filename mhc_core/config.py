@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from mhc_core.checks import as_int
+from mhc_core.forms import ConnectionForm
 from mhc_core.variants import (
     OPTION_KINDS,
+    CoefficientPrecision,
     MappingPrecision,
     NormEpsPlacement,
     NumericsOptions,
@@ -53,6 +55,12 @@ class HyperConnectionConfig:
     exit; `mhc_core.contraction.LearnedContraction` is the learned one); None: the variant's (mean)."""
     residual_mix: ResidualMix | None = None
     """`untransposed` (`H @ x`) or `transposed` (`H^T @ x`); None: the variant's."""
+    coefficient_precision: CoefficientPrecision | None = None
+    """`activation` (coefficients cast to the activation dtype) or `compute` (kept in the mapping's compute dtype,
+    fp32 under fp32 mappings); None: the variant's."""
+    form: ConnectionForm = ConnectionForm.PER_SUBLAYER
+    """`per_sublayer` (mHC, DeepSeek-V4) or `single_pass` (DeepSeek-V4.1: the aggregate uses the previous
+    sublayer's `H_pre`; `mhc_core.forms`). Which call the module answers: `forward` or `single_pass`."""
     use_fused: bool = False
     """Route the ops through `mhc_core.kernels` (upstream `use_fused_mhc`)."""
     perform_initialization: bool = True
@@ -96,6 +104,13 @@ class HyperConnectionConfig:
                 raise bad(field, v, f"valid: {', '.join(k.value for k in kind)}") from None
         object.__setattr__(self, "variant", spec.variant)
         try:
+            object.__setattr__(self, "form", ConnectionForm(self.form))
+        except ValueError:
+            raise bad("form", self.form, f"valid: {', '.join(f.value for f in ConnectionForm)}") from None
+        if self.form == ConnectionForm.SINGLE_PASS and self.output_contraction == OutputContraction.LEARNED:
+            raise bad("output_contraction", self.output_contraction.value,
+                      "single_pass exits with the last sublayer's H_pre, not a learned head; use 'mean' or None")
+        try:
             object.__setattr__(self, "h_res_constraint", ResidualConstraint(self.h_res_constraint))
         except ValueError:
             raise bad("h_res_constraint", self.h_res_constraint,
@@ -111,7 +126,8 @@ class HyperConnectionConfig:
         return configure(self.variant, NumericsOptions(norm_eps_placement=self.norm_eps_placement,
                                                        mapping_precision=self.mapping_precision,
                                                        output_contraction=self.output_contraction,
-                                                       residual_mix=self.residual_mix))
+                                                       residual_mix=self.residual_mix,
+                                                       coefficient_precision=self.coefficient_precision))
 
     @property
     def num_mapping_outputs(self) -> int:
@@ -134,6 +150,10 @@ class HyperConnectionConfig:
             mapping_precision=_flag(config, "mhc_keep_mappings_in_fp32", MappingPrecision.FP32,
                                     MappingPrecision.ACTIVATION),
             output_contraction=_flag(config, "mhc_learned_contraction", OutputContraction.LEARNED, None),
+            coefficient_precision=_flag(config, "mhc_fp32_coefficients", CoefficientPrecision.COMPUTE,
+                                        CoefficientPrecision.ACTIVATION),
+            norm_eps=getattr(config, "mhc_norm_eps", 1e-6),
+            form=ConnectionForm.SINGLE_PASS if getattr(config, "mhc_single_pass", False) else ConnectionForm.PER_SUBLAYER,
             use_fused=getattr(config, "use_fused_mhc", False),
             perform_initialization=getattr(config, "perform_initialization", True),
             sequence_parallel=getattr(config, "sequence_parallel", False),

@@ -8,23 +8,50 @@ Per sublayer F (attention or MLP):
     aggregated, h_res, h_post, residual = hc(x)                  # x [s, b, n*C]
     y, bias = F(norm(aggregated))                                # [s, b, C]
     x_next = hc.post_residual_bda(h_res, residual, h_post, (y, bias), dropout_p, training)
+
+In the single-pass form (`config.form="single_pass"`, DeepSeek-V4.1: `mhc_core.forms`) the caller carries the
+mix: each call takes the `H_pre` the previous sublayer returned (None at the model's entry: stream 0) and returns
+the next one; the module keeps nothing of a call:
+
+    branch_input, h_res, h_post, h_pre = hc(x, previous_h_pre=h_pre)   # h_pre [s, b, n], None at the entry
+    x_next = hc.post_residual_bda(h_res, x, h_post, (F(norm(branch_input)), None), dropout_p, training)
+    out = exit_aggregate(x_last, h_pre, n)                              # the exit: [s, b, C]
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from mhc_core.checks import NonFiniteError, check_dim, check_finite, check_rank, shape_str
 from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
+from mhc_core.forms import ConnectionForm
 from mhc_core.kernels import select_ops
 from mhc_core.ops.mapping import permutation_mapping
+from mhc_core.ops.single_pass import check_previous_h_pre
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
 from mhc_core.variants import ResidualConstraint
 
-__all__ = ["HyperConnectionModule"]
+__all__ = ["HyperConnectionModule", "SinglePassMix"]
+
+
+class SinglePassMix(NamedTuple):
+    """What a single-pass sublayer's connection returns (h_res second, as in the per-sublayer tuple)."""
+
+    branch_input: torch.Tensor
+    """`[s, b, C]`: the streams aggregated with the previous sublayer's `H_pre`."""
+    h_res: torch.Tensor
+    """`[s, b, n, n]`: this sublayer's residual mix (after Sinkhorn)."""
+    h_post: torch.Tensor
+    """`[s, b, n]`: this sublayer's output gates."""
+    next_h_pre: torch.Tensor
+    """`[s, b, n]`: the next sublayer's aggregate weights (the exit's after the last sublayer)."""
+
+
+_PER_SUBLAYER = object()
+"""`forward`'s default `previous_h_pre`: the call of the per-sublayer form."""
 
 
 class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
@@ -92,18 +119,31 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         return x.shape[0], x.shape[1]
 
     def forward(
-        self, hidden_states: torch.Tensor
+        self, hidden_states: torch.Tensor, previous_h_pre: Any = _PER_SUBLAYER
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Coefficients and the aggregated sublayer input.
 
         Args:
             hidden_states: `[s, b, n*C]`.
+            previous_h_pre: single-pass form only (and required there): `[s, b, n]`, the `H_pre` the previous
+                sublayer returned, or None at the model's entry (stream 0).
 
         Returns:
-            aggregated `[s, b, C]`, h_res `[s, b, n, n]`, h_post `[s, b, n]`, residual `[s, b, n*C]`
-            (the input itself, for `post_residual_bda`).
+            per-sublayer form: aggregated `[s, b, C]`, h_res `[s, b, n, n]`, h_post `[s, b, n]`, residual
+            `[s, b, n*C]` (the input itself, for `post_residual_bda`); single-pass form: a `SinglePassMix`
+            (branch input `[s, b, C]`, h_res, h_post, next h_pre `[s, b, n]`).
         """
-        s, b = self._check_streams(hidden_states, "hidden_states", "HyperConnectionModule.forward")
+        op = "HyperConnectionModule.forward"
+        single = self.hc_config.form == ConnectionForm.SINGLE_PASS
+        if single and previous_h_pre is _PER_SUBLAYER:
+            raise ValueError(f"{op}: this module is single_pass: call hc(x, previous_h_pre=h) with the H_pre the "
+                             "previous sublayer returned [s, b, n], or None at the model's entry")
+        if not single and previous_h_pre is not _PER_SUBLAYER:
+            raise ValueError(f"{op}: previous_h_pre is for the single_pass form; this module is "
+                             f"{self.hc_config.form.value} (HyperConnectionConfig.form)")
+        if single:
+            return self._single_pass(hidden_states, previous_h_pre)
+        s, b = self._check_streams(hidden_states, "hidden_states", op)
         n, c, cfg = self.n, self.hidden_size, self.hc_config
         x = hidden_states.reshape(s * b, n * c)
         params = (self.mapping_proj.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias)
@@ -129,6 +169,34 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
             h_post.view(s, b, n),
             hidden_states,
         )
+
+    def _single_pass(self, hidden_states: torch.Tensor, previous_h_pre: torch.Tensor | None) -> SinglePassMix:
+        """The single-pass form's call (see `forward`): the projection of `hidden_states` gives this sublayer's
+        `h_post`, `h_res` and the next `H_pre`; the branch input aggregates `hidden_states` with `previous_h_pre`."""
+        op = "HyperConnectionModule.forward"
+        s, b = self._check_streams(hidden_states, "hidden_states", op)
+        n, c, cfg = self.n, self.hidden_size, self.hc_config
+        check_previous_h_pre(previous_h_pre, (s, b), n, op=op, layout="[s, b, n]")
+        if cfg.h_res_constraint != ResidualConstraint.SINKHORN:
+            raise ValueError(f"{op}: the single_pass form runs with h_res_constraint='sinkhorn', got "
+                             f"{cfg.h_res_constraint.value!r}")
+        x = hidden_states.reshape(s * b, n * c)
+        params = (self.mapping_proj.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias)
+        try:
+            next_h_pre, h_post, logits = self._ops.mapping(x, *params, n, self._spec, cfg.norm_eps)
+            h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, self._spec)
+        except NonFiniteError:
+            check_finite(hidden_states, name="hidden_states", op=op)
+            for name, p in self.named_parameters():
+                check_finite(p, name=f"parameter {name}", op=op)
+            raise
+        streams = x.view(s * b, n, c)
+        if previous_h_pre is None:  # the model's entry: the identity mix, exactly stream 0
+            branch = streams[:, 0, :].clone()
+        else:
+            branch = self._ops.h_aggregate(streams, previous_h_pre.reshape(s * b, n))
+        return SinglePassMix(branch.view(s, b, c), h_res.view(s, b, n, n), h_post.view(s, b, n),
+                             next_h_pre.view(s, b, n))
 
     def post_residual_bda(
         self,
@@ -181,5 +249,5 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         cfg = self.hc_config
         return (
             f"n={self.n}, hidden_size={self.hidden_size}, variant={self._spec.name}, "
-            f"sinkhorn_iterations={cfg.sinkhorn_iterations}, fused={cfg.use_fused}"
+            f"sinkhorn_iterations={cfg.sinkhorn_iterations}, fused={cfg.use_fused}, form={cfg.form.value}"
         )

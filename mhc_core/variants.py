@@ -11,15 +11,18 @@
 | norm eps | outside the square root | outside | outside |
 | block exit | mean | mean | mean |
 
-Four numerics choices real implementations differ in are named options of any variant
+Five numerics choices real implementations differ in are named options of any variant
 (`NumericsOptions`, `configure`): where the norm's eps sits (`eps_inside_sqrt`: `rsqrt(mean(x^2) + eps)`
 as DeepSeek-V4 and Liger; `dtype_eps_inside_sqrt`: the same with the compute dtype's machine eps, as
 `F.rms_norm(eps=None)` and TE), the mapping precision (`fp32_mappings` / `activation_mappings`: compute
 and parameters in fp32 or in the activation dtype), the block exit (`learned_exit` / `mean_exit`) and
 the orientation of the residual mix (`transposed_mix`: `H^T @ x` / `untransposed_mix`: `H @ x`; Liger
-mixes dev's H_res untransposed).
+mixes dev's H_res untransposed) and the coefficients' dtype (`fp32_coefficients`: kept in the mapping's
+compute dtype, fp32 under fp32 mappings, as DeepSeek-V4.1 / `activation_coefficients`: cast to the activation dtype).
 A configured spec is named `<variant>+<option>+...` (`megatron_dev+eps_inside_sqrt+learned_exit`),
 listing only the options that differ from the variant's own, and `get_variant` resolves such a name.
+A few configurations also have a name of their own (`CONFIGURATIONS`: `deepseek_v41`, DeepSeek-V4.1's numerics),
+which `get_variant` resolves too (`deepseek_v41+untransposed_mix` applies an option on top).
 
 The full list of differences is in `docs/variants.md`.
 """
@@ -30,8 +33,8 @@ import enum
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-__all__ = ["MappingPrecision", "NormEpsPlacement", "NumericsOptions", "OutputContraction", "ResidualConstraint",
-           "ResidualMix", "Variant", "VariantSpec", "VARIANTS", "configure", "get_variant"]
+__all__ = ["CONFIGURATIONS", "CoefficientPrecision", "MappingPrecision", "NormEpsPlacement", "NumericsOptions", "OutputContraction", "ResidualConstraint",
+           "ResidualMix", "Variant", "VariantSpec", "VARIANTS", "configure", "configuration_name", "get_variant"]
 
 
 class Variant(enum.StrEnum):
@@ -102,6 +105,17 @@ class ResidualMix(enum.StrEnum):
     """`out_i = sum_j H[j, i] x_j` (`H^T @ x`): upstream dev, DeepSeek-V4."""
 
 
+class CoefficientPrecision(enum.StrEnum):
+    """The dtype the coefficients (`h_pre`, `h_post`, the residual logits and so Sinkhorn's input) leave the
+    mapping in."""
+
+    ACTIVATION = "activation"
+    """Cast to the activation dtype: upstream main and dev (Sinkhorn then iterates on rounded logits)."""
+    COMPUTE = "compute"
+    """Kept in the mapping's compute dtype (fp32 under fp32 mappings): the paper, DeepSeek-V4.1's reference
+    (`SinglePassHyperConnection` keeps "the FP32 coefficients used by DeepSeek")."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class VariantSpec:
     """Every knob in which the variants differ."""
@@ -151,6 +165,11 @@ class VariantSpec:
         return MappingPrecision.FP32 if self.mapping_fp32 else MappingPrecision.ACTIVATION
 
     @property
+    def coefficient_precision(self) -> CoefficientPrecision:
+        """`activation` when the coefficients are cast to the activation dtype."""
+        return CoefficientPrecision.ACTIVATION if self.coefficients_in_activation_dtype else CoefficientPrecision.COMPUTE
+
+    @property
     def residual_mix(self) -> ResidualMix:
         """`transposed` when the mix is `H^T @ x`."""
         return ResidualMix.TRANSPOSED if self.res_transposed else ResidualMix.UNTRANSPOSED
@@ -190,6 +209,7 @@ class NumericsOptions:
     mapping_precision: MappingPrecision | None = None
     output_contraction: OutputContraction | None = None
     residual_mix: ResidualMix | None = None
+    coefficient_precision: CoefficientPrecision | None = None
 
     def __post_init__(self) -> None:
         for name, kind in OPTION_KINDS.items():
@@ -250,10 +270,12 @@ OPTION_KINDS: dict[str, type[enum.StrEnum]] = {
     "mapping_precision": MappingPrecision,
     "output_contraction": OutputContraction,
     "residual_mix": ResidualMix,
+    "coefficient_precision": CoefficientPrecision,
 }
 """Each option (a `NumericsOptions` field, and a `VariantSpec` field or property) and its choices."""
 
-_OPTION_FIELDS = ("norm_eps_placement", "mapping_fp32", "params_fp32", "output_contraction", "res_transposed")
+_OPTION_FIELDS = ("norm_eps_placement", "mapping_fp32", "params_fp32", "output_contraction", "res_transposed",
+                  "coefficients_in_activation_dtype")
 """The `VariantSpec` fields the options set (`mapping_precision` sets the two precision fields)."""
 
 _OPTION_NAMES: dict[str, tuple[str, str]] = {
@@ -266,6 +288,8 @@ _OPTION_NAMES: dict[str, tuple[str, str]] = {
     "mean_exit": ("output_contraction", OutputContraction.MEAN),
     "transposed_mix": ("residual_mix", ResidualMix.TRANSPOSED),
     "untransposed_mix": ("residual_mix", ResidualMix.UNTRANSPOSED),
+    "fp32_coefficients": ("coefficient_precision", CoefficientPrecision.COMPUTE),
+    "activation_coefficients": ("coefficient_precision", CoefficientPrecision.ACTIVATION),
 }
 """Each option's name in a configuration name, and the `NumericsOptions` field and value it sets."""
 
@@ -285,6 +309,8 @@ def configure(variant: str | Variant | VariantSpec, options: NumericsOptions | N
         changes["output_contraction"] = options.output_contraction
     if options.residual_mix is not None:
         changes["res_transposed"] = options.residual_mix == ResidualMix.TRANSPOSED
+    if options.coefficient_precision is not None:
+        changes["coefficients_in_activation_dtype"] = options.coefficient_precision == CoefficientPrecision.ACTIVATION
     out = replace(spec, **changes)
     return VARIANTS[out.variant] if out == VARIANTS[out.variant] else out
 
@@ -308,10 +334,33 @@ def get_variant(variant: str | Variant | VariantSpec) -> VariantSpec:
     if isinstance(variant, VariantSpec):
         return variant
     base, *options = variant.split("+") if isinstance(variant, str) else (variant,)
+    if isinstance(base, str) and base in CONFIGURATIONS:
+        spec = get_variant(CONFIGURATIONS[base])
+        return _with_options(spec, variant, options) if options else spec
     try:
         spec = VARIANTS[Variant(base)]
     except ValueError:
         valid = ", ".join(v.value for v in Variant)
-        raise ValueError(f"variant={variant!r} is not a known mHC variant; valid: {valid} (options, as "
-                         f"'+<option>': {', '.join(_OPTION_NAMES)})") from None
+        raise ValueError(f"variant={variant!r} is not a known mHC variant; valid: {valid}, or a named configuration "
+                         f"({', '.join(CONFIGURATIONS)}) (options, as '+<option>': {', '.join(_OPTION_NAMES)})") from None
     return _with_options(spec, variant, options) if options else spec
+
+
+CONFIGURATIONS: dict[str, str] = {
+    "deepseek_v41": "megatron_dev+eps_inside_sqrt+fp32_coefficients",
+}
+"""Configurations with a name of their own, and what they are. `deepseek_v41`: DeepSeek-V4.1's numerics as
+upstream's reference path computes them (`megatron/core/transformer/single_pass_mhc.py`): dev's Sinkhorn,
+`sigmoid + eps` and transposed mix, the RMS factor `rsqrt(mean(x^2) + eps)` (with the model's RMS epsilon: a
+config value, `norm_eps`), every coefficient kept fp32 into Sinkhorn and the fp32 mixes. It names numerics only:
+the single-pass data flow is a form (`mhc_core.forms`), which any configuration can run."""
+
+
+def configuration_name(variant: str | Variant | VariantSpec) -> str:
+    """The name of a configuration as reports print it: its own name when it has one (`deepseek_v41`), else
+    `<variant>[+<option>...]`."""
+    spec = get_variant(variant)
+    for name, value in CONFIGURATIONS.items():
+        if get_variant(value) == spec:
+            return name
+    return spec.name

@@ -4,6 +4,7 @@ from mhc_core.ops.aggregate import h_aggregate
 from mhc_core.ops.mapping import NORM_EPS, mapping, num_mapping_outputs
 from mhc_core.ops.post_bda import apply_h_res, h_post_bda
 from mhc_core.ops.pre import pre
+from mhc_core.ops.single_pass import entry_mix, exit_aggregate, mix_dtype, single_pass_pre
 from mhc_core.ops.sinkhorn import sinkhorn, sinkhorn_iterate
 from mhc_core.ops.streams import contract, expand, learned_contract
 
@@ -11,13 +12,17 @@ __all__ = [
     "NORM_EPS",
     "apply_h_res",
     "contract",
+    "entry_mix",
+    "exit_aggregate",
     "expand",
     "h_aggregate",
     "h_post_bda",
     "learned_contract",
     "mapping",
+    "mix_dtype",
     "num_mapping_outputs",
     "pre",
+    "single_pass_pre",
     "sinkhorn",
     "sinkhorn_iterate",
 ]
