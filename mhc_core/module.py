@@ -32,7 +32,7 @@ from mhc_core.kernels import select_ops
 from mhc_core.ops.mapping import permutation_mapping
 from mhc_core.ops.single_pass import check_previous_h_pre
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
-from mhc_core.variants import ResidualConstraint
+from mhc_core.variants import ResidualConstraint, VariantSpec
 
 __all__ = ["HyperConnectionModule", "SinglePassMix"]
 
@@ -97,6 +97,11 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
                 p.sequence_parallel = True  # type: ignore[attr-defined]  # megatron-core's marker on a Parameter
         self._ops = select_ops(config.use_fused)
         self._spec = config.numerics
+
+    @property
+    def numerics(self) -> VariantSpec:
+        """The configured spec the ops get (`config.numerics`, resolved once)."""
+        return self._spec
 
     def reset_parameters(self) -> None:
         """xavier-uniform projection (zero when `perform_initialization` is off), alphas, zero bias."""

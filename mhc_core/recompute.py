@@ -22,6 +22,11 @@ inputs, same dropout masks). This is what upstream Megatron-LM main does with `"
 A saved tensor is replaced by a reference when its storage is a state the group produced (a view
 of it included); everything else is saved as usual. The rebuilt states are released as soon as
 the last reference to them has been unpacked.
+
+In the single-pass form a state is the carrier `[s, b, n*C + k]` (`mhc_core.handoff`: the streams and the
+`H_pre` the next sublayer aggregates with): the sublayer reads `residual` as a view of it, and
+`post_residual_bda(..., carry=h_pre)` packs the new streams with this sublayer's `H_pre` (kept, `[T, n]`) into
+the next state, in forward and in the rebuild alike.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from mhc_core.handoff import pack
 
 __all__ = ["StreamRecompute"]
 
@@ -97,11 +104,13 @@ class StreamRecompute:
         """Whether `x` is this open group's newest state (the next sublayer may extend the group)."""
         return self._open and self._states[-1] is not None and _key(x) == _key(self._states[-1])
 
-    def post_residual_bda(self, hc, h_res, residual, h_post, output_with_bias, dropout_p=0.0, training=None):
+    def post_residual_bda(self, hc, h_res, residual, h_post, output_with_bias, dropout_p=0.0, training=None, *,
+                          carry=None):
         """`hc.post_residual_bda(...)` whose output becomes this group's next state.
 
-        `residual` must be the group's newest state (a ValueError otherwise: the chain would not
-        rebuild it). Returns `[s, b, n*C]`, the same tensor `hc.post_residual_bda` returns.
+        `residual` must be the group's newest state or a view of it (the streams of a carrier; a ValueError
+        otherwise: the chain would not rebuild it). Returns `[s, b, n*C]`, the same tensor `hc.post_residual_bda`
+        returns; with `carry` (the single-pass `H_pre [s, b, n]`) the carrier `pack(that, carry)`.
         """
         if not self._open:
             raise RuntimeError("StreamRecompute.post_residual_bda: the group is closed")
@@ -114,12 +123,21 @@ class StreamRecompute:
         y, bias = output_with_bias
         rng = _RngState(y.device) if training and dropout_p > 0 else None
         out = hc.post_residual_bda(h_res, residual, h_post, (y, bias), dropout_p, training)
-        saved = (h_res.detach(), h_post.detach(), y.detach(), None if bias is None else bias.detach())
+        if carry is not None:
+            out = pack(out, carry)
+        saved = (h_res.detach(), h_post.detach(), y.detach(), None if bias is None else bias.detach(),
+                 None if carry is None else carry.detach())
+        newest = self._states[-1]
+        assert newest is not None  # continues_from checked it
+        view = None if residual.shape == newest.shape else (tuple(residual.size()), tuple(residual.stride()),
+                                                             residual.storage_offset() - newest.storage_offset())
 
-        def rebuild(prev: torch.Tensor, saved=saved, rng=rng) -> torch.Tensor:
-            h_res_d, h_post_d, y_d, bias_d = saved
+        def rebuild(prev: torch.Tensor, saved=saved, rng=rng, view=view) -> torch.Tensor:
+            h_res_d, h_post_d, y_d, bias_d, carry_d = saved
+            res = prev if view is None else prev.as_strided(view[0], view[1], prev.storage_offset() + view[2])
             with nullcontext() if rng is None else rng.replay():
-                return hc.post_residual_bda(h_res_d, prev, h_post_d, (y_d, bias_d), dropout_p, training)
+                new = hc.post_residual_bda(h_res_d, res, h_post_d, (y_d, bias_d), dropout_p, training)
+            return new if carry_d is None else pack(new, carry_d)
 
         whole = out.untyped_storage().nbytes() == out.numel() * out.element_size()
         if out.is_contiguous() and out.storage_offset() == 0 and whole:

@@ -16,6 +16,10 @@ Legend: s sequence, b micro-batch, C hidden size, n residual streams.
   last decoder layer there), and the streams before the contraction are kept in `mtp_streams` for
   the MTP block (`mhc_core.megatron.mtp`).
 
+In the single-pass form (`mhc_single_pass`) the entry packs the identity mix (stream 0) behind the expanded
+streams and every chunk passes the carrier `[s, b, n*C + k]` on (`mhc_core.megatron.handoff`); the exit
+aggregates the streams with the mix the last layer left there (no learned head).
+
 The stock forward runs unchanged in between (recompute, quantization contexts, offloading); the
 contraction before the final layernorm is a forward pre-hook on `final_layernorm` that acts only
 while this block's own forward runs (a direct call `block.final_layernorm(x)` is the plain norm),
@@ -32,6 +36,7 @@ from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from torch import Tensor, nn
 
 from mhc_core.config import PARAM_DTYPE
+from mhc_core.megatron.handoff import carrier_width, enter, is_single_pass, leave
 from mhc_core.megatron.layer import (
     HyperConnectionTransformerLayer,
     RecomputeMember,
@@ -163,7 +168,10 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
         return bool(super().has_final_layernorm_in_this_stage())
 
     def _exit(self, hidden_states: Tensor) -> Tensor:
-        """The contraction at the block's exit; with MTP the streams are kept for the MTP block first."""
+        """The contraction at the block's exit; with MTP the streams are kept for the MTP block first; single-pass,
+        the carrier's streams aggregated with its mix."""
+        if is_single_pass(self.config):
+            return leave(self.config, hidden_states)
         if getattr(self.config, "mtp_num_layers", None):
             self.mtp_streams = hidden_states
         return self.contract_streams(hidden_states)
@@ -184,6 +192,9 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
             t, width, what = hidden_states, c, "[s, b, C] (the embedding output)"
         else:
             t, width, what = getattr(self, "input_tensor", None), n * c, "[s, b, n*C] (the streams received from the previous stage)"
+            if is_single_pass(self.config) and isinstance(t, Tensor):
+                width = carrier_width(self.config, t.dtype)
+                what = f"[s, b, n*C + k] (the single-pass carrier received from the previous stage, {t.dtype})"
         if isinstance(t, Tensor) and (t.dim() != 3 or t.shape[-1] != width):
             role = "the pre_process chunk" if self.pre_process else "a chunk after the first"
             raise ValueError(f"HyperConnectionTransformerBlock ({role}, n = {n}, C = {c}, {len(self.layers)} layers): "
@@ -191,7 +202,8 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
 
     def forward(self, hidden_states: Tensor | WrappedTensor | None, *args: Any, **kwargs: Any) -> Tensor:
         """`[s, b, C]` (pre_process chunk) or the received `[s, b, n*C]` in; `[s, b, C]` out of the
-        post_process chunk, `[s, b, n*C]` out of every other chunk."""
+        post_process chunk, `[s, b, n*C]` out of every other chunk (single-pass: the carrier `[s, b, n*C + k]`
+        for `[s, b, n*C]`)."""
         if not self.mhc_enabled:
             return super().forward(hidden_states, *args, **kwargs)
         if self.pre_process and isinstance(hidden_states, WrappedTensor):
@@ -199,6 +211,8 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
         self._check_entry(hidden_states)
         if self.pre_process:
             hidden_states = expand(hidden_states, self.num_residual_streams)
+            if is_single_pass(self.config):
+                hidden_states = enter(self.config, hidden_states)
         self.mtp_streams = None
         self._in_forward = True
         try:

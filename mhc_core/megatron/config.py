@@ -65,12 +65,23 @@ class MHCTransformerConfig(TransformerConfig):
     None: the variant's (fp32 for `paper` and `megatron_dev`). Upstream PR #7521's name."""
     mhc_recompute_layer_num: int | None = None
     """With `"mhc"` in `recompute_modules`: layers per recompute group (None: the whole chunk)."""
+    mhc_single_pass: bool = False
+    """The single-pass form (DeepSeek-V4.1, upstream main's name): each sublayer aggregates with the H_pre its
+    predecessor produced, the entry reads stream 0, the exit aggregates with the last H_pre; the mix travels
+    behind the streams (`mhc_core.handoff`). Not with MTP (`mtp_num_layers`) or a learned exit."""
+    mhc_fp32_coefficients: bool | None = None
+    """The coefficients kept in the mapping's fp32 into Sinkhorn and the mixes (True, the option `fp32_coefficients`,
+    as DeepSeek-V4.1) or cast to the activation dtype (False); None: the variant's."""
+    mhc_norm_eps: float = 1e-6
+    """eps of the mapping's RMS factor (upstream's name; DeepSeek-V4.1 uses the model's RMS epsilon)."""
 
     def __post_init__(self) -> None:
         for field in ("enable_mhc_connections", "use_fused_mhc", "mhc_learned_contraction",
-                      "mhc_norm_eps_inside_sqrt", "mhc_keep_mappings_in_fp32"):
+                      "mhc_norm_eps_inside_sqrt", "mhc_keep_mappings_in_fp32", "mhc_single_pass",
+                      "mhc_fp32_coefficients"):
             v = getattr(self, field)
-            if not isinstance(v, bool) and not (v is None and field == "mhc_keep_mappings_in_fp32"):
+            if not isinstance(v, bool) and not (v is None and field in ("mhc_keep_mappings_in_fp32",
+                                                                        "mhc_fp32_coefficients")):
                 # "False" is truthy: it would switch the feature on
                 raise ValueError(_bad(field, v, "must be True or False"))
         modules = self.recompute_modules
@@ -98,7 +109,7 @@ class MHCTransformerConfig(TransformerConfig):
         if self.enable_mhc_connections:
             self._validate_mhc_compatibility()
         else:
-            for field in ("use_fused_mhc", "mhc_learned_contraction", "mhc_norm_eps_inside_sqrt"):
+            for field in ("use_fused_mhc", "mhc_learned_contraction", "mhc_norm_eps_inside_sqrt", "mhc_single_pass"):
                 if getattr(self, field):
                     raise ValueError(_bad(field, getattr(self, field), "requires enable_mhc_connections=True"))
             if self._lists_mhc:
@@ -125,6 +136,9 @@ class MHCTransformerConfig(TransformerConfig):
             if iv is None or iv < 1:
                 raise ValueError(_bad(field, v, "must be an integer >= 1"))
             setattr(self, field, iv)  # a NumPy integer becomes an int
+        eps = self.mhc_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(_bad("mhc_norm_eps", eps, "must be a finite number >= 0"))
         g = self.mhc_init_gating_factor
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise ValueError(_bad("mhc_init_gating_factor", g, "must be a finite number >= 0"))
@@ -141,7 +155,7 @@ class MHCTransformerConfig(TransformerConfig):
         if spec.options:
             raise ValueError(_bad("mhc_variant", self.mhc_variant,
                                   "name the variant alone and set its options with mhc_norm_eps_inside_sqrt, "
-                                  "mhc_keep_mappings_in_fp32 and mhc_learned_contraction"))
+                                  "mhc_keep_mappings_in_fp32, mhc_fp32_coefficients and mhc_learned_contraction"))
         self.mhc_variant = spec.variant.value
         if self.mhc_h_res_constraint not in ("sinkhorn", "none"):
             raise ValueError(_bad("mhc_h_res_constraint", self.mhc_h_res_constraint, "valid: sinkhorn, none"))
@@ -152,12 +166,13 @@ class MHCTransformerConfig(TransformerConfig):
             raise ValueError(_bad("hidden_size", self.hidden_size, f"must be an integer >= 1 {on}"))
         if self.fp32_residual_connection:
             raise NotImplementedError(_bad("fp32_residual_connection", True, f"not supported {on}"))
-        if self.recompute_granularity == "full":
-            raise NotImplementedError(
-                _bad(
-                    "recompute_granularity", "full", f"full recompute is not supported {on}; use 'selective'"
-                )
-            )
+        if self.recompute_granularity == "full" and not self.mhc_single_pass:
+            raise NotImplementedError(_bad(
+                "recompute_granularity", "full", f"full recompute is not supported {on} in the per-sublayer form (as "
+                "upstream main); use 'selective', or mhc_single_pass=True, whose handoff travels through the "
+                "checkpoints"))
+        if self.mhc_single_pass:
+            self._validate_single_pass()
         if getattr(self, "inference_fuse_tp_communication", False):
             raise NotImplementedError(_bad("inference_fuse_tp_communication", True, f"not supported {on}"))
         if getattr(self, "fine_grained_activation_offloading", False):
@@ -169,6 +184,20 @@ class MHCTransformerConfig(TransformerConfig):
             if "mlp" in self.recompute_modules:
                 raise ValueError(_bad("recompute_modules", self.recompute_modules,
                                       "'mhc' cannot be combined with 'mlp' (as upstream main)"))
+
+    def _validate_single_pass(self) -> None:
+        on = "with mhc_single_pass=True"
+        if getattr(self, "mtp_num_layers", None):
+            raise NotImplementedError(_bad(
+                "mtp_num_layers", self.mtp_num_layers, f"multi-token prediction is not defined {on}: DeepSeek-V4.1 "
+                "publishes no MTP form for the single-pass handoff (which H_pre an MTP depth's first sublayer "
+                "aggregates with, and whether its exit keeps a learned head) and upstream's DSv41HybridStack refuses "
+                "MTP layers as out of scope; the suite refuses it rather than define a contract nobody can check"))
+        if self.mhc_learned_contraction:
+            raise ValueError(_bad("mhc_learned_contraction", True, f"{on} the exit aggregates with the last H_pre; "
+                                  "there is no learned exit head"))
+        if self.mhc_h_res_constraint != "sinkhorn":
+            raise ValueError(_bad("mhc_h_res_constraint", self.mhc_h_res_constraint, f"{on} needs 'sinkhorn'"))
 
     @property
     def mhc_numerics(self) -> VariantSpec:

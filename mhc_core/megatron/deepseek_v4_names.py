@@ -23,6 +23,12 @@ converted: attention and MLP weights are the caller's. DeepSeek-V4 computes the 
 convention (softmax-started Sinkhorn with eps, `H_res^T` mix, `h_pre + eps`, learned block exit),
 so only a `megatron_dev` model converts; `suites/unit/megatron/test_deepseek_v4_names.py` checks
 on a real mini GPT that both sides then give the same coefficients and mixed streams.
+
+DeepSeek-V4.1 (`mhc_single_pass` with the `deepseek_v41` numerics) keeps V4's names and shapes for every
+sublayer's `hc_attn_*` / `hc_ffn_*` (vLLM 0.33.0's `deepseek_v41` loader reads the same checkpoint names) and
+has no `hc_head`: its exit aggregates with the last `hc_ffn`'s H_pre. So a V4.1 checkpoint is a V4 checkpoint
+without `hc_head_*`; which form it runs in is the model's configuration, not a name (a V4 checkpoint loads into
+a single-pass model without error: `to_deepseek_v4` / `from_deepseek_v4` refuse a head on a V4.1 model instead).
 """
 
 from __future__ import annotations
@@ -84,18 +90,28 @@ def _to_checkpoint(key: str) -> str:
     return key.removeprefix("model.").replace("hc_head.hc_", "hc_head_")
 
 
+_CONVERTIBLE = ("megatron_dev", "deepseek_v41")
+"""The configurations whose models convert: DeepSeek-V4's convention, and DeepSeek-V4.1's single-pass numerics."""
+
+
 def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str,
                    names: DeepseekV4Names | str = DeepseekV4Names.TRANSFORMERS) -> dict[str, torch.Tensor]:
     """The mHC entries of a `mhc_core.megatron` state dict under DeepSeek-V4's names (`names`: transformers'
-    or the released checkpoint's).
+    or the released checkpoint's); `variant="deepseek_v41"` for a DeepSeek-V4.1 (single-pass) model, whose
+    checkpoint has the same names and no `hc_head`.
 
-    `ValueError` for a `variant` other than `megatron_dev`, for a sublayer missing one of its five
-    parameters (naming the key), or for a state dict without mHC parameters.
+    `ValueError` for a `variant` other than `megatron_dev` or `deepseek_v41`, for a sublayer missing one of its
+    five parameters (naming the key), for a state dict without mHC parameters, or for a learned head under
+    `deepseek_v41`.
     """
-    if variant != "megatron_dev":
+    if variant not in _CONVERTIBLE:
         raise ValueError(f"variant={variant!r}: DeepSeek-V4 computes megatron_dev's convention (H_res^T mix, "
-                         "softmax-started Sinkhorn with eps, h_pre + eps); a model of another variant would compute "
-                         "another function under its names")
+                         "softmax-started Sinkhorn with eps, h_pre + eps), DeepSeek-V4.1 deepseek_v41's; a model of "
+                         "another variant would compute another function under their names")
+    heads = [k for k in state if k.removeprefix("module.") in _HEAD]
+    if variant == "deepseek_v41" and heads:
+        raise ValueError(f"variant='deepseek_v41': {heads[0]} is a learned exit head, which DeepSeek-V4.1 does not "
+                         "have (its exit aggregates with the last sublayer's H_pre)")
     groups: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         m = _MEGATRON.match(_as_gpt(key))

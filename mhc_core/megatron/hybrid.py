@@ -17,6 +17,9 @@ with the other branch an `IdentityOp`): dev's keys, `decoder.layers.<i>.hyper_co
     y, bias = branch(norm(aggregated))          # single-branch layers: the raw branch output
     x = hyper_connection.post_residual_bda(h_res, residual, h_post, (y, bias), hidden_dropout, training)
 
+With `mhc_single_pass` (DeepSeek-V4.1's hybrid stack) `x` is the carrier `[s, b, n*C + k]` and each layer
+aggregates with the `H_pre` the previous layer left in it (`mhc_core.megatron.layer`, `mhc_core.handoff`).
+
 A layer holding both branches runs whole and feeds `layer_output - aggregated` (its own residual already
 added), with no further dropout, as dev does. The block boundary (expand, contract, the final norm, n*C wide
 pipeline hops) is the GPT one: `HyperConnectionTransformerBlock`. Symbols that need CUDA-only packages or
@@ -162,7 +165,7 @@ class HyperConnectionHybridLayer(RecomputeMember, MegatronModule):
 
     def _forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         hc = self.hyper_connection
-        aggregated, h_res, h_post, residual = hc(hidden_states)
+        aggregated, (residual, h_res, h_post, _), next_h_pre = self._connect(hc, hidden_states)
         context = kwargs.get("context")
         if self.single_branch:
             y, bias = self._branch(aggregated, **kwargs)
@@ -173,7 +176,7 @@ class HyperConnectionHybridLayer(RecomputeMember, MegatronModule):
         if y.shape != aggregated.shape:
             raise RuntimeError(f"HyperConnectionHybridLayer {self.layer_number}: the branch output "
                                f"{list(y.shape)} is not the shape of its input {list(aggregated.shape)}")
-        return self._mix(hc, h_res, residual, h_post, (y, bias), dropout), context
+        return self._mix(hc, h_res, residual, h_post, (y, bias), dropout, next_h_pre), context
 
 
 @dataclasses.dataclass

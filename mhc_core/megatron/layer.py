@@ -14,6 +14,13 @@ megatron-core 0.16.1 / 0.19.2 split `TransformerLayer.forward` into `_forward_at
 `_forward_attention`, `_forward_pre_mlp_layernorm`, `_forward_mlp` and `_forward_post_mlp`, and
 keeps selective recompute of the layernorms and of the MLP. With `"mhc"` in `recompute_modules`
 `forward` runs inside an mHC recompute group (`mhc_core.recompute`, planned by the block).
+
+With `mhc_single_pass` (DeepSeek-V4.1) the layer takes and returns the carrier `[s, b, n*C + k]`
+(`mhc_core.megatron.handoff`), and each sublayer reads the `H_pre` its predecessor left in it:
+
+    x, h_pre = unpack(carrier)                                       # [s, b, n*C], [s, b, n]
+    aggregated, h_res, h_post, h_pre_next = hc(x, previous_h_pre=h_pre)
+    carrier = pack(hc.post_residual_bda(h_res, x, h_post, (y, bias), ...), h_pre_next)
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 from torch import Tensor
 
+from mhc_core.handoff import pack, unpack
 from mhc_core.megatron.compat import checkpoint_without_output
+from mhc_core.ops.single_pass import mix_dtype
 from mhc_core.recompute import StreamRecompute
 
 __all__ = ["HyperConnectionTransformerLayer", "HyperConnectionTransformerLayerSubmodules", "RecomputeMember",
@@ -68,6 +77,29 @@ class RecomputePlan:
     end: bool
     """The group closes after this layer."""
     slot: RecomputeSlot
+
+
+class _Streams(NamedTuple):
+    """What a sublayer's post/residual mix needs besides the sublayer output."""
+
+    residual: Tensor
+    """`[s, b, n*C]`, the sublayer input."""
+    h_res: Tensor
+    """`[s, b, n, n]`."""
+    h_post: Tensor
+    """`[s, b, n]`."""
+    next_h_pre: Tensor | None = None
+    """Single-pass form: `[s, b, n]`, the `H_pre` handed on with the output."""
+
+
+class _Connection(NamedTuple):
+    """A sublayer's connection on its input: the branch input and what its mix needs."""
+
+    aggregated: Tensor
+    """`[s, b, C]`."""
+    streams: _Streams
+    next_h_pre: Tensor | None
+    """Single-pass form: `[s, b, n]`, this sublayer's H_pre for the next one."""
 
 
 class RecomputeMember:
@@ -111,23 +143,25 @@ class RecomputeMember:
                 group.close()
                 plan.slot.group = None
 
+    def _connect(self, hc: Any, hidden_states: Tensor) -> _Connection:
+        """The sublayer's connection on its input: `hc(x)`, or in the single-pass form `hc(x, previous_h_pre=...)`
+        on the carrier's streams and mix (`residual` is then the streams, a view of the carrier)."""
+        if not getattr(self.config, "mhc_single_pass", False):
+            aggregated, h_res, h_post, residual = hc(hidden_states)
+            return _Connection(aggregated, _Streams(residual, h_res, h_post), None)
+        streams, h_pre = unpack(hidden_states, hc.n, mix_dtype(hc.numerics, hidden_states.dtype))
+        aggregated, h_res, h_post, next_h_pre = hc(streams, previous_h_pre=h_pre)
+        return _Connection(aggregated, _Streams(streams, h_res, h_post), next_h_pre)
+
     def _mix(self, hc: Any, h_res: Tensor, residual: Tensor, h_post: Tensor,
-             output_with_bias: tuple[Tensor, Tensor | None], dropout: float) -> Tensor:
-        """`hc.post_residual_bda` with hidden dropout `dropout`, as a recompute step when a group is open."""
+             output_with_bias: tuple[Tensor, Tensor | None], dropout: float, carry: Tensor | None = None) -> Tensor:
+        """`hc.post_residual_bda` with hidden dropout `dropout`, as a recompute step when a group is open; with
+        `carry` (the single-pass `H_pre` handed on) the carrier of its output and `carry`."""
         if self._mhc_group is None:
-            return hc.post_residual_bda(h_res, residual, h_post, output_with_bias, dropout, self.training)
-        return self._mhc_group.post_residual_bda(hc, h_res, residual, h_post, output_with_bias, dropout, self.training)
-
-
-class _Streams(NamedTuple):
-    """What a sublayer's post/residual mix needs besides the sublayer output."""
-
-    residual: Tensor
-    """`[s, b, n*C]`, the sublayer input."""
-    h_res: Tensor
-    """`[s, b, n, n]`."""
-    h_post: Tensor
-    """`[s, b, n]`."""
+            out = hc.post_residual_bda(h_res, residual, h_post, output_with_bias, dropout, self.training)
+            return out if carry is None else pack(out, carry)
+        return self._mhc_group.post_residual_bda(hc, h_res, residual, h_post, output_with_bias, dropout, self.training,
+                                                 carry=carry)
 
 
 def _is_identity(spec: Any) -> bool:
@@ -213,10 +247,12 @@ class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
         return self._in_recompute_group(hidden_states, lambda: super(HyperConnectionTransformerLayer, self).forward(
             *args, **kwargs))
 
-    def _post_bda(self, hc: Any, h_res: Tensor, residual: Tensor, h_post: Tensor,
-                  output_with_bias: tuple[Tensor, Tensor | None]) -> Tensor:
-        """`hc.post_residual_bda` with the layer's hidden dropout, as a recompute step when a group is open."""
-        return self._mix(hc, h_res, residual, h_post, output_with_bias, self.hidden_dropout)
+    def _post_bda(self, hc: Any, streams: _Streams, output_with_bias: tuple[Tensor, Tensor | None],
+                  next_h_pre: Tensor | None) -> Tensor:
+        """`hc.post_residual_bda` with the layer's hidden dropout, as a recompute step when a group is open (the
+        carrier with `next_h_pre` in the single-pass form)."""
+        return self._mix(hc, streams.h_res, streams.residual, streams.h_post, output_with_bias, self.hidden_dropout,
+                         next_h_pre)
 
     def _forward_attention(
         self,
@@ -245,7 +281,7 @@ class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
         _reject_unknown(unknown, "_forward_attention")
         inference_context = deprecate_inference_params(inference_context, inference_params)
         hc = self.self_attention_hyper_connection
-        aggregated, h_res, h_post, residual = hc(hidden_states)
+        aggregated, streams, next_h_pre = self._connect(hc, hidden_states)
 
         if self.recompute_input_layernorm:
             self.input_layernorm_checkpoint = checkpoint_without_output(self.config)
@@ -275,7 +311,7 @@ class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
         )
 
         with self.bias_dropout_add_exec_handler():
-            hidden_states = self._post_bda(hc, h_res, residual, h_post, attention_output_with_bias)
+            hidden_states = self._post_bda(hc, streams, attention_output_with_bias, next_h_pre)
         return hidden_states, context
 
     def _sandwich_norm(
@@ -298,7 +334,7 @@ class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
     ) -> Tensor:
         """MLP sublayer: `[s, b, n*C] -> [s, b, n*C]`."""
         _reject_unknown(unknown, "_forward_mlp")
-        aggregated, h_res, h_post, residual = self.mlp_hyper_connection(hidden_states)
+        aggregated, streams, next_h_pre = self._connect(self.mlp_hyper_connection, hidden_states)
         normed = _check_norm_output(self._forward_pre_mlp_layernorm(aggregated), "pre_mlp_layernorm")
 
         if self.recompute_mlp:
@@ -317,7 +353,7 @@ class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
                 mlp_output_with_bias = self._checkpointed_mlp(normed, padding_mask)
         else:
             mlp_output_with_bias = self.mlp(normed, padding_mask=padding_mask)
-        return self._forward_post_mlp(mlp_output_with_bias, _Streams(residual, h_res, h_post))
+        return self._forward_post_mlp(mlp_output_with_bias, streams._replace(next_h_pre=next_h_pre))
 
     def _forward_pre_mlp_layernorm(self, hidden_states: Tensor) -> Tensor:
         """Pre-MLP layernorm of the aggregated `[s, b, C]`, checkpointed under selective "layernorm" recompute.
@@ -362,19 +398,22 @@ class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
             self.pre_mlp_norm_checkpoint.discard_output_and_register_recompute(mlp_output_with_bias[0])
         mlp_output_with_bias = self._sandwich_norm("post_mlp_layernorm", mlp_output_with_bias)
         with self.bias_dropout_add_exec_handler():
-            hidden_states = self._post_bda(
-                self.mlp_hyper_connection, residual.h_res, residual.residual, residual.h_post, mlp_output_with_bias
-            )
+            hidden_states = self._post_bda(self.mlp_hyper_connection, residual, mlp_output_with_bias,
+                                           residual.next_h_pre)
         return make_viewless_tensor(
             inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True
         )
 
     def get_layer_static_inputs(self, seq_length: int, micro_batch_size: int) -> dict[str, Tensor]:
-        """Static CUDA-graph inputs; `hidden_states` is `[s', b, n*C]`."""
+        """Static CUDA-graph inputs; `hidden_states` is `[s', b, n*C]` (the carrier `[s', b, n*C + k]` single-pass)."""
+        from mhc_core.megatron.handoff import carrier_width, is_single_pass
+
         static_inputs = super().get_layer_static_inputs(seq_length, micro_batch_size)
         hs = static_inputs["hidden_states"]
+        width = (carrier_width(self.config, hs.dtype) if is_single_pass(self.config)
+                 else self.num_residual_streams * hs.shape[-1])
         static_inputs["hidden_states"] = torch.ones(
-            (*hs.shape[:-1], self.num_residual_streams * hs.shape[-1]),
+            (*hs.shape[:-1], width),
             dtype=hs.dtype,
             device=hs.device,
             requires_grad=hs.requires_grad,

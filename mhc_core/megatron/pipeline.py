@@ -7,6 +7,10 @@ parallelism). Rules (see DESIGN.md "Pipeline parallelism"):
 - Interleaved (VPP): `n*C` on every hop when PP > 1 (only chunk (pp0, vp0) expands and only
   chunk (ppLast, vpLast) contracts).
 - Without mHC (or PP = 1): exactly megatron-core's shapes.
+- Single-pass (`mhc_single_pass`): the carrier `[s', b, n*C + k]` wherever the streams go: the H_pre the next
+  stage's first sublayer aggregates with rides behind the streams in the pipeline dtype, `k = n` when the mix
+  has that dtype and `k = 2n` for an fp32 mix in a bf16 / fp16 pipeline (its bytes, not a rounding:
+  `mhc_core.handoff`), so every stage boundary carries it unrounded, forward and backward.
 
 `enable_mhc_pipeline()` installs this into megatron-core's schedules without editing
 site-packages, explicitly and reversibly:
@@ -29,6 +33,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import p2p_communication, schedules
 from megatron.core.utils import get_model_config
@@ -54,8 +59,14 @@ _ENABLED = False
 
 
 def mhc_width(config: Any) -> int:
-    """The hidden width between stages: n*C with mHC, C without."""
+    """The hidden width between stages: n*C with mHC, C without; single-pass, the carrier's `n*C + k` for the
+    config's pipeline dtype (`mhc_core.megatron.handoff.carrier_width`)."""
     if getattr(config, "enable_mhc_connections", False):
+        if getattr(config, "mhc_single_pass", False):
+            from mhc_core.megatron.handoff import carrier_width
+
+            dtype = getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None) or torch.float32
+            return carrier_width(config, dtype)
         return config.hidden_size * int(getattr(config, "mhc_num_residual_streams", 1))
     return config.hidden_size
 
