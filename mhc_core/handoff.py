@@ -19,11 +19,24 @@ added, so the carrier is read by one `unpack` that gives both parts (and built b
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from mhc_core.checks import check_rank, check_streams, shape_str
 
-__all__ = ["handoff_channels", "pack", "unpack"]
+__all__ = ["HandoffPrecision", "handoff_channels", "pack", "unpack"]
+
+
+class HandoffPrecision(enum.StrEnum):
+    """How the mix crosses a pipeline stage boundary."""
+
+    EXACT = "exact"
+    """In its own dtype (an fp32 mix as its bytes behind bf16 streams): the pipelined run is the single process's
+    arithmetic (the suite's rule)."""
+    PIPELINE_DTYPE = "pipeline_dtype"
+    """Rounded to the pipeline's dtype (bf16) at every stage boundary, forward and backward, in n channels: upstream
+    `DSv41HybridStack`'s packing. Kept to measure what it costs (`docs/pipeline.md`)."""
 
 
 def handoff_channels(n: int, streams_dtype: torch.dtype, mix_dtype: torch.dtype) -> int:

@@ -36,7 +36,7 @@ from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from torch import Tensor, nn
 
 from mhc_core.config import PARAM_DTYPE
-from mhc_core.megatron.handoff import carrier_width, enter, is_single_pass, leave
+from mhc_core.megatron.handoff import boundary_width, enter, is_single_pass, leave, receive, send
 from mhc_core.megatron.layer import (
     HyperConnectionTransformerLayer,
     RecomputeMember,
@@ -193,7 +193,7 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
         else:
             t, width, what = getattr(self, "input_tensor", None), n * c, "[s, b, n*C] (the streams received from the previous stage)"
             if is_single_pass(self.config) and isinstance(t, Tensor):
-                width = carrier_width(self.config, t.dtype)
+                width = boundary_width(self.config, t.dtype)
                 what = f"[s, b, n*C + k] (the single-pass carrier received from the previous stage, {t.dtype})"
         if isinstance(t, Tensor) and (t.dim() != 3 or t.shape[-1] != width):
             role = "the pre_process chunk" if self.pre_process else "a chunk after the first"
@@ -215,10 +215,18 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
                 hidden_states = enter(self.config, hidden_states)
         self.mtp_streams = None
         self._in_forward = True
+        received = getattr(self, "input_tensor", None)
+        single = is_single_pass(self.config)
+        if single and not self.pre_process and isinstance(received, Tensor):
+            self.input_tensor = receive(self.config, received)  # the carrier its layers read
         try:
             output = super().forward(hidden_states, *args, **kwargs)
         finally:
             self._in_forward = False
+            if single and not self.pre_process:
+                self.input_tensor = received
+        if single and not self.post_process:
+            output = send(self.config, output)
         if self.post_process and self.final_layernorm is None:
             if not isinstance(output, Tensor):
                 raise TypeError(

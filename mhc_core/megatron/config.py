@@ -74,6 +74,10 @@ class MHCTransformerConfig(TransformerConfig):
     as DeepSeek-V4.1) or cast to the activation dtype (False); None: the variant's."""
     mhc_norm_eps: float = 1e-6
     """eps of the mapping's RMS factor (upstream's name; DeepSeek-V4.1 uses the model's RMS epsilon)."""
+    mhc_handoff_precision: str = "exact"
+    """Single-pass: how the H_pre crosses a pipeline stage boundary: `exact` (its own dtype, the pipelined run is
+    the single process's arithmetic) or `pipeline_dtype` (rounded to the pipeline dtype, upstream
+    `DSv41HybridStack`'s packing; `mhc_core.handoff.HandoffPrecision`)."""
 
     def __post_init__(self) -> None:
         for field in ("enable_mhc_connections", "use_fused_mhc", "mhc_learned_contraction",
@@ -157,6 +161,16 @@ class MHCTransformerConfig(TransformerConfig):
                                   "name the variant alone and set its options with mhc_norm_eps_inside_sqrt, "
                                   "mhc_keep_mappings_in_fp32, mhc_fp32_coefficients and mhc_learned_contraction"))
         self.mhc_variant = spec.variant.value
+        from mhc_core.handoff import HandoffPrecision
+
+        try:
+            self.mhc_handoff_precision = HandoffPrecision(self.mhc_handoff_precision).value
+        except ValueError:
+            raise ValueError(_bad("mhc_handoff_precision", self.mhc_handoff_precision,
+                                  f"valid: {', '.join(h.value for h in HandoffPrecision)}")) from None
+        if self.mhc_handoff_precision != HandoffPrecision.EXACT and not self.mhc_single_pass:
+            raise ValueError(_bad("mhc_handoff_precision", self.mhc_handoff_precision,
+                                  "is a single-pass setting (mhc_single_pass=True)"))
         if self.mhc_h_res_constraint not in ("sinkhorn", "none"):
             raise ValueError(_bad("mhc_h_res_constraint", self.mhc_h_res_constraint, "valid: sinkhorn, none"))
 

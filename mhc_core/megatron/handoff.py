@@ -8,6 +8,10 @@ streams, then the `H_pre` the next sublayer aggregates with), so the mix crosses
 (full recompute, mHC recompute groups) and pipeline stages (PP, VPP chunks, standalone embedding and loss stages)
 as the streams do. k = n when the mix has the streams' dtype, 2n for an fp32 mix behind bf16 / fp16 streams
 (`deepseek_v41`'s coefficients are fp32): the P2P rule of `mhc_core.megatron.pipeline`.
+
+`mhc_handoff_precision="pipeline_dtype"` rounds the mix to the pipeline dtype at every stage boundary instead
+(k = n there), as upstream's `DSv41HybridStack` does: `send` / `receive` convert at the chunk's edges, so the
+layers between always see the exact carrier.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mhc_core.handoff import handoff_channels, pack, unpack
+from mhc_core.handoff import HandoffPrecision, handoff_channels, pack, unpack
 from mhc_core.ops.single_pass import entry_mix, exit_aggregate, mix_dtype
 
-__all__ = ["carrier_width", "enter", "handoff_mix_dtype", "is_single_pass", "leave"]
+__all__ = ["boundary_width", "carrier_width", "enter", "handoff_mix_dtype", "is_single_pass", "leave", "receive",
+           "rounded_at_boundaries", "send"]
 
 
 def is_single_pass(config: Any) -> bool:
@@ -51,3 +56,35 @@ def leave(config: Any, carrier: Tensor) -> Tensor:
     n = int(config.mhc_num_residual_streams)
     streams, mix = unpack(carrier, n, handoff_mix_dtype(config, carrier.dtype))
     return exit_aggregate(streams, mix, n)
+
+
+def rounded_at_boundaries(config: Any) -> bool:
+    """`mhc_handoff_precision="pipeline_dtype"`: the mix is rounded to the pipeline dtype between stages."""
+    return HandoffPrecision(getattr(config, "mhc_handoff_precision", HandoffPrecision.EXACT)) == \
+        HandoffPrecision.PIPELINE_DTYPE
+
+
+def boundary_width(config: Any, streams_dtype: torch.dtype) -> int:
+    """The carrier's width on a stage boundary: `carrier_width`, or `n*C + n` where the mix is rounded there."""
+    if rounded_at_boundaries(config):
+        return int(config.mhc_num_residual_streams) * (config.hidden_size + 1)
+    return carrier_width(config, streams_dtype)
+
+
+def send(config: Any, carrier: Tensor) -> Tensor:
+    """A chunk's outgoing carrier as it crosses the boundary (the mix rounded to the streams' dtype under
+    `pipeline_dtype`; else unchanged)."""
+    if not rounded_at_boundaries(config):
+        return carrier
+    n = int(config.mhc_num_residual_streams)
+    streams, mix = unpack(carrier, n, handoff_mix_dtype(config, carrier.dtype))
+    return pack(streams, mix.to(carrier.dtype))
+
+
+def receive(config: Any, boundary: Tensor) -> Tensor:
+    """The inverse of `send` on the receiving chunk: the carrier its layers read."""
+    if not rounded_at_boundaries(config):
+        return boundary
+    n = int(config.mhc_num_residual_streams)
+    streams, mix = unpack(boundary, n, boundary.dtype)
+    return pack(streams, mix.to(handoff_mix_dtype(config, boundary.dtype)))

@@ -60,13 +60,13 @@ _ENABLED = False
 
 def mhc_width(config: Any) -> int:
     """The hidden width between stages: n*C with mHC, C without; single-pass, the carrier's `n*C + k` for the
-    config's pipeline dtype (`mhc_core.megatron.handoff.carrier_width`)."""
+    config's pipeline dtype (`mhc_core.megatron.handoff.boundary_width`)."""
     if getattr(config, "enable_mhc_connections", False):
         if getattr(config, "mhc_single_pass", False):
-            from mhc_core.megatron.handoff import carrier_width
+            from mhc_core.megatron.handoff import boundary_width
 
             dtype = getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None) or torch.float32
-            return carrier_width(config, dtype)
+            return boundary_width(config, dtype)
         return config.hidden_size * int(getattr(config, "mhc_num_residual_streams", 1))
     return config.hidden_size
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CASES", "Case"]
+__all__ = ["CASES", "HIDDEN", "N", "SINGLE_PASS_CASES", "Case"]
+
+HIDDEN, N = 32, 4
+"""C and n of the worker's model (`pp_worker.MODEL`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,12 +22,23 @@ class Case:
     """The single-process run it must reproduce (`ReferenceRuns.FLAGS`)."""
     rtol: float = 1e-6
     """TP splits every matmul's reduction, and data parallelism the sum over microbatches, so those cases allow
-    fp32 reordering (documented)."""
+    fp32 reordering (documented); 0: bit for bit."""
 
     @property
     def reference_run(self) -> str:
         """The key of its single-process run in `ReferenceRuns.FLAGS`."""
         return self.reference if self.mhc else "no-mhc"
+
+    @property
+    def width(self) -> int:
+        """The last dim of every P2P hop: C without mHC, n*C with it; single-pass, the carrier's n*C + k (k = n for
+        an fp32 pipeline or a mix rounded to the pipeline dtype, 2n for the fp32 mix's bytes in a bf16 one)."""
+        if not self.mhc:
+            return HIDDEN
+        if "--single-pass" not in self.args:
+            return HIDDEN * N
+        wide = "--bf16" in self.args and "pipeline_dtype" not in self.args
+        return HIDDEN * N + (2 * N if wide else N)
 
 
 CASES = [
@@ -76,3 +90,44 @@ CASES = [
     Case(name="tp2-pp2-sp-moe", nproc=4, args=("--tp", "2", "--pp", "2", "--sp", "--moe", "alltoall"),
          reference="mhc-moe", rtol=2e-5),
 ]
+
+
+def _single_pass(name: str, nproc: int, args: tuple[str, ...], *, reference: str, rtol: tuple[float, float]) -> list[Case]:
+    """The single-pass case `name` in fp32 and in bf16 (megatron's mixed precision, a bf16 pipeline), each against
+    the single process of its own dtype, at `rtol` (fp32, bf16)."""
+    return [Case(name=f"sp-{name}", nproc=nproc, args=("--single-pass", *args), reference=reference, rtol=rtol[0]),
+            Case(name=f"sp-{name}-bf16", nproc=nproc, args=("--single-pass", "--bf16", *args),
+                 reference=f"{reference}-bf16", rtol=rtol[1])]
+
+
+BITWISE = (0.0, 0.0)
+"""PP, VPP and the standalone stages change no arithmetic: the pipelined run is the single process bit for bit,
+in fp32 and in bf16, with the H_pre crossing every boundary unrounded."""
+
+SINGLE_PASS_CASES = [
+    # DeepSeek-V4.1's single-pass form: the H_pre the next sublayer aggregates with crosses every boundary behind
+    # the streams (the carrier, mhc_core.handoff).
+    *_single_pass("pp2", 2, ("--pp", "2"), reference="sp", rtol=BITWISE),
+    *_single_pass("pp4", 4, ("--pp", "4"), reference="sp", rtol=BITWISE),
+    *_single_pass("pp2-vpp2", 2, ("--pp", "2", "--vpp", "2"), reference="sp", rtol=BITWISE),
+    *_single_pass("pp2-embedding-loss-stages", 2, ("--pp", "2", "--embedding-stage", "--loss-stage"),
+                  reference="sp", rtol=BITWISE),
+    # TP 2 splits every row-parallel matmul's reduction over two ranks: fp32 reordering (measured 3.6e-6), and in
+    # bf16 one rounding of each partial sum more, which moves the smallest gradients most: the last sublayer's
+    # alpha_pre and bias (1e-5, reached through the exit only) by 5.6e-2 of their size (docs/pipeline.md).
+    *_single_pass("tp2-pp2", 4, ("--tp", "2", "--pp", "2"), reference="sp", rtol=(5e-6, 8e-2)),
+    # DeepSeek-V4.1's shape: attention and MoE alternating under one hyper connection each (`*E*E`), over two
+    # stages, and with its experts over EP 2 (the two ranks data-parallel: the sum over microbatches reordered).
+    *_single_pass("pp2-hybrid", 2, ("--pp", "2", "--hybrid", "*E|*E"), reference="sp-hybrid", rtol=BITWISE),
+    # (measured 3.5e-6 in fp32, 5.7e-2 in bf16 on the last layer's alpha_pre, as under TP 2).
+    *_single_pass("ep2-hybrid", 2, ("--ep", "2", "--hybrid", "*E*E"), reference="sp-hybrid", rtol=(1e-5, 8e-2)),
+]
+"""The single-pass matrix, fp32 and bf16 (the `rtol`s: measured, `docs/pipeline.md`)."""
+
+CASES += SINGLE_PASS_CASES
+
+ROUNDED_HANDOFF = Case(name="sp-pp4-bf16-rounded-handoff", nproc=4,
+                       args=("--single-pass", "--bf16", "--pp", "4", "--handoff", "pipeline_dtype"), reference="sp-bf16",
+                       rtol=0.0)
+"""Upstream DSv41HybridStack's choice: the H_pre rounded to bf16 at each of the three boundaries. It must NOT equal
+the single process: the suite measures what that rounding costs, by layer (`test_pp_runs.py`)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["RunRecord", "compare_to_reference", "load_run", "unsharded", "worst_differences"]
+__all__ = ["RunRecord", "compare_to_reference", "differences_by_layer", "load_run", "unsharded", "worst_differences"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,3 +169,19 @@ def worst_differences(run: RunRecord, ref: RunRecord) -> dict[str, float]:
         if expected.shape == e["value"].shape:
             worst[kind] = max(worst[kind], _relative(e["value"], expected, model_scale))
     return worst
+
+
+def differences_by_layer(run: RunRecord, ref: RunRecord) -> dict[str, dict[str, float]]:
+    """The largest gradient and post-step weight difference of each decoder layer over every step (measured as
+    `compare_to_reference` does), keyed `layer <i>`, and `other` for the embedding, output layer and final norm."""
+    import re
+
+    out: dict[str, dict[str, float]] = {}
+    for kind, _step, name, e, expected, model_scale in _tensor_pairs(run, ref):
+        if expected.shape != e["value"].shape:
+            continue
+        m = re.match(r"decoder\.layers\.(\d+)\.", name)
+        row = out.setdefault(f"layer {m.group(1)}" if m else "other", {"grad": 0.0, "weight": 0.0})
+        row[kind] = max(row[kind], _relative(e["value"], expected, model_scale))
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] == "other", int(kv[0].split()[-1]) if kv[0] != "other"
+                                                    else 0)))

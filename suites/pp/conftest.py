@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="the pp suite needs megatron-core")
 
 from suites.pp.batches import Batches, Planned  # noqa: E402
-from suites.pp.cases import CASES, Case  # noqa: E402
+from suites.pp.cases import CASES, ROUNDED_HANDOFF, Case  # noqa: E402
 
 
 class ReferenceRuns:
@@ -21,7 +21,10 @@ class ReferenceRuns:
 
     FLAGS = {"mhc": [], "no-mhc": ["--no-mhc"], "mhc-moe": ["--moe", "alltoall"],
              "mhc-mtp": ["--mtp", "2", "--numerics", "dev"], "mhc-hybrid": ["--hybrid", "*-*E"],
-             "mhc-hybrid-mtp": ["--hybrid", "*-*E/*E", "--numerics", "dev"]}
+             "mhc-hybrid-mtp": ["--hybrid", "*-*E/*E", "--numerics", "dev"],
+             "sp": ["--single-pass"], "sp-bf16": ["--single-pass", "--bf16"],
+             "sp-hybrid": ["--single-pass", "--hybrid", "*E*E"],
+             "sp-hybrid-bf16": ["--single-pass", "--bf16", "--hybrid", "*E*E"]}
 
     def __init__(self, root: Path, *, wanted: Iterable[str] = (), batch: bool = True) -> None:
         self.runs = Batches(root, batch=batch)
@@ -40,8 +43,12 @@ class ReferenceRuns:
 def _selected_cases(session: pytest.Session) -> list[Case]:
     """The pipelined cases this session runs (after -k and other deselection)."""
     cases = [item.callspec.params["case"] for item in session.items
-             if isinstance(item, pytest.Function) and item.originalname == "test_pipelined_run_reproduces_single_process"]
+             if isinstance(item, pytest.Function) and item.originalname in PIPELINED_TESTS]
     return [c for c in cases if isinstance(c, Case)]
+
+
+PIPELINED_TESTS = ("test_pipelined_run_reproduces_single_process", "test_a_rounded_handoff_moves_a_bf16_run")
+"""The tests whose `case` parameter is a pipelined run of `pipelined_runs`."""
 
 
 def _batching(config: pytest.Config) -> bool:
@@ -61,7 +68,7 @@ def pipelined_runs(tmp_path_factory, request, reference_runs) -> Batches:
     """The session's pipelined cases by name, each from its reference's initial weights, batched by world size."""
     runs = Batches(tmp_path_factory.mktemp("pp-runs"), batch=_batching(request.config),
                    before=lambda need: reference_runs[need])
-    for case in (_selected_cases(request.session) if _batching(request.config) else CASES):
+    for case in (_selected_cases(request.session) if _batching(request.config) else [*CASES, ROUNDED_HANDOFF]):
         init = reference_runs.runs.root / case.reference_run / "init.pt"
         runs.plan(case.name, Planned(nproc=case.nproc, args=(*case.args, "--init", str(init)),
                                      needs=(case.reference_run,)))

@@ -76,6 +76,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flavor", choices=("main", "dev"), default=None, help="--impl tree: the tree's branch")
     p.add_argument("--numerics", choices=("main", "dev"), default="main",
                    help="--impl ours: megatron_main, or megatron_dev with the learned block exit")
+    p.add_argument("--single-pass", action="store_true",
+                   help="--impl ours: DeepSeek-V4.1's single-pass form and numerics (deepseek_v41, the model's RMS "
+                        "epsilon in the mapping)")
+    p.add_argument("--handoff", choices=("exact", "pipeline_dtype"), default="exact",
+                   help="--single-pass: the H_pre across stage boundaries in its own dtype, or rounded to the "
+                        "pipeline dtype (upstream DSv41HybridStack's packing)")
+    p.add_argument("--bf16", action="store_true",
+                   help="megatron-core's bf16 mixed precision: bf16 parameters and activations (Float16Module), a "
+                        "bf16 pipeline, mHC parameters kept fp32")
     p.add_argument("--mhc-recompute", default=None, metavar="LAYERS|chunk",
                    help='"mhc" in recompute_modules, LAYERS per recompute group or the whole chunk')
     p.add_argument("--moe", choices=("allgather", "alltoall"), default=None,
@@ -185,8 +194,9 @@ def run_case(args: argparse.Namespace) -> None:
         hidden_size=m["hidden_size"],
         num_attention_heads=m["num_attention_heads"],
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        bf16=args.bf16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=args.tp,
@@ -227,6 +237,11 @@ def run_case(args: argparse.Namespace) -> None:
             raise SystemExit(REFUSED) from exc
     else:
         chunks = _our_chunks(args, common)
+    models = chunks
+    if args.bf16:  # megatron's mixed precision: the schedule runs the wrappers, the records read the chunks
+        from megatron.core.transformer.module import Float16Module
+
+        models = [Float16Module(c.config, c) for c in chunks]
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), args.tp
     names = [full_names(c) for c in chunks]
 
@@ -277,7 +292,7 @@ def run_case(args: argparse.Namespace) -> None:
         losses = fb(
             forward_step_func=forward_step,
             data_iterator=iters if args.vpp else iters[0],
-            model=chunks if args.vpp else chunks[0],
+            model=models if args.vpp else models[0],
             num_microbatches=local,
             seq_length=m["seq"],
             micro_batch_size=m["mbs"],
@@ -331,6 +346,9 @@ def _our_chunks(args: argparse.Namespace, common: dict) -> list:
 
     m = MODEL
     numerics = ({"mhc_variant": "megatron_dev", "mhc_learned_contraction": True} if args.numerics == "dev" else {})
+    if args.single_pass:  # DeepSeek-V4.1: deepseek_v41's numerics with the model's RMS epsilon, single-pass
+        numerics = {"mhc_single_pass": True, "mhc_variant": "megatron_dev", "mhc_norm_eps_inside_sqrt": True,
+                    "mhc_fp32_coefficients": True, "mhc_norm_eps": 1e-5, "mhc_handoff_precision": args.handoff}
     config = MHCTransformerConfig(**common, enable_mhc_connections=not args.no_mhc, mhc_num_residual_streams=m["n"],
                                   **(numerics if not args.no_mhc else {}))
     chunks = []

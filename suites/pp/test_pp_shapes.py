@@ -59,6 +59,32 @@ def test_1f1b_send_matches_next_receive(pp, sp_tp, cp, mhc):
         assert send == (s, MBS, H * N if mhc and r < pp - 1 else H)
 
 
+SINGLE_PASS = dict(mhc_single_pass=True, mhc_variant="megatron_dev", mhc_norm_eps_inside_sqrt=True)
+
+
+@pytest.mark.parametrize("dtype,coefficients,handoff,k", [
+    (torch.float32, True, "exact", N), (torch.bfloat16, True, "exact", 2 * N),
+    (torch.bfloat16, False, "exact", N), (torch.bfloat16, True, "pipeline_dtype", N),
+], ids=["fp32", "bf16-fp32-mix", "bf16-bf16-mix", "bf16-rounded"])
+def test_single_pass_carries_the_mix_behind_the_streams(dtype, coefficients, handoff, k):
+    """Single-pass: every hop is n*C + k, k = n where the mix has the pipeline's dtype (or is rounded to it), 2n for
+    an fp32 mix's bytes in a bf16 pipeline; 1F1B and the interleaved schedule alike."""
+    cfg = _config(pp=2, vpp=2, **SINGLE_PASS, mhc_fp32_coefficients=coefficients, mhc_handoff_precision=handoff)
+    cfg.pipeline_dtype = dtype
+    shapes = _shapes(cfg, 2)
+    assert shapes[0][1] == shapes[1][0] == (SEQ, MBS, H * N + k) and shapes[0][0] == (SEQ, MBS, H)
+    got = interleaved_tensor_shape(seq_length=SEQ, micro_batch_size=MBS, config=cfg, tp_size=1, cp_size=1, pp_size=2)
+    assert got == (SEQ, MBS, H * N + k)
+
+
+def test_a_rounded_handoff_is_single_pass_only():
+    """`mhc_handoff_precision` other than exact without the single-pass form is an error naming it."""
+    with pytest.raises(ValueError, match="mhc_handoff_precision='pipeline_dtype': is a single-pass setting"):
+        _config(mhc_handoff_precision="pipeline_dtype")
+    with pytest.raises(ValueError, match="mhc_handoff_precision='bf16': valid: exact, pipeline_dtype"):
+        _config(**SINGLE_PASS, mhc_handoff_precision="bf16")
+
+
 def test_pp1_and_no_group_keep_megatron_shapes():
     """PP = 1, or no pp group, gives megatron-core's own shape."""
     cfg = _config(pp=1)
