@@ -59,6 +59,14 @@ class TrainArgs:
     """The fused mHC ops (`mhc_core.kernels` dispatch: cuTile on an NVIDIA GPU, else compiled)."""
     mhc_learned_contraction: bool = False
     """The learned block exit (`megatron_dev` only), as upstream dev's block contracts."""
+    mhc_single_pass: bool = False
+    """DeepSeek-V4.1's single-pass form (upstream main's `mhc_single_pass`)."""
+    mhc_norm_eps_inside_sqrt: bool = False
+    """The mapping's RMS factor `rsqrt(mean(x^2) + eps)` (the option `eps_inside_sqrt`)."""
+    mhc_fp32_coefficients: bool | None = None
+    """Coefficients kept fp32 into Sinkhorn and the mixes (the option `fp32_coefficients`); None: the variant's."""
+    mhc_norm_eps: float = 1e-6
+    """eps of the mapping's RMS factor (DeepSeek-V4.1: the model's RMS epsilon)."""
     mhc_recompute_layer_num: int | None = None
     """With `mhc` in --recompute-modules: layers per mHC recompute group (None: the whole chunk)."""
     # GPU-only features of upstream's recipes: recorded so their recipes load; the trainer refuses them
@@ -198,6 +206,10 @@ FLAGS: dict[str, _Flag] = {
     "--mhc-h-res-constraint": _f(str, choices=("sinkhorn", "none", "permutations")),
     "--use-fused-mhc": _f(bool),
     "--mhc-learned-contraction": _f(bool),
+    "--mhc-single-pass": _f(bool),
+    "--mhc-norm-eps-inside-sqrt": _f(bool),
+    "--mhc-fp32-coefficients": _f(bool),
+    "--mhc-norm-eps": _f(float, minimum=0.0),
     "--disable-bias-linear": _f(bool),
     "--num-experts": _f(int, minimum=1),
     "--moe-router-topk": _f(int, minimum=1),

@@ -87,6 +87,8 @@ def _config(a: TrainArgs, backend: str, tree_flavor: str | None = None) -> Any:
         **common, enable_mhc_connections=a.enable_mhc_connections, mhc_num_residual_streams=a.mhc_num_residual_streams,
         mhc_variant=a.mhc_variant, mhc_h_res_constraint=a.mhc_h_res_constraint, use_fused_mhc=a.use_fused_mhc,
         mhc_learned_contraction=a.mhc_learned_contraction, mhc_recompute_layer_num=a.mhc_recompute_layer_num,
+        mhc_single_pass=a.mhc_single_pass, mhc_norm_eps_inside_sqrt=a.mhc_norm_eps_inside_sqrt,
+        mhc_fp32_coefficients=a.mhc_fp32_coefficients, mhc_norm_eps=a.mhc_norm_eps,
     )
 
 
