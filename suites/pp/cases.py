@@ -112,6 +112,11 @@ SINGLE_PASS_CASES = [
     *_single_pass("pp2-vpp2", 2, ("--pp", "2", "--vpp", "2"), reference="sp", rtol=BITWISE),
     *_single_pass("pp2-embedding-loss-stages", 2, ("--pp", "2", "--embedding-stage", "--loss-stage"),
                   reference="sp", rtol=BITWISE),
+    # The recomputes with the handoff crossing each group, checkpoint and stage: mHC recompute (whole chunks) under
+    # the interleaved schedule, and full recompute one layer per checkpoint.
+    *_single_pass("pp2-vpp2-mhc-recompute", 2, ("--pp", "2", "--vpp", "2", "--mhc-recompute", "chunk"),
+                  reference="sp", rtol=BITWISE),
+    *_single_pass("pp2-full-recompute", 2, ("--pp", "2", "--full-recompute"), reference="sp", rtol=BITWISE),
     # TP 2 splits every row-parallel matmul's reduction over two ranks: fp32 reordering (measured 3.6e-6), and in
     # bf16 one rounding of each partial sum more, which moves the smallest gradients most: the last sublayer's
     # alpha_pre and bias (1e-5, reached through the exit only) by 5.6e-2 of their size (docs/pipeline.md).

@@ -36,8 +36,10 @@ REFUSED = 3
 """Exit code of a `--impl tree` rank whose tree refused the configuration (its message in refusal-rank<r>.txt)."""
 
 
-def _recompute_kwargs(value: str | None) -> dict:
-    """Config keywords for `--mhc-recompute` (none when unset)."""
+def _recompute_kwargs(value: str | None, full: bool = False) -> dict:
+    """Config keywords for `--mhc-recompute` and `--full-recompute` (none when unset)."""
+    if full:
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     if value is None:
         return {}
     return {"recompute_granularity": "selective", "recompute_modules": ["mhc"],
@@ -87,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "bf16 pipeline, mHC parameters kept fp32")
     p.add_argument("--mhc-recompute", default=None, metavar="LAYERS|chunk",
                    help='"mhc" in recompute_modules, LAYERS per recompute group or the whole chunk')
+    p.add_argument("--full-recompute", action="store_true",
+                   help="full activation recompute, one layer per checkpoint (with --single-pass: the carrier crosses "
+                        "each checkpoint)")
     p.add_argument("--moe", choices=("allgather", "alltoall"), default=None,
                    help="every MLP an MoE (4 local experts, top-2) with this token dispatcher")
     p.add_argument("--ep", type=int, default=1,
@@ -205,7 +210,7 @@ def run_case(args: argparse.Namespace) -> None:
         sequence_parallel=args.sp,
         account_for_embedding_in_pipeline_split=args.embedding_stage,
         account_for_loss_in_pipeline_split=args.loss_stage,
-        **_recompute_kwargs(args.mhc_recompute),
+        **_recompute_kwargs(args.mhc_recompute, args.full_recompute),
         deallocate_pipeline_outputs=False,
         # Unbatched P2P orders sends/receives by rank parity. Batched P2P posts them in one fixed
         # order; gloo matches messages between a pair of ranks first-in-first-out, so with PP = 2
