@@ -143,7 +143,7 @@ class TestOp:
         bias = torch.randn(n * n + 2 * n, generator=g, dtype=torch.float64)
         a = [torch.tensor([v], dtype=torch.float64) for v in (0.7, 1.1, 0.9)]
         prev = None if previous == "entry" else torch.rand(t, n, generator=g, dtype=torch.float64)
-        got = single_pass_pre(x, prev, w, *a, bias, n, it, V41, eps)
+        got = single_pass_pre(x, prev, w, a[0], a[1], a[2], bias, n, it, V41, eps)
         want = _hand_v41(x, prev, w, 0.7, 1.1, 0.9, bias, n, it, eps)
         for name, gv, wv in zip(("aggregate", "next_h_pre", "h_post", "h_res"), got, want, strict=True):
             assert_close(name, gv, wv, tolerance(torch.float64))
@@ -191,8 +191,10 @@ class TestOp:
 
         x, prev, w, bias = leaf(t, n * c), leaf(t, n), leaf(n * n + 2 * n, n * c), leaf(n * n + 2 * n)
         a = [torch.tensor([v], dtype=torch.float64, requires_grad=True) for v in (0.7, 1.1, 0.9)]
-        assert torch.autograd.gradcheck(lambda *args: single_pass_pre(args[0], args[1], args[2], *args[3:6], args[6],
-                                                                      n, 4, V41), (x, prev, w, *a, bias))
+        def op(x, prev, w, a_pre, a_post, a_res, bias):
+            return single_pass_pre(x, prev, w, a_pre, a_post, a_res, bias, n, 4, V41)
+
+        assert torch.autograd.gradcheck(op, (x, prev, w, *a, bias))
 
     @pytest.mark.parametrize("bad,match", [
         (torch.rand(3, 2, 5), r"previous_h_pre must have shape \[s, b, n\]"),
@@ -216,7 +218,7 @@ class TestOp:
         """The exit needs the last H_pre `[s, b, n]`: None or a wrong shape is an error naming `last_h_pre`."""
         x = torch.randn(3, 2, 32)
         with pytest.raises(ValueError, match="last_h_pre is None"):
-            exit_aggregate(x, None, 4)  # type: ignore[arg-type]
+            exit_aggregate(x, None, 4)
         with pytest.raises(ValueError, match=r"last_h_pre must have shape \[s, b, n\]"):
             exit_aggregate(x, torch.rand(3, 2, 3), 4)
 

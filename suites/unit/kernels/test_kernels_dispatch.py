@@ -245,3 +245,40 @@ def test_module_fused_matches_reference(variant, monkeypatch):
     names = ["x", *(name for name, _ in ref_mod.named_parameters())]
     for name, a, e in zip(names, grads_f, grads_r, strict=True):
         assert_close(f"module grad {name}", a, e, tolerance(torch.float32, "bwd"))
+
+
+@needs_compiled_dev
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_single_pass_module_fused_matches_reference(dtype, monkeypatch):
+    """The single-pass call (DeepSeek-V4.1's `deepseek_v41`) with use_fused=True (compiled mapping, Sinkhorn and
+    aggregate) matches the reference: branch input, next H_pre, the update, and the gradients of the streams, the
+    previous H_pre and every parameter."""
+    monkeypatch.setenv("MHC_BACKEND", "compiled")
+    from mhc_core.testing import assert_close, tolerance
+
+    kwargs = {"hidden_size": C, "num_residual_streams": 4, "variant": "deepseek_v41", "norm_eps": 1e-5,
+              "form": "single_pass", "init_gating_factor": 0.5}
+    ref_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=False)).to(DEV)
+    fused_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=True)).to(DEV)
+    with torch.no_grad():
+        ref_mod.bias.copy_(torch.linspace(-0.5, 0.5, ref_mod.bias.numel()))
+    fused_mod.load_state_dict(ref_mod.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 8, 4 * C, generator=gen).to(DEV, dtype)
+    prev = torch.rand(6, 8, 4, generator=gen).to(DEV)
+    y = torch.randn(6, 8, C, generator=gen).to(DEV, dtype)
+    results = []
+    for mod in (ref_mod, fused_mod):
+        xi, pi = x.clone().requires_grad_(True), prev.clone().requires_grad_(True)
+        branch, h_res, h_post, nxt = mod(xi, previous_h_pre=pi)
+        out = mod.post_residual_bda(h_res, xi, h_post, (y + branch, None))
+        loss = (out.float() * torch.cos(torch.arange(out.numel(), device=DEV).view_as(out).float())).sum() + \
+            (nxt * torch.linspace(1, 2, 4, device=DEV)).sum()
+        grads = torch.autograd.grad(loss, [xi, pi, *mod.parameters()])
+        results.append(((out.detach(), branch.detach(), nxt.detach()), grads))
+    (outs_r, grads_r), (outs_f, grads_f) = results
+    for name, a, e in zip(("update", "branch input", "next h_pre"), outs_f, outs_r, strict=True):
+        assert_close(f"single-pass {name}", a, e, tolerance(a.dtype, "fwd"))
+    names = ["x", "previous_h_pre", *(name for name, _ in ref_mod.named_parameters())]
+    for name, a, e in zip(names, grads_f, grads_r, strict=True):
+        assert_close(f"single-pass grad {name}", a, e, tolerance(a.dtype, "bwd"))
