@@ -153,7 +153,7 @@ fi
 {
     echo "== $(date -u +%FT%TZ) gpu_check"
     # The device's copy of the tree has a HEAD of its own: goldens and history records name the commit
-    # the run command gives as MHC_GIT_COMMIT (harness.provenance).
+    # the run command gives as MHC_GIT_COMMIT (harness.golden.provenance).
     echo "git_commit: ${MHC_GIT_COMMIT:-unset: recorded as the HEAD of this copy, $(git rev-parse HEAD 2>/dev/null || echo none); put MHC_GIT_COMMIT=<sha> in the run command}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
     "$PY" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, torch.version.cuda, torch.cuda.is_available())'
@@ -350,7 +350,7 @@ perf_run() {  # perf_run <name> <seconds> <-k expression>
     if [[ -s "$OUT/$1.json" ]]; then
         [[ $RECORD -eq 1 ]] && "$PY" -m harness perf-history append "$OUT/$1.json" --history "$OUT/perf-history.jsonl" \
             --hw "$HW" >> "$OUT/$1.txt" 2>&1
-        "$PY" -m suites.perf.table "$OUT/$1.json" >> "$OUT/perf-table.md"
+        "$PY" -m harness.perf.table "$OUT/$1.json" >> "$OUT/perf-table.md"
     fi
 }
 has_step perf && perf_run perf 130 "not compiled${MHC_GPU_PERF_K:+ and ($MHC_GPU_PERF_K)}"

@@ -33,6 +33,6 @@ also=()
 "$PY" -m harness perf-history append "$OUT/perf.json" "${also[@]}" --history "$HISTORY" --hw "$HW"
 "$PY" -m harness perf-history check --history "$HISTORY" || status=${status:-$?}
 "$PY" -m harness perf-history plot --history "$HISTORY" --out "$OUT/trends"
-"$PY" -m suites.perf.table "$OUT/perf.json" ${also[1]:+"${also[1]}"} > "$OUT/perf-table.md"
+"$PY" -m harness.perf.table "$OUT/perf.json" ${also[1]:+"${also[1]}"} > "$OUT/perf-table.md"
 echo "nightly: hardware $HW, table in $OUT/perf-table.md, history $HISTORY"
 exit "${status:-0}"

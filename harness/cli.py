@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.errors import GoldenError
+from harness.golden.errors import GoldenError
 
 __all__ = ["build_parser", "main"]
 
@@ -40,8 +40,8 @@ def _split_pytest_args(text: str) -> list[str]:
 
 
 def _cmd_hw(args: argparse.Namespace) -> int:
-    from harness.fingerprint import current_fingerprint
-    from harness.hardware import detect_hardware
+    from harness.golden.fingerprint import current_fingerprint
+    from harness.golden.hardware import detect_hardware
 
     hw = detect_hardware(override=args.hw)
     fp = current_fingerprint()
@@ -73,7 +73,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not sep or not suite:
             raise ValueError(f"--suite-args {item!r}: expected SUITE=ARGS, e.g. unit='-n 2'")
         suite_args.setdefault(suite, []).extend(_split_pytest_args(rest))
-    if args.megatron_lm:  # the pp and functional suites run the tree beside ours (harness.megatron_tree)
+    if args.megatron_lm:  # the pp and functional suites run the tree beside ours (harness.upstream.megatron_tree)
         os.environ["MHC_MEGATRON_LM"] = str(Path(args.megatron_lm).resolve())
     for stale in ("conformance.json", "conformance.md"):  # report.md embeds only this run's matrix
         (Path(args.out) / stale).unlink(missing_ok=True)
@@ -165,10 +165,10 @@ def _cmd_trainserve(args: argparse.Namespace) -> int:
 
 
 def _cmd_recalibrate(args: argparse.Namespace) -> int:
-    from harness.hardware import detect_hardware, require_known
-    from harness.recalibrate import recalibrate
+    from harness.golden.hardware import detect_hardware, require_known
+    from harness.golden.recalibrate import recalibrate
+    from harness.golden.store import GoldenStore
     from harness.runner import pytest_case_runner
-    from harness.store import GoldenStore
 
     hw = detect_hardware(override=args.hw)
     print(f"hardware key: {hw.key} ({hw.rule})")
@@ -185,9 +185,9 @@ def _cmd_recalibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from harness.bands import DEFAULT_BANDS, drift
-    from harness.recalibrate import mean_relative_change
-    from harness.schema import load_golden
+    from harness.golden.bands import DEFAULT_BANDS, drift
+    from harness.golden.recalibrate import mean_relative_change
+    from harness.golden.schema import load_golden
 
     a = load_golden(args.a, allow_nan_strings=args.allow_nan_strings)
     b = load_golden(args.b, allow_nan_strings=args.allow_nan_strings)
@@ -222,11 +222,11 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from harness.errors import MissingGoldenError
-    from harness.hardware import require_known, validate_hw_key
-    from harness.recalibrate import change_lines
-    from harness.schema import golden_from_doc, parse_json, read_text
-    from harness.store import GoldenStore, build_meta
+    from harness.golden.errors import MissingGoldenError
+    from harness.golden.hardware import require_known, validate_hw_key
+    from harness.golden.recalibrate import change_lines
+    from harness.golden.schema import golden_from_doc, parse_json, read_text
+    from harness.golden.store import GoldenStore, build_meta
 
     key = require_known(validate_hw_key(args.hw, field="--hw"), allow_unknown=args.allow_unknown_hw)
     raw = parse_json(read_text(args.file), source=args.file)  # parsed once: the golden, and the values it drops
@@ -256,8 +256,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_log(args: argparse.Namespace) -> int:
-    from harness.megatron_log import read_log
-    from harness.schema import dumps_golden
+    from harness.golden.megatron_log import read_log
+    from harness.golden.schema import dumps_golden
 
     golden = read_log(args.log)
     if args.metric:
@@ -276,17 +276,17 @@ def _cmd_import_log(args: argparse.Namespace) -> int:
 
 
 def _cmd_perf(args: argparse.Namespace) -> int:
-    from harness import peer_trend
-    from harness import perf_history as ph
+    from harness.perf import history as ph
+    from harness.perf import peer_trend
 
     if args.perf_cmd == "append":
-        from harness.hardware import detect_hardware
-        from harness.schema import parse_json
+        from harness.golden.hardware import detect_hardware
+        from harness.golden.schema import parse_json
 
         src = Path(args.benchmark_json)
         doc = parse_json(src.read_text(encoding="utf-8"), source=str(src))
         machine = doc.get("machine_info") if isinstance(doc, dict) else None
-        from harness.hardware import validate_hw_key
+        from harness.golden.hardware import validate_hw_key
 
         hw = validate_hw_key(args.hw or (machine or {}).get("mhc_hw") or detect_hardware().key,
                              field="--hw" if args.hw else "machine_info.mhc_hw")
@@ -312,7 +312,7 @@ def _cmd_perf(args: argparse.Namespace) -> int:
             print(peer_trend.format_peer_verdicts(peers))
         bad = {"regression"} | ({"improved"} if args.fail_on_improvement else set())
         return 1 if any(v.status in bad for v in verdicts) or any(v.status == "fell_behind" for v in peers) else 0
-    from harness.perf_page import write_pages
+    from harness.perf.page import write_pages
 
     pngs = ph.plot_history(records, args.out) + peer_trend.plot_peers(records, args.out)
     for p in [*pngs, *write_pages(records, pngs, args.out)]:

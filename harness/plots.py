@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from harness.schema import Golden, MetricSeries
+from harness.golden.schema import Golden, MetricSeries
 
 __all__ = ["hc_pairs", "loss_metrics", "mhc_pairs", "plot_case", "plot_overlay", "stability_metrics"]
 

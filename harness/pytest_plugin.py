@@ -1,5 +1,5 @@
 """pytest plugin (entry point `pytest11`): golden options, the `golden_case` marker and the
-`golden_metrics` fixture. Thin on purpose: the logic lives in `harness.case_check`.
+`golden_metrics` fixture. Thin on purpose: the logic lives in `harness.golden.case_check`.
 
 Usage in a suite::
 
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from harness.case_check import GoldenSettings
-    from harness.compare import Check
-    from harness.fingerprint import NumericsFingerprint
+    from harness.golden.case_check import GoldenSettings
+    from harness.golden.compare import Check
+    from harness.golden.fingerprint import NumericsFingerprint
+    from harness.golden.results import CaseOutcome
     from harness.progress import ProgressWriter
-    from harness.results import CaseOutcome
 
 __all__ = ["GoldenMetrics", "suite_from_path"]
 
@@ -112,8 +112,8 @@ def suite_from_path(path: Path) -> str | None:
 
 def _settings(config: pytest.Config) -> GoldenSettings:
     if _SETTINGS not in config.stash:
-        from harness.case_check import GoldenSettings
-        from harness.hardware import detect_hardware
+        from harness.golden.case_check import GoldenSettings
+        from harness.golden.hardware import detect_hardware
 
         def _path(opt: str) -> Path | None:
             v = config.getoption(opt)
@@ -133,7 +133,7 @@ def _settings(config: pytest.Config) -> GoldenSettings:
 @pytest.hookimpl(optionalhook=True)
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict[str, Any]) -> None:
     """Add the hardware key and package versions to pytest-benchmark's machine_info (read by perf-history)."""
-    from harness.provenance import package_versions
+    from harness.golden.provenance import package_versions
 
     machine_info["mhc_hw"] = _settings(config).hw.key
     machine_info["mhc_versions"] = package_versions()
@@ -143,7 +143,7 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
 def pytest_benchmark_update_commit_info(config: pytest.Config, commit_info: dict[str, Any]) -> None:
     """Record `$MHC_GIT_COMMIT` as the benchmark JSON's commit where it is set (a copy of the tree, such as the
     device machine's, has a HEAD of its own); `dirty` then says nothing about that commit and becomes None."""
-    from harness.provenance import given_commit
+    from harness.golden.provenance import given_commit
 
     given = given_commit()
     if given:
@@ -174,9 +174,9 @@ class GoldenMetrics:
         The JUnit entry of the test gets `golden_lane`, `golden_exact` and `numerics_fingerprint`.
         """
         __tracebackhide__ = True
-        from harness.case_check import check_case
-        from harness.errors import GoldenError
-        from harness.fingerprint import fingerprint_from_json
+        from harness.golden.case_check import check_case
+        from harness.golden.errors import GoldenError
+        from harness.golden.fingerprint import fingerprint_from_json
 
         node = self._request.node
         suite = suite or suite_from_path(node.path)
@@ -219,17 +219,17 @@ def golden_metrics(request: pytest.FixtureRequest) -> GoldenMetrics:
 
 @pytest.fixture
 def tree_rows(request: pytest.FixtureRequest):
-    """Hand a Megatron-LM tree comparison to report.md: `tree_rows(TreeRow(...))` (`harness.tree_report`)."""
-    from harness.tree_report import record
+    """Hand a Megatron-LM tree comparison to report.md: `tree_rows(TreeRow(...))` (`harness.upstream.tree_report`)."""
+    from harness.upstream.tree_report import record
 
     return lambda row: record(_settings(request.config).results_dir, row)
 
 
 @pytest.fixture(scope="session")
 def megatron_lm_tree():
-    """The Megatron-LM tree under test (`harness.megatron_tree.tree_under_test`); skips without one, fails
+    """The Megatron-LM tree under test (`harness.upstream.megatron_tree.tree_under_test`); skips without one, fails
     naming the path for one that is not a usable tree or does not import here."""
-    from harness.megatron_tree import TreeError, tree_under_test
+    from harness.upstream.megatron_tree import TreeError, tree_under_test
 
     try:
         tree = tree_under_test()

@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.errors import GoldenError
+from harness.golden.errors import GoldenError
+from harness.golden.provenance import utc_now
+from harness.golden.results import CaseOutcome, load_actual
+from harness.golden.schema import load_golden
 from harness.plots import hc_pairs, loss_metrics, mhc_pairs, plot_case, plot_overlay, stability_metrics
-from harness.provenance import utc_now
-from harness.results import CaseOutcome, load_actual
 from harness.runner import RunSummary
-from harness.schema import load_golden
-from harness.tree_report import markdown as tree_markdown
-from harness.tree_report import read_rows as read_tree_rows
+from harness.upstream.tree_report import markdown as tree_markdown
+from harness.upstream.tree_report import read_rows as read_tree_rows
 
 __all__ = ["format_table", "step_time_ratios", "summary_rows", "write_plots", "write_report"]
 

@@ -26,11 +26,11 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import RecalibrationError
-from harness.fingerprint import fingerprint_from_json
+from harness.golden.errors import RecalibrationError
+from harness.golden.fingerprint import fingerprint_from_json
+from harness.golden.recalibrate import Repeat
+from harness.golden.results import CaseOutcome, load_actual, read_outcomes
 from harness.progress import ProgressPrinter
-from harness.recalibrate import Repeat
-from harness.results import CaseOutcome, load_actual, read_outcomes
 
 __all__ = [
     "NO_XDIST_SUITES",

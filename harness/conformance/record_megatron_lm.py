@@ -31,10 +31,10 @@ import torch
 
 from harness.conformance.recording import record_peer, write_recording
 from harness.conformance.replay import FORMAT
-from harness.megatron_tree import tree_commit
+from harness.golden.provenance import utc_now
 from harness.peers.megatron_lm import TreeError, hashes, load_tree, make_peers, tree_flavor
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter, without_autotune_timing
-from harness.provenance import utc_now
+from harness.upstream.megatron_tree import tree_commit
 
 __all__ = ["main", "record"]
 

@@ -26,8 +26,8 @@ import torch
 
 from harness.conformance.checks import check_specs, inputs_digest, run_side, stack_source
 from harness.conformance.replay import FORMAT, tensor_to_json
+from harness.golden.provenance import utc_now
 from harness.peers.base import Peer
-from harness.provenance import utc_now
 
 __all__ = ["RECORDED_SUFFIX", "main", "record_peer", "write_recording"]
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.conformance.replay import load_recording
-from harness.megatron_tree import TreeError, tree_flavor
 from harness.peers.base import Peer
+from harness.upstream.megatron_tree import TreeError, tree_flavor
 
 __all__ = ["all_peers", "default_peers", "select", "tree_peers"]
 

@@ -98,7 +98,7 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch
 
 def load_recording(path: Path, *, prefix: str | None = None) -> list[RecordedPeer]:
     """The peers of one recording file; `prefix` renames `megatron_lm[...]` to `<prefix>[...]`."""
-    from harness.schema import parse_json
+    from harness.golden.schema import parse_json
 
     path = Path(path)
     doc = parse_json(path.read_text(encoding="utf-8"), source=str(path))

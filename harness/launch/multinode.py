@@ -45,9 +45,9 @@ def write_plan(case: str, hw: str, out: Path, *, nodes: int | None = None) -> Ru
 def check_run(out: Path, *, golden_dir: Path, results_dir: Path | None = None):
     """Compare the metrics a multi-node run left in `out` with its golden file; a `CaseOutcome`.
     `ValueError` naming the file when the plan or the metrics are missing or unreadable."""
-    from harness.case_check import GoldenSettings, check_case
-    from harness.fingerprint import fingerprint_from_json
-    from harness.hardware import detect_hardware
+    from harness.golden.case_check import GoldenSettings, check_case
+    from harness.golden.fingerprint import fingerprint_from_json
+    from harness.golden.hardware import detect_hardware
     from harness.training.metrics import read_metrics
 
     plan = _load_plan(out)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "plan":
-            from harness.hardware import detect_hardware
+            from harness.golden.hardware import detect_hardware
 
             hw = detect_hardware(override=args.hw).key
             plan = write_plan(args.case, hw, args.out, nodes=args.nodes)

@@ -3,7 +3,7 @@
 The serving engines ship their mHC inside packages that do not import on a CPU machine (sglang's
 `__init__` pulls in its runtime, vLLM's its CUDA extension), but the mHC code is plain PyTorch and Triton
 files. They are installed without their dependencies (`pip install --no-deps`, the project's
-`harness/requirements-serving.txt`) and the adapters execute exactly those files (`harness.source_tree.load_file`),
+`harness/requirements-serving.txt`) and the adapters execute exactly those files (`harness.upstream.source_tree.load_file`),
 named by the distribution's version and the files' sha256.
 """
 

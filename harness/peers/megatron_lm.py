@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from harness.megatron_tree import FUSED_FILE, HC_FILE, TreeError, hashes, tree_flavor
 from harness.peers.base import Peer, Sublayer, SublayerParams, TimedFn, Timing, timed_params
+from harness.upstream.megatron_tree import FUSED_FILE, HC_FILE, TreeError, hashes, tree_flavor
 
 __all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeApi", "TreeError", "bind_params", "detect_api",
            "hashes", "load_tree", "make_peers", "tree_flavor"]

@@ -1,7 +1,7 @@
 """sglang's mHC (its DeepSeek-V4 serving path) as two peers, forward only, from the installed 0.5.23 wheel.
 
 What runs is sglang's own file `sglang/kernels/ops/layernorm/mhc.py`, executed on its own
-(`harness.source_tree.load_file`): the package's `__init__` imports sglang's runtime, which needs its
+(`harness.upstream.source_tree.load_file`): the package's `__init__` imports sglang's runtime, which needs its
 dependencies and a GPU. The file's imports of that runtime are stood in by modules that answer as a
 machine without AMD or TileLang kernels would (`is_hip()` False, `SGLANG_USE_AITER` and the TileLang flags
 off), so its dispatch takes the paths such a machine takes:
@@ -40,7 +40,7 @@ from harness.peers.gpu_support import cuda, no_gpu
 from harness.peers.installed import InstalledFiles, stand_in
 from harness.peers.pre_post import PrePostPeer
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
-from harness.source_tree import load_file, placeholder_packages
+from harness.upstream.source_tree import load_file, placeholder_packages
 
 __all__ = ["EPS", "HEAD_FILE", "KERNEL_FILE", "SGLANG", "SglangPeer", "SglangTileLangPeer", "SglangTritonPeer", "device_for_triton", "hc_params", "load_sglang_mhc"]
 

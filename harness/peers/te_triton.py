@@ -46,7 +46,7 @@ from harness.peers.triton_interpreter import (
     prepare_interpreter,
     without_autotune_timing,
 )
-from harness.source_tree import SourceTree, SourceTreeError, load_file, placeholder_packages
+from harness.upstream.source_tree import SourceTree, SourceTreeError, load_file, placeholder_packages
 
 __all__ = ["COMMIT_ENV_VAR", "KERNELS_FILE", "TREE_ENV_VAR", "TeTritonPeer", "WRAPPER_FILE", "load_te_mhc",
            "te_tree"]

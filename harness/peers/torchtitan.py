@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 
 from harness.peers.base import Peer, Sublayer, SublayerParams
-from harness.source_tree import SourceTree, SourceTreeError, load_file
+from harness.upstream.source_tree import SourceTree, SourceTreeError, load_file
 
 __all__ = ["COMMIT_ENV_VAR", "MHC_FILE", "TREE_ENV_VAR", "TorchtitanPeer", "load_torchtitan_mhc",
            "torchtitan_tree"]

@@ -2,7 +2,7 @@
 
 The wheel is a CUDA build (its `_C` extension does not load on a CPU machine), installed without its
 dependencies; the adapters execute vLLM's own kernel files on their own
-(`harness.source_tree.load_file`):
+(`harness.upstream.source_tree.load_file`):
 
 - `vllm`: `vllm/model_executor/kernels/mhc/torch.py`, the eager kernels vLLM's `forward_native` runs
   (`mhc_pre_torch`: projection, RMS, coefficients, Sinkhorn and the layer input; `mhc_post_torch`: the mix);
@@ -34,7 +34,7 @@ from harness.peers.installed import InstalledFiles, stand_in
 from harness.peers.pre_post import PrePostPeer
 from harness.peers.sglang import EPS, device_for_triton, hc_params
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
-from harness.source_tree import load_file, placeholder_packages
+from harness.upstream.source_tree import load_file, placeholder_packages
 
 __all__ = ["TORCH_FILE", "TRITON_FILE", "VLLM", "VllmPeer", "VllmTileLangPeer", "VllmTritonPeer", "load_vllm_file"]
 

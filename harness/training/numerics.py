@@ -5,7 +5,7 @@ BLAS (its conditional numerical reproducibility mode, CBWR) and oneDNN. The defa
 runs the same code paths on every x86-64 CI machine; the others exist to measure how far results
 move when the code paths change (`docs/functional.md`, "Numerics profiles"), and to stand in
 for "another machine" in one box (`test_other_machine.py`). Each profile's pins are recorded in
-the run's numerics fingerprint (`harness.fingerprint`), so an exact golden recorded under one
+the run's numerics fingerprint (`harness.golden.fingerprint`), so an exact golden recorded under one
 profile is never enforced under another.
 
 `MHC_CPU_NUMERICS` chooses the profile for a session; a recipe's `ENV_VARS` still override

@@ -9,7 +9,7 @@ ENV_VARS: {NCCL_ALGO: Ring}
 MODEL_ARGS: {--num-layers: 2, --enable-mhc-connections: true, ...}   # see model_args.FLAGS
 TEST_TYPE: regular            # or ckpt-resume
 METRICS:                      # every checked metric and its tolerances
-  lm loss: {exact: true, band: default}       # harness.bands.DEFAULT_BANDS (measured)
+  lm loss: {exact: true, band: default}       # harness.golden.bands.DEFAULT_BANDS (measured)
   mem-max-rss-bytes: {rtol: 0.10}
   iteration-time: {timing: {slow: 0.10, fast: 0.30}}
 HARDWARE:
@@ -32,8 +32,8 @@ from typing import Any
 
 import yaml
 
-from harness.bands import DEFAULT_BANDS
-from harness.compare import ApproximateCheck, Check, ExactCheck, TimingCheck
+from harness.golden.bands import DEFAULT_BANDS
+from harness.golden.compare import ApproximateCheck, Check, ExactCheck, TimingCheck
 from harness.training.model_args import TrainArgs, parse_model_args
 from harness.training.numerics import CpuNumerics, cpu_isa_pins
 
@@ -70,7 +70,7 @@ class MetricSpec:
     name: str
     exact: bool = False
     band: ApproximateCheck | None = None
-    """The measured default band (`band: default`, `harness.bands.DEFAULT_BANDS`)."""
+    """The measured default band (`band: default`, `harness.golden.bands.DEFAULT_BANDS`)."""
     rtol: float | None = None
     atol: float = 0.0
     max_misses: int | None = None
@@ -218,7 +218,7 @@ def _metric(path: Path, name: Any, raw: Any) -> MetricSpec:
         kw["max_misses"] = _int(path, f"{where}.max_misses", raw["max_misses"], minimum=0)
     if "band" in raw:
         if raw["band"] != "default":
-            raise _err(path, f"{where}.band", raw["band"], "the only named band is 'default' (harness.bands)")
+            raise _err(path, f"{where}.band", raw["band"], "the only named band is 'default' (harness.golden.bands)")
         if name not in DEFAULT_BANDS:
             raise _err(path, f"{where}.band", raw["band"],
                        f"no default band for {name!r} (defaults: {', '.join(DEFAULT_BANDS)}); give rtol / atol")

@@ -52,7 +52,7 @@ def _seed(seed: int) -> None:
 
 def _config(a: TrainArgs, backend: str, tree_flavor: str | None = None) -> Any:
     """Our `MHCTransformerConfig`, or with `tree_flavor` the tree's own `TransformerConfig` (mHC fields under
-    that branch's names: `harness.tree_model.tree_config`)."""
+    that branch's names: `harness.upstream.tree_model.tree_config`)."""
     from megatron.core.transformer.enums import AttnBackend
 
     dtype = torch.bfloat16 if a.bf16 else torch.float32
@@ -75,7 +75,7 @@ def _config(a: TrainArgs, backend: str, tree_flavor: str | None = None) -> Any:
         batch_p2p_comm=backend == "nccl",
     )
     if tree_flavor is not None:
-        from harness.tree_model import tree_config
+        from harness.upstream.tree_model import tree_config
 
         if not a.enable_mhc_connections:
             raise ValueError(f"a Megatron-LM tree is checked on mHC recipes; this one has mHC off ({tree_flavor})")
@@ -183,7 +183,7 @@ class Trainer:
     def __init__(self, plan: RunPlan, *, data_cache: Path, tree_flavor: str | None = None,
                  init: Path | None = None):
         """`tree_flavor` (`main` / `dev`): the model is the Megatron-LM tree's own GPT (the tree is the
-        imported `megatron`); `init`: a full state dict (`harness.model_state`) to start from."""
+        imported `megatron`); `init`: a full state dict (`harness.training.model_state`) to start from."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -209,14 +209,14 @@ class Trainer:
         if a.hybrid_layer_pattern is not None:
             model = self._hybrid_model(a, sizes, tree_flavor)
         elif tree_flavor is not None:
-            from harness.tree_model import tree_chunks
+            from harness.upstream.tree_model import tree_chunks
 
             model = tree_chunks(tree_flavor, self.config, vpp=None, **_without_stage(sizes))[0]
         else:
             model = build_gpt_model(self.config, spec="te" if a.transformer_impl == "transformer_engine" else "local",
                                     **sizes)
         if init is not None:
-            from harness.model_state import load_full_state
+            from harness.training.model_state import load_full_state
 
             load_full_state([model], torch.load(init), source=f"--init {init}",
                             tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=a.tensor_model_parallel_size)
@@ -255,13 +255,13 @@ class Trainer:
 
     def _hybrid_model(self, a: TrainArgs, sizes: dict[str, Any], tree_flavor: str | None) -> Any:
         """The hybrid stack of `--hybrid-layer-pattern`: ours (`mhc_core.megatron.hybrid`), or the tree's own
-        `HybridModel` (`harness.tree_model.hybrid_chunks`)."""
+        `HybridModel` (`harness.upstream.tree_model.hybrid_chunks`)."""
         from megatron.core import parallel_state as ps
 
         pattern = a.hybrid_layer_pattern
         assert pattern is not None
         if tree_flavor is not None:
-            from harness.tree_model import hybrid_chunks
+            from harness.upstream.tree_model import hybrid_chunks
 
             return hybrid_chunks(self.config, pattern, vpp=None, **_without_stage(sizes))[0]
         from mhc_core.megatron.gpt import MHCGPTModel

@@ -8,7 +8,7 @@ schedule of `get_forward_backward_func` with `finalize_model_grads`, the dataset
 
 The rank that holds the loss (the last one: last pipeline stage) prints one progress line per step
 and writes `<out>/metrics.json` (golden schema) and `<out>/fingerprint.json` (the numerics
-fingerprint of the process that computed them, `harness.fingerprint`) at the end. Top-level imports stay light: the
+fingerprint of the process that computed them, `harness.golden.fingerprint`) at the end. Top-level imports stay light: the
 torch_dist checkpoint writer spawns a helper process that imports this module.
 """
 
@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", type=Path, default=None, help="checkpoint root: resume from its tracker's iteration")
     p.add_argument("--tree-flavor", choices=("main", "dev"), default=None,
                    help="train a Megatron-LM tree's own GPT (the tree is first on PYTHONPATH)")
-    p.add_argument("--init", type=Path, default=None, help="full state dict to start from (harness.model_state)")
+    p.add_argument("--init", type=Path, default=None, help="full state dict to start from (harness.training.model_state)")
     p.add_argument("--dump-init", type=Path, default=None,
                    help="write the initial full state dict here (rank 0) and stop before the first step")
     p.add_argument("--then-train", action="store_true",
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     if not torch.cuda.is_available():  # before megatron-core is imported (a CPU rank's start-up)
-        from harness.deferred_compile import defer_compile
+        from harness.training.deferred_compile import defer_compile
 
         defer_compile()
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         trainer = Trainer(plan, data_cache=cli.data_cache, tree_flavor=cli.tree_flavor, init=cli.init)
         if cli.dump_init is not None:
-            from harness.model_state import gather_full_state
+            from harness.training.model_state import gather_full_state
 
             full = gather_full_state([trainer.model], tp_rank=ps.get_tensor_model_parallel_rank(),
                                      tp_size=a.tensor_model_parallel_size)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         start = trainer.load(cli.load) if cli.load else 0
         records = trainer.train(start=start, save=cli.save)
         if trainer.holds_loss and dist.get_rank() == dist.get_world_size() - 1:
-            from harness.fingerprint import current_fingerprint
+            from harness.golden.fingerprint import current_fingerprint
             from harness.training.metrics import write_metrics
 
             cli.out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ pytest.importorskip("megatron.core", reason="the functional suite needs megatron
 
 from typing import Any  # noqa: E402
 
-from harness.hardware import detect_hardware  # noqa: E402
+from harness.golden.hardware import detect_hardware  # noqa: E402
 from suites.functional.session import MULTINODE_TIMES, STEP_TIME_RATIO, FunctionalRuns  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Measure a functional case under several CPU numerics profiles, and under deliberate changes.
 
-The approximate lane's bands (`harness.bands`) must hold wherever only the numerics differ and
+The approximate lane's bands (`harness.golden.bands`) must hold wherever only the numerics differ and
 fail where the model or the schedule changed. This records the evidence: one run per profile
 (`harness/training/numerics.py`) and one per change (a MODEL_ARGS override), each as a golden-
 schema file with its numerics fingerprint, and prints how far each is from the first profile::
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import yaml
 
-from harness.bands import DEFAULT_BANDS, drift, format_drift
-from harness.hardware import detect_hardware
+from harness.golden.bands import DEFAULT_BANDS, drift, format_drift
+from harness.golden.hardware import detect_hardware
+from harness.golden.schema import dumps_golden, load_golden, to_golden
 from harness.launch.runs import run_case
-from harness.schema import dumps_golden, load_golden, to_golden
 from harness.training.numerics import CpuNumerics
 
 __all__ = ["main", "parse_change"]

@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.megatron_tree import TreeError, hashes, tree_under_test
-from harness.provenance import utc_now
+from harness.golden.provenance import utc_now
+from harness.upstream.megatron_tree import TreeError, hashes, tree_under_test
 from suites.functional import tree_diff
 from suites.functional.tree_recording import FORMAT
 

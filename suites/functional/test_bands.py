@@ -1,4 +1,4 @@
-"""The default bands (harness.bands) against measured drift: numerics-only changes fit, real changes fail.
+"""The default bands (harness.golden.bands) against measured drift: numerics-only changes fit, real changes fail.
 
 The recorded runs are `docs/measurements/cpu-numerics-drift/` (`python -m suites.functional.drift`):
 each case under the `avx2`, `baseline` and `native` CPU numerics profiles on one machine, the
@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from harness.bands import DEFAULT_BANDS
-from harness.compare import CheckResult, compare_metric
+from harness.golden.bands import DEFAULT_BANDS
+from harness.golden.compare import CheckResult, compare_metric
+from harness.golden.schema import Golden, MetricSeries, load_golden, to_golden
 from harness.launch.runs import REPO_ROOT
-from harness.schema import Golden, MetricSeries, load_golden, to_golden
 from harness.training.numerics import CpuNumerics
 
 DRIFT = REPO_ROOT / "docs" / "measurements" / "cpu-numerics-drift"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.case_check import GoldenSettings, check_case
-from harness.fingerprint import fingerprint_from_json
-from harness.hardware import detect_hardware
-from harness.store import GoldenStore
+from harness.golden.case_check import GoldenSettings, check_case
+from harness.golden.fingerprint import fingerprint_from_json
+from harness.golden.hardware import detect_hardware
+from harness.golden.store import GoldenStore
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bands import DEFAULT_BANDS
-from harness.compare import ApproximateCheck, compare, format_results
-from harness.schema import to_golden
+from harness.golden.bands import DEFAULT_BANDS
+from harness.golden.compare import ApproximateCheck, compare, format_results
+from harness.golden.schema import to_golden
 from harness.training.metrics import GRAD_NORM, LM_LOSS, NUM_ZEROS
 from mhc_core.kernels import native
 

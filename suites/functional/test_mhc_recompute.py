@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.compare import ExactCheck, compare, format_results
-from harness.schema import to_golden
+from harness.golden.compare import ExactCheck, compare, format_results
+from harness.golden.schema import to_golden
 from harness.training.metrics import GRAD_NORM, LM_LOSS, NUM_ZEROS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -7,8 +7,8 @@ import re
 import pytest
 import yaml
 
-from harness.bands import DEFAULT_BANDS
-from harness.compare import ApproximateCheck, ExactCheck, TimingCheck
+from harness.golden.bands import DEFAULT_BANDS
+from harness.golden.compare import ApproximateCheck, ExactCheck, TimingCheck
 from harness.training.model_args import FLAGS, parse_model_args, render_cli
 from harness.training.numerics import CPU_NUMERICS_ENV_VAR, CpuNumerics, cpu_numerics
 from harness.training.recipe import (

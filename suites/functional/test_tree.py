@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.compare import compare, format_results
-from harness.schema import to_golden
-from harness.tree_report import TreeRow
+from harness.golden.compare import compare, format_results
+from harness.golden.schema import to_golden
+from harness.upstream.tree_report import TreeRow
 from suites.functional import tree_diff
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness.launch.runs import RunResult
-from harness.tree_report import TreeRow
+from harness.upstream.tree_report import TreeRow
 from suites.functional import tree_diff
 from suites.functional.record_tree import RECORDED_DIR
 from suites.functional.tree_recording import load_recording

@@ -3,13 +3,13 @@
 Launches of one recipe on one hardware key (`harness.launch.runs`):
 
 1. `dump_init`: our model of the recipe (with the tree's numerics, `OUR_NUMERICS`) writes its initial
-   full state dict (`harness.model_state`) and stops;
+   full state dict (`harness.training.model_state`) and stops;
 2. `run_ours`: our integration trains from it (or, `write_init`, writes it and trains on: 1 and 2 in one
    launch, which is how the tests run them);
 3. `run_tree`: the tree trains from it with its own GPT, schedules, DDP and optimizer (the tree first on
-   `PYTHONPATH`: `harness.megatron_tree.tree_env`).
+   `PYTHONPATH`: `harness.upstream.megatron_tree.tree_env`).
 
-`differences` puts 2 and 3 side by side per metric under the approximate bands (`harness.bands`).
+`differences` puts 2 and 3 side by side per metric under the approximate bands (`harness.golden.bands`).
 Recordings of 3 (`record_tree.py`) let a machine without a tree replay the comparison.
 """
 
@@ -21,12 +21,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from harness.bands import DEFAULT_BANDS, MetricDrift, drift
+from harness.golden.bands import DEFAULT_BANDS, MetricDrift, drift
+from harness.golden.schema import to_golden
 from harness.launch.runs import RunResult, plan_case, run_plan
 from harness.launch.torchrun import LaunchError
-from harness.megatron_tree import Tree, tree_env
-from harness.schema import to_golden
 from harness.training.recipe import RECIPE_DIR
+from harness.upstream.megatron_tree import Tree, tree_env
 
 __all__ = ["CASES", "METRICS", "OUR_NUMERICS", "RECIPE_DIR", "differences", "dump_init", "file_sha256",
            "functional_checks", "recipe_sha256", "skip_reason",
@@ -42,7 +42,7 @@ hybrid stack (the tree's own `HybridModel`)."""
 
 def skip_reason(case: str, hw: str, flavor: str) -> str | None:
     """Why the tree's `flavor` cannot train `case` (main's schedules carry C wide tensors), or None."""
-    from harness.tree_model import MAIN_PP_NOTE
+    from harness.upstream.tree_model import MAIN_PP_NOTE
 
     plan = plan_case(case, hw, data_dir=Path("."))
     if flavor == "main" and plan.args.pipeline_model_parallel_size > 1:

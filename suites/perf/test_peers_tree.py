@@ -3,7 +3,7 @@
 Runs only with `MHC_MEGATRON_LM=PATH` (a main or dev checkout) and, where this Python cannot import the
 tree (upstream imports triton), `MHC_MEGATRON_LM_PYTHON` (for instance `.tox/compat/bin/python`). The
 rows go to `results/perf_megatron_lm.json` (or `MHC_PERF_TREE_JSON`), which
-`python -m suites.perf.table results/perf.json results/perf_megatron_lm.json` prints beside the others.
+`python -m harness.perf.table results/perf.json results/perf_megatron_lm.json` prints beside the others.
 """
 
 from __future__ import annotations

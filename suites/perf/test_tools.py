@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from suites.perf import nsys, table
+from harness.perf import table
+from suites.perf import nsys
 from tools import perf_cases as registry
 from tools.perf_cases import OPS, cases_for
 
@@ -283,8 +284,8 @@ def test_peer_golden_band_holds_a_slower_machine_and_fails_a_lost_lead():
     """A peer row's golden checks our speed-up over the peer (two-sided, as our own perf goldens) on every
     device, the peer's time only on a GPU: a machine twice as slow with the ratio held passes on a CPU, a
     lead that drops from 1.3x to 1.0x fails, and a 1.3x -> 2.0x jump fails too (asks for a refresh)."""
-    from harness.compare import compare_metric
-    from harness.schema import series_from_list
+    from harness.golden.compare import compare_metric
+    from harness.golden.schema import series_from_list
     from suites.perf.peers import peer_golden
 
     peer, ours = [0.013] * 5, [0.010] * 5

@@ -16,7 +16,7 @@ backward: a conformance check at the shape against our reference in the configur
 names (`MegatronLMTreePeer.timed` builds the calls; a tree of neither generation is not timed), then
 the peer, a same-bytes copy and ours (compiled, reference) timed rep by rep in alternation. The output is
 a pytest-benchmark-shaped JSON (`benchmarks[*].stats` from those samples, `extra_info` as
-`test_peers.py` writes it), which `python -m suites.perf.table` and `mhc-harness perf-history` read.
+`test_peers.py` writes it), which `python -m harness.perf.table` and `mhc-harness perf-history` read.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from harness.golden.provenance import utc_now
 from harness.peers.megatron_lm import (
     MegatronLMTreePeer,
     TreeError,
@@ -39,7 +40,6 @@ from harness.peers.megatron_lm import (
     make_peers,
     tree_flavor,
 )
-from harness.provenance import utc_now
 from suites.perf.peers import ITERATIONS, PeerCase, conforms, paired_fns, peer_cases, peer_info
 from suites.perf.timing import paired_samples, retain_heap
 

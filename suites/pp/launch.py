@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.launch.torchrun import LaunchResult, launch
-from harness.megatron_tree import tree_env
+from harness.upstream.megatron_tree import tree_env
 
 WORKER = Path(__file__).with_name("pp_worker.py")
 TIMEOUT = 180.0

@@ -4,7 +4,7 @@ Every case (and the single-process reference) trains the same tiny mHC GPT for `
 `--microbatches` microbatches with plain SGD. `--impl ours` (default) builds it with `mhc_core.megatron`
 (`--numerics dev`: the `megatron_dev` variant with the learned block exit, as upstream dev trains);
 `--impl tree --flavor main|dev` with a Megatron-LM tree's own config, spec builder, `GPTModel` and
-schedules (`harness.tree_model`; the launcher puts the tree first on `PYTHONPATH`). The reference (PP = TP = 1) also writes the initial
+schedules (`harness.upstream.tree_model`; the launcher puts the tree first on `PYTHONPATH`). The reference (PP = TP = 1) also writes the initial
 full state dict, which every pipelined rank loads (layers mapped by global layer number, TP shards
 sliced), so all runs start from the same weights. Each rank writes `rank<r>.pt` with its
 microbatch losses, gradients and post-step weights (keyed by full parameter name, with the TP slice
@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from harness.deferred_compile import defer_compile
+    from harness.training.deferred_compile import defer_compile
 
     defer_compile()  # before megatron-core is imported: its jit_fuser decorations would import Inductor
     argv = sys.argv[1:] if argv is None else argv
@@ -167,13 +167,13 @@ def run_case(args: argparse.Namespace) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func, p2p_communication, schedules
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from harness.model_state import canonical_name, full_names, load_full_state
+    from harness.training.model_state import canonical_name, full_names, load_full_state
 
     _clear_trackers()
     shapes: list[tuple[str, tuple[int, ...]]] = []
     shape_calls: list[dict] = []
     if args.impl == "tree":
-        from harness.tree_model import record_tensor_shapes
+        from harness.upstream.tree_model import record_tensor_shapes
 
         base = p2p_communication.P2PCommunicator  # the tree's own: its schedules size n-stream buffers
         record_tensor_shapes(schedules, shape_calls)
@@ -224,7 +224,7 @@ def run_case(args: argparse.Namespace) -> None:
     if args.hybrid:
         common.update(_hybrid_kwargs(args.hybrid))
     if args.impl == "tree":
-        from harness.tree_model import tree_chunks, tree_config
+        from harness.upstream.tree_model import tree_chunks, tree_config
 
         try:
             config = tree_config(args.flavor, n=m["n"], **common)
@@ -232,7 +232,7 @@ def run_case(args: argparse.Namespace) -> None:
                                 share_embeddings_and_output_weights=False,
                                 position_embedding_type="rope" if args.mtp else "learned_absolute")
             if args.hybrid:
-                from harness.tree_model import hybrid_chunks
+                from harness.upstream.tree_model import hybrid_chunks
 
                 chunks = hybrid_chunks(config, args.hybrid, vpp=args.vpp, **model_kwargs)
             else:

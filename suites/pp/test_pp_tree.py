@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from harness.launch.torchrun import LaunchError
-from harness.tree_model import MAIN_PP_NOTE, MAIN_SPEC_NOTE
-from harness.tree_report import TreeRow
+from harness.upstream.tree_model import MAIN_PP_NOTE, MAIN_SPEC_NOTE
+from harness.upstream.tree_report import TreeRow
 from mhc_core.megatron.config import MHCTransformerConfig
 from mhc_core.megatron.pipeline import get_tensor_shapes
 from suites.pp.compare_runs import compare_to_reference, load_run, unsharded, worst_differences
@@ -76,7 +76,7 @@ CASES = [
     TreeCase(name="pp2-vpp2-hybrid", nproc=2, args=("--pp", "2", "--vpp", "2", "--hybrid", "*|-|*|E"), model="hybrid",
              vpp=True),
     TreeCase(name="ep2-hybrid", nproc=2, args=("--ep", "2", "--hybrid", "*-*E"), model="hybrid", rtol=2e-5),
-    # An MTP depth of the pattern (`/`) on the last stage (the per-stream h_proj: harness.tree_model).
+    # An MTP depth of the pattern (`/`) on the last stage (the per-stream h_proj: harness.upstream.tree_model).
     TreeCase(name="pp2-hybrid-mtp", nproc=2, args=("--pp", "2", "--hybrid", "*-|*E/*E"), model="hybrid-mtp",
              rtol=1e-5),
 ]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # pytester's in-process runs must find numpy already imported (it cannot be loaded twice).
-import harness.case_check  # noqa: F401
+import harness.golden.case_check  # noqa: F401
 
 DATA = Path(__file__).parent / "data"
 

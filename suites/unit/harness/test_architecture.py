@@ -21,11 +21,18 @@ NEVER = {
     "ci": {"suites"},
 }
 """docs/architecture.md, "Which may import which": the parts each part never imports (lazily or not)."""
+_ABOVE_GOLDEN = {"harness.perf", "harness.upstream", "harness.launch", "harness.training", "harness.peers",
+                 "harness.conformance", "harness.cli", "harness.runner", "harness.report", "harness.pytest_plugin",
+                 "harness.progress", "harness.plots"}
 NEVER_WITHIN = {
     "harness/peers": {"harness.conformance"},
     "harness/training": {"harness.launch"},
+    "harness/golden": _ABOVE_GOLDEN,
+    "harness/perf": _ABOVE_GOLDEN - {"harness.perf", "harness.plots"},
+    "harness/upstream": _ABOVE_GOLDEN - {"harness.upstream"} | {"harness.golden"},
 }
-"""docs/architecture.md: the arrows within a part (the adapters never import the checks that run them)."""
+"""docs/architecture.md: the arrows within a part (the adapters never import the checks that run them; the golden
+store is the harness's floor; perf history reads goldens, a tree's support reads neither)."""
 
 
 def _imports(path: Path, *, top_level_only: bool = False) -> list[tuple[int, str]]:
@@ -58,7 +65,8 @@ def test_no_part_imports_a_part_above_it(part):
 @pytest.mark.parametrize("folder", sorted(NEVER_WITHIN))
 def test_no_arrow_points_up_within_a_part(folder):
     """harness.peers (the adapters) imports nothing of harness.conformance (the checks, matrix, recordings);
-    harness.training (inside a rank) nothing of harness.launch (what starts the ranks)."""
+    harness.training (inside a rank) nothing of harness.launch (what starts the ranks); harness.golden nothing
+    of the rooms above it."""
     bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
            for path in sorted((ROOT / folder).rglob("*.py")) for line, module in _imports(path)
            if any(module == m or module.startswith(m + ".") for m in NEVER_WITHIN[folder])]
@@ -82,13 +90,37 @@ def test_no_module_imports_a_private_module_of_another_package():
     assert not bad, "\n".join(bad)
 
 
-def test_no_ci_shell_script_imports_a_suite():
-    """The inline Python of the CI shell scripts imports no suite module either (they read recipe data)."""
-    import re
+_SUITE_USE = re.compile(r"^\s*(from|import)\s+suites\b|-m\s+suites(\.|\b)", re.MULTILINE)
+"""A suite module imported by the inline Python of a CI script, or run as one (`python -m suites.perf.table`)."""
 
-    pattern = re.compile(r"^\s*(from|import)\s+suites\b", re.MULTILINE)
-    bad = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "ci").rglob("*.sh")) if pattern.search(p.read_text())]
-    assert not bad, bad
+
+def _ci_uses_of_suites(ci: Path) -> list[str]:
+    """`file:line: text` of each use of a suite module in the scripts under `ci` (shell and Python)."""
+    out = []
+    for p in sorted([*ci.rglob("*.sh"), *ci.rglob("*.py")]):
+        text = p.read_text(encoding="utf-8")
+        out += [f"{p.relative_to(ci.parent)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0).strip()}"
+                for m in _SUITE_USE.finditer(text)]
+    return out
+
+
+def test_no_ci_script_uses_a_suite():
+    """CI calls installed code only: no CI script imports a suite module or runs one with `python -m` (they
+    read recipe data; the suites run through pytest)."""
+    bad = _ci_uses_of_suites(ROOT / "ci")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("planted", ['"$PY" -m suites.perf.table "$OUT/perf.json"', "python3 -m suites",
+                                     "from suites.pp.cases import CASES"])
+@pytest.mark.parametrize("script", ["job.sh", "job.py"])
+def test_a_planted_use_of_a_suite_in_ci_is_caught(tmp_path, planted, script):
+    """The check above sees a suite run as a module or imported, in a shell script and in a Python one."""
+    ci = tmp_path / "ci"
+    ci.mkdir()
+    (ci / script).write_text(f"set -e\necho start\n{planted}\n", encoding="utf-8")
+    found = _ci_uses_of_suites(ci)
+    assert len(found) == 1 and found[0].startswith(f"ci/{script}:3: "), found
 
 
 def test_only_mhc_core_megatron_imports_megatron_at_module_level():

@@ -1,4 +1,4 @@
-"""The rank processes' deferred `torch.compile` (`harness.deferred_compile`)."""
+"""The rank processes' deferred `torch.compile` (`harness.training.deferred_compile`)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from harness.launch.runs import REPO_ROOT
 _PROBE = """
 import sys
 import torch
-from harness.deferred_compile import defer_compile
+from harness.training.deferred_compile import defer_compile
 defer_compile()
 import megatron.core.fusions.fused_bias_gelu as fbg
 print("inductor after import", "torch._inductor.compile_fx" in sys.modules)
-from harness.deferred_compile import deferred
+from harness.training.deferred_compile import deferred
 print("deferred", fbg.bias_gelu.__code__ is deferred(print).__code__)
 """
 
@@ -37,7 +37,7 @@ def test_the_first_call_compiles_and_later_calls_reuse_it():
     what the function does, and is not compiled again."""
     from torch._dynamo.testing import CompileCounter
 
-    from harness.deferred_compile import deferred
+    from harness.training.deferred_compile import deferred
 
     def f(x):
         return torch.sin(x) * 2
@@ -54,7 +54,7 @@ def test_the_first_call_compiles_and_later_calls_reuse_it():
 def test_modules_go_to_the_real_compile():
     """`torch.compile(module)` is not deferred: it returns torch's `OptimizedModule`; the decorator-factory
     form defers a function."""
-    from harness import deferred_compile as dc
+    from harness.training import deferred_compile as dc
 
     assert type(dc._compile(torch.nn.Linear(2, 2))).__name__ == "OptimizedModule"
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from harness.case_check import GoldenSettings, check_case
-from harness.compare import ApproximateCheck, ExactCheck
-from harness.fingerprint import current_fingerprint
-from harness.hardware import HardwareKey
-from harness.schema import series_from_list
-from harness.store import GoldenStore, build_meta
+from harness.golden.case_check import GoldenSettings, check_case
+from harness.golden.compare import ApproximateCheck, ExactCheck
+from harness.golden.fingerprint import current_fingerprint
+from harness.golden.hardware import HardwareKey
+from harness.golden.schema import series_from_list
+from harness.golden.store import GoldenStore, build_meta
 
 HW = "cpu_x86_64"
 LOSS = [10.0, 9.0, 8.0, 7.0]

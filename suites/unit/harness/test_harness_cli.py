@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from harness.cli import main
-from harness.schema import dumps_golden, load_golden, series_from_list
+from harness.golden.schema import dumps_golden, load_golden, series_from_list
 
 HW = "cpu_x86_64"
 FAST = "-p no:hypothesispytest -p no:benchmark"
@@ -118,7 +118,7 @@ class TestDiff:
 
     def test_names_the_worst_metric_and_step(self, tmp_path, capsys):
         """diff names the metric and step of the largest relative difference, and counts the steps outside
-        the default bands (harness.bands)."""
+        the default bands (harness.golden.bands)."""
         a, b = tmp_path / "a.json", tmp_path / "b.json"
         loss = [5.0, 4.0, 3.0, 2.0]
         a.write_text(dumps_golden({"lm loss": series_from_list(loss), "grad-norm": series_from_list([1.0] * 4)}))

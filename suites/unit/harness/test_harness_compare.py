@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from harness.compare import (
+from harness.golden.compare import (
     ApproximateCheck,
     ExactCheck,
     TimingCheck,
@@ -17,7 +17,7 @@ from harness.compare import (
     timing_window,
     upstream_checks,
 )
-from harness.schema import MetricSeries, series_from_list
+from harness.golden.schema import MetricSeries, series_from_list
 
 UP = math.inf
 DOWN = -math.inf

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from harness.case_check import GoldenSettings, check_case
-from harness.compare import ApproximateCheck, ExactCheck
-from harness.errors import MetaError, RecalibrationError
-from harness.fingerprint import NumericsFingerprint
-from harness.hardware import HardwareKey
-from harness.recalibrate import Repeat, recalibrate
-from harness.schema import golden_digest, series_from_list
-from harness.store import GoldenStore, build_meta
+from harness.golden.case_check import GoldenSettings, check_case
+from harness.golden.compare import ApproximateCheck, ExactCheck
+from harness.golden.errors import MetaError, RecalibrationError
+from harness.golden.fingerprint import NumericsFingerprint
+from harness.golden.hardware import HardwareKey
+from harness.golden.recalibrate import Repeat, recalibrate
+from harness.golden.schema import golden_digest, series_from_list
+from harness.golden.store import GoldenStore, build_meta
 
 HW = "cpu_x86_64"
 LOSS = [5.5522298, 5.5764155, 5.2219486, 4.9524979]

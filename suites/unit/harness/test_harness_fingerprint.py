@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from harness.cli import main
-from harness.errors import GoldenFormatError
-from harness.fingerprint import NumericsFingerprint, current_fingerprint, fingerprint_from_json
+from harness.golden.errors import GoldenFormatError
+from harness.golden.fingerprint import NumericsFingerprint, current_fingerprint, fingerprint_from_json
 
 AMD = NumericsFingerprint(device="cpu", cpu_vendor="AuthenticAMD", cpu_model="AMD EPYC 7B13 25/1/0",
                           cpu_isa=("avx2", "fma"), cpu_capability="AVX2", blas="MKL 2024.2", onednn="3.12.0",

@@ -7,8 +7,8 @@ import platform
 import pytest
 
 from harness.cli import main
-from harness.errors import UnknownHardwareError
-from harness.hardware import detect_hardware, key_for_gpus, require_known, validate_hw_key
+from harness.golden.errors import UnknownHardwareError
+from harness.golden.hardware import detect_hardware, key_for_gpus, require_known, validate_hw_key
 
 H100 = "NVIDIA H100 80GB HBM3"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from harness.cli import main
-from harness.errors import GoldenFormatError
-from harness.megatron_log import parse_log
-from harness.schema import load_golden
+from harness.golden.errors import GoldenFormatError
+from harness.golden.megatron_log import parse_log
+from harness.golden.schema import load_golden
 
 UPSTREAM = (" [2026-12-01 10:00:00] iteration        1/      50 | consumed samples:            8 | elapsed time per "
             "iteration (ms): 412.5 | learning rate: 1.500000E-03 | global batch size:     8 | lm loss: 1.087094E+01 |"
@@ -52,7 +52,7 @@ def test_a_tensorboard_run_reads_back(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (the test extra has it)")
     from torch.utils.tensorboard import SummaryWriter
 
-    from harness.megatron_log import read_log
+    from harness.golden.megatron_log import read_log
     from mhc_core.monitor import StabilityReport, log_report
 
     writer = SummaryWriter(str(tmp_path / "tb"))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from harness.cli import main
-from harness.peer_trend import check_peers, format_peer_verdicts, peer_ratios
+from harness.perf.peer_trend import check_peers, format_peer_verdicts, peer_ratios
 
 KEY = "peer-mapping-fwd::test_peer[T4096-n4-C1024-fp32-fwd-hf_deepseek_v4_compiled]"
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from harness.cli import main
-from harness.errors import GoldenFormatError
-from harness.perf_history import check_history, read_history, record_from_benchmark_json
+from harness.golden.errors import GoldenFormatError
+from harness.perf.history import check_history, read_history, record_from_benchmark_json
 
 
 def _bench_json(path, medians: dict[str, float], *, commit="abc123", date="2026-11-01T00:00:00+00:00"):

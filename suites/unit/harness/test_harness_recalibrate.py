@@ -7,11 +7,11 @@ import json
 import pytest
 
 from harness.cli import main
-from harness.compare import ExactCheck
-from harness.errors import NonFiniteError, RecalibrationError, UnknownHardwareError
-from harness.recalibrate import Repeat, mean_relative_change, recalibrate
-from harness.schema import series_from_list
-from harness.store import GoldenStore
+from harness.golden.compare import ExactCheck
+from harness.golden.errors import NonFiniteError, RecalibrationError, UnknownHardwareError
+from harness.golden.recalibrate import Repeat, mean_relative_change, recalibrate
+from harness.golden.schema import series_from_list
+from harness.golden.store import GoldenStore
 
 HW = "cpu_x86_64"
 
@@ -86,7 +86,7 @@ class TestProgrammatic:
 
     def test_refuses_an_unwritable_golden_dir_before_running(self, tmp_path):
         """A golden dir that cannot be created (a file is in its way) is refused before the first repeat runs."""
-        from harness.errors import GoldenFormatError
+        from harness.golden.errors import GoldenFormatError
 
         (tmp_path / "store").write_text("a file, not a directory")
         calls: list[int] = []

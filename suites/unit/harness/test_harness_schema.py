@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from harness.compare import compare, upstream_checks
-from harness.errors import GoldenFormatError, NonFiniteError
-from harness.schema import (
+from harness.golden.compare import compare, upstream_checks
+from harness.golden.errors import GoldenFormatError, NonFiniteError
+from harness.golden.schema import (
     MetricSeries,
     dumps_golden,
     golden_digest,

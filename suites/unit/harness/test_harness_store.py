@@ -10,16 +10,16 @@ import time
 
 import pytest
 
-from harness.errors import MetaError, MissingGoldenError, NonFiniteError
-from harness.schema import series_from_list
-from harness.store import PAUSE_ENV_VAR, GoldenStore, build_meta
+from harness.golden.errors import MetaError, MissingGoldenError, NonFiniteError
+from harness.golden.schema import series_from_list
+from harness.golden.store import PAUSE_ENV_VAR, GoldenStore, build_meta
 
 HW = "cpu_x86_64"
 
 WRITER = """
 import sys, time
-from harness.recalibrate import recalibrate
-from harness.store import GoldenStore
+from harness.golden.recalibrate import recalibrate
+from harness.golden.store import GoldenStore
 root, value, repeats, start = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 time.sleep(max(0.0, start - time.time()))
 recalibrate(store=GoldenStore(root), hw="cpu_x86_64", suite="s", case="c", repeats=repeats,
@@ -183,7 +183,7 @@ class TestWrittenFiles:
 
     def test_a_target_that_is_a_directory_writes_nothing(self, tmp_path):
         """If the meta path is a directory, the write is refused before the golden json is replaced."""
-        from harness.errors import GoldenFormatError
+        from harness.golden.errors import GoldenFormatError
 
         store = GoldenStore(tmp_path)
         f = _write(store, 1.0)

@@ -1,4 +1,4 @@
-"""`harness.megatron_tree`: a tree under test is validated, imported once, and every bad one is named."""
+"""`harness.upstream.megatron_tree`: a tree under test is validated, imported once, and every bad one is named."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from harness.megatron_tree import TreeError, tree_env, tree_under_test
+from harness.upstream.megatron_tree import TreeError, tree_env, tree_under_test
 
 
 def _tree(root, *, config: str = "enable_hyper_connections: bool = False\n", core_init: str = "") -> str:

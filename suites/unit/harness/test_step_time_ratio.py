@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.golden.schema import MetricSeries
 from harness.report import step_time_ratios
-from harness.schema import MetricSeries
 
 
 def _series(values: list[float]) -> MetricSeries:

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import GoldenFormatError, LockTimeoutError, MetaError, MissingGoldenError
-from harness.hardware import validate_hw_key
-from harness.provenance import git_commit, package_versions, utc_now
-from harness.schema import Golden, dumps_golden, golden_digest, load_golden, parse_json
+from harness.golden.errors import GoldenFormatError, LockTimeoutError, MetaError, MissingGoldenError
+from harness.golden.hardware import validate_hw_key
+from harness.golden.provenance import git_commit, package_versions, utc_now
+from harness.golden.schema import Golden, dumps_golden, golden_digest, load_golden, parse_json
 
 __all__ = [
     "EXACT_META_REQUIRED",
@@ -148,7 +148,7 @@ def numerics_entry(fingerprint: Any) -> dict[str, Any]:
 
 
 def _validate_numerics(doc: Any, *, source: str) -> None:
-    from harness.fingerprint import fingerprint_from_json
+    from harness.golden.fingerprint import fingerprint_from_json
 
     if not isinstance(doc, dict) or not {"id", "label", "fingerprint"} <= set(doc):
         raise MetaError(f"{source}: numerics must be an object with id, label and fingerprint, got {doc!r:.200}")

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.errors import GoldenFormatError
-from harness.provenance import package_versions, utc_now
-from harness.schema import parse_json
+from harness.golden.errors import GoldenFormatError
+from harness.golden.provenance import package_versions, utc_now
+from harness.golden.schema import parse_json
 
 __all__ = [
     "PerfVerdict",

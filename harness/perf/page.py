@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.perf_history import PerfVerdict, check_history, format_seconds, slug
+from harness.perf.history import PerfVerdict, check_history, format_seconds, slug
 
 __all__ = ["write_pages"]
 

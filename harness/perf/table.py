@@ -1,6 +1,6 @@
 """Print the perf tables (Markdown) from pytest-benchmark JSON files: ours, then the peers beside ours.
 
-    python -m suites.perf.table results/perf.json [results/perf_megatron_lm.json ...]
+    python -m harness.perf.table results/perf.json [results/perf_megatron_lm.json ...]
 
 Several files are read as one run (`suites/perf/tree_peers.py` writes the upstream tree's rows apart).
 """
@@ -85,7 +85,7 @@ def peer_rows(path: str | Path | list[str | Path]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("usage: python -m suites.perf.table <pytest-benchmark.json> [more.json ...]", file=sys.stderr)
+        print("usage: python -m harness.perf.table <pytest-benchmark.json> [more.json ...]", file=sys.stderr)
         return 2
     print("\n".join(rows(args)))
     peer = peer_rows(args)

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.case_check import normalize_checks
-from harness.compare import Check, compare
-from harness.errors import GoldenFormatError, MissingGoldenError, NonFiniteError, RecalibrationError
-from harness.fingerprint import NumericsFingerprint
-from harness.hardware import HardwareKey, require_known
-from harness.provenance import git_commit, package_versions, utc_now
-from harness.schema import Golden, MetricSeries, check_finite, golden_digest, to_golden
-from harness.store import GoldenStore, build_meta, numerics_entry, validate_name
+from harness.golden.case_check import normalize_checks
+from harness.golden.compare import Check, compare
+from harness.golden.errors import GoldenFormatError, MissingGoldenError, NonFiniteError, RecalibrationError
+from harness.golden.fingerprint import NumericsFingerprint
+from harness.golden.hardware import HardwareKey, require_known
+from harness.golden.provenance import git_commit, package_versions, utc_now
+from harness.golden.schema import Golden, MetricSeries, check_finite, golden_digest, to_golden
+from harness.golden.store import GoldenStore, build_meta, numerics_entry, validate_name
 
 __all__ = ["Repeat", "RecalibrationResult", "aggregate", "change_lines", "mean_relative_change", "recalibrate"]
 

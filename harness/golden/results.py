@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.compare import CheckResult
-from harness.errors import GoldenFormatError
-from harness.schema import Golden, dumps_golden, load_golden, parse_json
+from harness.golden.compare import CheckResult
+from harness.golden.errors import GoldenFormatError
+from harness.golden.schema import Golden, dumps_golden, load_golden, parse_json
 
 __all__ = ["CaseOutcome", "OutcomeStatus", "load_actual", "read_outcomes", "write_outcome"]
 

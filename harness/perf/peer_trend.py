@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.perf_history import save_trend, slug
+from harness.perf.history import save_trend, slug
 
 __all__ = ["PeerVerdict", "check_peers", "format_peer_verdicts", "peer_ratios", "plot_peers"]
 

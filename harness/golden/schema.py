@@ -31,7 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from harness.errors import GoldenFormatError, NonFiniteError
+from harness.golden.errors import GoldenFormatError, NonFiniteError
 
 __all__ = [
     "Golden",

@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from harness.schema import Golden, MetricSeries
+from harness.golden.schema import Golden, MetricSeries
 
 __all__ = [
     "CHECK_THRESHOLDS",
@@ -45,7 +45,7 @@ MAX_LISTED_STEPS = 10
 
 Status = Literal["pass", "fail", "refresh", "missing", "misaligned", "n/a"]
 """`n/a`: an exact check on a machine whose numerics fingerprint has no exact values (see
-`harness.case_check`); it neither passes nor fails, and another lane decides."""
+`harness.golden.case_check`); it neither passes nor fails, and another lane decides."""
 
 
 def _nonneg(obj: object, *names: str) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.compare import (
+from harness.golden.compare import (
     ApproximateCheck,
     Check,
     CheckResult,
@@ -30,12 +30,12 @@ from harness.compare import (
     compare_metric,
     format_results,
 )
-from harness.errors import GoldenError, MissingGoldenError
-from harness.fingerprint import NumericsFingerprint, current_fingerprint
-from harness.hardware import HardwareKey
-from harness.results import CaseOutcome, write_outcome
-from harness.schema import Golden, check_finite, golden_digest, to_golden
-from harness.store import GoldenStore, build_meta, recalibrate_command, validate_name
+from harness.golden.errors import GoldenError, MissingGoldenError
+from harness.golden.fingerprint import NumericsFingerprint, current_fingerprint
+from harness.golden.hardware import HardwareKey
+from harness.golden.results import CaseOutcome, write_outcome
+from harness.golden.schema import Golden, check_finite, golden_digest, to_golden
+from harness.golden.store import GoldenStore, build_meta, recalibrate_command, validate_name
 
 __all__ = ["ExactLane", "GoldenSettings", "check_case", "compare_lanes", "decided_by", "normalize_checks",
            "resolve_exact_lane"]

@@ -1,10 +1,10 @@
 """The numerics fingerprint: what decides the bits of a run's results on this machine.
 
-A hardware key (`harness.hardware`) groups machines; two machines under one key can still sum
+A hardware key (`harness.golden.hardware`) groups machines; two machines under one key can still sum
 in another order: another CPU model's BLAS / oneDNN blocking, another vector ISA, another thread
 count, another GPU driver or kernel library. `NumericsFingerprint` records those facts, and
 its `id` (a digest of them) names the set of machines whose runs are
-expected to agree bit for bit. Exact golden values are kept per fingerprint (`harness.store`).
+expected to agree bit for bit. Exact golden values are kept per fingerprint (`harness.golden.store`).
 
 Fields, and why each is in:
 
@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from harness.errors import GoldenFormatError
+from harness.golden.errors import GoldenFormatError
 
 __all__ = ["PIN_VARIABLES", "NumericsFingerprint", "current_fingerprint", "fingerprint_from_json"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from harness.source_tree import git_commit
+from harness.upstream.source_tree import git_commit
 
 __all__ = ["COMMIT_ENV_VAR", "FUSED_FILE", "HC_FILE", "TREE_ENV_VAR", "Tree", "TreeError", "hashes", "tree_commit", "tree_env",
            "tree_flavor", "tree_under_test"]

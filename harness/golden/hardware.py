@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from harness.errors import UnknownHardwareError
+from harness.golden.errors import UnknownHardwareError
 
 __all__ = [
     "HW_ENV_VAR",

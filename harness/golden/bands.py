@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harness.compare import ApproximateCheck
-from harness.schema import Golden
+from harness.golden.compare import ApproximateCheck
+from harness.golden.schema import Golden
 
 __all__ = ["DEFAULT_BANDS", "MetricDrift", "drift", "format_drift"]
 

@@ -25,8 +25,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from harness.errors import GoldenFormatError
-from harness.schema import Golden, MetricSeries
+from harness.golden.errors import GoldenFormatError
+from harness.golden.schema import Golden, MetricSeries
 
 __all__ = ["parse_log", "read_log", "read_tensorboard"]
 
