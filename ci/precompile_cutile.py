@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mhc_core.kernels.cutile import make_ops, tiling, tuning  # noqa: E402
+from mhc_core.kernels.cutile import CuTileBackend, tiling, tuning  # noqa: E402
+from mhc_core.kernels.dispatch import bound_ops  # noqa: E402
 from mhc_core.kernels.preflight import cutile_gap  # noqa: E402
 from tools.cutile import gpu_cases, precompile  # noqa: E402
 from tools.cutile.bench import ACT_DTYPES, add_shape_args  # noqa: E402
@@ -47,7 +48,7 @@ def perf_launches() -> list[precompile.Recorded]:
     """The perf suite's GPU cases that cuTile runs (not those the perf test skips for a cuTile gap,
     such as hidden dropout in training), their inputs built on the CPU, forward then backward."""
     rec = precompile.LaunchRecorder()
-    ops = make_ops(rec)
+    ops = bound_ops(CuTileBackend(rec))
     for case in cases_for("cuda"):
         if cutile_gap(case.op, n=case.n, dtype=case.dtype, dropout=case.dropout):
             continue

@@ -25,10 +25,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from mhc_core import ops
 from mhc_core.checks import NonFiniteError, check_dim, check_finite, check_rank, shape_str
 from mhc_core.config import PARAM_DTYPE, HyperConnectionConfig
 from mhc_core.forms import ConnectionForm
-from mhc_core.kernels import select_ops
+from mhc_core.kernels import select_backend
 from mhc_core.ops.mapping import permutation_mapping
 from mhc_core.ops.single_pass import check_previous_h_pre
 from mhc_core.precision import KeepInFp32Mixin, mark_keep_in_fp32
@@ -95,7 +96,7 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         if config.sequence_parallel:
             for p in self.parameters():
                 p.sequence_parallel = True  # type: ignore[attr-defined]  # megatron-core's marker on a Parameter
-        self._ops = select_ops(config.use_fused)
+        self._backend = select_backend(config.use_fused)
         self._spec = config.numerics
 
     @property
@@ -154,15 +155,15 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         params = (self.mapping_proj.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias)
         try:
             if cfg.h_res_constraint == ResidualConstraint.NONE:  # unconstrained Hyper-Connections
-                h_pre, h_post, logits = self._ops.mapping(x, *params, n, self._spec, cfg.norm_eps)
+                h_pre, h_post, logits = ops.mapping(x, *params, n, self._spec, cfg.norm_eps, backend=self._backend)
                 h_res = torch.eye(n, dtype=logits.dtype, device=logits.device) + logits
-                aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
+                aggregated = ops.h_aggregate(x.view(s * b, n, c), h_pre, backend=self._backend)
             elif cfg.h_res_constraint == ResidualConstraint.PERMUTATIONS:  # mHC-lite, on the reference mapping
                 h_pre, h_post, h_res = permutation_mapping(x, *params, n, self._spec, cfg.norm_eps)
-                aggregated = self._ops.h_aggregate(x.view(s * b, n, c), h_pre)
+                aggregated = ops.h_aggregate(x.view(s * b, n, c), h_pre, backend=self._backend)
             else:  # mapping, Sinkhorn and aggregate in one op (one pass over x where the backend fuses them)
-                aggregated, h_pre, h_post, h_res = self._ops.pre(x, *params, n, cfg.sinkhorn_iterations, self._spec,
-                                                                 cfg.norm_eps)
+                aggregated, h_pre, h_post, h_res = ops.pre(x, *params, n, cfg.sinkhorn_iterations, self._spec,
+                                                           cfg.norm_eps, backend=self._backend)
         except NonFiniteError:  # the reference scans the logits; name where the NaN / inf came from
             check_finite(hidden_states, name="hidden_states", op="HyperConnectionModule.forward")
             for name, p in self.named_parameters():
@@ -188,8 +189,8 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         x = hidden_states.reshape(s * b, n * c)
         params = (self.mapping_proj.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias)
         try:
-            next_h_pre, h_post, logits = self._ops.mapping(x, *params, n, self._spec, cfg.norm_eps)
-            h_res = self._ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, self._spec)
+            next_h_pre, h_post, logits = ops.mapping(x, *params, n, self._spec, cfg.norm_eps, backend=self._backend)
+            h_res = ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, self._spec, backend=self._backend)
         except NonFiniteError:
             check_finite(hidden_states, name="hidden_states", op=op)
             for name, p in self.named_parameters():
@@ -199,7 +200,7 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         if previous_h_pre is None:  # the model's entry: the identity mix, exactly stream 0
             branch = streams[:, 0, :].clone()
         else:
-            branch = self._ops.h_aggregate(streams, previous_h_pre.reshape(s * b, n))
+            branch = ops.h_aggregate(streams, previous_h_pre.reshape(s * b, n), backend=self._backend)
         return SinglePassMix(branch.view(s, b, c), h_res.view(s, b, n, n), h_post.view(s, b, n),
                              next_h_pre.view(s, b, n))
 
@@ -238,7 +239,7 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         check_dim(y, (s, b, c), name="y", op=op, layout="[s, b, C]")
         check_dim(h_res, (s, b, n, n), name="h_res", op=op, layout="[s, b, n, n]")
         check_dim(h_post, (s, b, n), name="h_post", op=op, layout="[s, b, n]")
-        out = self._ops.h_post_bda(
+        out = ops.h_post_bda(
             h_res.reshape(s * b, n, n),
             residual.reshape(s * b, n, c),
             h_post.reshape(s * b, n),
@@ -247,6 +248,7 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
             dropout_p,
             self.training if training is None else training,
             self._spec,
+            backend=self._backend,
         )
         return out.view(s, b, n * c)
 

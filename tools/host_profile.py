@@ -131,7 +131,7 @@ def profile_calls(fn: Callable[[], object], *, calls: int, device: str, top: int
 def profile_op(op: str, backend: str, *, tokens: int, hidden: int, n: int, act: torch.dtype, variant: str,
                iterations: int, device: str, calls: int, warmup: int, top: int) -> list[HostProfile]:
     """Forward and backward host profiles of `op` on `backend` (`dispatch.get_impl`)."""
-    impl = dispatch.get_impl(op, backend)
+    impl = dispatch.op_on(op, backend)
     fn = op_call(SimpleNamespace(**{op: impl}), op, n, variant, iterations)
     inputs = [x.requires_grad_(True) if x is not None else None
               for x in make_inputs(op, tokens, n, hidden, act, variant, device=device)]

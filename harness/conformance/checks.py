@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from harness.conformance.cases import Case, make_case, stack_layers, sublayers
-from harness.peers.base import Head, Peer, Sublayer, SublayerParams, has_own
+from harness.peers.base import Head, Peer, Replayed, Sublayer, SublayerParams, has_own
 from mhc_core.testing import tolerance
 from mhc_core.variants import get_variant
 
@@ -182,8 +182,8 @@ def stack_source(peer: Peer) -> str | None:
     """How a peer's `stack` checks run: `"own"` (its `stack`), `"chained"` (its `layer` chained by the suite)
     or None (neither)."""
     if "stack" in peer.ops:
-        return "chained" if getattr(peer, "stack_chained", False) else "own"
-    return "chained" if "layer" in peer.ops and not hasattr(peer, "side") else None
+        return "chained" if isinstance(peer, Replayed) and peer.stack_chained else "own"
+    return "chained" if "layer" in peer.ops and not isinstance(peer, Replayed) else None
 
 
 def chained_stack(peer: Peer, h: torch.Tensor, layers, head: Head, iterations: int) -> torch.Tensor:

@@ -48,7 +48,7 @@ from harness.conformance.checks import (
     stack_source,
 )
 from harness.conformance.oracle import VARIANT_NAMES, oracle_for
-from harness.peers.base import Peer
+from harness.peers.base import Peer, Replayed
 from mhc_core.testing import tolerance
 from mhc_core.variants import (
     MappingPrecision,
@@ -414,7 +414,7 @@ def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
         if not _runs(peer, spec):
             continue
         try:
-            side = peer.side(spec) if hasattr(peer, "side") else run_side(peer, spec, spec.dtype)
+            side = peer.side(spec) if isinstance(peer, Replayed) else run_side(peer, spec, spec.dtype)
         except Exception as exc:  # a peer that raises: named, and the rest still runs
             side = exc
         cells.sides.append((spec, side))

@@ -27,7 +27,7 @@ import torch
 from harness.conformance.checks import check_specs, inputs_digest, run_side, stack_source
 from harness.conformance.replay import FORMAT, tensor_to_json
 from harness.golden.provenance import utc_now
-from harness.peers.base import Peer
+from harness.peers.base import FromInstalledFiles, FromSourceTree, Peer
 
 __all__ = ["RECORDED_SUFFIX", "main", "record_peer", "write_recording"]
 
@@ -84,15 +84,12 @@ def _jax() -> dict[str, str]:
 def _tree_source(peer: Peer) -> dict[str, Any]:
     """The commit and file hashes of a peer that runs from a source tree (`tree` field), the package version and
     file hashes of one that runs an installed distribution's files (`files()`), else `{}`."""
-    files = getattr(peer, "files", None)
-    if files is not None:
-        installed = files()
+    if isinstance(peer, FromInstalledFiles):
+        installed = peer.files()
         return {"package": installed.describe(), "files_sha256": installed.hashes()}
-    tree = getattr(peer, "tree", None)
-    describe = getattr(peer, "source_tree", None)
-    if tree is None or describe is None:
+    if not isinstance(peer, FromSourceTree) or peer.tree is None:
         return {}
-    src = describe()
+    src = peer.source_tree()
     return {"commit": src.commit(), "files_sha256": src.hashes()}
 
 

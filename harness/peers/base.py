@@ -49,10 +49,16 @@ from abc import ABC
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["OPS", "TIMED_OPS", "Head", "Peer", "PeerError", "Sublayer", "SublayerParams", "TimedFn", "Timing",
+if TYPE_CHECKING:
+    from harness.peers.installed import InstalledFiles
+    from harness.upstream.source_tree import SourceTree
+
+__all__ = ["FromInstalledFiles", "FromSourceTree", "Replayed", "OPS", "TIMED_OPS", "Head", "Peer", "PeerError", "Sublayer", "SublayerParams", "TimedFn", "Timing",
            "has_own", "timed_params"]
 
 OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack")
@@ -212,6 +218,35 @@ class Peer(ABC):
             out = self.coefficients(d["x"], timed_params(d, 0), iterations)
             return out["h_post"], out["h_res"], out["aggregate"]
         return coefficients
+
+
+@runtime_checkable
+class FromInstalledFiles(Protocol):
+    """A peer that runs an installed distribution's own files (the serving engines, MaxText): a recording of it
+    names the package's version and the files' hashes."""
+
+    def files(self) -> InstalledFiles: ...
+
+
+@runtime_checkable
+class FromSourceTree(Protocol):
+    """A peer that runs from a source tree (TransformerEngine, torchtitan): a recording of it names the tree's
+    commit and the files' hashes."""
+
+    tree: Path | None
+
+    def source_tree(self) -> SourceTree: ...
+
+
+@runtime_checkable
+class Replayed(Protocol):
+    """A peer whose checks are recordings (`harness.conformance.replay`): `side(spec)` gives the recorded outputs
+    and gradients of a check instead of running anything."""
+
+    stack_chained: bool
+    """Its recorded `stack` checks chained its `layer` (it has no stack of its own)."""
+
+    def side(self, spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]: ...
 
 
 def has_own(peer: Peer, op: str) -> bool:

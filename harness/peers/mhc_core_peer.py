@@ -60,11 +60,10 @@ class MhcCorePeer(Peer):
         return None if ok else f"mhc_core backend {self.backend!r} unavailable here: {why}"
 
     def _ops(self):
-        from types import SimpleNamespace
+        """The public op entries on this peer's backend."""
+        from mhc_core.kernels.dispatch import bound_ops
 
-        from mhc_core.kernels import dispatch
-
-        return SimpleNamespace(**{op: dispatch.get_impl(op, self.backend) for op in dispatch.OPS})
+        return bound_ops(self.backend)
 
     def coefficients(self, x, params: SublayerParams, iterations):
         o = self._ops()

@@ -17,16 +17,18 @@ at INFO. `python -m mhc_core.kernels` (`preflight`) reports these choices before
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from mhc_core import ops as _reference
-from mhc_core.ops.mapping import NORM_EPS
-from mhc_core.variants import Variant
+from mhc_core import ops
+from mhc_core.ops import REFERENCE, AggregateCall, Backend, MappingCall, PostBdaCall, PreCall, SinkhornCall
 
 __all__ = [
     "OPS",
@@ -41,13 +43,13 @@ __all__ = [
     "requested",
     "without_cutile",
     "backend_report",
-    "get_impl",
+    "BoundOps",
+    "bound_ops",
+    "get_backend",
+    "op_on",
     "reset",
-    "sinkhorn",
-    "mapping",
-    "h_aggregate",
-    "h_post_bda",
-    "pre",
+    "DISPATCH",
+    "Dispatch",
 ]
 
 logger = logging.getLogger("mhc_core.kernels")
@@ -198,20 +200,48 @@ def _safe_choice(op: str) -> str:
         return "invalid"
 
 
-def get_impl(op: str, backend: str) -> Callable:
-    """The implementation of `op` in `backend` (imports the backend module lazily)."""
-    _check_op(op)
+def get_backend(backend: str) -> Backend:
+    """The backend object `backend` (`reference`, `compiled`, `cutile`; imports the backend module lazily)."""
     if backend == "reference":
-        return getattr(_reference, op)
+        return REFERENCE
     if backend == "compiled":
-        from mhc_core.kernels import compiled
+        from mhc_core.kernels.compiled import COMPILED
 
-        return getattr(compiled, op)
+        return COMPILED
     if backend == "cutile":
-        from mhc_core.kernels import cutile
+        from mhc_core.kernels.cutile import CUTILE
 
-        return getattr(cutile, op)
+        return CUTILE
     raise ValueError(f"mhc_core.kernels: backend={backend!r} is unknown; valid: {', '.join(BACKENDS)}")
+
+
+_ENTRIES: dict[str, Callable[..., Any]] = {"sinkhorn": ops.sinkhorn, "mapping": ops.mapping,
+                                          "h_aggregate": ops.h_aggregate, "h_post_bda": ops.h_post_bda,
+                                          "pre": ops.pre}
+"""The public entry of each op (`mhc_core.ops`)."""
+
+
+def op_on(op: str, backend: str | Backend) -> Callable[..., Any]:
+    """The public entry of `op` (`mhc_core.ops.<op>`, its signature) computing on `backend` (a name or an object):
+    for the tests and tools that pick ops by name."""
+    _check_op(op)
+    return functools.partial(_ENTRIES[op], backend=get_backend(backend) if isinstance(backend, str) else backend)
+
+
+@dataclass(frozen=True)
+class BoundOps:
+    """The five public entries bound to one backend (`bound_ops(CuTileBackend(runtime)).pre(x, weight, ...)`)."""
+
+    sinkhorn: Callable[..., Any]
+    mapping: Callable[..., Any]
+    h_aggregate: Callable[..., Any]
+    h_post_bda: Callable[..., Any]
+    pre: Callable[..., Any]
+
+
+def bound_ops(backend: str | Backend) -> BoundOps:
+    """`BoundOps` of `backend` (a name or an object)."""
+    return BoundOps(**{op: op_on(op, backend) for op in OPS})
 
 
 def _log_once(op: str, backend: str, reason: str) -> None:
@@ -225,20 +255,24 @@ def _log_once(op: str, backend: str, reason: str) -> None:
         logger.info("mHC op %s uses backend %s (%s)", op, backend, reason)
 
 
-def _run(op: str, tensor: object, *args):
-    """Call `op` on its backend; under `auto`, a call cutile does not cover goes to the next backend."""
-    device = tensor.device if isinstance(tensor, torch.Tensor) else None
+R = TypeVar("R")
+
+
+def _run(op: str, tensor: torch.Tensor, invoke: Callable[[Backend], R]) -> R:
+    """`invoke(backend)` on `op`'s backend for tensors on `tensor`'s device; under `auto`, a call cutile does not
+    cover goes to the next backend."""
+    device = tensor.device
     backend, reason, auto = _resolve(op, device)
     _log_once(op, backend, reason)
-    impl = get_impl(op, backend)
+    impl = get_backend(backend)
     if not (auto and backend == "cutile"):
-        return impl(*args)
+        return invoke(impl)
     try:
-        return impl(*args)
+        return invoke(impl)
     except NotImplementedError as exc:
         fallback, why = without_cutile(device, f"it does not cover this call: {exc}")
         _log_once(op, fallback, why)
-        return get_impl(op, fallback)(*args)
+        return invoke(get_backend(fallback))
 
 
 def reset() -> None:
@@ -251,30 +285,27 @@ def reset() -> None:
     compiled_availability.cache_clear()
 
 
-# --- the dispatched ops: the reference signatures, resolved at every call ---------------------------
+class Dispatch:
+    """The per-op dispatch as a backend: each op runs on the backend `MHC_BACKEND[_<OP>]` selects for its tensors'
+    device (the module docstring), called by symbol on it."""
+
+    name = "dispatch"
+
+    def sinkhorn(self, call: SinkhornCall) -> torch.Tensor:
+        return _run("sinkhorn", call.logits, lambda b: b.sinkhorn(call))
+
+    def mapping(self, call: MappingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _run("mapping", call.x, lambda b: b.mapping(call))
+
+    def h_aggregate(self, call: AggregateCall) -> torch.Tensor:
+        return _run("h_aggregate", call.x, lambda b: b.h_aggregate(call))
+
+    def h_post_bda(self, call: PostBdaCall) -> torch.Tensor:
+        return _run("h_post_bda", call.residual, lambda b: b.h_post_bda(call))
+
+    def pre(self, call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _run("pre", call.x, lambda b: b.pre(call))
 
 
-def sinkhorn(logits, iterations=20, eps=None, variant=Variant.MEGATRON_MAIN):
-    """Dispatched `mhc_core.ops.sinkhorn`: `logits [..., n, n] -> [..., n, n]`."""
-    return _run("sinkhorn", logits, logits, iterations, eps, variant)
-
-
-def mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, variant=Variant.MEGATRON_MAIN, norm_eps=NORM_EPS):
-    """Dispatched `mhc_core.ops.mapping`: `x [T, n*C] -> h_pre [T, n], h_post [T, n], h_res_logits [T, n, n]`."""
-    return _run("mapping", x, x, weight, alpha_pre, alpha_post, alpha_res, bias, n, variant, norm_eps)
-
-
-def h_aggregate(x, h_pre):
-    """Dispatched `mhc_core.ops.h_aggregate`: `x [T, n, C], h_pre [T, n] -> [T, C]`."""
-    return _run("h_aggregate", x, x, h_pre)
-
-
-def h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=Variant.MEGATRON_MAIN):
-    """Dispatched `mhc_core.ops.h_post_bda`: `-> [T, n, C]`."""
-    return _run("h_post_bda", residual, h_res, residual, h_post, y, bias, dropout_p, training, variant)
-
-
-def pre(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations=20, variant=Variant.MEGATRON_MAIN,
-        norm_eps=NORM_EPS):
-    """Dispatched `mhc_core.ops.pre`: `x [T, n*C] -> aggregate [T, C], h_pre [T, n], h_post [T, n], h_res [T, n, n]`."""
-    return _run("pre", x, x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, variant, norm_eps)
+DISPATCH: Backend = Dispatch()
+"""The dispatched backend: what `use_fused` modules call."""

@@ -19,6 +19,8 @@ Megatron variants and fp32 for `paper` (the paper keeps every coefficient in fp3
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,7 +28,7 @@ from mhc_core.checks import check_dim, check_floating, check_number, check_rank,
 from mhc_core.ops.permutations import num_permutations, permutation_mixture
 from mhc_core.variants import ResidualConstraint, Variant, VariantSpec, get_variant
 
-__all__ = ["mapping", "gated_projection", "permutation_mapping", "num_mapping_outputs", "num_res_logits", "check_mapping_args", "compute_dtype", "effective_norm_eps",
+__all__ = ["MappingBackend", "MappingCall", "mapping_reference", "mapping", "gated_projection", "permutation_mapping", "num_mapping_outputs", "num_res_logits", "check_mapping_args", "compute_dtype", "effective_norm_eps",
            "NORM_EPS"]
 
 NORM_EPS = 1e-6
@@ -76,6 +78,45 @@ def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, 
     return n
 
 
+@dataclass(frozen=True, kw_only=True)
+class MappingCall:
+    """A checked `mapping` call, what every backend's `mapping` receives (built by `mapping`)."""
+
+    x: torch.Tensor
+    """`[T, n*C]` flattened streams (stream-major)."""
+    weight: torch.Tensor
+    """`[N, n*C]`, N = n*n + 2n, layout `[pre(n) | post(n) | res(n*n)]`."""
+    alpha_pre: torch.Tensor
+    """`[1]`."""
+    alpha_post: torch.Tensor
+    """`[1]`."""
+    alpha_res: torch.Tensor
+    """`[1]`."""
+    bias: torch.Tensor
+    """`[N]`."""
+    n: int
+    spec: VariantSpec
+    norm_eps: float
+
+    @property
+    def params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(weight, alpha_pre, alpha_post, alpha_res, bias)`."""
+        return self.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias
+
+
+class MappingBackend(Protocol):
+    """A backend's `mapping` (`contract.Backend`)."""
+
+    def mapping(self, call: MappingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def mapping_reference(call: MappingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference backend's `mapping` (the module docstring's math)."""
+    h_pre, h_post, logits = gated_projection(call.x, *call.params, call.n, call.spec, call.norm_eps,
+                                             ResidualConstraint.SINKHORN, op="mapping")
+    return h_pre, h_post, logits.reshape(call.x.shape[0], call.n, call.n)
+
+
 def mapping(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -86,6 +127,8 @@ def mapping(
     n: int,
     variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
     norm_eps: float = NORM_EPS,
+    *,
+    backend: MappingBackend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients of one mHC sublayer for `T` tokens.
 
@@ -95,13 +138,16 @@ def mapping(
         alpha_pre, alpha_post, alpha_res: `[1]` gating scalars.
         bias: `[N]`.
         n: residual streams.
+        backend: the backend that computes it (`mhc_core.kernels`); None: the reference.
 
     Returns:
         `h_pre [T, n]`, `h_post [T, n]`, `h_res_logits [T, n, n]`.
     """
-    h_pre, h_post, logits = gated_projection(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, variant, norm_eps,
-                                             ResidualConstraint.SINKHORN, op="mapping")
-    return h_pre, h_post, logits.reshape(x.shape[0], n, n)
+    spec = get_variant(variant)
+    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op="mapping", norm_eps=norm_eps)
+    call = MappingCall(x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias,
+                       n=n, spec=spec, norm_eps=float(norm_eps))
+    return mapping_reference(call) if backend is None else backend.mapping(call)
 
 
 def gated_projection(

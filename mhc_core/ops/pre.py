@@ -12,14 +12,17 @@ gradient of `x` (`docs/kernels.md`, "The fused pre-op").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
-from mhc_core.ops.aggregate import h_aggregate
-from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, mapping
-from mhc_core.ops.sinkhorn import check_sinkhorn_args, sinkhorn
+from mhc_core.ops.aggregate import AggregateCall, h_aggregate_reference
+from mhc_core.ops.mapping import NORM_EPS, MappingCall, check_mapping_args, mapping_reference
+from mhc_core.ops.sinkhorn import SinkhornCall, check_sinkhorn_args, sinkhorn_reference
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["check_pre_args", "pre"]
+__all__ = ["PreBackend", "PreCall", "check_pre_args", "pre", "pre_reference"]
 
 
 def check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec: VariantSpec, *,
@@ -29,6 +32,57 @@ def check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterati
     n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
     iterations, _ = check_sinkhorn_args(weight.new_empty(0, n, n), iterations, None, spec, op=op)
     return n, iterations
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreCall:
+    """A checked `pre` call, what every backend's `pre` receives (built by `pre`); the calls of the three ops it
+    composes are `mapping_call`, `sinkhorn_call` and `aggregate_call`."""
+
+    x: torch.Tensor
+    """`[T, n*C]` flattened streams (stream-major)."""
+    weight: torch.Tensor
+    """`[N, n*C]`."""
+    alpha_pre: torch.Tensor
+    alpha_post: torch.Tensor
+    alpha_res: torch.Tensor
+    bias: torch.Tensor
+    """`[N]`."""
+    n: int
+    iterations: int
+    spec: VariantSpec
+    norm_eps: float
+
+    @property
+    def params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(weight, alpha_pre, alpha_post, alpha_res, bias)`."""
+        return self.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias
+
+    def mapping_call(self) -> MappingCall:
+        """The `mapping` it starts with."""
+        return MappingCall(x=self.x, weight=self.weight, alpha_pre=self.alpha_pre, alpha_post=self.alpha_post,
+                           alpha_res=self.alpha_res, bias=self.bias, n=self.n, spec=self.spec, norm_eps=self.norm_eps)
+
+    def sinkhorn_call(self, logits: torch.Tensor) -> SinkhornCall:
+        """The `sinkhorn` of the mapping's residual logits `[T, n, n]`."""
+        return SinkhornCall(logits=logits, iterations=self.iterations, eps=self.spec.sinkhorn_eps, spec=self.spec)
+
+    def aggregate_call(self, h_pre: torch.Tensor) -> AggregateCall:
+        """The `h_aggregate` of the streams `[T, n, C]` with `h_pre [T, n]`."""
+        return AggregateCall(x=self.x.reshape(self.x.shape[0], self.n, self.x.shape[1] // self.n), h_pre=h_pre)
+
+
+class PreBackend(Protocol):
+    """A backend's `pre` (`contract.Backend`)."""
+
+    def pre(self, call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def pre_reference(call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference backend's `pre`: exactly `mapping`, `sinkhorn` and `h_aggregate` in a row."""
+    h_pre, h_post, logits = mapping_reference(call.mapping_call())
+    h_res = sinkhorn_reference(call.sinkhorn_call(logits))
+    return h_aggregate_reference(call.aggregate_call(h_pre)), h_pre, h_post, h_res
 
 
 def pre(
@@ -42,12 +96,15 @@ def pre(
     iterations: int = 20,
     variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
     norm_eps: float = NORM_EPS,
+    *,
+    backend: PreBackend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients and aggregated input of one mHC sublayer for `T` tokens.
 
     Args:
         x: `[T, n*C]` flattened streams (stream-major); weight `[N, n*C]`; alphas `[1]`; bias `[N]`.
         n: residual streams; iterations: Sinkhorn iterations (>= 1).
+        backend: the backend that computes it (`mhc_core.kernels`); None: the reference.
 
     Returns:
         `aggregate [T, C]` (in `x.dtype`), `h_pre [T, n]`, `h_post [T, n]`, `h_res [T, n, n]` (after
@@ -56,7 +113,6 @@ def pre(
     spec = get_variant(variant)
     n, iterations = check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec,
                                    norm_eps=norm_eps)
-    h_pre, h_post, logits = mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, spec, norm_eps)
-    h_res = sinkhorn(logits, iterations, None, spec)
-    aggregate = h_aggregate(x.reshape(x.shape[0], n, x.shape[1] // n), h_pre)
-    return aggregate, h_pre, h_post, h_res
+    call = PreCall(x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias,
+                   n=n, iterations=iterations, spec=spec, norm_eps=float(norm_eps))
+    return pre_reference(call) if backend is None else backend.pre(call)

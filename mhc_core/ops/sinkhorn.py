@@ -22,12 +22,16 @@ needs no code here. The three variants (see `mhc_core.variants`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
 from mhc_core.checks import check_finite, check_floating, check_int, check_number, check_rank, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["sinkhorn", "sinkhorn_iterate", "check_sinkhorn_args", "normalisation_dims"]
+__all__ = ["SinkhornBackend", "SinkhornCall", "sinkhorn", "sinkhorn_iterate", "sinkhorn_reference", "check_sinkhorn_args",
+           "normalisation_dims"]
 
 
 def check_sinkhorn_args(
@@ -107,11 +111,41 @@ class _SinkhornRecompute(torch.autograd.Function):
         return grad, None, None, None
 
 
+@dataclass(frozen=True, kw_only=True)
+class SinkhornCall:
+    """A checked `sinkhorn` call, what every backend's `sinkhorn` receives (built by `sinkhorn`)."""
+
+    logits: torch.Tensor
+    """`[..., n, n]`, any float dtype."""
+    iterations: int
+    """>= 1."""
+    eps: float
+    """The guard's eps, resolved (the variant's when the caller gave None)."""
+    spec: VariantSpec
+
+
+class SinkhornBackend(Protocol):
+    """A backend's `sinkhorn` (`contract.Backend`)."""
+
+    def sinkhorn(self, call: SinkhornCall) -> torch.Tensor: ...
+
+
+def sinkhorn_reference(call: SinkhornCall) -> torch.Tensor:
+    """The reference backend's `sinkhorn`: scans the logits for NaN / inf, iterates in fp32 at least (fp64 stays
+    fp64) and rounds once to `logits.dtype`."""
+    check_finite(call.logits, name="logits", op="sinkhorn")
+    compute = torch.promote_types(call.logits.dtype, torch.float32)
+    out = _SinkhornRecompute.apply(call.logits.to(compute), call.iterations, call.eps, call.spec)
+    return out.to(call.logits.dtype)
+
+
 def sinkhorn(
     logits: torch.Tensor,
     iterations: int = 20,
     eps: float | None = None,
     variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
+    *,
+    backend: SinkhornBackend | None = None,
 ) -> torch.Tensor:
     """Project `logits[..., n, n]` onto (approximately) doubly stochastic matrices `[..., n, n]`.
 
@@ -121,14 +155,12 @@ def sinkhorn(
         iterations: number of Sinkhorn iterations, >= 1.
         eps: guard of the variant; None takes the variant's (1e-6 for both Megatron variants).
         variant: `paper`, `megatron_main` or `megatron_dev`.
+        backend: the backend that computes it (`mhc_core.kernels`); None: the reference.
 
     Returns:
         `[..., n, n]` with non-negative entries; which sums are exact is `get_variant(v).exact_sums`.
     """
     spec = get_variant(variant)
-    op = "sinkhorn"
-    iterations, eps = check_sinkhorn_args(logits, iterations, eps, spec, op=op)
-    check_finite(logits, name="logits", op=op)
-    compute = torch.promote_types(logits.dtype, torch.float32)
-    out = _SinkhornRecompute.apply(logits.to(compute), iterations, eps, spec)
-    return out.to(logits.dtype)
+    iterations, eps_ = check_sinkhorn_args(logits, iterations, eps, spec, op="sinkhorn")
+    call = SinkhornCall(logits=logits, iterations=iterations, eps=eps_, spec=spec)
+    return sinkhorn_reference(call) if backend is None else backend.sinkhorn(call)

@@ -126,7 +126,7 @@ def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torc
     """Our ops on `backend` for `case` in `variant`: `fn(inputs) -> outputs`."""
     from types import SimpleNamespace
 
-    o = SimpleNamespace(**{op: dispatch.get_impl(op, backend) for op in dispatch.OPS})
+    o = SimpleNamespace(**{op: dispatch.op_on(op, backend) for op in dispatch.OPS})
     if case.op == "sinkhorn":
         return lambda d: (o.sinkhorn(d["logits"], ITERATIONS, None, variant),)
     if case.op == "coefficients":

@@ -34,7 +34,7 @@ BACKENDS = ("reference", "compiled", "cutile")
 
 
 def _runner(case: PerfCase, backend: str, direction: str):
-    impl = dispatch.get_impl(case.op, backend)
+    impl = dispatch.op_on(case.op, backend)
     args = case.inputs(requires_grad=direction == "fwdbwd")
     if direction == "fwd":
         def fwd():

@@ -17,9 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from mhc_core import ops as ref
 from mhc_core.analysis import bytes_moved
 from mhc_core.kernels.cutile.tuning import write_json
+from mhc_core.kernels.dispatch import bound_ops
+from mhc_core.ops import num_mapping_outputs
 from mhc_core.variants import get_variant
 from tools.timing import pipelined_ms, time_ms
 
@@ -71,7 +72,7 @@ def make_inputs(op: str, t: int, n: int, c: int, act: torch.dtype, variant: str,
     differ by 3.7e-3 relative at scale 3, by 2e-5 at scale 1; one pair off, 1.9-2.2e-3)."""
     dev = device
     coef = act if get_variant(variant).coefficients_in_activation_dtype else torch.float32
-    big_n = ref.num_mapping_outputs(n)
+    big_n = num_mapping_outputs(n)
     if op in ("mapping", "pre"):
         return [torch.randn(t, n * c, device=dev, dtype=act), torch.randn(big_n, n * c, device=dev) * 0.01,
                 *(torch.full((1,), 0.01, device=dev) for _ in range(3)), torch.zeros(big_n, device=dev)]
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     t, n, c = args.tokens, args.n, args.hidden
     rows = []
     for op in args.ops.split(","):
-        for backend, ops in (("cutile", cutile.OPS), ("reference", ref)):
+        for backend, ops in (("cutile", bound_ops(cutile.CUTILE)), ("reference", bound_ops("reference"))):
             fn = op_call(ops, op, n, args.variant, args.iterations)
             inputs = [x.requires_grad_(True) if x is not None else None for x in make_inputs(op, t, n, c, act, args.variant)]
             fwd_ms = time_ms(functools.partial(fn, *inputs), args.warmup, args.iters)

@@ -99,14 +99,15 @@ def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, vari
     """Every launch of the tile sweep (`sweep.CANDIDATES`, in `KEY_ORDER`; only `keys` when given) at
     its shape, as the sweep runs them: against the heuristics, whatever tuning is in force
     (`tiling.tuned(None)`). Ids `key[i]-kernel`, `i` the candidate's index."""
-    from mhc_core.kernels.cutile import make_ops
+    from mhc_core.kernels.cutile import CuTileBackend
+    from mhc_core.kernels.dispatch import bound_ops
     from tools.cutile import sweep
 
     unknown = sorted(set(keys or ()) - set(sweep.CANDIDATES))
     if unknown:
         raise ValueError(f"sweep keys {unknown} are not in the sweep; valid: {', '.join(sweep.CANDIDATES)}")
     rec = LaunchRecorder()
-    ops = make_ops(rec)
+    ops = bound_ops(CuTileBackend(rec))
     for key, cands in sweep.CANDIDATES.items():
         if keys is not None and key not in keys:
             continue

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mhc_core.kernels.cutile import make_ops, tiling
+from mhc_core.kernels.cutile import CuTileBackend, tiling
 from mhc_core.kernels.cutile.runtime import kernel_object
+from mhc_core.kernels.dispatch import bound_ops
 from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime, ScalarArg
@@ -89,7 +90,7 @@ def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, 
     """Every op forward and backward through `rec` at `[t, n, c]` for each `n`, `c` and activation
     dtype, each of `variants` (default all), parameter dtype and bias / no bias (launch labels
     `op|tag|direction`)."""
-    ops = make_ops(rec)
+    ops = bound_ops(CuTileBackend(rec))
     for c, n in ((c, n) for c in cs for n in ns):
         c_tag = "" if c == cs[0] else f"-c{c}"
         for act in acts:

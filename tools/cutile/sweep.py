@@ -225,15 +225,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.emulate:  # the CPU kernel interpreter: the whole loop without a GPU (tests; times mean nothing)
-        from mhc_core.kernels.cutile import make_ops
+        from mhc_core.kernels.cutile import CuTileBackend
+        from mhc_core.kernels.dispatch import bound_ops
         from tools.cutile.emulator import EmulatedRuntime
 
-        ops, device, device_name = make_ops(EmulatedRuntime(num_sms=4)), "cpu", "CPU kernel interpreter"
+        ops, device, device_name = bound_ops(CuTileBackend(EmulatedRuntime(num_sms=4))), "cpu", "CPU kernel interpreter"
     else:
         cutile = cutile_or_none("sweep")
         if cutile is None:
             return 2
-        ops, device, device_name = cutile.OPS, "cuda", None
+        from mhc_core.kernels.dispatch import bound_ops
+
+        ops, device, device_name = bound_ops(cutile.CUTILE), "cuda", None
     keys = args.keys.split(",")
     unknown = [k for k in keys if k not in CANDIDATES]
     if unknown:

@@ -1,17 +1,41 @@
 """The `compiled` backend: torch.compile of a fused formulation of each mHC op (CPU and GPU).
 
-Each op has the exact signature and contract of its reference in `mhc_core.ops` and is an
-autograd function whose forward and backward are each one compiled function (Inductor: C++/OpenMP
-on CPU, Triton on CUDA). What each one fuses, and the compile policy, are in `docs/kernels.md`.
+`COMPILED` is the backend (`mhc_core.ops.contract.Backend`): each op takes its checked call and is an autograd
+function whose forward and backward are each one compiled function (Inductor: C++/OpenMP on CPU, Triton on
+CUDA). What each one fuses, and the compile policy, are in `docs/kernels.md`.
 """
 
 from __future__ import annotations
 
-from mhc_core.kernels.compiled.aggregate import h_aggregate
-from mhc_core.kernels.compiled.common import availability, compiled_cache_size
-from mhc_core.kernels.compiled.mapping import mapping
-from mhc_core.kernels.compiled.post_bda import h_post_bda
-from mhc_core.kernels.compiled.pre import pre
-from mhc_core.kernels.compiled.sinkhorn import sinkhorn
+import torch
 
-__all__ = ["availability", "compiled_cache_size", "h_aggregate", "h_post_bda", "mapping", "pre", "sinkhorn"]
+from mhc_core.kernels.compiled import aggregate, mapping, post_bda, pre, sinkhorn
+from mhc_core.kernels.compiled.common import availability, compiled_cache_size
+from mhc_core.ops import AggregateCall, Backend, MappingCall, PostBdaCall, PreCall, SinkhornCall
+
+__all__ = ["COMPILED", "CompiledBackend", "availability", "compiled_cache_size"]
+
+
+class CompiledBackend:
+    """torch.compile of the fused formulations (each method: its op module here)."""
+
+    name = "compiled"
+
+    def sinkhorn(self, call: SinkhornCall) -> torch.Tensor:
+        return sinkhorn.sinkhorn(call)
+
+    def mapping(self, call: MappingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return mapping.mapping(call)
+
+    def h_aggregate(self, call: AggregateCall) -> torch.Tensor:
+        return aggregate.h_aggregate(call)
+
+    def h_post_bda(self, call: PostBdaCall) -> torch.Tensor:
+        return post_bda.h_post_bda(call)
+
+    def pre(self, call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return pre.pre(call)
+
+
+COMPILED: Backend = CompiledBackend()
+"""The compiled backend."""

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core import ops
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops.aggregate import check_h_aggregate_args
+from mhc_core.ops.aggregate import AggregateCall, h_aggregate_reference
 
 __all__ = ["h_aggregate"]
 
@@ -53,17 +52,12 @@ class _HAggregate(torch.autograd.Function):
         return compile_for(_bwd, key)(g, x, h, need_x, need_h)
 
 
-def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of the `n` streams (compiled backend), same contract as `mhc_core.ops.h_aggregate`.
-
-    Args:
-        x: `[T, n, C]`.
-        h_pre: `[T, n]`.
+def h_aggregate(call: AggregateCall) -> torch.Tensor:
+    """Weighted sum of the `n` streams (compiled backend) of a checked call (`mhc_core.ops.h_aggregate`).
 
     Returns:
         `[T, C]` in `x.dtype`.
     """
-    check_h_aggregate_args(x, h_pre, op="h_aggregate")
-    if x.numel() == 0:
-        return ops.h_aggregate(x, h_pre)
-    return _HAggregate.apply(x.contiguous(), h_pre.contiguous())
+    if call.x.numel() == 0:
+        return h_aggregate_reference(call)
+    return _HAggregate.apply(call.x.contiguous(), call.h_pre.contiguous())

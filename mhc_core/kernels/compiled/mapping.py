@@ -26,10 +26,9 @@ import math
 
 import torch
 
-from mhc_core import ops
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, effective_norm_eps
-from mhc_core.variants import Variant, VariantSpec, get_variant
+from mhc_core.ops.mapping import MappingCall, effective_norm_eps, mapping_reference
+from mhc_core.variants import VariantSpec
 
 __all__ = ["mapping"]
 
@@ -165,31 +164,15 @@ class _Mapping(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def mapping(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    alpha_pre: torch.Tensor,
-    alpha_post: torch.Tensor,
-    alpha_res: torch.Tensor,
-    bias: torch.Tensor,
-    n: int,
-    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
-    norm_eps: float = NORM_EPS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Coefficients of one mHC sublayer (compiled backend), same contract as `mhc_core.ops.mapping`.
-
-    Args:
-        x: `[T, n*C]`; weight: `[N, n*C]`; alpha_pre, alpha_post, alpha_res: `[1]`; bias: `[N]`.
+def mapping(call: MappingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Coefficients of one mHC sublayer (compiled backend) of a checked call (`mhc_core.ops.mapping`).
 
     Returns:
         `h_pre [T, n]`, `h_post [T, n]`, `h_res_logits [T, n, n]`.
     """
-    op = "mapping"
-    spec = get_variant(variant)
-    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
-    if x.shape[0] == 0:
-        return ops.mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, spec, norm_eps)
+    if call.x.shape[0] == 0:
+        return mapping_reference(call)
     return _Mapping.apply(
-        x.contiguous(), weight.contiguous(), alpha_pre, alpha_post, alpha_res, bias.contiguous(), n, spec,
-        float(norm_eps),
+        call.x.contiguous(), call.weight.contiguous(), call.alpha_pre, call.alpha_post, call.alpha_res,
+        call.bias.contiguous(), call.n, call.spec, call.norm_eps,
     )

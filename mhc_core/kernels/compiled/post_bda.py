@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core import ops
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
 from mhc_core.kernels.compiled.dropout import draw_seed, keep_mask
-from mhc_core.ops.post_bda import check_h_post_bda_args
-from mhc_core.variants import Variant, VariantSpec, get_variant
+from mhc_core.ops.post_bda import PostBdaCall, h_post_bda_reference
 
 __all__ = ["h_post_bda"]
 
@@ -135,37 +133,22 @@ class _HPostBDA(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def h_post_bda(
-    h_res: torch.Tensor,
-    residual: torch.Tensor,
-    h_post: torch.Tensor,
-    y: torch.Tensor,
-    bias: torch.Tensor | None,
-    dropout_p: float = 0.0,
-    training: bool = False,
-    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
-) -> torch.Tensor:
-    """New `n`-stream residual (compiled backend), same contract as `mhc_core.ops.h_post_bda`.
-
-    Args:
-        h_res: `[T, n, n]`; residual: `[T, n, C]`; h_post: `[T, n]`; y: `[T, C]`; bias: `[C]` or None.
-        dropout_p: hidden dropout on the expanded branch when `training` (fused; its own mask).
+def h_post_bda(call: PostBdaCall) -> torch.Tensor:
+    """New `n`-stream residual (compiled backend) of a checked call (`mhc_core.ops.h_post_bda`); hidden dropout
+    on the expanded branch when training is fused, with its own mask.
 
     Returns:
         `[T, n, C]` in `residual.dtype`.
     """
-    op = "h_post_bda"
-    spec = get_variant(variant)
-    check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, op=op)
-    t, n, c = residual.shape
-    if residual.numel() == 0:
-        return ops.h_post_bda(h_res, residual, h_post, y, bias, dropout_p, training, spec)
+    if call.residual.numel() == 0:
+        return h_post_bda_reference(call)
+    bias = call.bias
     return _HPostBDA.apply(
-        h_res.contiguous(),
-        residual.contiguous(),
-        h_post.contiguous(),
-        y.contiguous(),
+        call.h_res.contiguous(),
+        call.residual.contiguous(),
+        call.h_post.contiguous(),
+        call.y.contiguous(),
         None if bias is None else bias.contiguous(),
-        spec.res_transposed,
-        float(dropout_p) if training else 0.0,
+        call.spec.res_transposed,
+        call.dropout_p if call.training else 0.0,
     )

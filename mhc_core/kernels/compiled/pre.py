@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core import ops
 from mhc_core.kernels import native
 from mhc_core.kernels.compiled.aggregate import _fwd as _aggregate_fwd
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
@@ -42,9 +41,9 @@ from mhc_core.kernels.compiled.mapping import _alpha, gate_grads, rms_coef
 from mhc_core.kernels.compiled.mapping import _fwd as _mapping_fwd
 from mhc_core.kernels.compiled.sinkhorn import _bwd as _sinkhorn_bwd
 from mhc_core.kernels.compiled.sinkhorn import _fwd as _sinkhorn_fwd
-from mhc_core.ops.mapping import NORM_EPS, effective_norm_eps
-from mhc_core.ops.pre import check_pre_args
-from mhc_core.variants import Variant, VariantSpec, get_variant
+from mhc_core.ops.mapping import effective_norm_eps
+from mhc_core.ops.pre import PreCall, pre_reference
+from mhc_core.variants import VariantSpec
 
 __all__ = ["pre"]
 
@@ -210,30 +209,13 @@ class _Pre(torch.autograd.Function):
         return (*out, None, None, None, None)
 
 
-def pre(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    alpha_pre: torch.Tensor,
-    alpha_post: torch.Tensor,
-    alpha_res: torch.Tensor,
-    bias: torch.Tensor,
-    n: int,
-    iterations: int = 20,
-    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
-    norm_eps: float = NORM_EPS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sublayer's pre-op (compiled backend), same contract as `mhc_core.ops.pre`.
-
-    Args:
-        x: `[T, n*C]`; weight: `[N, n*C]`; alpha_pre, alpha_post, alpha_res: `[1]`; bias: `[N]`.
+def pre(call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sublayer's pre-op (compiled backend) of a checked call (`mhc_core.ops.pre`).
 
     Returns:
         `aggregate [T, C]`, `h_pre [T, n]`, `h_post [T, n]`, `h_res [T, n, n]`.
     """
-    spec = get_variant(variant)
-    n, iterations = check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec,
-                                   norm_eps=norm_eps)
-    if x.shape[0] == 0 or n == 1:
-        return ops.pre(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec, norm_eps)
-    return _Pre.apply(x.contiguous(), weight.contiguous(), alpha_pre, alpha_post, alpha_res, bias.contiguous(), n,
-                      iterations, spec, float(norm_eps))
+    if call.x.shape[0] == 0 or call.n == 1:
+        return pre_reference(call)
+    return _Pre.apply(call.x.contiguous(), call.weight.contiguous(), call.alpha_pre, call.alpha_post,
+                      call.alpha_res, call.bias.contiguous(), call.n, call.iterations, call.spec, call.norm_eps)

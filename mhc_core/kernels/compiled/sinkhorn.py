@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core import ops
 from mhc_core.kernels.compiled.common import acc_dtype, compile_for, mark_dynamic
-from mhc_core.ops.sinkhorn import check_sinkhorn_args, normalisation_dims
-from mhc_core.variants import Variant, VariantSpec, get_variant
+from mhc_core.ops.sinkhorn import SinkhornCall, normalisation_dims, sinkhorn_reference
+from mhc_core.variants import VariantSpec
 
 __all__ = ["sinkhorn"]
 
@@ -120,29 +119,20 @@ class _Sinkhorn(torch.autograd.Function):
         return bwd(z, g, *spec.sinkhorn_form, ctx.iterations, ctx.eps), None, None, None
 
 
-def sinkhorn(
-    logits: torch.Tensor,
-    iterations: int = 20,
-    eps: float | None = None,
-    variant: str | Variant | VariantSpec = Variant.MEGATRON_MAIN,
-) -> torch.Tensor:
-    """Sinkhorn-Knopp projection (compiled backend), same contract as `mhc_core.ops.sinkhorn`.
+def sinkhorn(call: SinkhornCall) -> torch.Tensor:
+    """Sinkhorn-Knopp projection (compiled backend) of a checked call (`mhc_core.ops.sinkhorn`).
 
     Unlike the reference oracle it does not scan the logits for NaN/inf (no host sync).
-
-    Args:
-        logits: `[..., n, n]`; iterations >= 1; eps: None for the variant's.
 
     Returns:
         `[..., n, n]` in `logits.dtype`.
     """
-    spec = get_variant(variant)
-    iterations, eps = check_sinkhorn_args(logits, iterations, eps, spec, op="sinkhorn")
+    logits, spec, iterations, eps = call.logits, call.spec, call.iterations, call.eps
     n = logits.shape[-1]
     if logits.numel() == 0 or n == 1:
         # n = 1: the result does not depend on the logits, and Inductor would inline the
         # reduction-free chain into an expression that doubles with every step.
-        return ops.sinkhorn(logits, iterations, eps, spec)
+        return sinkhorn_reference(call)
     z = logits.reshape(-1, n, n).to(acc_dtype(logits.dtype)).contiguous()
     out = _Sinkhorn.apply(z, iterations, eps, spec)
     return out.reshape(logits.shape).to(logits.dtype)

@@ -21,8 +21,9 @@ from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.constants import MMA_3XTF32, MMA_BF16, MMA_TF32
 from mhc_core.kernels.cutile.runtime import cdiv, require_device, require_dtypes, require_n
 from mhc_core.kernels.cutile.streams import aggregate_forward, aggregate_grad_h
-from mhc_core.ops.mapping import NORM_EPS, check_mapping_args, effective_norm_eps, num_mapping_outputs
-from mhc_core.variants import Variant, VariantSpec, get_variant
+from mhc_core.ops.mapping import MappingCall, effective_norm_eps, num_mapping_outputs
+from mhc_core.ops.pre import PreCall
+from mhc_core.variants import VariantSpec
 
 __all__ = ["mapping", "mma_mode", "pre", "pre_fuses"]
 
@@ -179,26 +180,13 @@ def pre_fuses(n: int, k: int) -> bool:
     return (k // n) % tiling.mapping_tiles(n, k, "bwd").tile_k == 0
 
 
-def mapping(
-    rt: Callable[[], Any],
-    x,
-    weight,
-    alpha_pre,
-    alpha_post,
-    alpha_res,
-    bias,
-    n,
-    variant=Variant.MEGATRON_MAIN,
-    norm_eps=NORM_EPS,
-):
-    """`mhc_core.ops.mapping` on the runtime `rt()`.
+def mapping(rt: Callable[[], Any], call: MappingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mhc_core.ops.mapping` of a checked call on the runtime `rt()`.
 
     `x [T, n*C] -> h_pre [T, n], h_post [T, n], h_res_logits [T, n, n]`.
     """
-    spec = get_variant(variant)
-    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op="mapping", norm_eps=norm_eps)
-    args = (x, weight, alpha_pre, alpha_post, alpha_res, bias)
-    return _MappingFn.apply(*args, n, *_launch_settings(rt, "mapping", args, n, spec, norm_eps))
+    args = (call.x, *call.params)
+    return _MappingFn.apply(*args, call.n, *_launch_settings(rt, "mapping", args, call.n, call.spec, call.norm_eps))
 
 
 def _launch_settings(rt: Callable[[], Any], op: str, args: tuple, n: int, spec: VariantSpec, norm_eps: float) -> tuple:
@@ -219,16 +207,16 @@ def _launch_settings(rt: Callable[[], Any], op: str, args: tuple, n: int, spec: 
             float(norm_eps) if inside else 0.0, runtime)
 
 
-def pre(rt: Callable[[], Any], x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations=20,
-        variant=Variant.MEGATRON_MAIN, norm_eps=NORM_EPS, sinkhorn=None):
-    """`mhc_core.ops.pre` on the runtime `rt()`: `x [T, n*C] -> aggregate [T, C], h_pre, h_post [T, n],
-    h_res [T, n, n]` (`sinkhorn`: the cuTile Sinkhorn op, applied to the logits). `None` where the formulation
-    in force is the composition (`tiling.pre_tiles`) or the fused launches do not cover the shape
+def pre(rt: Callable[[], Any], call: PreCall, sinkhorn: Callable[[torch.Tensor], torch.Tensor]
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`mhc_core.ops.pre` of a checked call on the runtime `rt()`: `x [T, n*C] -> aggregate [T, C], h_pre,
+    h_post [T, n], h_res [T, n, n]` (`sinkhorn`: the cuTile Sinkhorn of the logits `[T, n, n]`). `None` where the
+    formulation in force is the composition (`tiling.pre_tiles`) or the fused launches do not cover the shape
     (`pre_fuses`): the caller runs the three ops."""
-    spec = get_variant(variant)
-    k = x.shape[1]
+    n, k = call.n, call.x.shape[1]
     if not (tiling.pre_tiles(n).fused and pre_fuses(n, k)):
         return None
-    args = (x, weight, alpha_pre, alpha_post, alpha_res, bias)
-    agg, h_pre, h_post, logits = _PreFn.apply(*args, n, *_launch_settings(rt, "pre", args, n, spec, norm_eps))
-    return agg, h_pre, h_post, sinkhorn(logits, iterations, None, spec)
+    args = (call.x, *call.params)
+    agg, h_pre, h_post, logits = _PreFn.apply(*args, n, *_launch_settings(rt, "pre", args, n, call.spec,
+                                                                          call.norm_eps))
+    return agg, h_pre, h_post, sinkhorn(logits)

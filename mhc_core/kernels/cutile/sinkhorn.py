@@ -16,8 +16,7 @@ import torch
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.constants import num_pairs
 from mhc_core.kernels.cutile.runtime import cdiv, require_device, require_dtypes, require_n, sinkhorn_code
-from mhc_core.ops.sinkhorn import check_sinkhorn_args
-from mhc_core.variants import Variant, get_variant
+from mhc_core.ops.sinkhorn import SinkhornCall
 
 __all__ = ["sinkhorn"]
 
@@ -57,13 +56,11 @@ class _SinkhornFn(torch.autograd.Function):
         return grad.view(logits.shape), None, None, None, None
 
 
-def sinkhorn(rt: Callable[[], Any], logits, iterations=20, eps=None, variant=Variant.MEGATRON_MAIN):
-    """`mhc_core.ops.sinkhorn` on the runtime `rt()`: `logits[..., n, n] -> [..., n, n]`."""
-    op = "sinkhorn"
-    spec = get_variant(variant)
-    iterations, eps = check_sinkhorn_args(logits, iterations, eps, spec, op=op)
+def sinkhorn(rt: Callable[[], Any], call: SinkhornCall) -> torch.Tensor:
+    """`mhc_core.ops.sinkhorn` of a checked call on the runtime `rt()`: `logits[..., n, n] -> [..., n, n]`."""
+    op, logits = "sinkhorn", call.logits
     require_n(logits.shape[-1], op)
     require_dtypes(op, logits=logits)
     runtime = rt()
     require_device(runtime, op, logits=logits)
-    return _SinkhornFn.apply(logits, iterations, eps, sinkhorn_code(spec), runtime)
+    return _SinkhornFn.apply(logits, call.iterations, call.eps, sinkhorn_code(call.spec), runtime)

@@ -21,9 +21,8 @@ from mhc_core.kernels.cutile.runtime import (
     require_n,
     require_no_training_dropout,
 )
-from mhc_core.ops.aggregate import check_h_aggregate_args
-from mhc_core.ops.post_bda import check_h_post_bda_args
-from mhc_core.variants import Variant, get_variant
+from mhc_core.ops.aggregate import AggregateCall
+from mhc_core.ops.post_bda import PostBdaCall
 
 __all__ = ["aggregate_forward", "aggregate_grad_h", "h_aggregate", "h_post_bda"]
 
@@ -89,11 +88,10 @@ class _AggregateFn(torch.autograd.Function):
         return grad_x, grad_h, None
 
 
-def h_aggregate(rt: Callable[[], Any], x, h_pre):
-    """`mhc_core.ops.h_aggregate` on the runtime `rt()`: `x [T, n, C], h_pre [T, n] -> [T, C]`."""
-    op = "h_aggregate"
-    _, n = check_h_aggregate_args(x, h_pre, op=op)
-    require_n(n, op)
+def h_aggregate(rt: Callable[[], Any], call: AggregateCall) -> torch.Tensor:
+    """`mhc_core.ops.h_aggregate` of a checked call on the runtime `rt()`: `x [T, n, C], h_pre [T, n] -> [T, C]`."""
+    op, x, h_pre = "h_aggregate", call.x, call.h_pre
+    require_n(x.shape[1], op)
     require_dtypes(op, x=x, h_pre=h_pre)
     runtime = rt()
     require_device(runtime, op, x=x, h_pre=h_pre)
@@ -169,25 +167,13 @@ class _PostBdaFn(torch.autograd.Function):
         return grad_h_res, grad_residual, grad_h_post, grad_y, grad_bias, None, None
 
 
-def h_post_bda(
-    rt: Callable[[], Any],
-    h_res,
-    residual,
-    h_post,
-    y,
-    bias,
-    dropout_p=0.0,
-    training=False,
-    variant=Variant.MEGATRON_MAIN,
-):
-    """`mhc_core.ops.h_post_bda` on the runtime `rt()`: `-> [T, n, C]` (no dropout in training)."""
+def h_post_bda(rt: Callable[[], Any], call: PostBdaCall) -> torch.Tensor:
+    """`mhc_core.ops.h_post_bda` of a checked call on the runtime `rt()`: `-> [T, n, C]` (no dropout in training)."""
     op = "h_post_bda"
-    spec = get_variant(variant)
-    check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, op=op)
-    t, n, c = residual.shape
-    require_no_training_dropout(op, dropout_p, training)
-    require_n(n, op)
+    h_res, residual, h_post, y, bias = call.h_res, call.residual, call.h_post, call.y, call.bias
+    require_no_training_dropout(op, call.dropout_p, call.training)
+    require_n(residual.shape[1], op)
     require_dtypes(op, h_res=h_res, residual=residual, h_post=h_post, y=y, bias=bias)
     runtime = rt()
     require_device(runtime, op, h_res=h_res, residual=residual, h_post=h_post, y=y, bias=bias)
-    return _PostBdaFn.apply(h_res, residual, h_post, y, bias, spec.res_transposed, runtime)
+    return _PostBdaFn.apply(h_res, residual, h_post, y, bias, call.spec.res_transposed, runtime)

@@ -98,13 +98,18 @@ def test_a_transposed_mix_trips_the_alarm(monkeypatch):
     """A kernel that applies H_res transposed (the bug upstream fixed twice) shows as an orientation error
     in the probe of what the module really applies, though the gain stays 1."""
     model = _stack(variant="megatron_main")
-    from mhc_core.ops import h_post_bda
+    from dataclasses import replace
 
-    def transposed(h_res, residual, h_post, y, bias, dropout_p, training, variant):
-        return h_post_bda(h_res, residual, h_post, y, bias, dropout_p, training, variant="megatron_dev")
+    from mhc_core.ops.contract import ReferenceBackend
+    from mhc_core.ops.post_bda import h_post_bda_reference
+    from mhc_core.variants import get_variant
 
-    for hc in model.hcs:  # a faulty backend: the op bundle with a transposing h_post_bda
-        monkeypatch.setattr(hc, "_ops", hc._ops._replace(h_post_bda=transposed))
+    class Transposing(ReferenceBackend):  # a faulty backend: the reference with a transposing h_post_bda
+        def h_post_bda(self, call):
+            return h_post_bda_reference(replace(call, spec=get_variant("megatron_dev")))
+
+    for hc in model.hcs:
+        monkeypatch.setattr(hc, "_backend", Transposing())
     monitor = StabilityMonitor(model, MonitorConfig(every=10, on_alarm="raise"))
     with pytest.raises(StabilityAlarm, match="orientation error .* a transposed mix"):
         _run(model, monitor)

@@ -32,12 +32,12 @@ def cutile_on_cpu(monkeypatch):
     """cuTile "available" for CPU tensors, its ops the real kernels on the CPU interpreter (the
     kernels' own coverage checks raise), the other backends as they are."""
     from mhc_core.kernels import dispatch
-    from mhc_core.kernels.cutile import make_ops
+    from mhc_core.kernels.cutile import CuTileBackend
     from tools.cutile.emulator import EmulatedRuntime
 
-    emulated = make_ops(EmulatedRuntime(num_sms=4))
-    real_availability, real_impl = dispatch.availability, dispatch.get_impl
+    emulated = CuTileBackend(EmulatedRuntime(num_sms=4))
+    real_availability, real_backend = dispatch.availability, dispatch.get_backend
     monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (
         (True, "cuTile on the CPU interpreter (test)") if backend == "cutile" else real_availability(backend, device)))
-    monkeypatch.setattr(dispatch, "get_impl", lambda op, backend: (
-        getattr(emulated, op) if backend == "cutile" else real_impl(op, backend)))
+    monkeypatch.setattr(dispatch, "get_backend", lambda backend: (
+        emulated if backend == "cutile" else real_backend(backend)))

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from mhc_core import HyperConnectionConfig, HyperConnectionModule, ops
-from mhc_core.kernels import FUSED_OPS, REFERENCE_OPS, BackendUnavailableError, dispatch, select_ops
+from mhc_core.kernels import DISPATCH, BackendUnavailableError, dispatch, select_backend
+from mhc_core.ops import REFERENCE
+from mhc_core.ops.contract import ReferenceBackend
 from mhc_core.variants import Variant
 from suites.unit.kernels.parity import C, device_for, run_fwd_bwd
 
@@ -87,7 +89,7 @@ def test_forced_cutile_on_cpu_raises(monkeypatch):
     monkeypatch.setenv("MHC_BACKEND", "cutile")
     x, h = _agg_inputs()
     with pytest.raises(BackendUnavailableError, match=r"'h_aggregate'.*'cutile'.*MHC_BACKEND='cutile'.*CUDA"):
-        dispatch.h_aggregate(x, h)
+        ops.h_aggregate(x, h, backend=DISPATCH)
 
 
 def test_forced_unavailable_compiled_raises(monkeypatch):
@@ -95,22 +97,22 @@ def test_forced_unavailable_compiled_raises(monkeypatch):
     monkeypatch.setenv("MHC_BACKEND_SINKHORN", "compiled")
     monkeypatch.setitem(dispatch._AVAILABILITY, ("compiled", "cpu"), (False, "no C++ compiler (stub)"))
     with pytest.raises(BackendUnavailableError, match=r"'sinkhorn'.*'compiled'.*no C\+\+ compiler \(stub\)"):
-        dispatch.sinkhorn(torch.zeros(2, 3, 3), 2)
+        ops.sinkhorn(torch.zeros(2, 3, 3), 2, backend=DISPATCH)
 
 
-def test_select_ops_fails_early_for_forced_unavailable(monkeypatch):
-    """select_ops(True) checks the selection up front: a module cannot be built on a forced unavailable backend."""
+def test_select_backend_fails_early_for_forced_unavailable(monkeypatch):
+    """select_backend(True) checks the selection up front: a module cannot be built on a forced unavailable
+    backend."""
     monkeypatch.setenv("MHC_BACKEND_H_POST_BDA", "cutile")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(BackendUnavailableError, match="'h_post_bda'"):
-        select_ops(True)
+        select_backend(True)
 
 
-def test_select_ops_bundles():
-    """use_fused=False keeps the reference ops; use_fused=True returns the dispatched ones."""
-    assert select_ops(False) is REFERENCE_OPS
-    assert select_ops(True) is FUSED_OPS
-    assert FUSED_OPS.h_aggregate is dispatch.h_aggregate
+def test_select_backend():
+    """use_fused=False keeps the reference backend; use_fused=True returns the dispatch."""
+    assert select_backend(False) is REFERENCE
+    assert select_backend(True) is DISPATCH
 
 
 def test_backend_report_covers_every_op_and_never_raises(monkeypatch):
@@ -130,13 +132,13 @@ def test_choice_is_logged_once_per_op_and_backend(monkeypatch, caplog):
     x, h = _agg_inputs()
     with caplog.at_level(logging.INFO, logger="mhc_core.kernels"):
         for _ in range(3):
-            dispatch.h_aggregate(x, h)
-        dispatch.sinkhorn(torch.zeros(2, 3, 3), 2)
-        monkeypatch.setattr(dispatch, "get_impl", lambda op, backend: getattr(ops, op))
+            ops.h_aggregate(x, h, backend=DISPATCH)
+        ops.sinkhorn(torch.zeros(2, 3, 3), 2, backend=DISPATCH)
+        monkeypatch.setattr(dispatch, "get_backend", lambda backend: REFERENCE)
         monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (True, "stub"))
         monkeypatch.setenv("MHC_BACKEND_H_AGGREGATE", "compiled")
-        dispatch.h_aggregate(x, h)
-        dispatch.h_aggregate(x, h)
+        ops.h_aggregate(x, h, backend=DISPATCH)
+        ops.h_aggregate(x, h, backend=DISPATCH)
     lines = [r.getMessage() for r in caplog.records if r.name == "mhc_core.kernels"]
     assert len(lines) == 3, lines
     assert lines[0].startswith("mHC op h_aggregate uses backend reference")
@@ -147,28 +149,31 @@ def test_choice_is_logged_once_per_op_and_backend(monkeypatch, caplog):
 def test_auto_moves_on_when_cutile_does_not_cover_a_call(monkeypatch, caplog):
     """Under auto, a cutile NotImplementedError sends the call to the next backend, logged; forced, it propagates."""
 
-    def refuse(*args):
-        raise NotImplementedError("n=3 has no kernel")
+    class Refusing(ReferenceBackend):  # the reference, but an aggregate cuTile would not cover
+        name = "cutile"
 
-    impls = {"cutile": refuse, "compiled": ops.h_aggregate, "reference": ops.h_aggregate}
+        def h_aggregate(self, call):
+            raise NotImplementedError("n=3 has no kernel")
+
+    impls = {"cutile": Refusing(), "compiled": REFERENCE, "reference": REFERENCE}
     monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (True, f"{backend} stub"))
-    monkeypatch.setattr(dispatch, "get_impl", lambda op, backend: impls[backend])
+    monkeypatch.setattr(dispatch, "get_backend", lambda backend: impls[backend])
     x, h = _agg_inputs(n=3)
     with caplog.at_level(logging.INFO, logger="mhc_core.kernels"):
-        out = dispatch.h_aggregate(x, h)
+        out = ops.h_aggregate(x, h, backend=DISPATCH)
     torch.testing.assert_close(out, ops.h_aggregate(x, h), rtol=0, atol=0)
     messages = [r.getMessage() for r in caplog.records if r.name == "mhc_core.kernels"]
     assert any("backend compiled" in m and "n=3 has no kernel" in m for m in messages), messages
     monkeypatch.setenv("MHC_BACKEND_H_AGGREGATE", "cutile")
     with pytest.raises(NotImplementedError, match="n=3"):
-        dispatch.h_aggregate(x, h)
+        ops.h_aggregate(x, h, backend=DISPATCH)
 
 
 @needs_compiled_dev
 @pytest.mark.parametrize("op", dispatch.OPS)
 def test_compiled_empty_tokens(op):
     """T = 0 returns empty outputs of the reference's shapes and dtypes, and backward runs."""
-    impl, ref = dispatch.get_impl(op, "compiled"), getattr(ops, op)
+    impl, ref = dispatch.op_on(op, "compiled"), getattr(ops, op)
     n = 4
     if op == "sinkhorn":
         inputs = {"logits": torch.zeros(0, n, n)}
@@ -199,7 +204,7 @@ def test_compiled_token_count_does_not_recompile():
     """After T = 48 and T = 16, further token counts reuse the same compiled graph (dynamic token dim)."""
     from torch._dynamo.utils import counters
 
-    impl = dispatch.get_impl("h_aggregate", "compiled")
+    impl = dispatch.op_on("h_aggregate", "compiled")
     gen = torch.Generator().manual_seed(5)
     for t in (48, 16):
         impl(torch.randn(t, 4, C, generator=gen).to(DEV), torch.rand(t, 4, generator=gen).to(DEV))

@@ -39,7 +39,7 @@ def test_h_aggregate_matches_reference(backend, case):
     check_parity(
         f"h_aggregate[{backend}, {case}]",
         ops.h_aggregate,
-        dispatch.get_impl("h_aggregate", backend),
+        dispatch.op_on("h_aggregate", backend),
         _inputs(case, device),
         ["x", "h_pre"],
         case.dtype,
@@ -54,7 +54,7 @@ def test_h_aggregate_only_x_needs_grad(backend):
     check_parity(
         f"h_aggregate[{backend}, x only]",
         ops.h_aggregate,
-        dispatch.get_impl("h_aggregate", backend),
+        dispatch.op_on("h_aggregate", backend),
         _inputs(case, device),
         ["x"],
         FP32,

@@ -54,7 +54,7 @@ def test_mapping_matches_reference(backend, case):
     check_parity(
         f"mapping[{backend}, {case}]",
         ops.mapping,
-        dispatch.get_impl("mapping", backend),
+        dispatch.op_on("mapping", backend),
         _inputs(case, device),
         GRADS,
         case.dtype,
@@ -74,7 +74,7 @@ def test_mapping_zero_token_row(backend):
     check_parity(
         f"mapping[{backend}, zero row]",
         ops.mapping,
-        dispatch.get_impl("mapping", backend),
+        dispatch.op_on("mapping", backend),
         inputs,
         GRADS,
         FP32,
@@ -92,7 +92,7 @@ def test_mapping_bf16_parameters_of_megatron_main(backend):
     check_parity(
         f"mapping[{backend}, {case}, bf16 params]",
         ops.mapping,
-        dispatch.get_impl("mapping", backend),
+        dispatch.op_on("mapping", backend),
         inputs,
         GRADS,
         BF16,

@@ -52,7 +52,7 @@ def test_h_post_bda_matches_reference(backend, case):
     check_parity(
         f"h_post_bda[{backend}, {case}]",
         ops.h_post_bda,
-        dispatch.get_impl("h_post_bda", backend),
+        dispatch.op_on("h_post_bda", backend),
         _inputs(case, device),
         GRADS,
         case.dtype,
@@ -71,7 +71,7 @@ def test_h_post_bda_without_bias(backend):
     check_parity(
         f"h_post_bda[{backend}, no bias]",
         ops.h_post_bda,
-        dispatch.get_impl("h_post_bda", backend),
+        dispatch.op_on("h_post_bda", backend),
         _inputs(case, device, with_bias=False),
         GRADS,
         FP32,
@@ -103,7 +103,7 @@ def _with_mask(keep: torch.Tensor, p: float):
 
 
 def _seeded_compiled(seed: int, **fixed):
-    impl = dispatch.get_impl("h_post_bda", "compiled")
+    impl = dispatch.op_on("h_post_bda", "compiled")
 
     def fn(**kwargs):
         torch.manual_seed(seed)

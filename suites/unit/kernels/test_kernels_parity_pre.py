@@ -62,7 +62,7 @@ def test_pre_matches_reference(backend, case):
     check_parity(
         f"pre[{backend}, {case}]",
         ops.pre,
-        dispatch.get_impl("pre", backend),
+        dispatch.op_on("pre", backend),
         _inputs(case, device_for(backend)),
         GRADS,
         case.dtype,
@@ -90,7 +90,7 @@ def test_compiled_pre_matches_reference_under_each_native_kernel(monkeypatch, ca
     if kernel == native.auto_kernel():
         pytest.skip(f"`auto` runs {kernel} on this CPU: test_pre_matches_reference[{case}-compiled] is its run")
     monkeypatch.setenv(native.ENV, kernel)
-    check_parity(f"pre[compiled, MHC_NATIVE={kernel}, {case}]", ops.pre, dispatch.get_impl("pre", "compiled"),
+    check_parity(f"pre[compiled, MHC_NATIVE={kernel}, {case}]", ops.pre, dispatch.op_on("pre", "compiled"),
                  _inputs(case, "cpu"), GRADS, case.dtype, cosine_groups=COSINE, n=case.n, iterations=ITERATIONS,
                  variant=case.variant)
 
@@ -100,7 +100,7 @@ def test_pre_default_iterations(backend):
     """At the default 20 iterations (megatron_main, n = 4, fp32: the functional recipe's configuration) every output
     and gradient match the reference."""
     case = Case(tokens=48, n=4, dtype=FP32, variant=Variant.MEGATRON_MAIN)
-    check_parity(f"pre[{backend}, {case}, 20 iterations]", ops.pre, dispatch.get_impl("pre", backend),
+    check_parity(f"pre[{backend}, {case}, 20 iterations]", ops.pre, dispatch.op_on("pre", backend),
                  _inputs(case, device_for(backend)), GRADS, case.dtype, cosine_groups=COSINE, n=case.n, iterations=20,
                  variant=case.variant)
 
@@ -118,7 +118,7 @@ def test_pre_with_unused_outputs(backend):
             return agg, h_res
         return run
 
-    check_parity(f"pre[{backend}, unused outputs]", first_and_last(ops.pre), first_and_last(dispatch.get_impl("pre", backend)),
+    check_parity(f"pre[{backend}, unused outputs]", first_and_last(ops.pre), first_and_last(dispatch.op_on("pre", backend)),
                  inputs, GRADS, FP32, n=case.n, iterations=ITERATIONS, variant=case.variant)
 
 
@@ -133,7 +133,7 @@ def test_bf16_pre_is_closer_to_fp64(backend, case):
     kw = dict(n=case.n, iterations=ITERATIONS, variant=case.variant)
     _, exact = run_fwd_bwd(ops.pre, {k: v.double() for k, v in inputs.items()}, GRADS, **kw)
     _, ref = run_fwd_bwd(ops.pre, inputs, GRADS, **kw)
-    _, got = run_fwd_bwd(dispatch.get_impl("pre", backend), inputs, GRADS, **kw)
+    _, got = run_fwd_bwd(dispatch.op_on("pre", backend), inputs, GRADS, **kw)
     for k in ("x",):
         e = exact[k]
         err_ref, err_got = (float((g[k].double() - e).abs().max()) for g in (ref, got))
@@ -159,7 +159,7 @@ def test_pre_refuses_bad_arguments_naming_them():
     case = Case(tokens=8, n=4, dtype=FP32)
     t = _inputs(case, "cpu")
     w, a_pre, a_post, a_res, b = (t[k] for k in GRADS[1:])
-    for fn in (ops.pre, dispatch.get_impl("pre", "compiled")):
+    for fn in (ops.pre, dispatch.op_on("pre", "compiled")):
         with pytest.raises(ValueError, match="pre: iterations"):
             fn(t["x"], w, a_pre, a_post, a_res, b, n=4, iterations=0)
         with pytest.raises(ValueError, match=r"pre: weight must have shape \[N, n\*C\] = \[24, 256\], got \[24, 8\]"):

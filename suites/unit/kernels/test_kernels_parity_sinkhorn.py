@@ -38,7 +38,7 @@ def test_sinkhorn_matches_reference(backend, case):
     check_parity(
         f"sinkhorn[{backend}, {case}]",
         ops.sinkhorn,
-        dispatch.get_impl("sinkhorn", backend),
+        dispatch.op_on("sinkhorn", backend),
         {"logits": _logits(case, device)},
         ["logits"],
         case.dtype,
@@ -56,7 +56,7 @@ def test_sinkhorn_batched_logits(backend):
     check_parity(
         f"sinkhorn[{backend}, s6-b8]",
         ops.sinkhorn,
-        dispatch.get_impl("sinkhorn", backend),
+        dispatch.op_on("sinkhorn", backend),
         {"logits": _logits(case, device, (6, 8, 4, 4))},
         ["logits"],
         FP32,
@@ -75,7 +75,7 @@ def test_sinkhorn_default_iterations(backend):
     check_parity(
         f"sinkhorn[{backend}, 20 iterations]",
         ops.sinkhorn,
-        dispatch.get_impl("sinkhorn", backend),
+        dispatch.op_on("sinkhorn", backend),
         {"logits": _logits(case, device)},
         ["logits"],
         FP32,
@@ -99,5 +99,5 @@ def test_compiled_sinkhorn_of_a_new_form_matches_reference():
     spec = dataclasses.replace(VARIANTS[Variant.MEGATRON_MAIN], sinkhorn_order="col_row", sinkhorn_guard="add",
                                exact_sums="rows")
     case = Case(tokens=48, n=4, dtype=FP32)
-    check_parity("sinkhorn[compiled, new form]", ops.sinkhorn, dispatch.get_impl("sinkhorn", "compiled"),
+    check_parity("sinkhorn[compiled, new form]", ops.sinkhorn, dispatch.op_on("sinkhorn", "compiled"),
                  {"logits": _logits(case, "cpu")}, ["logits"], FP32, iterations=ITERATIONS, eps=None, variant=spec)

@@ -301,7 +301,7 @@ def test_compiled_pre_calls_the_native_passes(monkeypatch, dtype, variant, nativ
         monkeypatch.setattr(native, name, counted)
     d = _inputs(30, 4, 32, dtype, seed=6)
     leaves = {k: v.requires_grad_() for k, v in d.items()}
-    outs = dispatch.get_impl("pre", "compiled")(*leaves.values(), 4, 4, variant)
+    outs = dispatch.op_on("pre", "compiled")(*leaves.values(), 4, 4, variant)
     torch.autograd.backward(outs[:1], [torch.ones_like(outs[0])])
     assert calls == {"pre_forward": 1, "grad_h": int(native_bwd), "grad_x_w": int(native_bwd)}, calls
     assert ran == {kernel}, ran
@@ -314,5 +314,5 @@ def test_compiled_pre_without_the_native_forward(monkeypatch):
     assert not native.available()[0] and "MHC_NATIVE=0" in native.available()[1]
     case = Case(tokens=24, n=4, dtype=torch.float32, variant=get_variant("megatron_dev"))
     d = _inputs(case.tokens, case.n, 16, case.dtype, seed=9)
-    check_parity("pre[compiled, MHC_NATIVE=0]", ops.pre, dispatch.get_impl("pre", "compiled"), d, ["x", *PARAMS],
+    check_parity("pre[compiled, MHC_NATIVE=0]", ops.pre, dispatch.op_on("pre", "compiled"), d, ["x", *PARAMS],
                  case.dtype, n=case.n, iterations=4, variant=case.variant)

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from mhc_core import ops
 from mhc_core.kernels import dispatch, preflight
 from mhc_core.kernels.cutile import tuning
 
@@ -58,8 +59,8 @@ def test_prediction_matches_the_dispatch(cutile_on_cpu, caplog, n, dropout, unco
     h_res, h_post = torch.rand(t, n, n, generator=gen), torch.rand(t, n, generator=gen)
     y, bias = torch.randn(t, c, generator=gen), torch.randn(c, generator=gen)
     with caplog.at_level(logging.INFO, logger="mhc_core.kernels"):
-        dispatch.h_aggregate(x, h_pre)
-        dispatch.h_post_bda(h_res, x, h_post, y, bias, dropout, True)
+        ops.h_aggregate(x, h_pre, backend=dispatch.DISPATCH)
+        ops.h_post_bda(h_res, x, h_post, y, bias, dropout, True, backend=dispatch.DISPATCH)
     logged = [r.getMessage() for r in caplog.records if r.name == "mhc_core.kernels"]
     for op in ("h_aggregate", "h_post_bda"):
         # the backend the call ended on is the last one logged for the op

@@ -10,8 +10,9 @@ import torch
 
 import mhc_core.kernels.cutile as cutile
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile import make_ops, toolchain
+from mhc_core.kernels.cutile import CuTileBackend, toolchain
 from mhc_core.kernels.cutile.runtime import CuTileRuntime
+from mhc_core.kernels.dispatch import bound_ops
 from tools.cutile.emulator import EmulatedRuntime
 
 
@@ -42,17 +43,19 @@ def test_import_works_without_cuda_tile():
     assert not ok and "cuda.tile" in why
 
 
-@pytest.mark.parametrize("name", ["sinkhorn", "mapping", "h_aggregate", "h_post_bda"])
-def test_signatures_match_the_reference(name):
-    """Each op has exactly the reference op's parameters and defaults."""
-    ours = inspect.signature(getattr(cutile, name)).parameters
-    theirs = inspect.signature(getattr(ref, name)).parameters
-    assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in theirs.values()]
+@pytest.mark.parametrize("name", ["sinkhorn", "mapping", "h_aggregate", "h_post_bda", "pre"])
+def test_each_op_takes_the_checked_call(name):
+    """Each op of the backend takes its op's call and nothing else (the contract: `mhc_core.ops.contract`), so
+    the arguments, their defaults and their checks are the reference entry's."""
+    params = list(inspect.signature(getattr(CuTileBackend, name)).parameters)
+    assert params == ["self", "call"], params
+    entry = inspect.signature(getattr(ref, name)).parameters
+    assert "backend" in entry and entry["backend"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 @pytest.fixture(scope="module")
 def emu():
-    return make_ops(EmulatedRuntime())
+    return bound_ops(CuTileBackend(EmulatedRuntime()))
 
 
 def test_unsupported_n_is_not_implemented(emu):
@@ -93,7 +96,7 @@ def test_cpu_tensors_are_not_implemented_on_the_gpu_runtime():
 def test_forced_call_without_backend_is_an_error():
     """Calling an op where the backend is unavailable raises RuntimeError with the reason."""
     with pytest.raises(RuntimeError, match="cutile backend unavailable"):
-        cutile.h_aggregate(torch.zeros(2, 4, 8), torch.zeros(2, 4))
+        ref.h_aggregate(torch.zeros(2, 4, 8), torch.zeros(2, 4), backend=cutile.CUTILE)
 
 
 def test_toolchain_env_puts_its_bin_first(tmp_path):
@@ -164,7 +167,7 @@ def test_numpy_integers_reach_the_kernels_as_python_ints():
 
     def record(as_int):
         rt = RecordingRuntime()
-        ops = make_ops(rt)
+        ops = bound_ops(CuTileBackend(rt))
         t, n, c = 4, 4, 16
         x = torch.randn(t, n * c, requires_grad=True)
         outs = ops.mapping(x, torch.randn(n * n + 2 * n, n * c), torch.ones(1), torch.ones(1), torch.ones(1),

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile import make_ops, tiling
+from mhc_core.kernels.cutile import CuTileBackend, tiling
 from mhc_core.kernels.cutile.mapping import pre_fuses
+from mhc_core.kernels.dispatch import bound_ops
 from mhc_core.variants import Variant
 from suites.unit.kernels_cutile.cutile_cases import (
     DTYPE_NAMES,
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 @pytest.fixture(scope="module")
 def emu():
-    return make_ops(EmulatedRuntime(num_sms=4))
+    return bound_ops(CuTileBackend(EmulatedRuntime(num_sms=4)))
 
 
 SINKHORN_TILES = [pytest.param(None, id="default")] + [
@@ -372,7 +373,7 @@ def _check_pre_fused(n: int, t: int, c: int, variant, dtype, tiles=None) -> None
     the reference rounds the aggregate's gradient of h_pre to bf16, the kernels keep it in fp32), under the
     backward tiles `tiles`; its backward writes one gradient of x: no aggregate backward, no plain mapping dx."""
     rt = _LaunchLog()
-    ops = make_ops(rt)
+    ops = bound_ops(CuTileBackend(rt))
     with tiling.overridden(pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})):
         compare(
             f"pre fused {tiles} n{n} {variant} {dtype}",

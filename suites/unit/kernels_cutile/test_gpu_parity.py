@@ -15,6 +15,7 @@ import mhc_core.kernels.cutile as cutile
 from mhc_core import ops as ref
 from mhc_core.kernels.cutile import tiling
 from mhc_core.kernels.cutile.mapping import pre_fuses
+from mhc_core.kernels.dispatch import bound_ops
 from mhc_core.variants import Variant, get_variant
 from suites.unit.kernels_cutile.cutile_cases import (
     DTYPE_NAMES,
@@ -39,6 +40,8 @@ from tools.cutile.gpu_cases import (
 )
 
 _OK, _WHY = cutile.availability()
+CUTILE_OPS = bound_ops(cutile.CUTILE)
+"""The public entries on the GPU's cuTile backend."""
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"cuTile backend unavailable: {_WHY}")]
 
 DEV = "cuda"
@@ -60,7 +63,7 @@ def test_sinkhorn(n, variant, dtype):
     """Sinkhorn fwd + bwd, 20 iterations, 300 matrices (several blocks, a partial one)."""
     compare(
         f"sinkhorn n{n} {variant}",
-        lambda z: cutile.sinkhorn(z, 20, None, variant),
+        lambda z: CUTILE_OPS.sinkhorn(z, 20, None, variant),
         lambda z: ref.sinkhorn(z, 20, None, variant),
         sinkhorn_inputs(n, _coef_dtype(variant, dtype), DEV, batch=300),
         dtype,
@@ -76,7 +79,7 @@ def test_h_aggregate(n, variant, dtype, t, c):
     """h_aggregate fwd + bwd with the coefficient dtype the variant produces."""
     compare(
         f"h_aggregate n{n} {variant} T{t} C{c}",
-        cutile.h_aggregate,
+        CUTILE_OPS.h_aggregate,
         ref.h_aggregate,
         aggregate_inputs(t, n, c, dtype, _coef_dtype(variant, dtype), DEV),
         dtype,
@@ -93,7 +96,7 @@ def test_h_post_bda(n, variant, dtype, t, c, with_bias):
     """h_post_bda fwd + bwd, both mix orientations, with and without bias."""
     compare(
         f"h_post_bda n{n} {variant} T{t} C{c} bias={with_bias}",
-        lambda *a: cutile.h_post_bda(*a, 0.0, False, variant),
+        lambda *a: CUTILE_OPS.h_post_bda(*a, 0.0, False, variant),
         lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
         post_bda_inputs(t, n, c, dtype, _coef_dtype(variant, dtype), with_bias, DEV),
         dtype,
@@ -111,7 +114,7 @@ def test_mapping(n, variant, dtype, t, c):
     oracle = mapping_oracle(n, variant) if (variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16) else None
     compare(
         f"mapping n{n} {variant} T{t} C{c}",
-        lambda *a: cutile.mapping(*a, n, variant),
+        lambda *a: CUTILE_OPS.mapping(*a, n, variant),
         lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=n, variant=variant),
         mapping_inputs(t, n, c, dtype, DEV),
         dtype,
@@ -135,7 +138,7 @@ def test_mapping_bwd_tiles(n, variant, dtype, tiles):
     with tiling.overridden(mapping_bwd=tiles):
         compare(
             f"mapping {tiles} n{n} {variant}",
-            lambda *a: cutile.mapping(*a, n, variant),
+            lambda *a: CUTILE_OPS.mapping(*a, n, variant),
             lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=n, variant=variant),
             mapping_inputs(1100, n, 1024, dtype, DEV),
             dtype,
@@ -159,7 +162,7 @@ def test_pre_fused(n, variant, dtype, tiles):
         assert pre_fuses(n, n * 1024)
         compare(
             f"pre {tiles} n{n} {variant}",
-            lambda *a: cutile.pre(*a, n, 20, variant),
+            lambda *a: CUTILE_OPS.pre(*a, n, 20, variant),
             lambda x, w, a_pre, a_post, a_res, b: ref.pre(x, w, a_pre, a_post, a_res, b, n=n, iterations=20, variant=variant),
             mapping_inputs(1100, n, 1024, dtype, DEV),
             dtype,
@@ -182,7 +185,7 @@ def test_sinkhorn_formulations(n, variant, tiles):
     with tiling.overridden(sinkhorn=tiles):
         compare(
             f"sinkhorn {tiles} n{n} {variant}",
-            lambda z: cutile.sinkhorn(z, 20, None, variant),
+            lambda z: CUTILE_OPS.sinkhorn(z, 20, None, variant),
             lambda z: ref.sinkhorn(z, 20, None, variant),
             sinkhorn_inputs(n, torch.float32, DEV, batch=300),
             torch.float32,
@@ -201,7 +204,7 @@ def test_stream_formulations(variant, dtype, forms):
     with tiling.overridden(**forms):
         compare(
             f"h_aggregate {forms} {variant}",
-            cutile.h_aggregate,
+            CUTILE_OPS.h_aggregate,
             ref.h_aggregate,
             aggregate_inputs(300, 4, 1024, dtype, _coef_dtype(variant, dtype), DEV),
             dtype,
@@ -209,7 +212,7 @@ def test_stream_formulations(variant, dtype, forms):
         )
         compare(
             f"h_post_bda {forms} {variant}",
-            lambda *a: cutile.h_post_bda(*a, 0.0, False, variant),
+            lambda *a: CUTILE_OPS.h_post_bda(*a, 0.0, False, variant),
             lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
             post_bda_inputs(300, 4, 1024, dtype, _coef_dtype(variant, dtype), True, DEV),
             dtype,
@@ -224,6 +227,6 @@ def test_runs_on_the_current_stream():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out = cutile.h_aggregate(x, h)
+        out = CUTILE_OPS.h_aggregate(x, h)
     side.synchronize()
     torch.testing.assert_close(out.float(), ref.h_aggregate(x, h).float(), atol=2e-2, rtol=2e-2)

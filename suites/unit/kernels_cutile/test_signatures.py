@@ -7,8 +7,9 @@ import re
 import pytest
 import torch
 
-from mhc_core.kernels.cutile import make_ops, tiling
+from mhc_core.kernels.cutile import CuTileBackend, tiling
 from mhc_core.kernels.cutile.runtime import KERNEL_MODULES
+from mhc_core.kernels.dispatch import bound_ops
 from mhc_core.variants import Variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime
 from tools.cutile.signatures import alternative_plan, signature_plan
@@ -48,7 +49,7 @@ def test_sinkhorn_workspace_only_for_the_stored_backward(variant):
     """The `[TILE_B, n, n]` backward gets a `[max(P, 1), B, n, n]` fp32 workspace, a row per pair
     (megatron_dev: one pair fewer); the per-element backward, which recomputes, gets none."""
     rec = _Tensors()
-    ops = make_ops(rec)
+    ops = bound_ops(CuTileBackend(rec))
     z = torch.zeros(40, 4, 4, requires_grad=True)
     ops.sinkhorn(z, 20, None, variant).sum().backward()
     with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, per_element=True)):
@@ -81,7 +82,7 @@ def test_plan_covers_other_production_shapes(t, c):
 
     planned = {key(p.kernel_name, p.args) for p in signature_plan()}
     rec = RecordingRuntime()
-    ops = make_ops(rec)
+    ops = bound_ops(CuTileBackend(rec))
     n = 4
     small_t = min(t, 64)  # the token count only sets divisibility flags; keep the CPU tensors small
     for dtype in (torch.bfloat16, torch.float32):

@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from mhc_core.kernels.cutile import make_ops, tiling
+from mhc_core.kernels.cutile import CuTileBackend, tiling
+from mhc_core.kernels.dispatch import bound_ops
 from tools.cutile.emulator import EmulatedRuntime
 from tools.cutile.sweep import CANDIDATES, KEY_ORDER, override, timers
 
@@ -21,7 +22,7 @@ CASES = [pytest.param(key, cand, id=f"{key}-{i}") for key, cands in CANDIDATES.i
 
 @pytest.fixture(scope="module")
 def emu():
-    return make_ops(EmulatedRuntime(num_sms=4))
+    return bound_ops(CuTileBackend(EmulatedRuntime(num_sms=4)))
 
 
 @pytest.mark.parametrize(("key", "cand"), CASES)

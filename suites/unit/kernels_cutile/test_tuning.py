@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mhc_core import ops as ref
-from mhc_core.kernels.cutile import make_ops, tiling, tuning
+from mhc_core.kernels.cutile import CuTileBackend, tiling, tuning
+from mhc_core.kernels.dispatch import bound_ops
 from tools.cutile import adopt, signatures
 from tools.cutile.emulator import EmulatedRuntime
 from tools.cutile.sweep import CANDIDATES, CHECK_RTOL, deviation, main, override, regrade
@@ -201,7 +202,7 @@ def test_a_fused_pre_that_wins_the_sweep_is_adopted_and_launched(tmp_path):
         x = torch.randn(40, 4 * 256, requires_grad=True)
         w = (torch.randn(24, 4 * 256) * 0.05).requires_grad_(True)
         with tiling.tuned(tun):
-            outs = make_ops(rt).pre(x, w, *(torch.full((1,), 0.5) for _ in range(3)), torch.zeros(24), 4, 3,
+            outs = bound_ops(CuTileBackend(rt)).pre(x, w, *(torch.full((1,), 0.5) for _ in range(3)), torch.zeros(24), 4, 3,
                                     "megatron_dev")
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         return set(names)
@@ -240,7 +241,7 @@ def test_tuned_plan_lists_the_tuned_launches():
 
 @pytest.fixture(scope="module")
 def emu():
-    return make_ops(EmulatedRuntime(num_sms=4))
+    return bound_ops(CuTileBackend(EmulatedRuntime(num_sms=4)))
 
 
 CASES = [pytest.param(key, cand, id=f"{key}-{i}") for key, cands in CANDIDATES.items() for i, cand in enumerate(cands)]
@@ -283,7 +284,7 @@ def test_sweep_check_refuses_a_sinkhorn_backward_a_pair_off(emu, variant, seed):
     """The sweep's Sinkhorn inputs are far enough from convergence that a backward one pair off in
     its walk back fails the Sinkhorn bound (1.9-2.2e-3 against 1e-3; at scale 1 it was ~2e-5),
     forward untouched."""
-    off = emu._replace(sinkhorn=lambda z, it, eps, v: _PairOff.apply(z, it, v))
+    off = dataclasses.replace(emu, sinkhorn=lambda z, it, eps, v: _PairOff.apply(z, it, v))
     torch.manual_seed(seed)
     errs = deviation(off, "sinkhorn", 1024, 4, 512, torch.bfloat16, variant, 20, device="cpu")
     assert errs["fwd"] < 1e-6 and errs["bwd"] > SINKHORN_RTOL, errs
@@ -340,7 +341,7 @@ def test_adopt_cli_refuses_a_stale_ok_beyond_the_bound(tmp_path, capsys):
 
 def test_sweep_check_refuses_a_wrong_result(emu):
     """An op 2 % off the reference in the forward, or with a wrong gradient, fails the check."""
-    off = emu._replace(h_aggregate=lambda x, h: ref.h_aggregate(x, h) * 1.05)
+    off = dataclasses.replace(emu, h_aggregate=lambda x, h: ref.h_aggregate(x, h) * 1.05)
     errs = deviation(off, "h_aggregate_fwd", 40, 4, 512, torch.bfloat16, "megatron_dev", 3, device="cpu")
     assert errs["fwd"] > CHECK_RTOL[torch.bfloat16], errs
 
@@ -353,7 +354,7 @@ def test_sweep_check_refuses_a_wrong_result(emu):
         def backward(ctx, g):
             return None, None
 
-    broken = emu._replace(h_aggregate=_Scaled.apply)
+    broken = dataclasses.replace(emu, h_aggregate=_Scaled.apply)
     errs = deviation(broken, "h_aggregate_bwd", 40, 4, 512, torch.bfloat16, "megatron_dev", 3, device="cpu")
     assert errs["bwd"] == float("inf"), errs
 
@@ -396,7 +397,7 @@ def test_sweep_check_refuses_a_non_finite_gain_gradient(emu):
         return emu.mapping(x, w, a_pre.detach() + float("nan") * a_pre, a_post, a_res, bias, n, variant)
 
     torch.manual_seed(0)
-    errs = deviation(emu._replace(mapping=nan_gain_grad), "mapping_bwd", 40, 4, 512, torch.bfloat16, "megatron_dev",
+    errs = deviation(dataclasses.replace(emu, mapping=nan_gain_grad), "mapping_bwd", 40, 4, 512, torch.bfloat16, "megatron_dev",
                      3, device="cpu")
     assert errs["bwd"] == float("inf"), errs
 
