@@ -92,7 +92,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     wanted = set(config.getoption("mhc_case"))
     if not wanted:
         return
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         names = {n for m in item.iter_markers("golden_case") for n in m.args}
         (keep if _uses_fixture(item) and (not names or names & wanted) else drop).append(item)

@@ -15,7 +15,7 @@ from typing import Any
 from harness.golden.errors import GoldenError
 from harness.golden.provenance import utc_now
 from harness.golden.results import CaseOutcome, load_actual
-from harness.golden.schema import load_golden
+from harness.golden.schema import Golden, load_golden
 from harness.plots import hc_pairs, loss_metrics, mhc_pairs, plot_case, plot_overlay, stability_metrics
 from harness.runner import RunSummary
 from harness.upstream.tree_report import markdown as tree_markdown
@@ -88,8 +88,8 @@ def step_time_ratios(actuals: dict[str, dict[str, Any]]) -> list[tuple[str, str,
     return rows
 
 
-def _actuals(summary: RunSummary) -> dict[str, dict[str, object]]:
-    by_suite: dict[str, dict[str, object]] = {}
+def _actuals(summary: RunSummary) -> dict[str, dict[str, Golden]]:
+    by_suite: dict[str, dict[str, Golden]] = {}
     for o in summary.cases:
         try:
             actual = load_actual(summary.results_dir, o.suite, o.case)
@@ -103,7 +103,7 @@ def _actuals(summary: RunSummary) -> dict[str, dict[str, object]]:
 def write_plots(summary: RunSummary, plots_dir: Path) -> list[tuple[str, Path]]:
     """Golden-vs-actual loss curves per case and baseline-vs-mHC overlays; returns `(caption, png)`."""
     out: list[tuple[str, Path]] = []
-    by_suite: dict[str, dict[str, object]] = {}
+    by_suite: dict[str, dict[str, Golden]] = {}
     for o in summary.cases:
         try:
             actual = load_actual(summary.results_dir, o.suite, o.case)

@@ -226,12 +226,13 @@ class StabilityMonitor:
             if g > worst:
                 worst, worst_name = g, name
             i = self._chunk_of[name]
-            composites[i] = applied if composites[i] is None else applied @ composites[i]
+            prev = composites[i]
+            composites[i] = applied if prev is None else applied @ prev
         local = ([c.cpu() for c in composites if c is not None], worst, worst_name, sum_dev, orient,
                  len(self.modules))
         ranks = [local]
         if distributed:
-            ranks = [None] * torch.distributed.get_world_size(group)
+            ranks = [None] * torch.distributed.get_world_size(group)  # type: ignore[list-item]  # filled by the gather
             torch.distributed.all_gather_object(ranks, local, group=group)
         if not any(r[0] for r in ranks):
             return None

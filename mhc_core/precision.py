@@ -65,12 +65,13 @@ class KeepInFp32Mixin:
         pinned = []
         for owner, name in self._marked_parameters():
             p = owner._parameters[name]
+            assert p is not None  # _marked_parameters yields set parameters only
             if p.is_floating_point() and p.dtype not in _HALF:
                 pinned.append((owner, name, p.data, None if p.grad is None else p.grad.data))
         out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
         for owner, name, data, grad in pinned:
             p = owner._parameters[name]  # a new object when torch overwrites parameters on conversion
-            if p.dtype in _HALF:
+            if p is not None and p.dtype in _HALF:
                 p.data = data.to(device=p.device, dtype=torch.float32)
                 if grad is not None and p.grad is not None:
                     p.grad = grad.to(device=p.device, dtype=torch.float32)

@@ -190,7 +190,9 @@ class StreamRecompute:
                 step = self._steps[i]
                 assert step is not None, "only state 0, the group's input, has no step"
                 self._states[i] = step(self._states[i - 1])
-        return self._states[k]
+        state = self._states[k]
+        assert state is not None  # built above, or already kept
+        return state
 
     def _drop_unneeded(self) -> None:
         """Free each rebuilt state nobody will unpack, unless an unbuilt later state needs it as a step."""

@@ -276,9 +276,9 @@ def run_side(peer: Peer, spec: CheckSpec, dtype: torch.dtype,
         if not peer.differentiable:
             return out_values, {}
         cot = _cotangents(outputs, spec.case.seed)
-        loss = sum((outputs[k].to(torch.float64) * cot[k]).sum() for k in cot)
-        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True) if loss.requires_grad else \
-            [None] * len(leaves)
+        loss = torch.stack([(outputs[k].to(torch.float64) * cot[k]).sum() for k in cot]).sum() if cot else None
+        grads = (torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+                 if loss is not None and loss.requires_grad else [None] * len(leaves))
     out_grads = {f"grad {k}": (torch.zeros_like(v, dtype=torch.float64) if gr is None else gr.detach().to(torch.float64))
                  for (k, v), gr in zip(leaves.items(), grads, strict=True)}
     return out_values, out_grads

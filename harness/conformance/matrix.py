@@ -257,7 +257,12 @@ class _Cells:
     """The cells of one peer's checks against any configuration, each oracle run once."""
 
     def __init__(self, peer: Peer):
-        self.peer, self.sides, self._cache, self._refs, self._own = peer, [], {}, {}, {}
+        self.peer = peer
+        self.sides: list[tuple[CheckSpec, Any]] = []
+        """Each check's side: the peer's outputs and gradients, or the exception it raised."""
+        self._cache: dict[tuple[str, str], Cell] = {}
+        self._refs: dict[Any, Any] = {}
+        self._own: dict[Any, Any] = {}
 
     def cell(self, spec: CheckSpec, side: Any, configuration: str) -> Cell:
         key = (spec.id, _relevant(spec, configuration))
@@ -413,6 +418,7 @@ def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
     for spec in check_specs(peer):
         if not _runs(peer, spec):
             continue
+        side: Any
         try:
             side = peer.side(spec) if isinstance(peer, Replayed) else run_side(peer, spec, spec.dtype)
         except Exception as exc:  # a peer that raises: named, and the rest still runs

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
               "python": platform.python_version(), "device": "cuda" if torch.cuda.is_available() else "cpu",
               **_jax(),
               **(_triton() if "interpreted" in (peer.version() or "") else {}), "command": command}
-    doc = {"format": FORMAT, "source": source, "peers": [record_peer(peer, name=peer.name + RECORDED_SUFFIX)]}
+    doc: dict[str, Any] = {"format": FORMAT, "source": source,
+                           "peers": [record_peer(peer, name=peer.name + RECORDED_SUFFIX)]}
     write_recording(doc, args.out)
     checks = doc["peers"][0]["checks"]
     errors = sum("error" in c for c in checks.values())

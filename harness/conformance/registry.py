@@ -102,4 +102,4 @@ def tree_peers(tree: Path, *, python: str | None = None, timeout_s: float = 900)
             errors = [x.removeprefix("error: ") for x in lines if x.startswith("error: ")]
             raise TreeError(errors[-1] if errors else
                             f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): " + " | ".join(lines[-3:]))
-        return load_recording(out, prefix="megatron_lm_tree")
+        return list(load_recording(out, prefix="megatron_lm_tree"))

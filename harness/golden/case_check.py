@@ -123,6 +123,7 @@ def compare_lanes(actual: Golden, reference: Golden, lane: ExactLane, checks: Ma
                                         message=f"{metric} [exact]: {lane.reason}"))
             else:
                 golden = lane.golden if isinstance(c, ExactCheck) else reference
+                assert golden is not None  # an exact check without a lane's values went to "n/a" above
                 mine.append(compare_metric(metric, actual.get(metric), golden.get(metric), c, source=source))
         if all(r.status == "n/a" for r in mine):
             mine.append(CheckResult(metric=metric, check="lanes", status="fail",

@@ -161,6 +161,7 @@ def _describe(script, result: NodesResult, first: int | None, plans: list[Rendez
             for rank, text in rank_logs(node.log_dir).items():
                 parts.append(f"--- node{i} local rank {rank} stderr (tail) ---\n{text[-_TAIL:]}")
         return "\n".join(parts)
+    assert first is not None  # a launch that neither timed out nor failed has nothing to describe
     node = result.nodes[first]
     others = [f"node{i}" for i in range(nnodes) if i != first]
     head = f"{name} on {nnodes} nodes: node{first} failed first (agent exit code {node.returncode})"

@@ -176,6 +176,7 @@ class JoinWatcher(threading.Thread):
             cwd=Path(__file__).resolve().parents[2])
         if self._stopped.is_set():  # stop() came while the child started: it saw no child to kill
             self._proc.kill()
+        assert self._proc.stdout is not None  # stdout=PIPE
         for line in self._proc.stdout:
             count, _, state = line.strip().partition(" ")
             if count.isdigit():

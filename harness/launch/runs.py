@@ -186,7 +186,9 @@ def run_case(case: str, hw: str, *, work_dir: Path, data_dir: Path, overrides: M
              numerics: CpuNumerics | None = None) -> RunResult:
     """Resolve and run `case` on `hw` into `work_dir`."""
     plan = plan_case(case, hw, data_dir=data_dir, overrides=overrides, numerics=numerics)
-    return run_plan(plan, work_dir, data_dir=data_dir, save=save, echo=echo)
+    result = run_plan(plan, work_dir, data_dir=data_dir, save=save, echo=echo)
+    assert result is not None  # only a weight dump returns none
+    return result
 
 
 def run_ckpt_resume(first: RunResult, checkpoints: Path, work_dir: Path, *, data_dir: Path,
@@ -198,4 +200,6 @@ def run_ckpt_resume(first: RunResult, checkpoints: Path, work_dir: Path, *, data
         raise ValueError(f"{first.plan.case}: --save-interval={resume_at} leaves nothing to resume "
                          f"(--train-iters={first.plan.args.train_iters})")
     rewind_tracker(checkpoints, resume_at)
-    return run_plan(first.plan, work_dir, data_dir=data_dir, load=checkpoints, echo=echo)
+    result = run_plan(first.plan, work_dir, data_dir=data_dir, load=checkpoints, echo=echo)
+    assert result is not None  # only a weight dump returns none
+    return result

@@ -168,7 +168,8 @@ def launch(
             watcher.stop()
     output = output or ""
     failed = timed_out or proc.returncode != 0
-    cause = diagnose(output, rendezvous, watcher.joined) if failed and rendezvous is not None else None
+    joined = watcher.joined if watcher is not None else None
+    cause = diagnose(output, rendezvous, joined) if failed and rendezvous is not None else None
     result = LaunchResult(
         returncode=proc.returncode, output=output, log_dir=log_dir,
         seconds=time.monotonic() - start, timed_out=timed_out, cause=cause,

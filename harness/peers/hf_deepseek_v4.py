@@ -96,8 +96,9 @@ def _decoder_layer(attn_hc, attn_f, ffn_hc, mlp_f):
     layer.gradient_checkpointing = False
     layer.layer_idx = 0
     layer.attn_hc, layer.ffn_hc = attn_hc, ffn_hc
-    layer.self_attn, layer.mlp = _Attention(attn_f), _Mlp(mlp_f)
-    layer.input_layernorm, layer.post_attention_layernorm = nn.Identity(), nn.Identity()
+    # the checks' stand-in sublayers in the places of the model's own (their types are the model's)
+    layer.self_attn, layer.mlp = _Attention(attn_f), _Mlp(mlp_f)  # type: ignore[assignment]
+    layer.input_layernorm, layer.post_attention_layernorm = nn.Identity(), nn.Identity()  # type: ignore[assignment]
     return layer
 
 

@@ -277,7 +277,7 @@ def make_peers(tree: Path, commit: str | None, label: str | None = None) -> list
     tree_flavor(tree)  # a path that is no tree with mHC is named before anything imports it
     api = detect_api(load_tree(tree))
     label = label or (commit[:12] if commit else Path(tree).resolve().name)
-    base = dict(tree=Path(tree), commit=commit, api=api)
+    base: dict[str, Any] = dict(tree=Path(tree), commit=commit, api=api)
     where = f"upstream Megatron-LM {label}"
     claim = {"main": "megatron_main", "dev": DEV_CLAIM}.get(api.generation)
     timed = {"main": "megatron_main", "dev": "megatron_dev"}.get(api.generation)  # the conformance matrix's verdict

@@ -223,7 +223,7 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
             output = super().forward(hidden_states, *args, **kwargs)
         finally:
             self._in_forward = False
-            if single and not self.pre_process:
+            if single and not self.pre_process and isinstance(received, Tensor):
                 self.input_tensor = received
         if single and not self.post_process:
             output = send(self.config, output)

@@ -329,7 +329,7 @@ def _patch_nvtx() -> Callable[[], None]:
     original = nvtx._nvtx
     if type(original).__name__ != "_NVTXStub":  # a torch with NVTX: its ranges work without a GPU
         return lambda: None
-    nvtx._nvtx = _NoNvtx()
+    nvtx._nvtx = _NoNvtx()  # type: ignore[assignment]  # a stand-in for torch's NVTX stub module
 
     def undo() -> None:
         nvtx._nvtx = original
@@ -380,13 +380,13 @@ def _patch_mtp() -> Callable[[], None]:
     @functools.wraps(original)
     def setup_on_cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
         real_cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda t, *a, **k: t  # on the CPU only
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]  # on the CPU only, restored below
         try:
             return original(self, *args, **kwargs)
         finally:
-            torch.Tensor.cuda = real_cuda
+            torch.Tensor.cuda = real_cuda  # type: ignore[method-assign]  # the original, put back
 
-    cls.setup_embeddings_and_output_layer = setup_on_cpu
+    cls.setup_embeddings_and_output_layer = setup_on_cpu  # reversible (undo)
 
     def undo() -> None:
         cls.setup_embeddings_and_output_layer = original

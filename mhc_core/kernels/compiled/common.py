@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import re
 import types
+from typing import overload
 from collections.abc import Callable, Hashable
 
 import torch
@@ -83,6 +84,14 @@ def compile_for(fn: Callable, key: tuple[Hashable, ...]) -> Callable:
 def compiled_cache_size() -> int:
     """How many (function, configuration) pairs have been compiled in this process."""
     return len(_COMPILED)
+
+
+@overload
+def mark_dynamic(t: torch.Tensor, *dims: int) -> torch.Tensor: ...
+
+
+@overload
+def mark_dynamic(t: None, *dims: int) -> None: ...
 
 
 def mark_dynamic(t: torch.Tensor | None, *dims: int) -> torch.Tensor | None:

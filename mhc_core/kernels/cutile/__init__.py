@@ -108,7 +108,7 @@ def availability() -> tuple[bool, str]:
         reasons.append("no tileiras compiler (pip wheels, PATH or $CUDA_HOME/bin)")
     elif cc is not None and cc[0] == 9 and tc.release < HOPPER_MIN_TILEIRAS:
         reasons.append(f"tileiras {tc.version} cannot target sm_90 (Hopper needs >= 13.3)")
-    if reasons:
+    if reasons or cc is None or tc is None:
         return False, "; ".join(reasons)
     return True, f"cuTile on sm_{cc[0]}{cc[1]} with tileiras {tc.version} ({tc.source})"
 

@@ -121,12 +121,12 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
             PreTiles if key == "pre" else StreamTiles)
     if not isinstance(value, kind):
         raise ValueError(f"{where}: {key}={value!r}: expected a {kind.__name__}")
-    if key == "pre":
+    if isinstance(value, PreTiles):
         if not isinstance(value.fused, bool):
             raise ValueError(f"{where}: {key}={value!r}: fused must be a bool")
         return
-    dims = (value.tile_b,) if key == "sinkhorn" else (
-        (value.tile_m, value.tile_k) if key.startswith("mapping") else (value.tile_t, value.tile_c))
+    dims = ((value.tile_b,) if isinstance(value, SinkhornTiles) else
+            (value.tile_m, value.tile_k) if isinstance(value, MappingTiles) else (value.tile_t, value.tile_c))
     if not all(_is_pow2(d) for d in dims):
         raise ValueError(f"{where}: {key}={value!r}: tile sizes must be powers of two")
     if isinstance(value, StreamTiles):
@@ -140,7 +140,7 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
                              f"{', mma=True' if value.mma else ''}; the kernels have: {have}")
         if value.loop_c and not key.endswith("_fwd"):
             raise ValueError(f"{where}: {key}={value!r}: loop_c applies to the forwards (the backwards always loop)")
-    if key == "sinkhorn" and not isinstance(value.per_element, bool):
+    if isinstance(value, SinkhornTiles) and not isinstance(value.per_element, bool):
         raise ValueError(f"{where}: {key}={value!r}: per_element must be a bool")
 
 
