@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 import re
 import types
-from typing import overload
 from collections.abc import Callable, Hashable
+from typing import overload
 
 import torch
 
