@@ -3,8 +3,8 @@
 #
 # Two lanes, so that a 2-core machine is kept busy: the `compat` and `kernels` envs (each with its
 # own environment and no tox package build, so nothing is shared with the other lane) run in the
-# background, in that order, then `conformance` (in the shared CPU env, long installed by then), while
-# the other CPU envs run in the foreground (`typecheck` last). compat goes first: its
+# background, in that order, then `conformance` and `typecheck` (in the shared CPU env, long installed by then),
+# while the other CPU envs run in the foreground. compat goes first: its
 # download of the CUDA torch wheel needs little CPU and overlaps the foreground, and the kernels
 # env, which keeps both cores busy, is the tail. Their output goes to .tox/ci-side.log and is
 # printed when they finish. The perf env's figures from such a run are a smoke run, not a
@@ -38,9 +38,10 @@ SIDE_ENVS=(compat kernels)
 # conformance (shared .tox/cpu, which the foreground's first env installs) follows kernels in the side lane,
 # which by then has run for minutes: with the kernels env's compile time cut, the foreground was the longer
 # lane (measured on a 2-core Zen 4 box, cold caches: 953 s against 956 s with perf there, 1217 s with perf here).
-# typecheck (mypy, cold: about 40 s) went back to the foreground when the pp suite's launches were batched: the side
-# lane had become the longer one (853 s against about 800 s for the foreground, fresh clone, cold caches).
-if [[ ",$ENVS," == *",kernels,"* ]]; then SIDE_ENVS+=(conformance); fi
+# typecheck (mypy, cold: about 40 s) follows it there since the single-pass cases made the foreground the longer
+# lane again (pp +14 s, functional +71 s measured alone; it had moved to the foreground when the pp suite's launches
+# were batched and the side lane was the longer: 853 s against about 800 s, fresh clone, cold caches).
+if [[ ",$ENVS," == *",kernels,"* ]]; then SIDE_ENVS+=(conformance typecheck); fi
 main=() side=()
 IFS=, read -ra requested <<< "$ENVS"
 for e in "${requested[@]}"; do
