@@ -76,11 +76,17 @@ def _check(index: int, all_archs: tuple[str, ...], cubin_ns: tuple[int, ...], fu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, action="append", help="residual streams to check (default: all supported)")
-    parser.add_argument("--cubin-n", type=int, action="append", help="n whose signatures get cubins (default: 4)")
+    parser.add_argument(
+        "--n", type=int, action="append", help="residual streams to check (default: all supported)"
+    )
+    parser.add_argument(
+        "--cubin-n", type=int, action="append", help="n whose signatures get cubins (default: 4)"
+    )
     parser.add_argument("--full", action="store_true", help="cubins for every signature")
     parser.add_argument("--arch", action="append", help="cubin targets (default: sm_90 and sm_100)")
-    parser.add_argument("--bytecode-only", action="store_true", help="skip cubins even when tileiras is found")
+    parser.add_argument(
+        "--bytecode-only", action="store_true", help="skip cubins even when tileiras is found"
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--cache", action="store_true", help="allow the cuTile cubin disk cache")
     parser.add_argument("--filter", default="", help="only signature ids containing this text")
@@ -100,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     archs: tuple[str, ...] = ()
     if not args.bytecode_only:
         if tc is None:
-            print("check_cutile: no tileiras found (pip wheels, PATH or $CUDA_HOME/bin): bytecode export only")
+            print(
+                "check_cutile: no tileiras found (pip wheels, PATH or $CUDA_HOME/bin): bytecode export only"
+            )
         else:
             archs = tuple(args.arch or ("sm_90", "sm_100"))
             print(f"check_cutile: tileiras {tc.version} from {tc.source} ({tc.tileiras})")
@@ -114,10 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     _PLAN = signature_plan(ns)
     cubin_ns = ns if args.full else tuple(sorted(set(args.cubin_n or (4,))))
     indices = [i for i, p in enumerate(_PLAN) if args.filter in p.id]
-    print(f"check_cutile: {len(indices)} signatures for n in {ns} (planned in {time.perf_counter() - t0:.1f}s); "
-          f"bytecode {BYTECODE_VERSION}"
-          + (f", cubins {', '.join(archs)} for " + ("all" if args.full else f"n in {cubin_ns}, hidden >= 512")
-             if archs else "") + f"; {args.jobs} job(s)")
+    print(
+        f"check_cutile: {len(indices)} signatures for n in {ns} (planned in {time.perf_counter() - t0:.1f}s); "
+        f"bytecode {BYTECODE_VERSION}"
+        + (
+            f", cubins {', '.join(archs)} for " + ("all" if args.full else f"n in {cubin_ns}, hidden >= 512")
+            if archs
+            else ""
+        )
+        + f"; {args.jobs} job(s)"
+    )
 
     # Most expensive first, so the pool does not end on one long compile.
     indices.sort(key=lambda i: not _wants_cubin(_PLAN[i].id, cubin_ns, args.full))
@@ -133,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if v is None else str(v)
 
     head = ["kernel", "signature", "bytecode_B", *(f"{a}_cubin_B" for a in archs), "seconds"]
-    table = [[r.kernel, r.ident, size(r.bytecode), *(size(r.cubins[a]) for a in archs), f"{r.seconds:.2f}"]
-             for r in rows]
+    table = [
+        [r.kernel, r.ident, size(r.bytecode), *(size(r.cubins[a]) for a in archs), f"{r.seconds:.2f}"]
+        for r in rows
+    ]
     widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(head)]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
     for t in table:
@@ -143,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed:
         print(f"FAILED {r.ident} ({r.kernel}): {r.error}")
     wall = time.perf_counter() - t0
-    print(f"check_cutile: {len(rows) - len(failed)}/{len(rows)} ok, compile time {sum(r.seconds for r in rows):.1f}s "
-          f"summed, {wall:.1f}s wall")
+    print(
+        f"check_cutile: {len(rows) - len(failed)}/{len(rows)} ok, compile time {sum(r.seconds for r in rows):.1f}s "
+        f"summed, {wall:.1f}s wall"
+    )
     return 1 if failed or not rows else 0
 
 

@@ -67,14 +67,23 @@ def forms_launches() -> list[precompile.Recorded]:
     """The formulation tests of `test_gpu_parity.py` (`tools.cutile.gpu_cases`): the ops each one runs, at its size."""
     both = (torch.bfloat16, torch.float32)
     runs: list[tuple[tuple[str, ...], tuple[int, ...], int, tuple[torch.dtype, ...], Any]] = [
-        (("h_aggregate", "h_post_bda"), (4,), 300, both, forms) for forms in gpu_cases.STREAM_FORMS.values()]
-    runs += [(("mapping",), (2, 4), 1100, both, {"mapping_bwd": tiles})
-             for tiles in gpu_cases.MAPPING_BWD_TILES.values()]
-    runs += [(("sinkhorn",), (2, 4, 8), 300, (torch.float32,), {"sinkhorn": tiling.SinkhornTiles(64, **kw)})
-             for kw in gpu_cases.SINKHORN_FORMS.values()]
+        (("h_aggregate", "h_post_bda"), (4,), 300, both, forms) for forms in gpu_cases.STREAM_FORMS.values()
+    ]
+    runs += [
+        (("mapping",), (2, 4), 1100, both, {"mapping_bwd": tiles})
+        for tiles in gpu_cases.MAPPING_BWD_TILES.values()
+    ]
+    runs += [
+        (("sinkhorn",), (2, 4, 8), 300, (torch.float32,), {"sinkhorn": tiling.SinkhornTiles(64, **kw)})
+        for kw in gpu_cases.SINKHORN_FORMS.values()
+    ]
     out = []
     for ops, ns, t, acts, overrides in runs:
-        out += [r for r in precompile.ops_launches("forms", ns, t, (1024,), acts, overrides) if r.id.split("|")[0] in ops]
+        out += [
+            r
+            for r in precompile.ops_launches("forms", ns, t, (1024,), acts, overrides)
+            if r.id.split("|")[0] in ops
+        ]
     return out
 
 
@@ -87,7 +96,9 @@ def _sets(text: str) -> tuple[str, ...]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = sorted(set(names) - set(SETS))
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"--sets {text!r}: unknown {unknown or 'empty'}; valid: {','.join(SETS)}")
+        raise argparse.ArgumentTypeError(
+            f"--sets {text!r}: unknown {unknown or 'empty'}; valid: {','.join(SETS)}"
+        )
     return tuple(s for s in SETS if s in names)
 
 
@@ -97,17 +108,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bytes", type=int, required=True, help="cap on the archive's size")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--device", default=tuning.REFERENCE_DEVICE, help="the GPU model the run will see (its tuning applies)")
-    p.add_argument("--sets", type=_sets, default=SETS,
-                   help=f"comma-separated launch sets to compile, in this priority order: {','.join(SETS)}")
+    p.add_argument(
+        "--device",
+        default=tuning.REFERENCE_DEVICE,
+        help="the GPU model the run will see (its tuning applies)",
+    )
+    p.add_argument(
+        "--sets",
+        type=_sets,
+        default=SETS,
+        help=f"comma-separated launch sets to compile, in this priority order: {','.join(SETS)}",
+    )
     add_shape_args(p)
     args = p.parse_args(argv)
     act = ACT_DTYPES[args.dtype]
     start = time.time()
     launches = []
     if "sweep" in args.sets:
-        launches += precompile.sweep_launches(tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=act,
-                                              variant=args.variant)
+        launches += precompile.sweep_launches(
+            tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=act, variant=args.variant
+        )
     tuned = tuning.resolve(args.device)
     print(f"tuning on {args.device}: {tuning.describe(tuned)}; sets: {','.join(args.sets)}", flush=True)
     with tiling.tuned(tuned):
@@ -118,23 +138,31 @@ def main(argv: list[str] | None = None) -> int:
                 launches += precompile.ops_launches("layer", (4,), seq * batch, (hidden,), (torch.bfloat16,))
         if "parity" in args.sets:
             for t, c in dict.fromkeys((*gpu_cases.PARITY_SIZES, *gpu_cases.MAPPING_PARITY_SIZES)):
-                launches += precompile.ops_launches("parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32))
+                launches += precompile.ops_launches(
+                    "parity", (2, 4, 8), t, (c,), (torch.bfloat16, torch.float32)
+                )
         if "forms" in args.sets:
             launches += forms_launches()
-    print(f"recorded {len(launches)} launches, {len(precompile.distinct(launches))} distinct "
-          f"({time.time() - start:.0f} s)", flush=True)
+    print(
+        f"recorded {len(launches)} launches, {len(precompile.distinct(launches))} distinct "
+        f"({time.time() - start:.0f} s)",
+        flush=True,
+    )
     entries, failures = precompile.build(launches, args.out, arch=args.arch, jobs=args.jobs)
     print(f"compiled {len(entries)} for {args.arch} ({time.time() - start:.0f} s)", flush=True)
     archive = args.out / precompile.ARCHIVE_NAME.format(arch=args.arch)
-    kept, size = precompile.pack(entries, args.out / "cache.db", archive, arch=args.arch,
-                                 max_bytes=args.max_bytes, failures=failures)
+    kept, size = precompile.pack(
+        entries, args.out / "cache.db", archive, arch=args.arch, max_bytes=args.max_bytes, failures=failures
+    )
     (args.out / "cache.db").unlink()
     for name in ("sweep", "perf", "layer", "parity", "forms"):
         total = sum(1 for e in entries if e.launch.set == name)
         have = sum(1 for e in entries[:kept] if e.launch.set == name)
         print(f"  {name:7s} {have:4d} of {total:4d} kept")
-    print(f"{archive}: {size} bytes, {kept} of {len(entries)} entries (cap {args.max_bytes}; "
-          f"{time.time() - start:.0f} s)")
+    print(
+        f"{archive}: {size} bytes, {kept} of {len(entries)} entries (cap {args.max_bytes}; "
+        f"{time.time() - start:.0f} s)"
+    )
     for launch, err in failures:
         print(f"FAILED {launch.set} {launch.id}: {err}", file=sys.stderr)
     return 1 if failures else 0

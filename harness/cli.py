@@ -73,16 +73,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not sep or not suite:
             raise ValueError(f"--suite-args {item!r}: expected SUITE=ARGS, e.g. unit='-n 2'")
         suite_args.setdefault(suite, []).extend(_split_pytest_args(rest))
-    if args.megatron_lm:  # the pp and functional suites run the tree beside ours (harness.upstream.megatron_tree)
+    if (
+        args.megatron_lm
+    ):  # the pp and functional suites run the tree beside ours (harness.upstream.megatron_tree)
         os.environ["MHC_MEGATRON_LM"] = str(Path(args.megatron_lm).resolve())
     for stale in ("conformance.json", "conformance.md"):  # report.md embeds only this run's matrix
         (Path(args.out) / stale).unlink(missing_ok=True)
-    summary = run_suites(args.suites, suites_dir=suites_dir, out_dir=args.out, golden_dir=golden_dir, hw=args.hw,
-                         pytest_args=_split_pytest_args(args.pytest_args), timeout_s=args.timeout,
-                         suite_args=suite_args, out=lambda line: print(line, flush=True))
+    summary = run_suites(
+        args.suites,
+        suites_dir=suites_dir,
+        out_dir=args.out,
+        golden_dir=golden_dir,
+        hw=args.hw,
+        pytest_args=_split_pytest_args(args.pytest_args),
+        timeout_s=args.timeout,
+        suite_args=suite_args,
+        out=lambda line: print(line, flush=True),
+    )
     for r in summary.runs:
-        print(f"{r.suite}: pytest exit {r.returncode}, {r.tests} tests, {r.failures} failures, {r.errors} errors, "
-              f"{r.skipped} skipped")
+        print(
+            f"{r.suite}: pytest exit {r.returncode}, {r.tests} tests, {r.failures} failures, {r.errors} errors, "
+            f"{r.skipped} skipped"
+        )
         if not r.ok:
             print(r.output_tail[-2000:])
     if args.conformance:
@@ -108,8 +120,14 @@ def _conformance(args: argparse.Namespace, out_dir: Path):
     from harness.conformance.report import format_summary, write_outputs
 
     tree = Path(args.megatron_lm) if args.megatron_lm else None
-    peers = select(list(args.peer), tree, python=args.megatron_lm_python, modules=args.peer_module,
-                   transformer_engine=_path(args.transformer_engine), torchtitan=_path(args.torchtitan))
+    peers = select(
+        list(args.peer),
+        tree,
+        python=args.megatron_lm_python,
+        modules=args.peer_module,
+        transformer_engine=_path(args.transformer_engine),
+        torchtitan=_path(args.torchtitan),
+    )
     matrix = run_matrix(peers)
     print(format_summary(matrix))
     js, md = write_outputs(matrix, out_dir)
@@ -148,8 +166,10 @@ def _cmd_trainserve(args: argparse.Namespace) -> int:
         depths = tuple(int(d) for d in args.depths.split(","))
         setup = TrainServeSetup(depths=depths, tokens=args.tokens, hidden=args.hidden)
     except ValueError as exc:
-        print(f"error: --depths {args.depths!r} / --tokens {args.tokens} / --hidden {args.hidden}: {exc}",
-              file=sys.stderr)
+        print(
+            f"error: --depths {args.depths!r} / --tokens {args.tokens} / --hidden {args.hidden}: {exc}",
+            file=sys.stderr,
+        )
         return 2
     peers = [p for p in serving_peers() if not args.peer or p.name in args.peer]
     for p in serving_peers():
@@ -174,13 +194,30 @@ def _cmd_recalibrate(args: argparse.Namespace) -> int:
     print(f"hardware key: {hw.key} ({hw.rule})")
     require_known(hw.key, allow_unknown=args.allow_unknown_hw)
     suites_dir, golden_dir = _dirs(args)
-    runner = pytest_case_runner(args.suite, args.case, suites_dir=suites_dir, golden_dir=golden_dir, hw=hw.key,
-                                pytest_args=_split_pytest_args(args.pytest_args), timeout_s=args.timeout)
+    runner = pytest_case_runner(
+        args.suite,
+        args.case,
+        suites_dir=suites_dir,
+        golden_dir=golden_dir,
+        hw=hw.key,
+        pytest_args=_split_pytest_args(args.pytest_args),
+        timeout_s=args.timeout,
+    )
     if args.exact_only and args.only_failing:
         raise ValueError("--exact-only and --only-failing are exclusive")
-    recalibrate(store=GoldenStore(golden_dir), hw=hw, suite=args.suite, case=args.case, runner=runner,
-                repeats=args.repeats, only_failing=args.only_failing, allow_unknown_hw=args.allow_unknown_hw,
-                dry_run=args.dry_run, commit_cwd=suites_dir.parent, exact_only=args.exact_only)
+    recalibrate(
+        store=GoldenStore(golden_dir),
+        hw=hw,
+        suite=args.suite,
+        case=args.case,
+        runner=runner,
+        repeats=args.repeats,
+        only_failing=args.only_failing,
+        allow_unknown_hw=args.allow_unknown_hw,
+        dry_run=args.dry_run,
+        commit_cwd=suites_dir.parent,
+        exact_only=args.exact_only,
+    )
     return 0
 
 
@@ -206,15 +243,22 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         mr_s = "n/a" if mr is None else f"{mr:+.6e}"
         where = f" at step {r.worst_step}" if r.worst_step is not None else ""
         rel = "" if r.max_rel is None else f", max |A-B|/|A| = {r.max_rel:.3e}"
-        band = ("no default band" if r.band is None else
-                f"{r.outside} step(s) outside the default band {r.band.describe()}")
-        print(f"  {m}: mean((A-B)/A) = {mr_s}, max |A-B| = {mx:.6g}{rel}{where} over {n} common steps; {band}; "
-              f"steps only in A: {list(r.only_a) or 'none'}; only in B: {list(r.only_b) or 'none'}")
+        band = (
+            "no default band"
+            if r.band is None
+            else f"{r.outside} step(s) outside the default band {r.band.describe()}"
+        )
+        print(
+            f"  {m}: mean((A-B)/A) = {mr_s}, max |A-B| = {mx:.6g}{rel}{where} over {n} common steps; {band}; "
+            f"steps only in A: {list(r.only_a) or 'none'}; only in B: {list(r.only_b) or 'none'}"
+        )
         if r.worst_step is not None and (worst is None or (r.max_rel or 0) > (worst.max_rel or 0)):
             worst = r
     if worst is not None:
-        print(f"worst: {worst.metric!r} at step {worst.worst_step} (|A-B|/|A| = "
-              f"{'n/a' if worst.max_rel is None else f'{worst.max_rel:.3e}'})")
+        print(
+            f"worst: {worst.metric!r} at step {worst.worst_step} (|A-B|/|A| = "
+            f"{'n/a' if worst.max_rel is None else f'{worst.max_rel:.3e}'})"
+        )
     outside = sum(r.outside or 0 for r in rows.values())
     print(f"{outside} step(s) outside the default bands ({', '.join(sorted(DEFAULT_BANDS))})")
     print("files differ" if differ else "identical values")
@@ -229,19 +273,29 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from harness.golden.store import GoldenStore, build_meta
 
     key = require_known(validate_hw_key(args.hw, field="--hw"), allow_unknown=args.allow_unknown_hw)
-    raw = parse_json(read_text(args.file), source=args.file)  # parsed once: the golden, and the values it drops
+    raw = parse_json(
+        read_text(args.file), source=args.file
+    )  # parsed once: the golden, and the values it drops
     golden = golden_from_doc(raw, source=args.file, allow_nan_strings=True)
     store = GoldenStore(args.golden_dir)
     try:
         old, _ = store.load(key, args.suite, args.case)
     except MissingGoldenError:
         old = None
-    meta = build_meta(hw=key, suite=args.suite, case=args.case, golden=golden,
-                      source=f"import-megatron {Path(args.file).name}", repeats=1)
+    meta = build_meta(
+        hw=key,
+        suite=args.suite,
+        case=args.case,
+        golden=golden,
+        source=f"import-megatron {Path(args.file).name}",
+        repeats=1,
+    )
     # Where the values come from (the versions and commit above are the importing machine's, not the recording's).
-    meta["imported"] = {"file": args.upstream_path or Path(args.file).name,
-                        "file_sha256": hashlib.sha256(Path(args.file).read_bytes()).hexdigest(),
-                        "upstream_commit": args.upstream_commit}
+    meta["imported"] = {
+        "file": args.upstream_path or Path(args.file).name,
+        "file_sha256": hashlib.sha256(Path(args.file).read_bytes()).hexdigest(),
+        "upstream_commit": args.upstream_commit,
+    }
     if old is not None:
         print(f"replacing the existing {args.suite}/{args.case} on {key}:")
         print("\n".join(change_lines(old, golden)))
@@ -263,7 +317,9 @@ def _cmd_import_log(args: argparse.Namespace) -> int:
     if args.metric:
         missing = [m for m in args.metric if m not in golden]
         if missing:
-            raise ValueError(f"{args.log}: no {', '.join(map(repr, missing))} in the log (it has: {', '.join(golden)})")
+            raise ValueError(
+                f"{args.log}: no {', '.join(map(repr, missing))} in the log (it has: {', '.join(golden)})"
+            )
         golden = {m: golden[m] for m in args.metric}
     out = Path(args.out)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -288,8 +344,10 @@ def _cmd_perf(args: argparse.Namespace) -> int:
         machine = doc.get("machine_info") if isinstance(doc, dict) else None
         from harness.golden.hardware import validate_hw_key
 
-        hw = validate_hw_key(args.hw or (machine or {}).get("mhc_hw") or detect_hardware().key,
-                             field="--hw" if args.hw else "machine_info.mhc_hw")
+        hw = validate_hw_key(
+            args.hw or (machine or {}).get("mhc_hw") or detect_hardware().key,
+            field="--hw" if args.hw else "machine_info.mhc_hw",
+        )
         versions = (machine or {}).get("mhc_versions")
         if args.also:  # benchmarks of the same run written apart (the upstream tree's rows)
             merged = list(ph.benchmark_list(doc, source=str(src)))
@@ -297,21 +355,34 @@ def _cmd_perf(args: argparse.Namespace) -> int:
                 more = parse_json(Path(extra).read_text(encoding="utf-8"), source=extra)
                 merged += ph.benchmark_list(more, source=extra)
             doc = {**doc, "benchmarks": merged}
-        rec = ph.record_from_benchmark_json(doc, source=str(src), hw=hw, commit=args.commit,
-                                            versions=versions if isinstance(versions, dict) else None)
+        rec = ph.record_from_benchmark_json(
+            doc,
+            source=str(src),
+            hw=hw,
+            commit=args.commit,
+            versions=versions if isinstance(versions, dict) else None,
+        )
         ph.append_record(args.history, rec)
-        print(f"appended {len(rec['benchmarks'])} benchmarks ({hw}, commit {rec['commit']}) to {args.history}")
+        print(
+            f"appended {len(rec['benchmarks'])} benchmarks ({hw}, commit {rec['commit']}) to {args.history}"
+        )
         return 0
     records = ph.read_history(args.history)
     if args.perf_cmd == "check":
-        verdicts = ph.check_history(records, window=args.window, band_slow=args.band_slow, band_fast=args.band_fast)
+        verdicts = ph.check_history(
+            records, window=args.window, band_slow=args.band_slow, band_fast=args.band_fast
+        )
         print(ph.format_verdicts(verdicts))
         peers = peer_trend.check_peers(records, window=args.window, band=args.peer_band)
         if peers:
             print("ours against the peers (same-run ratios):")
             print(peer_trend.format_peer_verdicts(peers))
         bad = {"regression"} | ({"improved"} if args.fail_on_improvement else set())
-        return 1 if any(v.status in bad for v in verdicts) or any(v.status == "fell_behind" for v in peers) else 0
+        return (
+            1
+            if any(v.status in bad for v in verdicts) or any(v.status == "fell_behind" for v in peers)
+            else 0
+        )
     from harness.perf.page import write_pages
 
     pngs = ph.plot_history(records, args.out) + peer_trend.plot_peers(records, args.out)
@@ -330,57 +401,109 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_hw)
 
     def peer_options(s: argparse.ArgumentParser) -> None:
-        s.add_argument("--peer", action="append", default=[], metavar="NAME",
-                       help="a peer to check (repeatable; default: all but the compiled mhc_core ones)")
-        s.add_argument("--megatron-lm", default=os.environ.get("MHC_MEGATRON_LM"), metavar="PATH",
-                       help="a Megatron-LM source tree (main or dev): a conformance peer megatron_lm_tree[...]; "
-                            "under `run`, also trained by the pp and functional suites beside ours "
-                            "(default: $MHC_MEGATRON_LM)")
-        s.add_argument("--peer-module", action="append", default=[], metavar="MODULE:NAME",
-                       help="your own peer: a Peer instance, subclass or factory in an importable module "
-                            "(repeatable; the current directory is on the path; docs/conformance.md)")
-        s.add_argument("--megatron-lm-python", default=None, metavar="PYTHON",
-                       help="the interpreter that loads the tree (it imports triton; default: this one)")
-        s.add_argument("--transformer-engine", default=os.environ.get("MHC_TRANSFORMER_ENGINE"), metavar="PATH",
-                       help="a TransformerEngine source tree: its Triton mHC as the peer te_triton, interpreted "
-                            "without a GPU (default: $MHC_TRANSFORMER_ENGINE)")
-        s.add_argument("--torchtitan", default=os.environ.get("MHC_TORCHTITAN"), metavar="PATH",
-                       help="a torchtitan source tree with models/deepseek_v4: the peer torchtitan "
-                            "(default: $MHC_TORCHTITAN)")
+        s.add_argument(
+            "--peer",
+            action="append",
+            default=[],
+            metavar="NAME",
+            help="a peer to check (repeatable; default: all but the compiled mhc_core ones)",
+        )
+        s.add_argument(
+            "--megatron-lm",
+            default=os.environ.get("MHC_MEGATRON_LM"),
+            metavar="PATH",
+            help="a Megatron-LM source tree (main or dev): a conformance peer megatron_lm_tree[...]; "
+            "under `run`, also trained by the pp and functional suites beside ours "
+            "(default: $MHC_MEGATRON_LM)",
+        )
+        s.add_argument(
+            "--peer-module",
+            action="append",
+            default=[],
+            metavar="MODULE:NAME",
+            help="your own peer: a Peer instance, subclass or factory in an importable module "
+            "(repeatable; the current directory is on the path; docs/conformance.md)",
+        )
+        s.add_argument(
+            "--megatron-lm-python",
+            default=None,
+            metavar="PYTHON",
+            help="the interpreter that loads the tree (it imports triton; default: this one)",
+        )
+        s.add_argument(
+            "--transformer-engine",
+            default=os.environ.get("MHC_TRANSFORMER_ENGINE"),
+            metavar="PATH",
+            help="a TransformerEngine source tree: its Triton mHC as the peer te_triton, interpreted "
+            "without a GPU (default: $MHC_TRANSFORMER_ENGINE)",
+        )
+        s.add_argument(
+            "--torchtitan",
+            default=os.environ.get("MHC_TORCHTITAN"),
+            metavar="PATH",
+            help="a torchtitan source tree with models/deepseek_v4: the peer torchtitan "
+            "(default: $MHC_TORCHTITAN)",
+        )
 
     def dirs(s: argparse.ArgumentParser) -> None:
-        s.add_argument("--suites-dir", default="suites", help="directory holding the suites (default: ./suites)")
+        s.add_argument(
+            "--suites-dir", default="suites", help="directory holding the suites (default: ./suites)"
+        )
         s.add_argument("--golden-dir", help="golden store (default: <suites-dir>/../golden)")
         s.add_argument("--hw", help="hardware key (else $MHC_HW, else detection)")
         s.add_argument("--pytest-args", default="", help="extra pytest arguments, one shell-quoted string")
-        s.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds per pytest subprocess")
+        s.add_argument(
+            "--timeout", type=_positive_seconds, default=None, help="seconds per pytest subprocess"
+        )
 
     s = sub.add_parser("run", help="run suites through pytest, compare, report")
     s.add_argument("suites", nargs="*", metavar="SUITE", help="suite names (default: all under --suites-dir)")
     dirs(s)
     s.add_argument("--out", default="results", help="report directory (default: ./results)")
     s.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    s.add_argument("--suite-args", action="append", default=[], metavar="SUITE=ARGS",
-                   help="extra pytest arguments for one suite, one shell-quoted string (repeatable), "
-                        "e.g. unit='-n 2 --ignore=suites/unit/kernels'")
-    s.add_argument("--conformance", action="store_true",
-                   help="also run the conformance matrix (the default peers) into the summary and report.md")
+    s.add_argument(
+        "--suite-args",
+        action="append",
+        default=[],
+        metavar="SUITE=ARGS",
+        help="extra pytest arguments for one suite, one shell-quoted string (repeatable), "
+        "e.g. unit='-n 2 --ignore=suites/unit/kernels'",
+    )
+    s.add_argument(
+        "--conformance",
+        action="store_true",
+        help="also run the conformance matrix (the default peers) into the summary and report.md",
+    )
     peer_options(s)
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("conformance", help="every mHC implementation against every variant: the matrix")
     peer_options(s)
-    s.add_argument("--out", default="results", help="writes conformance.json and conformance.md here (default: ./results)")
-    s.add_argument("--save-matrix", default=None, metavar="PATH",
-                   help="also keep the computed matrix at PATH for the conformance suite (its fixture loads it when "
-                        "$MHC_CONFORMANCE_MATRIX names it and it matches the checkout)")
-    s.add_argument("--strict", action="store_true", help="exit 1 when an available peer does not conform fully")
+    s.add_argument(
+        "--out",
+        default="results",
+        help="writes conformance.json and conformance.md here (default: ./results)",
+    )
+    s.add_argument(
+        "--save-matrix",
+        default=None,
+        metavar="PATH",
+        help="also keep the computed matrix at PATH for the conformance suite (its fixture loads it when "
+        "$MHC_CONFORMANCE_MATRIX names it and it matches the checkout)",
+    )
+    s.add_argument(
+        "--strict", action="store_true", help="exit 1 when an available peer does not conform fully"
+    )
     s.set_defaults(func=_cmd_conformance)
 
     s = sub.add_parser("trainserve", help="the serving engines' mHC against the trainer's, by depth")
-    s.add_argument("--out", default="results", help="writes trainserve.{json,md,png} here (default: ./results)")
+    s.add_argument(
+        "--out", default="results", help="writes trainserve.{json,md,png} here (default: ./results)"
+    )
     s.add_argument("--depths", default="1,8,32,61", help="the depths reported (default 1,8,32,61)")
-    s.add_argument("--tokens", type=int, default=64, help="tokens per run, the batch of the invariance check (64)")
+    s.add_argument(
+        "--tokens", type=int, default=64, help="tokens per run, the batch of the invariance check (64)"
+    )
     s.add_argument("--hidden", type=int, default=64, help="stream width C (n*C a multiple of 64; default 64)")
     s.add_argument("--peer", action="append", default=[], help="only this serving peer (repeatable)")
     s.set_defaults(func=_cmd_trainserve)
@@ -389,12 +512,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("suite")
     s.add_argument("case")
     s.add_argument("--repeats", type=int, default=5, help="runs to average (default 5)")
-    s.add_argument("--only-failing", action="store_true", help="rewrite only if the current golden file fails")
-    s.add_argument("--allow-unknown-hw", action="store_true", help="allow a hardware key outside the known list")
+    s.add_argument(
+        "--only-failing", action="store_true", help="rewrite only if the current golden file fails"
+    )
+    s.add_argument(
+        "--allow-unknown-hw", action="store_true", help="allow a hardware key outside the known list"
+    )
     s.add_argument("--dry-run", action="store_true", help="print the changes, write nothing")
-    s.add_argument("--exact-only", action="store_true",
-                   help="add this machine's exact values (its numerics fingerprint) beside the reference; the "
-                        "reference and other machines' exact values stay")
+    s.add_argument(
+        "--exact-only",
+        action="store_true",
+        help="add this machine's exact values (its numerics fingerprint) beside the reference; the "
+        "reference and other machines' exact values stay",
+    )
     dirs(s)
     s.set_defaults(func=_cmd_recalibrate)
 
@@ -411,12 +541,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hw", required=True)
     s.add_argument("--golden-dir", default="golden")
     s.add_argument("--allow-unknown-hw", action="store_true")
-    s.add_argument("--upstream-commit", default=None, help="the commit of the tree the file comes from (provenance)")
+    s.add_argument(
+        "--upstream-commit", default=None, help="the commit of the tree the file comes from (provenance)"
+    )
     s.add_argument("--upstream-path", default=None, help="the file's path in that tree (provenance)")
     s.set_defaults(func=_cmd_import)
 
-    s = sub.add_parser("import-log", help="a Megatron training log (stdout, or a TensorBoard log directory) as a "
-                                          "result file (golden schema)")
+    s = sub.add_parser(
+        "import-log",
+        help="a Megatron training log (stdout, or a TensorBoard log directory) as a "
+        "result file (golden schema)",
+    )
     s.add_argument("log", help="a text log, a TensorBoard log directory or an events.out.tfevents.* file")
     s.add_argument("--out", required=True, help="the result file to write (e.g. results/my_run.json)")
     s.add_argument("--metric", action="append", default=[], help="keep only these metrics (repeatable)")
@@ -429,18 +564,29 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--history", required=True, help="JSONL history file")
     a.add_argument("--hw", help="hardware key (else machine_info.mhc_hw, else detection)")
     a.add_argument("--commit", help="commit (else commit_info.id)")
-    a.add_argument("--also", action="append", default=[], metavar="JSON",
-                   help="another benchmark file of the same run, merged into the record (repeatable)")
+    a.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="another benchmark file of the same run, merged into the record (repeatable)",
+    )
     c = ps.add_parser("check", help="newest record against the trailing median")
     c.add_argument("--history", required=True)
     c.add_argument("--window", type=int, default=5, help="previous records in the baseline (default 5)")
     c.add_argument("--band-slow", type=float, default=0.10, help="regression band (default 0.10)")
     c.add_argument("--band-fast", type=float, default=0.20, help="improvement band (default 0.20)")
     c.add_argument("--fail-on-improvement", action="store_true")
-    c.add_argument("--peer-band", type=float, default=0.10,
-                   help="how far our same-run speed-up over a peer may drop below its baseline (default 0.10)")
-    pl = ps.add_parser("plot", help="one trend PNG per hardware and benchmark group, and a summary page "
-                                    "(<hw>.md) per hardware")
+    c.add_argument(
+        "--peer-band",
+        type=float,
+        default=0.10,
+        help="how far our same-run speed-up over a peer may drop below its baseline (default 0.10)",
+    )
+    pl = ps.add_parser(
+        "plot",
+        help="one trend PNG per hardware and benchmark group, and a summary page (<hw>.md) per hardware",
+    )
     pl.add_argument("--history", required=True)
     pl.add_argument("--out", required=True)
     s.set_defaults(func=_cmd_perf)

@@ -44,8 +44,9 @@ def stability_metrics(golden: Mapping[str, MetricSeries]) -> list[str]:
     return [m for m in golden if m.startswith("mhc-amax-gain")]
 
 
-def plot_overlay(series: Mapping[str, MetricSeries], *, metric: str, path: str | Path,
-                 title: str | None = None) -> Path:
+def plot_overlay(
+    series: Mapping[str, MetricSeries], *, metric: str, path: str | Path, title: str | None = None
+) -> Path:
     """Plot `{label: series}` of one metric in one axes; returns the PNG path."""
     if not series:
         raise ValueError("series must hold at least one labelled MetricSeries")
@@ -60,8 +61,9 @@ def plot_overlay(series: Mapping[str, MetricSeries], *, metric: str, path: str |
     return _save(fig, path)
 
 
-def plot_case(actual: Golden, golden: Golden | None, *, metrics: Sequence[str], path: str | Path,
-              title: str) -> Path:
+def plot_case(
+    actual: Golden, golden: Golden | None, *, metrics: Sequence[str], path: str | Path, title: str
+) -> Path:
     """Golden (dashed) vs actual (solid) for `metrics` of one case, one panel each."""
     if not metrics:
         raise ValueError("metrics must name at least one metric to plot")
@@ -84,11 +86,16 @@ def plot_case(actual: Golden, golden: Golden | None, *, metrics: Sequence[str], 
 def mhc_pairs(cases: Iterable[str]) -> list[tuple[str, str]]:
     """`(baseline, mhc)` pairs by name: `gpt_tp1_mhc` pairs with `gpt_tp1`."""
     names = set(cases)
-    return sorted((c.replace("_mhc", "", 1), c) for c in names if "_mhc" in c and c.replace("_mhc", "", 1) in names)
+    return sorted(
+        (c.replace("_mhc", "", 1), c) for c in names if "_mhc" in c and c.replace("_mhc", "", 1) in names
+    )
 
 
 def hc_pairs(cases: Iterable[str]) -> list[tuple[str, str]]:
     """`(hc, mhc)` pairs by name: `gpt_tp1_hc` (unconstrained Hyper-Connections) pairs with `gpt_tp1_mhc`."""
     names = set(cases)
-    return sorted((c, c.replace("_hc", "_mhc", 1)) for c in names
-                  if "_hc" in c and "_mhc" not in c and c.replace("_hc", "_mhc", 1) in names)
+    return sorted(
+        (c, c.replace("_hc", "_mhc", 1))
+        for c in names
+        if "_hc" in c and "_mhc" not in c and c.replace("_hc", "_mhc", 1) in names
+    )

@@ -32,8 +32,14 @@ class Progress:
     finished: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"total": self.total, "done": self.done, "failed": self.failed, "skipped": self.skipped,
-                "failures": self.failures, "finished": self.finished}
+        return {
+            "total": self.total,
+            "done": self.done,
+            "failed": self.failed,
+            "skipped": self.skipped,
+            "failures": self.failures,
+            "finished": self.finished,
+        }
 
 
 def read_progress(path: Path) -> Progress | None:
@@ -84,8 +90,15 @@ class ProgressPrinter:
     """Runner side: polls the file and prints a line when the counts moved (at most every
     `every_s` seconds), a heartbeat after `heartbeat_s` without change, and each new failure."""
 
-    def __init__(self, suite: str, path: Path, *, out: Callable[[str], None] = print, every_s: float = 10.0,
-                 heartbeat_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        suite: str,
+        path: Path,
+        *,
+        out: Callable[[str], None] = print,
+        every_s: float = 10.0,
+        heartbeat_s: float = 60.0,
+    ) -> None:
         self.suite, self.path, self.out = suite, Path(path), out
         self.every_s, self.heartbeat_s = every_s, heartbeat_s
         self.start = time.monotonic()
@@ -98,18 +111,24 @@ class ProgressPrinter:
         if p is None:
             return f"[{self.suite}] {'no progress recorded' if final else 'collecting ...'} {elapsed:.0f} s"
         total = "?" if p.total is None else str(p.total)
-        return (f"[{self.suite}] {'done: ' if final else ''}{p.done}/{total} tests, {p.failed} failed, "
-                f"{p.skipped} skipped, {elapsed:.0f} s")
+        return (
+            f"[{self.suite}] {'done: ' if final else ''}{p.done}/{total} tests, {p.failed} failed, "
+            f"{p.skipped} skipped, {elapsed:.0f} s"
+        )
 
     def poll(self, *, final: bool = False) -> None:
         p = read_progress(self.path)
         now = time.monotonic()
         if p is not None:
-            for f in p.failures[self._failures_seen:]:
+            for f in p.failures[self._failures_seen :]:
                 self.out(f"[{self.suite}] FAILED {f}")
             self._failures_seen = len(p.failures)
         moved = p is not None and p.done != self._last_done
-        if final or (moved and now - self._last_print >= self.every_s) or now - self._last_print >= self.heartbeat_s:
+        if (
+            final
+            or (moved and now - self._last_print >= self.every_s)
+            or now - self._last_print >= self.heartbeat_s
+        ):
             self.out(self.line(p, final=final))
             self._last_print = now
             self._last_done = p.done if p is not None else None

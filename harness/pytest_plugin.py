@@ -37,30 +37,53 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("mhc-golden", "mHC golden values (harness)")
     g.addoption("--hw", default=None, help="hardware key (overrides $MHC_HW and detection), e.g. dgx_h100")
     g.addoption("--golden-dir", default=None, help="golden store root (default: <rootdir>/golden)")
-    g.addoption("--update-golden", choices=("failed", "all"), default=None,
-                help="failed: rewrite failing golden files and still fail; all: rewrite every file and pass")
-    g.addoption("--mhc-results-dir", default=None,
-                help="write each case's actual values and outcome under this directory")
-    g.addoption("--mhc-record-only", action="store_true", default=False,
-                help="record actual values without failing on golden values (used by recalibrate)")
-    g.addoption("--mhc-case", action="append", default=[], metavar="CASE",
-                help="run only tests that may hand this case to golden_metrics (repeatable)")
-    g.addoption("--mhc-progress-file", default=None, metavar="PATH",
-                help="keep the run's progress (tests done / total, failures) in this JSON file (mhc-harness run)")
+    g.addoption(
+        "--update-golden",
+        choices=("failed", "all"),
+        default=None,
+        help="failed: rewrite failing golden files and still fail; all: rewrite every file and pass",
+    )
+    g.addoption(
+        "--mhc-results-dir",
+        default=None,
+        help="write each case's actual values and outcome under this directory",
+    )
+    g.addoption(
+        "--mhc-record-only",
+        action="store_true",
+        default=False,
+        help="record actual values without failing on golden values (used by recalibrate)",
+    )
+    g.addoption(
+        "--mhc-case",
+        action="append",
+        default=[],
+        metavar="CASE",
+        help="run only tests that may hand this case to golden_metrics (repeatable)",
+    )
+    g.addoption(
+        "--mhc-progress-file",
+        default=None,
+        metavar="PATH",
+        help="keep the run's progress (tests done / total, failures) in this JSON file (mhc-harness run)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "golden_case(*names): the golden case names a test hands to golden_metrics "
-        "(lets --mhc-case select it without running the others)")
+        "markers",
+        "golden_case(*names): the golden case names a test hands to golden_metrics "
+        "(lets --mhc-case select it without running the others)",
+    )
     if config.getoption("update_golden") and config.getoption("mhc_record_only"):
         raise pytest.UsageError("--update-golden and --mhc-record-only are exclusive")
     path = config.getoption("mhc_progress_file")
     if path and not hasattr(config, "workerinput"):  # under xdist, the controller counts the workers' reports
         from harness.progress import ProgressWriter
 
-        config.pluginmanager.register(_ProgressHooks(ProgressWriter(Path(config.invocation_params.dir, path))),
-                                      "mhc-progress")
+        config.pluginmanager.register(
+            _ProgressHooks(ProgressWriter(Path(config.invocation_params.dir, path))), "mhc-progress"
+        )
 
 
 class _ProgressHooks:
@@ -162,9 +185,15 @@ class GoldenMetrics:
         """Golden dir, hardware key and mode of this session."""
         return _settings(self._request.config)
 
-    def check(self, case: str, metrics: Mapping[str, Any], checks: Mapping[str, Check | Sequence[Check]], *,
-              suite: str | None = None, fingerprint: NumericsFingerprint | Mapping[str, Any] | None = None
-              ) -> CaseOutcome:
+    def check(
+        self,
+        case: str,
+        metrics: Mapping[str, Any],
+        checks: Mapping[str, Check | Sequence[Check]],
+        *,
+        suite: str | None = None,
+        fingerprint: NumericsFingerprint | Mapping[str, Any] | None = None,
+    ) -> CaseOutcome:
         """Compare `metrics` with `golden/<hw>/<suite>/<case>.json` using `checks`; fail the test on mismatch.
 
         `metrics`: `{metric: [v_step1, v_step2, ...]}`, `{metric: {step: v}}` or golden schema.
@@ -182,29 +211,48 @@ class GoldenMetrics:
         node = self._request.node
         suite = suite or suite_from_path(node.path)
         if suite is None:
-            pytest.fail(f"{node.nodeid}: cannot derive the suite from {node.path} (not under suites/<suite>/); "
-                        "pass suite= to golden_metrics.check", pytrace=False)
+            pytest.fail(
+                f"{node.nodeid}: cannot derive the suite from {node.path} (not under suites/<suite>/); "
+                "pass suite= to golden_metrics.check",
+                pytrace=False,
+            )
         declared = {n for m in node.iter_markers("golden_case") for n in m.args}
         if declared and case not in declared:
-            pytest.fail(f"{node.nodeid}: case {case!r} is not among its golden_case marker names {sorted(declared)}",
-                        pytrace=False)
+            pytest.fail(
+                f"{node.nodeid}: case {case!r} is not among its golden_case marker names {sorted(declared)}",
+                pytrace=False,
+            )
         seen = self._request.config.stash.setdefault(_SEEN, {})
         if seen.get((suite, case), node.nodeid) != node.nodeid:
-            pytest.fail(f"{node.nodeid}: case {suite}/{case} was already checked by {seen[(suite, case)]}; "
-                        "case names must be unique", pytrace=False)
+            pytest.fail(
+                f"{node.nodeid}: case {suite}/{case} was already checked by {seen[(suite, case)]}; "
+                "case names must be unique",
+                pytrace=False,
+            )
         seen[(suite, case)] = node.nodeid
         try:
             if fingerprint is not None and not hasattr(fingerprint, "id"):
                 fingerprint = fingerprint_from_json(fingerprint, source=f"{suite}/{case}: fingerprint")
-            outcome = check_case(self.settings, suite=suite, case=case, metrics=metrics, checks=checks,
-                                 nodeid=node.nodeid, fingerprint=fingerprint)
+            outcome = check_case(
+                self.settings,
+                suite=suite,
+                case=case,
+                metrics=metrics,
+                checks=checks,
+                nodeid=node.nodeid,
+                fingerprint=fingerprint,
+            )
         except (GoldenError, ValueError) as exc:
             pytest.fail(f"{suite}/{case}: {exc}", pytrace=False)
-        node.user_properties += [("golden_case", f"{suite}/{case}"), ("golden_lane", outcome.lane or "-"),
-                                 ("golden_exact", outcome.lane_reason or "-")]
+        node.user_properties += [
+            ("golden_case", f"{suite}/{case}"),
+            ("golden_lane", outcome.lane or "-"),
+            ("golden_exact", outcome.lane_reason or "-"),
+        ]
         if outcome.fingerprint is not None:
             node.user_properties.append(
-                ("numerics_fingerprint", fingerprint_from_json(outcome.fingerprint, source=case).label))
+                ("numerics_fingerprint", fingerprint_from_json(outcome.fingerprint, source=case).label)
+            )
         if outcome.failed:
             pytest.fail(outcome.message, pytrace=False)
         return outcome
@@ -214,8 +262,6 @@ class GoldenMetrics:
 def golden_metrics(request: pytest.FixtureRequest) -> GoldenMetrics:
     """Hand a case's per-step metrics to the golden store: `golden_metrics.check(case, metrics, checks)`."""
     return GoldenMetrics(request)
-
-
 
 
 @pytest.fixture
@@ -237,5 +283,7 @@ def megatron_lm_tree():
     except TreeError as exc:
         pytest.fail(str(exc), pytrace=False)
     if tree is None:
-        pytest.skip("no Megatron-LM tree: pass --megatron-lm TREE to mhc-harness run (or set MHC_MEGATRON_LM)")
+        pytest.skip(
+            "no Megatron-LM tree: pass --megatron-lm TREE to mhc-harness run (or set MHC_MEGATRON_LM)"
+        )
     return tree

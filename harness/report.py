@@ -55,8 +55,9 @@ def format_table(rows: Sequence[Sequence[str]], header: Sequence[str] = _HEADER)
     """A fixed-width text table."""
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([line.format(*header), line.format(*("-" * w for w in widths)),
-                      *(line.format(*r) for r in rows)])
+    return "\n".join(
+        [line.format(*header), line.format(*("-" * w for w in widths)), *(line.format(*r) for r in rows)]
+    )
 
 
 def _slug(*parts: str) -> str:
@@ -115,23 +116,34 @@ def write_plots(summary: RunSummary, plots_dir: Path) -> list[tuple[str, Path]]:
         by_suite.setdefault(o.suite, {})[o.case] = actual
         metrics = loss_metrics(actual) + stability_metrics(actual)
         if metrics:
-            png = plot_case(actual, golden, metrics=metrics, path=plots_dir / f"{_slug(o.suite, o.case)}.png",
-                            title=f"{o.suite}/{o.case} on {o.hw}: golden vs actual")
+            png = plot_case(
+                actual,
+                golden,
+                metrics=metrics,
+                path=plots_dir / f"{_slug(o.suite, o.case)}.png",
+                title=f"{o.suite}/{o.case} on {o.hw}: golden vs actual",
+            )
             out.append((f"{o.suite}/{o.case}: golden vs actual", png))
     for suite, cases in by_suite.items():
         for base, mhc in mhc_pairs(cases):
             for m in loss_metrics(cases[mhc]):
                 if m in cases[base]:
-                    png = plot_overlay({base: cases[base][m], mhc: cases[mhc][m]}, metric=m,
-                                       path=plots_dir / f"{_slug(suite, base, 'vs', mhc, m)}.png",
-                                       title=f"{suite}: {base} vs {mhc} ({m})")
+                    png = plot_overlay(
+                        {base: cases[base][m], mhc: cases[mhc][m]},
+                        metric=m,
+                        path=plots_dir / f"{_slug(suite, base, 'vs', mhc, m)}.png",
+                        title=f"{suite}: {base} vs {mhc} ({m})",
+                    )
                     out.append((f"{suite}: {base} vs {mhc} ({m})", png))
         for hc, mhc in hc_pairs(cases):  # the paper's stability figure: HC's gain against mHC's
             for m in stability_metrics(cases[mhc]):
                 if m in cases[hc]:
-                    png = plot_overlay({hc: cases[hc][m], mhc: cases[mhc][m]}, metric=m,
-                                       path=plots_dir / f"{_slug(suite, hc, 'vs', mhc, m)}.png",
-                                       title=f"{suite}: {hc} (unconstrained) vs {mhc} ({m})")
+                    png = plot_overlay(
+                        {hc: cases[hc][m], mhc: cases[mhc][m]},
+                        metric=m,
+                        path=plots_dir / f"{_slug(suite, hc, 'vs', mhc, m)}.png",
+                        title=f"{suite}: {hc} (unconstrained) vs {mhc} ({m})",
+                    )
                     out.append((f"{suite}: {hc} vs {mhc} ({m})", png))
     return out
 
@@ -140,14 +152,24 @@ def write_report(summary: RunSummary, out_dir: str | Path, *, plots: bool = True
     """Write `<out_dir>/report.md` (and PNGs under `<out_dir>/plots`); returns the report path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = ["# mHC harness report", "",
-          f"- date: {utc_now()}", f"- hardware key: {summary.hw or '(detected per run)'}",
-          f"- golden dir: `{summary.golden_dir}`", f"- result: **{'PASS' if summary.ok else 'FAIL'}**", "",
-          "## Suites", "", "| suite | pytest exit | tests | failures | errors | skipped | JUnit |",
-          "|---|---|---|---|---|---|---|"]
+    md = [
+        "# mHC harness report",
+        "",
+        f"- date: {utc_now()}",
+        f"- hardware key: {summary.hw or '(detected per run)'}",
+        f"- golden dir: `{summary.golden_dir}`",
+        f"- result: **{'PASS' if summary.ok else 'FAIL'}**",
+        "",
+        "## Suites",
+        "",
+        "| suite | pytest exit | tests | failures | errors | skipped | JUnit |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in summary.runs:
-        md.append(f"| {r.suite} | {r.returncode} | {r.tests} | {r.failures} | {r.errors} | {r.skipped} | "
-                  f"`{r.junit.name}` |")
+        md.append(
+            f"| {r.suite} | {r.returncode} | {r.tests} | {r.failures} | {r.errors} | {r.skipped} | "
+            f"`{r.junit.name}` |"
+        )
     md += ["", "## Golden checks", ""]
     rows = summary_rows(summary.cases)
     if rows:
@@ -157,11 +179,17 @@ def write_report(summary: RunSummary, out_dir: str | Path, *, plots: bool = True
         md.append("No case handed metrics to `golden_metrics`.")
     decided = [o for o in summary.cases if o.lane]
     if decided:
-        md += ["", "## Which lane decided", "",
-               "`exact` where this run's numerics fingerprint has exact values for the case, else the "
-               "approximate lane (the exact check reports `n/a`); `mhc-harness recalibrate <suite> <case> "
-               "--exact-only` adds this machine's.", "",
-               "| suite | case | decided by | why |", "|---|---|---|---|"]
+        md += [
+            "",
+            "## Which lane decided",
+            "",
+            "`exact` where this run's numerics fingerprint has exact values for the case, else the "
+            "approximate lane (the exact check reports `n/a`); `mhc-harness recalibrate <suite> <case> "
+            "--exact-only` adds this machine's.",
+            "",
+            "| suite | case | decided by | why |",
+            "|---|---|---|---|",
+        ]
         md += [f"| {o.suite} | {o.case} | {o.lane} | {o.lane_reason or '-'} |" for o in decided]
     failed = [o for o in summary.cases if o.failed]
     bad_runs = [r for r in summary.runs if not r.ok]
@@ -170,12 +198,25 @@ def write_report(summary: RunSummary, out_dir: str | Path, *, plots: bool = True
         for o in failed:
             md += [f"### {o.suite}/{o.case} ({o.status})", "", "```text", o.message, "```", ""]
         for r in bad_runs:
-            md += [f"### pytest {r.suite} (exit {r.returncode})", "", "```text", r.output_tail[-2500:], "```", ""]
+            md += [
+                f"### pytest {r.suite} (exit {r.returncode})",
+                "",
+                "```text",
+                r.output_tail[-2500:],
+                "```",
+                "",
+            ]
     ratios = step_time_ratios(_actuals(summary))
     if ratios:
-        md += ["", "## mHC step time vs baseline", "",
-               f"Median `{STEP_TIME_METRIC}` after {WARMUP_STEPS} warm-up steps, measured in this run.", "",
-               "| suite | baseline | mHC | baseline s | mHC s | mHC / baseline |", "|---|---|---|---|---|---|"]
+        md += [
+            "",
+            "## mHC step time vs baseline",
+            "",
+            f"Median `{STEP_TIME_METRIC}` after {WARMUP_STEPS} warm-up steps, measured in this run.",
+            "",
+            "| suite | baseline | mHC | baseline s | mHC s | mHC / baseline |",
+            "|---|---|---|---|---|---|",
+        ]
         md += [f"| {su} | {b} | {m} | {tb:.4g} | {tm:.4g} | {r:.3f} |" for su, b, m, tb, tm, r in ratios]
     tree_rows = tree_markdown(read_tree_rows(summary.results_dir, [r.suite for r in summary.runs]))
     if tree_rows:

@@ -59,11 +59,15 @@ def check_suites(suites: Sequence[str], suites_dir: str | Path) -> list[str]:
     valid = available_suites(suites_dir)
     unknown = [s for s in suites if s not in valid]
     if not Path(suites_dir).is_dir():
-        raise ValueError(f"no suites directory {suites_dir} here ({Path.cwd()}): `mhc-harness run` and `recalibrate` "
-                         "run the suites of a checkout of mhc-suite; run them from its root or pass --suites-dir "
-                         "(`mhc-harness conformance` needs no checkout)")
+        raise ValueError(
+            f"no suites directory {suites_dir} here ({Path.cwd()}): `mhc-harness run` and `recalibrate` "
+            "run the suites of a checkout of mhc-suite; run them from its root or pass --suites-dir "
+            "(`mhc-harness conformance` needs no checkout)"
+        )
     if unknown:
-        raise ValueError(f"unknown suite(s) {unknown} in {suites_dir}; valid suites: {', '.join(valid) or '(none)'}")
+        raise ValueError(
+            f"unknown suite(s) {unknown} in {suites_dir}; valid suites: {', '.join(valid) or '(none)'}"
+        )
     return list(suites) or valid
 
 
@@ -126,12 +130,15 @@ def _common_args(*, golden_dir: Path | None, hw: str | None) -> list[str]:
     return args
 
 
-def _run_logged(cmd: Sequence[str], *, cwd: Path, log: Path, timeout_s: float | None,
-                poll: Callable[[], None]) -> int:
+def _run_logged(
+    cmd: Sequence[str], *, cwd: Path, log: Path, timeout_s: float | None, poll: Callable[[], None]
+) -> int:
     """Run `cmd` with its output in `log`, calling `poll` every second; at `timeout_s` its whole
     process group is killed and 124 returned."""
     with log.open("w", encoding="utf-8") as f:
-        proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            list(cmd), cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while True:
@@ -152,17 +159,33 @@ def _run_logged(cmd: Sequence[str], *, cwd: Path, log: Path, timeout_s: float | 
             raise
 
 
-def run_suites(suites: Sequence[str], *, suites_dir: str | Path, out_dir: str | Path, golden_dir: str | Path,
-               hw: str | None = None, pytest_args: str | Sequence[str] = (), python: str = sys.executable,
-               timeout_s: float | None = None, suite_args: Mapping[str, Sequence[str]] | None = None,
-               out: Callable[[str], None] = print, progress_every_s: float = 10.0) -> RunSummary:
+def run_suites(
+    suites: Sequence[str],
+    *,
+    suites_dir: str | Path,
+    out_dir: str | Path,
+    golden_dir: str | Path,
+    hw: str | None = None,
+    pytest_args: str | Sequence[str] = (),
+    python: str = sys.executable,
+    timeout_s: float | None = None,
+    suite_args: Mapping[str, Sequence[str]] | None = None,
+    out: Callable[[str], None] = print,
+    progress_every_s: float = 10.0,
+) -> RunSummary:
     """Run each suite through pytest; return the JUnit counts and the per-case outcomes. `suite_args`
     adds arguments to one suite's command (`{"unit": ["-n", "2"]}`); `out` gets the progress lines."""
-    suites_dir, out_dir, golden_dir = Path(suites_dir).resolve(), Path(out_dir).resolve(), Path(golden_dir).resolve()
+    suites_dir, out_dir, golden_dir = (
+        Path(suites_dir).resolve(),
+        Path(out_dir).resolve(),
+        Path(golden_dir).resolve(),
+    )
     names = check_suites(suites, suites_dir)
     unknown = sorted(set(suite_args or {}) - set(names))
     if unknown:
-        raise ValueError(f"suite arguments for {unknown}, which this run does not run (it runs {', '.join(names)})")
+        raise ValueError(
+            f"suite arguments for {unknown}, which this run does not run (it runs {', '.join(names)})"
+        )
     extra = shlex.split(pytest_args) if isinstance(pytest_args, str) else list(pytest_args)
     results_dir = out_dir / "cases"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -174,9 +197,16 @@ def run_suites(suites: Sequence[str], *, suites_dir: str | Path, out_dir: str | 
         shutil.rmtree(results_dir / suite, ignore_errors=True)  # no stale outcomes from an earlier run
         junit.unlink(missing_ok=True)
         progress.unlink(missing_ok=True)
-        cmd = [python, "-m", "pytest", str(suites_dir / suite), f"--junitxml={junit}",
-               f"--mhc-results-dir={results_dir}", f"--mhc-progress-file={progress}",
-               *_common_args(golden_dir=golden_dir, hw=hw)]
+        cmd = [
+            python,
+            "-m",
+            "pytest",
+            str(suites_dir / suite),
+            f"--junitxml={junit}",
+            f"--mhc-results-dir={results_dir}",
+            f"--mhc-progress-file={progress}",
+            *_common_args(golden_dir=golden_dir, hw=hw),
+        ]
         if suite in NO_XDIST_SUITES:
             cmd += ["-p", "no:xdist"]
             if importlib.util.find_spec("pytest_benchmark") is not None:
@@ -188,49 +218,90 @@ def run_suites(suites: Sequence[str], *, suites_dir: str | Path, out_dir: str | 
         printer.poll(final=True)
         progress.unlink(missing_ok=True)
         output = log.read_text(encoding="utf-8", errors="replace")
-        runs.append(SuiteRun(suite=suite, command=tuple(cmd), returncode=rc, junit=junit,
-                             output_tail=output[-4000:], **_junit_counts(junit)))
-    return RunSummary(runs=tuple(runs), cases=tuple(read_outcomes(results_dir, names)), results_dir=results_dir,
-                      golden_dir=golden_dir, hw=hw)
+        runs.append(
+            SuiteRun(
+                suite=suite,
+                command=tuple(cmd),
+                returncode=rc,
+                junit=junit,
+                output_tail=output[-4000:],
+                **_junit_counts(junit),
+            )
+        )
+    return RunSummary(
+        runs=tuple(runs),
+        cases=tuple(read_outcomes(results_dir, names)),
+        results_dir=results_dir,
+        golden_dir=golden_dir,
+        hw=hw,
+    )
 
 
-def pytest_case_runner(suite: str, case: str, *, suites_dir: str | Path, golden_dir: str | Path, hw: str,
-                       pytest_args: Sequence[str] = (), python: str = sys.executable,
-                       timeout_s: float | None = None):
+def pytest_case_runner(
+    suite: str,
+    case: str,
+    *,
+    suites_dir: str | Path,
+    golden_dir: str | Path,
+    hw: str,
+    pytest_args: Sequence[str] = (),
+    python: str = sys.executable,
+    timeout_s: float | None = None,
+):
     """A recalibration runner: each call runs `suites/<suite>` in record-only mode for `case`."""
     suites_dir, golden_dir = Path(suites_dir).resolve(), Path(golden_dir).resolve()
     check_suites([suite], suites_dir)
 
     def run(i: int) -> Repeat:
         with tempfile.TemporaryDirectory(prefix="mhc-recal-") as tmp:
-            cmd = [python, "-m", "pytest", str(suites_dir / suite), "-q", f"--mhc-results-dir={tmp}",
-                   "--mhc-record-only", f"--mhc-case={case}", *_common_args(golden_dir=golden_dir, hw=hw)]
+            cmd = [
+                python,
+                "-m",
+                "pytest",
+                str(suites_dir / suite),
+                "-q",
+                f"--mhc-results-dir={tmp}",
+                "--mhc-record-only",
+                f"--mhc-case={case}",
+                *_common_args(golden_dir=golden_dir, hw=hw),
+            ]
             if suite in NO_XDIST_SUITES:
                 cmd += ["-p", "no:xdist"]
             cmd += list(pytest_args)
             try:
-                proc = subprocess.run(cmd, cwd=suites_dir.parent, capture_output=True, text=True,
-                                      timeout=timeout_s, check=False)
+                proc = subprocess.run(
+                    cmd, cwd=suites_dir.parent, capture_output=True, text=True, timeout=timeout_s, check=False
+                )
             except subprocess.TimeoutExpired:
-                raise RecalibrationError(f"repeat {i + 1}: {shlex.join(cmd)} timed out after {timeout_s} s; "
-                                         "nothing written") from None
+                raise RecalibrationError(
+                    f"repeat {i + 1}: {shlex.join(cmd)} timed out after {timeout_s} s; nothing written"
+                ) from None
             tail = (proc.stdout + proc.stderr)[-3000:]
             if proc.returncode == 5:  # pytest: nothing collected, or everything deselected
-                raise RecalibrationError(f"repeat {i + 1}: no test in {suites_dir / suite} runs case {case!r} "
-                                         f"(pytest exit 5: nothing collected or all deselected); nothing written.\n"
-                                         f"$ {shlex.join(cmd)}\n{tail}")
+                raise RecalibrationError(
+                    f"repeat {i + 1}: no test in {suites_dir / suite} runs case {case!r} "
+                    f"(pytest exit 5: nothing collected or all deselected); nothing written.\n"
+                    f"$ {shlex.join(cmd)}\n{tail}"
+                )
             if proc.returncode != 0:
-                raise RecalibrationError(f"repeat {i + 1}: the run failed (pytest exit {proc.returncode}); nothing "
-                                         f"written.\n$ {shlex.join(cmd)}\n{tail}")
+                raise RecalibrationError(
+                    f"repeat {i + 1}: the run failed (pytest exit {proc.returncode}); nothing "
+                    f"written.\n$ {shlex.join(cmd)}\n{tail}"
+                )
             outcome = next((o for o in read_outcomes(tmp, [suite]) if o.case == case), None)
             if outcome is None:
-                raise RecalibrationError(f"repeat {i + 1}: no test in {suites_dir / suite} handed case {case!r} to "
-                                         f"golden_metrics; nothing written.\n{tail}")
+                raise RecalibrationError(
+                    f"repeat {i + 1}: no test in {suites_dir / suite} handed case {case!r} to "
+                    f"golden_metrics; nothing written.\n{tail}"
+                )
             actual = load_actual(tmp, suite, case)
             if outcome.status == "error" or actual is None:
                 raise RecalibrationError(f"repeat {i + 1}: {outcome.message}; nothing written")
-            fingerprint = (None if outcome.fingerprint is None else
-                           fingerprint_from_json(outcome.fingerprint, source=f"{suite}/{case} repeat {i + 1}"))
+            fingerprint = (
+                None
+                if outcome.fingerprint is None
+                else fingerprint_from_json(outcome.fingerprint, source=f"{suite}/{case} repeat {i + 1}")
+            )
             return Repeat(metrics=actual, golden_passed=outcome.golden_passed, fingerprint=fingerprint)
 
     return run

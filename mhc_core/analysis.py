@@ -70,7 +70,14 @@ class OpBytes:
 
 
 def bytes_moved(
-    op: str, direction: Direction, *, tokens: int, n: int, hidden: int, act_bytes: int, coeff_bytes: int = 4,
+    op: str,
+    direction: Direction,
+    *,
+    tokens: int,
+    n: int,
+    hidden: int,
+    act_bytes: int,
+    coeff_bytes: int = 4,
     with_bias: bool = False,
 ) -> OpBytes:
     """Bytes-moved model of `op` in `direction` for T=`tokens`, n, C=`hidden`.
@@ -110,8 +117,10 @@ def bytes_moved(
         # the four output gradients, x and the saved projection and RMS in, one gradient of x out.
         coeffs = t * (2 * n + n * n) * f
         if direction == "fwd":
-            return OpBytes(read=t * nc * a + big_n * nc * f + 3 * f + big_n * f,
-                           written=t * c * a + coeffs + t * (big_n + 1) * f)
+            return OpBytes(
+                read=t * nc * a + big_n * nc * f + 3 * f + big_n * f,
+                written=t * c * a + coeffs + t * (big_n + 1) * f,
+            )
         return OpBytes(
             read=t * c * a + coeffs + t * nc * a + t * (big_n + 1) * f + big_n * nc * f,
             written=t * nc * a + big_n * nc * f + 3 * f + big_n * f,
@@ -134,7 +143,10 @@ def layer_extra_bytes(*, tokens: int, n: int, hidden: int, act_bytes: int, subla
     so their own traffic is not part of it.
     """
     kw: dict[str, Any] = dict(tokens=tokens, n=n, hidden=hidden, act_bytes=act_bytes)
-    per_sublayer = sum(bytes_moved(op, d, **kw).total for op in ("mapping", "sinkhorn", "h_aggregate", "h_post_bda")
-                       for d in ("fwd", "bwd"))
+    per_sublayer = sum(
+        bytes_moved(op, d, **kw).total
+        for op in ("mapping", "sinkhorn", "h_aggregate", "h_post_bda")
+        for d in ("fwd", "bwd")
+    )
     per_sublayer -= sum(bytes_moved("residual_add", d, **kw).total for d in ("fwd", "bwd"))
     return sublayers * per_sublayer

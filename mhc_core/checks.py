@@ -9,8 +9,18 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["NonFiniteError", "check_rank", "check_dim", "check_streams", "check_finite", "check_floating",
-           "check_int", "check_number", "shape_str", "as_int"]
+__all__ = [
+    "NonFiniteError",
+    "check_rank",
+    "check_dim",
+    "check_streams",
+    "check_finite",
+    "check_floating",
+    "check_int",
+    "check_number",
+    "shape_str",
+    "as_int",
+]
 
 
 class NonFiniteError(ValueError):
@@ -59,7 +69,9 @@ def check_floating(*, op: str, **tensors: torch.Tensor | None) -> None:
     """Each tensor (None skipped) has a floating dtype: an integer one would be truncated or refused deep inside."""
     for name, t in tensors.items():
         if t is not None and not t.is_floating_point():
-            raise ValueError(f"{op}: {name} must be a floating tensor (bf16, fp16, fp32, fp64), got dtype {t.dtype}")
+            raise ValueError(
+                f"{op}: {name} must be a floating tensor (bf16, fp16, fp32, fp64), got dtype {t.dtype}"
+            )
 
 
 def check_int(value: object, *, name: str, op: str, low: int = 1) -> int:
@@ -71,8 +83,16 @@ def check_int(value: object, *, name: str, op: str, low: int = 1) -> int:
     return v
 
 
-def check_number(value: object, *, name: str, op: str, low: float, high: float = math.inf,
-                 low_open: bool = False, high_open: bool = True) -> float:
+def check_number(
+    value: object,
+    *,
+    name: str,
+    op: str,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = True,
+) -> float:
     """`value` as a float: a real number (not a bool or a string) in the interval; `ValueError` naming it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise ValueError(f"{op}: {name}={value!r} must be a finite number")

@@ -89,7 +89,9 @@ class HyperConnectionConfig:
         try:
             spec = get_variant(self.variant)
         except ValueError as exc:
-            raise bad("variant", self.variant, f"valid: {', '.join(v.value for v in Variant)}; {exc}") from None
+            raise bad(
+                "variant", self.variant, f"valid: {', '.join(v.value for v in Variant)}; {exc}"
+            ) from None
         for field, kind in OPTION_KINDS.items():
             v = getattr(self, field)
             if v is None:
@@ -108,26 +110,40 @@ class HyperConnectionConfig:
         except ValueError:
             raise bad("form", self.form, f"valid: {', '.join(f.value for f in ConnectionForm)}") from None
         if self.form == ConnectionForm.SINGLE_PASS and self.output_contraction == OutputContraction.LEARNED:
-            raise bad("output_contraction", self.output_contraction.value,
-                      "single_pass exits with the last sublayer's H_pre, not a learned head; use 'mean' or None")
+            raise bad(
+                "output_contraction",
+                self.output_contraction.value,
+                "single_pass exits with the last sublayer's H_pre, not a learned head; use 'mean' or None",
+            )
         try:
             object.__setattr__(self, "h_res_constraint", ResidualConstraint(self.h_res_constraint))
         except ValueError:
-            raise bad("h_res_constraint", self.h_res_constraint,
-                      f"valid: {', '.join(c.value for c in ResidualConstraint)}") from None
+            raise bad(
+                "h_res_constraint",
+                self.h_res_constraint,
+                f"valid: {', '.join(c.value for c in ResidualConstraint)}",
+            ) from None
         if self.h_res_constraint == ResidualConstraint.PERMUTATIONS and self.num_residual_streams > 6:
-            raise bad("h_res_constraint", self.h_res_constraint,
-                      f"needs num_residual_streams <= 6 (n! = {math.factorial(self.num_residual_streams)} logits "
-                      f"per token at n={self.num_residual_streams})")
+            raise bad(
+                "h_res_constraint",
+                self.h_res_constraint,
+                f"needs num_residual_streams <= 6 (n! = {math.factorial(self.num_residual_streams)} logits "
+                f"per token at n={self.num_residual_streams})",
+            )
 
     @property
     def numerics(self) -> VariantSpec:
         """The variant with this config's options: what the ops are given (`spec.name` names it)."""
-        return configure(self.variant, NumericsOptions(norm_eps_placement=self.norm_eps_placement,
-                                                       mapping_precision=self.mapping_precision,
-                                                       output_contraction=self.output_contraction,
-                                                       residual_mix=self.residual_mix,
-                                                       coefficient_precision=self.coefficient_precision))
+        return configure(
+            self.variant,
+            NumericsOptions(
+                norm_eps_placement=self.norm_eps_placement,
+                mapping_precision=self.mapping_precision,
+                output_contraction=self.output_contraction,
+                residual_mix=self.residual_mix,
+                coefficient_precision=self.coefficient_precision,
+            ),
+        )
 
     @property
     def num_mapping_outputs(self) -> int:
@@ -145,15 +161,23 @@ class HyperConnectionConfig:
             sinkhorn_iterations=getattr(config, "mhc_sinkhorn_iterations", 20),
             init_gating_factor=getattr(config, "mhc_init_gating_factor", 0.01),
             variant=getattr(config, "mhc_variant", Variant.MEGATRON_MAIN),
-            norm_eps_placement=_flag(config, "mhc_norm_eps_inside_sqrt", NormEpsPlacement.INSIDE_SQRT,
-                                     NormEpsPlacement.OUTSIDE_SQRT),
-            mapping_precision=_flag(config, "mhc_keep_mappings_in_fp32", MappingPrecision.FP32,
-                                    MappingPrecision.ACTIVATION),
+            norm_eps_placement=_flag(
+                config,
+                "mhc_norm_eps_inside_sqrt",
+                NormEpsPlacement.INSIDE_SQRT,
+                NormEpsPlacement.OUTSIDE_SQRT,
+            ),
+            mapping_precision=_flag(
+                config, "mhc_keep_mappings_in_fp32", MappingPrecision.FP32, MappingPrecision.ACTIVATION
+            ),
             output_contraction=_flag(config, "mhc_learned_contraction", OutputContraction.LEARNED, None),
-            coefficient_precision=_flag(config, "mhc_fp32_coefficients", CoefficientPrecision.COMPUTE,
-                                        CoefficientPrecision.ACTIVATION),
+            coefficient_precision=_flag(
+                config, "mhc_fp32_coefficients", CoefficientPrecision.COMPUTE, CoefficientPrecision.ACTIVATION
+            ),
             norm_eps=getattr(config, "mhc_norm_eps", 1e-6),
-            form=ConnectionForm.SINGLE_PASS if getattr(config, "mhc_single_pass", False) else ConnectionForm.PER_SUBLAYER,
+            form=ConnectionForm.SINGLE_PASS
+            if getattr(config, "mhc_single_pass", False)
+            else ConnectionForm.PER_SUBLAYER,
             use_fused=getattr(config, "use_fused_mhc", False),
             perform_initialization=getattr(config, "perform_initialization", True),
             sequence_parallel=getattr(config, "sequence_parallel", False),

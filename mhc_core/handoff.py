@@ -44,7 +44,10 @@ def handoff_channels(n: int, streams_dtype: torch.dtype, mix_dtype: torch.dtype)
     is no wider than the streams (it is then cast to them: the caller's choice), else `n * itemsize(mix) /
     itemsize(streams)`."""
     n = check_streams(n, op="handoff_channels")
-    wide, narrow = torch.empty(0, dtype=mix_dtype).element_size(), torch.empty(0, dtype=streams_dtype).element_size()
+    wide, narrow = (
+        torch.empty(0, dtype=mix_dtype).element_size(),
+        torch.empty(0, dtype=streams_dtype).element_size(),
+    )
     if wide <= narrow:
         return n
     if wide % narrow:
@@ -74,7 +77,7 @@ class _Pack(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad[..., : ctx.width], _from_channels(grad[..., ctx.width:], ctx.mix_dtype)
+        return grad[..., : ctx.width], _from_channels(grad[..., ctx.width :], ctx.mix_dtype)
 
 
 class _Unpack(torch.autograd.Function):
@@ -97,7 +100,9 @@ def pack(streams: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     if mix.shape[:2] != streams.shape[:2]:
         raise ValueError(f"{op}: mix {shape_str(mix)} and streams {shape_str(streams)} differ in [s, b]")
     if not mix.is_floating_point() or not streams.is_floating_point():
-        raise ValueError(f"{op}: streams and mix must be floating tensors, got {streams.dtype} and {mix.dtype}")
+        raise ValueError(
+            f"{op}: streams and mix must be floating tensors, got {streams.dtype} and {mix.dtype}"
+        )
     return _Pack.apply(streams, mix)
 
 
@@ -110,6 +115,8 @@ def unpack(carrier: torch.Tensor, n: int, mix_dtype: torch.dtype) -> tuple[torch
     k = handoff_channels(n, carrier.dtype, mix_dtype)
     width = carrier.shape[-1] - k
     if width <= 0 or width % n:
-        raise ValueError(f"{op}: carrier {shape_str(carrier)} ({carrier.dtype}) is not [s, b, n*C + k] with n = {n} "
-                         f"and k = {k} channels of a {mix_dtype} mix")
+        raise ValueError(
+            f"{op}: carrier {shape_str(carrier)} ({carrier.dtype}) is not [s, b, n*C + k] with n = {n} "
+            f"and k = {k} channels of a {mix_dtype} mix"
+        )
     return _Unpack.apply(carrier, width, mix_dtype)

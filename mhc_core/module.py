@@ -142,11 +142,15 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         op = "HyperConnectionModule.forward"
         single = self.hc_config.form == ConnectionForm.SINGLE_PASS
         if single and previous_h_pre is _PER_SUBLAYER:
-            raise ValueError(f"{op}: this module is single_pass: call hc(x, previous_h_pre=h) with the H_pre the "
-                             "previous sublayer returned [s, b, n], or None at the model's entry")
+            raise ValueError(
+                f"{op}: this module is single_pass: call hc(x, previous_h_pre=h) with the H_pre the "
+                "previous sublayer returned [s, b, n], or None at the model's entry"
+            )
         if not single and previous_h_pre is not _PER_SUBLAYER:
-            raise ValueError(f"{op}: previous_h_pre is for the single_pass form; this module is "
-                             f"{self.hc_config.form.value} (HyperConnectionConfig.form)")
+            raise ValueError(
+                f"{op}: previous_h_pre is for the single_pass form; this module is "
+                f"{self.hc_config.form.value} (HyperConnectionConfig.form)"
+            )
         if single:
             return self._single_pass(hidden_states, previous_h_pre)
         s, b = self._check_streams(hidden_states, "hidden_states", op)
@@ -155,15 +159,20 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         params = (self.mapping_proj.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias)
         try:
             if cfg.h_res_constraint == ResidualConstraint.NONE:  # unconstrained Hyper-Connections
-                h_pre, h_post, logits = ops.mapping(x, *params, n, self._spec, cfg.norm_eps, backend=self._backend)
+                h_pre, h_post, logits = ops.mapping(
+                    x, *params, n, self._spec, cfg.norm_eps, backend=self._backend
+                )
                 h_res = torch.eye(n, dtype=logits.dtype, device=logits.device) + logits
                 aggregated = ops.h_aggregate(x.view(s * b, n, c), h_pre, backend=self._backend)
-            elif cfg.h_res_constraint == ResidualConstraint.PERMUTATIONS:  # mHC-lite, on the reference mapping
+            elif (
+                cfg.h_res_constraint == ResidualConstraint.PERMUTATIONS
+            ):  # mHC-lite, on the reference mapping
                 h_pre, h_post, h_res = permutation_mapping(x, *params, n, self._spec, cfg.norm_eps)
                 aggregated = ops.h_aggregate(x.view(s * b, n, c), h_pre, backend=self._backend)
             else:  # mapping, Sinkhorn and aggregate in one op (one pass over x where the backend fuses them)
-                aggregated, h_pre, h_post, h_res = ops.pre(x, *params, n, cfg.sinkhorn_iterations, self._spec,
-                                                           cfg.norm_eps, backend=self._backend)
+                aggregated, h_pre, h_post, h_res = ops.pre(
+                    x, *params, n, cfg.sinkhorn_iterations, self._spec, cfg.norm_eps, backend=self._backend
+                )
         except NonFiniteError:  # the reference scans the logits; name where the NaN / inf came from
             check_finite(hidden_states, name="hidden_states", op="HyperConnectionModule.forward")
             for name, p in self.named_parameters():
@@ -184,12 +193,16 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
         n, c, cfg = self.n, self.hidden_size, self.hc_config
         check_previous_h_pre(previous_h_pre, (s, b), n, op=op, layout="[s, b, n]")
         if cfg.h_res_constraint != ResidualConstraint.SINKHORN:
-            raise ValueError(f"{op}: the single_pass form runs with h_res_constraint='sinkhorn', got "
-                             f"{cfg.h_res_constraint.value!r}")
+            raise ValueError(
+                f"{op}: the single_pass form runs with h_res_constraint='sinkhorn', got "
+                f"{cfg.h_res_constraint.value!r}"
+            )
         x = hidden_states.reshape(s * b, n * c)
         params = (self.mapping_proj.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias)
         try:
-            next_h_pre, h_post, logits = ops.mapping(x, *params, n, self._spec, cfg.norm_eps, backend=self._backend)
+            next_h_pre, h_post, logits = ops.mapping(
+                x, *params, n, self._spec, cfg.norm_eps, backend=self._backend
+            )
             h_res = ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, self._spec, backend=self._backend)
         except NonFiniteError:
             check_finite(hidden_states, name="hidden_states", op=op)
@@ -201,8 +214,9 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
             branch = streams[:, 0, :].clone()
         else:
             branch = ops.h_aggregate(streams, previous_h_pre.reshape(s * b, n), backend=self._backend)
-        return SinglePassMix(branch.view(s, b, c), h_res.view(s, b, n, n), h_post.view(s, b, n),
-                             next_h_pre.view(s, b, n))
+        return SinglePassMix(
+            branch.view(s, b, c), h_res.view(s, b, n, n), h_post.view(s, b, n), next_h_pre.view(s, b, n)
+        )
 
     def post_residual_bda(
         self,
@@ -233,8 +247,10 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
                 got = f"{type(output_with_bias).__name__} of length {len(output_with_bias)}"
             else:
                 got = type(output_with_bias).__name__
-            raise ValueError(f"{op}: output_with_bias must be the pair (y [s, b, C], bias [C] or None) a Megatron "
-                             f"sublayer returns, got {got}")
+            raise ValueError(
+                f"{op}: output_with_bias must be the pair (y [s, b, C], bias [C] or None) a Megatron "
+                f"sublayer returns, got {got}"
+            )
         y, bias = output_with_bias
         check_dim(y, (s, b, c), name="y", op=op, layout="[s, b, C]")
         check_dim(h_res, (s, b, n, n), name="h_res", op=op, layout="[s, b, n, n]")

@@ -39,13 +39,23 @@ from torch import nn
 from mhc_core.module import HyperConnectionModule
 from mhc_core.variants import ResidualConstraint, get_variant
 
-__all__ = ["METRICS", "MonitorConfig", "StabilityAlarm", "StabilityMonitor", "StabilityReport", "is_tree_module",
-           "log_report"]
+__all__ = [
+    "METRICS",
+    "MonitorConfig",
+    "StabilityAlarm",
+    "StabilityMonitor",
+    "StabilityReport",
+    "is_tree_module",
+    "log_report",
+]
 
 METRICS = {
-    "forward_gain": "mhc-amax-gain-fwd", "backward_gain": "mhc-amax-gain-bwd",
-    "worst_layer_gain": "mhc-layer-gain-max", "sum_deviation": "mhc-sum-dev-max",
-    "orientation_error": "mhc-orientation-err", "sublayers": "mhc-monitor-sublayers",
+    "forward_gain": "mhc-amax-gain-fwd",
+    "backward_gain": "mhc-amax-gain-bwd",
+    "worst_layer_gain": "mhc-layer-gain-max",
+    "sum_deviation": "mhc-sum-dev-max",
+    "orientation_error": "mhc-orientation-err",
+    "sublayers": "mhc-monitor-sublayers",
     "seconds": "mhc-monitor-seconds",
 }
 """Report field -> the metric name a training run records (golden schema, TensorBoard tag under `mhc/`)."""
@@ -115,9 +125,13 @@ def _gains(m: torch.Tensor) -> tuple[float, float]:
 
 def is_tree_module(m: nn.Module) -> bool:
     """A Megatron-LM tree's hyper connection (main or dev), told by what it has, not by where it comes from."""
-    return (not isinstance(m, HyperConnectionModule) and type(m).__name__ == "HyperConnectionModule"
-            and callable(getattr(m, "fused_h_res_h_post_bda", None)) and isinstance(getattr(m, "n", None), int)
-            and isinstance(getattr(m, "hidden_size", None), int))
+    return (
+        not isinstance(m, HyperConnectionModule)
+        and type(m).__name__ == "HyperConnectionModule"
+        and callable(getattr(m, "fused_h_res_h_post_bda", None))
+        and isinstance(getattr(m, "n", None), int)
+        and isinstance(getattr(m, "hidden_size", None), int)
+    )
 
 
 class StabilityMonitor:
@@ -171,8 +185,11 @@ class StabilityMonitor:
                 return
             t0 = time.perf_counter()
             h_res = output[1].detach()
-            self._captured[name] = h_res.reshape(-1, module.n, module.n)[: self.config.tokens].to(torch.float64).clone()
+            self._captured[name] = (
+                h_res.reshape(-1, module.n, module.n)[: self.config.tokens].to(torch.float64).clone()
+            )
             self._hook_seconds += time.perf_counter() - t0
+
         return hook
 
     def _applied(self, name: str, module: Any, h_res: torch.Tensor) -> torch.Tensor:
@@ -183,8 +200,12 @@ class StabilityMonitor:
         dev, dt = weight.device, weight.dtype
         basis = torch.zeros(t, 1, n, c, device=dev, dtype=dt)
         basis[:, 0, :, :n] = torch.eye(n, device=dev, dtype=dt)
-        args = (h_res.to(dev, dt).view(t, 1, n, n), basis.view(t, 1, n * c), torch.zeros(t, 1, n, device=dev, dtype=dt),
-                (torch.zeros(t, 1, c, device=dev, dtype=dt), None))
+        args = (
+            h_res.to(dev, dt).view(t, 1, n, n),
+            basis.view(t, 1, n * c),
+            torch.zeros(t, 1, n, device=dev, dtype=dt),
+            (torch.zeros(t, 1, c, device=dev, dtype=dt), None),
+        )
         with torch.no_grad():
             if isinstance(module, HyperConnectionModule):
                 out = module.post_residual_bda(*args, dropout_p=0.0, training=False)
@@ -195,15 +216,20 @@ class StabilityMonitor:
     def report(self, step: int, *, group: Any = None) -> StabilityReport | None:
         """The report of a sampled `step` (None otherwise), stages joined over `group` (the pipeline
         group; every rank of it must call this); alarms fire here."""
-        distributed = (group is not None and torch.distributed.is_initialized()
-                       and torch.distributed.get_world_size(group) > 1)
+        distributed = (
+            group is not None
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(group) > 1
+        )
         if not self.sampled(step) or not (self.modules or distributed):
             return None  # (a stage without mHC sublayers still joins the gather of its pipeline group)
         if self.modules and (self._step != step or len(self._captured) != len(self.modules)):
             missing = [n for n, _ in self.modules if n not in self._captured]
-            raise RuntimeError(f"StabilityMonitor.report(step={step}): no forward of {', '.join(missing[:3])}"
-                               f"{' ...' if len(missing) > 3 else ''} was sampled (run the step inside "
-                               f"monitor.sampling({step}))")
+            raise RuntimeError(
+                f"StabilityMonitor.report(step={step}): no forward of {', '.join(missing[:3])}"
+                f"{' ...' if len(missing) > 3 else ''} was sampled (run the step inside "
+                f"monitor.sampling({step}))"
+            )
         t0 = time.perf_counter()
         composites: list[torch.Tensor | None] = [None] * self.chunks  # per model chunk (virtual stage)
         worst, worst_name, sum_dev, orient = 0.0, "", 0.0, 0.0
@@ -228,8 +254,14 @@ class StabilityMonitor:
             i = self._chunk_of[name]
             prev = composites[i]
             composites[i] = applied if prev is None else applied @ prev
-        local = ([c.cpu() for c in composites if c is not None], worst, worst_name, sum_dev, orient,
-                 len(self.modules))
+        local = (
+            [c.cpu() for c in composites if c is not None],
+            worst,
+            worst_name,
+            sum_dev,
+            orient,
+            len(self.modules),
+        )
         ranks = [local]
         if distributed:
             ranks = [None] * torch.distributed.get_world_size(group)  # type: ignore[list-item]  # filled by the gather
@@ -244,25 +276,41 @@ class StabilityMonitor:
         stages = ranks
         fwd, bwd = _gains(total)
         best = max(stages, key=lambda s: s[1])
-        rep = StabilityReport(step=step, forward_gain=fwd, backward_gain=bwd, worst_layer_gain=best[1],
-                              worst_layer=best[2], sum_deviation=max(s[3] for s in stages),
-                              orientation_error=max(s[4] for s in stages), sublayers=sum(s[5] for s in stages),
-                              tokens=int(total.shape[0]), seconds=self._hook_seconds + time.perf_counter() - t0)
+        rep = StabilityReport(
+            step=step,
+            forward_gain=fwd,
+            backward_gain=bwd,
+            worst_layer_gain=best[1],
+            worst_layer=best[2],
+            sum_deviation=max(s[3] for s in stages),
+            orientation_error=max(s[4] for s in stages),
+            sublayers=sum(s[5] for s in stages),
+            tokens=int(total.shape[0]),
+            seconds=self._hook_seconds + time.perf_counter() - t0,
+        )
         self._alarm(rep)
         return rep
 
     def _alarm(self, rep: StabilityReport) -> None:
         c = self.config
-        checks = (("forward composite Amax gain", rep.forward_gain, c.max_forward_gain, ""),
-                  ("backward composite Amax gain", rep.backward_gain, c.max_backward_gain, ""),
-                  ("row / column sum deviation from 1", rep.sum_deviation, c.max_sum_deviation, ""),
-                  ("mixing-matrix orientation error", rep.orientation_error, c.max_orientation_error,
-                   " (a sublayer applies another matrix than its variant's H or H^T: a transposed mix?)"))
+        checks = (
+            ("forward composite Amax gain", rep.forward_gain, c.max_forward_gain, ""),
+            ("backward composite Amax gain", rep.backward_gain, c.max_backward_gain, ""),
+            ("row / column sum deviation from 1", rep.sum_deviation, c.max_sum_deviation, ""),
+            (
+                "mixing-matrix orientation error",
+                rep.orientation_error,
+                c.max_orientation_error,
+                " (a sublayer applies another matrix than its variant's H or H^T: a transposed mix?)",
+            ),
+        )
         for what, value, bound, hint in checks:
             if bound is None or not value > bound:
                 continue
-            msg = (f"mHC stability alarm at step {rep.step}: {what} {value:.6g} > bound {bound:g}; worst "
-                   f"sublayer {rep.worst_layer} (single-layer gain {rep.worst_layer_gain:.6g}){hint}")
+            msg = (
+                f"mHC stability alarm at step {rep.step}: {what} {value:.6g} > bound {bound:g}; worst "
+                f"sublayer {rep.worst_layer} (single-layer gain {rep.worst_layer_gain:.6g}){hint}"
+            )
             if c.on_alarm == "raise":
                 raise StabilityAlarm(msg)
             if what not in self._warned:

@@ -48,6 +48,7 @@ class KeepInFp32Mixin:
 
     def _marked_parameters(self) -> Iterator[tuple[nn.Module, str]]:
         """(owner module, parameter name) of each marked parameter this mixin restores."""
+
         def walk(module: nn.Module, root: bool) -> Iterator[tuple[nn.Module, str]]:
             if not root and isinstance(module, KeepInFp32Mixin):
                 return

@@ -61,10 +61,12 @@ class _RngState:
 
     def __init__(self, device: torch.device):
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("mHC recompute with hidden dropout in training cannot run inside a CUDA-graph "
-                               "capture: replaying the dropout mask needs the CUDA generator's state, which "
-                               "torch does not give out while capturing; capture without mHC recompute, or "
-                               "with hidden_dropout=0")
+            raise RuntimeError(
+                "mHC recompute with hidden dropout in training cannot run inside a CUDA-graph "
+                "capture: replaying the dropout mask needs the CUDA generator's state, which "
+                "torch does not give out while capturing; capture without mHC recompute, or "
+                "with hidden_dropout=0"
+            )
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.device = device
@@ -104,8 +106,9 @@ class StreamRecompute:
         """Whether `x` is this open group's newest state (the next sublayer may extend the group)."""
         return self._open and self._states[-1] is not None and _key(x) == _key(self._states[-1])
 
-    def post_residual_bda(self, hc, h_res, residual, h_post, output_with_bias, dropout_p=0.0, training=None, *,
-                          carry=None):
+    def post_residual_bda(
+        self, hc, h_res, residual, h_post, output_with_bias, dropout_p=0.0, training=None, *, carry=None
+    ):
         """`hc.post_residual_bda(...)` whose output becomes this group's next state.
 
         `residual` must be the group's newest state or a view of it (the streams of a carrier; a ValueError
@@ -125,12 +128,24 @@ class StreamRecompute:
         out = hc.post_residual_bda(h_res, residual, h_post, (y, bias), dropout_p, training)
         if carry is not None:
             out = pack(out, carry)
-        saved = (h_res.detach(), h_post.detach(), y.detach(), None if bias is None else bias.detach(),
-                 None if carry is None else carry.detach())
+        saved = (
+            h_res.detach(),
+            h_post.detach(),
+            y.detach(),
+            None if bias is None else bias.detach(),
+            None if carry is None else carry.detach(),
+        )
         newest = self._states[-1]
         assert newest is not None  # continues_from checked it
-        view = None if residual.shape == newest.shape else (tuple(residual.size()), tuple(residual.stride()),
-                                                             residual.storage_offset() - newest.storage_offset())
+        view = (
+            None
+            if residual.shape == newest.shape
+            else (
+                tuple(residual.size()),
+                tuple(residual.stride()),
+                residual.storage_offset() - newest.storage_offset(),
+            )
+        )
 
         def rebuild(prev: torch.Tensor, saved=saved, rng=rng, view=view) -> torch.Tensor:
             h_res_d, h_post_d, y_d, bias_d, carry_d = saved

@@ -26,9 +26,14 @@ from mhc_core.ops.streams import contract, expand
 __all__ = ["run_stack"]
 
 
-def run_stack(h: torch.Tensor, connections: Sequence[HyperConnectionModule],
-              branches: Sequence[Callable[[torch.Tensor], torch.Tensor]], *, dropout_p: float = 0.0,
-              training: bool = False) -> torch.Tensor:
+def run_stack(
+    h: torch.Tensor,
+    connections: Sequence[HyperConnectionModule],
+    branches: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    *,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
     """`h [s, b, C]` through one sublayer per (connection, branch) and back to `[s, b, C]`.
 
     Raises:
@@ -37,13 +42,17 @@ def run_stack(h: torch.Tensor, connections: Sequence[HyperConnectionModule],
     """
     op = "run_stack"
     if not connections or len(connections) != len(branches):
-        raise ValueError(f"{op}: one branch per connection, at least one: got {len(connections)} connections and "
-                         f"{len(branches)} branches")
+        raise ValueError(
+            f"{op}: one branch per connection, at least one: got {len(connections)} connections and "
+            f"{len(branches)} branches"
+        )
     forms = {hc.hc_config.form for hc in connections}
     streams = {hc.n for hc in connections}
     if len(forms) != 1 or len(streams) != 1:
-        raise ValueError(f"{op}: every connection of a stack has one form and one n; got forms "
-                         f"{sorted(f.value for f in forms)}, n {sorted(streams)}")
+        raise ValueError(
+            f"{op}: every connection of a stack has one form and one n; got forms "
+            f"{sorted(f.value for f in forms)}, n {sorted(streams)}"
+        )
     n, single = streams.pop(), forms.pop() == ConnectionForm.SINGLE_PASS
     x = expand(h, n)
     h_pre: torch.Tensor | None = None

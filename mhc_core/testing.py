@@ -75,8 +75,10 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: T
         nonfinite = ~torch.isfinite(t)
         if nonfinite.any():
             idx = tuple(int(i) for i in nonfinite.nonzero()[0])
-            raise AssertionError(f"{name}: {int(nonfinite.sum())} non-finite value(s) in {label}, "
-                                 f"first at {idx}: {float(t[idx])}; shape {list(t.shape)}")
+            raise AssertionError(
+                f"{name}: {int(nonfinite.sum())} non-finite value(s) in {label}, "
+                f"first at {idx}: {float(t[idx])}; shape {list(t.shape)}"
+            )
     err = (a - e).abs()
     bound = tol.atol + tol.rtol * e.abs()
     bad = err > bound
@@ -100,7 +102,9 @@ def cosine_similarity(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((a @ e) / (na * ne).clamp_min(1e-300))
 
 
-def assert_cosine(name: str, actual: torch.Tensor, expected: torch.Tensor, minimum: float = COSINE_MIN) -> None:
+def assert_cosine(
+    name: str, actual: torch.Tensor, expected: torch.Tensor, minimum: float = COSINE_MIN
+) -> None:
     """Raise `AssertionError` printing the similarity when it is below `minimum`."""
     __tracebackhide__ = True
     cos = cosine_similarity(actual, expected)

@@ -33,8 +33,22 @@ import enum
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-__all__ = ["CONFIGURATIONS", "CoefficientPrecision", "MappingPrecision", "NormEpsPlacement", "NumericsOptions", "OutputContraction", "ResidualConstraint",
-           "ResidualMix", "Variant", "VariantSpec", "VARIANTS", "configure", "configuration_name", "get_variant"]
+__all__ = [
+    "CONFIGURATIONS",
+    "CoefficientPrecision",
+    "MappingPrecision",
+    "NormEpsPlacement",
+    "NumericsOptions",
+    "OutputContraction",
+    "ResidualConstraint",
+    "ResidualMix",
+    "Variant",
+    "VariantSpec",
+    "VARIANTS",
+    "configure",
+    "configuration_name",
+    "get_variant",
+]
 
 
 class Variant(enum.StrEnum):
@@ -148,11 +162,15 @@ class VariantSpec:
 
     def __post_init__(self) -> None:
         if self.sinkhorn_start == "exp" and self.sinkhorn_guard != "none":
-            raise ValueError(f"VariantSpec {self.variant.value}: sinkhorn_start='exp' runs in the log domain, which has "
-                             f"no sum to guard; sinkhorn_guard={self.sinkhorn_guard!r} needs a linear start")
+            raise ValueError(
+                f"VariantSpec {self.variant.value}: sinkhorn_start='exp' runs in the log domain, which has "
+                f"no sum to guard; sinkhorn_guard={self.sinkhorn_guard!r} needs a linear start"
+            )
         if self.sinkhorn_start == "softmax_eps" and self.sinkhorn_order != "row_col":
-            raise ValueError(f"VariantSpec {self.variant.value}: sinkhorn_start='softmax_eps' is the first row step, "
-                             f"so sinkhorn_order must be 'row_col', got {self.sinkhorn_order!r}")
+            raise ValueError(
+                f"VariantSpec {self.variant.value}: sinkhorn_start='softmax_eps' is the first row step, "
+                f"so sinkhorn_order must be 'row_col', got {self.sinkhorn_order!r}"
+            )
 
     @property
     def sinkhorn_form(self) -> tuple[str, str, str]:
@@ -167,7 +185,11 @@ class VariantSpec:
     @property
     def coefficient_precision(self) -> CoefficientPrecision:
         """`activation` when the coefficients are cast to the activation dtype."""
-        return CoefficientPrecision.ACTIVATION if self.coefficients_in_activation_dtype else CoefficientPrecision.COMPUTE
+        return (
+            CoefficientPrecision.ACTIVATION
+            if self.coefficients_in_activation_dtype
+            else CoefficientPrecision.COMPUTE
+        )
 
     @property
     def residual_mix(self) -> ResidualMix:
@@ -178,12 +200,21 @@ class VariantSpec:
     def options(self) -> tuple[str, ...]:
         """The option names where this spec differs from its variant's own, in `_OPTION_NAMES`' order."""
         base = VARIANTS[self.variant]
-        rest = [f.name for f in fields(self) if f.name not in _OPTION_FIELDS and getattr(self, f.name) != getattr(base, f.name)]
+        rest = [
+            f.name
+            for f in fields(self)
+            if f.name not in _OPTION_FIELDS and getattr(self, f.name) != getattr(base, f.name)
+        ]
         if rest:
-            raise ValueError(f"VariantSpec differs from {self.variant.value} in {', '.join(rest)}, which are not "
-                             f"options; options: {', '.join(_OPTION_NAMES)}")
-        return tuple(name for name, (field, value) in _OPTION_NAMES.items()
-                     if getattr(self, field) == value != getattr(base, field))
+            raise ValueError(
+                f"VariantSpec differs from {self.variant.value} in {', '.join(rest)}, which are not "
+                f"options; options: {', '.join(_OPTION_NAMES)}"
+            )
+        return tuple(
+            name
+            for name, (field, value) in _OPTION_NAMES.items()
+            if getattr(self, field) == value != getattr(base, field)
+        )
 
     @property
     def name(self) -> str:
@@ -193,7 +224,10 @@ class VariantSpec:
     @property
     def norm_eps_inside(self) -> bool:
         """Whether the eps goes in `sqrt(mean(x^2) + eps)` (True) or in `1 / (rms + eps)` (False)."""
-        return self.norm_eps_placement in (NormEpsPlacement.INSIDE_SQRT, NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS)
+        return self.norm_eps_placement in (
+            NormEpsPlacement.INSIDE_SQRT,
+            NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS,
+        )
 
     @property
     def norm_eps_from_dtype(self) -> bool:
@@ -219,7 +253,9 @@ class NumericsOptions:
             try:
                 object.__setattr__(self, name, kind(v))
             except ValueError:
-                raise ValueError(f"NumericsOptions.{name}={v!r}: valid: {', '.join(k.value for k in kind)}") from None
+                raise ValueError(
+                    f"NumericsOptions.{name}={v!r}: valid: {', '.join(k.value for k in kind)}"
+                ) from None
 
 
 VARIANTS: dict[Variant, VariantSpec] = {
@@ -274,8 +310,14 @@ OPTION_KINDS: dict[str, type[enum.StrEnum]] = {
 }
 """Each option (a `NumericsOptions` field, and a `VariantSpec` field or property) and its choices."""
 
-_OPTION_FIELDS = ("norm_eps_placement", "mapping_fp32", "params_fp32", "output_contraction", "res_transposed",
-                  "coefficients_in_activation_dtype")
+_OPTION_FIELDS = (
+    "norm_eps_placement",
+    "mapping_fp32",
+    "params_fp32",
+    "output_contraction",
+    "res_transposed",
+    "coefficients_in_activation_dtype",
+)
 """The `VariantSpec` fields the options set (`mapping_precision` sets the two precision fields)."""
 
 _OPTION_NAMES: dict[str, tuple[str, str]] = {
@@ -310,7 +352,9 @@ def configure(variant: str | Variant | VariantSpec, options: NumericsOptions | N
     if options.residual_mix is not None:
         changes["res_transposed"] = options.residual_mix == ResidualMix.TRANSPOSED
     if options.coefficient_precision is not None:
-        changes["coefficients_in_activation_dtype"] = options.coefficient_precision == CoefficientPrecision.ACTIVATION
+        changes["coefficients_in_activation_dtype"] = (
+            options.coefficient_precision == CoefficientPrecision.ACTIVATION
+        )
     out = replace(spec, **changes)
     return VARIANTS[out.variant] if out == VARIANTS[out.variant] else out
 
@@ -341,8 +385,10 @@ def get_variant(variant: str | Variant | VariantSpec) -> VariantSpec:
         spec = VARIANTS[Variant(base)]
     except ValueError:
         valid = ", ".join(v.value for v in Variant)
-        raise ValueError(f"variant={variant!r} is not a known mHC variant; valid: {valid}, or a named configuration "
-                         f"({', '.join(CONFIGURATIONS)}) (options, as '+<option>': {', '.join(_OPTION_NAMES)})") from None
+        raise ValueError(
+            f"variant={variant!r} is not a known mHC variant; valid: {valid}, or a named configuration "
+            f"({', '.join(CONFIGURATIONS)}) (options, as '+<option>': {', '.join(_OPTION_NAMES)})"
+        ) from None
     return _with_options(spec, variant, options) if options else spec
 
 

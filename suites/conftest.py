@@ -10,7 +10,9 @@ import pytest
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """An empty suite passes only where the tox env says so (`MHC_ALLOW_EMPTY=1`); never silently."""
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and os.environ.get("MHC_ALLOW_EMPTY") == "1":
-        session.config.get_terminal_writer().line("no tests collected: allowed by MHC_ALLOW_EMPTY=1", yellow=True)
+        session.config.get_terminal_writer().line(
+            "no tests collected: allowed by MHC_ALLOW_EMPTY=1", yellow=True
+        )
         session.exitstatus = pytest.ExitCode.OK
 
 

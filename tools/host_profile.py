@@ -39,7 +39,16 @@ from tools.cutile.bench import (
     write_json,
 )
 
-__all__ = ["AREAS", "FunctionCost", "HostProfile", "host_us", "profile_calls", "profile_op", "area_of", "main"]
+__all__ = [
+    "AREAS",
+    "FunctionCost",
+    "HostProfile",
+    "host_us",
+    "profile_calls",
+    "profile_op",
+    "area_of",
+    "main",
+]
 
 AREAS = ("mhc_core", "torch", "cuda.tile", "C functions", "other")
 
@@ -100,8 +109,9 @@ def area_of(filename: str) -> str:
     return "other"
 
 
-def profile_calls(fn: Callable[[], object], *, calls: int, device: str, top: int
-                  ) -> tuple[float, dict[str, float], tuple[FunctionCost, ...]]:
+def profile_calls(
+    fn: Callable[[], object], *, calls: int, device: str, top: int
+) -> tuple[float, dict[str, float], tuple[FunctionCost, ...]]:
     """`fn()` `calls` times under cProfile: (us per call, own us per area per call, the `top` functions by
     own time). The device is drained after each call, inside the profile (its wait shows as a C function).
     The backward runs on this thread (`set_multithreading_enabled(False)`): on a GPU autograd would run it
@@ -123,32 +133,61 @@ def profile_calls(fn: Callable[[], object], *, calls: int, device: str, top: int
         area = area_of(filename)
         areas[area] += tottime * 1e6 / calls
         label = name if filename == "~" else f"{Path(filename).name}:{line}({name})"
-        rows.append(FunctionCost(name=label, area=area, calls_per_op=ncalls / calls, own_us=tottime * 1e6 / calls))
+        rows.append(
+            FunctionCost(name=label, area=area, calls_per_op=ncalls / calls, own_us=tottime * 1e6 / calls)
+        )
     rows.sort(key=lambda r: r.own_us, reverse=True)
     return per_call, {k: round(v, 2) for k, v in areas.items()}, tuple(rows[:top])
 
 
-def profile_op(op: str, backend: str, *, tokens: int, hidden: int, n: int, act: torch.dtype, variant: str,
-               iterations: int, device: str, calls: int, warmup: int, top: int) -> list[HostProfile]:
+def profile_op(
+    op: str,
+    backend: str,
+    *,
+    tokens: int,
+    hidden: int,
+    n: int,
+    act: torch.dtype,
+    variant: str,
+    iterations: int,
+    device: str,
+    calls: int,
+    warmup: int,
+    top: int,
+) -> list[HostProfile]:
     """Forward and backward host profiles of `op` on `backend` (`dispatch.get_impl`)."""
     impl = dispatch.op_on(op, backend)
     fn = op_call(SimpleNamespace(**{op: impl}), op, n, variant, iterations)
-    inputs = [x.requires_grad_(True) if x is not None else None
-              for x in make_inputs(op, tokens, n, hidden, act, variant, device=device)]
+    inputs = [
+        x.requires_grad_(True) if x is not None else None
+        for x in make_inputs(op, tokens, n, hidden, act, variant, device=device)
+    ]
     out = []
     for direction, call in (("fwd", lambda: fn(*inputs)), ("bwd", backward_fn(fn, inputs))):
         host = host_us(call, calls=calls, warmup=warmup, device=device)
         profiled, areas, top_rows = profile_calls(call, calls=calls, device=device, top=top)
-        out.append(HostProfile(op=op, direction=direction, backend=backend, host_us=round(host, 2),
-                               profiled_us=round(profiled, 2), area_us=areas, top=top_rows))
+        out.append(
+            HostProfile(
+                op=op,
+                direction=direction,
+                backend=backend,
+                host_us=round(host, 2),
+                profiled_us=round(profiled, 2),
+                area_us=areas,
+                top=top_rows,
+            )
+        )
     return out
 
 
 def _print(rows: list[HostProfile]) -> None:
     for r in rows:
         areas = ", ".join(f"{k} {v:.1f}" for k, v in r.area_us.items() if v > 0)
-        print(f"{r.op:12s} {r.direction} {r.backend:9s} host {r.host_us:9.1f} us per call "
-              f"(profiled {r.profiled_us:.1f} us: {areas})", flush=True)
+        print(
+            f"{r.op:12s} {r.direction} {r.backend:9s} host {r.host_us:9.1f} us per call "
+            f"(profiled {r.profiled_us:.1f} us: {areas})",
+            flush=True,
+        )
         for f in r.top:
             print(f"    {f.own_us:8.1f} us  {f.calls_per_op:5.1f}x  [{f.area}] {f.name}")
 
@@ -181,15 +220,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for op in ops:
-        rows += profile_op(op, args.backend, tokens=args.tokens, hidden=args.hidden, n=args.n,
-                           act=ACT_DTYPES[args.dtype], variant=args.variant, iterations=args.iterations,
-                           device=device, calls=args.calls, warmup=args.warmup, top=args.top)
+        rows += profile_op(
+            op,
+            args.backend,
+            tokens=args.tokens,
+            hidden=args.hidden,
+            n=args.n,
+            act=ACT_DTYPES[args.dtype],
+            variant=args.variant,
+            iterations=args.iterations,
+            device=device,
+            calls=args.calls,
+            warmup=args.warmup,
+            top=args.top,
+        )
     _print(rows)
     if args.out:
-        write_json(args.out, {"tokens": args.tokens, "hidden": args.hidden, "n": args.n, "dtype": args.dtype,
-                              "variant": args.variant, "backend": args.backend, "device": device,
-                              "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-                              "calls": args.calls, "rows": [asdict(r) for r in rows]})
+        write_json(
+            args.out,
+            {
+                "tokens": args.tokens,
+                "hidden": args.hidden,
+                "n": args.n,
+                "dtype": args.dtype,
+                "variant": args.variant,
+                "backend": args.backend,
+                "device": device,
+                "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                "calls": args.calls,
+                "rows": [asdict(r) for r in rows],
+            },
+        )
     return 0
 
 

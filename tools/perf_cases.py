@@ -44,14 +44,25 @@ class PerfCase:
 
     @property
     def id(self) -> str:
-        size = f"T{self.tokens}-n{self.n}" if self.op == "sinkhorn" else f"T{self.tokens}-n{self.n}-C{self.hidden}"
+        size = (
+            f"T{self.tokens}-n{self.n}"
+            if self.op == "sinkhorn"
+            else f"T{self.tokens}-n{self.n}-C{self.hidden}"
+        )
         return f"{self.op}-{size}-{_DTYPE_NAME[self.dtype]}" + (f"-p{self.dropout:g}" if self.dropout else "")
 
     def bytes(self, direction: str) -> int:
         """Bytes moved by an ideal kernel (`mhc_core.analysis.bytes_moved`)."""
         act = torch.empty((), dtype=self.dtype).element_size()
-        return bytes_moved(self.op, direction, tokens=self.tokens, n=self.n, hidden=self.hidden,
-                           act_bytes=act, with_bias=True).total
+        return bytes_moved(
+            self.op,
+            direction,
+            tokens=self.tokens,
+            n=self.n,
+            hidden=self.hidden,
+            act_bytes=act,
+            with_bias=True,
+        ).total
 
     def inputs(self, requires_grad: bool) -> tuple:
         """Positional arguments of the op (reference signature), seeded."""
@@ -66,15 +77,27 @@ class PerfCase:
             return (rnd(t, n, n, dtype=torch.float32), 20, None, "megatron_main")
         if self.op in ("mapping", "pre"):
             big_n = n * n + 2 * n
-            args = (rnd(t, n * c), rnd(big_n, n * c, dtype=torch.float32, scale=0.02),
-                    *(rnd(1, dtype=torch.float32, scale=0.01) for _ in range(3)),
-                    rnd(big_n, dtype=torch.float32, scale=0.01), n)
+            args = (
+                rnd(t, n * c),
+                rnd(big_n, n * c, dtype=torch.float32, scale=0.02),
+                *(rnd(1, dtype=torch.float32, scale=0.01) for _ in range(3)),
+                rnd(big_n, dtype=torch.float32, scale=0.01),
+                n,
+            )
             return (*args, "megatron_main") if self.op == "mapping" else (*args, 20, "megatron_main")
         if self.op == "h_aggregate":
             return (rnd(t, n, c), rnd(t, n, dtype=torch.float32))
         if self.op == "h_post_bda":
-            return (rnd(t, n, n, dtype=torch.float32), rnd(t, n, c), rnd(t, n, dtype=torch.float32), rnd(t, c),
-                    rnd(c), self.dropout, self.dropout > 0, "megatron_main")
+            return (
+                rnd(t, n, n, dtype=torch.float32),
+                rnd(t, n, c),
+                rnd(t, n, dtype=torch.float32),
+                rnd(t, c),
+                rnd(c),
+                self.dropout,
+                self.dropout > 0,
+                "megatron_main",
+            )
         raise ValueError(f"PerfCase.op={self.op!r}; valid: {', '.join(OPS)}")
 
 
@@ -87,7 +110,9 @@ def cases_for(device: str, *, tokens: int | None = None) -> list[PerfCase]:
         default, sizes = 4096, ((256, torch.float32), (1024, torch.float32), (2048, torch.bfloat16))
     tokens = default if tokens is None else tokens
     # Sinkhorn's logits are fp32 whatever the activation dtype; its id says so.
-    out = [PerfCase(op="sinkhorn", tokens=tokens, n=4, hidden=sizes[0][0], dtype=torch.float32, device=device)]
+    out = [
+        PerfCase(op="sinkhorn", tokens=tokens, n=4, hidden=sizes[0][0], dtype=torch.float32, device=device)
+    ]
     for op in OPS[1:]:
         # The fused pre-op at the sizes of its targets only (C 1024 fp32, C 2048 bf16 on CPU): its compiles
         # cost CI's time.
@@ -112,8 +137,15 @@ def cpu_gap(case: PerfCase, direction: str) -> str | None:
     GEMM runs in torch's scalar fallback: 3.1 s at T 4096, C 2048 on an AVX2 EPYC against 0.05 s in
     fp32, and ~40 s per benchmark. Timed there, the case measures that fallback, not the op's bytes.
     """
-    if (case.device == "cpu" and case.op in ("mapping", "pre") and case.dtype == torch.bfloat16
-            and direction == "fwdbwd" and not has_onednn_bf16()):
-        return ("torch has no oneDNN bf16 GEMM on this CPU (torch.ops.mkldnn._is_mkldnn_bf16_supported() is "
-                f"False): the bf16 {case.op} backward's dx GEMM (K = 24) would time torch's scalar fallback")
+    if (
+        case.device == "cpu"
+        and case.op in ("mapping", "pre")
+        and case.dtype == torch.bfloat16
+        and direction == "fwdbwd"
+        and not has_onednn_bf16()
+    ):
+        return (
+            "torch has no oneDNN bf16 GEMM on this CPU (torch.ops.mkldnn._is_mkldnn_bf16_supported() is "
+            f"False): the bf16 {case.op} backward's dx GEMM (K = 24) would time torch's scalar fallback"
+        )
     return None

@@ -38,9 +38,26 @@ from harness.peers.base import Head, Peer, Replayed, Sublayer, SublayerParams, h
 from mhc_core.testing import tolerance
 from mhc_core.variants import get_variant
 
-__all__ = ["CHECK_STREAMS", "EXIT_OPS", "GRAD_SIZE_FACTOR", "SINKHORN_ITERATIONS", "STACK_ITERATIONS", "CheckSpec", "Comparison",
-           "GRAD_FLOOR", "GradSize", "chained_stack", "check_specs", "compare", "grad_sizes", "inputs_digest", "observe_exact_sums",
-           "observe_orientation", "run_side", "stack_source"]
+__all__ = [
+    "CHECK_STREAMS",
+    "EXIT_OPS",
+    "GRAD_SIZE_FACTOR",
+    "SINKHORN_ITERATIONS",
+    "STACK_ITERATIONS",
+    "CheckSpec",
+    "Comparison",
+    "GRAD_FLOOR",
+    "GradSize",
+    "chained_stack",
+    "check_specs",
+    "compare",
+    "grad_sizes",
+    "inputs_digest",
+    "observe_exact_sums",
+    "observe_orientation",
+    "run_side",
+    "stack_source",
+]
 
 CHECK_STREAMS = (2, 4)
 SINKHORN_ITERATIONS = 20
@@ -106,18 +123,29 @@ def _specs_for(n: int, dtype: torch.dtype) -> list[CheckSpec]:
     def spec(cid: str, op: str, **kw: Any) -> CheckSpec:
         return CheckSpec(id=f"{cid} {tag}", op=op, n=n, dtype=dtype, case=kw.pop("case", case), **kw)
 
-    out = [spec("coefficients", "coefficients"), spec("coefficients@rms1e-2", "coefficients", case=small),
-           spec("aggregate", "aggregate"), spec("mix", "mix")]
+    out = [
+        spec("coefficients", "coefficients"),
+        spec("coefficients@rms1e-2", "coefficients", case=small),
+        spec("aggregate", "aggregate"),
+        spec("mix", "mix"),
+    ]
     if n >= 3:
         out.append(spec("orientation", "mix", kind="orientation"))
-    out += [spec(f"sinkhorn s{scale:g} it{it}", "sinkhorn", scale=scale, iterations=it)
-            for scale in (0.1, 1.0, 10.0) for it in (1, 20)]
+    out += [
+        spec(f"sinkhorn s{scale:g} it{it}", "sinkhorn", scale=scale, iterations=it)
+        for scale in (0.1, 1.0, 10.0)
+        for it in (1, 20)
+    ]
     if n >= 3:
         out.append(spec("exact-sums", "sinkhorn", kind="exact_sums", scale=3.0, iterations=3))
     out += [spec("layer", "layer"), spec("block-exit", "block_exit", variant_free=True)]
-    if n >= 3:  # what a stack adds (where the streams live between layers) shows at any n: the larger one only
-        out += [spec("stack", "stack", iterations=STACK_ITERATIONS),
-                spec("stack-grads", "stack", kind="grad_sizes", iterations=STACK_ITERATIONS)]
+    if (
+        n >= 3
+    ):  # what a stack adds (where the streams live between layers) shows at any n: the larger one only
+        out += [
+            spec("stack", "stack", iterations=STACK_ITERATIONS),
+            spec("stack-grads", "stack", kind="grad_sizes", iterations=STACK_ITERATIONS),
+        ]
     return out
 
 
@@ -126,27 +154,43 @@ def _leaves(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, t
 
 
 def _params(d: dict[str, torch.Tensor], prefix: str, n: int) -> SublayerParams:
-    return SublayerParams(n=n, weight=d[f"{prefix}weight"], alpha_pre=d[f"{prefix}alpha_pre"],
-                          alpha_post=d[f"{prefix}alpha_post"], alpha_res=d[f"{prefix}alpha_res"],
-                          bias=d[f"{prefix}bias"])
+    return SublayerParams(
+        n=n,
+        weight=d[f"{prefix}weight"],
+        alpha_pre=d[f"{prefix}alpha_pre"],
+        alpha_post=d[f"{prefix}alpha_post"],
+        alpha_res=d[f"{prefix}alpha_res"],
+        bias=d[f"{prefix}bias"],
+    )
 
 
 def _param_inputs(p: SublayerParams, prefix: str) -> dict[str, torch.Tensor]:
-    return {f"{prefix}weight": p.weight, f"{prefix}alpha_pre": p.alpha_pre, f"{prefix}alpha_post": p.alpha_post,
-            f"{prefix}alpha_res": p.alpha_res, f"{prefix}bias": p.bias}
+    return {
+        f"{prefix}weight": p.weight,
+        f"{prefix}alpha_pre": p.alpha_pre,
+        f"{prefix}alpha_post": p.alpha_post,
+        f"{prefix}alpha_res": p.alpha_res,
+        f"{prefix}bias": p.bias,
+    }
 
 
-def _inputs(spec: CheckSpec) -> tuple[dict[str, torch.Tensor], Callable[[Peer, dict], dict[str, torch.Tensor]]]:
+def _inputs(
+    spec: CheckSpec,
+) -> tuple[dict[str, torch.Tensor], Callable[[Peer, dict], dict[str, torch.Tensor]]]:
     """The differentiable inputs of a check and how to call an op with them."""
     c, it = spec.case, spec.iterations
     if spec.op == "coefficients":
-        return ({"x": c.x, **_param_inputs(c.params, "")},
-                lambda p, d: p.coefficients(d["x"], _params(d, "", c.n), it))
+        return (
+            {"x": c.x, **_param_inputs(c.params, "")},
+            lambda p, d: p.coefficients(d["x"], _params(d, "", c.n), it),
+        )
     if spec.op == "aggregate":
         return {"x": c.x, "h_pre": c.h_pre}, lambda p, d: {"aggregate": p.aggregate(d["x"], d["h_pre"])}
     if spec.op == "mix":
-        return ({"h_res": c.h_res, "residual": c.x, "h_post": c.h_post, "y": c.y},
-                lambda p, d: {"out": p.mix(d["h_res"], d["residual"], d["h_post"], d["y"])})
+        return (
+            {"h_res": c.h_res, "residual": c.x, "h_post": c.h_post, "y": c.y},
+            lambda p, d: {"out": p.mix(d["h_res"], d["residual"], d["h_post"], d["y"])},
+        )
     if spec.op == "sinkhorn":
         return {"logits": c.logits * spec.scale}, lambda p, d: {"h_res": p.sinkhorn(d["logits"], it)}
     if spec.op == "layer":
@@ -159,14 +203,21 @@ def _inputs(spec: CheckSpec) -> tuple[dict[str, torch.Tensor], Callable[[Peer, d
 
         return {"x": c.x, **_param_inputs(c.params, "attn."), **_param_inputs(c.mlp_params, "mlp.")}, run
     if spec.op == "block_exit":
-        return ({"x": c.x, "head_fn": c.head_fn, "head_base": c.head_base, "head_scale": c.head_scale},
-                lambda p, d: {"out": p.block_exit(d["x"], d["head_fn"], d["head_base"], d["head_scale"])})
+        return (
+            {"x": c.x, "head_fn": c.head_fn, "head_base": c.head_base, "head_scale": c.head_scale},
+            lambda p, d: {"out": p.block_exit(d["x"], d["head_fn"], d["head_base"], d["head_scale"])},
+        )
     if spec.op == "stack":
         fns = stack_layers(c)
 
         def run_stack(p: Peer, d: dict) -> dict[str, torch.Tensor]:
-            layers = [(Sublayer(params=_params(d, f"layer{i}.attn.", c.n), f=a.f, w=a.w),
-                       Sublayer(params=_params(d, f"layer{i}.mlp.", c.n), f=m.f, w=m.w)) for i, (a, m) in enumerate(fns)]
+            layers = [
+                (
+                    Sublayer(params=_params(d, f"layer{i}.attn.", c.n), f=a.f, w=a.w),
+                    Sublayer(params=_params(d, f"layer{i}.mlp.", c.n), f=m.f, w=m.w),
+                )
+                for i, (a, m) in enumerate(fns)
+            ]
             head = Head(fn=d["head_fn"], base=d["head_base"], scale=d["head_scale"])
             go = p.stack if has_own(p, "stack") else lambda *a: chained_stack(p, *a)
             return {"out": go(d["h"], layers, head, it)}
@@ -174,7 +225,12 @@ def _inputs(spec: CheckSpec) -> tuple[dict[str, torch.Tensor], Callable[[Peer, d
         stack_inputs = {"h": c.h0}
         for i, (a, m) in enumerate(c.stack_params):
             stack_inputs |= {**_param_inputs(a, f"layer{i}.attn."), **_param_inputs(m, f"layer{i}.mlp.")}
-        return {**stack_inputs, "head_fn": c.head_fn, "head_base": c.head_base, "head_scale": c.head_scale}, run_stack
+        return {
+            **stack_inputs,
+            "head_fn": c.head_fn,
+            "head_base": c.head_base,
+            "head_scale": c.head_scale,
+        }, run_stack
     raise ValueError(f"check {spec.id}: unknown op {spec.op!r}")
 
 
@@ -214,7 +270,7 @@ class GradSize:
 def _parts(name: str, g: torch.Tensor, n: int) -> list[tuple[str, torch.Tensor]]:
     """A stack parameter's gradient split into its `pre`, `post`, `res` parts (weight rows, bias entries)."""
     if name.endswith(".weight") or name.endswith(".bias"):
-        return [(f"{name}[pre]", g[:n]), (f"{name}[post]", g[n:2 * n]), (f"{name}[res]", g[2 * n:])]
+        return [(f"{name}[pre]", g[:n]), (f"{name}[post]", g[n : 2 * n]), (f"{name}[res]", g[2 * n :])]
     return [(name, g)]
 
 
@@ -224,7 +280,9 @@ construction (the head under a mean exit; the last sublayer's `res` part under a
 stochastic H_res leaves unchanged): `stack-grads` leaves it out."""
 
 
-def grad_sizes(peer_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor], n: int) -> list[GradSize]:
+def grad_sizes(
+    peer_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor], n: int
+) -> list[GradSize]:
     """The gradient norm of every mHC parameter part of a stack (the input `h` left out), peer against reference,
     without the parts the reference gives no gradient (`GRAD_FLOOR`)."""
     out = []
@@ -253,11 +311,14 @@ def inputs_digest(spec: CheckSpec) -> str:
 
 def _cotangents(outputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7919 + seed)
-    return {k: torch.randn(tuple(v.shape), generator=g, dtype=torch.float64) for k, v in sorted(outputs.items())}
+    return {
+        k: torch.randn(tuple(v.shape), generator=g, dtype=torch.float64) for k, v in sorted(outputs.items())
+    }
 
 
-def run_side(peer: Peer, spec: CheckSpec, dtype: torch.dtype,
-             keys: tuple[str, ...] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def run_side(
+    peer: Peer, spec: CheckSpec, dtype: torch.dtype, keys: tuple[str, ...] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Run the check's op on `peer` with inputs in `dtype`: `(outputs, gradients)` as fp64, detached.
     `keys` restricts the outputs the cotangents go through (the peer's, when this is the oracle). A peer
     that is not `differentiable` runs without autograd and has no gradients (`{}`). Forward and backward
@@ -276,11 +337,20 @@ def run_side(peer: Peer, spec: CheckSpec, dtype: torch.dtype,
         if not peer.differentiable:
             return out_values, {}
         cot = _cotangents(outputs, spec.case.seed)
-        loss = torch.stack([(outputs[k].to(torch.float64) * cot[k]).sum() for k in cot]).sum() if cot else None
-        grads = (torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-                 if loss is not None and loss.requires_grad else [None] * len(leaves))
-    out_grads = {f"grad {k}": (torch.zeros_like(v, dtype=torch.float64) if gr is None else gr.detach().to(torch.float64))
-                 for (k, v), gr in zip(leaves.items(), grads, strict=True)}
+        loss = (
+            torch.stack([(outputs[k].to(torch.float64) * cot[k]).sum() for k in cot]).sum() if cot else None
+        )
+        grads = (
+            torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            if loss is not None and loss.requires_grad
+            else [None] * len(leaves)
+        )
+    out_grads = {
+        f"grad {k}": (
+            torch.zeros_like(v, dtype=torch.float64) if gr is None else gr.detach().to(torch.float64)
+        )
+        for (k, v), gr in zip(leaves.items(), grads, strict=True)
+    }
     return out_values, out_grads
 
 
@@ -289,11 +359,17 @@ def _check_outputs(peer: Peer, spec: CheckSpec, outputs: object) -> None:
         raise TypeError(f"{peer.name}.{spec.op} returned {type(outputs).__name__}, not a dict of tensors")
 
 
-def _comparison(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, kind: str) -> Comparison:
+def _comparison(
+    name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, kind: str
+) -> Comparison:
     tol = tolerance(dtype, kind)
     if actual.shape != expected.shape:
-        return Comparison(name=name, max_abs=math.inf, ratio=math.inf,
-                          detail=f"shape {list(actual.shape)} != expected {list(expected.shape)}")
+        return Comparison(
+            name=name,
+            max_abs=math.inf,
+            ratio=math.inf,
+            detail=f"shape {list(actual.shape)} != expected {list(expected.shape)}",
+        )
     if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
         return Comparison(name=name, max_abs=math.inf, ratio=math.inf, detail="non-finite values")
     if actual.numel() == 0:
@@ -302,17 +378,25 @@ def _comparison(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: 
     ratio = err / (tol.atol + tol.rtol * expected.abs())
     i = int(ratio.argmax())
     idx = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), actual.shape))
-    return Comparison(name=name, max_abs=float(err.max()), ratio=float(ratio.flatten()[i]),
-                      detail=f"at {list(idx)}: {float(actual[idx]):.9g} vs {float(expected[idx]):.9g}")
+    return Comparison(
+        name=name,
+        max_abs=float(err.max()),
+        ratio=float(ratio.flatten()[i]),
+        detail=f"at {list(idx)}: {float(actual[idx]):.9g} vs {float(expected[idx]):.9g}",
+    )
 
 
-def compare(peer_side: tuple[dict, dict], oracle_side: tuple[dict, dict], dtype: torch.dtype) -> list[Comparison]:
+def compare(
+    peer_side: tuple[dict, dict], oracle_side: tuple[dict, dict], dtype: torch.dtype
+) -> list[Comparison]:
     """Every output and gradient of the peer against the oracle's (missing on the oracle side: an error)."""
     out: list[Comparison] = []
     for kind, p, o in (("fwd", peer_side[0], oracle_side[0]), ("bwd", peer_side[1], oracle_side[1])):
         for name, actual in p.items():
             if name not in o:
-                out.append(Comparison(name=name, max_abs=math.inf, ratio=math.inf, detail="not in the oracle"))
+                out.append(
+                    Comparison(name=name, max_abs=math.inf, ratio=math.inf, detail="not in the oracle")
+                )
                 continue
             out.append(_comparison(name, actual, o[name], dtype, kind))
     return out
@@ -337,7 +421,8 @@ def observe_exact_sums(h_res: torch.Tensor, dtype: torch.dtype) -> tuple[str, fl
     cols = float((h_res.sum(-2) - 1).abs().max())
     lim = _EXACT[dtype]
     seen = {(True, True): "both", (True, False): "rows", (False, True): "cols", (False, False): "none"}[
-        (rows <= lim, cols <= lim)]
+        (rows <= lim, cols <= lim)
+    ]
     return seen, rows, cols
 
 

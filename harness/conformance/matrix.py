@@ -111,7 +111,9 @@ class PeerResult:
     @staticmethod
     def _score(cells: Sequence[Cell]) -> tuple[int, float]:
         passes = sum(c.status == "pass" for c in cells)
-        logs = sum(math.log10(max(c.ratio, 1e-300)) for c in cells if c.ratio is not None and math.isfinite(c.ratio))
+        logs = sum(
+            math.log10(max(c.ratio, 1e-300)) for c in cells if c.ratio is not None and math.isfinite(c.ratio)
+        )
         return passes, -logs
 
     def score(self, variant: str) -> tuple[int, float]:
@@ -171,16 +173,24 @@ class PeerResult:
         return self.conforms and (self.claims is None or get_variant(self.claims).name == self.configuration)
 
     def to_json(self) -> dict[str, Any]:
-        return {"peer": self.peer, "description": self.description, "version": self.version,
-                "skipped": self.skipped, "claims": self.claims, "best": self.best,
-                "configuration": self.configuration,
-                "scores": {v: dict(zip(("pass", "of"), self.tally(v), strict=True)) for v in self.by_variant},
-                "configuration_scores": {c: dict(zip(("pass", "of"), self.configuration_tally(c), strict=True))
-                                         for c in self.by_configuration},
-                "claim": None if self.claims is None else {"claims": self.claims, "met": self.meets_claim},
-                "cells": [c.to_json() for c in self.cells()],
-                "by_variant": {v: [c.to_json() for c in cs] for v, cs in self.by_variant.items()},
-                "by_configuration": {v: [c.to_json() for c in cs] for v, cs in self.by_configuration.items()}}
+        return {
+            "peer": self.peer,
+            "description": self.description,
+            "version": self.version,
+            "skipped": self.skipped,
+            "claims": self.claims,
+            "best": self.best,
+            "configuration": self.configuration,
+            "scores": {v: dict(zip(("pass", "of"), self.tally(v), strict=True)) for v in self.by_variant},
+            "configuration_scores": {
+                c: dict(zip(("pass", "of"), self.configuration_tally(c), strict=True))
+                for c in self.by_configuration
+            },
+            "claim": None if self.claims is None else {"claims": self.claims, "met": self.meets_claim},
+            "cells": [c.to_json() for c in self.cells()],
+            "by_variant": {v: [c.to_json() for c in cs] for v, cs in self.by_variant.items()},
+            "by_configuration": {v: [c.to_json() for c in cs] for v, cs in self.by_configuration.items()},
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,7 +200,11 @@ class Matrix:
     peers: tuple[PeerResult, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"variants": list(VARIANT_NAMES), "options": list(OPTION_OPS), "peers": [p.to_json() for p in self.peers]}
+        return {
+            "variants": list(VARIANT_NAMES),
+            "options": list(OPTION_OPS),
+            "peers": [p.to_json() for p in self.peers],
+        }
 
     def peer(self, name: str) -> PeerResult:
         for p in self.peers:
@@ -208,14 +222,25 @@ def _worst(comparisons: Sequence[Comparison]) -> Comparison:
     return max(comparisons, key=lambda c: c.ratio)
 
 
-def _numeric_cell(spec: CheckSpec, variant: str | None, comparisons: list[Comparison], note: str | None) -> Cell:
+def _numeric_cell(
+    spec: CheckSpec, variant: str | None, comparisons: list[Comparison], note: str | None
+) -> Cell:
     w = _worst(comparisons)
     ok = w.ratio <= 1
     msg = "" if ok else f"{w.name}: max abs err {w.max_abs:.3e}, {w.ratio:.3g}x its bound ({w.detail})"
     if not ok and note:
         msg += f"; known difference: {note}"
-    return Cell(check=spec.id, op=spec.op, variant=variant, status="pass" if ok else "fail", max_abs=w.max_abs,
-                ratio=w.ratio, bound=_bound(spec.dtype), worst=f"{w.name} {w.detail}".strip(), message=msg)
+    return Cell(
+        check=spec.id,
+        op=spec.op,
+        variant=variant,
+        status="pass" if ok else "fail",
+        max_abs=w.max_abs,
+        ratio=w.ratio,
+        bound=_bound(spec.dtype),
+        worst=f"{w.name} {w.detail}".strip(),
+        message=msg,
+    )
 
 
 def _shapes(spec: CheckSpec) -> str:
@@ -223,21 +248,30 @@ def _shapes(spec: CheckSpec) -> str:
     return f"x {list(c.x.shape)}, n={spec.n}, {spec.dtype}"
 
 
-OPTION_OPS = {"norm_eps_placement": ("coefficients", "layer", "stack"), "residual_mix": ("mix", "layer", "stack"),
-              "output_contraction": ("block_exit", "stack"), "mapping_precision": ("coefficients", "layer", "stack")}
+OPTION_OPS = {
+    "norm_eps_placement": ("coefficients", "layer", "stack"),
+    "residual_mix": ("mix", "layer", "stack"),
+    "output_contraction": ("block_exit", "stack"),
+    "mapping_precision": ("coefficients", "layer", "stack"),
+}
 """The options the checks can observe, and the ops whose checks show them (the mapping precision: in half
 precision only)."""
 
 
 def _error_cells(peer: Peer, spec: CheckSpec, exc: Exception, variants: Sequence[str | None]) -> list[Cell]:
-    msg = (f"{peer.name} raised {type(exc).__name__} in {spec.op} ({_shapes(spec)}): {exc}; "
-           f"{traceback.format_exception_only(exc)[-1].strip()}")
+    msg = (
+        f"{peer.name} raised {type(exc).__name__} in {spec.op} ({_shapes(spec)}): {exc}; "
+        f"{traceback.format_exception_only(exc)[-1].strip()}"
+    )
     return [Cell(check=spec.id, op=spec.op, variant=v, status="error", message=msg) for v in variants]
 
 
 def _na_cells(peer: Peer, variant: str, ops: Iterable[str]) -> list[Cell]:
-    return [Cell(check=f"{op}", op=op, variant=variant, status="n/a", message=f"not comparable: {why}")
-            for op, why in peer.differences.items() if op not in peer.ops and op in ops]
+    return [
+        Cell(check=f"{op}", op=op, variant=variant, status="n/a", message=f"not comparable: {why}")
+        for op, why in peer.differences.items()
+        if op not in peer.ops and op in ops
+    ]
 
 
 def _relevant(spec: CheckSpec, configuration: str) -> str:
@@ -245,11 +279,14 @@ def _relevant(spec: CheckSpec, configuration: str) -> str:
     s = get_variant(configuration)
     if spec.op == "block_exit":  # the exit alone
         return configure("megatron_dev", NumericsOptions(output_contraction=s.output_contraction)).name
-    keep = {"norm_eps_placement": s.norm_eps_placement if spec.op in OPTION_OPS["norm_eps_placement"] else None,
-            "residual_mix": s.residual_mix if spec.op in OPTION_OPS["residual_mix"] else None,
-            "output_contraction": s.output_contraction if spec.op in OPTION_OPS["output_contraction"] else None,
-            "mapping_precision": s.mapping_precision if spec.op in OPTION_OPS["mapping_precision"]
-            and spec.dtype in _HALF else None}
+    keep = {
+        "norm_eps_placement": s.norm_eps_placement if spec.op in OPTION_OPS["norm_eps_placement"] else None,
+        "residual_mix": s.residual_mix if spec.op in OPTION_OPS["residual_mix"] else None,
+        "output_contraction": s.output_contraction if spec.op in OPTION_OPS["output_contraction"] else None,
+        "mapping_precision": s.mapping_precision
+        if spec.op in OPTION_OPS["mapping_precision"] and spec.dtype in _HALF
+        else None,
+    }
     return configure(s.variant, NumericsOptions(**keep)).name
 
 
@@ -277,17 +314,33 @@ class _Cells:
             seen, plain, transposed = observe_orientation(side[0]["out"], spec)
             want = expected_orientation(v)
             ok = seen == want
-            return Cell(check=spec.id, op=spec.op, variant=v, status="pass" if ok else "fail", observed=seen,
-                        ratio=transposed if want == "H^T @ x" else plain, bound=_bound(spec.dtype),
-                        message="" if ok else f"mixes as {seen} (error ratio {plain:.3g} to H @ x, {transposed:.3g} "
-                                              f"to H^T @ x); {v} mixes as {want}")
+            return Cell(
+                check=spec.id,
+                op=spec.op,
+                variant=v,
+                status="pass" if ok else "fail",
+                observed=seen,
+                ratio=transposed if want == "H^T @ x" else plain,
+                bound=_bound(spec.dtype),
+                message=""
+                if ok
+                else f"mixes as {seen} (error ratio {plain:.3g} to H @ x, {transposed:.3g} "
+                f"to H^T @ x); {v} mixes as {want}",
+            )
         if spec.kind == "exact_sums":
             seen, rows, cols = observe_exact_sums(side[0]["h_res"], spec.dtype)
             want = expected_exact_sums(v, spec.dtype)
             ok = seen == want
-            return Cell(check=spec.id, op=spec.op, variant=v, status="pass" if ok else "fail", observed=seen,
-                        max_abs=max(rows, cols), message=f"max |rowsum - 1| {rows:.2e}, |colsum - 1| {cols:.2e}"
-                        + ("" if ok else f"; {v} leaves {want} exact"))
+            return Cell(
+                check=spec.id,
+                op=spec.op,
+                variant=v,
+                status="pass" if ok else "fail",
+                observed=seen,
+                max_abs=max(rows, cols),
+                message=f"max |rowsum - 1| {rows:.2e}, |colsum - 1| {cols:.2e}"
+                + ("" if ok else f"; {v} leaves {want} exact"),
+            )
         ref = self._reference(spec, side, v)
         if spec.kind == "grad_sizes":
             own = None
@@ -328,9 +381,15 @@ class _Cells:
     def against(self, configuration: str, exit_check: bool) -> list[Cell]:
         """Every check (those of `EXIT_OPS` only when `exit_check`) against `configuration`, n/a cells first."""
         ops = _VARIANT_OPS + (EXIT_OPS if exit_check else ())
-        return [*_na_cells(self.peer, configuration, ops), *self.absent(configuration, ops),
-                *(self.cell(spec, side, configuration) for spec, side in self.sides
-                  if exit_check or spec.op not in EXIT_OPS)]
+        return [
+            *_na_cells(self.peer, configuration, ops),
+            *self.absent(configuration, ops),
+            *(
+                self.cell(spec, side, configuration)
+                for spec, side in self.sides
+                if exit_check or spec.op not in EXIT_OPS
+            ),
+        ]
 
     def absent(self, configuration: str, ops: Sequence[str]) -> list[Cell]:
         """n/a cells for the stack checks a peer cannot run (no stack or layer of its own, a recording made
@@ -341,12 +400,17 @@ class _Cells:
         why = {}
         if stack_source(self.peer) is None:
             why["stack"] = why["stack-grads"] = (
-                "not recorded: the recording predates the stack checks; re-record it" if hasattr(self.peer, "side")
-                else "the peer has neither a stack nor a layer op to compose")
+                "not recorded: the recording predates the stack checks; re-record it"
+                if hasattr(self.peer, "side")
+                else "the peer has neither a stack nor a layer op to compose"
+            )
         elif not self.peer.differentiable:
             why["stack-grads"] = "no backward: forward-only peer"
-        return [Cell(check=check, op="stack", variant=configuration, status="n/a", message=f"not comparable: {r}")
-                for check, r in why.items() if check not in ran]
+        return [
+            Cell(check=check, op="stack", variant=configuration, status="n/a", message=f"not comparable: {r}")
+            for check, r in why.items()
+            if check not in ran
+        ]
 
 
 def _scaled(comparisons: list[Comparison], own: dict[str, float]) -> list[Comparison]:
@@ -355,8 +419,14 @@ def _scaled(comparisons: list[Comparison], own: dict[str, float]) -> list[Compar
     for c in comparisons:
         mine = own.get(c.name, 0.0)
         scale = max(1.0, HALF_FACTOR * mine)
-        out.append(replace(c, ratio=c.ratio / scale, detail=f"{c.detail}; the reference's own error in this dtype "
-                                                           f"{mine:.3g}x the bound, allowed {HALF_FACTOR:g}x that"))
+        out.append(
+            replace(
+                c,
+                ratio=c.ratio / scale,
+                detail=f"{c.detail}; the reference's own error in this dtype "
+                f"{mine:.3g}x the bound, allowed {HALF_FACTOR:g}x that",
+            )
+        )
     return out
 
 
@@ -365,14 +435,27 @@ def _configurations(peer: Peer, variants: Sequence[str]) -> list[str]:
     shown = {o for o, ops in OPTION_OPS.items() if set(ops) & peer.ops}
     if not set(peer.dtypes) & set(_HALF):
         shown.discard("mapping_precision")
-    eps = [None, NormEpsPlacement.INSIDE_SQRT, NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS] \
-        if "norm_eps_placement" in shown else [None]
+    eps = (
+        [None, NormEpsPlacement.INSIDE_SQRT, NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS]
+        if "norm_eps_placement" in shown
+        else [None]
+    )
     mixes = [ResidualMix.UNTRANSPOSED, ResidualMix.TRANSPOSED] if "residual_mix" in shown else [None]
     exits = [OutputContraction.MEAN, OutputContraction.LEARNED] if "output_contraction" in shown else [None]
-    precisions = [MappingPrecision.FP32, MappingPrecision.ACTIVATION] if "mapping_precision" in shown else [None]
-    names = [configure(v, NumericsOptions(norm_eps_placement=e, residual_mix=m, output_contraction=x,
-                                          mapping_precision=p)).name
-             for v in variants for e in eps for m in mixes for x in exits for p in precisions]
+    precisions = (
+        [MappingPrecision.FP32, MappingPrecision.ACTIVATION] if "mapping_precision" in shown else [None]
+    )
+    names = [
+        configure(
+            v,
+            NumericsOptions(norm_eps_placement=e, residual_mix=m, output_contraction=x, mapping_precision=p),
+        ).name
+        for v in variants
+        for e in eps
+        for m in mixes
+        for x in exits
+        for p in precisions
+    ]
     return list(dict.fromkeys([*variants, *names]))
 
 
@@ -384,7 +467,9 @@ def _grad_size_cell(spec: CheckSpec, variant: str, sizes: list, own: dict[str, f
     precision (`own`: the reference's own norm ratios in that dtype, where a cancelled, tiny gradient is mostly
     rounding) within that factor times the reference's own deviation."""
     if not sizes:
-        return Cell(check=spec.id, op=spec.op, variant=variant, status="n/a", message="no gradient to compare")
+        return Cell(
+            check=spec.id, op=spec.op, variant=variant, status="n/a", message="no gradient to compare"
+        )
 
     def off(g) -> float:
         return abs(math.log10(g.ratio)) if 0 < g.ratio < math.inf else math.inf
@@ -395,12 +480,27 @@ def _grad_size_cell(spec: CheckSpec, variant: str, sizes: list, own: dict[str, f
 
     worst = max(sizes, key=off)
     bad = [g for g in sizes if off(g) > allowed(g)]
-    text = ", ".join(f"{g.name} {g.peer:.2e} vs {g.reference:.2e}" for g in sorted(bad, key=off, reverse=True)[:4])
-    msg = "" if not bad else (f"{len(bad)} of {len(sizes)} parameter parts get a gradient more than "
-                              f"{GRAD_SIZE_FACTOR:g}x off the reference's (peer vs reference norm): {text}")
-    return Cell(check=spec.id, op=spec.op, variant=variant, status="fail" if bad else "pass",
-                ratio=worst.ratio, bound=f"norm within {GRAD_SIZE_FACTOR:g}x",
-                worst=f"{worst.name} {worst.peer:.3e} vs {worst.reference:.3e}", message=msg)
+    text = ", ".join(
+        f"{g.name} {g.peer:.2e} vs {g.reference:.2e}" for g in sorted(bad, key=off, reverse=True)[:4]
+    )
+    msg = (
+        ""
+        if not bad
+        else (
+            f"{len(bad)} of {len(sizes)} parameter parts get a gradient more than "
+            f"{GRAD_SIZE_FACTOR:g}x off the reference's (peer vs reference norm): {text}"
+        )
+    )
+    return Cell(
+        check=spec.id,
+        op=spec.op,
+        variant=variant,
+        status="fail" if bad else "pass",
+        ratio=worst.ratio,
+        bound=f"norm within {GRAD_SIZE_FACTOR:g}x",
+        worst=f"{worst.name} {worst.peer:.3e} vs {worst.reference:.3e}",
+        message=msg,
+    )
 
 
 def _runs(peer: Peer, spec: CheckSpec) -> bool:
@@ -424,9 +524,15 @@ def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
         except Exception as exc:  # a peer that raises: named, and the rest still runs
             side = exc
         cells.sides.append((spec, side))
-    return PeerResult(peer=peer.name, description=peer.description, version=peer.version(), skipped=None,
-                      claims=peer.claims, by_variant={v: cells.against(v, exit_check=False) for v in variants},
-                      by_configuration={c: cells.against(c, exit_check=True) for c in _configurations(peer, variants)})
+    return PeerResult(
+        peer=peer.name,
+        description=peer.description,
+        version=peer.version(),
+        skipped=None,
+        claims=peer.claims,
+        by_variant={v: cells.against(v, exit_check=False) for v in variants},
+        by_configuration={c: cells.against(c, exit_check=True) for c in _configurations(peer, variants)},
+    )
 
 
 _VARIANT_OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer")
@@ -438,8 +544,15 @@ def run_matrix(peers: Iterable[Peer], variants: Sequence[str] = VARIANT_NAMES) -
     for peer in peers:
         why = peer.unavailable()
         if why:
-            rows.append(PeerResult(peer=peer.name, description=peer.description, version=peer.version(),
-                                   skipped=why, claims=peer.claims))
+            rows.append(
+                PeerResult(
+                    peer=peer.name,
+                    description=peer.description,
+                    version=peer.version(),
+                    skipped=why,
+                    claims=peer.claims,
+                )
+            )
             continue
         rows.append(_run_peer(peer, variants))
     return Matrix(peers=tuple(rows))

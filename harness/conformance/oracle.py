@@ -28,8 +28,14 @@ def oracle(configuration: str, norm_eps: float = NORM_EPS) -> MhcCorePeer:
         name = get_variant(configuration).name
     except ValueError as exc:
         raise ValueError(f"oracle({configuration!r}): {exc}") from None
-    return MhcCorePeer(name=f"oracle[{name}]", variant=name, description=f"{name} in fp64",
-                       ops=frozenset(), claims=name, norm_eps=norm_eps)
+    return MhcCorePeer(
+        name=f"oracle[{name}]",
+        variant=name,
+        description=f"{name} in fp64",
+        ops=frozenset(),
+        claims=name,
+        norm_eps=norm_eps,
+    )
 
 
 def oracle_for(configuration: str, dtype: torch.dtype) -> MhcCorePeer:

@@ -44,17 +44,27 @@ def _triton_peers(peers: list) -> list:
     import megatron.core.fusions.fused_mhc_kernels as kernels
 
     if not kernels.is_triton_available():
-        raise TreeError(f"--backend triton: the tree's fused_mhc_kernels has no Triton backend here "
-                        f"({kernels._mhc_backend_status()[0]})")
+        raise TreeError(
+            f"--backend triton: the tree's fused_mhc_kernels has no Triton backend here "
+            f"({kernels._mhc_backend_status()[0]})"
+        )
     without_autotune_timing(kernels)
     where = "interpreted on CPU" if interpreted() else "on the GPU"
-    return [dataclasses.replace(p, name=f"{p.name[:-1]},triton]",
-                                description=f"{p.description.split(' (')[0]} (fused_mhc_kernels, Triton backend, "
-                                            f"{where}){'; ' + p.api.line() if p.api else ''}")
-            for p in peers if p.fused]
+    return [
+        dataclasses.replace(
+            p,
+            name=f"{p.name[:-1]},triton]",
+            description=f"{p.description.split(' (')[0]} (fused_mhc_kernels, Triton backend, "
+            f"{where}){'; ' + p.api.line() if p.api else ''}",
+        )
+        for p in peers
+        if p.fused
+    ]
 
 
-def record(tree: Path, *, branch: str | None, commit: str | None, command: str, backend: str = "native") -> dict:
+def record(
+    tree: Path, *, branch: str | None, commit: str | None, command: str, backend: str = "native"
+) -> dict:
     """The recording document of `tree` (see the module docstring). Without a GPU, dev's fused module runs
     its torch backend (`MHC_FORCE_BACKEND=native`, upstream's own switch; its Triton probe fails on CPU),
     or with `backend="triton"` its Triton backend through the interpreter."""
@@ -72,18 +82,30 @@ def record(tree: Path, *, branch: str | None, commit: str | None, command: str, 
     commit = commit or tree_commit(tree)
     made = make_peers(tree, commit, label=branch)
     peers = [record_peer(p) for p in (_triton_peers(made) if backend == "triton" else made)]
-    return {"format": FORMAT,
-            "source": {"repository": "NVIDIA/Megatron-LM", "branch": branch, "api": made[0].api.line() if made[0].api
-                       else None, "commit": commit,
-                       # the local path only where nothing else names the tree (no commit)
-                       **({} if commit else {"tree": str(Path(tree).resolve())}), "files_sha256": hashes(tree),
-                       "recorded": utc_now(),
-                       "torch": torch.__version__, "python": platform.python_version(), "command": command,
-                       "device": "cuda" if torch.cuda.is_available() else "cpu",
-                       "MHC_FORCE_BACKEND": os.environ.get("MHC_FORCE_BACKEND"),
-                       **({"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"), "triton": _triton_version()}
-                          if backend == "triton" else {})},
-            "peers": peers}
+    return {
+        "format": FORMAT,
+        "source": {
+            "repository": "NVIDIA/Megatron-LM",
+            "branch": branch,
+            "api": made[0].api.line() if made[0].api else None,
+            "commit": commit,
+            # the local path only where nothing else names the tree (no commit)
+            **({} if commit else {"tree": str(Path(tree).resolve())}),
+            "files_sha256": hashes(tree),
+            "recorded": utc_now(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "command": command,
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "MHC_FORCE_BACKEND": os.environ.get("MHC_FORCE_BACKEND"),
+            **(
+                {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"), "triton": _triton_version()}
+                if backend == "triton"
+                else {}
+            ),
+        },
+        "peers": peers,
+    }
 
 
 def _triton_version() -> str | None:
@@ -95,32 +117,53 @@ def _triton_version() -> str | None:
         return None
 
 
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM source tree (main or dev)")
     p.add_argument("--out", required=True, type=Path, help="the recording (JSON)")
-    p.add_argument("--branch", default=None, help="the branch the tree is (its peers' label; default: its commit, "
-                   "else its folder's name)")
-    p.add_argument("--commit", default=None, help="the tree's commit (default: git rev-parse HEAD in the tree)")
-    p.add_argument("--backend", choices=("native", "triton"), default="native",
-                   help="dev's fused module: its torch backend (default without a GPU), or Triton alone")
+    p.add_argument(
+        "--branch",
+        default=None,
+        help="the branch the tree is (its peers' label; default: its commit, else its folder's name)",
+    )
+    p.add_argument(
+        "--commit", default=None, help="the tree's commit (default: git rev-parse HEAD in the tree)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=("native", "triton"),
+        default="native",
+        help="dev's fused module: its torch backend (default without a GPU), or Triton alone",
+    )
     args = p.parse_args(argv)
     # Placeholders and the file's name only: a path of the recording machine means nothing elsewhere.
-    command = shlex.join(["python", "-m", "harness.conformance.record_megatron_lm", "--megatron-lm", "<tree>", "--out",
-                          args.out.name, *(["--branch", args.branch] if args.branch else []),
-                          *(["--backend", args.backend] if args.backend != "native" else [])])
+    command = shlex.join(
+        [
+            "python",
+            "-m",
+            "harness.conformance.record_megatron_lm",
+            "--megatron-lm",
+            "<tree>",
+            "--out",
+            args.out.name,
+            *(["--branch", args.branch] if args.branch else []),
+            *(["--backend", args.backend] if args.backend != "native" else []),
+        ]
+    )
     try:
-        doc = record(args.megatron_lm, branch=args.branch, commit=args.commit, command=command,
-                     backend=args.backend)
+        doc = record(
+            args.megatron_lm, branch=args.branch, commit=args.commit, command=command, backend=args.backend
+        )
     except TreeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     write_recording(doc, args.out)
     errors = sum("error" in c for peer in doc["peers"] for c in peer["checks"].values())
-    print(f"recorded {', '.join(p['name'] for p in doc['peers'])} from {args.megatron_lm} "
-          f"({doc['source']['branch'] or 'no branch named'}@{doc['source']['commit']}): "
-          f"{sum(len(p['checks']) for p in doc['peers'])} checks, {errors} raised -> {args.out}")
+    print(
+        f"recorded {', '.join(p['name'] for p in doc['peers'])} from {args.megatron_lm} "
+        f"({doc['source']['branch'] or 'no branch named'}@{doc['source']['commit']}): "
+        f"{sum(len(p['checks']) for p in doc['peers'])} checks, {errors} raised -> {args.out}"
+    )
     return 0
 
 

@@ -53,11 +53,18 @@ def record_peer(peer: Peer, *, name: str | None = None) -> dict[str, Any]:
             entry["outputs"] = {k: tensor_to_json(v, spec.dtype) for k, v in outputs.items()}
             entry["grads"] = {k: tensor_to_json(v, spec.dtype) for k, v in grads.items()}
         checks[spec.id] = entry
-    return {"name": name or peer.name, "description": peer.description, "claims": peer.claims,
-            "ops": sorted({*peer.ops, *(("stack",) if chained else ())}), **({"stack_chained": True} if chained else {}),
-            "dtypes": [str(d).removeprefix("torch.") for d in peer.dtypes],
-            "streams": list(peer.streams), "differences": dict(peer.differences), "checks": checks,
-            **({"skipped": skipped} if skipped else {})}
+    return {
+        "name": name or peer.name,
+        "description": peer.description,
+        "claims": peer.claims,
+        "ops": sorted({*peer.ops, *(("stack",) if chained else ())}),
+        **({"stack_chained": True} if chained else {}),
+        "dtypes": [str(d).removeprefix("torch.") for d in peer.dtypes],
+        "streams": list(peer.streams),
+        "differences": dict(peer.differences),
+        "checks": checks,
+        **({"skipped": skipped} if skipped else {}),
+    }
 
 
 def write_recording(doc: dict[str, Any], path: Path) -> None:
@@ -96,11 +103,15 @@ def _tree_source(peer: Peer) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peer", required=True, help="a peer of the registry (e.g. te_triton, torchtitan)")
-    p.add_argument("--transformer-engine", type=Path, default=None, metavar="PATH", help="a TransformerEngine tree")
+    p.add_argument(
+        "--transformer-engine", type=Path, default=None, metavar="PATH", help="a TransformerEngine tree"
+    )
     p.add_argument("--torchtitan", type=Path, default=None, metavar="PATH", help="a torchtitan tree")
     p.add_argument("--repository", required=True, help="where the peer's code comes from (owner/name)")
     p.add_argument("--branch", default=None, help="the branch or pull request the tree is")
-    p.add_argument("--commit", default=None, help="the tree's commit (default: git rev-parse HEAD in the tree)")
+    p.add_argument(
+        "--commit", default=None, help="the tree's commit (default: git rev-parse HEAD in the tree)"
+    )
     p.add_argument("--out", required=True, type=Path, help="the recording (JSON)")
     args = p.parse_args(argv)
     from harness.conformance.registry import select
@@ -115,26 +126,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {peer.name} cannot run here: {why}", file=sys.stderr)
         return 2
     # Placeholders and the file's name only: a path of the recording machine means nothing elsewhere.
-    command = shlex.join(["python", "-m", "harness.conformance.recording", "--peer", args.peer,
-                          *(["--transformer-engine", "<tree>"] if args.transformer_engine else []),
-                          *(["--torchtitan", "<tree>"] if args.torchtitan else []),
-                          "--repository", args.repository, *(["--branch", args.branch] if args.branch else []),
-                          "--out", args.out.name])
+    command = shlex.join(
+        [
+            "python",
+            "-m",
+            "harness.conformance.recording",
+            "--peer",
+            args.peer,
+            *(["--transformer-engine", "<tree>"] if args.transformer_engine else []),
+            *(["--torchtitan", "<tree>"] if args.torchtitan else []),
+            "--repository",
+            args.repository,
+            *(["--branch", args.branch] if args.branch else []),
+            "--out",
+            args.out.name,
+        ]
+    )
     tree = _tree_source(peer)
-    source = {"repository": args.repository, "branch": args.branch or "?",
-              "commit": args.commit or tree.get("commit"), **({"package": tree["package"]} if "package" in tree else {}),
-              "files_sha256": tree.get("files_sha256", {}),
-              "recorded": utc_now(), "torch": torch.__version__,
-              "python": platform.python_version(), "device": "cuda" if torch.cuda.is_available() else "cpu",
-              **_jax(),
-              **(_triton() if "interpreted" in (peer.version() or "") else {}), "command": command}
-    doc: dict[str, Any] = {"format": FORMAT, "source": source,
-                           "peers": [record_peer(peer, name=peer.name + RECORDED_SUFFIX)]}
+    source = {
+        "repository": args.repository,
+        "branch": args.branch or "?",
+        "commit": args.commit or tree.get("commit"),
+        **({"package": tree["package"]} if "package" in tree else {}),
+        "files_sha256": tree.get("files_sha256", {}),
+        "recorded": utc_now(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        **_jax(),
+        **(_triton() if "interpreted" in (peer.version() or "") else {}),
+        "command": command,
+    }
+    doc: dict[str, Any] = {
+        "format": FORMAT,
+        "source": source,
+        "peers": [record_peer(peer, name=peer.name + RECORDED_SUFFIX)],
+    }
     write_recording(doc, args.out)
     checks = doc["peers"][0]["checks"]
     errors = sum("error" in c for c in checks.values())
-    print(f"recorded {peer.name} ({source['repository']} {source['branch']}@{source['commit']}): {len(checks)} "
-          f"checks, {errors} raised -> {args.out}")
+    print(
+        f"recorded {peer.name} ({source['repository']} {source['branch']}@{source['commit']}): {len(checks)} "
+        f"checks, {errors} raised -> {args.out}"
+    )
     return 0
 
 

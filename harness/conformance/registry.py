@@ -28,8 +28,14 @@ from harness.upstream.megatron_tree import TreeError, tree_flavor
 __all__ = ["all_peers", "default_peers", "select", "tree_peers"]
 
 
-def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, modules: Sequence[str] = (),
-              transformer_engine: Path | None = None, torchtitan: Path | None = None) -> list[Peer]:
+def all_peers(
+    megatron_lm: Path | None = None,
+    *,
+    python: str | None = None,
+    modules: Sequence[str] = (),
+    transformer_engine: Path | None = None,
+    torchtitan: Path | None = None,
+) -> list[Peer]:
     """Every known peer (the Megatron-LM tree peers only with `megatron_lm`, recorded with `python`;
     `modules`: `MODULE:NAME` specs of the user's own peers; `transformer_engine` / `torchtitan`: their
     source trees, default `$MHC_TRANSFORMER_ENGINE` / `$MHC_TORCHTITAN`)."""
@@ -54,10 +60,23 @@ def all_peers(megatron_lm: Path | None = None, *, python: str | None = None, mod
     trees = {"tree": te_tree(transformer_engine).path} if transformer_engine is not None else {}
     titan = {"tree": torchtitan_tree(torchtitan).path} if torchtitan is not None else {}
 
-    peers: list[Peer] = [*mhc_core_peers(("reference", "compiled")), HfDeepseekV4Peer(), LucidrainsPeer(),
-                         LigerPeer(), TeTritonPeer(**trees), TorchtitanPeer(**titan), SglangPeer(), SglangTritonPeer(),
-                         VllmPeer(), VllmTritonPeer(), MaxTextPeer(),
-                         *recorded_peers(), *gpu_peers(), *entry_point_peers(), *module_peers(modules)]
+    peers: list[Peer] = [
+        *mhc_core_peers(("reference", "compiled")),
+        HfDeepseekV4Peer(),
+        LucidrainsPeer(),
+        LigerPeer(),
+        TeTritonPeer(**trees),
+        TorchtitanPeer(**titan),
+        SglangPeer(),
+        SglangTritonPeer(),
+        VllmPeer(),
+        VllmTritonPeer(),
+        MaxTextPeer(),
+        *recorded_peers(),
+        *gpu_peers(),
+        *entry_point_peers(),
+        *module_peers(modules),
+    ]
     names = [p.name for p in peers]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -92,14 +111,29 @@ def tree_peers(tree: Path, *, python: str | None = None, timeout_s: float = 900)
     tree_flavor(tree)  # a bad path is named before anything runs
     with tempfile.TemporaryDirectory(prefix="mhc-mlm-") as tmp:
         out = Path(tmp) / "recording.json"
-        cmd = [python or sys.executable, "-m", "harness.conformance.record_megatron_lm", "--megatron-lm", str(tree),
-               "--out", str(out)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                                         os.environ.get("PYTHONPATH")]))}
+        cmd = [
+            python or sys.executable,
+            "-m",
+            "harness.conformance.record_megatron_lm",
+            "--megatron-lm",
+            str(tree),
+            "--out",
+            str(out),
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")])
+            ),
+        }
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
         if proc.returncode != 0:
             lines = (proc.stderr or proc.stdout).strip().splitlines()
             errors = [x.removeprefix("error: ") for x in lines if x.startswith("error: ")]
-            raise TreeError(errors[-1] if errors else
-                            f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): " + " | ".join(lines[-3:]))
+            raise TreeError(
+                errors[-1]
+                if errors
+                else f"--megatron-lm {tree}: recording failed (exit {proc.returncode}): "
+                + " | ".join(lines[-3:])
+            )
         return list(load_recording(out, prefix="megatron_lm_tree"))

@@ -21,8 +21,15 @@ import torch
 from harness.conformance.checks import CheckSpec, inputs_digest
 from harness.peers.base import Peer, PeerError
 
-__all__ = ["FORMAT", "RECORDED_DIR", "RecordedPeer", "load_recording", "recorded_peers", "tensor_from_json",
-           "tensor_to_json"]
+__all__ = [
+    "FORMAT",
+    "RECORDED_DIR",
+    "RecordedPeer",
+    "load_recording",
+    "recorded_peers",
+    "tensor_from_json",
+    "tensor_to_json",
+]
 
 FORMAT = "mhc-suite conformance recording 1"
 RECORDED_DIR = Path(__file__).with_name("recorded")
@@ -76,10 +83,14 @@ class RecordedPeer(Peer):
         if "error" in rec:
             raise PeerError(f"{self.name} (recorded) raised: {rec['error']}")
         if rec["inputs_sha256"] != inputs_digest(spec):
-            raise PeerError(f"{self.path}: check {spec.id!r} was recorded on other inputs (the cases changed "
-                            f"since {self.source.get('recorded', '?')}); {how}")
-        return ({k: tensor_from_json(v) for k, v in rec["outputs"].items()},
-                {k: tensor_from_json(v) for k, v in rec["grads"].items()})
+            raise PeerError(
+                f"{self.path}: check {spec.id!r} was recorded on other inputs (the cases changed "
+                f"since {self.source.get('recorded', '?')}); {how}"
+            )
+        return (
+            {k: tensor_from_json(v) for k, v in rec["outputs"].items()},
+            {k: tensor_from_json(v) for k, v in rec["grads"].items()},
+        )
 
 
 _MOVED = {"harness.peers.record_megatron_lm": "harness.conformance.record_megatron_lm"}
@@ -103,16 +114,29 @@ def load_recording(path: Path, *, prefix: str | None = None) -> list[RecordedPee
     path = Path(path)
     doc = parse_json(path.read_text(encoding="utf-8"), source=str(path))
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a conformance recording (format {doc.get('format') if isinstance(doc, dict) else None!r}, "
-                         f"expected {FORMAT!r})")
+        raise ValueError(
+            f"{path}: not a conformance recording (format {doc.get('format') if isinstance(doc, dict) else None!r}, "
+            f"expected {FORMAT!r})"
+        )
     out = []
     for p in doc["peers"]:
-        name = p["name"] if prefix is None else prefix + p["name"][p["name"].index("["):]
-        out.append(RecordedPeer(name=name, description=f"{p['description']} (recorded)", ops=frozenset(p["ops"]),
-                                dtypes=tuple(_DTYPES[d] for d in p["dtypes"]), streams=tuple(p["streams"]),
-                                differences=p.get("differences", {}), claims=p.get("claims"), source=doc["source"],
-                                checks=p["checks"], path=path, skipped=p.get("skipped"),
-                                stack_chained=p.get("stack_chained", False)))
+        name = p["name"] if prefix is None else prefix + p["name"][p["name"].index("[") :]
+        out.append(
+            RecordedPeer(
+                name=name,
+                description=f"{p['description']} (recorded)",
+                ops=frozenset(p["ops"]),
+                dtypes=tuple(_DTYPES[d] for d in p["dtypes"]),
+                streams=tuple(p["streams"]),
+                differences=p.get("differences", {}),
+                claims=p.get("claims"),
+                source=doc["source"],
+                checks=p["checks"],
+                path=path,
+                skipped=p.get("skipped"),
+                stack_chained=p.get("stack_chained", False),
+            )
+        )
     return out
 
 

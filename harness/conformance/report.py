@@ -29,7 +29,9 @@ def _configuration(p: PeerResult) -> str:
     if p.configuration is None or p.configuration not in p.by_configuration:
         return p.configuration or "-"
     na = sum(c.status == "n/a" for c in p.by_configuration[p.configuration])
-    return "{} {}/{}".format(p.configuration, *p.configuration_tally(p.configuration)) + (f" ({na} n/a)" if na else "")
+    return "{} {}/{}".format(p.configuration, *p.configuration_tally(p.configuration)) + (
+        f" ({na} n/a)" if na else ""
+    )
 
 
 def _claim(p: PeerResult) -> str:
@@ -47,7 +49,7 @@ _API = "API generation "
 
 def _api(p: PeerResult) -> str:
     """The `API generation ...` part of a tree peer's description (`harness.peers.megatron_lm.TreeApi.line`)."""
-    return p.description[p.description.index(_API):].removesuffix(" (recorded)")
+    return p.description[p.description.index(_API) :].removesuffix(" (recorded)")
 
 
 def format_summary(matrix: Matrix) -> str:
@@ -59,8 +61,10 @@ def format_summary(matrix: Matrix) -> str:
             continue
         verdict = "conforms to" if p.conforms else "best matches"
         tried = "" if len(p.by_configuration) < 2 else f" [{len(p.by_configuration)} configurations tried]"
-        lines.append(f"{p.peer} ({p.version or 'no version'}): {verdict} {_configuration(p)}{_claim(p)} "
-                     f"[per variant: {_scores(p)}]{tried}")
+        lines.append(
+            f"{p.peer} ({p.version or 'no version'}): {verdict} {_configuration(p)}{_claim(p)} "
+            f"[per variant: {_scores(p)}]{tried}"
+        )
         if _API in p.description:  # a source tree's peer: which API generation the adapter found
             lines.append("    " + _api(p))
         for c in p.cells():
@@ -71,23 +75,36 @@ def format_summary(matrix: Matrix) -> str:
 
 def markdown(matrix: Matrix) -> str:
     """A `## Conformance` section: the summary table, then per peer every check against its best configuration."""
-    md = ["## Conformance", "",
-          "Every peer's ops on the same seeded inputs, outputs and all gradients against the fp64 oracle of each "
-          "variant; the best-matching variant per peer, the options of that variant that fit it (its best "
-          "configuration), and each check against it (`docs/conformance.md`).", "",
-          "| peer | version | best variant | passes per variant | best configuration | verdict |",
-          "|---|---|---|---|---|---|"]
+    md = [
+        "## Conformance",
+        "",
+        "Every peer's ops on the same seeded inputs, outputs and all gradients against the fp64 oracle of each "
+        "variant; the best-matching variant per peer, the options of that variant that fit it (its best "
+        "configuration), and each check against it (`docs/conformance.md`).",
+        "",
+        "| peer | version | best variant | passes per variant | best configuration | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
     for p in matrix.peers:
         if p.skipped:
             md.append(f"| {p.peer} | {p.version or '-'} | - | - | - | skipped: {p.skipped} |")
         else:
-            md.append(f"| {p.peer} | {p.version or '-'} | {p.best} | {_scores(p)} | {_configuration(p)} | "
-                      f"{'conforms' if p.conforms else 'differs'}{_claim(p)} |")
+            md.append(
+                f"| {p.peer} | {p.version or '-'} | {p.best} | {_scores(p)} | {_configuration(p)} | "
+                f"{'conforms' if p.conforms else 'differs'}{_claim(p)} |"
+            )
     for p in matrix.peers:
         if p.skipped:
             continue
-        md += ["", f"### {p.peer} against {p.configuration}", "", p.description, "",
-               "| check | result | bound | note |", "|---|---|---|---|"]
+        md += [
+            "",
+            f"### {p.peer} against {p.configuration}",
+            "",
+            p.description,
+            "",
+            "| check | result | bound | note |",
+            "|---|---|---|---|",
+        ]
         for c in p.cells():
             note = (c.message or c.worst).replace("|", "\\|")
             bound = (c.bound or "-").replace("|", "\\|")
@@ -100,7 +117,9 @@ def write_outputs(matrix: Matrix, out_dir: str | Path) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = (out / "conformance.json", out / "conformance.md")
-    for path, text in zip(paths, (json.dumps(matrix.to_json(), indent=1) + "\n", markdown(matrix)), strict=True):
+    for path, text in zip(
+        paths, (json.dumps(matrix.to_json(), indent=1) + "\n", markdown(matrix)), strict=True
+    ):
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)

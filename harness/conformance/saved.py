@@ -26,8 +26,13 @@ _ROOT = Path(__file__).resolve().parents[2]
 def source_digest() -> str:
     """sha256 over the code and data a matrix depends on, and this interpreter."""
     h = hashlib.sha256(sys.executable.encode())
-    files = sorted([*(_ROOT / "mhc_core").rglob("*.py"), *(_ROOT / "harness").rglob("*.py"),
-                    *(_ROOT / "harness" / "conformance" / "recorded").glob("*.json")])
+    files = sorted(
+        [
+            *(_ROOT / "mhc_core").rglob("*.py"),
+            *(_ROOT / "harness").rglob("*.py"),
+            *(_ROOT / "harness" / "conformance" / "recorded").glob("*.json"),
+        ]
+    )
     for f in files:
         h.update(str(f.relative_to(_ROOT)).encode())
         h.update(f.read_bytes())

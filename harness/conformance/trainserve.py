@@ -39,8 +39,17 @@ from harness.peers.base import Peer, Sublayer, SublayerParams
 from harness.peers.mhc_core_peer import MhcCorePeer, sublayer
 from harness.peers.pre_post import PrePostPeer
 
-__all__ = ["DEPTHS", "GROWTH_FACTOR", "LEVEL_FACTOR", "TRAINER", "PeerMismatch", "TrainServeSetup", "measure",
-           "rel_err", "serving_peers"]
+__all__ = [
+    "DEPTHS",
+    "GROWTH_FACTOR",
+    "LEVEL_FACTOR",
+    "TRAINER",
+    "PeerMismatch",
+    "TrainServeSetup",
+    "measure",
+    "rel_err",
+    "serving_peers",
+]
 
 TRAINER = "megatron_dev+eps_inside_sqrt"
 """The configuration the serving peers implement and the trainer runs (DeepSeek-V4's, upstream dev's numerics with
@@ -75,8 +84,10 @@ class TrainServeSetup:
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainServeSetup.{name}={getattr(self, name)}: must be >= 1")
         if (self.n * self.hidden) % 64:
-            raise ValueError(f"TrainServeSetup: n*hidden = {self.n * self.hidden} must be a multiple of 64 "
-                             "(sglang's split-K projection kernel asserts it)")
+            raise ValueError(
+                f"TrainServeSetup: n*hidden = {self.n * self.hidden} must be a multiple of 64 "
+                "(sglang's split-K projection kernel asserts it)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,8 +134,14 @@ def _stand_in(w: torch.Tensor):
 
 
 def _cast(p: SublayerParams, dtype: torch.dtype) -> SublayerParams:
-    return SublayerParams(n=p.n, weight=p.weight.to(dtype), alpha_pre=p.alpha_pre.to(dtype),
-                          alpha_post=p.alpha_post.to(dtype), alpha_res=p.alpha_res.to(dtype), bias=p.bias.to(dtype))
+    return SublayerParams(
+        n=p.n,
+        weight=p.weight.to(dtype),
+        alpha_pre=p.alpha_pre.to(dtype),
+        alpha_post=p.alpha_post.to(dtype),
+        alpha_res=p.alpha_res.to(dtype),
+        bias=p.bias.to(dtype),
+    )
 
 
 def _setup(s: TrainServeSetup) -> tuple[torch.Tensor, _Layers]:
@@ -133,7 +150,9 @@ def _setup(s: TrainServeSetup) -> tuple[torch.Tensor, _Layers]:
     subs = []
     for _ in range(2 * max(s.depths)):
         p = _cast(params(s.n, s.hidden, g), torch.float32)
-        w = (torch.randn(s.hidden, s.hidden, generator=g, dtype=torch.float64) / s.hidden ** 0.5).to(torch.bfloat16)
+        w = (torch.randn(s.hidden, s.hidden, generator=g, dtype=torch.float64) / s.hidden**0.5).to(
+            torch.bfloat16
+        )
         subs.append((p, w))
     return x, _Layers(subs=subs)
 
@@ -162,8 +181,13 @@ def _connection(peer: PrePostPeer | None, x: torch.Tensor, sub: Sublayer, iterat
     return peer.post(sub.f(y), x, h_post, h_res)
 
 
-def _run(peer: PrePostPeer | None, x: torch.Tensor, subs: Sequence[Sublayer], iterations: int, depths: Sequence[int],
-         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _run(
+    peer: PrePostPeer | None,
+    x: torch.Tensor,
+    subs: Sequence[Sublayer],
+    iterations: int,
+    depths: Sequence[int],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The first connection's output and the streams after each of `depths` layers."""
     first, out, h = None, [], x
     with torch.no_grad():
@@ -177,30 +201,38 @@ def _run(peer: PrePostPeer | None, x: torch.Tensor, subs: Sequence[Sublayer], it
     return first, out
 
 
-def _invariance(peer: PrePostPeer | None, x: torch.Tensor, subs: Sequence[Sublayer], iterations: int) -> tuple[bool, bool, float]:
+def _invariance(
+    peer: PrePostPeer | None, x: torch.Tensor, subs: Sequence[Sublayer], iterations: int
+) -> tuple[bool, bool, float]:
     """`(deterministic, batch invariant, max |alone - in batch|)` of one layer of `peer` (None: the trainer)."""
+
     def layer(z: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return _connection(peer, _connection(peer, z, subs[0], iterations), subs[1], iterations)
 
     a, b = layer(x), layer(x)
     rows = sorted({0, x.shape[0] // 2, x.shape[0] - 1})
-    diffs = [float((layer(x[i:i + 1])[0].double() - a[i].double()).abs().max()) for i in rows]
+    diffs = [float((layer(x[i : i + 1])[0].double() - a[i].double()).abs().max()) for i in rows]
     return torch.equal(a, b), max(diffs) == 0.0, max(diffs)
 
 
 def _first_differing_op(peer: PrePostPeer, x: torch.Tensor, sub: Sublayer, iterations: int) -> str:
     """The first of `h_res`, `h_post`, the layer input and the mix whose one-connection error against fp64 stands
     `LEVEL_FACTOR` above the trainer's, or an empty string."""
-    reference = MhcCorePeer(name="trainer", description="", ops=frozenset(), variant=TRAINER)  # bf16 in: the trainer
+    reference = MhcCorePeer(
+        name="trainer", description="", ops=frozenset(), variant=TRAINER
+    )  # bf16 in: the trainer
     x64, p64 = x.double(), _cast(sub.params, torch.float64)
     with torch.no_grad():
         ref = reference.coefficients(x64, p64, iterations)
         mine = reference.coefficients(x, sub.params, iterations)
         y, h_res, h_post = peer.pre(x, sub.params, iterations)
         theirs = {"h_res": h_res, "h_post": h_post, "aggregate": y}
-        for name, what in (("h_res", "H_res (the Sinkhorn output)"), ("h_post", "H_post"),
-                           ("aggregate", "the layer input (H_pre and the aggregate)")):
+        for name, what in (
+            ("h_res", "H_res (the Sinkhorn output)"),
+            ("h_post", "H_post"),
+            ("aggregate", "the layer input (H_pre and the aggregate)"),
+        ):
             if rel_err(theirs[name], ref[name]) > LEVEL_FACTOR * max(rel_err(mine[name], ref[name]), _FLOOR):
                 return f"{what}: {rel_err(theirs[name], ref[name]):.2e} vs the trainer's {rel_err(mine[name], ref[name]):.2e}"
         f = sub.f(y)
@@ -225,14 +257,27 @@ def measure(peers: Sequence[PrePostPeer], setup: TrainServeSetup = TrainServeSet
     depths = setup.depths
     subs64 = layers.sublayers(torch.float64, torch.float64)
     subs = layers.sublayers(torch.bfloat16, torch.float32)
-    first64, ref = _run(None, x.double(), subs64, setup.iterations, depths)  # the reference in fp64: the oracle
+    first64, ref = _run(
+        None, x.double(), subs64, setup.iterations, depths
+    )  # the reference in fp64: the oracle
     first_t, trained = _run(None, x, subs, setup.iterations, depths)
     det, inv, worst = _invariance(None, x, subs, setup.iterations)
     t_fp64 = tuple(rel_err(a, e) for a, e in zip(trained, ref, strict=True))
-    rows = [PeerMismatch(name=f"trainer (mhc_core[{TRAINER}], bf16)", version=None, depths=depths, vs_fp64=t_fp64,
-                         vs_trainer=tuple(0.0 for _ in depths), connection_vs_fp64=rel_err(first_t, first64),
-                         connection_vs_trainer=0.0, deterministic=det, batch_invariant=inv, batch_max_abs=worst,
-                         configuration=TRAINER)]
+    rows = [
+        PeerMismatch(
+            name=f"trainer (mhc_core[{TRAINER}], bf16)",
+            version=None,
+            depths=depths,
+            vs_fp64=t_fp64,
+            vs_trainer=tuple(0.0 for _ in depths),
+            connection_vs_fp64=rel_err(first_t, first64),
+            connection_vs_trainer=0.0,
+            deterministic=det,
+            batch_invariant=inv,
+            batch_max_abs=worst,
+            configuration=TRAINER,
+        )
+    ]
     t_growth = rows[0].growth()
     for peer in peers:
         if peer.unavailable():
@@ -240,18 +285,32 @@ def measure(peers: Sequence[PrePostPeer], setup: TrainServeSetup = TrainServeSet
         first, got = _run(peer, x, subs, setup.iterations, depths)
         det, inv, worst = _invariance(peer, x, subs, setup.iterations)
         vs64 = tuple(rel_err(a, e) for a, e in zip(got, ref, strict=True))
-        row = PeerMismatch(name=peer.name, version=peer.version(), depths=depths, vs_fp64=vs64,
-                           vs_trainer=tuple(rel_err(a, e) for a, e in zip(got, trained, strict=True)),
-                           connection_vs_fp64=rel_err(first, first64), connection_vs_trainer=rel_err(first, first_t),
-                           deterministic=det, batch_invariant=inv, batch_max_abs=worst)
+        row = PeerMismatch(
+            name=peer.name,
+            version=peer.version(),
+            depths=depths,
+            vs_fp64=vs64,
+            vs_trainer=tuple(rel_err(a, e) for a, e in zip(got, trained, strict=True)),
+            connection_vs_fp64=rel_err(first, first64),
+            connection_vs_trainer=rel_err(first, first_t),
+            deterministic=det,
+            batch_invariant=inv,
+            batch_max_abs=worst,
+        )
         level = [d for d, p, t in zip(depths, vs64, t_fp64, strict=True) if p > LEVEL_FACTOR * max(t, _FLOOR)]
         growth_bad = row.growth() > GROWTH_FACTOR * t_growth
         configuration = _configuration(peer)
         if level or growth_bad:
-            why = [f"error above {LEVEL_FACTOR:g}x the trainer's at depth {', '.join(map(str, level))}"] if level else []
+            why = (
+                [f"error above {LEVEL_FACTOR:g}x the trainer's at depth {', '.join(map(str, level))}"]
+                if level
+                else []
+            )
             if growth_bad:
-                why.append(f"grows {row.growth():.3g}x from depth {depths[0]} to {depths[-1]} (the trainer's "
-                           f"{t_growth:.3g}x, bound {GROWTH_FACTOR:g}x that)")
+                why.append(
+                    f"grows {row.growth():.3g}x from depth {depths[0]} to {depths[-1]} (the trainer's "
+                    f"{t_growth:.3g}x, bound {GROWTH_FACTOR:g}x that)"
+                )
             op = _first_differing_op(peer, x, subs[0], setup.iterations)
             if op:
                 why.append(f"first op that differs: {op}")

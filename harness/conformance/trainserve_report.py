@@ -16,8 +16,10 @@ def verdict(row: PeerMismatch, trainer: PeerMismatch) -> str:
     """What a user does with `row`: its agreement with `trainer` at the deepest depth, or why it fails."""
     if not row.passed:
         return f"does not track the trainer: {row.reason}"
-    return (f"agrees with the trainer to {row.vs_trainer[-1]:.2e} at depth {row.depths[-1]} (its error against fp64 "
-            f"{row.vs_fp64[-1]:.2e}, the trainer's own bf16 error {trainer.vs_fp64[-1]:.2e})")
+    return (
+        f"agrees with the trainer to {row.vs_trainer[-1]:.2e} at depth {row.depths[-1]} (its error against fp64 "
+        f"{row.vs_fp64[-1]:.2e}, the trainer's own bf16 error {trainer.vs_fp64[-1]:.2e})"
+    )
 
 
 def format_table(rows: Sequence[PeerMismatch], setup: TrainServeSetup) -> str:
@@ -25,13 +27,15 @@ def format_table(rows: Sequence[PeerMismatch], setup: TrainServeSetup) -> str:
     trainer = rows[0]
     depth_cols = " | ".join(f"L={d} vs fp64 / vs trainer" for d in setup.depths)
     lines = [
-        "# Train/serve mismatch of mHC", "",
+        "# Train/serve mismatch of mHC",
+        "",
         f"The serving engines' mHC against the trainer's (`mhc_core[{TRAINER}]` in bf16, fp32 mappings: upstream "
         f"dev / DeepSeek-V4 numerics) and the same configuration in fp64, from the same parameters and inputs: "
         f"n {setup.n}, C {setup.hidden}, {setup.tokens} tokens, {setup.iterations} Sinkhorn iterations, a stack of "
         f"{setup.depths[-1]} layers (two connections each, pre-normed `tanh` stand-ins). Worst relative error of the "
         f"streams (`max |a - e| / max |e|`) after L layers. Bound: within {LEVEL_FACTOR:g}x the trainer's own bf16 "
-        f"error at every depth, and growing at most {GROWTH_FACTOR:g}x as fast.", "",
+        f"error at every depth, and growing at most {GROWTH_FACTOR:g}x as fast.",
+        "",
         f"| implementation | configuration | one connection vs fp64 / vs trainer | {depth_cols} | growth | "
         "deterministic | batch invariant | verdict |",
         "|---|---|---|" + "---|" * len(setup.depths) + "---|---|---|---|",
@@ -40,9 +44,11 @@ def format_table(rows: Sequence[PeerMismatch], setup: TrainServeSetup) -> str:
         cells = " | ".join(f"{a:.2e} / {b:.2e}" for a, b in zip(r.vs_fp64, r.vs_trainer, strict=True))
         inv = "yes" if r.batch_invariant else f"no (max {r.batch_max_abs:.2e})"
         what = "the reference row" if r is trainer else verdict(r, trainer)
-        lines.append(f"| {r.name}{f' {r.version}' if r.version else ''} | {r.configuration or '?'} | "
-                     f"{r.connection_vs_fp64:.2e} / {r.connection_vs_trainer:.2e} | {cells} | {r.growth():.3g}x | "
-                     f"{'yes' if r.deterministic else 'no'} | {inv} | {what} |")
+        lines.append(
+            f"| {r.name}{f' {r.version}' if r.version else ''} | {r.configuration or '?'} | "
+            f"{r.connection_vs_fp64:.2e} / {r.connection_vs_trainer:.2e} | {cells} | {r.growth():.3g}x | "
+            f"{'yes' if r.deterministic else 'no'} | {inv} | {what} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -57,8 +63,13 @@ def _plot(rows: Sequence[PeerMismatch], path: Path) -> None:
     for r in rows:
         same = seen.setdefault(r.vs_fp64, r.name)
         label = r.name if same == r.name else f"{r.name} (= {same})"
-        ax.plot(r.depths, [max(v, 1e-8) for v in r.vs_fp64], marker="o", label=label,
-                linestyle="-" if r.passed else "--")
+        ax.plot(
+            r.depths,
+            [max(v, 1e-8) for v in r.vs_fp64],
+            marker="o",
+            label=label,
+            linestyle="-" if r.passed else "--",
+        )
     ax.set_xlabel("depth (layers)")
     ax.set_ylabel("worst relative error of the streams vs fp64")
     ax.set_yscale("log")
@@ -73,14 +84,19 @@ def _atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def write_trainserve(rows: Sequence[PeerMismatch], setup: TrainServeSetup, out_dir: Path) -> tuple[Path, Path, Path]:
+def write_trainserve(
+    rows: Sequence[PeerMismatch], setup: TrainServeSetup, out_dir: Path
+) -> tuple[Path, Path, Path]:
     """`(json, md, png)` under `out_dir`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     js, md, png = out_dir / "trainserve.json", out_dir / "trainserve.md", out_dir / "trainserve.png"
-    doc = {"trainer": TRAINER, "setup": {k: getattr(setup, k) for k in setup.__dataclass_fields__},
-           "bounds": {"level_factor": LEVEL_FACTOR, "growth_factor": GROWTH_FACTOR},
-           "rows": [r.to_json() for r in rows]}
+    doc = {
+        "trainer": TRAINER,
+        "setup": {k: getattr(setup, k) for k in setup.__dataclass_fields__},
+        "bounds": {"level_factor": LEVEL_FACTOR, "growth_factor": GROWTH_FACTOR},
+        "rows": [r.to_json() for r in rows],
+    }
     _atomic(js, json.dumps(doc, indent=1) + "\n")
     _atomic(md, format_table(rows, setup))
     tmp = png.with_name(".trainserve.tmp.png")

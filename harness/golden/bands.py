@@ -70,8 +70,19 @@ def drift(a: Golden, b: Golden, bands: Mapping[str, ApproximateCheck] | None = N
         only_b = tuple(s for s in sb.steps if s not in sa.values)
         band = bands.get(m)
         if not steps:
-            out.append(MetricDrift(metric=m, n_steps=0, max_abs=0.0, max_rel=None, worst_step=None, outside=None,
-                                   band=band, only_a=only_a, only_b=only_b))
+            out.append(
+                MetricDrift(
+                    metric=m,
+                    n_steps=0,
+                    max_abs=0.0,
+                    max_rel=None,
+                    worst_step=None,
+                    outside=None,
+                    band=band,
+                    only_a=only_a,
+                    only_b=only_b,
+                )
+            )
             continue
         va = np.array([sa.values[s] for s in steps], dtype=np.float64)
         vb = np.array([sb.values[s] for s in steps], dtype=np.float64)
@@ -83,10 +94,19 @@ def drift(a: Golden, b: Golden, bands: Mapping[str, ApproximateCheck] | None = N
         outside = None
         if band is not None:
             outside = int(np.count_nonzero(~np.isclose(vb, va, rtol=band.rtol, atol=band.atol)))
-        out.append(MetricDrift(metric=m, n_steps=len(steps), max_abs=float(diff.max()),
-                               max_rel=float(rel.max()) if nz.any() else None,
-                               worst_step=steps[i] if diff.max() > 0 else None, outside=outside, band=band,
-                               only_a=only_a, only_b=only_b))
+        out.append(
+            MetricDrift(
+                metric=m,
+                n_steps=len(steps),
+                max_abs=float(diff.max()),
+                max_rel=float(rel.max()) if nz.any() else None,
+                worst_step=steps[i] if diff.max() > 0 else None,
+                outside=outside,
+                band=band,
+                only_a=only_a,
+                only_b=only_b,
+            )
+        )
     return out
 
 
@@ -96,7 +116,10 @@ def format_drift(rows: list[MetricDrift]) -> str:
     for r in rows:
         rel = "n/a" if r.max_rel is None else f"{r.max_rel:.3e}"
         where = f" at step {r.worst_step}" if r.worst_step is not None else ""
-        band = ("no default band" if r.band is None else
-                f"{r.outside} of {r.n_steps} steps outside the default band ({r.band.describe()})")
+        band = (
+            "no default band"
+            if r.band is None
+            else f"{r.outside} of {r.n_steps} steps outside the default band ({r.band.describe()})"
+        )
         lines.append(f"  {r.metric}: max |rel| {rel}, max |abs| {r.max_abs:.6g}{where}; {band}")
     return "\n".join(lines)

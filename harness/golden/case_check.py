@@ -37,8 +37,15 @@ from harness.golden.results import CaseOutcome, write_outcome
 from harness.golden.schema import Golden, check_finite, golden_digest, to_golden
 from harness.golden.store import GoldenStore, build_meta, recalibrate_command, validate_name
 
-__all__ = ["ExactLane", "GoldenSettings", "check_case", "compare_lanes", "decided_by", "normalize_checks",
-           "resolve_exact_lane"]
+__all__ = [
+    "ExactLane",
+    "GoldenSettings",
+    "check_case",
+    "compare_lanes",
+    "decided_by",
+    "normalize_checks",
+    "resolve_exact_lane",
+]
 
 UpdateMode = Literal["failed", "all"]
 
@@ -74,7 +81,9 @@ def normalize_checks(checks: Mapping[str, Check | Sequence[Check]]) -> dict[str,
             raise ValueError(f"checks[{metric!r}] is empty")
         for c in seq:
             if not isinstance(c, ExactCheck | ApproximateCheck | TimingCheck):
-                raise ValueError(f"checks[{metric!r}]={c!r} is not an ExactCheck, ApproximateCheck or TimingCheck")
+                raise ValueError(
+                    f"checks[{metric!r}]={c!r} is not an ExactCheck, ApproximateCheck or TimingCheck"
+                )
         out[metric] = seq
     return out
 
@@ -89,29 +98,51 @@ class ExactLane:
     """`exact: enforced, ...` or `exact: n/a, recorded on <fingerprint>; this machine <fingerprint>`."""
 
 
-def resolve_exact_lane(store: GoldenStore, hw: str, suite: str, case: str, reference: Golden,
-                       meta: Mapping[str, Any] | None, fingerprint: NumericsFingerprint) -> ExactLane:
+def resolve_exact_lane(
+    store: GoldenStore,
+    hw: str,
+    suite: str,
+    case: str,
+    reference: Golden,
+    meta: Mapping[str, Any] | None,
+    fingerprint: NumericsFingerprint,
+) -> ExactLane:
     """Which exact values this run's `fingerprint` is held to (see the module docstring)."""
     recorded = (meta or {}).get("numerics")
     if recorded and recorded["id"] == fingerprint.id:
-        return ExactLane(golden=reference, reason=f"exact: enforced, this fingerprint recorded the reference "
-                                                  f"({fingerprint.label})")
+        return ExactLane(
+            golden=reference,
+            reason=f"exact: enforced, this fingerprint recorded the reference ({fingerprint.label})",
+        )
     sets = {e.fingerprint_id: e for e in store.exact_sets(hw, suite, case)}
     own = sets.get(fingerprint.id)
     if own is not None and own.reference_sha256 == golden_digest(reference):
-        return ExactLane(golden=own.golden, reason=f"exact: enforced, exact values of this fingerprint added "
-                                                   f"{own.meta['date']} ({fingerprint.label})")
-    where = (recorded["label"] if recorded else
-             "an unrecorded fingerprint (the meta predates fingerprints; recalibrate to record one)")
+        return ExactLane(
+            golden=own.golden,
+            reason=f"exact: enforced, exact values of this fingerprint added "
+            f"{own.meta['date']} ({fingerprint.label})",
+        )
+    where = (
+        recorded["label"]
+        if recorded
+        else "an unrecorded fingerprint (the meta predates fingerprints; recalibrate to record one)"
+    )
     others = sorted(i for i in sets if i != fingerprint.id)
     also = f"; exact values also for {', '.join(others)}" if others else ""
     stale = "; this fingerprint's exact set was recorded beside another reference" if own is not None else ""
-    return ExactLane(golden=None, reason=f"exact: n/a, recorded on {where}{also}{stale}; "
-                                         f"this machine {fingerprint.label}")
+    return ExactLane(
+        golden=None, reason=f"exact: n/a, recorded on {where}{also}{stale}; this machine {fingerprint.label}"
+    )
 
 
-def compare_lanes(actual: Golden, reference: Golden, lane: ExactLane, checks: Mapping[str, tuple[Check, ...]], *,
-                  source: str) -> tuple[CheckResult, ...]:
+def compare_lanes(
+    actual: Golden,
+    reference: Golden,
+    lane: ExactLane,
+    checks: Mapping[str, tuple[Check, ...]],
+    *,
+    source: str,
+) -> tuple[CheckResult, ...]:
     """Every check of every metric: exact ones against `lane` (`n/a` without exact values), the
     others against `reference`; a metric whose every check is `n/a` gets a failing result."""
     out: list[CheckResult] = []
@@ -119,16 +150,28 @@ def compare_lanes(actual: Golden, reference: Golden, lane: ExactLane, checks: Ma
         mine = []
         for c in seq:
             if isinstance(c, ExactCheck) and lane.golden is None:
-                mine.append(CheckResult(metric=metric, check=c.describe(), status="n/a",
-                                        message=f"{metric} [exact]: {lane.reason}"))
+                mine.append(
+                    CheckResult(
+                        metric=metric,
+                        check=c.describe(),
+                        status="n/a",
+                        message=f"{metric} [exact]: {lane.reason}",
+                    )
+                )
             else:
                 golden = lane.golden if isinstance(c, ExactCheck) else reference
                 assert golden is not None  # an exact check without a lane's values went to "n/a" above
                 mine.append(compare_metric(metric, actual.get(metric), golden.get(metric), c, source=source))
         if all(r.status == "n/a" for r in mine):
-            mine.append(CheckResult(metric=metric, check="lanes", status="fail",
-                                    message=f"{metric}: no lane decides: its only check is exact, n/a on this "
-                                            f"machine ({lane.reason}); give it an approximate band (rtol / atol)"))
+            mine.append(
+                CheckResult(
+                    metric=metric,
+                    check="lanes",
+                    status="fail",
+                    message=f"{metric}: no lane decides: its only check is exact, n/a on this "
+                    f"machine ({lane.reason}); give it an approximate band (rtol / atol)",
+                )
+            )
         out += mine
     return tuple(out)
 
@@ -141,10 +184,26 @@ def decided_by(checks: Mapping[str, tuple[Check, ...]], lane: ExactLane | None) 
     return "approximate" if ApproximateCheck in kinds or ExactCheck in kinds else "timing"
 
 
-def _write(settings: GoldenSettings, store: GoldenStore, suite: str, case: str, actual: Golden, source: str,
-           fingerprint: NumericsFingerprint) -> Path:
-    meta = build_meta(hw=settings.hw.key, hw_rule=settings.hw.rule, suite=suite, case=case, golden=actual,
-                      source=source, repeats=1, commit_cwd=settings.commit_cwd, numerics=fingerprint)
+def _write(
+    settings: GoldenSettings,
+    store: GoldenStore,
+    suite: str,
+    case: str,
+    actual: Golden,
+    source: str,
+    fingerprint: NumericsFingerprint,
+) -> Path:
+    meta = build_meta(
+        hw=settings.hw.key,
+        hw_rule=settings.hw.rule,
+        suite=suite,
+        case=case,
+        golden=actual,
+        source=source,
+        repeats=1,
+        commit_cwd=settings.commit_cwd,
+        numerics=fingerprint,
+    )
     return store.write(settings.hw.key, suite, case, actual, meta).json
 
 
@@ -154,9 +213,16 @@ def _finish(settings: GoldenSettings, outcome: CaseOutcome, actual: Golden | Non
     return outcome
 
 
-def check_case(settings: GoldenSettings, *, suite: str, case: str, metrics: Mapping[str, Any],
-               checks: Mapping[str, Check | Sequence[Check]], nodeid: str | None = None,
-               fingerprint: NumericsFingerprint | None = None) -> CaseOutcome:
+def check_case(
+    settings: GoldenSettings,
+    *,
+    suite: str,
+    case: str,
+    metrics: Mapping[str, Any],
+    checks: Mapping[str, Check | Sequence[Check]],
+    nodeid: str | None = None,
+    fingerprint: NumericsFingerprint | None = None,
+) -> CaseOutcome:
     """Compare, rewrite or record one case according to `settings`; see the module docstring.
     `fingerprint`: the numerics fingerprint of the process that produced `metrics` (default:
     this process's)."""
@@ -167,8 +233,9 @@ def check_case(settings: GoldenSettings, *, suite: str, case: str, metrics: Mapp
     hw = settings.hw.key
     store = GoldenStore(settings.golden_dir)
     path = store.files(hw, suite, case).json
-    base = dict(suite=suite, case=case, hw=hw, nodeid=nodeid, golden_path=str(path),
-                fingerprint=fingerprint.to_json())
+    base = dict(
+        suite=suite, case=case, hw=hw, nodeid=nodeid, golden_path=str(path), fingerprint=fingerprint.to_json()
+    )
     label = f"{suite}/{case} on {hw}"
     try:
         actual = to_golden(metrics, source=f"actual metrics of {label}")
@@ -178,8 +245,13 @@ def check_case(settings: GoldenSettings, *, suite: str, case: str, metrics: Mapp
 
     if settings.update == "all":
         _write(settings, store, suite, case, actual, "pytest --update-golden=all", fingerprint)
-        return _finish(settings, CaseOutcome(**base, status="written", rewritten=True,
-                                             message=f"wrote {path} (--update-golden=all)"), actual)
+        return _finish(
+            settings,
+            CaseOutcome(
+                **base, status="written", rewritten=True, message=f"wrote {path} (--update-golden=all)"
+            ),
+            actual,
+        )
     try:
         golden, _meta = store.load(hw, suite, case)
     except MissingGoldenError as exc:
@@ -187,9 +259,16 @@ def check_case(settings: GoldenSettings, *, suite: str, case: str, metrics: Mapp
             return _finish(settings, CaseOutcome(**base, status="recorded", message=str(exc)), actual)
         if settings.update == "failed":
             _write(settings, store, suite, case, actual, "pytest --update-golden=failed", fingerprint)
-            return _finish(settings, CaseOutcome(**base, status="fail", rewritten=True,
-                                                 message=f"{exc}\nwrote {path} (--update-golden=failed); rerun to confirm"),
-                           actual)
+            return _finish(
+                settings,
+                CaseOutcome(
+                    **base,
+                    status="fail",
+                    rewritten=True,
+                    message=f"{exc}\nwrote {path} (--update-golden=failed); rerun to confirm",
+                ),
+                actual,
+            )
         return _finish(settings, CaseOutcome(**base, status="error", message=str(exc)), actual)
     except GoldenError as exc:
         status = "recorded" if settings.record_only else "error"
@@ -204,8 +283,17 @@ def check_case(settings: GoldenSettings, *, suite: str, case: str, metrics: Mapp
     passed = all(r.ok for r in results)
     base.update(lane=decided_by(norm, lane), lane_reason=lane.reason)
     if settings.record_only:
-        return _finish(settings, CaseOutcome(**base, status="recorded", golden_passed=passed, checks=results,
-                                             message=format_results(results)), actual)
+        return _finish(
+            settings,
+            CaseOutcome(
+                **base,
+                status="recorded",
+                golden_passed=passed,
+                checks=results,
+                message=format_results(results),
+            ),
+            actual,
+        )
     if passed:
         return _finish(settings, CaseOutcome(**base, status="pass", checks=results), actual)
     lines = [f"golden mismatch for {label} (golden file {path}; {lane.reason}):", format_results(results)]
@@ -216,5 +304,8 @@ def check_case(settings: GoldenSettings, *, suite: str, case: str, metrics: Mapp
         _write(settings, store, suite, case, actual, "pytest --update-golden=failed", fingerprint)
         rewritten = True
         lines.append(f"rewrote {path} (--update-golden=failed); the test still fails, rerun to confirm")
-    return _finish(settings, CaseOutcome(**base, status="fail", rewritten=rewritten, checks=results,
-                                         message="\n".join(lines)), actual)
+    return _finish(
+        settings,
+        CaseOutcome(**base, status="fail", rewritten=rewritten, checks=results, message="\n".join(lines)),
+        actual,
+    )

@@ -76,8 +76,9 @@ class ApproximateCheck:
 
     def __post_init__(self) -> None:
         _nonneg(self, "rtol", "atol")
-        if self.max_misses is not None and (isinstance(self.max_misses, bool) or not isinstance(self.max_misses, int)
-                                            or self.max_misses < 0):
+        if self.max_misses is not None and (
+            isinstance(self.max_misses, bool) or not isinstance(self.max_misses, int) or self.max_misses < 0
+        ):
             raise ValueError(f"ApproximateCheck.max_misses={self.max_misses!r} must be None or an int >= 0")
 
     def describe(self) -> str:
@@ -108,11 +109,20 @@ class TimingCheck:
     def __post_init__(self) -> None:
         _nonneg(self, "rel_band_slow", "rel_band_fast")
         if self.rel_band_fast >= 1 and not self.higher_is_better:
-            raise ValueError(f"TimingCheck.rel_band_fast={self.rel_band_fast!r} must be < 1 for a time metric")
+            raise ValueError(
+                f"TimingCheck.rel_band_fast={self.rel_band_fast!r} must be < 1 for a time metric"
+            )
         if self.window is not None:
             w = self.window
-            if (not isinstance(w, tuple) or len(w) != 2 or not all(isinstance(s, int) for s in w) or w[0] > w[1]):
-                raise ValueError(f"TimingCheck.window={w!r} must be a tuple (first_step, last_step), first <= last")
+            if (
+                not isinstance(w, tuple)
+                or len(w) != 2
+                or not all(isinstance(s, int) for s in w)
+                or w[0] > w[1]
+            ):
+                raise ValueError(
+                    f"TimingCheck.window={w!r} must be a tuple (first_step, last_step), first <= last"
+                )
         if not isinstance(self.min_window_steps, int) or self.min_window_steps < 1:
             raise ValueError(f"TimingCheck.min_window_steps={self.min_window_steps!r} must be an int >= 1")
 
@@ -123,17 +133,23 @@ class TimingCheck:
 Check = ExactCheck | ApproximateCheck | TimingCheck
 
 CHECK_THRESHOLDS: dict[str, float] = {
-    "lm loss": 0.05, "mtp_1 loss": 0.05, "mtp_2 loss": 0.05, "total loss": 0.05,
+    "lm loss": 0.05,
+    "mtp_1 loss": 0.05,
+    "mtp_2 loss": 0.05,
+    "total loss": 0.05,
     "num-zeros": 0.20,
-    "iteration-time": 0.05, "mem-allocated-bytes": 0.05, "mem-max-allocated-bytes": 0.05,
+    "iteration-time": 0.05,
+    "mem-allocated-bytes": 0.05,
+    "mem-max-allocated-bytes": 0.05,
 }
 """Upstream's approximate-lane rtol per metric (`CHECK_THRESHOLDS`)."""
 
 _NO_EXACT = ("iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes")
 
 
-def upstream_checks(metrics: Iterable[str] = ("lm loss", "num-zeros"), *,
-                    deterministic: bool = True) -> dict[str, tuple[Check, ...]]:
+def upstream_checks(
+    metrics: Iterable[str] = ("lm loss", "num-zeros"), *, deterministic: bool = True
+) -> dict[str, tuple[Check, ...]]:
     """Upstream's default checks for `metrics`: exact (when deterministic) plus approximate.
 
     `iteration-time` gets a `TimingCheck` with a 5% band both ways; `mem-*` only the
@@ -142,7 +158,9 @@ def upstream_checks(metrics: Iterable[str] = ("lm loss", "num-zeros"), *,
     out: dict[str, tuple[Check, ...]] = {}
     for name in metrics:
         if name not in CHECK_THRESHOLDS:
-            raise ValueError(f"metrics: no upstream threshold for {name!r}; known: {sorted(CHECK_THRESHOLDS)}")
+            raise ValueError(
+                f"metrics: no upstream threshold for {name!r}; known: {sorted(CHECK_THRESHOLDS)}"
+            )
         rtol = CHECK_THRESHOLDS[name]
         if name == "iteration-time":
             out[name] = (TimingCheck(rel_band_slow=rtol, rel_band_fast=rtol),)
@@ -191,7 +209,9 @@ def _rel(a: float, g: float) -> float | None:
     return (a - g) / abs(g) if g != 0 else None
 
 
-def _worst(steps: Sequence[int], a: np.ndarray, g: np.ndarray) -> tuple[int | None, float | None, float | None]:
+def _worst(
+    steps: Sequence[int], a: np.ndarray, g: np.ndarray
+) -> tuple[int | None, float | None, float | None]:
     if not len(steps):
         return None, None, None
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -207,10 +227,14 @@ def _step_line(step: int, a: float, g: float, band: str) -> str:
     return f"  step {step}: actual {_fmt(a)}, golden {_fmt(g)}, delta {a - g:+.4g} (rel {rel_s}), band {band}"
 
 
-def _misaligned(metric: str, check: str, only_g: Iterable[int], only_a: Iterable[int], source: str) -> CheckResult:
+def _misaligned(
+    metric: str, check: str, only_g: Iterable[int], only_a: Iterable[int], source: str
+) -> CheckResult:
     only_g, only_a = sorted(only_g), sorted(only_a)
-    msg = (f"{metric} [{check}]: steps misaligned with {source}: steps only in golden: {_steps_text(only_g)}; "
-           f"steps only in actual: {_steps_text(only_a)}")
+    msg = (
+        f"{metric} [{check}]: steps misaligned with {source}: steps only in golden: {_steps_text(only_g)}; "
+        f"steps only in actual: {_steps_text(only_a)}"
+    )
     return CheckResult(metric=metric, check=check, status="misaligned", message=msg)
 
 
@@ -225,18 +249,24 @@ def timing_window(steps: Sequence[int], check: TimingCheck) -> tuple[list[int], 
     """The golden steps the timing lane takes the median over, and how they were chosen."""
     steps = sorted(steps)
     first, last = check.window or ((5, 20) if steps[-1] <= 25 else (30, 45))
-    rule = "given window" if check.window else f"upstream window (last step {steps[-1]} {'<=' if steps[-1] <= 25 else '>'} 25)"
+    rule = (
+        "given window"
+        if check.window
+        else f"upstream window (last step {steps[-1]} {'<=' if steps[-1] <= 25 else '>'} 25)"
+    )
     sel = [s for s in steps if first <= s <= last]
     if len(sel) >= check.min_window_steps:
         return sel, f"steps {first}..{last}, {rule}"
     after = [s for s in steps if s >= first][: check.min_window_steps]
     if len(after) >= check.min_window_steps:
         return after, f"first {check.min_window_steps} steps from {first} (window {first}..{last} too sparse)"
-    half = steps[len(steps) // 2:]
+    half = steps[len(steps) // 2 :]
     return half, f"second half of the series (too few steps for window {first}..{last})"
 
 
-def _compare_timing(metric: str, a: MetricSeries, g: MetricSeries, check: TimingCheck, source: str) -> CheckResult:
+def _compare_timing(
+    metric: str, a: MetricSeries, g: MetricSeries, check: TimingCheck, source: str
+) -> CheckResult:
     name = check.describe()
     sel, how = timing_window(g.steps, check)
     missing = [s for s in sel if s not in a.values]
@@ -246,43 +276,75 @@ def _compare_timing(metric: str, a: MetricSeries, g: MetricSeries, check: Timing
     bad = [s for s, v in zip(sel, av, strict=True) if not math.isfinite(v)]
     am, gm = statistics.median(av), statistics.median(g.values[s] for s in sel)
     head = f"{metric} [{name}]: median over {len(sel)} steps {sel[0]}..{sel[-1]} ({how})"
-    lo_b, hi_b = ((check.rel_band_slow, check.rel_band_fast) if check.higher_is_better
-                  else (check.rel_band_fast, check.rel_band_slow))
+    lo_b, hi_b = (
+        (check.rel_band_slow, check.rel_band_fast)
+        if check.higher_is_better
+        else (check.rel_band_fast, check.rel_band_slow)
+    )
     band = f"-{lo_b:.2%}..+{hi_b:.2%} of golden"
-    common = dict(metric=metric, check=name, n_steps=len(sel), worst_step=None,
-                  worst_delta=am - gm, worst_rel=_rel(am, gm))
+    common = dict(
+        metric=metric,
+        check=name,
+        n_steps=len(sel),
+        worst_step=None,
+        worst_delta=am - gm,
+        worst_rel=_rel(am, gm),
+    )
     if bad:
-        return CheckResult(**common, status="fail", n_misses=len(bad),
-                           message=f"{head}: non-finite actual values at steps {_steps_text(bad)}")
+        return CheckResult(
+            **common,
+            status="fail",
+            n_misses=len(bad),
+            message=f"{head}: non-finite actual values at steps {_steps_text(bad)}",
+        )
     if gm <= 0:
         return CheckResult(**common, status="fail", message=f"{head}: golden median {_fmt(gm)} must be > 0")
-    detail = (f"{head}: actual {_fmt(am)}, golden {_fmt(gm)}, delta {am - gm:+.4g} "
-              f"({(am - gm) / gm:+.2%}), band {band}")
-    hi, lo = gm * (1 + (check.rel_band_fast if check.higher_is_better else check.rel_band_slow)), \
-        gm * (1 - (check.rel_band_slow if check.higher_is_better else check.rel_band_fast))
+    detail = (
+        f"{head}: actual {_fmt(am)}, golden {_fmt(gm)}, delta {am - gm:+.4g} "
+        f"({(am - gm) / gm:+.2%}), band {band}"
+    )
+    hi, lo = (
+        gm * (1 + (check.rel_band_fast if check.higher_is_better else check.rel_band_slow)),
+        gm * (1 - (check.rel_band_slow if check.higher_is_better else check.rel_band_fast)),
+    )
     slow = am < lo if check.higher_is_better else am > hi
     fast = am > hi if check.higher_is_better else am < lo
     if slow:
         return CheckResult(**common, status="fail", n_misses=1, message=f"{detail} -> too slow")
     if fast:
-        return CheckResult(**common, status="refresh", n_misses=1,
-                           message=f"{detail} -> much faster than golden: refresh the golden values")
+        return CheckResult(
+            **common,
+            status="refresh",
+            n_misses=1,
+            message=f"{detail} -> much faster than golden: refresh the golden values",
+        )
     return CheckResult(**common, status="pass", message=f"{detail} -> ok")
 
 
-def compare_metric(metric: str, actual: MetricSeries | None, golden: MetricSeries | None, check: Check, *,
-                   source: str = "golden") -> CheckResult:
+def compare_metric(
+    metric: str,
+    actual: MetricSeries | None,
+    golden: MetricSeries | None,
+    check: Check,
+    *,
+    source: str = "golden",
+) -> CheckResult:
     """Run one check on one metric; `source` names the golden file in messages."""
     name = check.describe()
     if golden is None or actual is None:
         side = f"golden file {source}" if golden is None else "the actual values"
-        return CheckResult(metric=metric, check=name, status="missing",
-                           message=f"{metric} [{name}]: metric {metric!r} is missing from {side}")
+        return CheckResult(
+            metric=metric,
+            check=name,
+            status="missing",
+            message=f"{metric} [{name}]: metric {metric!r} is missing from {side}",
+        )
     if isinstance(check, TimingCheck):
         return _compare_timing(metric, actual, golden, check, source)
     if set(actual.steps) != set(golden.steps):
-        return _misaligned(metric, name, set(golden.steps) - set(actual.steps),
-                           set(actual.steps) - set(golden.steps), source)
+        return _misaligned(
+            metric, name, set(golden.steps) - set(actual.steps), set(actual.steps) - set(golden.steps), source
+        )
     steps = list(golden.steps)
     a = np.array([actual.values[s] for s in steps], dtype=np.float64)
     g = np.array([golden.values[s] for s in steps], dtype=np.float64)
@@ -292,7 +354,7 @@ def compare_metric(metric: str, actual: MetricSeries | None, golden: MetricSerie
     else:
         rtol, atol = check.rtol, check.atol
         allowed = allowed_misses(len(steps)) if check.max_misses is None else check.max_misses
-        rule = (f"allowed k={allowed}" + (" = min(max(N // 100, 1), 50)" if check.max_misses is None else ""))
+        rule = f"allowed k={allowed}" + (" = min(max(N // 100, 1), 50)" if check.max_misses is None else "")
     close = np.isclose(a, g, rtol=rtol, atol=atol, equal_nan=False)
     miss = [i for i in range(len(steps)) if not close[i]]
     ws, wd, wr = _worst(steps, a, g)
@@ -305,21 +367,33 @@ def compare_metric(metric: str, actual: MetricSeries | None, golden: MetricSerie
     if len(miss) > MAX_LISTED_STEPS:
         lines.append(f"  ... and {len(miss) - MAX_LISTED_STEPS} more steps")
     status: Status = "pass" if len(miss) <= allowed else "fail"
-    return CheckResult(metric=metric, check=name, status=status, message="\n".join([head, *lines]),
-                       n_steps=len(steps), n_misses=len(miss), allowed=allowed,
-                       worst_step=ws, worst_delta=wd, worst_rel=wr)
+    return CheckResult(
+        metric=metric,
+        check=name,
+        status=status,
+        message="\n".join([head, *lines]),
+        n_steps=len(steps),
+        n_misses=len(miss),
+        allowed=allowed,
+        worst_step=ws,
+        worst_delta=wd,
+        worst_rel=wr,
+    )
 
 
-def compare(actual: Golden, golden: Golden, checks: Mapping[str, Check | Sequence[Check]], *,
-            source: str = "golden") -> tuple[CheckResult, ...]:
+def compare(
+    actual: Golden, golden: Golden, checks: Mapping[str, Check | Sequence[Check]], *, source: str = "golden"
+) -> tuple[CheckResult, ...]:
     """Run every check on its metric, in the order of `checks`."""
     if not checks:
         raise ValueError("checks must name at least one metric (metric -> check or checks)")
     out = []
     for metric, chk in checks.items():
-        for c in (chk if isinstance(chk, Sequence) else (chk,)):
+        for c in chk if isinstance(chk, Sequence) else (chk,):
             if not isinstance(c, ExactCheck | ApproximateCheck | TimingCheck):
-                raise ValueError(f"checks[{metric!r}]={c!r} is not an ExactCheck, ApproximateCheck or TimingCheck")
+                raise ValueError(
+                    f"checks[{metric!r}]={c!r} is not an ExactCheck, ApproximateCheck or TimingCheck"
+                )
             out.append(compare_metric(metric, actual.get(metric), golden.get(metric), c, source=source))
     return tuple(out)
 

@@ -46,15 +46,41 @@ from harness.golden.errors import GoldenFormatError
 __all__ = ["PIN_VARIABLES", "NumericsFingerprint", "current_fingerprint", "fingerprint_from_json"]
 
 PIN_VARIABLES: tuple[str, ...] = (
-    "ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA",
-    "CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NCCL_ALGO",
-    "NCCL_PROTO", "MHC_BACKEND", "MHC_NATIVE",
+    "ATEN_CPU_CAPABILITY",
+    "MKL_CBWR",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "DNNL_MAX_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "NVIDIA_TF32_OVERRIDE",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "MHC_BACKEND",
+    "MHC_NATIVE",
 )
 """Environment variables recorded in `pins` when set: each selects a code path or a summation order.
 Thread variables are not among them: `threads` records the count torch runs with, whatever set it."""
 
-_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-              "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
+_ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "sve2",
+)
 """CPU flags (`/proc/cpuinfo`) kept in `cpu_isa`: the vector extensions a library may dispatch to."""
 
 _KERNEL_LIBS = ("cuda-tile", "transformer-engine", "triton", "tile-kernels")
@@ -113,12 +139,20 @@ class NumericsFingerprint:
         """One line for reports: `<id> (<cpu>, <isa path>, <libraries>, <threads>, <versions>)`."""
         parts = [f"{self.cpu_vendor} {self.cpu_model}".strip()]
         if self.device == "cuda":
-            parts = [self.gpu or "GPU", f"driver {self.driver}", f"CUDA {self.cuda}", f"cuDNN {self.cudnn}",
-                     *(f"{k} {v}" for k, v in self.kernel_libs.items()), f"host {parts[0]}"]
+            parts = [
+                self.gpu or "GPU",
+                f"driver {self.driver}",
+                f"CUDA {self.cuda}",
+                f"cuDNN {self.cudnn}",
+                *(f"{k} {v}" for k, v in self.kernel_libs.items()),
+                f"host {parts[0]}",
+            ]
         else:
             parts.append(f"ATen {self.cpu_capability or '?'}")
             if self.blas:
-                parts.append(self.blas + (f" CBWR={self.pins['MKL_CBWR']}" if "MKL_CBWR" in self.pins else ""))
+                parts.append(
+                    self.blas + (f" CBWR={self.pins['MKL_CBWR']}" if "MKL_CBWR" in self.pins else "")
+                )
             if self.onednn:
                 cap = self.pins.get("ONEDNN_MAX_CPU_ISA") or self.pins.get("DNNL_MAX_CPU_ISA")
                 parts.append(f"oneDNN {self.onednn}" + (f" max {cap}" if cap else ""))
@@ -139,13 +173,18 @@ def fingerprint_from_json(doc: Any, *, source: str) -> NumericsFingerprint:
     """Parse `NumericsFingerprint.to_json`'s object; `GoldenFormatError` naming `source`."""
     names = {f.name for f in fields(NumericsFingerprint)}
     if not isinstance(doc, Mapping):
-        raise GoldenFormatError(f"{source}: a numerics fingerprint is a JSON object, got {type(doc).__name__}")
+        raise GoldenFormatError(
+            f"{source}: a numerics fingerprint is a JSON object, got {type(doc).__name__}"
+        )
     extra = sorted(set(doc) - names)
     if extra:
-        raise GoldenFormatError(f"{source}: unknown numerics fingerprint key(s) {extra}; known: {sorted(names)}")
+        raise GoldenFormatError(
+            f"{source}: unknown numerics fingerprint key(s) {extra}; known: {sorted(names)}"
+        )
     try:
-        return NumericsFingerprint(**{k: (tuple(v) if k == "cpu_isa" and isinstance(v, list) else v)
-                                      for k, v in doc.items()})
+        return NumericsFingerprint(
+            **{k: (tuple(v) if k == "cpu_isa" and isinstance(v, list) else v) for k, v in doc.items()}
+        )
     except (TypeError, ValueError) as exc:
         raise GoldenFormatError(f"{source}: not a numerics fingerprint ({exc})") from None
 
@@ -168,7 +207,9 @@ def _cpuinfo() -> dict[str, str]:
 
 
 def _cpu(info: Mapping[str, str]) -> tuple[str, str, tuple[str, ...]]:
-    vendor = info.get("vendor_id") or info.get("CPU implementer") or platform.processor() or platform.machine()
+    vendor = (
+        info.get("vendor_id") or info.get("CPU implementer") or platform.processor() or platform.machine()
+    )
     name = info.get("model name") or info.get("Processor") or platform.processor() or platform.machine()
     ids = [info.get(k) for k in ("cpu family", "model", "stepping")]
     if all(ids):
@@ -206,8 +247,13 @@ def _driver() -> str | None:
     if not exe:
         return None
     try:
-        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10, check=False)
+        out = subprocess.run(
+            [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = [x.strip() for x in out.stdout.splitlines() if x.strip()]
@@ -219,9 +265,15 @@ def current_fingerprint(*, env: Mapping[str, str] | None = None) -> NumericsFing
     one without the torch fields); `env` replaces `os.environ` for `pins` (tests)."""
     env = os.environ if env is None else env
     vendor, model, isa = _cpu(_cpuinfo())
-    kw: dict[str, Any] = dict(device="cpu", cpu_vendor=vendor, cpu_model=model, cpu_isa=isa,
-                              pins={k: env[k] for k in PIN_VARIABLES if env.get(k)},
-                              torch=_version("torch"), megatron_core=_version("megatron-core"))
+    kw: dict[str, Any] = dict(
+        device="cpu",
+        cpu_vendor=vendor,
+        cpu_model=model,
+        cpu_isa=isa,
+        pins={k: env[k] for k in PIN_VARIABLES if env.get(k)},
+        torch=_version("torch"),
+        megatron_core=_version("megatron-core"),
+    )
     if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
         import torch
 
@@ -230,8 +282,12 @@ def current_fingerprint(*, env: Mapping[str, str] | None = None) -> NumericsFing
         kw["threads"] = torch.get_num_threads()
         if torch.cuda.is_available():
             n = torch.cuda.device_count()
-            kw.update(device="cuda", gpu=f"{torch.cuda.get_device_name(0)} x{n}", driver=_driver(),
-                      cuda=torch.version.cuda,
-                      cudnn=str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None,
-                      kernel_libs={k: v for k in _KERNEL_LIBS if (v := _version(k))})
+            kw.update(
+                device="cuda",
+                gpu=f"{torch.cuda.get_device_name(0)} x{n}",
+                driver=_driver(),
+                cuda=torch.version.cuda,
+                cudnn=str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None,
+                kernel_libs={k: v for k in _KERNEL_LIBS if (v := _version(k))},
+            )
     return NumericsFingerprint(**kw)

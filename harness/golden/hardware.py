@@ -145,7 +145,10 @@ def probe_gpus(timeout_s: float = 10.0) -> tuple[list[str], str]:
         try:
             out = subprocess.run(
                 [exe, "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=timeout_s, check=False,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             smi = f"nvidia-smi failed ({exc.__class__.__name__})"
@@ -180,7 +183,9 @@ def detect_hardware(
     `probe` and `machine` replace `probe_gpus` and `platform.machine()` (tests).
     """
     if override is not None:  # an empty --hw is an error, not "detect"
-        return HardwareKey(key=validate_hw_key(override, field="--hw"), rule="given by option --hw", source="option")
+        return HardwareKey(
+            key=validate_hw_key(override, field="--hw"), rule="given by option --hw", source="option"
+        )
     env = os.environ if env is None else env
     if env.get(HW_ENV_VAR):
         key = validate_hw_key(env[HW_ENV_VAR], field=HW_ENV_VAR)

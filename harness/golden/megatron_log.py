@@ -32,10 +32,20 @@ __all__ = ["parse_log", "read_log", "read_tensorboard"]
 
 _ITER = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")
 _FIELD = re.compile(r"^\s*([A-Za-z][A-Za-z0-9 ()/_.-]*?)\s*:\s*([-+0-9.eEinfINFnaN/]+)\s*$")
-_NAMES = {"lm loss": "lm loss", "grad norm": "grad-norm", "num zeros": "num-zeros",
-          "elapsed time per iteration (ms)": "iteration-time"}
-_SKIP = ("consumed samples", "global batch size", "number of skipped iterations", "number of nan iterations",
-         "learning rate", "loss scale")
+_NAMES = {
+    "lm loss": "lm loss",
+    "grad norm": "grad-norm",
+    "num zeros": "num-zeros",
+    "elapsed time per iteration (ms)": "iteration-time",
+}
+_SKIP = (
+    "consumed samples",
+    "global batch size",
+    "number of skipped iterations",
+    "number of nan iterations",
+    "learning rate",
+    "loss scale",
+)
 
 
 def _name(key: str) -> str:
@@ -52,7 +62,7 @@ def parse_log(lines: Iterable[str], *, source: str) -> Golden:
             continue
         seen += 1
         step = int(m.group(1))
-        for part in line[m.end():].split("|"):
+        for part in line[m.end() :].split("|"):
             f = _FIELD.match(part)
             if not f or f.group(1) in _SKIP:
                 continue
@@ -66,10 +76,14 @@ def parse_log(lines: Iterable[str], *, source: str) -> Golden:
                 try:
                     value = float(text)
                 except ValueError:
-                    raise GoldenFormatError(f"{source}: line {lineno}: {key!r} value {text!r} is not a number") from None
+                    raise GoldenFormatError(
+                        f"{source}: line {lineno}: {key!r} value {text!r} is not a number"
+                    ) from None
                 if not math.isfinite(value):
-                    raise GoldenFormatError(f"{source}: line {lineno} (step {step}): {key} is {text}; a result "
-                                            "file holds finite values only")
+                    raise GoldenFormatError(
+                        f"{source}: line {lineno} (step {step}): {key} is {text}; a result "
+                        "file holds finite values only"
+                    )
                 if name == "iteration-time":
                     value /= 1e3  # ms -> s, as the golden files
                 series.setdefault(name, {})[step] = value
@@ -85,8 +99,9 @@ def read_tensorboard(path: str | Path) -> Golden:
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:
-        raise GoldenFormatError(f"{path}: reading TensorBoard event files needs the tensorboard package "
-                                "(pip install tensorboard)") from None
+        raise GoldenFormatError(
+            f"{path}: reading TensorBoard event files needs the tensorboard package (pip install tensorboard)"
+        ) from None
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
     acc.Reload()
     tags = acc.Tags().get("scalars", [])
@@ -97,8 +112,10 @@ def read_tensorboard(path: str | Path) -> Golden:
         values = {}
         for event in acc.Scalars(tag):
             if not math.isfinite(event.value):
-                raise GoldenFormatError(f"{path}: tag {tag!r} step {event.step} is {event.value}; a result file "
-                                        "holds finite values only")
+                raise GoldenFormatError(
+                    f"{path}: tag {tag!r} step {event.step} is {event.value}; a result file "
+                    "holds finite values only"
+                )
             values[int(event.step)] = float(event.value)
         out[tag.removeprefix("mhc/")] = MetricSeries.from_steps(values)
     return out

@@ -39,7 +39,14 @@ from harness.golden.provenance import git_commit, package_versions, utc_now
 from harness.golden.schema import Golden, MetricSeries, check_finite, golden_digest, to_golden
 from harness.golden.store import GoldenStore, build_meta, numerics_entry, validate_name
 
-__all__ = ["Repeat", "RecalibrationResult", "aggregate", "change_lines", "mean_relative_change", "recalibrate"]
+__all__ = [
+    "Repeat",
+    "RecalibrationResult",
+    "aggregate",
+    "change_lines",
+    "mean_relative_change",
+    "recalibrate",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,13 +80,17 @@ def aggregate(runs: Sequence[Golden], *, label: str) -> tuple[Golden, dict[str, 
     first = runs[0]
     for i, run in enumerate(runs[1:], start=2):
         if set(run) != set(first):
-            raise RecalibrationError(f"{label}: repeat {i} has metrics {sorted(run)}, repeat 1 has {sorted(first)}")
+            raise RecalibrationError(
+                f"{label}: repeat {i} has metrics {sorted(run)}, repeat 1 has {sorted(first)}"
+            )
         for m, s in run.items():
             if s.steps != first[m].steps:
                 only1 = sorted(set(first[m].steps) - set(s.steps))
                 onlyi = sorted(set(s.steps) - set(first[m].steps))
-                raise RecalibrationError(f"{label}: metric {m!r} steps differ between repeat 1 and repeat {i}: "
-                                         f"only in 1: {only1}, only in {i}: {onlyi}")
+                raise RecalibrationError(
+                    f"{label}: metric {m!r} steps differ between repeat 1 and repeat {i}: "
+                    f"only in 1: {only1}, only in {i}: {onlyi}"
+                )
     mean: Golden = {}
     spread: dict[str, Any] = {}
     for m, s0 in first.items():
@@ -94,8 +105,9 @@ def aggregate(runs: Sequence[Golden], *, label: str) -> tuple[Golden, dict[str, 
             steps[str(step)] = {"min": lo, "max": hi, "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
             if mu != 0:
                 worst = max(worst, (hi - lo) / abs(mu))
-        mean[m] = MetricSeries(start_step=s0.start_step, end_step=s0.end_step, step_interval=s0.step_interval,
-                               values=values)
+        mean[m] = MetricSeries(
+            start_step=s0.start_step, end_step=s0.end_step, step_interval=s0.step_interval, values=values
+        )
         spread[m] = {"max_rel_spread": worst, "steps": steps}
     return mean, spread
 
@@ -122,8 +134,12 @@ def change_lines(old: Golden | None, new: Golden) -> list[str]:
             mr, mx, n = mean_relative_change(old[m], new[m])
             mr_s = "n/a (old values all 0)" if mr is None else f"{mr:+.6e}"
             extra = sorted(set(old[m].steps) ^ set(new[m].steps))
-            tail = f"; steps on one side only: {extra[:10]}{' ...' if len(extra) > 10 else ''}" if extra else ""
-            lines.append(f"  {m}: mean((old-new)/old) = {mr_s}, max |old-new| = {mx:.6g} over {n} steps{tail}")
+            tail = (
+                f"; steps on one side only: {extra[:10]}{' ...' if len(extra) > 10 else ''}" if extra else ""
+            )
+            lines.append(
+                f"  {m}: mean((old-new)/old) = {mr_s}, max |old-new| = {mx:.6g} over {n} steps{tail}"
+            )
     return lines
 
 
@@ -138,14 +154,27 @@ def _require_writable(directory: Path) -> None:
     while not p.exists() and p != p.parent:
         p = p.parent
     if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
-        raise GoldenFormatError(f"{p}: not a writable directory, so {directory} cannot hold the new golden "
-                                "file; nothing was run")
+        raise GoldenFormatError(
+            f"{p}: not a writable directory, so {directory} cannot hold the new golden file; nothing was run"
+        )
 
 
-def recalibrate(*, store: GoldenStore, hw: HardwareKey | str, suite: str, case: str, runner: Runner,
-                repeats: int, only_failing: bool = False, checks: Mapping[str, Check | Sequence[Check]] | None = None,
-                allow_unknown_hw: bool = False, dry_run: bool = False, out: Callable[[str], None] = print,
-                commit_cwd: str | Path | None = None, exact_only: bool = False) -> RecalibrationResult:
+def recalibrate(
+    *,
+    store: GoldenStore,
+    hw: HardwareKey | str,
+    suite: str,
+    case: str,
+    runner: Runner,
+    repeats: int,
+    only_failing: bool = False,
+    checks: Mapping[str, Check | Sequence[Check]] | None = None,
+    allow_unknown_hw: bool = False,
+    dry_run: bool = False,
+    out: Callable[[str], None] = print,
+    commit_cwd: str | Path | None = None,
+    exact_only: bool = False,
+) -> RecalibrationResult:
     """Recalibrate one case (see the module docstring); raises a GoldenError subclass on refusal."""
     key = hw.key if isinstance(hw, HardwareKey) else hw
     rule = hw.rule if isinstance(hw, HardwareKey) else None
@@ -163,8 +192,10 @@ def recalibrate(*, store: GoldenStore, hw: HardwareKey | str, suite: str, case: 
         old, old_meta = store.load(key, suite, case)
     except MissingGoldenError:
         if exact_only:
-            raise RecalibrationError(f"{label}: no reference at {path} to add exact values beside; record it first "
-                                     f"(mhc-harness recalibrate {suite} {case} --hw {key}); nothing was run") from None
+            raise RecalibrationError(
+                f"{label}: no reference at {path} to add exact values beside; record it first "
+                f"(mhc-harness recalibrate {suite} {case} --hw {key}); nothing was run"
+            ) from None
         old, old_meta = None, None
 
     if not dry_run:
@@ -185,8 +216,20 @@ def recalibrate(*, store: GoldenStore, hw: HardwareKey | str, suite: str, case: 
         prints.append(rep.fingerprint)
     fingerprint = _one_fingerprint(prints, label=label)
     if exact_only:
-        return _add_exact(store=store, key=key, suite=suite, case=case, old=old, old_meta=old_meta, runs=runs,
-                          fingerprint=fingerprint, passed=passed, dry_run=dry_run, out=out, commit_cwd=commit_cwd)
+        return _add_exact(
+            store=store,
+            key=key,
+            suite=suite,
+            case=case,
+            old=old,
+            old_meta=old_meta,
+            runs=runs,
+            fingerprint=fingerprint,
+            passed=passed,
+            dry_run=dry_run,
+            out=out,
+            commit_cwd=commit_cwd,
+        )
     new, spread = aggregate(runs, label=label)
 
     if only_failing and old is not None:
@@ -195,32 +238,53 @@ def recalibrate(*, store: GoldenStore, hw: HardwareKey | str, suite: str, case: 
         if any(p is None for p in passed):
             raise ValueError("only_failing needs checks (or a runner that reports golden_passed)")
         if all(passed):
-            out(f"[{label}] the current golden file passes all {repeats} repeats: not rewritten (--only-failing)")
-            return RecalibrationResult(golden=new, spread=spread, changes=(), written=False, path=path,
-                                       reason="golden still passes")
+            out(
+                f"[{label}] the current golden file passes all {repeats} repeats: not rewritten (--only-failing)"
+            )
+            return RecalibrationResult(
+                golden=new, spread=spread, changes=(), written=False, path=path, reason="golden still passes"
+            )
     changes = change_lines(old, new)
-    out(f"[{label}] change against {'the old file ' + str(path) if old is not None else 'nothing (new case)'}:")
+    out(
+        f"[{label}] change against {'the old file ' + str(path) if old is not None else 'nothing (new case)'}:"
+    )
     for line in changes:
         out(line)
     if fingerprint is not None:
         out(f"[{label}] numerics fingerprint of the runs: {fingerprint.label}")
     dropped = [e.fingerprint_id for e in store.exact_sets(key, suite, case)] if old is not None else []
     if dropped and golden_digest(old) != golden_digest(new):
-        out(f"[{label}] the exact values of {len(dropped)} other fingerprint(s) were recorded beside the old reference "
-            f"and go with it: {', '.join(dropped)} (re-add them there with --exact-only)")
+        out(
+            f"[{label}] the exact values of {len(dropped)} other fingerprint(s) were recorded beside the old reference "
+            f"and go with it: {', '.join(dropped)} (re-add them there with --exact-only)"
+        )
     if dry_run:
         out(f"[{label}] dry run: {path} not written")
-        return RecalibrationResult(golden=new, spread=spread, changes=tuple(changes), written=False, path=path,
-                                   reason="dry run")
-    meta = build_meta(hw=key, hw_rule=rule, suite=suite, case=case, golden=new, source="mhc-harness recalibrate",
-                      repeats=repeats, spread=spread, commit_cwd=commit_cwd, numerics=fingerprint)
+        return RecalibrationResult(
+            golden=new, spread=spread, changes=tuple(changes), written=False, path=path, reason="dry run"
+        )
+    meta = build_meta(
+        hw=key,
+        hw_rule=rule,
+        suite=suite,
+        case=case,
+        golden=new,
+        source="mhc-harness recalibrate",
+        repeats=repeats,
+        spread=spread,
+        commit_cwd=commit_cwd,
+        numerics=fingerprint,
+    )
     store.write(key, suite, case, new, meta)
     out(f"[{label}] wrote {path} and {path.with_suffix('.meta.json').name} (mean of {repeats} repeats)")
-    return RecalibrationResult(golden=new, spread=spread, changes=tuple(changes), written=True, path=path,
-                               reason="written")
+    return RecalibrationResult(
+        golden=new, spread=spread, changes=tuple(changes), written=True, path=path, reason="written"
+    )
 
 
-def _one_fingerprint(prints: Sequence[NumericsFingerprint | None], *, label: str) -> NumericsFingerprint | None:
+def _one_fingerprint(
+    prints: Sequence[NumericsFingerprint | None], *, label: str
+) -> NumericsFingerprint | None:
     """The repeats' common fingerprint (None when no repeat reported one); an error when they differ."""
     known = [p for p in prints if p is not None]
     if not known:
@@ -228,8 +292,10 @@ def _one_fingerprint(prints: Sequence[NumericsFingerprint | None], *, label: str
     for i, p in enumerate(prints[1:], start=2):
         if p is None or p.id != known[0].id:
             diff = "; ".join(known[0].differences(p)) if p is not None else "repeat reported none"
-            raise RecalibrationError(f"{label}: repeat {i} ran under another numerics fingerprint than repeat 1 "
-                                     f"({diff}); nothing written")
+            raise RecalibrationError(
+                f"{label}: repeat {i} ran under another numerics fingerprint than repeat 1 "
+                f"({diff}); nothing written"
+            )
     return known[0]
 
 
@@ -243,28 +309,47 @@ def _bitwise_metrics(runs: Sequence[Golden], *, label: str) -> tuple[Golden, lis
             same[m] = s0
         else:
             step = next(st for st in s0.steps if any(run[m].values[st] != s0.values[st] for run in runs[1:]))
-            differ.append(f"{m} (first differs at step {step}: "
-                          f"{', '.join(repr(run[m].values[step]) for run in runs)})")
+            differ.append(
+                f"{m} (first differs at step {step}: {', '.join(repr(run[m].values[step]) for run in runs)})"
+            )
     return same, differ
 
 
-def _add_exact(*, store: GoldenStore, key: str, suite: str, case: str, old: Golden, old_meta: dict[str, Any] | None,
-               runs: Sequence[Golden], fingerprint: NumericsFingerprint | None, passed: Sequence[bool | None],
-               dry_run: bool, out: Callable[[str], None], commit_cwd: str | Path | None) -> RecalibrationResult:
+def _add_exact(
+    *,
+    store: GoldenStore,
+    key: str,
+    suite: str,
+    case: str,
+    old: Golden,
+    old_meta: dict[str, Any] | None,
+    runs: Sequence[Golden],
+    fingerprint: NumericsFingerprint | None,
+    passed: Sequence[bool | None],
+    dry_run: bool,
+    out: Callable[[str], None],
+    commit_cwd: str | Path | None,
+) -> RecalibrationResult:
     label = f"{suite}/{case} on {key}"
     f = store.files(key, suite, case)
     if fingerprint is None:
-        raise RecalibrationError(f"{label}: the runs reported no numerics fingerprint, so their exact values "
-                                 "cannot be filed under one; nothing written")
+        raise RecalibrationError(
+            f"{label}: the runs reported no numerics fingerprint, so their exact values "
+            "cannot be filed under one; nothing written"
+        )
     recorded = (old_meta or {}).get("numerics")
     if recorded and recorded["id"] == fingerprint.id:
-        raise RecalibrationError(f"{label}: this machine's fingerprint {fingerprint.id} recorded the reference "
-                                 f"{f.json}, so its exact values are the reference; to move them, recalibrate "
-                                 "without --exact-only. Nothing written")
+        raise RecalibrationError(
+            f"{label}: this machine's fingerprint {fingerprint.id} recorded the reference "
+            f"{f.json}, so its exact values are the reference; to move them, recalibrate "
+            "without --exact-only. Nothing written"
+        )
     values, differ = _bitwise_metrics(runs, label=label)
     if not values:
-        raise RecalibrationError(f"{label}: no metric is bitwise reproducible over {len(runs)} repeats here "
-                                 f"({'; '.join(differ)}); nothing written")
+        raise RecalibrationError(
+            f"{label}: no metric is bitwise reproducible over {len(runs)} repeats here "
+            f"({'; '.join(differ)}); nothing written"
+        )
     target = f.exact_json(fingerprint.id)
     out(f"[{label}] exact values for this fingerprint: {fingerprint.label}")
     if recorded:
@@ -272,24 +357,47 @@ def _add_exact(*, store: GoldenStore, key: str, suite: str, case: str, old: Gold
     if differ:
         out(f"  left out, not bitwise reproducible over {len(runs)} repeats: {'; '.join(differ)}")
     existing = {e.fingerprint_id: e for e in store.exact_sets(key, suite, case)}.get(fingerprint.id)
-    previous = existing.golden if existing is not None and existing.reference_sha256 == golden_digest(old) else None
+    previous = (
+        existing.golden if existing is not None and existing.reference_sha256 == golden_digest(old) else None
+    )
     changes = change_lines(previous, values)
-    out(f"[{label}] change against {'the existing exact set ' + str(target) if previous else 'nothing (new exact set)'}:")
+    out(
+        f"[{label}] change against {'the existing exact set ' + str(target) if previous else 'nothing (new exact set)'}:"
+    )
     for line in changes:
         out(line)
     if any(p is False for p in passed):
-        out(f"[{label}] note: these values miss the reference's approximate lane, which still decides the case "
-            "here; the exact values do not make it pass")
+        out(
+            f"[{label}] note: these values miss the reference's approximate lane, which still decides the case "
+            "here; the exact values do not make it pass"
+        )
     if dry_run:
         out(f"[{label}] dry run: {target} not written")
-        return RecalibrationResult(golden=values, spread={}, changes=tuple(changes), written=False, path=target,
-                                   reason="dry run")
-    meta = {"hardware": key, "suite": suite, "case": case, "date": utc_now(),
-            "source": "mhc-harness recalibrate --exact-only", "repeats": len(runs), "versions": package_versions(),
-            "git_commit": git_commit(commit_cwd), "numerics": numerics_entry(fingerprint),
-            "reference_sha256": golden_digest(old)}
+        return RecalibrationResult(
+            golden=values, spread={}, changes=tuple(changes), written=False, path=target, reason="dry run"
+        )
+    meta = {
+        "hardware": key,
+        "suite": suite,
+        "case": case,
+        "date": utc_now(),
+        "source": "mhc-harness recalibrate --exact-only",
+        "repeats": len(runs),
+        "versions": package_versions(),
+        "git_commit": git_commit(commit_cwd),
+        "numerics": numerics_entry(fingerprint),
+        "reference_sha256": golden_digest(old),
+    }
     store.write_exact(key, suite, case, values, meta)
-    out(f"[{label}] wrote {target} (+ .meta.json); the reference {f.json.name} and the other fingerprints' sets "
-        "are unchanged")
-    return RecalibrationResult(golden=values, spread={}, changes=tuple(changes), written=True, path=target,
-                               reason="exact set written")
+    out(
+        f"[{label}] wrote {target} (+ .meta.json); the reference {f.json.name} and the other fingerprints' sets "
+        "are unchanged"
+    )
+    return RecalibrationResult(
+        golden=values,
+        spread={},
+        changes=tuple(changes),
+        written=True,
+        path=target,
+        reason="exact set written",
+    )

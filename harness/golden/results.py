@@ -77,7 +77,9 @@ def write_outcome(results_dir: str | Path, outcome: CaseOutcome, actual: Golden 
     d = Path(results_dir) / outcome.suite
     d.mkdir(parents=True, exist_ok=True)
     if actual is not None:
-        _atomic_write(d / f"{outcome.case}.json", dumps_golden(actual, target=str(d / f"{outcome.case}.json")))
+        _atomic_write(
+            d / f"{outcome.case}.json", dumps_golden(actual, target=str(d / f"{outcome.case}.json"))
+        )
     path = d / f"{outcome.case}.result.json"
     _atomic_write(path, json.dumps(outcome.to_json(), indent=2, allow_nan=True) + "\n")
     return path
@@ -90,7 +92,9 @@ def read_outcomes(results_dir: str | Path, suites: Sequence[str] | None = None) 
     for p in sorted(root.glob("*/*.result.json")):
         if suites is not None and p.parent.name not in suites:
             continue
-        out.append(CaseOutcome.from_json(parse_json(p.read_text(encoding="utf-8"), source=str(p)), source=str(p)))
+        out.append(
+            CaseOutcome.from_json(parse_json(p.read_text(encoding="utf-8"), source=str(p)), source=str(p))
+        )
     return out
 
 

@@ -104,14 +104,21 @@ class MetricSeries:
         steps = sorted(int(s) for s in values)
         gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
         interval = reduce(math.gcd, gaps, 0) or 1
-        return cls(start_step=steps[0], end_step=steps[-1], step_interval=interval,
-                   values={int(s): float(v) for s, v in values.items()})
+        return cls(
+            start_step=steps[0],
+            end_step=steps[-1],
+            step_interval=interval,
+            values={int(s): float(v) for s, v in values.items()},
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The schema dict (step keys as strings)."""
-        return {"start_step": self.start_step, "end_step": self.end_step,
-                "step_interval": self.step_interval,
-                "values": {str(s): v for s, v in self.values.items()}}
+        return {
+            "start_step": self.start_step,
+            "end_step": self.end_step,
+            "step_interval": self.step_interval,
+            "values": {str(s): v for s, v in self.values.items()},
+        }
 
 
 Golden = dict[str, MetricSeries]
@@ -172,7 +179,9 @@ def _parse_metric(name: str, raw: Any, *, source: str, allow_nan_strings: bool) 
     missing = [k for k in (*_HEADER, "values") if k not in raw]
     extra = sorted(set(raw) - {*_HEADER, "values"})
     if missing or extra:
-        parts = ([f"missing keys {missing}"] if missing else []) + ([f"unexpected keys {extra}"] if extra else [])
+        parts = ([f"missing keys {missing}"] if missing else []) + (
+            [f"unexpected keys {extra}"] if extra else []
+        )
         raise GoldenFormatError(f"{where}: {', '.join(parts)}")
     for k in _HEADER:
         if not _is_int(raw[k]):
@@ -196,28 +205,38 @@ def _parse_metric(name: str, raw: Any, *, source: str, allow_nan_strings: bool) 
         if not isinstance(v, numbers.Real) or isinstance(v, bool):
             raise GoldenFormatError(f"{where} step {step}: value {v!r} is not a number")
         if not math.isfinite(v):
-            raise NonFiniteError(f"{where} step {step}: value {v!r} is not finite; golden values must be finite")
+            raise NonFiniteError(
+                f"{where} step {step}: value {v!r} is not finite; golden values must be finite"
+            )
         values[step] = float(v)
     if not values:
         raise GoldenFormatError(f"{where}: no finite values")
     try:
-        return MetricSeries(start_step=raw["start_step"], end_step=raw["end_step"],
-                            step_interval=raw["step_interval"], values=values)
+        return MetricSeries(
+            start_step=raw["start_step"],
+            end_step=raw["end_step"],
+            step_interval=raw["step_interval"],
+            values=values,
+        )
     except ValueError as exc:
         raise GoldenFormatError(f"{where}: {exc}") from None
 
 
 def parse_golden(text: str, *, source: str, allow_nan_strings: bool = False) -> Golden:
     """Parse and validate a golden document; errors name `source`, metric and step."""
-    return golden_from_doc(parse_json(text, source=source), source=source, allow_nan_strings=allow_nan_strings)
+    return golden_from_doc(
+        parse_json(text, source=source), source=source, allow_nan_strings=allow_nan_strings
+    )
 
 
 def golden_from_doc(doc: Any, *, source: str, allow_nan_strings: bool = False) -> Golden:
     """Validate an already-parsed golden document (`parse_json`'s result) into a `Golden`."""
     if not isinstance(doc, dict) or not doc:
         raise GoldenFormatError(f"{source}: expected a non-empty JSON object keyed by metric name")
-    return {name: _parse_metric(name, raw, source=source, allow_nan_strings=allow_nan_strings)
-            for name, raw in doc.items()}
+    return {
+        name: _parse_metric(name, raw, source=source, allow_nan_strings=allow_nan_strings)
+        for name, raw in doc.items()
+    }
 
 
 def read_text(path: str | Path) -> str:
@@ -238,8 +257,10 @@ def check_finite(golden: Mapping[str, MetricSeries], *, source: str) -> None:
     for name, series in golden.items():
         for step, v in series.values.items():
             if not math.isfinite(v):
-                raise NonFiniteError(f"{source}: metric {name!r} step {step}: value {v!r} is not finite; "
-                                     "refusing to write non-finite golden values")
+                raise NonFiniteError(
+                    f"{source}: metric {name!r} step {step}: value {v!r} is not finite; "
+                    "refusing to write non-finite golden values"
+                )
 
 
 def dumps_golden(golden: Mapping[str, MetricSeries], *, target: str = "golden values") -> str:
@@ -250,7 +271,9 @@ def dumps_golden(golden: Mapping[str, MetricSeries], *, target: str = "golden va
         if not isinstance(name, str) or not name:
             raise GoldenFormatError(f"{target}: metric name {name!r} must be a non-empty string")
         if not isinstance(series, MetricSeries):
-            raise GoldenFormatError(f"{target}: metric {name!r} is a {type(series).__name__}, not a MetricSeries")
+            raise GoldenFormatError(
+                f"{target}: metric {name!r} is a {type(series).__name__}, not a MetricSeries"
+            )
     check_finite(golden, source=target)
     return json.dumps({n: s.to_json() for n, s in golden.items()}, indent=2, allow_nan=False) + "\n"
 
@@ -271,9 +294,12 @@ def _to_series(name: str, raw: Any, *, source: str) -> MetricSeries:
             missing = [k for k in _HEADER if k not in raw]
             if missing:
                 raise ValueError(f"schema dict lacks {missing}")
-            return MetricSeries(start_step=raw["start_step"], end_step=raw["end_step"],
-                                step_interval=raw["step_interval"],
-                                values={int(s): float(v) for s, v in raw["values"].items()})
+            return MetricSeries(
+                start_step=raw["start_step"],
+                end_step=raw["end_step"],
+                step_interval=raw["step_interval"],
+                values={int(s): float(v) for s, v in raw["values"].items()},
+            )
         if isinstance(raw, Mapping):
             return MetricSeries.from_steps({int(s): float(v) for s, v in raw.items()})
         if isinstance(raw, Sequence) and not isinstance(raw, str | bytes):

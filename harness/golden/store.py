@@ -54,15 +54,31 @@ PAUSE_ENV_VAR = "MHC_HARNESS_TEST_PAUSE_AFTER_TMP"
 """Test hook: seconds a writer sleeps after writing its temp files, before replacing (crash tests)."""
 
 META_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "hardware": str, "suite": str, "case": str, "date": str, "source": str, "repeats": int,
-    "versions": dict, "git_commit": (str, type(None)), "spread": dict, "golden_sha256": str,
+    "hardware": str,
+    "suite": str,
+    "case": str,
+    "date": str,
+    "source": str,
+    "repeats": int,
+    "versions": dict,
+    "git_commit": (str, type(None)),
+    "spread": dict,
+    "golden_sha256": str,
 }
 """Keys every meta file has, with their JSON types (`numerics`, the recording fingerprint, is optional:
 a meta written before fingerprints, or by hand, has none, and its exact values apply nowhere)."""
 
 EXACT_META_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "hardware": str, "suite": str, "case": str, "date": str, "source": str, "repeats": int,
-    "versions": dict, "git_commit": (str, type(None)), "numerics": dict, "reference_sha256": str,
+    "hardware": str,
+    "suite": str,
+    "case": str,
+    "date": str,
+    "source": str,
+    "repeats": int,
+    "versions": dict,
+    "git_commit": (str, type(None)),
+    "numerics": dict,
+    "reference_sha256": str,
     "golden_sha256": str,
 }
 """Keys every exact set's meta file has: `reference_sha256` is the digest of the case's json the set
@@ -76,7 +92,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 def validate_name(value: str, *, field: str) -> str:
     """Return `value` if usable as a suite or case name (one path component), else `ValueError`."""
     if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
-        raise ValueError(f"{field}={value!r} must be one path component of letters, digits, '_', '.', '+', '-'")
+        raise ValueError(
+            f"{field}={value!r} must be one path component of letters, digits, '_', '.', '+', '-'"
+        )
     return value
 
 
@@ -151,9 +169,13 @@ def _validate_numerics(doc: Any, *, source: str) -> None:
     from harness.golden.fingerprint import fingerprint_from_json
 
     if not isinstance(doc, dict) or not {"id", "label", "fingerprint"} <= set(doc):
-        raise MetaError(f"{source}: numerics must be an object with id, label and fingerprint, got {doc!r:.200}")
+        raise MetaError(
+            f"{source}: numerics must be an object with id, label and fingerprint, got {doc!r:.200}"
+        )
     if not isinstance(doc["id"], str) or not _FP_ID_RE.match(doc["id"]) or not isinstance(doc["label"], str):
-        raise MetaError(f"{source}: numerics.id={doc['id']!r} must be 12 hex digits and numerics.label a string")
+        raise MetaError(
+            f"{source}: numerics.id={doc['id']!r} must be 12 hex digits and numerics.label a string"
+        )
     try:
         fingerprint_from_json(doc["fingerprint"], source=f"{source}: numerics.fingerprint")
     except GoldenFormatError as exc:
@@ -195,21 +217,40 @@ def validate_exact_meta(doc: Any, *, source: str, golden: Golden) -> dict[str, A
             raise MetaError(f"{source}: key {key!r} has {type(doc[key]).__name__} value {doc[key]!r}")
     _validate_numerics(doc["numerics"], source=source)
     if doc["golden_sha256"] != golden_digest(golden):
-        raise MetaError(f"{source}: golden_sha256 {doc['golden_sha256'][:12]}... does not match its values "
-                        f"({golden_digest(golden)[:12]}...): the exact set is out of sync; re-add it with "
-                        "mhc-harness recalibrate --exact-only, or delete both files")
+        raise MetaError(
+            f"{source}: golden_sha256 {doc['golden_sha256'][:12]}... does not match its values "
+            f"({golden_digest(golden)[:12]}...): the exact set is out of sync; re-add it with "
+            "mhc-harness recalibrate --exact-only, or delete both files"
+        )
     return doc
 
 
-def build_meta(*, hw: str, suite: str, case: str, golden: Golden, source: str, repeats: int = 1,
-               spread: Mapping[str, Any] | None = None, hw_rule: str | None = None,
-               commit_cwd: str | Path | None = None, numerics: Any = None) -> dict[str, Any]:
+def build_meta(
+    *,
+    hw: str,
+    suite: str,
+    case: str,
+    golden: Golden,
+    source: str,
+    repeats: int = 1,
+    spread: Mapping[str, Any] | None = None,
+    hw_rule: str | None = None,
+    commit_cwd: str | Path | None = None,
+    numerics: Any = None,
+) -> dict[str, Any]:
     """Provenance for a case: hardware, versions, commit, date, repeats, spread, content digest, and
     `numerics` (`numerics_entry` of the recording fingerprint) when `numerics` is given."""
     meta = {
-        "hardware": hw, "hardware_rule": hw_rule, "suite": suite, "case": case, "date": utc_now(),
-        "source": source, "repeats": repeats, "versions": package_versions(),
-        "git_commit": git_commit(commit_cwd), "spread": dict(spread or {}),
+        "hardware": hw,
+        "hardware_rule": hw_rule,
+        "suite": suite,
+        "case": case,
+        "date": utc_now(),
+        "source": source,
+        "repeats": repeats,
+        "versions": package_versions(),
+        "git_commit": git_commit(commit_cwd),
+        "spread": dict(spread or {}),
         "golden_sha256": golden_digest(golden),
     }
     if numerics is not None:
@@ -230,7 +271,9 @@ def _flock(path: Path, timeout_s: float) -> Iterator[None]:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
                 if time.monotonic() > deadline:
-                    raise LockTimeoutError(f"{path}: lock held by another writer for more than {timeout_s:.0f} s") from None
+                    raise LockTimeoutError(
+                        f"{path}: lock held by another writer for more than {timeout_s:.0f} s"
+                    ) from None
                 time.sleep(0.05)
         yield
     finally:
@@ -270,15 +313,22 @@ class GoldenStore:
 
     def files(self, hw: str, suite: str, case: str) -> CaseFiles:
         """The paths of a case; names are validated (`ValueError` naming the field)."""
-        return CaseFiles(root=self.root, hw=validate_hw_key(hw), suite=validate_name(suite, field="suite"),
-                         case=validate_name(case, field="case"))
+        return CaseFiles(
+            root=self.root,
+            hw=validate_hw_key(hw),
+            suite=validate_name(suite, field="suite"),
+            case=validate_name(case, field="case"),
+        )
 
     def hardware_keys(self, suite: str, case: str) -> list[str]:
         """Hardware keys that have a golden file for this case, sorted."""
         if not self.root.is_dir():
             return []
-        return sorted(d.name for d in self.root.iterdir()
-                      if not d.name.startswith(".") and (d / suite / f"{case}.json").is_file())
+        return sorted(
+            d.name
+            for d in self.root.iterdir()
+            if not d.name.startswith(".") and (d / suite / f"{case}.json").is_file()
+        )
 
     def load(self, hw: str, suite: str, case: str) -> tuple[Golden, dict[str, Any] | None]:
         """Golden values and validated meta (None when there is no meta file) of one case."""
@@ -304,23 +354,42 @@ class GoldenStore:
             fp_id = path.name.removesuffix(".meta.json")
             values = f.exact_dir / f"{fp_id}.json"
             if not _FP_ID_RE.match(fp_id):
-                raise MetaError(f"{path}: not an exact set's meta file (the name must be <12 hex digits>.meta.json)")
+                raise MetaError(
+                    f"{path}: not an exact set's meta file (the name must be <12 hex digits>.meta.json)"
+                )
             if not values.is_file():
-                raise MetaError(f"{path}: its values {values.name} are missing; re-add the set with "
-                                "mhc-harness recalibrate --exact-only, or delete the meta file")
+                raise MetaError(
+                    f"{path}: its values {values.name} are missing; re-add the set with "
+                    "mhc-harness recalibrate --exact-only, or delete the meta file"
+                )
             golden = load_golden(values)
             meta = validate_exact_meta(_read_meta(path), source=str(path), golden=golden)
             if meta["numerics"]["id"] != fp_id:
-                raise MetaError(f"{path}: numerics.id {meta['numerics']['id']!r} is not its file name's {fp_id!r}")
-            out.append(ExactSet(fingerprint_id=fp_id, label=meta["numerics"]["label"], golden=golden, meta=meta))
-        orphans = sorted(p.name for p in f.exact_dir.glob("*.json")
-                         if not p.name.endswith(".meta.json") and not (f.exact_dir / f"{p.stem}.meta.json").is_file())
+                raise MetaError(
+                    f"{path}: numerics.id {meta['numerics']['id']!r} is not its file name's {fp_id!r}"
+                )
+            out.append(
+                ExactSet(fingerprint_id=fp_id, label=meta["numerics"]["label"], golden=golden, meta=meta)
+            )
+        orphans = sorted(
+            p.name
+            for p in f.exact_dir.glob("*.json")
+            if not p.name.endswith(".meta.json") and not (f.exact_dir / f"{p.stem}.meta.json").is_file()
+        )
         if orphans:
             raise MetaError(f"{f.exact_dir}: exact values without a meta file: {', '.join(orphans)}")
         return out
 
-    def write(self, hw: str, suite: str, case: str, golden: Golden, meta: Mapping[str, Any],
-              *, lock_timeout_s: float = 120.0) -> CaseFiles:
+    def write(
+        self,
+        hw: str,
+        suite: str,
+        case: str,
+        golden: Golden,
+        meta: Mapping[str, Any],
+        *,
+        lock_timeout_s: float = 120.0,
+    ) -> CaseFiles:
         """Atomically write the reference `golden` and `meta` under the case lock (module docstring);
         exact sets recorded against another reference are removed under the same lock."""
         f = self.files(hw, suite, case)
@@ -342,8 +411,16 @@ class GoldenStore:
                 _fsync_dir(f.exact_dir)
         return f
 
-    def write_exact(self, hw: str, suite: str, case: str, golden: Golden, meta: Mapping[str, Any],
-                    *, lock_timeout_s: float = 120.0) -> Path:
+    def write_exact(
+        self,
+        hw: str,
+        suite: str,
+        case: str,
+        golden: Golden,
+        meta: Mapping[str, Any],
+        *,
+        lock_timeout_s: float = 120.0,
+    ) -> Path:
         """Atomically add (or replace) the exact values of `meta["numerics"]`'s fingerprint beside the
         reference, under the case lock; the reference and the other sets are left as they are.
         `meta["reference_sha256"]` must be the current reference's digest. Returns the json path."""
@@ -355,13 +432,19 @@ class GoldenStore:
         validate_exact_meta(meta_doc, source=f"meta for {target}", golden=golden)
         meta_text = _meta_text(meta_doc, target=target)
         with self._locked(f, lock_timeout_s, (target, f.exact_meta(fp_id))):
-            reference, ref_meta = self.load(hw, suite, case)  # under the lock: the reference cannot move meanwhile
+            reference, ref_meta = self.load(
+                hw, suite, case
+            )  # under the lock: the reference cannot move meanwhile
             if golden_digest(reference) != meta_doc["reference_sha256"]:
-                raise MetaError(f"{f.json}: the reference changed (sha256 {golden_digest(reference)[:12]}..., the "
-                                f"exact set was recorded beside {meta_doc['reference_sha256'][:12]}...); nothing written")
+                raise MetaError(
+                    f"{f.json}: the reference changed (sha256 {golden_digest(reference)[:12]}..., the "
+                    f"exact set was recorded beside {meta_doc['reference_sha256'][:12]}...); nothing written"
+                )
             if ref_meta and (ref_meta.get("numerics") or {}).get("id") == fp_id:
-                raise MetaError(f"{f.json}: fingerprint {fp_id} recorded the reference itself; its exact values are "
-                                "the reference, so no exact set is written for it")
+                raise MetaError(
+                    f"{f.json}: fingerprint {fp_id} recorded the reference itself; its exact values are "
+                    "the reference, so no exact set is written for it"
+                )
             f.exact_dir.mkdir(exist_ok=True)
             _replace_pair(f.exact_dir, (target, text), (f.exact_meta(fp_id), meta_text))
         return target

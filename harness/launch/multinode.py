@@ -56,14 +56,24 @@ def check_run(out: Path, *, golden_dir: Path, results_dir: Path | None = None):
             raise ValueError(f"{out / name}: missing; the run did not finish (its logs: {out / 'logs'})")
     try:
         metrics = read_metrics(out / "metrics.json")
-        fingerprint = fingerprint_from_json(json.loads((out / "fingerprint.json").read_text(encoding="utf-8")),
-                                            source=str(out / "fingerprint.json"))
+        fingerprint = fingerprint_from_json(
+            json.loads((out / "fingerprint.json").read_text(encoding="utf-8")),
+            source=str(out / "fingerprint.json"),
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{out}: unreadable run output: {exc}") from None
     recipe = load_recipe(RECIPE_DIR / f"{plan.case}.yaml")
-    settings = GoldenSettings(golden_dir=golden_dir, hw=detect_hardware(override=plan.hw), results_dir=results_dir)
-    return check_case(settings, suite="functional", case=plan.case, metrics=metrics, checks=recipe.checks(plan.hw),
-                      fingerprint=fingerprint)
+    settings = GoldenSettings(
+        golden_dir=golden_dir, hw=detect_hardware(override=plan.hw), results_dir=results_dir
+    )
+    return check_case(
+        settings,
+        suite="functional",
+        case=plan.case,
+        metrics=metrics,
+        checks=recipe.checks(plan.hw),
+        fingerprint=fingerprint,
+    )
 
 
 def _load_plan(out: Path) -> RunPlan:
@@ -81,7 +91,9 @@ def _terminate(signum: int, _frame) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness.launch.multinode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m harness.launch.multinode", description=__doc__.splitlines()[0]
+    )
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="resolve a recipe over N nodes and write DIR/plan.json")
     pl.add_argument("case")
@@ -92,14 +104,20 @@ def _parser() -> argparse.ArgumentParser:
     nd.add_argument("--out", type=Path, required=True)
     nd.add_argument("--endpoint", required=True, help="host:port of the rendezvous store (the first node)")
     nd.add_argument("--run-id", required=True, help="the same on every node (Slurm: the job id)")
-    nd.add_argument("--node-rank", type=int, required=True, help="0 serves the rendezvous store (Slurm: SLURM_NODEID)")
+    nd.add_argument(
+        "--node-rank", type=int, required=True, help="0 serves the rendezvous store (Slurm: SLURM_NODEID)"
+    )
     nd.add_argument("--backend", choices=[b.value for b in RendezvousBackend], default="c10d")
     nd.add_argument("--join-timeout", type=float, default=600.0, help="seconds to wait for every node")
-    nd.add_argument("--timeout", type=float, default=None, help="seconds the run may take (default: the recipe's)")
+    nd.add_argument(
+        "--timeout", type=float, default=None, help="seconds the run may take (default: the recipe's)"
+    )
     ck = sub.add_parser("check", help="compare DIR/metrics.json with the golden file")
     ck.add_argument("--out", type=Path, required=True)
     ck.add_argument("--golden-dir", type=Path, default=REPO_ROOT / "golden")
-    ck.add_argument("--results-dir", type=Path, default=None, help="also write the outcome there (harness layout)")
+    ck.add_argument(
+        "--results-dir", type=Path, default=None, help="also write the outcome there (harness layout)"
+    )
     return p
 
 
@@ -111,22 +129,32 @@ def main(argv: list[str] | None = None) -> int:
 
             hw = detect_hardware(override=args.hw).key
             plan = write_plan(args.case, hw, args.out, nodes=args.nodes)
-            print(f"{args.out / 'plan.json'}: {plan.case} on {hw}, {plan.nnodes} node(s) x {plan.nproc} ranks, "
-                  f"DP{plan.data_parallel_size}")
+            print(
+                f"{args.out / 'plan.json'}: {plan.case} on {hw}, {plan.nnodes} node(s) x {plan.nproc} ranks, "
+                f"DP{plan.data_parallel_size}"
+            )
             return 0
         if args.command == "node":
             # srun (and a batch system's cancel) stops a task with SIGTERM: unwind, so that the launcher
             # kills this node's agent and ranks on the way out instead of leaving them behind.
             signal.signal(signal.SIGTERM, _terminate)
             plan = _load_plan(args.out)
-            rdzv = Rendezvous(nnodes=plan.nnodes, endpoint=args.endpoint, run_id=args.run_id,
-                              backend=RendezvousBackend(args.backend), node_rank=args.node_rank,
-                              is_host=args.node_rank == 0, join_timeout=args.join_timeout)
+            rdzv = Rendezvous(
+                nnodes=plan.nnodes,
+                endpoint=args.endpoint,
+                run_id=args.run_id,
+                backend=RendezvousBackend(args.backend),
+                node_rank=args.node_rank,
+                is_host=args.node_rank == 0,
+                join_timeout=args.join_timeout,
+            )
             run_node(plan, args.out, rdzv, data_dir=args.out / "data", timeout=args.timeout)
             return 0
         outcome = check_run(args.out, golden_dir=args.golden_dir, results_dir=args.results_dir)
-        print(f"functional/{outcome.case} on {outcome.hw}: {outcome.status}"
-              + (f" ({outcome.lane}; {outcome.lane_reason})" if outcome.lane else ""))
+        print(
+            f"functional/{outcome.case} on {outcome.hw}: {outcome.status}"
+            + (f" ({outcome.lane}; {outcome.lane_reason})" if outcome.lane else "")
+        )
         if outcome.message:
             print(outcome.message)
         return 1 if outcome.failed else 0

@@ -65,10 +65,20 @@ def node_dirs(log_dir: Path, nnodes: int) -> list[Path]:
     return [Path(log_dir) / f"node{i}" for i in range(nnodes)]
 
 
-def launch_nodes(script: str | Path, args: list[str] | tuple[str, ...] = (), *, nnodes: int, nproc: int,
-                 timeout: float, log_dir: str | Path, env: dict[str, str] | None = None,
-                 endpoint: str | None = None, run_id: str = "mhc-local", join_timeout: float = 60.0,
-                 check: bool = True) -> NodesResult:
+def launch_nodes(
+    script: str | Path,
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    nnodes: int,
+    nproc: int,
+    timeout: float,
+    log_dir: str | Path,
+    env: dict[str, str] | None = None,
+    endpoint: str | None = None,
+    run_id: str = "mhc-local",
+    join_timeout: float = 60.0,
+    check: bool = True,
+) -> NodesResult:
     """Run `script` as `nnodes` agents x `nproc` ranks on this machine; raises `LaunchError` (when
     `check`; a `NodesLaunchError`) naming the first failing node and rank, or the rendezvous that timed out.
 
@@ -76,8 +86,17 @@ def launch_nodes(script: str | Path, args: list[str] | tuple[str, ...] = (), *, 
     any agent starts.
     """
     endpoint = endpoint or free_endpoint()
-    plans = [Rendezvous(nnodes=nnodes, endpoint=endpoint, run_id=run_id, node_rank=i, is_host=i == 0,
-                        join_timeout=join_timeout) for i in range(nnodes)]
+    plans = [
+        Rendezvous(
+            nnodes=nnodes,
+            endpoint=endpoint,
+            run_id=run_id,
+            node_rank=i,
+            is_host=i == 0,
+            join_timeout=join_timeout,
+        )
+        for i in range(nnodes)
+    ]
     check_port_free(endpoint)
     dirs = node_dirs(Path(log_dir), nnodes)
     procs, files = [], []
@@ -89,8 +108,16 @@ def launch_nodes(script: str | Path, args: list[str] | tuple[str, ...] = (), *, 
             out = (d / "agent.log").open("w", encoding="utf-8")
             files.append(out)
             cmd = torchrun_command(script, args, nproc=nproc, log_dir=d, rendezvous=rdzv)
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=worker_env(env),
-                                          start_new_session=True, text=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=worker_env(env),
+                    start_new_session=True,
+                    text=True,
+                )
+            )
         watcher.start()
         first_failed, timed_out = _wait(procs, start + timeout)
     finally:
@@ -100,13 +127,17 @@ def launch_nodes(script: str | Path, args: list[str] | tuple[str, ...] = (), *, 
         for f in files:
             f.close()
     seconds = time.monotonic() - start
-    nodes = tuple(_node_result(p, d, rdzv, seconds=seconds, timed_out=timed_out, joined=watcher.joined)
-                  for p, d, rdzv in zip(procs, dirs, plans, strict=True))
+    nodes = tuple(
+        _node_result(p, d, rdzv, seconds=seconds, timed_out=timed_out, joined=watcher.joined)
+        for p, d, rdzv in zip(procs, dirs, plans, strict=True)
+    )
     if first_failed is not None:
         first_failed = _primary(nodes, first_failed)
     result = NodesResult(nodes=nodes, seconds=seconds, timed_out=timed_out)
     if check and not result.ok:
-        raise NodesLaunchError(_describe(script, result, first_failed, plans, timeout, nproc), result, first_failed)
+        raise NodesLaunchError(
+            _describe(script, result, first_failed, plans, timeout, nproc), result, first_failed
+        )
     return result
 
 
@@ -132,6 +163,7 @@ _COLLATERAL = ("Connection closed by peer", "Connection reset by peer")
 def _primary(nodes: tuple[LaunchResult, ...], first: int) -> int:
     """The node whose failure caused the others': `first` (the first seen to exit) unless its root cause
     reads as a consequence of a peer's death while another node that failed by itself has a real one."""
+
     def collateral(i: int) -> bool:
         rows = failed_ranks(nodes[i].output)
         if not rows:
@@ -141,19 +173,35 @@ def _primary(nodes: tuple[LaunchResult, ...], first: int) -> int:
 
     if not collateral(first):
         return first
-    return next((i for i, n in enumerate(nodes) if i != first and n.returncode > 0 and not collateral(i)), first)
+    return next(
+        (i for i, n in enumerate(nodes) if i != first and n.returncode > 0 and not collateral(i)), first
+    )
 
 
-def _node_result(proc: subprocess.Popen, log_dir: Path, rdzv: Rendezvous, *, seconds: float, timed_out: bool,
-                 joined: int | None) -> LaunchResult:
+def _node_result(
+    proc: subprocess.Popen,
+    log_dir: Path,
+    rdzv: Rendezvous,
+    *,
+    seconds: float,
+    timed_out: bool,
+    joined: int | None,
+) -> LaunchResult:
     """One agent's launch: its exit code and output, and the rendezvous's diagnosis when it failed."""
     output = (log_dir / "agent.log").read_text(encoding="utf-8", errors="replace")
-    return LaunchResult(returncode=proc.returncode, output=output, log_dir=log_dir, seconds=seconds,
-                        timed_out=timed_out, cause=None if proc.returncode == 0 else diagnose(output, rdzv, joined))
+    return LaunchResult(
+        returncode=proc.returncode,
+        output=output,
+        log_dir=log_dir,
+        seconds=seconds,
+        timed_out=timed_out,
+        cause=None if proc.returncode == 0 else diagnose(output, rdzv, joined),
+    )
 
 
-def _describe(script, result: NodesResult, first: int | None, plans: list[Rendezvous], timeout: float,
-              nproc: int) -> str:
+def _describe(
+    script, result: NodesResult, first: int | None, plans: list[Rendezvous], timeout: float, nproc: int
+) -> str:
     nnodes, name = len(plans), Path(script).name
     if result.timed_out:
         parts = [f"{name} on {nnodes} nodes timed out after {timeout:.0f} s; every agent was killed"]
@@ -173,8 +221,10 @@ def _describe(script, result: NodesResult, first: int | None, plans: list[Rendez
     if rows:
         rank, local_rank, code = rows[0]
         also = "; ".join(f"rank {r} (local rank {lr}) code {c}" for r, lr, c in rows[1:])
-        parts.append(f"node{first} rank {rank} (local rank {local_rank}, group rank {rank // nproc}) exited with "
-                     f"code {code}, the first observed failure" + (f" (then {also})" if also else ""))
+        parts.append(
+            f"node{first} rank {rank} (local rank {local_rank}, group rank {rank // nproc}) exited with "
+            f"code {code}, the first observed failure" + (f" (then {also})" if also else "")
+        )
         shown = [lr for _, lr, _ in rows if logs.get(lr, "").strip()][:2]
         for lr in shown:
             r = next(r for r, x, _ in rows if x == lr)

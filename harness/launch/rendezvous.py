@@ -104,8 +104,13 @@ class Rendezvous:
     def torchrun_args(self) -> list[str]:
         """The torchrun flags of this agent (no restarts: a failure ends the job)."""
         timeout = f"{self.join_timeout:g}"
-        args = [f"--nnodes={self.nnodes}", f"--rdzv-backend={self.backend.value}",
-                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}", "--max-restarts=0"]
+        args = [
+            f"--nnodes={self.nnodes}",
+            f"--rdzv-backend={self.backend.value}",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            "--max-restarts=0",
+        ]
         if self.backend is RendezvousBackend.STATIC:
             return [*args, f"--node-rank={self.node_rank}", f"--rdzv-conf=timeout={timeout}"]
         conf = f"join_timeout={timeout},read_timeout={timeout}"
@@ -123,23 +128,34 @@ def check_port_free(endpoint: str) -> None:
         try:
             s.bind(("" if family == socket.AF_INET else "::", port))
         except OSError as exc:
-            raise OSError(exc.errno, f"rendezvous endpoint {endpoint}: port {port} is already in use on this "
-                                     f"machine ({exc.strerror}); free it or pick another --rdzv-endpoint port") from None
+            raise OSError(
+                exc.errno,
+                f"rendezvous endpoint {endpoint}: port {port} is already in use on this "
+                f"machine ({exc.strerror}); free it or pick another --rdzv-endpoint port",
+            ) from None
 
 
 def diagnose(output: str, rdzv: Rendezvous, joined: int | None) -> str | None:
     """A one-line cause from an agent's output: a rendezvous timeout, an unreachable store or a taken
     port; None otherwise."""
     if _TIMEOUT_MARK in output:
-        count = f"{joined} of {rdzv.nnodes}" if joined is not None else f"an unknown number of the {rdzv.nnodes}"
-        return (f"rendezvous {rdzv.run_id} at {rdzv.endpoint} timed out after {rdzv.join_timeout:g} s: "
-                f"{count} nodes joined")
+        count = (
+            f"{joined} of {rdzv.nnodes}" if joined is not None else f"an unknown number of the {rdzv.nnodes}"
+        )
+        return (
+            f"rendezvous {rdzv.run_id} at {rdzv.endpoint} timed out after {rdzv.join_timeout:g} s: "
+            f"{count} nodes joined"
+        )
     if _UNREACHABLE_MARK in output:
-        return (f"rendezvous {rdzv.run_id}: the store at {rdzv.endpoint} did not answer within {rdzv.join_timeout:g} s "
-                f"(has the host node, node rank 0, started?): 0 of {rdzv.nnodes} nodes joined")
+        return (
+            f"rendezvous {rdzv.run_id}: the store at {rdzv.endpoint} did not answer within {rdzv.join_timeout:g} s "
+            f"(has the host node, node rank 0, started?): 0 of {rdzv.nnodes} nodes joined"
+        )
     low = output.lower()
     if any(mark.lower() in low for mark in _PORT_MARKS) or f"[Errno {errno.EADDRINUSE}]" in output:
-        return f"rendezvous endpoint {rdzv.endpoint}: its port is already in use (the store could not bind it)"
+        return (
+            f"rendezvous endpoint {rdzv.endpoint}: its port is already in use (the store could not bind it)"
+        )
     return None
 
 
@@ -170,10 +186,23 @@ class JoinWatcher(threading.Thread):
             return
         env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "FATAL"}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.launch.rendezvous", self.rdzv.endpoint, self.rdzv.run_id, str(self.interval),
-             f"{self.rdzv.join_timeout + 60:g}", str(os.getpid())],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=env,
-            cwd=Path(__file__).resolve().parents[2])
+            [
+                sys.executable,
+                "-m",
+                "harness.launch.rendezvous",
+                self.rdzv.endpoint,
+                self.rdzv.run_id,
+                str(self.interval),
+                f"{self.rdzv.join_timeout + 60:g}",
+                str(os.getpid()),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=Path(__file__).resolve().parents[2],
+        )
         if self._stopped.is_set():  # stop() came while the child started: it saw no child to kill
             self._proc.kill()
         assert self._proc.stdout is not None  # stdout=PIPE
@@ -206,15 +235,23 @@ def _poll(endpoint: str, run_id: str, interval: float, lifetime: float, parent: 
             if store is None:
                 with socket.create_connection((host, port), timeout=1):
                     pass
-                store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2),
-                                      wait_for_workers=False)
+                store = dist.TCPStore(
+                    host, port, is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False
+                )
             if store.check([key]):
                 try:
                     state = pickle.loads(base64.b64decode(store.get(key)))
-                except (pickle.UnpicklingError, EOFError, ValueError):  # the backend's "no state yet" sentinel
+                except (
+                    pickle.UnpicklingError,
+                    EOFError,
+                    ValueError,
+                ):  # the backend's "no state yet" sentinel
                     state = None
                 if state is not None:
-                    now = (len(state.participants) + len(state.wait_list), "complete" if state.complete else "open")
+                    now = (
+                        len(state.participants) + len(state.wait_list),
+                        "complete" if state.complete else "open",
+                    )
                     if now != last:
                         print(*now, flush=True)
                         last = now

@@ -34,8 +34,18 @@ from harness.training.metrics import read_metrics
 from harness.training.numerics import CpuNumerics
 from harness.training.recipe import RECIPE_DIR, RunPlan, dump_plan, load_recipe, resolve
 
-__all__ = ["CRASH_RANK_ENV_VAR", "REPO_ROOT", "WORKER", "RunResult", "plan_case", "run_case", "run_ckpt_resume",
-           "prepare_out_dir", "run_node", "run_plan"]
+__all__ = [
+    "CRASH_RANK_ENV_VAR",
+    "REPO_ROOT",
+    "WORKER",
+    "RunResult",
+    "plan_case",
+    "run_case",
+    "run_ckpt_resume",
+    "prepare_out_dir",
+    "run_node",
+    "run_plan",
+]
 
 WORKER = Path(__file__).resolve().parents[1] / "training" / "worker.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -57,11 +67,20 @@ class RunResult:
     fingerprint: dict[str, Any]
 
 
-def plan_case(case: str, hw: str, *, data_dir: Path, overrides: Mapping[str, Any] | None = None,
-              recipe_dir: Path = RECIPE_DIR, numerics: CpuNumerics | None = None) -> RunPlan:
+def plan_case(
+    case: str,
+    hw: str,
+    *,
+    data_dir: Path,
+    overrides: Mapping[str, Any] | None = None,
+    recipe_dir: Path = RECIPE_DIR,
+    numerics: CpuNumerics | None = None,
+) -> RunPlan:
     """The resolved plan of `recipes/<case>.yaml` on `hw` (CPU runs under the `numerics` profile)."""
     recipe = load_recipe(recipe_dir / f"{case}.yaml")
-    return resolve(recipe, hw, variables={DATA_VARIABLE: str(data_dir)}, overrides=overrides, numerics=numerics)
+    return resolve(
+        recipe, hw, variables={DATA_VARIABLE: str(data_dir)}, overrides=overrides, numerics=numerics
+    )
 
 
 def _tail(log_dir: Path, stop: threading.Event, echo: Callable[[str], None]) -> None:
@@ -112,26 +131,42 @@ def prepare_out_dir(plan: RunPlan, out_dir: Path, data_dir: Path, plan_name: str
 
 
 def _worker_env(plan: RunPlan) -> dict[str, str]:
-    return {**plan.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    return {
+        **plan.env,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
 
 
 def _describe_plan(plan: RunPlan) -> str:
     ranks = f"{plan.nnodes} nodes x {plan.nproc} ranks" if plan.nnodes > 1 else f"{plan.nproc} rank(s)"
-    return (f"{plan.case} on {plan.hw}: {ranks}, {plan.backend}, TP{plan.args.tensor_model_parallel_size} "
-            f"PP{plan.args.pipeline_model_parallel_size} DP{plan.data_parallel_size}, {plan.args.train_iters} iterations")
+    return (
+        f"{plan.case} on {plan.hw}: {ranks}, {plan.backend}, TP{plan.args.tensor_model_parallel_size} "
+        f"PP{plan.args.pipeline_model_parallel_size} DP{plan.data_parallel_size}, {plan.args.train_iters} iterations"
+    )
 
 
-def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None = None, load: Path | None = None,
-             echo: Callable[[str], None] | None = None, timeout: float | None = None,
-             env: Mapping[str, str] | None = None, worker_args: Sequence[str] = ()) -> RunResult | None:
+def run_plan(
+    plan: RunPlan,
+    out_dir: Path,
+    *,
+    data_dir: Path,
+    save: Path | None = None,
+    load: Path | None = None,
+    echo: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    worker_args: Sequence[str] = (),
+) -> RunResult | None:
     """Launch `plan` into `out_dir`; raises `LaunchError` (with the failing ranks' stderr) on failure.
     A plan of `nnodes > 1` runs as that many torchrun agents on this machine (c10d on 127.0.0.1).
     `env` adds to the ranks' environment (test hooks, a Megatron-LM tree's path); `worker_args` to the
     worker's (`--tree-flavor`, `--init`, `--dump-init`: a dump returns None, it trains nothing, unless
     `--then-train` follows it)."""
     if save is not None and importlib.util.find_spec("psutil") is None:
-        raise RuntimeError(f"{plan.case}: saving a torch_dist checkpoint needs psutil (megatron-core 0.16.1's "
-                           "filesystem_async writer imports it without declaring it); install the test extra")
+        raise RuntimeError(
+            f"{plan.case}: saving a torch_dist checkpoint needs psutil (megatron-core 0.16.1's "
+            "filesystem_async writer imports it without declaring it); install the test extra"
+        )
     args = [*prepare_out_dir(plan, out_dir, data_dir), *map(str, worker_args)]
     if save is not None:
         args += ["--save", str(save)]
@@ -145,8 +180,16 @@ def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None 
     start = time.monotonic()
     with _echoing(log_dir, echo):
         if plan.nnodes > 1:
-            launch_nodes(WORKER, args, nnodes=plan.nnodes, nproc=plan.nproc, timeout=timeout or plan.timeout,
-                         log_dir=log_dir, env=env, run_id=f"{plan.case}-local")
+            launch_nodes(
+                WORKER,
+                args,
+                nnodes=plan.nnodes,
+                nproc=plan.nproc,
+                timeout=timeout or plan.timeout,
+                log_dir=log_dir,
+                env=env,
+                run_id=f"{plan.case}-local",
+            )
         else:
             launch(WORKER, args, nproc=plan.nproc, timeout=timeout or plan.timeout, log_dir=log_dir, env=env)
     seconds = time.monotonic() - start
@@ -154,36 +197,66 @@ def run_plan(plan: RunPlan, out_dir: Path, *, data_dir: Path, save: Path | None 
     if "--dump-init" in worker_args and "--then-train" not in worker_args:
         return None
     fingerprint = json.loads((out_dir / "fingerprint.json").read_text(encoding="utf-8"))
-    return RunResult(plan=plan, metrics=read_metrics(out_dir / "metrics.json"), seconds=seconds, out_dir=out_dir,
-                     fingerprint=fingerprint)
+    return RunResult(
+        plan=plan,
+        metrics=read_metrics(out_dir / "metrics.json"),
+        seconds=seconds,
+        out_dir=out_dir,
+        fingerprint=fingerprint,
+    )
 
 
-def run_node(plan: RunPlan, out_dir: Path, rendezvous: Rendezvous, *, data_dir: Path,
-             echo: Callable[[str], None] | None = None, timeout: float | None = None,
-             env: Mapping[str, str] | None = None) -> LaunchResult:
+def run_node(
+    plan: RunPlan,
+    out_dir: Path,
+    rendezvous: Rendezvous,
+    *,
+    data_dir: Path,
+    echo: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> LaunchResult:
     """This node's agent of a multi-node run of `plan` (one call per node, e.g. one `srun` task each):
     `plan.nproc` ranks joining `rendezvous`; the rank that holds the loss writes `out_dir/metrics.json`
     (a directory every node sees). Logs go to `out_dir/logs/node<rank>`; raises `LaunchError`."""
     if rendezvous.nnodes != plan.nnodes:
-        raise ValueError(f"{plan.case}: the rendezvous joins {rendezvous.nnodes} nodes, the plan has "
-                         f"nnodes={plan.nnodes}")
+        raise ValueError(
+            f"{plan.case}: the rendezvous joins {rendezvous.nnodes} nodes, the plan has nnodes={plan.nnodes}"
+        )
     if rendezvous.hosts_store:
         check_port_free(rendezvous.endpoint)
     label = rendezvous.node_rank if rendezvous.node_rank is not None else os.getpid()
     args = prepare_out_dir(plan, out_dir, data_dir, plan_name=f"plan.node{label}.json")
     echo = echo or _print
     log_dir = out_dir / "logs" / f"node{label}"
-    echo(f"[functional] {_describe_plan(plan)}; {rendezvous.node} joins {rendezvous.run_id} at {rendezvous.endpoint}")
+    echo(
+        f"[functional] {_describe_plan(plan)}; {rendezvous.node} joins {rendezvous.run_id} at {rendezvous.endpoint}"
+    )
     with _echoing(log_dir, echo):
-        result = launch(WORKER, args, nproc=plan.nproc, timeout=timeout or plan.timeout, log_dir=log_dir,
-                        env={**_worker_env(plan), **(env or {})}, rendezvous=rendezvous)
+        result = launch(
+            WORKER,
+            args,
+            nproc=plan.nproc,
+            timeout=timeout or plan.timeout,
+            log_dir=log_dir,
+            env={**_worker_env(plan), **(env or {})},
+            rendezvous=rendezvous,
+        )
     echo(f"[functional] {plan.case}: {rendezvous.node} done in {result.seconds:.1f} s")
     return result
 
 
-def run_case(case: str, hw: str, *, work_dir: Path, data_dir: Path, overrides: Mapping[str, Any] | None = None,
-             save: Path | None = None, echo: Callable[[str], None] | None = None,
-             numerics: CpuNumerics | None = None) -> RunResult:
+def run_case(
+    case: str,
+    hw: str,
+    *,
+    work_dir: Path,
+    data_dir: Path,
+    overrides: Mapping[str, Any] | None = None,
+    save: Path | None = None,
+    echo: Callable[[str], None] | None = None,
+    numerics: CpuNumerics | None = None,
+) -> RunResult:
     """Resolve and run `case` on `hw` into `work_dir`."""
     plan = plan_case(case, hw, data_dir=data_dir, overrides=overrides, numerics=numerics)
     result = run_plan(plan, work_dir, data_dir=data_dir, save=save, echo=echo)
@@ -191,14 +264,22 @@ def run_case(case: str, hw: str, *, work_dir: Path, data_dir: Path, overrides: M
     return result
 
 
-def run_ckpt_resume(first: RunResult, checkpoints: Path, work_dir: Path, *, data_dir: Path,
-                    echo: Callable[[str], None] | None = None) -> RunResult:
+def run_ckpt_resume(
+    first: RunResult,
+    checkpoints: Path,
+    work_dir: Path,
+    *,
+    data_dir: Path,
+    echo: Callable[[str], None] | None = None,
+) -> RunResult:
     """Upstream's second ckpt-resume launch: rewind the tracker of `first`'s checkpoints to
     `--save-interval` (N/2), drop later checkpoints, and train from there to N."""
     resume_at = first.plan.args.save_interval
     if resume_at is None or resume_at >= first.plan.args.train_iters:
-        raise ValueError(f"{first.plan.case}: --save-interval={resume_at} leaves nothing to resume "
-                         f"(--train-iters={first.plan.args.train_iters})")
+        raise ValueError(
+            f"{first.plan.case}: --save-interval={resume_at} leaves nothing to resume "
+            f"(--train-iters={first.plan.args.train_iters})"
+        )
     rewind_tracker(checkpoints, resume_at)
     result = run_plan(first.plan, work_dir, data_dir=data_dir, load=checkpoints, echo=echo)
     assert result is not None  # only a weight dump returns none

@@ -20,8 +20,17 @@ from pathlib import Path
 
 from harness.launch.rendezvous import JoinWatcher, Rendezvous, check_port_free, diagnose
 
-__all__ = ["LaunchError", "LaunchResult", "failed_ranks", "kill_group", "launch", "live_pids", "rank_logs", "torchrun_command",
-           "worker_env"]
+__all__ = [
+    "LaunchError",
+    "LaunchResult",
+    "failed_ranks",
+    "kill_group",
+    "launch",
+    "live_pids",
+    "rank_logs",
+    "torchrun_command",
+    "worker_env",
+]
 
 _TAIL = 4000
 
@@ -55,7 +64,9 @@ def rank_logs(log_dir: Path) -> dict[int, str]:
         return {}
     runs = {f.parents[2] for f in files}
     newest = max(runs, key=lambda d: d.stat().st_mtime)
-    return {int(f.parent.name): f.read_text(errors="replace") for f in sorted(files) if f.parents[2] == newest}
+    return {
+        int(f.parent.name): f.read_text(errors="replace") for f in sorted(files) if f.parents[2] == newest
+    }
 
 
 def live_pids(*needles: str) -> list[int]:
@@ -102,13 +113,27 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def torchrun_command(script: str | Path, args: list[str] | tuple[str, ...] = (), *, nproc: int, log_dir: Path,
-                     rendezvous: Rendezvous | None = None) -> list[str]:
+def torchrun_command(
+    script: str | Path,
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    nproc: int,
+    log_dir: Path,
+    rendezvous: Rendezvous | None = None,
+) -> list[str]:
     """The torchrun command line: `--standalone` on one node, else the rendezvous's flags."""
     where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
     return [
-        sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
-        f"--log-dir={log_dir}", "--redirects=3", "--tee=3", str(script), *map(str, args),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *where,
+        f"--nproc-per-node={nproc}",
+        f"--log-dir={log_dir}",
+        "--redirects=3",
+        "--tee=3",
+        str(script),
+        *map(str, args),
     ]
 
 
@@ -151,7 +176,12 @@ def launch(
     watcher = JoinWatcher(rendezvous) if rendezvous is not None else None
     start = time.monotonic()
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=worker_env(env), start_new_session=True, text=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=worker_env(env),
+        start_new_session=True,
+        text=True,
     )
     if watcher is not None:
         watcher.start()
@@ -171,8 +201,12 @@ def launch(
     joined = watcher.joined if watcher is not None else None
     cause = diagnose(output, rendezvous, joined) if failed and rendezvous is not None else None
     result = LaunchResult(
-        returncode=proc.returncode, output=output, log_dir=log_dir,
-        seconds=time.monotonic() - start, timed_out=timed_out, cause=cause,
+        returncode=proc.returncode,
+        output=output,
+        log_dir=log_dir,
+        seconds=time.monotonic() - start,
+        timed_out=timed_out,
+        cause=cause,
     )
     if check and failed:
         raise LaunchError(_describe(script, nproc, timeout, result, rendezvous), result)
@@ -190,13 +224,22 @@ def failed_ranks(output: str) -> list[tuple[int, int, int]]:
     the root cause (torchrun's first observed failure) first."""
     head, _, root = output.rpartition(_ROOT_CAUSE) if _ROOT_CAUSE in output else ("", "", output)
     rows = [(int(r), int(lr), int(code)) for r, lr, code in _FAILURE_ROW.findall(root)]
-    return rows + [row for row in ((int(r), int(lr), int(c)) for r, lr, c in _FAILURE_ROW.findall(head))
-                   if row not in rows]
+    return rows + [
+        row
+        for row in ((int(r), int(lr), int(c)) for r, lr, c in _FAILURE_ROW.findall(head))
+        if row not in rows
+    ]
 
 
-def _describe(script, nproc: int, timeout: float, result: LaunchResult, rendezvous: Rendezvous | None = None) -> str:
+def _describe(
+    script, nproc: int, timeout: float, result: LaunchResult, rendezvous: Rendezvous | None = None
+) -> str:
     logs = rank_logs(result.log_dir)
-    where = f"{nproc} ranks" if rendezvous is None else f"{nproc} ranks on {rendezvous.node} of {rendezvous.nnodes} nodes"
+    where = (
+        f"{nproc} ranks"
+        if rendezvous is None
+        else f"{nproc} ranks on {rendezvous.node} of {rendezvous.nnodes} nodes"
+    )
     head = (
         f"torchrun {Path(script).name} ({where}) timed out after {timeout:.0f} s and was killed"
         if result.timed_out
@@ -208,7 +251,10 @@ def _describe(script, nproc: int, timeout: float, result: LaunchResult, rendezvo
     which = "ranks" if rendezvous is None else "local ranks"
     parts = [head + (f"; failing {which}: {failing}" if failing else "")]
     if rendezvous is not None:
-        parts += [f"rank {r} (local rank {lr}) exited with code {code}" for r, lr, code in failed_ranks(result.output)]
+        parts += [
+            f"rank {r} (local rank {lr}) exited with code {code}"
+            for r, lr, code in failed_ranks(result.output)
+        ]
     for rank in failing or sorted(logs):
         parts.append(f"--- {which[:-1]} {rank} stderr (tail) ---\n{logs[rank][-_TAIL:]}")
     if not logs:

@@ -58,8 +58,22 @@ if TYPE_CHECKING:
     from harness.peers.installed import InstalledFiles
     from harness.upstream.source_tree import SourceTree
 
-__all__ = ["FromInstalledFiles", "FromSourceTree", "Replayed", "OPS", "TIMED_OPS", "Head", "Peer", "PeerError", "Sublayer", "SublayerParams", "TimedFn", "Timing",
-           "has_own", "timed_params"]
+__all__ = [
+    "FromInstalledFiles",
+    "FromSourceTree",
+    "Replayed",
+    "OPS",
+    "TIMED_OPS",
+    "Head",
+    "Peer",
+    "PeerError",
+    "Sublayer",
+    "SublayerParams",
+    "TimedFn",
+    "Timing",
+    "has_own",
+    "timed_params",
+]
 
 OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack")
 TIMED_OPS = ("coefficients", "layer_mhc", "sinkhorn")
@@ -89,14 +103,26 @@ class SublayerParams:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """`{name: tensor}` in the reference's state-dict names."""
-        return {"mapping_proj.weight": self.weight, "alpha_pre": self.alpha_pre, "alpha_post": self.alpha_post,
-                "alpha_res": self.alpha_res, "bias": self.bias}
+        return {
+            "mapping_proj.weight": self.weight,
+            "alpha_pre": self.alpha_pre,
+            "alpha_post": self.alpha_post,
+            "alpha_res": self.alpha_res,
+            "bias": self.bias,
+        }
 
     def detached(self, dtype: torch.dtype) -> SublayerParams:
         """Leaf copies in `dtype` that require grad (the checks differentiate with respect to them)."""
-        new = {k: v.detach().to(dtype).clone().requires_grad_(True)
-               for k, v in (("weight", self.weight), ("alpha_pre", self.alpha_pre), ("alpha_post", self.alpha_post),
-                            ("alpha_res", self.alpha_res), ("bias", self.bias))}
+        new = {
+            k: v.detach().to(dtype).clone().requires_grad_(True)
+            for k, v in (
+                ("weight", self.weight),
+                ("alpha_pre", self.alpha_pre),
+                ("alpha_post", self.alpha_post),
+                ("alpha_res", self.alpha_res),
+                ("bias", self.bias),
+            )
+        }
         return SublayerParams(n=self.n, **new)
 
 
@@ -136,15 +162,20 @@ class Timing:
     def __post_init__(self) -> None:
         unknown = sorted(self.ops - set(TIMED_OPS))
         if unknown or not self.ops:
-            raise ValueError(f"Timing.ops {sorted(self.ops)}: {unknown or 'none'} not among {list(TIMED_OPS)}")
+            raise ValueError(
+                f"Timing.ops {sorted(self.ops)}: {unknown or 'none'} not among {list(TIMED_OPS)}"
+            )
 
 
-def timed_params(inputs: Mapping[str, torch.Tensor], k: int, dtype: torch.dtype | None = None) -> SublayerParams:
+def timed_params(
+    inputs: Mapping[str, torch.Tensor], k: int, dtype: torch.dtype | None = None
+) -> SublayerParams:
     """Sublayer `k`'s parameters from timing inputs (`w{k}`, `a{k}`, `b{k}`), cast to `dtype` if given (a
     differentiable cast: gradients reach the inputs)."""
     w, a, b = (inputs[f"{name}{k}"] if dtype is None else inputs[f"{name}{k}"].to(dtype) for name in "wab")
-    return SublayerParams(n=inputs["x"].shape[1], weight=w, alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3],
-                          bias=b)
+    return SublayerParams(
+        n=inputs["x"].shape[1], weight=w, alpha_pre=a[0:1], alpha_post=a[1:2], alpha_res=a[2:3], bias=b
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,13 +214,17 @@ class Peer(ABC):
         kernels need a stand-in driver there)."""
         return nullcontext()
 
-    def coefficients(self, x: torch.Tensor, params: SublayerParams, iterations: int) -> dict[str, torch.Tensor]:
+    def coefficients(
+        self, x: torch.Tensor, params: SublayerParams, iterations: int
+    ) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def aggregate(self, x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def mix(self, h_res: torch.Tensor, residual: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def mix(
+        self, h_res: torch.Tensor, residual: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def sinkhorn(self, logits: torch.Tensor, iterations: int) -> torch.Tensor:
@@ -198,12 +233,14 @@ class Peer(ABC):
     def layer(self, x: torch.Tensor, attn: Sublayer, mlp: Sublayer, iterations: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def block_exit(self, x: torch.Tensor, head_fn: torch.Tensor, head_base: torch.Tensor,
-                   head_scale: torch.Tensor) -> torch.Tensor:
+    def block_exit(
+        self, x: torch.Tensor, head_fn: torch.Tensor, head_base: torch.Tensor, head_scale: torch.Tensor
+    ) -> torch.Tensor:
         raise NotImplementedError
 
-    def stack(self, h: torch.Tensor, layers: Sequence[tuple[Sublayer, Sublayer]], head: Head,
-              iterations: int) -> torch.Tensor:
+    def stack(
+        self, h: torch.Tensor, layers: Sequence[tuple[Sublayer, Sublayer]], head: Head, iterations: int
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def timed(self, op: str, *, n: int, hidden: int, dtype: torch.dtype, iterations: int) -> TimedFn:
@@ -214,9 +251,11 @@ class Peer(ABC):
     def timed_coefficients(self, iterations: int) -> TimedFn:
         """The peer's own `coefficients` op as the timed `coefficients` call (for a peer whose op already runs
         its entry point over all tokens): `inputs -> (h_post, h_res, aggregate)`."""
+
         def coefficients(d: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
             out = self.coefficients(d["x"], timed_params(d, 0), iterations)
             return out["h_post"], out["h_res"], out["aggregate"]
+
         return coefficients
 
 

@@ -53,11 +53,20 @@ class TileKernelsPeer(Peer):
         t, n, c = x.shape
         scale = torch.cat([params.alpha_pre, params.alpha_post, params.alpha_res]).float()
         layer_input, (post, comb) = self._tk().mhc_pre(
-            cuda(x), cuda(params.weight.float()), cuda(scale), cuda(params.bias.float()), mhc_mult=n,
-            post_mult_value=2.0, sinkhorn_repeat=iterations)
+            cuda(x),
+            cuda(params.weight.float()),
+            cuda(scale),
+            cuda(params.bias.float()),
+            mhc_mult=n,
+            post_mult_value=2.0,
+            sinkhorn_repeat=iterations,
+        )
         home = x.device
-        return {"h_post": post.reshape(t, n).to(home), "h_res": comb.reshape(t, n, n).to(home),
-                "aggregate": layer_input.reshape(t, c).to(home)}
+        return {
+            "h_post": post.reshape(t, n).to(home),
+            "h_res": comb.reshape(t, n, n).to(home),
+            "aggregate": layer_input.reshape(t, c).to(home),
+        }
 
     def mix(self, h_res, residual, h_post, y):
         t, n, c = residual.shape

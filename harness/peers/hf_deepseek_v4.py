@@ -38,10 +38,21 @@ VERSION = "5.23.0"
 def _config(n: int, c: int, iterations: int, layers: int = 1):
     from transformers import DeepseekV4Config
 
-    return DeepseekV4Config(hidden_size=c, hc_mult=n, hc_sinkhorn_iters=iterations, hc_eps=1e-6, rms_norm_eps=1e-6,
-                            moe_intermediate_size=c, num_attention_heads=1,
-                            num_key_value_heads=1, head_dim=c, n_routed_experts=1, num_experts_per_tok=1,
-                            vocab_size=8, num_hidden_layers=layers)
+    return DeepseekV4Config(
+        hidden_size=c,
+        hc_mult=n,
+        hc_sinkhorn_iters=iterations,
+        hc_eps=1e-6,
+        rms_norm_eps=1e-6,
+        moe_intermediate_size=c,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=c,
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        vocab_size=8,
+        num_hidden_layers=layers,
+    )
 
 
 def _hc(n: int, c: int, iterations: int, dtype: torch.dtype):
@@ -52,7 +63,11 @@ def _hc(n: int, c: int, iterations: int, dtype: torch.dtype):
 
 def _load(hc: nn.Module, params: SublayerParams) -> None:
     """Bind the reference's parameters (autograd flows back to them) as the module's fn / base / scale."""
-    del hc.fn, hc.base, hc.scale  # plain tensors instead of Parameters: gradients reach the reference's leaves
+    del (
+        hc.fn,
+        hc.base,
+        hc.scale,
+    )  # plain tensors instead of Parameters: gradients reach the reference's leaves
     hc.fn = params.weight
     hc.base = params.bias
     hc.scale = torch.cat([params.alpha_pre, params.alpha_post, params.alpha_res])
@@ -108,13 +123,19 @@ class HfDeepseekV4Peer(Peer):
 
     name: str = "hf_deepseek_v4"
     description: str = "Hugging Face transformers DeepseekV4HyperConnection / HyperHead / DecoderLayer"
-    ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack"})
+    ops: frozenset[str] = frozenset(
+        {"coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack"}
+    )
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)  # its mHC upcasts to fp32 whatever the input
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "coefficients": "its RMSNorm puts eps inside the square root (x * rsqrt(mean(x^2) + eps)); the reference "
-                        "adds eps to the RMS: the same below fp32 rounding at RMS ~1, visible at small RMS",
-    })
-    timing: Timing | None = Timing(variant="megatron_dev", ops=frozenset({"coefficients", "layer_mhc"}), compiled=True)
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "coefficients": "its RMSNorm puts eps inside the square root (x * rsqrt(mean(x^2) + eps)); the reference "
+            "adds eps to the RMS: the same below fp32 rounding at RMS ~1, visible at small RMS",
+        }
+    )
+    timing: Timing | None = Timing(
+        variant="megatron_dev", ops=frozenset({"coefficients", "layer_mhc"}), compiled=True
+    )
 
     def version(self) -> str | None:
         try:
@@ -154,7 +175,9 @@ class HfDeepseekV4Peer(Peer):
         t, n, c = residual.shape
         attn_hc = _Fixed(h_post.unsqueeze(0), h_res.unsqueeze(0), y.unsqueeze(0))
         eye = torch.eye(n, dtype=residual.dtype).expand(1, t, n, n)
-        ffn_hc = _Fixed(torch.zeros(1, t, n, dtype=residual.dtype), eye, torch.zeros(1, t, c, dtype=residual.dtype))
+        ffn_hc = _Fixed(
+            torch.zeros(1, t, n, dtype=residual.dtype), eye, torch.zeros(1, t, c, dtype=residual.dtype)
+        )
         layer = _decoder_layer(attn_hc, lambda a: y, ffn_hc, torch.zeros_like)
         return layer(residual.unsqueeze(0))[0]
 
@@ -165,8 +188,11 @@ class HfDeepseekV4Peer(Peer):
             hc = _hc(n, 1, iterations, logits.dtype)
             base = torch.cat([torch.zeros(2 * n, dtype=logits.dtype), logits[i].reshape(n * n)])
             del hc.fn, hc.base, hc.scale
-            hc.fn, hc.base, hc.scale = torch.zeros(n * n + 2 * n, n, dtype=logits.dtype), base, torch.ones(
-                3, dtype=logits.dtype)
+            hc.fn, hc.base, hc.scale = (
+                torch.zeros(n * n + 2 * n, n, dtype=logits.dtype),
+                base,
+                torch.ones(3, dtype=logits.dtype),
+            )
             out.append(hc(torch.ones(1, 1, n, 1, dtype=logits.dtype))[1].reshape(n, n))
         return torch.stack(out)
 
@@ -212,16 +238,19 @@ class HfDeepseekV4Peer(Peer):
                 hc.fn, hc.base, hc.scale = d[f"w{k}"], d[f"b{k}"], d[f"a{k}"]
 
         if op == "coefficients":
+
             def coefficients(d):
                 bind(d)
                 post, comb, collapsed = hcs[0](d["x"].unsqueeze(0))
                 return post[0], comb[0], collapsed[0]
+
             return coefficients
         layer = _decoder_layer(hcs[0], lambda y: y, hcs[1], lambda y: y)
 
         def layer_mhc(d):
             bind(d)
             return (layer(d["x"].unsqueeze(0))[0],)
+
         return layer_mhc
 
 

@@ -43,12 +43,17 @@ class _JaxCall(torch.autograd.Function):
     def backward(ctx, *grads):  # noqa: ANN001, ANN205
         import jax.numpy as jnp
 
-        cts = tuple(jnp.asarray(g.detach().double().numpy(), dtype=d) for g, d in zip(grads, ctx.out_dtypes, strict=True))
+        cts = tuple(
+            jnp.asarray(g.detach().double().numpy(), dtype=d)
+            for g, d in zip(grads, ctx.out_dtypes, strict=True)
+        )
         gin = ctx.vjp(cts)
         return (None, None, *(to_torch(g, d) for g, d in zip(gin, ctx.dtypes, strict=True)))
 
 
-def jax_call(fn: Callable[..., tuple[Any, ...]], dtype: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def jax_call(
+    fn: Callable[..., tuple[Any, ...]], dtype: Any, *tensors: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """`fn(*arrays) -> tuple of arrays` on `tensors` converted to JAX `dtype`; outputs in `tensors[0]`'s torch
     dtype, differentiable with respect to every tensor."""
     return _JaxCall.apply(fn, dtype, *tensors)

@@ -42,19 +42,25 @@ class LigerPeer(Peer):
     """Liger-Kernel's `liger_mhc_*` functions (see the module docstring)."""
 
     name: str = "liger_kernel"
-    description: str = ("Liger-Kernel liger_mhc_coeffs / liger_mhc_pre / liger_mhc_post_res (Triton"
-                        + (", interpreted on CPU)" if not torch.cuda.is_available() else ")"))
+    description: str = "Liger-Kernel liger_mhc_coeffs / liger_mhc_pre / liger_mhc_post_res (Triton" + (
+        ", interpreted on CPU)" if not torch.cuda.is_available() else ")"
+    )
     ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "layer"})
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     """fp32 (`allow_fp32`; its kernels take bf16 / fp16 / fp32, not fp64)."""
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "sinkhorn": "no standalone Sinkhorn with a backward (it is inside liger_mhc_coeffs): checked through "
-                    "coefficients and layer",
-        "block_exit": "no learned block exit",
-        "coefficients": "RMS eps inside the square root (rsqrt(mean(x^2) + eps))",
-    })
-    timing: Timing | None = Timing(variant="megatron_dev+eps_inside_sqrt+untransposed_mix",
-                                   ops=frozenset({"coefficients", "layer_mhc"}), gpu_only=True)
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "sinkhorn": "no standalone Sinkhorn with a backward (it is inside liger_mhc_coeffs): checked through "
+            "coefficients and layer",
+            "block_exit": "no learned block exit",
+            "coefficients": "RMS eps inside the square root (rsqrt(mean(x^2) + eps))",
+        }
+    )
+    timing: Timing | None = Timing(
+        variant="megatron_dev+eps_inside_sqrt+untransposed_mix",
+        ops=frozenset({"coefficients", "layer_mhc"}),
+        gpu_only=True,
+    )
     """The configuration the conformance matrix finds it conforms to; timed on a GPU only (under Triton's
     interpreter its times mean nothing)."""
 
@@ -67,16 +73,26 @@ class LigerPeer(Peer):
 
     def unavailable(self) -> str | None:
         if importlib.util.find_spec("liger_kernel") is None:
-            return f"liger-kernel is not installed (pip install liger-kernel=={VERSION}; the peers extra has it)"
+            return (
+                f"liger-kernel is not installed (pip install liger-kernel=={VERSION}; the peers extra has it)"
+            )
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (liger-kernel's kernels are Triton; the peers extra has triton 3.9.0)"
         return prepare_interpreter()
 
     def _coeffs(self, x: torch.Tensor, params: SublayerParams, iterations: int):
         f = _functional()
-        scalar = [a.reshape(()) for a in (params.alpha_pre, params.alpha_post, params.alpha_res)]  # Liger: 0-d
-        return f.liger_mhc_coeffs(x.contiguous(), params.weight.t().contiguous(), params.bias, *scalar,
-                                  allow_fp32=True, tmax=iterations)
+        scalar = [
+            a.reshape(()) for a in (params.alpha_pre, params.alpha_post, params.alpha_res)
+        ]  # Liger: 0-d
+        return f.liger_mhc_coeffs(
+            x.contiguous(),
+            params.weight.t().contiguous(),
+            params.bias,
+            *scalar,
+            allow_fp32=True,
+            tmax=iterations,
+        )
 
     def coefficients(self, x, params: SublayerParams, iterations):
         h_pre, h_post, h_res = self._coeffs(x, params, iterations)
@@ -86,8 +102,9 @@ class LigerPeer(Peer):
         return _functional().liger_mhc_pre(x.contiguous(), h_pre.contiguous())
 
     def mix(self, h_res, residual, h_post, y):
-        return _functional().liger_mhc_post_res(residual.contiguous(), y.contiguous(), h_post.contiguous(),
-                                                h_res.contiguous())
+        return _functional().liger_mhc_post_res(
+            residual.contiguous(), y.contiguous(), h_post.contiguous(), h_res.contiguous()
+        )
 
     def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):
         f = _functional()
@@ -114,4 +131,5 @@ class LigerPeer(Peer):
                 h_post, h_res, agg = coefficients(d, k, x)
                 x = f.liger_mhc_post_res(x.contiguous(), agg.contiguous(), h_post, h_res)
             return (x,)
+
         return coefficients if op == "coefficients" else layer_mhc

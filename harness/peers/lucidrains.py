@@ -30,10 +30,12 @@ __all__ = ["LucidrainsPeer", "VERSION"]
 
 VERSION = "0.4.11"
 
-_COEFFICIENTS = ("each stream is normalised on its own (RMSNorm over C with a learned gain; the reference: one RMS "
-                 "over all n*C values, no gain), and its pre weight and H_res row come from a [C, 1 + n] projection "
-                 "shared by the streams plus a static one-hot / identity init (the reference: one [N, n*C] "
-                 "projection of all streams plus a bias), so the parameters do not map onto each other")
+_COEFFICIENTS = (
+    "each stream is normalised on its own (RMSNorm over C with a learned gain; the reference: one RMS "
+    "over all n*C values, no gain), and its pre weight and H_res row come from a [C, 1 + n] projection "
+    "shared by the streams plus a static one-hot / identity init (the reference: one [N, n*C] "
+    "projection of all streams plus a bias), so the parameters do not map onto each other"
+)
 
 
 def _module(n: int, c: int, dtype: torch.dtype):
@@ -55,13 +57,15 @@ class LucidrainsPeer(Peer):
     description: str = "lucidrains hyper-connections ManifoldConstrainedHyperConnections"
     ops: frozenset[str] = frozenset({"aggregate", "mix", "sinkhorn"})
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)  # it upcasts to fp32 whatever the input
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "coefficients": _COEFFICIENTS,
-        "layer": "its sublayer computes the coefficients above, so it cannot be fed the reference's parameters",
-        "block_exit": "its streams are reduced by a plain sum (reduce_fn); it has no learned contraction",
-        "stack": "its layers compute the coefficients above and its exit sums the streams, so its stack cannot be "
-                 "fed the reference's parameters",
-    })
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "coefficients": _COEFFICIENTS,
+            "layer": "its sublayer computes the coefficients above, so it cannot be fed the reference's parameters",
+            "block_exit": "its streams are reduced by a plain sum (reduce_fn); it has no learned contraction",
+            "stack": "its layers compute the coefficients above and its exit sums the streams, so its stack cannot be "
+            "fed the reference's parameters",
+        }
+    )
     timing: Timing | None = Timing(variant="paper", ops=frozenset({"sinkhorn"}))
 
     def version(self) -> str | None:

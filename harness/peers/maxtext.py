@@ -46,23 +46,35 @@ from harness.peers.jax_bridge import jax_call
 __all__ = ["LAYER_FILE", "MAXTEXT", "MaxTextPeer", "maxtext_config", "pallas_config"]
 
 LAYER_FILE = "maxtext/layers/mhc.py"
-MAXTEXT = InstalledFiles(dist="maxtext", version="0.2.5", files=(LAYER_FILE, "maxtext/layers/normalizations.py"))
+MAXTEXT = InstalledFiles(
+    dist="maxtext", version="0.2.5", files=(LAYER_FILE, "maxtext/layers/normalizations.py")
+)
 _EPS = 1e-6
 """The norm's eps given to MaxText (the reference's `NORM_EPS`); its pre-gate and exit eps are 1e-6 in code."""
 
 
-_BF16_ROUNDING = ("in bf16 it normalises the streams first and rounds them to bf16 before the projection (its "
-                  "RMSNorm's output dtype), then runs the projection and gates in bf16; the reference projects, then "
-                  "scales by the RMS: more rounding in its bf16 gradients than the reference's own")
+_BF16_ROUNDING = (
+    "in bf16 it normalises the streams first and rounds them to bf16 before the projection (its "
+    "RMSNorm's output dtype), then runs the projection and gates in bf16; the reference projects, then "
+    "scales by the RMS: more rounding in its bf16 gradients than the reference's own"
+)
 
 
 def maxtext_config(n: int, c: int, iterations: int, dtype: Any, **overrides: Any) -> SimpleNamespace:
     """The fields MaxText's mHC modules read from its config (`dtype`: a JAX dtype)."""
     import jax.numpy as jnp
 
-    fields = dict(sinkhorn_iterations=iterations, mhc_expansion_rate=n, dtype=dtype, weight_dtype=jnp.float32,
-                  matmul_precision="default", enable_mhc_lite=False, use_mhc_pallas_kernel=False,
-                  normalization_layer_epsilon=_EPS, emb_dim=c)
+    fields = dict(
+        sinkhorn_iterations=iterations,
+        mhc_expansion_rate=n,
+        dtype=dtype,
+        weight_dtype=jnp.float32,
+        matmul_precision="default",
+        enable_mhc_lite=False,
+        use_mhc_pallas_kernel=False,
+        normalization_layer_epsilon=_EPS,
+        emb_dim=c,
+    )
     return SimpleNamespace(**{**fields, **overrides})
 
 
@@ -70,7 +82,9 @@ def pallas_config(block: int = 8) -> Any:
     """MaxText's `MhcKernelConfig` for Pallas's interpret mode (no TPU) at `block` tokens per block."""
     from maxtext.kernels.mhc import common
 
-    return common.MhcKernelConfig(block_size=block, bwd_block_size=block, bwd_feature_block_size=128, interpret=True)
+    return common.MhcKernelConfig(
+        block_size=block, bwd_block_size=block, bwd_feature_block_size=128, interpret=True
+    )
 
 
 @cache
@@ -91,8 +105,9 @@ def _hc(n: int, c: int, iterations: int, dtype: Any) -> Any:
     from flax import nnx
     from maxtext.layers.mhc import ManifoldConstrainedHyperConnections
 
-    return ManifoldConstrainedHyperConnections(maxtext_config(n, c, iterations, dtype), dim=c, mesh=_mesh(),
-                                               rngs=nnx.Rngs(0))
+    return ManifoldConstrainedHyperConnections(
+        maxtext_config(n, c, iterations, dtype), dim=c, mesh=_mesh(), rngs=nnx.Rngs(0)
+    )
 
 
 def _bind(hc: Any, n: int, w: Any, a: Any, b: Any) -> None:
@@ -100,11 +115,11 @@ def _bind(hc: Any, n: int, w: Any, a: Any, b: Any) -> None:
     import jax.numpy as jnp
 
     hc.pre_alpha[...] = w[:n].T
-    hc.post_alpha[...] = w[n:2 * n].T
-    hc.res_alpha[...] = w[2 * n:].T
+    hc.post_alpha[...] = w[n : 2 * n].T
+    hc.res_alpha[...] = w[2 * n :].T
     hc.pre_alpha_scale[...], hc.post_alpha_scale[...], hc.res_alpha_scale[...] = a[0:1], a[1:2], a[2:3]
-    hc.pre_beta[...], hc.post_beta[...] = b[:n], b[n:2 * n]
-    hc.res_beta[...] = jnp.reshape(b[2 * n:], (n, n))
+    hc.pre_beta[...], hc.post_beta[...] = b[:n], b[n : 2 * n]
+    hc.res_beta[...] = jnp.reshape(b[2 * n :], (n, n))
 
 
 def _alphas(p: SublayerParams) -> torch.Tensor:
@@ -121,20 +136,24 @@ class MaxTextPeer(Peer):
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
     claims: str | None = "megatron_dev+eps_inside_sqrt+activation_mappings+learned_exit"
     """Its mapping computes in the activation dtype (fp32 in fp32: the bf16 checks tell)."""
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "aggregate": "no entry point of its own (inside __call__): checked inside coefficients",
-        "mix": "no entry point of its own taking given coefficients (inside __call__): checked through layer",
-        "coefficients": _BF16_ROUNDING,
-        "layer": _BF16_ROUNDING,
-    })
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "aggregate": "no entry point of its own (inside __call__): checked inside coefficients",
+            "mix": "no entry point of its own taking given coefficients (inside __call__): checked through layer",
+            "coefficients": _BF16_ROUNDING,
+            "layer": _BF16_ROUNDING,
+        }
+    )
 
     def version(self) -> str | None:
         return MAXTEXT.installed_version()
 
     def unavailable(self) -> str | None:
         if sys.version_info < (3, 12):
-            return (f"maxtext needs Python >= 3.12 (this is {sys.version_info.major}.{sys.version_info.minor}; "
-                    "tox -e compat runs it; maxtext[recorded] replays it here)")
+            return (
+                f"maxtext needs Python >= 3.12 (this is {sys.version_info.major}.{sys.version_info.minor}; "
+                "tox -e compat runs it; maxtext[recorded] replays it here)"
+            )
         if importlib.util.find_spec("jax") is None or importlib.util.find_spec("flax") is None:
             return "jax / flax are not installed (tox -e compat has them)"
         why = MAXTEXT.unavailable()
@@ -156,22 +175,36 @@ class MaxTextPeer(Peer):
         jd = _jdtype(x.dtype)
 
         def fn(xa, w, a, b):
-            hc = _hc(n, c, iterations, jd)  # built inside the trace: nnx refuses a Param set from another trace level
+            hc = _hc(
+                n, c, iterations, jd
+            )  # built inside the trace: nnx refuses a Param set from another trace level
             _bind(hc, n, w, a, b)
             xs = xa.reshape(1, t, n, c)
             norm_x = hc.mhc_norm(jnp.reshape(xs, (1, t, n * c)))
-            alpha = jnp.concatenate([jnp.asarray(hc.pre_alpha[...], jd), jnp.asarray(hc.post_alpha[...], jd),
-                                     jnp.asarray(hc.res_alpha[...], jd)], axis=-1)
+            alpha = jnp.concatenate(
+                [
+                    jnp.asarray(hc.pre_alpha[...], jd),
+                    jnp.asarray(hc.post_alpha[...], jd),
+                    jnp.asarray(hc.res_alpha[...], jd),
+                ],
+                axis=-1,
+            )
             h = jnp.einsum("bsm,mn -> bsn", norm_x, alpha, precision=hc.matmul_precision)
             h_pre = hc.mapping(h[..., :n], hc.pre_alpha_scale[...], hc.pre_beta[...], 1.0, eps=1e-6)
-            h_post = hc.mapping(h[..., n:2 * n], hc.post_alpha_scale[...], hc.post_beta[...], 2.0)
-            h_res = hc.res_mapping(h[..., 2 * n:])
+            h_post = hc.mapping(h[..., n : 2 * n], hc.post_alpha_scale[...], hc.post_beta[...], 2.0)
+            h_res = hc.res_mapping(h[..., 2 * n :])
             agg = jnp.einsum("bsk,bskd->bsd", h_pre, xs, precision=hc.matmul_precision)
             return h_pre[0], h_post[0], h_res[0], agg[0]
 
         f32 = _jdtype(torch.float32)
-        h_pre, h_post, h_res, agg = jax_call(lambda xa, w, a, b: fn(xa.astype(jd), w, a, b), f32,
-                                             x, params.weight, _alphas(params), params.bias)
+        h_pre, h_post, h_res, agg = jax_call(
+            lambda xa, w, a, b: fn(xa.astype(jd), w, a, b),
+            f32,
+            x,
+            params.weight,
+            _alphas(params),
+            params.bias,
+        )
         return {"h_pre": h_pre, "h_post": h_post, "h_res": h_res, "aggregate": agg}
 
     def sinkhorn(self, logits, iterations):
@@ -190,8 +223,10 @@ class MaxTextPeer(Peer):
         ws = []
         for sub in (attn, mlp):
             if sub.w is None:
-                raise ValueError(f"{self.name}: layer needs the sublayer's weight (Sublayer.w): a JAX peer runs the "
-                                 "stand-in tanh(y @ w) itself")
+                raise ValueError(
+                    f"{self.name}: layer needs the sublayer's weight (Sublayer.w): a JAX peer runs the "
+                    "stand-in tanh(y @ w) itself"
+                )
             ws.append(sub.w)
 
         def fn(xa, w0, a0, b0, w1, a1, b1, f0, f1):
@@ -203,8 +238,18 @@ class MaxTextPeer(Peer):
                 h, _ = hc(lambda y: y, branch, h, HyperConnectionType.MLP_DENSE)
             return (h[0],)
 
-        (out,) = jax_call(fn, _jdtype(torch.float32), x, attn.params.weight, _alphas(attn.params), attn.params.bias,
-                          mlp.params.weight, _alphas(mlp.params), mlp.params.bias, *ws)
+        (out,) = jax_call(
+            fn,
+            _jdtype(torch.float32),
+            x,
+            attn.params.weight,
+            _alphas(attn.params),
+            attn.params.bias,
+            mlp.params.weight,
+            _alphas(mlp.params),
+            mlp.params.bias,
+            *ws,
+        )
         return out
 
     def block_exit(self, x, head_fn, head_base, head_scale):

@@ -30,8 +30,19 @@ import torch
 from harness.peers.base import Peer, Sublayer, SublayerParams, TimedFn, Timing, timed_params
 from harness.upstream.megatron_tree import FUSED_FILE, HC_FILE, TreeError, hashes, tree_flavor
 
-__all__ = ["FUSED_FILE", "HC_FILE", "MegatronLMTreePeer", "TreeApi", "TreeError", "bind_params", "detect_api",
-           "hashes", "load_tree", "make_peers", "tree_flavor"]
+__all__ = [
+    "FUSED_FILE",
+    "HC_FILE",
+    "MegatronLMTreePeer",
+    "TreeApi",
+    "TreeError",
+    "bind_params",
+    "detect_api",
+    "hashes",
+    "load_tree",
+    "make_peers",
+    "tree_flavor",
+]
 
 
 _MAIN_SWITCH = "enable_mhc_connections"
@@ -67,8 +78,10 @@ class TreeApi:
 
     def line(self) -> str:
         """One line: the generation and each feature."""
-        return (f"API generation {self.generation}: config {self.config}, mix {self.mix}, Sinkhorn {self.sinkhorn}, "
-                f"{'learned exit' if self.learned_exit else 'no learned exit'}, fused kernels: {self.fused or 'none'}")
+        return (
+            f"API generation {self.generation}: config {self.config}, mix {self.mix}, Sinkhorn {self.sinkhorn}, "
+            f"{'learned exit' if self.learned_exit else 'no learned exit'}, fused kernels: {self.fused or 'none'}"
+        )
 
 
 def detect_api(hc: Any) -> TreeApi:
@@ -80,8 +93,10 @@ def detect_api(hc: Any) -> TreeApi:
     module = hc.HyperConnectionModule
     mix = next((m for m in ("fused_h_res_h_post_bda", "h_res_h_post_bda") if hasattr(module, m)), None)
     if mix is None:
-        raise TreeError("the tree's HyperConnectionModule has neither fused_h_res_h_post_bda nor h_res_h_post_bda: "
-                        "an mHC API this adapter does not know")
+        raise TreeError(
+            "the tree's HyperConnectionModule has neither fused_h_res_h_post_bda nor h_res_h_post_bda: "
+            "an mHC API this adapter does not know"
+        )
     sinkhorn = "native_sinkhorn(x, iters, eps)" if hasattr(hc, "native_sinkhorn") else _KNOPP
     fused = None
     try:
@@ -90,8 +105,14 @@ def detect_api(hc: Any) -> TreeApi:
         kernels = None
     if kernels is not None:
         fused = "torch backend on CPU" if hasattr(kernels, "_forced_backend") else "cuTile only"
-    return TreeApi(config=config, mix=mix, sinkhorn=sinkhorn, learned_exit=hasattr(hc, "learned_output_contract"),
-                   fused=fused)
+    return TreeApi(
+        config=config,
+        mix=mix,
+        sinkhorn=sinkhorn,
+        learned_exit=hasattr(hc, "learned_output_contract"),
+        fused=fused,
+    )
+
 
 def load_tree(tree: Path) -> Any:
     """Import the tree's `hyper_connection` module (the tree first on `sys.path`); `TreeError` when
@@ -101,8 +122,10 @@ def load_tree(tree: Path) -> Any:
     if loaded is not None:
         where = [str(p) for p in getattr(loaded, "__path__", [])] or [str(getattr(loaded, "__file__", ""))]
         if not any(w.startswith(str(tree)) for w in where):
-            raise TreeError(f"--megatron-lm {tree}: this process already imported megatron from {where[0]}; the "
-                            "tree peers run in a process of their own (harness.conformance.record_megatron_lm)")
+            raise TreeError(
+                f"--megatron-lm {tree}: this process already imported megatron from {where[0]}; the "
+                "tree peers run in a process of their own (harness.conformance.record_megatron_lm)"
+            )
         import megatron.core.transformer.hyper_connection as hc
 
         _without_nvtx()
@@ -112,9 +135,11 @@ def load_tree(tree: Path) -> Any:
     try:
         import megatron.core.transformer.hyper_connection as hc
     except Exception as exc:
-        raise TreeError(f"--megatron-lm {tree}: its megatron.core failed to import in {sys.executable}: "
-                        f"{type(exc).__name__}: {exc} (upstream imports triton: use a Python that has it, "
-                        "e.g. .tox/compat/bin/python, with --megatron-lm-python)") from None
+        raise TreeError(
+            f"--megatron-lm {tree}: its megatron.core failed to import in {sys.executable}: "
+            f"{type(exc).__name__}: {exc} (upstream imports triton: use a Python that has it, "
+            "e.g. .tox/compat/bin/python, with --megatron-lm-python)"
+        ) from None
     _without_nvtx()
     return hc
 
@@ -154,8 +179,10 @@ class MegatronLMTreePeer(Peer):
             import megatron.core.fusions.fused_mhc_kernels as kernels
 
             if not kernels.is_cutile_available():
-                return ("its fused_mhc_kernels has no torch backend in this API generation and needs cuda.tile "
-                        "(cuTile) on a GPU: not installed here")
+                return (
+                    "its fused_mhc_kernels has no torch backend in this API generation and needs cuda.tile "
+                    "(cuTile) on a GPU: not installed here"
+                )
         return None
 
     def _mix_method(self, mod: Any):
@@ -165,11 +192,21 @@ class MegatronLMTreePeer(Peer):
         hc = load_tree(self.tree)
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        names = ({"enable_mhc_connections": True, "mhc_num_residual_streams": n} if self.api.config == _MAIN_SWITCH else
-                 {"enable_hyper_connections": True, "num_residual_streams": n, "use_fused_mhc": self.fused})
-        config = TransformerConfig(num_layers=1, hidden_size=c, num_attention_heads=1, use_cpu_initialization=True,
-                                   mhc_sinkhorn_iterations=iterations, recompute_granularity="selective",
-                                   recompute_modules=["mhc"], **names)
+        names = (
+            {"enable_mhc_connections": True, "mhc_num_residual_streams": n}
+            if self.api.config == _MAIN_SWITCH
+            else {"enable_hyper_connections": True, "num_residual_streams": n, "use_fused_mhc": self.fused}
+        )
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=c,
+            num_attention_heads=1,
+            use_cpu_initialization=True,
+            mhc_sinkhorn_iterations=iterations,
+            recompute_granularity="selective",
+            recompute_modules=["mhc"],
+            **names,
+        )
         mod = hc.HyperConnectionModule(config, layer_number=1).to(dtype)
         if params is not None:
             del mod.mapping_proj.weight, mod.alpha_pre, mod.alpha_post, mod.alpha_res, mod.bias
@@ -181,8 +218,12 @@ class MegatronLMTreePeer(Peer):
         _, mod = self._module(n, c, iterations, params, x.dtype)
         flat = x.reshape(t, 1, n * c)
         h_pre, h_post, h_res = mod.compute_mappings(flat)
-        return {"h_pre": h_pre.reshape(t, n), "h_post": h_post.reshape(t, n), "h_res": h_res.reshape(t, n, n),
-                "aggregate": mod.aggregate(flat, h_pre).reshape(t, c)}
+        return {
+            "h_pre": h_pre.reshape(t, n),
+            "h_post": h_post.reshape(t, n),
+            "h_res": h_res.reshape(t, n, n),
+            "aggregate": mod.aggregate(flat, h_pre).reshape(t, c),
+        }
 
     def aggregate(self, x, h_pre):
         t, n, c = x.shape
@@ -192,8 +233,15 @@ class MegatronLMTreePeer(Peer):
     def mix(self, h_res, residual, h_post, y):
         t, n, c = residual.shape
         _, mod = self._module(n, c, 1, None, residual.dtype)
-        out = self._mix_method(mod)(h_res.reshape(t, 1, n, n), residual.reshape(t, 1, n * c),
-                                    h_post.reshape(t, 1, n), (y.reshape(t, 1, c), None), 0.0, False, False)
+        out = self._mix_method(mod)(
+            h_res.reshape(t, 1, n, n),
+            residual.reshape(t, 1, n * c),
+            h_post.reshape(t, 1, n),
+            (y.reshape(t, 1, c), None),
+            0.0,
+            False,
+            False,
+        )
         return out.reshape(t, n, c)
 
     def sinkhorn(self, logits, iterations):
@@ -223,8 +271,9 @@ class MegatronLMTreePeer(Peer):
     def block_exit(self, x, head_fn, head_base, head_scale):
         t, n, c = x.shape
         hc = load_tree(self.tree)
-        return hc.learned_output_contract(x.reshape(t, 1, n * c), head_fn, head_base, head_scale, n,
-                                          1e-6).reshape(t, c)
+        return hc.learned_output_contract(
+            x.reshape(t, 1, n * c), head_fn, head_base, head_scale, n, 1e-6
+        ).reshape(t, c)
 
     def timed(self, op, *, n, hidden, dtype, iterations) -> TimedFn:
         """`coefficients`: `compute_mappings` + `aggregate`; `layer_mhc`: the module's forward and its mix
@@ -234,22 +283,35 @@ class MegatronLMTreePeer(Peer):
         its module does."""
         t_dtype = dtype if self.api.generation == "main" else torch.float32
         big = n * n + 2 * n
-        zeros = SublayerParams(n=n, weight=torch.zeros(big, n * hidden, dtype=t_dtype),
-                               alpha_pre=torch.zeros(1, dtype=t_dtype), alpha_post=torch.zeros(1, dtype=t_dtype),
-                               alpha_res=torch.zeros(1, dtype=t_dtype), bias=torch.zeros(big, dtype=t_dtype))
-        mods = [self._module(n, hidden, iterations, zeros, dtype)[1] for _ in range(2 if op == "layer_mhc" else 1)]
+        zeros = SublayerParams(
+            n=n,
+            weight=torch.zeros(big, n * hidden, dtype=t_dtype),
+            alpha_pre=torch.zeros(1, dtype=t_dtype),
+            alpha_post=torch.zeros(1, dtype=t_dtype),
+            alpha_res=torch.zeros(1, dtype=t_dtype),
+            bias=torch.zeros(big, dtype=t_dtype),
+        )
+        mods = [
+            self._module(n, hidden, iterations, zeros, dtype)[1] for _ in range(2 if op == "layer_mhc" else 1)
+        ]
 
         def bind(d):
             for k, mod in enumerate(mods):
                 bind_params(mod, timed_params(d, k, t_dtype))
 
         if op == "coefficients":
+
             def coefficients(d):
                 bind(d)
                 t = d["x"].shape[0]
                 flat = d["x"].reshape(t, 1, n * hidden)
                 h_pre, h_post, h_res = mods[0].compute_mappings(flat)
-                return h_post.reshape(t, n), h_res.reshape(t, n, n), mods[0].aggregate(flat, h_pre).reshape(t, hidden)
+                return (
+                    h_post.reshape(t, n),
+                    h_res.reshape(t, n, n),
+                    mods[0].aggregate(flat, h_pre).reshape(t, hidden),
+                )
+
             return coefficients
 
         def layer_mhc(d):
@@ -262,6 +324,7 @@ class MegatronLMTreePeer(Peer):
                 residual = out[3] if len(out) == 4 else h  # dev returns its residual alias as a 4th output
                 h = self._mix_method(mod)(h_res, residual, h_post, (aggregated, None), 0.0, False, False)
             return (h.reshape(t, n, hidden),)
+
         return layer_mhc
 
 
@@ -280,19 +343,51 @@ def make_peers(tree: Path, commit: str | None, label: str | None = None) -> list
     base: dict[str, Any] = dict(tree=Path(tree), commit=commit, api=api)
     where = f"upstream Megatron-LM {label}"
     claim = {"main": "megatron_main", "dev": DEV_CLAIM}.get(api.generation)
-    timed = {"main": "megatron_main", "dev": "megatron_dev"}.get(api.generation)  # the conformance matrix's verdict
+    timed = {"main": "megatron_main", "dev": "megatron_dev"}.get(
+        api.generation
+    )  # the conformance matrix's verdict
     if timed is not None:
         base["timing"] = Timing(variant=timed, ops=frozenset({"coefficients", "layer_mhc"}))
     if api.config == _MAIN_SWITCH:
-        return [MegatronLMTreePeer(name=f"megatron_lm[{label}]", description=f"{where}, HyperConnectionModule; "
-                                   f"{api.line()}", claims=claim, **base)]
-    ops = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer", *(("block_exit",) if api.learned_exit
-                                                                                 else ())})
+        return [
+            MegatronLMTreePeer(
+                name=f"megatron_lm[{label}]",
+                description=f"{where}, HyperConnectionModule; {api.line()}",
+                claims=claim,
+                **base,
+            )
+        ]
+    ops = frozenset(
+        {
+            "coefficients",
+            "aggregate",
+            "mix",
+            "sinkhorn",
+            "layer",
+            *(("block_exit",) if api.learned_exit else ()),
+        }
+    )
     fp32 = (torch.float32,)  # its mapping upcasts to fp32 and casts the coefficients back
-    peers = [MegatronLMTreePeer(name=f"megatron_lm[{label}]", description=f"{where}, HyperConnectionModule (native "
-                                f"ops); {api.line()}", claims=claim, ops=ops, dtypes=fp32, **base)]
+    peers = [
+        MegatronLMTreePeer(
+            name=f"megatron_lm[{label}]",
+            description=f"{where}, HyperConnectionModule (native ops); {api.line()}",
+            claims=claim,
+            ops=ops,
+            dtypes=fp32,
+            **base,
+        )
+    ]
     if api.fused is not None:
-        peers.append(MegatronLMTreePeer(name=f"megatron_lm[{label},fused]", description=f"{where}, use_fused_mhc "
-                                        f"(fused_mhc_kernels; {api.fused}); {api.line()}", claims=claim, fused=True,
-                                        ops=ops, dtypes=fp32, **base))
+        peers.append(
+            MegatronLMTreePeer(
+                name=f"megatron_lm[{label},fused]",
+                description=f"{where}, use_fused_mhc (fused_mhc_kernels; {api.fused}); {api.line()}",
+                claims=claim,
+                fused=True,
+                ops=ops,
+                dtypes=fp32,
+                **base,
+            )
+        )
     return peers

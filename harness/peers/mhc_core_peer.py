@@ -22,16 +22,26 @@ BLOCK_EXIT_EPS = 1e-6
 upstream dev passes `layernorm_epsilon`."""
 
 
-def sublayer(x: torch.Tensor, sub: Sublayer, iterations: int, variant: str,
-             ops: Any = None, norm_eps: float = NORM_EPS) -> torch.Tensor:
+def sublayer(
+    x: torch.Tensor, sub: Sublayer, iterations: int, variant: str, ops: Any = None, norm_eps: float = NORM_EPS
+) -> torch.Tensor:
     """`x [T, n, C] -> [T, n, C]`: one mHC sublayer around `sub.f` with `mhc_core`'s ops (or `ops`,
     an object with `mapping`, `sinkhorn`, `h_aggregate` and `h_post_bda`; `norm_eps`: the mapping's)."""
     import mhc_core.ops as ref
 
     o = ops or ref
     p, (t, n, c) = sub.params, x.shape
-    h_pre, h_post, logits = o.mapping(x.reshape(t, n * c), p.weight, p.alpha_pre, p.alpha_post, p.alpha_res,
-                                      p.bias, n, variant=variant, norm_eps=norm_eps)
+    h_pre, h_post, logits = o.mapping(
+        x.reshape(t, n * c),
+        p.weight,
+        p.alpha_pre,
+        p.alpha_post,
+        p.alpha_res,
+        p.bias,
+        n,
+        variant=variant,
+        norm_eps=norm_eps,
+    )
     h_res = o.sinkhorn(logits, iterations, variant=variant)
     y = sub.f(o.h_aggregate(x, h_pre))
     return o.h_post_bda(h_res, x, h_post, y, None, variant=variant)
@@ -69,8 +79,17 @@ class MhcCorePeer(Peer):
         o = self._ops()
         t, n, c = x.shape
         p = params
-        h_pre, h_post, logits = o.mapping(x.reshape(t, n * c), p.weight, p.alpha_pre, p.alpha_post, p.alpha_res,
-                                          p.bias, n, variant=self.variant, norm_eps=self.norm_eps)
+        h_pre, h_post, logits = o.mapping(
+            x.reshape(t, n * c),
+            p.weight,
+            p.alpha_pre,
+            p.alpha_post,
+            p.alpha_res,
+            p.bias,
+            n,
+            variant=self.variant,
+            norm_eps=self.norm_eps,
+        )
         h_res = o.sinkhorn(logits, iterations, variant=self.variant)
         return {"h_pre": h_pre, "h_post": h_post, "h_res": h_res, "aggregate": o.h_aggregate(x, h_pre)}
 
@@ -86,7 +105,9 @@ class MhcCorePeer(Peer):
     def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):
         o = self._ops()
         e = self.norm_eps
-        return sublayer(sublayer(x, attn, iterations, self.variant, o, e), mlp, iterations, self.variant, o, e)
+        return sublayer(
+            sublayer(x, attn, iterations, self.variant, o, e), mlp, iterations, self.variant, o, e
+        )
 
     def block_exit(self, x, head_fn, head_base, head_scale):
         """The configuration's exit: the learned contraction, or the mean of the streams (the head unused)."""
@@ -96,7 +117,9 @@ class MhcCorePeer(Peer):
         t, n, c = x.shape
         if get_variant(self.variant).output_contraction == OutputContraction.MEAN:
             return contract(x.reshape(1, t, n * c), n)[0]
-        return learned_contract(x.reshape(1, t, n * c), head_fn, head_base, head_scale, n, eps=BLOCK_EXIT_EPS)[0]
+        return learned_contract(
+            x.reshape(1, t, n * c), head_fn, head_base, head_scale, n, eps=BLOCK_EXIT_EPS
+        )[0]
 
     def stack(self, h, layers, head: Head, iterations):
         """`h [T, C] -> [T, C]`: `expand` to n streams, `layer` per layer, `block_exit`."""
@@ -118,8 +141,16 @@ def mhc_core_peers(backends: tuple[str, ...] = ("reference",)) -> list[MhcCorePe
     for backend in backends:
         for v in Variant:
             tag = v.value if backend == "reference" else f"{v.value},{backend}"
-            out.append(MhcCorePeer(name=f"mhc_core[{tag}]", variant=v.value, backend=backend, claims=v.value,
-                                   description=f"mhc_core's {v.value} variant, {backend} backend",
-                                   ops=frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer",
-                                                  "block_exit", "stack"})))
+            out.append(
+                MhcCorePeer(
+                    name=f"mhc_core[{tag}]",
+                    variant=v.value,
+                    backend=backend,
+                    claims=v.value,
+                    description=f"mhc_core's {v.value} variant, {backend} backend",
+                    ops=frozenset(
+                        {"coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack"}
+                    ),
+                )
+            )
     return out

@@ -39,8 +39,10 @@ def _as_peers(obj: Any, where: str) -> list[Peer]:
         try:
             obj = obj()  # type: ignore[call-arg]  # a plugin's subclass may take none of Peer's arguments
         except TypeError as exc:
-            raise PeerPluginError(f"{where}: the Peer subclass {obj.__name__} cannot be built without arguments "
-                            f"({exc}); export an instance or a function that returns one") from None
+            raise PeerPluginError(
+                f"{where}: the Peer subclass {obj.__name__} cannot be built without arguments "
+                f"({exc}); export an instance or a function that returns one"
+            ) from None
     elif callable(obj) and not isinstance(obj, Peer):
         try:
             obj = obj()
@@ -49,8 +51,10 @@ def _as_peers(obj: Any, where: str) -> list[Peer]:
     items = list(obj) if isinstance(obj, list | tuple) else [obj]
     bad = [type(i).__name__ for i in items if not isinstance(i, Peer)]
     if bad or not items:
-        raise PeerPluginError(f"{where}: not a Peer (got {', '.join(bad) or 'an empty list'}); expected a "
-                        "harness.peers.base.Peer instance, a Peer subclass, or a function returning them")
+        raise PeerPluginError(
+            f"{where}: not a Peer (got {', '.join(bad) or 'an empty list'}); expected a "
+            "harness.peers.base.Peer instance, a Peer subclass, or a function returning them"
+        )
     return items
 
 
@@ -66,12 +70,15 @@ def load_peer_spec(spec: str) -> list[Peer]:
     try:
         mod = importlib.import_module(module)
     except Exception as exc:
-        raise PeerPluginError(f"{where}: module {module!r} failed to import in {sys.executable}: "
-                        f"{type(exc).__name__}: {exc}") from None
+        raise PeerPluginError(
+            f"{where}: module {module!r} failed to import in {sys.executable}: {type(exc).__name__}: {exc}"
+        ) from None
     if not hasattr(mod, name):
         public = sorted(n for n in vars(mod) if not n.startswith("_"))
-        raise PeerPluginError(f"{where}: module {module!r} ({getattr(mod, '__file__', '?')}) has no {name!r}; it has "
-                        f"{', '.join(public[:12]) or 'nothing public'}")
+        raise PeerPluginError(
+            f"{where}: module {module!r} ({getattr(mod, '__file__', '?')}) has no {name!r}; it has "
+            f"{', '.join(public[:12]) or 'nothing public'}"
+        )
     return _as_peers(getattr(mod, name), where)
 
 

@@ -26,11 +26,15 @@ class PrePostPeer(Peer):
     pre_dtype: torch.dtype | None = None
     """The dtype of the streams `pre` accepts (None: any)."""
 
-    def pre(self, x: torch.Tensor, p: SublayerParams, iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre(
+        self, x: torch.Tensor, p: SublayerParams, iterations: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(layer_input [T, C], h_res [T, n, n], h_post [T, n])` of `x [T, n, C]`."""
         raise NotImplementedError
 
-    def post(self, y: torch.Tensor, x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
+    def post(
+        self, y: torch.Tensor, x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor
+    ) -> torch.Tensor:
         """The next streams `[T, n, C]` from the sublayer's output `y [T, C]` and the streams `x [T, n, C]`."""
         raise NotImplementedError
 
@@ -45,10 +49,17 @@ class PrePostPeer(Peer):
         t, n, _ = logits.shape
         out = []
         for i in range(t):
-            p = SublayerParams(n=n, weight=torch.zeros(n * n + 2 * n, n), alpha_pre=torch.ones(1),
-                               alpha_post=torch.ones(1), alpha_res=torch.ones(1),
-                               bias=torch.cat([torch.zeros(2 * n), logits[i].reshape(n * n).float()]))
-            out.append(self.pre(torch.ones(1, n, 1, dtype=self.pre_dtype or logits.dtype), p, iterations)[1][0])
+            p = SublayerParams(
+                n=n,
+                weight=torch.zeros(n * n + 2 * n, n),
+                alpha_pre=torch.ones(1),
+                alpha_post=torch.ones(1),
+                alpha_res=torch.ones(1),
+                bias=torch.cat([torch.zeros(2 * n), logits[i].reshape(n * n).float()]),
+            )
+            out.append(
+                self.pre(torch.ones(1, n, 1, dtype=self.pre_dtype or logits.dtype), p, iterations)[1][0]
+            )
         return torch.stack(out).to(logits.dtype)
 
     def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):

@@ -42,19 +42,44 @@ from harness.peers.pre_post import PrePostPeer
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 from harness.upstream.source_tree import load_file, placeholder_packages
 
-__all__ = ["EPS", "HEAD_FILE", "KERNEL_FILE", "SGLANG", "SglangPeer", "SglangTileLangPeer", "SglangTritonPeer", "device_for_triton", "hc_params", "load_sglang_mhc"]
+__all__ = [
+    "EPS",
+    "HEAD_FILE",
+    "KERNEL_FILE",
+    "SGLANG",
+    "SglangPeer",
+    "SglangTileLangPeer",
+    "SglangTritonPeer",
+    "device_for_triton",
+    "hc_params",
+    "load_sglang_mhc",
+]
 
 KERNEL_FILE = "sglang/kernels/ops/layernorm/mhc.py"
 HEAD_FILE = "sglang/kernels/ops/layernorm/mhc_head.py"
 SGLANG = InstalledFiles(dist="sglang", version="0.5.23", files=(KERNEL_FILE, HEAD_FILE))
 EPS = 1e-6
 """DeepSeek-V4's `hc_eps` and `rms_norm_eps`."""
-_PACKAGES = ("sglang", "sglang.kernels", "sglang.kernels.jit", "sglang.kernels.ops", "sglang.kernels.ops.layernorm",
-             "sglang.srt", "sglang.srt.distributed", "sglang.srt.distributed.device_communicators",
-             "sglang.srt.layers", "sglang.srt.layers.attention", "sglang.srt.layers.attention.dsa",
-             "sglang.srt.layers.utils")
-_FLAGS_OFF = ("SGLANG_USE_AITER", "SGLANG_OPT_USE_TILELANG_MHC_PRE", "SGLANG_OPT_USE_TILELANG_MHC_POST",
-              "SGLANG_OPT_DEEPGEMM_HC_PRENORM")
+_PACKAGES = (
+    "sglang",
+    "sglang.kernels",
+    "sglang.kernels.jit",
+    "sglang.kernels.ops",
+    "sglang.kernels.ops.layernorm",
+    "sglang.srt",
+    "sglang.srt.distributed",
+    "sglang.srt.distributed.device_communicators",
+    "sglang.srt.layers",
+    "sglang.srt.layers.attention",
+    "sglang.srt.layers.attention.dsa",
+    "sglang.srt.layers.utils",
+)
+_FLAGS_OFF = (
+    "SGLANG_USE_AITER",
+    "SGLANG_OPT_USE_TILELANG_MHC_PRE",
+    "SGLANG_OPT_USE_TILELANG_MHC_POST",
+    "SGLANG_OPT_DEEPGEMM_HC_PRENORM",
+)
 """The `envs` flags the file reads, each off: no AMD kernels, no TileLang, no DeepGEMM."""
 
 
@@ -63,8 +88,10 @@ class _Envs:
 
     def __getattr__(self, name: str) -> SimpleNamespace:
         if name not in _FLAGS_OFF:
-            raise AttributeError(f"sglang's mHC file read envs.{name}, which the stand-in runtime does not answer "
-                                 f"(it answers {', '.join(_FLAGS_OFF)})")
+            raise AttributeError(
+                f"sglang's mHC file read envs.{name}, which the stand-in runtime does not answer "
+                f"(it answers {', '.join(_FLAGS_OFF)})"
+            )
         return SimpleNamespace(get=lambda: False)
 
 
@@ -73,14 +100,19 @@ def _runtime() -> list[ModuleType]:
     no = lambda *a, **k: False  # noqa: E731 - a predicate that answers no
     return [
         stand_in("sglang.kernels.jit.utils", is_arch_support_pdl=no),
-        stand_in("sglang.srt.distributed.device_communicators.pynccl_allocator",
-                use_symmetric_memory=lambda *a, **k: nullcontext()),
+        stand_in(
+            "sglang.srt.distributed.device_communicators.pynccl_allocator",
+            use_symmetric_memory=lambda *a, **k: nullcontext(),
+        ),
         stand_in("sglang.srt.environ", envs=_Envs()),
         stand_in("sglang.srt.layers.attention.dsa.utils", is_dsa_prefill_cp_interleave=no),
         stand_in("sglang.srt.layers.dp_attention", is_allocation_symmetric=no),
         stand_in("sglang.srt.layers.utils.common", strict_contiguous=lambda t: t.contiguous()),
-        stand_in("sglang.srt.runtime_context", get_parallel=lambda: None,
-                get_platform=lambda: SimpleNamespace(is_sm90=False, is_sm100=False, is_blackwell=False)),
+        stand_in(
+            "sglang.srt.runtime_context",
+            get_parallel=lambda: None,
+            get_platform=lambda: SimpleNamespace(is_sm90=False, is_sm100=False, is_blackwell=False),
+        ),
         stand_in("sglang.srt.utils", package=True, is_gfx95_supported=no, is_hip=no),
         stand_in("sglang.srt.utils.common", is_gfx1250_supported=no),
     ]
@@ -102,8 +134,11 @@ def device_for_triton(t: torch.Tensor) -> torch.Tensor:
 
 def hc_params(p: SublayerParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(hc_fn, hc_scale, hc_base)` in fp32, as sglang holds them."""
-    return (p.weight.float().contiguous(), torch.cat([p.alpha_pre, p.alpha_post, p.alpha_res]).float(),
-            p.bias.float().contiguous())
+    return (
+        p.weight.float().contiguous(),
+        torch.cat([p.alpha_pre, p.alpha_post, p.alpha_res]).float(),
+        p.bias.float().contiguous(),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,11 +152,13 @@ class SglangPeer(PrePostPeer):
     """bf16, the dtype it serves in; fp32 too, where the norm's eps placement shows (its math is fp32 either way)."""
     differentiable: bool = False
     claims: str | None = "megatron_dev+eps_inside_sqrt"
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "aggregate": "hc_pre computes the layer input from its own h_pre and does not return h_pre (the aggregate "
-                     "is checked inside coefficients)",
-        "block_exit": "the exit is the Triton fused_hc_head: the sglang[triton] row",
-    })
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "aggregate": "hc_pre computes the layer input from its own h_pre and does not return h_pre (the aggregate "
+            "is checked inside coefficients)",
+            "block_exit": "the exit is the Triton fused_hc_head: the sglang[triton] row",
+        }
+    )
     source: Path | None = None
     """The mHC file to run (default: the installed wheel's); a copy, for the planted-fault tests."""
 
@@ -147,20 +184,26 @@ class SglangPeer(PrePostPeer):
 
     # -- the entry points ------------------------------------------------------------------------------------------
 
-    def pre(self, x: torch.Tensor, p: SublayerParams, iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre(
+        self, x: torch.Tensor, p: SublayerParams, iterations: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(layer_input [T, C], h_res [T, n, n], h_post [T, n])` of `x [T, n, C]`."""
         t, n, c = x.shape
         fn, scale, base = hc_params(p)
-        y, h_res, h_post, _ = self.module().hc_pre(x.reshape(t, n * c).contiguous(), fn, scale, base, n, EPS, EPS,
-                                                   iterations)
+        y, h_res, h_post, _ = self.module().hc_pre(
+            x.reshape(t, n * c).contiguous(), fn, scale, base, n, EPS, EPS, iterations
+        )
         return y, h_res.reshape(t, n, n), h_post.reshape(t, n)
 
-    def post(self, y: torch.Tensor, x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
+    def post(
+        self, y: torch.Tensor, x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor
+    ) -> torch.Tensor:
         """The next streams `[T, n, C]` from the sublayer's output `y [T, C]` and the streams `x [T, n, C]`."""
         t, n, c = x.shape
-        out = self.module().hc_post(y.contiguous(), x.reshape(t, n * c).contiguous(), h_post.float(), h_res.float(), n)
+        out = self.module().hc_post(
+            y.contiguous(), x.reshape(t, n * c).contiguous(), h_post.float(), h_res.float(), n
+        )
         return out.reshape(t, n, c)
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,18 +211,22 @@ class SglangTritonPeer(SglangPeer):
     """sglang's Triton mHC kernels (see the module docstring)."""
 
     name: str = "sglang[triton]"
-    description: str = ("sglang 0.5.23 Triton kernels: hc_mix_stats_sinkhorn, mhc_combine, _hc_split_sinkhorn_triton "
-                        "(interpreted without a GPU); mix: hc_post")
+    description: str = (
+        "sglang 0.5.23 Triton kernels: hc_mix_stats_sinkhorn, mhc_combine, _hc_split_sinkhorn_triton "
+        "(interpreted without a GPU); mix: hc_post"
+    )
     ops: frozenset[str] = frozenset({"aggregate", "mix", "sinkhorn", "block_exit"})
     streams: tuple[int, ...] = (4,)
     """n = 4: `hc_mix_stats_sinkhorn` and the split + Sinkhorn kernel index `tl.arange(0, n)` (a power of 2)."""
     claims: str | None = "megatron_dev+learned_exit"
     """What its ops can show of DeepSeek-V4's configuration (no coefficients here: no eps placement)."""
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "coefficients": "its split-K projection (hc_mix_stats_sinkhorn) needs n*C a multiple of 64 and the checks' "
-                        "n*C is 32: run at C 64 by the train/serve measurement and test_serving.py",
-        "layer": "as coefficients",
-    })
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "coefficients": "its split-K projection (hc_mix_stats_sinkhorn) needs n*C a multiple of 64 and the checks' "
+            "n*C is 32: run at C 64 by the train/serve measurement and test_serving.py",
+            "layer": "as coefficients",
+        }
+    )
 
     def unavailable(self) -> str | None:
         why = super().unavailable()
@@ -197,26 +244,50 @@ class SglangTritonPeer(SglangPeer):
         mod, (fn, scale, base) = self.module(), (device_for_triton(a) for a in hc_params(p))
         flat = device_for_triton(x.reshape(t, n * c).contiguous())
         h_pre, h_post, h_res = mod.hc_mix_stats_sinkhorn(flat, fn, scale, base, n, iterations, EPS, EPS)
-        return (mod.mhc_combine(flat, h_pre, n, x.dtype).to(x.device), h_res.to(x.device), h_post.to(x.device))
+        return (
+            mod.mhc_combine(flat, h_pre, n, x.dtype).to(x.device),
+            h_res.to(x.device),
+            h_post.to(x.device),
+        )
 
     def aggregate(self, x, h_pre):
         t, n, c = x.shape
-        return self.module().mhc_combine(device_for_triton(x.reshape(t, n * c).contiguous()), device_for_triton(h_pre.float().contiguous()),
-                                         n, x.dtype).to(x.device)
+        return (
+            self.module()
+            .mhc_combine(
+                device_for_triton(x.reshape(t, n * c).contiguous()),
+                device_for_triton(h_pre.float().contiguous()),
+                n,
+                x.dtype,
+            )
+            .to(x.device)
+        )
 
     def sinkhorn(self, logits, iterations):
         """`_hc_split_sinkhorn_triton` with the logits as the `comb` part of `mixes`, scale 1, base 0."""
         t, n, _ = logits.shape
         mixes = torch.cat([torch.zeros(t, 2 * n), logits.reshape(t, n * n).float()], dim=1).reshape(1, t, -1)
-        _, _, comb = self.module()._hc_split_sinkhorn_triton(device_for_triton(mixes), device_for_triton(torch.ones(3)),
-                                                              device_for_triton(torch.zeros(n * n + 2 * n)), n, iterations, EPS)
+        _, _, comb = self.module()._hc_split_sinkhorn_triton(
+            device_for_triton(mixes),
+            device_for_triton(torch.ones(3)),
+            device_for_triton(torch.zeros(n * n + 2 * n)),
+            n,
+            iterations,
+            EPS,
+        )
         return comb.reshape(t, n, n).to(logits.device, logits.dtype)
 
     def block_exit(self, x, head_fn, head_base, head_scale):
         """`fused_hc_head` (`mhc_head.py`): RMS, projection, `sigmoid + eps`, the weighted sum of the streams."""
         head = load_sglang_mhc(SGLANG.path(HEAD_FILE), "mhc_head")
-        return head.fused_hc_head(device_for_triton(x.contiguous()), device_for_triton(head_fn.float().contiguous()), device_for_triton(head_scale.float()),
-                                  device_for_triton(head_base.float().contiguous()), EPS, EPS).to(x.device)
+        return head.fused_hc_head(
+            device_for_triton(x.contiguous()),
+            device_for_triton(head_fn.float().contiguous()),
+            device_for_triton(head_scale.float()),
+            device_for_triton(head_base.float().contiguous()),
+            EPS,
+            EPS,
+        ).to(x.device)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,10 +301,13 @@ class SglangTileLangPeer(Peer):
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
     streams: tuple[int, ...] = (4,)
     differentiable: bool = False
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "coefficients": "mhc_pre takes only n*C in {16384, 28672} at <= 2048 tokens (its split-K GEMM): not at the "
-                        "checks' C = 8; the torch path and the Triton kernels are the sglang and sglang[triton] rows",
-        "sinkhorn": "fp32 Sinkhorn of bf16-rounded logits"})
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "coefficients": "mhc_pre takes only n*C in {16384, 28672} at <= 2048 tokens (its split-K GEMM): not at the "
+            "checks' C = 8; the torch path and the Triton kernels are the sglang and sglang[triton] rows",
+            "sinkhorn": "fp32 Sinkhorn of bf16-rounded logits",
+        }
+    )
 
     def version(self) -> str | None:
         return SGLANG.installed_version()
@@ -250,13 +324,16 @@ class SglangTileLangPeer(Peer):
     def sinkhorn(self, logits, iterations):
         t, n, _ = logits.shape
         mixes = torch.zeros(1, t, (2 + n) * n, dtype=torch.float32, device="cuda")
-        mixes[..., 2 * n:] = cuda(logits.float()).reshape(1, t, n * n)
+        mixes[..., 2 * n :] = cuda(logits.float()).reshape(1, t, n * n)
         ones, zeros = torch.ones(3, device="cuda"), torch.zeros((2 + n) * n, device="cuda")
-        _, _, comb = self._mhc().hc_split_sinkhorn(mixes, ones, zeros, hc_mult=n, sinkhorn_iters=iterations, eps=EPS)
+        _, _, comb = self._mhc().hc_split_sinkhorn(
+            mixes, ones, zeros, hc_mult=n, sinkhorn_iters=iterations, eps=EPS
+        )
         return comb.reshape(t, n, n).to(logits.device)
 
     def mix(self, h_res, residual, h_post, y):
         t, n, c = residual.shape
-        out = self._mhc().mhc_post(cuda(y), cuda(residual), cuda(h_post.float()).reshape(t, n, 1),
-                                   cuda(h_res.float()))
+        out = self._mhc().mhc_post(
+            cuda(y), cuda(residual), cuda(h_post.float()).reshape(t, n, 1), cuda(h_res.float())
+        )
         return out.reshape(t, n, c).to(residual.device)

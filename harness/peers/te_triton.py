@@ -48,23 +48,39 @@ from harness.peers.triton_interpreter import (
 )
 from harness.upstream.source_tree import SourceTree, SourceTreeError, load_file, placeholder_packages
 
-__all__ = ["COMMIT_ENV_VAR", "KERNELS_FILE", "TREE_ENV_VAR", "TeTritonPeer", "WRAPPER_FILE", "load_te_mhc",
-           "te_tree"]
+__all__ = [
+    "COMMIT_ENV_VAR",
+    "KERNELS_FILE",
+    "TREE_ENV_VAR",
+    "TeTritonPeer",
+    "WRAPPER_FILE",
+    "load_te_mhc",
+    "te_tree",
+]
 
 WRAPPER_FILE = Path("transformer_engine/pytorch/triton/mhc.py")
 KERNELS_FILE = Path("transformer_engine/common/triton/mhc.py")
 TREE_ENV_VAR = "MHC_TRANSFORMER_ENGINE"
 COMMIT_ENV_VAR = "MHC_TRANSFORMER_ENGINE_COMMIT"
 """The tree's commit when it is not a git checkout (a `git archive`)."""
-_PACKAGES = ("transformer_engine", "transformer_engine.common", "transformer_engine.common.triton",
-             "transformer_engine.pytorch", "transformer_engine.pytorch.triton",
-             "transformer_engine.pytorch.cpp_extensions")
+_PACKAGES = (
+    "transformer_engine",
+    "transformer_engine.common",
+    "transformer_engine.common.triton",
+    "transformer_engine.pytorch",
+    "transformer_engine.pytorch.triton",
+    "transformer_engine.pytorch.cpp_extensions",
+)
 
 
 def te_tree(path: Path | str) -> SourceTree:
     """The TE tree at `path`, checked (`SourceTreeError` naming what is missing)."""
-    return SourceTree(option="--transformer-engine", path=Path(path).resolve(), files=(WRAPPER_FILE, KERNELS_FILE),
-                      commit_env=COMMIT_ENV_VAR).check()
+    return SourceTree(
+        option="--transformer-engine",
+        path=Path(path).resolve(),
+        files=(WRAPPER_FILE, KERNELS_FILE),
+        commit_env=COMMIT_ENV_VAR,
+    ).check()
 
 
 def _extension_placeholder() -> ModuleType:
@@ -72,9 +88,11 @@ def _extension_placeholder() -> ModuleType:
     gemm: Any = ModuleType("transformer_engine.pytorch.cpp_extensions.gemm")
 
     def general_gemm(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("TransformerEngine's compiled extension (general_gemm, cuBLAS) is not loaded: the mHC "
-                           "files run from a source tree; pass norm_weight so that the projection backward runs its "
-                           "Triton kernel")
+        raise RuntimeError(
+            "TransformerEngine's compiled extension (general_gemm, cuBLAS) is not loaded: the mHC "
+            "files run from a source tree; pass norm_weight so that the projection backward runs its "
+            "Triton kernel"
+        )
 
     gemm.general_gemm = general_gemm
     return gemm
@@ -122,18 +140,24 @@ class TeTritonPeer(Peer):
     name: str = "te_triton"
     description: str = "TransformerEngine transformer_engine.pytorch.triton.mhc (Triton)"
     ops: frozenset[str] = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "layer"})
-    dtypes: tuple[torch.dtype, ...] = (torch.float32,) if not torch.cuda.is_available() else (torch.float32,
-                                                                                                torch.bfloat16)
+    dtypes: tuple[torch.dtype, ...] = (
+        (torch.float32,) if not torch.cuda.is_available() else (torch.float32, torch.bfloat16)
+    )
     """fp32 (interpreted: bf16 rounding inside the kernels would be NumPy's, not the GPU's); bf16 too on a GPU."""
     streams: tuple[int, ...] = (4,)
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "block_exit": "no learned block exit (TE's mHC ends at the last sublayer)",
-        "coefficients": "RMS eps inside the square root and float32's machine eps (sqrt(ms + 1.19e-7)), not the "
-                        "model's 1e-6 (the option dtype_eps_inside_sqrt): seen only where the RMS is small "
-                        "(coefficients@rms1e-2)",
-    })
-    timing: Timing | None = Timing(variant="megatron_main+dtype_eps_inside_sqrt+transposed_mix",
-                                   ops=frozenset({"coefficients", "sinkhorn"}), gpu_only=True)
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "block_exit": "no learned block exit (TE's mHC ends at the last sublayer)",
+            "coefficients": "RMS eps inside the square root and float32's machine eps (sqrt(ms + 1.19e-7)), not the "
+            "model's 1e-6 (the option dtype_eps_inside_sqrt): seen only where the RMS is small "
+            "(coefficients@rms1e-2)",
+        }
+    )
+    timing: Timing | None = Timing(
+        variant="megatron_main+dtype_eps_inside_sqrt+transposed_mix",
+        ops=frozenset({"coefficients", "sinkhorn"}),
+        gpu_only=True,
+    )
     """Timed on a GPU only: under Triton's interpreter its times mean nothing."""
 
     def version(self) -> str | None:
@@ -148,9 +172,11 @@ class TeTritonPeer(Peer):
     def unavailable(self) -> str | None:
         if self.tree is None:
             if not torch.cuda.is_available():
-                return (f"no TE tree given (--transformer-engine PATH or ${TREE_ENV_VAR}: its two mHC files run "
-                        "through Triton's interpreter) and no GPU for the installed package (transformer-engine "
-                        "installs on NVIDIA machines only)")
+                return (
+                    f"no TE tree given (--transformer-engine PATH or ${TREE_ENV_VAR}: its two mHC files run "
+                    "through Triton's interpreter) and no GPU for the installed package (transformer-engine "
+                    "installs on NVIDIA machines only)"
+                )
             if importlib.util.find_spec("transformer_engine") is None:
                 return f"transformer-engine is not installed (pip install transformer-engine), and no ${TREE_ENV_VAR}"
         if importlib.util.find_spec("triton") is None:
@@ -197,19 +223,29 @@ class TeTritonPeer(Peer):
         te, (t, n, c) = self._te(), x.shape
         xs = self._streams_last(x)
         phi = self._dev(p.weight).reshape(-1, n, c).transpose(1, 2).reshape(-1, n * c)
-        norm_weight = torch.ones(n * c, dtype=torch.float32, device=phi.device) if self.tree is not None else None
+        norm_weight = (
+            torch.ones(n * c, dtype=torch.float32, device=phi.device) if self.tree is not None else None
+        )
         h, ms = te.mhc_fused_projection(xs.reshape(t, n * c), phi, use_tf32=False, norm_weight=norm_weight)
         alpha = self._dev(torch.cat([p.alpha_pre, p.alpha_post, p.alpha_res]))
         h_pre, h_post, logits = te.mhc_fused_scale(h, alpha, self._dev(p.bias).reshape(1, -1), ms, n)
         h_res = te.mhc_fused_sinkhorn(logits.reshape(t, 1, n, n), n, recompute_hist=True, iters=iterations)
         return h_pre.reshape(t, n), h_post.reshape(t, n), h_res.reshape(t, n, n), xs
 
-    def _mix(self, h_res: torch.Tensor, xs: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _mix(
+        self, h_res: torch.Tensor, xs: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
         """TE's `f @ H_post + x @ H_res` on `xs [T, 1, C, n]`: `[T, n, C]`."""
         t, _, c, n = xs.shape
-        out = self._te().mhc_fused_expand_combine(self._dev(y).reshape(t, 1, c), None,
-                                                  self._dev(h_post).reshape(t, 1, n), xs,
-                                                  self._dev(h_res).reshape(t, 1, n, n), n, use_tf32=False)
+        out = self._te().mhc_fused_expand_combine(
+            self._dev(y).reshape(t, 1, c),
+            None,
+            self._dev(h_post).reshape(t, 1, n),
+            xs,
+            self._dev(h_res).reshape(t, 1, n, n),
+            n,
+            use_tf32=False,
+        )
         return out.reshape(t, c, n).permute(0, 2, 1)
 
     # -- ops ------------------------------------------------------------------------------------------------------
@@ -219,13 +255,18 @@ class TeTritonPeer(Peer):
         h_pre, h_post, h_res, xs = self._mappings(x, params, iterations)
         agg = self._te().mhc_fused_aggregate(xs, h_pre.reshape(t, 1, n), n, use_tf32=False)
         home = x.device
-        return {"h_pre": h_pre.to(home), "h_post": h_post.to(home), "h_res": h_res.to(home),
-                "aggregate": agg.reshape(t, c).to(home)}
+        return {
+            "h_pre": h_pre.to(home),
+            "h_post": h_post.to(home),
+            "h_res": h_res.to(home),
+            "aggregate": agg.reshape(t, c).to(home),
+        }
 
     def aggregate(self, x, h_pre):
         t, n, c = x.shape
-        out = self._te().mhc_fused_aggregate(self._streams_last(x), self._dev(h_pre).reshape(t, 1, n), n,
-                                             use_tf32=False)
+        out = self._te().mhc_fused_aggregate(
+            self._streams_last(x), self._dev(h_pre).reshape(t, 1, n), n, use_tf32=False
+        )
         return out.reshape(t, c).to(x.device)
 
     def mix(self, h_res, residual, h_post, y):
@@ -233,8 +274,9 @@ class TeTritonPeer(Peer):
 
     def sinkhorn(self, logits, iterations):
         t, n, _ = logits.shape
-        out = self._te().mhc_fused_sinkhorn(self._dev(logits).reshape(t, 1, n, n), n, recompute_hist=True,
-                                            iters=iterations)
+        out = self._te().mhc_fused_sinkhorn(
+            self._dev(logits).reshape(t, 1, n, n), n, recompute_hist=True, iters=iterations
+        )
         return out.reshape(t, n, n).to(logits.device)
 
     def layer(self, x, attn: Sublayer, mlp: Sublayer, iterations):

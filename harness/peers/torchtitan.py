@@ -32,8 +32,14 @@ import torch
 from harness.peers.base import Peer, Sublayer, SublayerParams
 from harness.upstream.source_tree import SourceTree, SourceTreeError, load_file
 
-__all__ = ["COMMIT_ENV_VAR", "MHC_FILE", "TREE_ENV_VAR", "TorchtitanPeer", "load_torchtitan_mhc",
-           "torchtitan_tree"]
+__all__ = [
+    "COMMIT_ENV_VAR",
+    "MHC_FILE",
+    "TREE_ENV_VAR",
+    "TorchtitanPeer",
+    "load_torchtitan_mhc",
+    "torchtitan_tree",
+]
 
 MHC_FILE = Path("torchtitan/models/deepseek_v4/mhc.py")
 BASE_FILE = Path("torchtitan/protocols/module.py")
@@ -47,8 +53,12 @@ EPS = 1e-6
 def torchtitan_tree(path: Path | str) -> SourceTree:
     """The torchtitan tree at `path`, checked (`SourceTreeError` naming what is
     missing: a release without DeepSeek-V4 has no `models/deepseek_v4/mhc.py`)."""
-    return SourceTree(option="--torchtitan", path=Path(path).resolve(), files=(MHC_FILE, BASE_FILE),
-                      commit_env=COMMIT_ENV_VAR).check()
+    return SourceTree(
+        option="--torchtitan",
+        path=Path(path).resolve(),
+        files=(MHC_FILE, BASE_FILE),
+        commit_env=COMMIT_ENV_VAR,
+    ).check()
 
 
 @cache
@@ -60,8 +70,10 @@ def load_torchtitan_mhc(tree: Path) -> ModuleType:
     if loaded is not None:
         where = [str(p) for p in getattr(loaded, "__path__", [])]
         if not any(w.startswith(str(src.path)) for w in where):
-            raise SourceTreeError(f"--torchtitan {src.path}: this process already imported torchtitan from "
-                                  f"{where[0] if where else '?'}")
+            raise SourceTreeError(
+                f"--torchtitan {src.path}: this process already imported torchtitan from "
+                f"{where[0] if where else '?'}"
+            )
     elif str(src.path) not in sys.path:
         sys.path.insert(0, str(src.path))
     import torchtitan.protocols.module  # noqa: F401 - the base class mhc.py imports, from the tree
@@ -81,16 +93,20 @@ class TorchtitanPeer(Peer):
     tree: Path | None = field(default_factory=_default_tree)
     """A torchtitan source tree with DeepSeek-V4 (default `$MHC_TORCHTITAN`)."""
     name: str = "torchtitan"
-    description: str = "torchtitan models/deepseek_v4/mhc.py HcPre / HcPost / HcSplitSinkhorn / HcHead (PyTorch)"
+    description: str = (
+        "torchtitan models/deepseek_v4/mhc.py HcPre / HcPost / HcSplitSinkhorn / HcHead (PyTorch)"
+    )
     ops: frozenset[str] = frozenset({"coefficients", "mix", "sinkhorn", "layer", "block_exit"})
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "aggregate": "no aggregate with given h_pre (HcPre computes and consumes h_pre itself): checked through "
-                     "coefficients and layer",
-        "coefficients": "RMS eps inside the square root (rsqrt(mean(x^2) + eps))",
-        "sinkhorn": "exp(Z - rowmax), then (row, column) passes dividing by sum + eps: megatron_main's order with "
-                    "dev's additive guard, and no softmax start",
-    })
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "aggregate": "no aggregate with given h_pre (HcPre computes and consumes h_pre itself): checked through "
+            "coefficients and layer",
+            "coefficients": "RMS eps inside the square root (rsqrt(mean(x^2) + eps))",
+            "sinkhorn": "exp(Z - rowmax), then (row, column) passes dividing by sum + eps: megatron_main's order with "
+            "dev's additive guard, and no softmax start",
+        }
+    )
 
     def version(self) -> str | None:
         if self.tree is None:
@@ -102,15 +118,19 @@ class TorchtitanPeer(Peer):
 
     def unavailable(self) -> str | None:
         if self.tree is None:
-            return (f"no torchtitan tree given (--torchtitan PATH or ${TREE_ENV_VAR}; the 0.3.0 wheel has no "
-                    "models/deepseek_v4): a checkout of PR #3634")
+            return (
+                f"no torchtitan tree given (--torchtitan PATH or ${TREE_ENV_VAR}; the 0.3.0 wheel has no "
+                "models/deepseek_v4): a checkout of PR #3634"
+            )
         try:
             load_torchtitan_mhc(Path(self.tree))
         except SourceTreeError as exc:
             return str(exc)
         except ImportError as exc:
-            return (f"--torchtitan {self.tree}: its base class failed to import: {type(exc).__name__}: {exc} "
-                    "(torchtitan's protocols import tyro and spmd_types: the peers extra has them)")
+            return (
+                f"--torchtitan {self.tree}: its base class failed to import: {type(exc).__name__}: {exc} "
+                "(torchtitan's protocols import tyro and spmd_types: the peers extra has them)"
+            )
         return None
 
     def source_tree(self) -> SourceTree:
@@ -124,7 +144,11 @@ class TorchtitanPeer(Peer):
 
     def _pre(self, n: int, c: int, iterations: int, p: SublayerParams):
         """An `HcPre` whose `hc_fn / hc_base / hc_scale` are the check's tensors (gradients reach them)."""
-        pre = self._mhc().HcPre.Config(hc_mult=n, dim=c, sinkhorn_iters=iterations, eps=EPS, norm_eps=EPS).build()
+        pre = (
+            self._mhc()
+            .HcPre.Config(hc_mult=n, dim=c, sinkhorn_iters=iterations, eps=EPS, norm_eps=EPS)
+            .build()
+        )
         del pre.hc_fn, pre.hc_base, pre.hc_scale
         pre.hc_fn, pre.hc_base = p.weight, p.bias
         pre.hc_scale = torch.cat([p.alpha_pre, p.alpha_post, p.alpha_res])

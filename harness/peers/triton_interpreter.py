@@ -27,8 +27,15 @@ from types import MappingProxyType, ModuleType
 
 import torch
 
-__all__ = ["H100_PROPERTIES", "INTERPRET_ENV_VAR", "StandInDriver", "device_properties", "interpreted",
-           "prepare_interpreter", "without_autotune_timing"]
+__all__ = [
+    "H100_PROPERTIES",
+    "INTERPRET_ENV_VAR",
+    "StandInDriver",
+    "device_properties",
+    "interpreted",
+    "prepare_interpreter",
+    "without_autotune_timing",
+]
 
 INTERPRET_ENV_VAR = "TRITON_INTERPRET"
 
@@ -45,8 +52,10 @@ def prepare_interpreter() -> str | None:
         return None
     value = os.environ.get(INTERPRET_ENV_VAR)
     if value is None and "triton" in sys.modules:
-        return (f"no GPU, and triton was imported before {INTERPRET_ENV_VAR}=1 was set (its library functions are "
-                f"then compiled-only); run with {INTERPRET_ENV_VAR}=1 in the environment")
+        return (
+            f"no GPU, and triton was imported before {INTERPRET_ENV_VAR}=1 was set (its library functions are "
+            f"then compiled-only); run with {INTERPRET_ENV_VAR}=1 in the environment"
+        )
     if value is None:
         os.environ[INTERPRET_ENV_VAR] = "1"
         return None

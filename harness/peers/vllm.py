@@ -36,21 +36,36 @@ from harness.peers.sglang import EPS, device_for_triton, hc_params
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter
 from harness.upstream.source_tree import load_file, placeholder_packages
 
-__all__ = ["TORCH_FILE", "TRITON_FILE", "VLLM", "VllmPeer", "VllmTileLangPeer", "VllmTritonPeer", "load_vllm_file"]
+__all__ = [
+    "TORCH_FILE",
+    "TRITON_FILE",
+    "VLLM",
+    "VllmPeer",
+    "VllmTileLangPeer",
+    "VllmTritonPeer",
+    "load_vllm_file",
+]
 
 TORCH_FILE = "vllm/model_executor/kernels/mhc/torch.py"
 TRITON_FILE = "vllm/model_executor/kernels/mhc/triton.py"
 VLLM = InstalledFiles(dist="vllm", version="0.33.0", files=(TORCH_FILE, TRITON_FILE))
-_PACKAGES = ("vllm", "vllm.utils", "vllm.model_executor", "vllm.model_executor.kernels",
-             "vllm.model_executor.kernels.mhc")
+_PACKAGES = (
+    "vllm",
+    "vllm.utils",
+    "vllm.model_executor",
+    "vllm.model_executor.kernels",
+    "vllm.model_executor.kernels.mhc",
+)
 
 
 def _runtime() -> list[ModuleType]:
     import triton
     import triton.language as tl
 
-    return [stand_in("vllm.triton_utils", triton=triton, tl=tl),
-            stand_in("vllm.utils.torch_utils", direct_register_custom_op=lambda **kwargs: None)]
+    return [
+        stand_in("vllm.triton_utils", triton=triton, tl=tl),
+        stand_in("vllm.utils.torch_utils", direct_register_custom_op=lambda **kwargs: None),
+    ]
 
 
 @cache
@@ -75,18 +90,22 @@ class VllmPeer(PrePostPeer):
     differentiable: bool = False
     claims: str | None = "megatron_dev"
     """DeepSeek-V4's variant; bf16 checks cannot see the norm's eps placement (sglang's fp32 row does)."""
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "aggregate": "mhc_pre_torch computes the layer input from its own h_pre (checked inside coefficients); "
-                     "hc_collapse_triton takes a given h_pre: the vllm[triton] row",
-        "block_exit": "the exit is a Triton kernel: the vllm[triton] row",
-    })
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "aggregate": "mhc_pre_torch computes the layer input from its own h_pre (checked inside coefficients); "
+            "hc_collapse_triton takes a given h_pre: the vllm[triton] row",
+            "block_exit": "the exit is a Triton kernel: the vllm[triton] row",
+        }
+    )
     source: Path | None = None
     """The file to run (default: the installed wheel's); a copy, for the planted-fault tests."""
     file: str = TORCH_FILE
 
     def version(self) -> str | None:
         v = VLLM.installed_version()
-        return None if v is None else f"{v} (interpreted)" if interpreted() and self.file == TRITON_FILE else v
+        return (
+            None if v is None else f"{v} (interpreted)" if interpreted() and self.file == TRITON_FILE else v
+        )
 
     def unavailable(self) -> str | None:
         why = VLLM.unavailable() if self.source is None else None
@@ -104,14 +123,20 @@ class VllmPeer(PrePostPeer):
     def files(self) -> InstalledFiles:
         return VLLM
 
-    def pre(self, x: torch.Tensor, p: SublayerParams, iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre(
+        self, x: torch.Tensor, p: SublayerParams, iterations: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(layer_input [T, C], h_res [T, n, n], h_post [T, n])` of `x [T, n, C]` (`mhc_pre_torch`)."""
         t, n, _ = x.shape
         fn, scale, base = hc_params(p)
-        post, comb, y = self.module().mhc_pre_torch(x.contiguous(), fn, scale, base, EPS, EPS, EPS, 2.0, iterations)
+        post, comb, y = self.module().mhc_pre_torch(
+            x.contiguous(), fn, scale, base, EPS, EPS, EPS, 2.0, iterations
+        )
         return y, comb, post.reshape(t, n)
 
-    def post(self, y: torch.Tensor, x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
+    def post(
+        self, y: torch.Tensor, x: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor
+    ) -> torch.Tensor:
         """The next streams `[T, n, C]` (`mhc_post_torch`)."""
         return self.module().mhc_post_torch(y, x, h_post.unsqueeze(-1), h_res)
 
@@ -121,15 +146,19 @@ class VllmTritonPeer(VllmPeer):
     """vLLM's Triton mHC kernels (see the module docstring)."""
 
     name: str = "vllm[triton]"
-    description: str = ("vLLM 0.33.0 vllm.model_executor.kernels.mhc.triton hc_collapse_triton / "
-                        "hc_head_reduce_triton_kernel (interpreted without a GPU)")
+    description: str = (
+        "vLLM 0.33.0 vllm.model_executor.kernels.mhc.triton hc_collapse_triton / "
+        "hc_head_reduce_triton_kernel (interpreted without a GPU)"
+    )
     ops: frozenset[str] = frozenset({"aggregate", "block_exit"})
     claims: str | None = "megatron_dev+learned_exit"
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "coefficients": "vLLM's fused pre is TileLang (GPU only): the eager kernels are the vllm row",
-        "mix": "as coefficients (the fused post is TileLang)",
-        "block_exit": "its RMSNorm kernel rounds the normalised streams to bf16 before the fp32 projection",
-    })
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "coefficients": "vLLM's fused pre is TileLang (GPU only): the eager kernels are the vllm row",
+            "mix": "as coefficients (the fused post is TileLang)",
+            "block_exit": "its RMSNorm kernel rounds the normalised streams to bf16 before the fp32 projection",
+        }
+    )
     file: str = TRITON_FILE
 
     def unavailable(self) -> str | None:
@@ -147,8 +176,15 @@ class VllmTritonPeer(VllmPeer):
         t, _, c = x.shape
         d = device_for_triton
         out = d(torch.empty(t, c, dtype=x.dtype))
-        self.module().hc_head_reduce_triton_kernel(d(x.contiguous()), d(head_fn.float().contiguous()),
-                                                   d(head_scale.float()), d(head_base.float().contiguous()), out, EPS, EPS)
+        self.module().hc_head_reduce_triton_kernel(
+            d(x.contiguous()),
+            d(head_fn.float().contiguous()),
+            d(head_scale.float()),
+            d(head_base.float().contiguous()),
+            out,
+            EPS,
+            EPS,
+        )
         return out.to(x.device)
 
 
@@ -163,9 +199,12 @@ class VllmTileLangPeer(Peer):
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
     streams: tuple[int, ...] = (4,)
     differentiable: bool = False
-    differences: dict[str, str] = field(default_factory=lambda: {
-        "sinkhorn": "no standalone Sinkhorn op (it is inside mhc_pre): checked through coefficients",
-        "coefficients": "RMS eps inside the square root; the aggregate in bf16"})
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "sinkhorn": "no standalone Sinkhorn op (it is inside mhc_pre): checked through coefficients",
+            "coefficients": "RMS eps inside the square root; the aggregate in bf16",
+        }
+    )
 
     def version(self) -> str | None:
         return VLLM.installed_version()
@@ -183,20 +222,33 @@ class VllmTileLangPeer(Peer):
         t, n, c = x.shape
         scale = torch.cat([params.alpha_pre, params.alpha_post, params.alpha_res]).float()
         post, comb, layer_input = self._ops().mhc_pre_tilelang(
-            cuda(x), cuda(params.weight.float()), cuda(scale), cuda(params.bias.float()), EPS, EPS, EPS, 2.0,
-            iterations)
+            cuda(x),
+            cuda(params.weight.float()),
+            cuda(scale),
+            cuda(params.bias.float()),
+            EPS,
+            EPS,
+            EPS,
+            2.0,
+            iterations,
+        )
         home = x.device
-        return {"h_post": post.reshape(t, n).to(home), "h_res": comb.reshape(t, n, n).to(home),
-                "aggregate": layer_input.reshape(t, c).to(home)}
+        return {
+            "h_post": post.reshape(t, n).to(home),
+            "h_res": comb.reshape(t, n, n).to(home),
+            "aggregate": layer_input.reshape(t, c).to(home),
+        }
 
     def mix(self, h_res, residual, h_post, y):
         t, n, c = residual.shape
-        out = self._ops().mhc_post_tilelang(cuda(y), cuda(residual), cuda(h_post.float()).reshape(t, n, 1),
-                                            cuda(h_res.float()))
+        out = self._ops().mhc_post_tilelang(
+            cuda(y), cuda(residual), cuda(h_post.float()).reshape(t, n, 1), cuda(h_res.float())
+        )
         return out.reshape(t, n, c).to(residual.device)
 
     def block_exit(self, x, head_fn, head_base, head_scale):
         t, n, c = x.shape
-        out = self._ops().hc_head_fused_kernel_tilelang(cuda(x), cuda(head_fn.float()), cuda(head_scale.float()),
-                                                        cuda(head_base.float()), EPS, EPS)
+        out = self._ops().hc_head_fused_kernel_tilelang(
+            cuda(x), cuda(head_fn.float()), cuda(head_scale.float()), cuda(head_base.float()), EPS, EPS
+        )
         return out.reshape(t, c).to(x.device)

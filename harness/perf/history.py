@@ -59,8 +59,9 @@ def benchmark_list(doc: Any, *, source: str) -> list:
     return doc["benchmarks"]
 
 
-def record_from_benchmark_json(doc: Any, *, source: str, hw: str, commit: str | None = None,
-                               versions: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def record_from_benchmark_json(
+    doc: Any, *, source: str, hw: str, commit: str | None = None, versions: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Build a history record from a parsed pytest-benchmark JSON document; errors name `source`."""
     if not benchmark_list(doc, source=source):
         raise GoldenFormatError(f"{source}: 'benchmarks' is empty")
@@ -71,8 +72,10 @@ def record_from_benchmark_json(doc: Any, *, source: str, hw: str, commit: str | 
         if not isinstance(stats, dict) or not isinstance(b.get("name"), str):
             raise GoldenFormatError(f"{source}: benchmarks[{i}] lacks 'name' or 'stats'")
         if not _num(stats.get("median")) or stats["median"] <= 0:
-            raise GoldenFormatError(f"{source}: benchmarks[{i}] ({b['name']}): stats.median={stats.get('median')!r} "
-                                    "must be a finite number > 0")
+            raise GoldenFormatError(
+                f"{source}: benchmarks[{i}] ({b['name']}): stats.median={stats.get('median')!r} "
+                "must be a finite number > 0"
+            )
         where = f"{source}: benchmarks[{i}] ({b['name']})"
         extra = b.get("extra_info") or {}
         if not isinstance(extra, dict):
@@ -84,20 +87,31 @@ def record_from_benchmark_json(doc: Any, *, source: str, hw: str, commit: str | 
         if bad:
             raise GoldenFormatError(f"{where}: extra_info holds non-finite values {bad}")
         group = b.get("group")
-        benches.append({
-            "key": f"{group or 'ungrouped'}::{b['name']}", "group": group, "name": b["name"],
-            "fullname": b.get("fullname"), "params": b.get("params"), "median_s": float(stats["median"]),
-            "mean_s": stats.get("mean"), "stddev_s": stats.get("stddev"), "rounds": stats.get("rounds"),
-            "extra_info": extra,
-        })
+        benches.append(
+            {
+                "key": f"{group or 'ungrouped'}::{b['name']}",
+                "group": group,
+                "name": b["name"],
+                "fullname": b.get("fullname"),
+                "params": b.get("params"),
+                "median_s": float(stats["median"]),
+                "mean_s": stats.get("mean"),
+                "stddev_s": stats.get("stddev"),
+                "rounds": stats.get("rounds"),
+                "extra_info": extra,
+            }
+        )
     machine = doc.get("machine_info")
     settings = machine.get("mhc") if isinstance(machine, dict) else None
     return {
-        "date": doc.get("datetime") or utc_now(), "commit": commit or commit_info.get("id"),
-        "dirty": commit_info.get("dirty"), "hardware": hw,
+        "date": doc.get("datetime") or utc_now(),
+        "commit": commit or commit_info.get("id"),
+        "dirty": commit_info.get("dirty"),
+        "hardware": hw,
         "versions": dict(versions) if versions is not None else package_versions(),
         "settings": dict(settings) if isinstance(settings, dict) else {},
-        "source": Path(source).name, "benchmarks": benches,
+        "source": Path(source).name,
+        "benchmarks": benches,
     }
 
 
@@ -115,8 +129,10 @@ def append_record(history: str | Path, record: Mapping[str, Any]) -> None:
         if f.tell() > 0:
             f.seek(-1, 2)
             if f.read(1) != b"\n":  # a writer killed mid-line: appending would corrupt this record too
-                raise GoldenFormatError(f"{history}: the last line is incomplete (no newline at the end); "
-                                        "repair or remove it before appending; nothing written")
+                raise GoldenFormatError(
+                    f"{history}: the last line is incomplete (no newline at the end); "
+                    "repair or remove it before appending; nothing written"
+                )
         f.write(line.encode("utf-8"))
         f.flush()
 
@@ -133,10 +149,16 @@ def read_history(history: str | Path) -> list[dict[str, Any]]:
             raise GoldenFormatError(f"{history} line {n}: not a perf-history record")
         for i, b in enumerate(rec["benchmarks"]):
             where = f"{history} line {n}: benchmarks[{i}]"
-            if not isinstance(b, dict) or not isinstance(b.get("key"), str) or not isinstance(b.get("name"), str):
+            if (
+                not isinstance(b, dict)
+                or not isinstance(b.get("key"), str)
+                or not isinstance(b.get("name"), str)
+            ):
                 raise GoldenFormatError(f"{where}: not a benchmark (an object with 'key' and 'name' strings)")
             if not _num(b.get("median_s")) or b["median_s"] <= 0:
-                raise GoldenFormatError(f"{where} ({b['key']}): median_s={b.get('median_s')!r} must be a finite number > 0")
+                raise GoldenFormatError(
+                    f"{where} ({b['key']}): median_s={b.get('median_s')!r} must be a finite number > 0"
+                )
             if not isinstance(b.get("extra_info", {}), dict):
                 raise GoldenFormatError(f"{where} ({b['key']}): extra_info must be an object")
         out.append(rec)
@@ -161,8 +183,9 @@ class PerfVerdict:
         return None if self.baseline_s is None else self.measured_s / self.baseline_s - 1
 
 
-def check_history(records: Sequence[Mapping[str, Any]], *, window: int = 5, band_slow: float = 0.10,
-                  band_fast: float = 0.20) -> list[PerfVerdict]:
+def check_history(
+    records: Sequence[Mapping[str, Any]], *, window: int = 5, band_slow: float = 0.10, band_fast: float = 0.20
+) -> list[PerfVerdict]:
     """Verdicts for every benchmark of the newest record (see the module docstring)."""
     if window < 1:
         raise ValueError(f"window={window!r} must be >= 1")
@@ -175,7 +198,9 @@ def check_history(records: Sequence[Mapping[str, Any]], *, window: int = 5, band
         raise ValueError("the history has no records")
     newest = records[-1]
     if not newest["benchmarks"]:
-        raise ValueError(f"the newest record ({newest.get('date')}, {newest.get('hardware')}) has no benchmarks")
+        raise ValueError(
+            f"the newest record ({newest.get('date')}, {newest.get('hardware')}) has no benchmarks"
+        )
     prev = [r for r in records[:-1] if r.get("hardware") == newest.get("hardware")]
     out = []
     for b in newest["benchmarks"]:
@@ -184,10 +209,25 @@ def check_history(records: Sequence[Mapping[str, Any]], *, window: int = 5, band
         m = b["median_s"]
         status: Literal["ok", "regression", "improved", "no_baseline"] = "no_baseline"
         if base is not None:
-            status = ("regression" if m > base * (1 + band_slow)
-                      else "improved" if m < base * (1 - band_fast) else "ok")
-        out.append(PerfVerdict(key=b["key"], status=status, measured_s=m, baseline_s=base, n_baseline=len(hist),
-                               band_slow=band_slow, band_fast=band_fast, extra_info=dict(b.get("extra_info") or {})))
+            status = (
+                "regression"
+                if m > base * (1 + band_slow)
+                else "improved"
+                if m < base * (1 - band_fast)
+                else "ok"
+            )
+        out.append(
+            PerfVerdict(
+                key=b["key"],
+                status=status,
+                measured_s=m,
+                baseline_s=base,
+                n_baseline=len(hist),
+                band_slow=band_slow,
+                band_fast=band_fast,
+                extra_info=dict(b.get("extra_info") or {}),
+            )
+        )
     return out
 
 
@@ -209,8 +249,10 @@ def format_verdicts(verdicts: Sequence[PerfVerdict]) -> str:
         if v.baseline_s is None:
             body = f"measured {format_seconds(v.measured_s)}, no baseline yet (no earlier record on this hardware)"
         else:
-            body = (f"measured {format_seconds(v.measured_s)}, baseline {format_seconds(v.baseline_s)} (median of {v.n_baseline}), "
-                    f"delta {v.delta:+.1%}, {band}")
+            body = (
+                f"measured {format_seconds(v.measured_s)}, baseline {format_seconds(v.baseline_s)} (median of {v.n_baseline}), "
+                f"delta {v.delta:+.1%}, {band}"
+            )
             if v.status == "improved":
                 body += " -> faster than the band: check the change and refresh expectations"
         extra = ", ".join(f"{k}={val:.4g}" if _num(val) else f"{k}={val}" for k, val in v.extra_info.items())
@@ -218,8 +260,15 @@ def format_verdicts(verdicts: Sequence[PerfVerdict]) -> str:
     return "\n".join(lines)
 
 
-def save_trend(records: Sequence[Mapping[str, Any]], lines: Mapping[str, Sequence[tuple[int, float]]], path: Path, *,
-               ylabel: str, title: str, reference: float | None = None) -> Path:
+def save_trend(
+    records: Sequence[Mapping[str, Any]],
+    lines: Mapping[str, Sequence[tuple[int, float]]],
+    path: Path,
+    *,
+    ylabel: str,
+    title: str,
+    reference: float | None = None,
+) -> Path:
     """One trend PNG at `path`: a line per `{name: [(record index, value)]}`, the records' dates on the x
     axis, and a dashed horizontal line at `reference` when given."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -233,7 +282,9 @@ def save_trend(records: Sequence[Mapping[str, Any]], lines: Mapping[str, Sequenc
     if reference is not None:
         ax.axhline(reference, color="black", linewidth=0.8, linestyle="--")
     idx = sorted({p[0] for pts in lines.values() for p in pts})
-    ax.set_xticks(idx, [str(records[i].get("date", i))[:10] for i in idx], rotation=45, ha="right", fontsize=7)
+    ax.set_xticks(
+        idx, [str(records[i].get("date", i))[:10] for i in idx], rotation=45, ha="right", fontsize=7
+    )
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
@@ -253,6 +304,13 @@ def plot_history(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> l
             series.setdefault(key, {}).setdefault(b["name"], []).append((i, b["median_s"] * 1e3))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [save_trend(records, lines, out_dir / f"perf_{slug(hw)}_{slug(group)}.png", ylabel="median time [ms]",
-                       title=f"{group} on {hw}")
-            for (hw, group), lines in sorted(series.items())]
+    return [
+        save_trend(
+            records,
+            lines,
+            out_dir / f"perf_{slug(hw)}_{slug(group)}.png",
+            ylabel="median time [ms]",
+            title=f"{group} on {hw}",
+        )
+        for (hw, group), lines in sorted(series.items())
+    ]

@@ -61,7 +61,9 @@ def peer_ratios(record: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
     return out
 
 
-def check_peers(records: Sequence[Mapping[str, Any]], *, window: int = 5, band: float = 0.10) -> list[PeerVerdict]:
+def check_peers(
+    records: Sequence[Mapping[str, Any]], *, window: int = 5, band: float = 0.10
+) -> list[PeerVerdict]:
     """A verdict per peer benchmark of the newest record (empty when it has none)."""
     if window < 1:
         raise ValueError(f"window={window!r} must be >= 1")
@@ -76,9 +78,13 @@ def check_peers(records: Sequence[Mapping[str, Any]], *, window: int = 5, band: 
         hist = [p[key][1] for p in prev if key in p][-window:]
         base = statistics.median(hist) if hist else None
         status: Literal["ok", "fell_behind", "no_baseline"] = (
-            "no_baseline" if base is None else "fell_behind" if ratio < base * (1 - band) else "ok")
-        out.append(PeerVerdict(key=key, peer=peer, ratio=ratio, baseline=base, n_baseline=len(hist), band=band,
-                               status=status))
+            "no_baseline" if base is None else "fell_behind" if ratio < base * (1 - band) else "ok"
+        )
+        out.append(
+            PeerVerdict(
+                key=key, peer=peer, ratio=ratio, baseline=base, n_baseline=len(hist), band=band, status=status
+            )
+        )
     return out
 
 
@@ -90,8 +96,10 @@ def format_peer_verdicts(verdicts: Sequence[PeerVerdict]) -> str:
         if v.baseline is None:
             body = f"{now}; no baseline yet"
         else:
-            body = (f"{now}; baseline {v.baseline:.3g}x (median of {v.n_baseline}), "
-                    f"change {v.ratio / v.baseline - 1:+.1%}, band -{v.band:.0%}")
+            body = (
+                f"{now}; baseline {v.baseline:.3g}x (median of {v.n_baseline}), "
+                f"change {v.ratio / v.baseline - 1:+.1%}, band -{v.band:.0%}"
+            )
         tag = "FELL BEHIND" if v.status == "fell_behind" else v.status.upper()
         lines.append(f"{tag:<12} {v.key} vs {v.peer}: {body}")
     return "\n".join(lines)
@@ -102,10 +110,19 @@ def plot_peers(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> lis
     series: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for i, r in enumerate(records):
         for key, (_peer, ratio) in peer_ratios(r).items():
-            series.setdefault(str(r.get("hardware")), {}).setdefault(key.split("::", 1)[-1], []).append((i, ratio))
+            series.setdefault(str(r.get("hardware")), {}).setdefault(key.split("::", 1)[-1], []).append(
+                (i, ratio)
+            )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [save_trend(records, lines, out_dir / f"perf_{slug(hw)}_peers.png",
-                       ylabel="ours (compiled) speed-up over the peer [x]", reference=1.0,
-                       title=f"ours vs peers on {hw} (same-run ratios; below 1: the peer is faster)")
-            for hw, lines in sorted(series.items())]
+    return [
+        save_trend(
+            records,
+            lines,
+            out_dir / f"perf_{slug(hw)}_peers.png",
+            ylabel="ours (compiled) speed-up over the peer [x]",
+            reference=1.0,
+            title=f"ours vs peers on {hw} (same-run ratios; below 1: the peer is faster)",
+        )
+        for hw, lines in sorted(series.items())
+    ]

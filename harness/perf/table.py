@@ -24,9 +24,11 @@ def rows(path: str | Path | list[str | Path]) -> list[str]:
     its time overhead over the plain layer
     (in brackets: on a GPU the overhead in GPU busy time, and the bandwidth floor of the overhead)
     and saved-activation ratio."""
-    out = ["| op | dir | backend | shape | median | GB/s | copy GB/s | roofline | vs reference | pipelined | "
-           "roofline (pipelined) | GPU busy | roofline (busy) | layer overhead | layer saved act |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| op | dir | backend | shape | median | GB/s | copy GB/s | roofline | vs reference | pipelined | "
+        "roofline (pipelined) | GPU busy | roofline (busy) | layer overhead | layer saved act |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for b in sorted(_benchmarks(path), key=lambda b: (b["extra_info"].get("op", ""), b["name"])):
         e = b["extra_info"]
         if "peer" in e:
@@ -38,10 +40,16 @@ def rows(path: str | Path | list[str | Path]) -> list[str]:
         def f(key, scale=1.0, fmt="{:.2f}", e=e):
             return fmt.format(e[key] * scale) if key in e else "-"
 
-        busy_roofline = (f"{e['bytes_per_s_busy'] / e['copy_bytes_per_s'] * 100:.0f} %"
-                         if "bytes_per_s_busy" in e and e.get("copy_bytes_per_s") else "-")
-        notes = [f"{name} {f(key, 100, '{:+.0f} %')}" for name, key in
-                 (("GPU busy", "device_overhead_ratio"), ("floor", "floor_overhead_ratio")) if key in e]
+        busy_roofline = (
+            f"{e['bytes_per_s_busy'] / e['copy_bytes_per_s'] * 100:.0f} %"
+            if "bytes_per_s_busy" in e and e.get("copy_bytes_per_s")
+            else "-"
+        )
+        notes = [
+            f"{name} {f(key, 100, '{:+.0f} %')}"
+            for name, key in (("GPU busy", "device_overhead_ratio"), ("floor", "floor_overhead_ratio"))
+            if key in e
+        ]
         floor = f" ({', '.join(notes)})" if notes else ""
 
         out.append(
@@ -70,15 +78,19 @@ def peer_rows(path: str | Path | list[str | Path]) -> list[str]:
         key = (e["op"], e["direction"], e["shape"])
         if key not in fastest or e["speedup_vs_peer"] < fastest[key]["speedup_vs_peer"]:
             fastest[key] = e
-    out = ["| op | dir | shape | peer | peer time | peer roofline | ours (compiled) | ours roofline | ours vs peer | "
-           "fastest peer | ours vs fastest |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| op | dir | shape | peer | peer time | peer roofline | ours (compiled) | ours roofline | ours vs peer | "
+        "fastest peer | ours vs fastest |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for e in sorted(peers, key=lambda e: (e["op"], e["direction"], e["shape"], e["median_s"])):
         best = fastest[(e["op"], e["direction"], e["shape"])]
         shape = e["shape"].removeprefix(f"{e['op']}-")
         out.append(
             f"| {e['op']} | {e['direction']} | {shape} | {e['peer']} | {e['median_s'] * 1e3:.3f} ms | "
             f"{e['roofline_ratio'] * 100:.0f} % | {e['ours_compiled_s'] * 1e3:.3f} ms | {e['ours_roofline_ratio'] * 100:.0f} % | "
-            f"{e['speedup_vs_peer']:.2f}x | {best['peer']} | {best['speedup_vs_peer']:.2f}x |")
+            f"{e['speedup_vs_peer']:.2f}x | {best['peer']} | {best['speedup_vs_peer']:.2f}x |"
+        )
     return out
 
 

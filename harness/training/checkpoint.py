@@ -41,7 +41,8 @@ def _rng_state() -> Any:
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     return ShardedObject(
-        "rng_state", [state],
+        "rng_state",
+        [state],
         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
         replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
@@ -66,11 +67,16 @@ def _metadata() -> dict[str, Any]:
     without a prefix, and the data-parallel (with context-parallel) group."""
     from megatron.core import parallel_state as ps
 
-    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-            "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    return {
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
+    }
 
 
-def _state(chunks: list[Any], optimizer: Any, scheduler: Any, iteration: int, *, is_loading: bool) -> dict[str, Any]:
+def _state(
+    chunks: list[Any], optimizer: Any, scheduler: Any, iteration: int, *, is_loading: bool
+) -> dict[str, Any]:
     model_sd: dict[str, Any] = {}
     state: dict[str, Any] = {}
     metadata = _metadata()
@@ -92,12 +98,21 @@ def _strategy(fully_parallel: bool) -> Any:
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
-                                            ps.get_data_parallel_group(with_context_parallel=True))
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy("torch_dist"),
+        ps.get_data_parallel_group(with_context_parallel=True),
+    )
 
 
-def save_checkpoint(root: Path, iteration: int, chunks: list[Any], optimizer: Any, scheduler: Any, *,
-                    fully_parallel: bool = False) -> Path:
+def save_checkpoint(
+    root: Path,
+    iteration: int,
+    chunks: list[Any],
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    fully_parallel: bool = False,
+) -> Path:
     """Save the training state after `iteration` into `<root>/iter_<iteration>` and point the tracker at it."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -106,8 +121,11 @@ def save_checkpoint(root: Path, iteration: int, chunks: list[Any], optimizer: An
     if dist.get_rank() == 0:
         target.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_state(chunks, optimizer, scheduler, iteration, is_loading=False), str(target),
-                            sharded_strategy=_strategy(fully_parallel))
+    dist_checkpointing.save(
+        _state(chunks, optimizer, scheduler, iteration, is_loading=False),
+        str(target),
+        sharded_strategy=_strategy(fully_parallel),
+    )
     dist.barrier()
     if dist.get_rank() == 0:
         (Path(root) / TRACKER).write_text(f"{iteration}\n", encoding="utf-8")
@@ -131,7 +149,9 @@ def load_checkpoint(root: Path, chunks: list[Any], optimizer: Any, scheduler: An
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     _set_rng_state(loaded["rng_state"])
     if loaded["iteration"] != iteration:
-        raise ValueError(f"{iteration_dir(root, iteration)} holds iteration {loaded['iteration']}, tracker says {iteration}")
+        raise ValueError(
+            f"{iteration_dir(root, iteration)} holds iteration {loaded['iteration']}, tracker says {iteration}"
+        )
     return iteration
 
 

@@ -109,11 +109,15 @@ def ensure_indexed_dataset(prefix: str | Path) -> Path:
     """Build `<dir>/<name>_text_document.{bin,idx}` from `DATA_DIR/<name>.txt` unless present."""
     prefix = Path(prefix)
     if not prefix.name.endswith(TEXT_SUFFIX):
-        raise ValueError(f"--data-path {prefix}: expected <dir>/<name>{TEXT_SUFFIX} with <name>.txt in {DATA_DIR}")
+        raise ValueError(
+            f"--data-path {prefix}: expected <dir>/<name>{TEXT_SUFFIX} with <name>.txt in {DATA_DIR}"
+        )
     text = DATA_DIR / (prefix.name[: -len(TEXT_SUFFIX)] + ".txt")
     if not text.is_file():
         known = ", ".join(p.stem for p in sorted(DATA_DIR.glob("*.txt")))
-        raise ValueError(f"--data-path {prefix}: no shipped text {text.name} in {DATA_DIR} (shipped: {known})")
+        raise ValueError(
+            f"--data-path {prefix}: no shipped text {text.name} in {DATA_DIR} (shipped: {known})"
+        )
     if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
         build_indexed_dataset(text, prefix)
     return prefix
@@ -143,15 +147,20 @@ def build_train_dataset(args: TrainArgs, *, num_samples: int, cache_dir: Path) -
         mid_level_dataset_surplus=0.005,
     )
     cls = MockGPTDataset if args.mock_data else GPTDataset
-    train, _valid, _test = BlendedMegatronDatasetBuilder(cls, [num_samples, None, None], lambda: True, config).build()
+    train, _valid, _test = BlendedMegatronDatasetBuilder(
+        cls, [num_samples, None, None], lambda: True, config
+    ).build()
     if train is None or len(train) < num_samples:
-        raise ValueError(f"dataset {args.data_path or 'mock'}: {0 if train is None else len(train)} training "
-                         f"samples, {num_samples} needed")
+        raise ValueError(
+            f"dataset {args.data_path or 'mock'}: {0 if train is None else len(train)} training "
+            f"samples, {num_samples} needed"
+        )
     return train
 
 
-def microbatches(dataset: Any, *, step: int, args: TrainArgs, dp_rank: int, dp_size: int,
-                 num_microbatches: int) -> Iterator[dict[str, torch.Tensor]]:
+def microbatches(
+    dataset: Any, *, step: int, args: TrainArgs, dp_rank: int, dp_size: int, num_microbatches: int
+) -> Iterator[dict[str, torch.Tensor]]:
     """The microbatches of `step` (1-based) for data-parallel rank `dp_rank`.
 
     Sample order of `MegatronPretrainingSampler`: step s consumes samples

@@ -46,8 +46,10 @@ MEM_MAX_RSS = "mem-max-rss-bytes"
 def memory_metrics() -> dict[str, float]:
     """GPU: allocated / max allocated bytes of this device; CPU: peak RSS bytes of this process."""
     if torch.cuda.is_available():
-        return {MEM_ALLOCATED: float(torch.cuda.memory_allocated()),
-                MEM_MAX_ALLOCATED: float(torch.cuda.max_memory_allocated())}
+        return {
+            MEM_ALLOCATED: float(torch.cuda.memory_allocated()),
+            MEM_MAX_ALLOCATED: float(torch.cuda.max_memory_allocated()),
+        }
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {MEM_MAX_RSS: float(kib if sys.platform == "darwin" else kib * 1024)}
 
@@ -82,16 +84,20 @@ class StepRecord:
 
 def progress_line(rec: StepRecord, total: int) -> str:
     """Megatron's log line: ` iteration 3/24 | elapsed time per iteration (ms): 41.2 | lm loss: ...`."""
-    parts = [f" iteration {rec.step:>8d}/{total:>8d}",
-             f"elapsed time per iteration (ms): {rec.seconds * 1e3:.1f}",
-             f"learning rate: {rec.learning_rate:.6E}",
-             f"lm loss: {rec.loss:.6E}"]
+    parts = [
+        f" iteration {rec.step:>8d}/{total:>8d}",
+        f"elapsed time per iteration (ms): {rec.seconds * 1e3:.1f}",
+        f"learning rate: {rec.learning_rate:.6E}",
+        f"lm loss: {rec.loss:.6E}",
+    ]
     if rec.grad_norm is not None:
         parts.append(f"grad norm: {rec.grad_norm:.3f}")
     if rec.num_zeros is not None:
         parts.append(f"num zeros: {rec.num_zeros:.0f}")
     if rec.stability:
-        parts.append(f"mhc amax gain: {rec.stability['mhc-amax-gain-fwd']:.4f}/{rec.stability['mhc-amax-gain-bwd']:.4f}")
+        parts.append(
+            f"mhc amax gain: {rec.stability['mhc-amax-gain-fwd']:.4f}/{rec.stability['mhc-amax-gain-bwd']:.4f}"
+        )
     return " | ".join(parts) + " |"
 
 
@@ -102,8 +108,12 @@ def to_golden_schema(records: Sequence[StepRecord]) -> dict[str, dict]:
         for name, value in rec.metrics().items():
             series.setdefault(name, {})[rec.step] = float(value)
     return {
-        name: {"start_step": min(v), "end_step": max(v), "step_interval": 1,
-               "values": {str(s): v[s] for s in sorted(v)}}
+        name: {
+            "start_step": min(v),
+            "end_step": max(v),
+            "step_interval": 1,
+            "values": {str(s): v[s] for s in sorted(v)},
+        }
         for name, v in series.items()
     }
 
@@ -129,7 +139,9 @@ def step_time_ratio(mhc: Mapping[int, float], baseline: Mapping[int, float], *, 
     least disturbed by other processes on a shared machine, where the two runs start seconds apart."""
     steps = sorted(set(mhc) & set(baseline))[skip:]
     if not steps:
-        raise ValueError(f"no common iteration-time steps after skipping {skip} (mHC {len(mhc)}, baseline {len(baseline)})")
+        raise ValueError(
+            f"no common iteration-time steps after skipping {skip} (mHC {len(mhc)}, baseline {len(baseline)})"
+        )
     num = min(mhc[s] for s in steps)
     den = min(baseline[s] for s in steps)
     if not (math.isfinite(num) and math.isfinite(den)) or den <= 0:

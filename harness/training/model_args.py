@@ -164,8 +164,12 @@ class _Flag:
     """Inclusive lower bound for numbers."""
 
 
-def _f(kind: type, *, choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
-       minimum: float | None = None) -> _Flag:
+def _f(
+    kind: type,
+    *,
+    choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
+    minimum: float | None = None,
+) -> _Flag:
     return _Flag(kind=kind, choices=choices, minimum=minimum)
 
 
@@ -274,7 +278,8 @@ def _field(flag: str) -> str:
 _FIELDS = {f.name for f in dataclasses.fields(TrainArgs)} - {"upstream"}
 assert {_field(f) for f in FLAGS} == _FIELDS, sorted(_FIELDS ^ {_field(f) for f in FLAGS})
 _REQUIRED = sorted(
-    flag_of(f.name) for f in dataclasses.fields(TrainArgs)
+    flag_of(f.name)
+    for f in dataclasses.fields(TrainArgs)
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 )
 
@@ -315,7 +320,9 @@ def _convert(flag: str, value: Any, spec: _Flag, source: str) -> Any:
 def parse_model_args(raw: Mapping[str, Any], *, source: str) -> TrainArgs:
     """Validate a `MODEL_ARGS` mapping into `TrainArgs`; `ValueError` naming flag, value and `source`."""
     if not isinstance(raw, Mapping):
-        raise ValueError(f"{source}: MODEL_ARGS must be a mapping of --flags to values, got {type(raw).__name__}")
+        raise ValueError(
+            f"{source}: MODEL_ARGS must be a mapping of --flags to values, got {type(raw).__name__}"
+        )
     from harness.training.upstream_flags import ALIASES, UPSTREAM_FLAGS
 
     kwargs: dict[str, Any] = {}
@@ -327,8 +334,10 @@ def parse_model_args(raw: Mapping[str, Any], *, source: str) -> TrainArgs:
         name = ALIASES.get(flag, flag)
         if name not in FLAGS:
             hint = "" if str(flag).startswith("--") else " (flags start with --)"
-            raise ValueError(f"{source}: MODEL_ARGS: unknown flag {flag!r}{hint}; valid: {', '.join(sorted(FLAGS))} "
-                             f"(and upstream's, recorded but not implemented: {', '.join(sorted(UPSTREAM_FLAGS))})")
+            raise ValueError(
+                f"{source}: MODEL_ARGS: unknown flag {flag!r}{hint}; valid: {', '.join(sorted(FLAGS))} "
+                f"(and upstream's, recorded but not implemented: {', '.join(sorted(UPSTREAM_FLAGS))})"
+            )
         if _field(name) in kwargs:
             raise _bad(source, flag, value, f"sets {name} a second time (upstream dev's name of it)")
         kwargs[_field(name)] = _convert(flag, value, FLAGS[name], source)
@@ -349,18 +358,33 @@ def _cross_check(a: TrainArgs, source: str) -> None:
         return _bad(source, flag, value, rule)
 
     if a.hidden_size % a.num_attention_heads:
-        raise bad("--hidden-size", a.hidden_size, f"must be divisible by --num-attention-heads={a.num_attention_heads}")
+        raise bad(
+            "--hidden-size",
+            a.hidden_size,
+            f"must be divisible by --num-attention-heads={a.num_attention_heads}",
+        )
     if a.num_attention_heads % a.tensor_model_parallel_size:
-        raise bad("--num-attention-heads", a.num_attention_heads,
-                  f"must be divisible by --tensor-model-parallel-size={a.tensor_model_parallel_size}")
+        raise bad(
+            "--num-attention-heads",
+            a.num_attention_heads,
+            f"must be divisible by --tensor-model-parallel-size={a.tensor_model_parallel_size}",
+        )
     if a.num_layers % a.pipeline_model_parallel_size:
-        raise bad("--num-layers", a.num_layers,
-                  f"must be divisible by --pipeline-model-parallel-size={a.pipeline_model_parallel_size}")
+        raise bad(
+            "--num-layers",
+            a.num_layers,
+            f"must be divisible by --pipeline-model-parallel-size={a.pipeline_model_parallel_size}",
+        )
     if a.max_position_embeddings is not None and a.max_position_embeddings < a.seq_length:
-        raise bad("--max-position-embeddings", a.max_position_embeddings, f"must be >= --seq-length={a.seq_length}")
+        raise bad(
+            "--max-position-embeddings", a.max_position_embeddings, f"must be >= --seq-length={a.seq_length}"
+        )
     if a.global_batch_size % a.micro_batch_size:
-        raise bad("--global-batch-size", a.global_batch_size,
-                  f"must be a multiple of --micro-batch-size={a.micro_batch_size}")
+        raise bad(
+            "--global-batch-size",
+            a.global_batch_size,
+            f"must be a multiple of --micro-batch-size={a.micro_batch_size}",
+        )
     if a.min_lr > a.lr:
         raise bad("--min-lr", a.min_lr, f"must be <= --lr={a.lr}")
     if a.mock_data == (a.data_path is not None):
@@ -376,22 +400,34 @@ def _cross_check(a: TrainArgs, source: str) -> None:
     if a.num_experts is None and a.expert_model_parallel_size > 1:
         raise bad("--expert-model-parallel-size", a.expert_model_parallel_size, "needs --num-experts")
     if a.num_experts is not None and a.num_experts % a.expert_model_parallel_size:
-        raise bad("--num-experts", a.num_experts,
-                  f"must be divisible by --expert-model-parallel-size={a.expert_model_parallel_size}")
+        raise bad(
+            "--num-experts",
+            a.num_experts,
+            f"must be divisible by --expert-model-parallel-size={a.expert_model_parallel_size}",
+        )
     if a.num_experts is not None and a.moe_router_topk > a.num_experts:
         raise bad("--moe-router-topk", a.moe_router_topk, f"must be <= --num-experts={a.num_experts}")
     if a.hybrid_layer_pattern is not None:
         main, *depths = a.hybrid_layer_pattern.split("/")  # dev's unified form: <main>/<mtp>/<mtp>...
         if len(depths) != (a.mtp_num_layers or 0):
-            raise bad("--hybrid-layer-pattern", a.hybrid_layer_pattern,
-                      f"has {len(depths)} MTP depth(s) after '/'; --mtp-num-layers={a.mtp_num_layers}")
+            raise bad(
+                "--hybrid-layer-pattern",
+                a.hybrid_layer_pattern,
+                f"has {len(depths)} MTP depth(s) after '/'; --mtp-num-layers={a.mtp_num_layers}",
+            )
         stages = main.split("|")
         if sum(map(len, stages)) != a.num_layers:
-            raise bad("--hybrid-layer-pattern", a.hybrid_layer_pattern,
-                      f"holds {sum(map(len, stages))} layers; --num-layers={a.num_layers}")
+            raise bad(
+                "--hybrid-layer-pattern",
+                a.hybrid_layer_pattern,
+                f"holds {sum(map(len, stages))} layers; --num-layers={a.num_layers}",
+            )
         if len(stages) != a.pipeline_model_parallel_size:
-            raise bad("--hybrid-layer-pattern", a.hybrid_layer_pattern,
-                      f"has {len(stages)} stages; --pipeline-model-parallel-size={a.pipeline_model_parallel_size}")
+            raise bad(
+                "--hybrid-layer-pattern",
+                a.hybrid_layer_pattern,
+                f"has {len(stages)} stages; --pipeline-model-parallel-size={a.pipeline_model_parallel_size}",
+            )
     if a.recompute_modules is not None and a.recompute_granularity is None:
         raise bad("--recompute-modules", list(a.recompute_modules), "needs --recompute-granularity selective")
 

@@ -34,7 +34,7 @@ def canonical_name(name: str) -> str:
         return name.replace(old, new, 1)
     old, new = _HYBRID_FINAL_NORM
     if name.startswith(old):
-        return new + name[len(old):]
+        return new + name[len(old) :]
     return name
 
 
@@ -45,19 +45,23 @@ def full_names(chunk: Any) -> dict[str, str]:
     layer_index = {}
     for i, layer in enumerate(chunk.decoder.layers):
         inner = getattr(layer, "inner_layer", None)  # a hybrid layer wraps its TransformerLayer
-        mlp, where = (inner.mlp, "inner_layer.mlp") if inner is not None else (getattr(layer, "mlp", None), "mlp")
-        experts = {f"{where}.experts.local_experts.{j}.": f"{where}.experts.local_experts.{g}."
-                   for j, g in enumerate(getattr(mlp, "local_expert_indices", ()))}
+        mlp, where = (
+            (inner.mlp, "inner_layer.mlp") if inner is not None else (getattr(layer, "mlp", None), "mlp")
+        )
+        experts = {
+            f"{where}.experts.local_experts.{j}.": f"{where}.experts.local_experts.{g}."
+            for j, g in enumerate(getattr(mlp, "local_expert_indices", ()))
+        }
         layer_index[f"decoder.layers.{i}."] = (f"decoder.layers.{layer.layer_number - 1}.", experts)
     mapping = {}
     for local, _ in chunk.named_parameters():
         full = local
         for prefix, (global_prefix, experts) in layer_index.items():
             if local.startswith(prefix):
-                rest = local[len(prefix):]
+                rest = local[len(prefix) :]
                 for local_expert, global_expert in experts.items():
                     if rest.startswith(local_expert):
-                        rest = global_expert + rest[len(local_expert):]
+                        rest = global_expert + rest[len(local_expert) :]
                         break
                 full = global_prefix + rest
                 break
@@ -76,23 +80,30 @@ def shard(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -
     return full
 
 
-def load_full_state(chunks: Sequence[Any], full: dict[str, torch.Tensor], *, source: str | Path, tp_rank: int,
-                    tp_size: int) -> None:
+def load_full_state(
+    chunks: Sequence[Any], full: dict[str, torch.Tensor], *, source: str | Path, tp_rank: int, tp_size: int
+) -> None:
     """Copy each parameter's slice of `full` into `chunks`; `ValueError` naming `source` when a parameter is
     missing from it or its slice has another shape."""
     names = [full_names(c) for c in chunks]
-    missing = sorted({nm[local] for c, nm in zip(chunks, names, strict=True) for local, _ in c.named_parameters()}
-                     - set(full))
+    missing = sorted(
+        {nm[local] for c, nm in zip(chunks, names, strict=True) for local, _ in c.named_parameters()}
+        - set(full)
+    )
     if missing:
-        raise ValueError(f"{source}: {len(missing)} parameters of this model are not in it, e.g. {missing[:3]}; "
-                         f"it holds {len(full)} entries, e.g. {sorted(full)[:3]}")
+        raise ValueError(
+            f"{source}: {len(missing)} parameters of this model are not in it, e.g. {missing[:3]}; "
+            f"it holds {len(full)} entries, e.g. {sorted(full)[:3]}"
+        )
     with torch.no_grad():
         for chunk, nm in zip(chunks, names, strict=True):
             for local, p in chunk.named_parameters():
                 value = shard(full[nm[local]], p, tp_rank, tp_size)
                 if value.shape != p.shape:
-                    raise ValueError(f"{source}: {nm[local]} has shape {list(full[nm[local]].shape)}; its TP "
-                                     f"slice {tp_rank}/{tp_size} {list(value.shape)} does not fit {list(p.shape)}")
+                    raise ValueError(
+                        f"{source}: {nm[local]} has shape {list(full[nm[local]].shape)}; its TP "
+                        f"slice {tp_rank}/{tp_size} {list(value.shape)} does not fit {list(p.shape)}"
+                    )
                 p.copy_(value)
 
 
@@ -105,8 +116,11 @@ def gather_full_state(chunks: Sequence[Any], *, tp_rank: int, tp_size: int) -> d
     for chunk in chunks:
         nm = full_names(chunk)
         for local, p in chunk.named_parameters():
-            mine[nm[local]] = (tp_rank, p.partition_dim if _split(p, tp_size) else None,
-                               p.detach().float().clone())
+            mine[nm[local]] = (
+                tp_rank,
+                p.partition_dim if _split(p, tp_size) else None,
+                p.detach().float().clone(),
+            )
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
@@ -118,5 +132,5 @@ def gather_full_state(chunks: Sequence[Any], *, tp_rank: int, tp_size: int) -> d
     out = {}
     for name, by_tp in sorted(pieces.items()):
         dim = by_tp[min(by_tp)][0]
-        out[name] = (by_tp[0][1] if dim is None else torch.cat([by_tp[t][1] for t in sorted(by_tp)], dim=dim))
+        out[name] = by_tp[0][1] if dim is None else torch.cat([by_tp[t][1] for t in sorted(by_tp)], dim=dim)
     return out

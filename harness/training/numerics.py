@@ -36,10 +36,18 @@ class CpuNumerics(enum.StrEnum):
 
 
 _PINS: dict[CpuNumerics, dict[str, str]] = {
-    CpuNumerics.AVX2: {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
-                       "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    CpuNumerics.BASELINE: {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
-                           "DNNL_MAX_CPU_ISA": "SSE41", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    CpuNumerics.AVX2: {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_CBWR": "AVX2",
+        "DNNL_MAX_CPU_ISA": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+    CpuNumerics.BASELINE: {
+        "ATEN_CPU_CAPABILITY": "default",
+        "MKL_CBWR": "COMPATIBLE",
+        "DNNL_MAX_CPU_ISA": "SSE41",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+    },
     CpuNumerics.NATIVE: {},
 }
 
@@ -50,11 +58,15 @@ def cpu_numerics(env: Mapping[str, str] | None = None) -> CpuNumerics:
     try:
         return CpuNumerics(raw)
     except ValueError:
-        raise ValueError(f"{CPU_NUMERICS_ENV_VAR}={raw!r} is not a CPU numerics profile; "
-                         f"valid: {', '.join(p.value for p in CpuNumerics)}") from None
+        raise ValueError(
+            f"{CPU_NUMERICS_ENV_VAR}={raw!r} is not a CPU numerics profile; "
+            f"valid: {', '.join(p.value for p in CpuNumerics)}"
+        ) from None
 
 
-def cpu_isa_pins(backend: str, machine: str | None = None, profile: CpuNumerics | None = None) -> dict[str, str]:
+def cpu_isa_pins(
+    backend: str, machine: str | None = None, profile: CpuNumerics | None = None
+) -> dict[str, str]:
     """The pins of `profile` (default: `cpu_numerics`) for a CPU run (gloo) on x86-64, else none
     (GPU runs, other architectures)."""
     machine = platform.machine() if machine is None else machine

@@ -88,8 +88,11 @@ class MetricSpec:
         elif self.rtol is not None or self.atol:
             out.append(ApproximateCheck(rtol=self.rtol or 0.0, atol=self.atol, max_misses=self.max_misses))
         if self.timing_slow is not None:
-            out.append(TimingCheck(rel_band_slow=self.timing_slow, rel_band_fast=self.timing_fast,
-                                   window=self.timing_window))
+            out.append(
+                TimingCheck(
+                    rel_band_slow=self.timing_slow, rel_band_fast=self.timing_fast, window=self.timing_window
+                )
+            )
         return tuple(out)
 
 
@@ -140,7 +143,9 @@ class Recipe:
     def hardware_spec(self, hw: str) -> HardwareSpec:
         """The HARDWARE entry of `hw`; `ValueError` naming the file and the keys it has."""
         if hw not in self.hardware:
-            raise ValueError(f"{self.path}: HARDWARE has no entry for {hw!r} (has: {', '.join(self.hardware)})")
+            raise ValueError(
+                f"{self.path}: HARDWARE has no entry for {hw!r} (has: {', '.join(self.hardware)})"
+            )
         return self.hardware[hw]
 
 
@@ -197,7 +202,9 @@ def _int(path: Path, key: str, value: Any, *, minimum: int = 1) -> int:
 def _unknown(path: Path, where: str, keys: Any, valid: tuple[str, ...]) -> None:
     extra = [k for k in keys if k not in valid]
     if extra:
-        raise ValueError(f"{path}: {where}: unknown key(s) {', '.join(map(repr, extra))}; valid: {', '.join(valid)}")
+        raise ValueError(
+            f"{path}: {where}: unknown key(s) {', '.join(map(repr, extra))}; valid: {', '.join(valid)}"
+        )
 
 
 def _metric(path: Path, name: Any, raw: Any) -> MetricSpec:
@@ -218,10 +225,16 @@ def _metric(path: Path, name: Any, raw: Any) -> MetricSpec:
         kw["max_misses"] = _int(path, f"{where}.max_misses", raw["max_misses"], minimum=0)
     if "band" in raw:
         if raw["band"] != "default":
-            raise _err(path, f"{where}.band", raw["band"], "the only named band is 'default' (harness.golden.bands)")
+            raise _err(
+                path, f"{where}.band", raw["band"], "the only named band is 'default' (harness.golden.bands)"
+            )
         if name not in DEFAULT_BANDS:
-            raise _err(path, f"{where}.band", raw["band"],
-                       f"no default band for {name!r} (defaults: {', '.join(DEFAULT_BANDS)}); give rtol / atol")
+            raise _err(
+                path,
+                f"{where}.band",
+                raw["band"],
+                f"no default band for {name!r} (defaults: {', '.join(DEFAULT_BANDS)}); give rtol / atol",
+            )
         clash = [k for k in ("rtol", "atol", "max_misses") if k in raw]
         if clash:
             raise _err(path, where, dict(raw), f"band: default and {', '.join(clash)} are exclusive")
@@ -238,8 +251,15 @@ def _metric(path: Path, name: Any, raw: Any) -> MetricSpec:
             raise _err(path, f"{where}.timing.fast", t["fast"], "must be < 1")
         if "window" in t:
             w = t["window"]
-            if not (isinstance(w, list) and len(w) == 2 and all(isinstance(s, int) and s >= 1 for s in w) and w[0] <= w[1]):
-                raise _err(path, f"{where}.timing.window", w, "must be [first_step, last_step], 1 <= first <= last")
+            if not (
+                isinstance(w, list)
+                and len(w) == 2
+                and all(isinstance(s, int) and s >= 1 for s in w)
+                and w[0] <= w[1]
+            ):
+                raise _err(
+                    path, f"{where}.timing.window", w, "must be [first_step, last_step], 1 <= first <= last"
+                )
             kw["timing_window"] = (w[0], w[1])
     spec = MetricSpec(**kw)
     if not spec.checks(deterministic=True):
@@ -276,7 +296,12 @@ def _hardware(path: Path, key: Any, raw: Any, metrics: tuple[MetricSpec, ...]) -
         names = raw["check"]
         known = {m.name for m in metrics}
         if not isinstance(names, list) or not names or any(n not in known for n in names):
-            raise _err(path, f"{where}.check", names, f"must be a non-empty list of METRICS names ({', '.join(sorted(known))})")
+            raise _err(
+                path,
+                f"{where}.check",
+                names,
+                f"must be a non-empty list of METRICS names ({', '.join(sorted(known))})",
+            )
         kw["check"] = tuple(names)
     return HardwareSpec(**kw)
 
@@ -305,19 +330,30 @@ def load_recipe(path: str | Path) -> Recipe:
     if doc["TEST_TYPE"] not in TEST_TYPES:
         raise _err(path, "TEST_TYPE", doc["TEST_TYPE"], f"valid: {', '.join(TEST_TYPES)}")
     if doc["TEST_TYPE"] == "ckpt-resume" and "--save-interval" not in model_args:
-        raise _err(path, "TEST_TYPE", "ckpt-resume", "needs MODEL_ARGS --save-interval (the step to resume from)")
+        raise _err(
+            path, "TEST_TYPE", "ckpt-resume", "needs MODEL_ARGS --save-interval (the step to resume from)"
+        )
     metrics = tuple(_metric(path, k, v) for k, v in _mapping(path, "METRICS", doc["METRICS"]).items())
     if not metrics:
         raise _err(path, "METRICS", {}, "must name at least one metric")
-    hardware = {k: _hardware(path, k, v, metrics) for k, v in _mapping(path, "HARDWARE", doc["HARDWARE"]).items()}
+    hardware = {
+        k: _hardware(path, k, v, metrics) for k, v in _mapping(path, "HARDWARE", doc["HARDWARE"]).items()
+    }
     if not hardware:
         raise _err(path, "HARDWARE", {}, "must name at least one hardware key")
     description = doc.get("DESCRIPTION", "")
     if not isinstance(description, str):
         raise _err(path, "DESCRIPTION", description, "must be a string")
-    return Recipe(name=path.stem, path=path, description=description.strip(),
-                  env_vars={k: str(v) for k, v in env.items()}, model_args=dict(model_args),
-                  test_type=doc["TEST_TYPE"], metrics=metrics, hardware=hardware)
+    return Recipe(
+        name=path.stem,
+        path=path,
+        description=description.strip(),
+        env_vars={k: str(v) for k, v in env.items()},
+        model_args=dict(model_args),
+        test_type=doc["TEST_TYPE"],
+        metrics=metrics,
+        hardware=hardware,
+    )
 
 
 def recipe_names(directory: Path = RECIPE_DIR) -> list[str]:
@@ -325,23 +361,34 @@ def recipe_names(directory: Path = RECIPE_DIR) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml"))
 
 
-def _expand(raw: Mapping[str, Any], variables: Mapping[str, str], path: Path, *, check_only: bool = False
-            ) -> dict[str, Any]:
+def _expand(
+    raw: Mapping[str, Any], variables: Mapping[str, str], path: Path, *, check_only: bool = False
+) -> dict[str, Any]:
     out = {}
     for flag, value in raw.items():
         if isinstance(value, str):
             for name in _VAR.findall(value):
                 if not check_only and name not in variables:
-                    raise _err(path, f"MODEL_ARGS.{flag}", value, f"unknown variable ${{{name}}}; "
-                               f"known: {', '.join(sorted(variables)) or 'none'}")
+                    raise _err(
+                        path,
+                        f"MODEL_ARGS.{flag}",
+                        value,
+                        f"unknown variable ${{{name}}}; known: {', '.join(sorted(variables)) or 'none'}",
+                    )
             if not check_only:
                 value = _VAR.sub(lambda m: variables[m.group(1)], value)
         out[flag] = value
     return out
 
 
-def resolve(recipe: Recipe, hw: str, *, variables: Mapping[str, str] | None = None,
-            overrides: Mapping[str, Any] | None = None, numerics: CpuNumerics | None = None) -> RunPlan:
+def resolve(
+    recipe: Recipe,
+    hw: str,
+    *,
+    variables: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    numerics: CpuNumerics | None = None,
+) -> RunPlan:
     """The run plan of `recipe` on hardware `hw`.
 
     `variables` fill `${NAME}` in MODEL_ARGS values; `overrides` replace MODEL_ARGS entries
@@ -363,33 +410,63 @@ def resolve(recipe: Recipe, hw: str, *, variables: Mapping[str, str] | None = No
     world = spec.nproc * spec.nnodes
     ranks = f"nproc {spec.nproc}" + (f" x nnodes {spec.nnodes}" if spec.nnodes > 1 else "")
     if world % args.model_parallel_size:
-        raise _err(recipe.path, f"HARDWARE.{hw}.nproc", spec.nproc,
-                   f"{ranks} = {world} ranks must be a multiple of TP*PP = {args.model_parallel_size}")
+        raise _err(
+            recipe.path,
+            f"HARDWARE.{hw}.nproc",
+            spec.nproc,
+            f"{ranks} = {world} ranks must be a multiple of TP*PP = {args.model_parallel_size}",
+        )
     dp = world // args.model_parallel_size
     if (dp * args.tensor_model_parallel_size) % args.expert_model_parallel_size:
-        raise _err(recipe.path, "MODEL_ARGS.--expert-model-parallel-size", args.expert_model_parallel_size,
-                   f"must divide DP * TP = {dp} * {args.tensor_model_parallel_size} ({ranks} on {hw})")
+        raise _err(
+            recipe.path,
+            "MODEL_ARGS.--expert-model-parallel-size",
+            args.expert_model_parallel_size,
+            f"must divide DP * TP = {dp} * {args.tensor_model_parallel_size} ({ranks} on {hw})",
+        )
     if args.global_batch_size % (args.micro_batch_size * dp):
-        raise _err(recipe.path, "MODEL_ARGS.--global-batch-size", args.global_batch_size,
-                   f"must be a multiple of --micro-batch-size * DP = {args.micro_batch_size} * {dp} "
-                   f"(DP = {ranks} / TP*PP {args.model_parallel_size} on {hw})")
+        raise _err(
+            recipe.path,
+            "MODEL_ARGS.--global-batch-size",
+            args.global_batch_size,
+            f"must be a multiple of --micro-batch-size * DP = {args.micro_batch_size} * {dp} "
+            f"(DP = {ranks} / TP*PP {args.model_parallel_size} on {hw})",
+        )
     if spec.backend == "gloo" and args.sequence_parallel:
-        raise _err(recipe.path, "MODEL_ARGS.--sequence-parallel", True,
-                   f"not possible on {hw} (gloo, no Transformer Engine / apex)")
+        raise _err(
+            recipe.path,
+            "MODEL_ARGS.--sequence-parallel",
+            True,
+            f"not possible on {hw} (gloo, no Transformer Engine / apex)",
+        )
     if spec.backend == "gloo" and args.transformer_impl != "local":
-        raise _err(recipe.path, "MODEL_ARGS.--transformer-impl", args.transformer_impl,
-                   f"only 'local' runs on {hw} (Transformer Engine needs CUDA)")
-    return RunPlan(case=recipe.name, hw=hw, nproc=spec.nproc, nnodes=spec.nnodes, backend=spec.backend,
-                   deterministic=spec.deterministic, timeout=spec.timeout,
-                   env={**cpu_isa_pins(spec.backend, profile=numerics), **recipe.env_vars}, args=args)
+        raise _err(
+            recipe.path,
+            "MODEL_ARGS.--transformer-impl",
+            args.transformer_impl,
+            f"only 'local' runs on {hw} (Transformer Engine needs CUDA)",
+        )
+    return RunPlan(
+        case=recipe.name,
+        hw=hw,
+        nproc=spec.nproc,
+        nnodes=spec.nnodes,
+        backend=spec.backend,
+        deterministic=spec.deterministic,
+        timeout=spec.timeout,
+        env={**cpu_isa_pins(spec.backend, profile=numerics), **recipe.env_vars},
+        args=args,
+    )
 
 
 def as_nodes(plan: RunPlan, nnodes: int) -> RunPlan:
     """`plan` with the same ranks spread over `nnodes` nodes (same world, TP, PP, DP and batches,
     so the same golden values); `ValueError` when the world does not divide."""
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1 or plan.world_size % nnodes:
-        raise ValueError(f"{plan.case}: cannot spread {plan.world_size} ranks over nnodes={nnodes!r} "
-                         f"(the world size must be a multiple of the node count)")
+        raise ValueError(
+            f"{plan.case}: cannot spread {plan.world_size} ranks over nnodes={nnodes!r} "
+            f"(the world size must be a multiple of the node count)"
+        )
     return dataclasses.replace(plan, nproc=plan.world_size // nnodes, nnodes=nnodes)
 
 

@@ -34,7 +34,9 @@ def _i(kind: type, why: str) -> UpstreamFlag:
     return UpstreamFlag(kind=kind, refused=False, why=why)
 
 
-_MLA = "multi-latent attention (TE's and megatron-core's MLA modules; the local GPT spec has standard attention)"
+_MLA = (
+    "multi-latent attention (TE's and megatron-core's MLA modules; the local GPT spec has standard attention)"
+)
 _DSV4 = "DeepSeek-V4's hybrid attention (CSA / HCA / SWA with a sparse indexer: TE-only in upstream's specs)"
 _VARLEN = "packed variable-length (THD) data with a sequence-packing scheduler (this runner trains fixed-length batches)"
 _LOG = "logging / I/O only (no effect on the numbers this runner compares)"
@@ -64,7 +66,9 @@ UPSTREAM_FLAGS: dict[str, UpstreamFlag] = {
     "--pad-packed-seq-alignment": _r(str, _VARLEN),
     "--thd-tail-padding-policy": _r(str, _VARLEN),
     "--thd-max-packed-sequences": _r(int, _VARLEN),
-    "--calculate-per-token-loss": _r(bool, "per-token loss normalization (this runner averages per micro-batch)"),
+    "--calculate-per-token-loss": _r(
+        bool, "per-token loss normalization (this runner averages per micro-batch)"
+    ),
     "--context-parallel-size": _r(int, "context parallelism (this runner splits no sequence across ranks)"),
     "--cp-partition-mode": _r(str, "context parallelism (this runner splits no sequence across ranks)"),
     "--cuda-graph-dynamic-microbatches": _r(bool, "CUDA graph capture (upstream's training loop drives it)"),
@@ -80,8 +84,12 @@ UPSTREAM_FLAGS: dict[str, UpstreamFlag] = {
     "--save": _i(str, "the checkpoint directory (this runner's launcher chooses it)"),
     "--load": _i(str, "the checkpoint directory (this runner's launcher chooses it)"),
     "--data-cache-path": _i(str, _LOG),
-    "--dataloader-type": _i(str, "the data loader's sampler (this runner's is megatron-core's pretraining sampler)"),
-    "--distributed-backend": _i(str, "the process-group backend (this runner picks it by the hardware: gloo, nccl)"),
+    "--dataloader-type": _i(
+        str, "the data loader's sampler (this runner's is megatron-core's pretraining sampler)"
+    ),
+    "--distributed-backend": _i(
+        str, "the process-group backend (this runner picks it by the hardware: gloo, nccl)"
+    ),
     "--use-mcore-models": _i(bool, "megatron-core's models (this runner has no other)"),
     "--no-gradient-accumulation-fusion": _i(bool, "a fused CUDA kernel switch (none on this runner)"),
 }
@@ -96,5 +104,8 @@ ALIASES: dict[str, str] = {
 
 def refused(upstream: Mapping[str, object]) -> list[str]:
     """`--flag=value: why` for each refused flag of `upstream` (`TrainArgs.upstream` as a mapping) that is set."""
-    return [f"{flag}={value!r}: {UPSTREAM_FLAGS[flag].why}" for flag, value in upstream.items()
-            if UPSTREAM_FLAGS[flag].refused and value not in (False, None)]
+    return [
+        f"{flag}={value!r}: {UPSTREAM_FLAGS[flag].why}"
+        for flag, value in upstream.items()
+        if UPSTREAM_FLAGS[flag].refused and value not in (False, None)
+    ]

@@ -25,15 +25,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", required=True, type=Path, help="run plan JSON (runner.py)")
     p.add_argument("--out", required=True, type=Path, help="metrics.json goes here")
     p.add_argument("--data-cache", required=True, type=Path, help="dataset index cache directory")
-    p.add_argument("--save", type=Path, default=None, help="checkpoint root: save every --save-interval steps")
-    p.add_argument("--load", type=Path, default=None, help="checkpoint root: resume from its tracker's iteration")
-    p.add_argument("--tree-flavor", choices=("main", "dev"), default=None,
-                   help="train a Megatron-LM tree's own GPT (the tree is first on PYTHONPATH)")
-    p.add_argument("--init", type=Path, default=None, help="full state dict to start from (harness.training.model_state)")
-    p.add_argument("--dump-init", type=Path, default=None,
-                   help="write the initial full state dict here (rank 0) and stop before the first step")
-    p.add_argument("--then-train", action="store_true",
-                   help="with --dump-init: train on after writing it (one launch where dump-then---init takes two)")
+    p.add_argument(
+        "--save", type=Path, default=None, help="checkpoint root: save every --save-interval steps"
+    )
+    p.add_argument(
+        "--load", type=Path, default=None, help="checkpoint root: resume from its tracker's iteration"
+    )
+    p.add_argument(
+        "--tree-flavor",
+        choices=("main", "dev"),
+        default=None,
+        help="train a Megatron-LM tree's own GPT (the tree is first on PYTHONPATH)",
+    )
+    p.add_argument(
+        "--init", type=Path, default=None, help="full state dict to start from (harness.training.model_state)"
+    )
+    p.add_argument(
+        "--dump-init",
+        type=Path,
+        default=None,
+        help="write the initial full state dict here (rank 0) and stop before the first step",
+    )
+    p.add_argument(
+        "--then-train",
+        action="store_true",
+        help="with --dump-init: train on after writing it (one launch where dump-then---init takes two)",
+    )
     args = p.parse_args(argv)
     if args.then_train and args.dump_init is None:
         p.error("--then-train needs --dump-init")
@@ -60,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
     dist.init_process_group(plan.backend)
     if os.environ.get("MHC_FUNCTIONAL_TEST_CRASH_RANK") == str(dist.get_rank()):
-        raise RuntimeError(f"rank {dist.get_rank()} of {dist.get_world_size()}: crash planted by "
-                           "$MHC_FUNCTIONAL_TEST_CRASH_RANK (a test of the launcher)")
+        raise RuntimeError(
+            f"rank {dist.get_rank()} of {dist.get_world_size()}: crash planted by "
+            "$MHC_FUNCTIONAL_TEST_CRASH_RANK (a test of the launcher)"
+        )
 
     from megatron.core import parallel_state as ps
 
@@ -74,16 +93,21 @@ def main(argv: list[str] | None = None) -> None:
         enable_mhc_pipeline()
     if a.deterministic_mode:
         torch.use_deterministic_algorithms(True)
-    ps.initialize_model_parallel(tensor_model_parallel_size=a.tensor_model_parallel_size,
-                                 pipeline_model_parallel_size=a.pipeline_model_parallel_size,
-                                 expert_model_parallel_size=a.expert_model_parallel_size)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=a.tensor_model_parallel_size,
+        pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+        expert_model_parallel_size=a.expert_model_parallel_size,
+    )
     try:
         trainer = Trainer(plan, data_cache=cli.data_cache, tree_flavor=cli.tree_flavor, init=cli.init)
         if cli.dump_init is not None:
             from harness.training.model_state import gather_full_state
 
-            full = gather_full_state([trainer.model], tp_rank=ps.get_tensor_model_parallel_rank(),
-                                     tp_size=a.tensor_model_parallel_size)
+            full = gather_full_state(
+                [trainer.model],
+                tp_rank=ps.get_tensor_model_parallel_rank(),
+                tp_size=a.tensor_model_parallel_size,
+            )
             if full is not None:
                 cli.dump_init.parent.mkdir(parents=True, exist_ok=True)
                 tmp = cli.dump_init.with_name(f".{cli.dump_init.name}.tmp")
@@ -100,8 +124,9 @@ def main(argv: list[str] | None = None) -> None:
 
             cli.out.mkdir(parents=True, exist_ok=True)
             write_metrics(cli.out / "metrics.json", records)
-            (cli.out / "fingerprint.json").write_text(json.dumps(current_fingerprint().to_json(), indent=1) + "\n",
-                                                      encoding="utf-8")
+            (cli.out / "fingerprint.json").write_text(
+                json.dumps(current_fingerprint().to_json(), indent=1) + "\n", encoding="utf-8"
+            )
         dist.barrier()
     finally:
         ps.destroy_model_parallel()

@@ -19,8 +19,19 @@ from pathlib import Path
 
 from harness.upstream.source_tree import git_commit
 
-__all__ = ["COMMIT_ENV_VAR", "FUSED_FILE", "HC_FILE", "TREE_ENV_VAR", "Tree", "TreeError", "hashes", "tree_commit", "tree_env",
-           "tree_flavor", "tree_under_test"]
+__all__ = [
+    "COMMIT_ENV_VAR",
+    "FUSED_FILE",
+    "HC_FILE",
+    "TREE_ENV_VAR",
+    "Tree",
+    "TreeError",
+    "hashes",
+    "tree_commit",
+    "tree_env",
+    "tree_flavor",
+    "tree_under_test",
+]
 
 HC_FILE = Path("megatron/core/transformer/hyper_connection.py")
 FUSED_FILE = Path("megatron/core/fusions/fused_mhc_kernels.py")
@@ -41,23 +52,32 @@ def tree_flavor(tree: Path) -> str:
     if not tree.is_dir():
         raise TreeError(f"--megatron-lm {tree}: not a directory")
     if not (tree / "megatron" / "core" / "__init__.py").is_file():
-        raise TreeError(f"--megatron-lm {tree}: not a Megatron-LM tree (no megatron/core/__init__.py under it)")
+        raise TreeError(
+            f"--megatron-lm {tree}: not a Megatron-LM tree (no megatron/core/__init__.py under it)"
+        )
     if not (tree / HC_FILE).is_file():
-        raise TreeError(f"--megatron-lm {tree}: a Megatron-LM tree without mHC (no {HC_FILE}); mHC is on the "
-                        "main and dev branches since 2026-08")
+        raise TreeError(
+            f"--megatron-lm {tree}: a Megatron-LM tree without mHC (no {HC_FILE}); mHC is on the "
+            "main and dev branches since 2026-08"
+        )
     config = (tree / "megatron/core/transformer/transformer_config.py").read_text(encoding="utf-8")
     if "enable_mhc_connections" in config:
         return "main"
     if "enable_hyper_connections" in config:
         return "dev"
-    raise TreeError(f"--megatron-lm {tree}: {HC_FILE} exists but transformer_config.py has neither "
-                    "enable_mhc_connections (main) nor enable_hyper_connections (dev)")
+    raise TreeError(
+        f"--megatron-lm {tree}: {HC_FILE} exists but transformer_config.py has neither "
+        "enable_mhc_connections (main) nor enable_hyper_connections (dev)"
+    )
 
 
 def hashes(tree: Path) -> dict[str, str]:
     """sha256 of the mHC source files of the tree (those that exist)."""
-    return {str(f): hashlib.sha256((Path(tree) / f).read_bytes()).hexdigest()
-            for f in (HC_FILE, FUSED_FILE) if (Path(tree) / f).is_file()}
+    return {
+        str(f): hashlib.sha256((Path(tree) / f).read_bytes()).hexdigest()
+        for f in (HC_FILE, FUSED_FILE)
+        if (Path(tree) / f).is_file()
+    }
 
 
 def tree_commit(tree: Path) -> str | None:
@@ -89,11 +109,19 @@ class Tree:
 
 @cache
 def _import_error(tree: Path, python: str) -> str | None:
-    code = ("import megatron.core, megatron.core.transformer.hyper_connection; import sys; "
-            f"assert megatron.core.__file__.startswith({str(tree)!r}), megatron.core.__file__")
+    code = (
+        "import megatron.core, megatron.core.transformer.hyper_connection; import sys; "
+        f"assert megatron.core.__file__.startswith({str(tree)!r}), megatron.core.__file__"
+    )
     env = {**os.environ, **tree_env(tree)}
-    proc = subprocess.run([python, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=600, env=env,
-                          check=False)
+    proc = subprocess.run(
+        [python, "-W", "ignore", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
     if proc.returncode == 0:
         return None
     lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
@@ -112,7 +140,12 @@ def tree_under_test(path: str | Path | None = None, *, python: str | None = None
     python = python or sys.executable
     error = _import_error(tree, python)
     if error is not None:
-        raise TreeError(f"--megatron-lm {tree}: its megatron.core does not import in {python}: {error}"
-                        + (" (upstream imports triton: install the tree extra, pip install -e '.[tree]')"
-                           if "triton" in error else ""))
+        raise TreeError(
+            f"--megatron-lm {tree}: its megatron.core does not import in {python}: {error}"
+            + (
+                " (upstream imports triton: install the tree extra, pip install -e '.[tree]')"
+                if "triton" in error
+                else ""
+            )
+        )
     return Tree(path=tree, flavor=flavor, commit=tree_commit(tree))

@@ -32,8 +32,14 @@ def git_commit(tree: Path, env_var: str | None = None) -> str | None:
     """`git rev-parse HEAD` when `tree` is the top of a git checkout (not a folder inside another
     repository), else `$<env_var>`, else None."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=tree, capture_output=True,
-                             text=True, timeout=10, check=False)
+        out = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except OSError:
         out = None
     lines = out.stdout.split() if out is not None and out.returncode == 0 else []

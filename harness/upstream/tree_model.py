@@ -15,14 +15,25 @@ import dataclasses
 from functools import cache
 from typing import Any
 
-__all__ = ["MAIN_PP_NOTE", "MAIN_SPEC_NOTE", "hybrid_chunks", "layer_spec", "record_tensor_shapes", "tree_chunks",
-           "tree_config"]
+__all__ = [
+    "MAIN_PP_NOTE",
+    "MAIN_SPEC_NOTE",
+    "hybrid_chunks",
+    "layer_spec",
+    "record_tensor_shapes",
+    "tree_chunks",
+    "tree_config",
+]
 
-MAIN_SPEC_NOTE = ("main has no mHC spec wiring (megatron/core/models/gpt/gpt_layer_specs.py has no "
-                  "enable_hyper_connection): the suite builds the layer spec from main's "
-                  "HyperConnectionTransformerLayer and HyperConnectionModule")
-MAIN_PP_NOTE = ("main's pipeline schedules are not n-stream aware (megatron/core/pipeline_parallel/schedules.py "
-                "get_tensor_shapes has no hyper-connection width): main runs single-process only")
+MAIN_SPEC_NOTE = (
+    "main has no mHC spec wiring (megatron/core/models/gpt/gpt_layer_specs.py has no "
+    "enable_hyper_connection): the suite builds the layer spec from main's "
+    "HyperConnectionTransformerLayer and HyperConnectionModule"
+)
+MAIN_PP_NOTE = (
+    "main's pipeline schedules are not n-stream aware (megatron/core/pipeline_parallel/schedules.py "
+    "get_tensor_shapes has no hyper-connection width): main runs single-process only"
+)
 
 
 def tree_config(flavor: str, **kwargs: Any) -> Any:
@@ -30,8 +41,11 @@ def tree_config(flavor: str, **kwargs: Any) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     n = kwargs.pop("n")
-    names = ({"enable_mhc_connections": True, "mhc_num_residual_streams": n} if flavor == "main" else
-             {"enable_hyper_connections": True, "num_residual_streams": n})
+    names = (
+        {"enable_mhc_connections": True, "mhc_num_residual_streams": n}
+        if flavor == "main"
+        else {"enable_hyper_connections": True, "num_residual_streams": n}
+    )
     return TransformerConfig(**kwargs, **names)
 
 
@@ -47,8 +61,11 @@ def layer_spec(flavor: str, num_experts: int | None = None) -> Any:
     from megatron.core.transformer.transformer_layer import HyperConnectionTransformerLayer
 
     stock = get_gpt_layer_local_spec(num_experts=num_experts)
-    submodules = dataclasses.replace(stock.submodules, self_attention_hyper_connection=HyperConnectionModule,
-                                     mlp_hyper_connection=HyperConnectionModule)
+    submodules = dataclasses.replace(
+        stock.submodules,
+        self_attention_hyper_connection=HyperConnectionModule,
+        mlp_hyper_connection=HyperConnectionModule,
+    )
     return ModuleSpec(module=HyperConnectionTransformerLayer, submodules=submodules)
 
 
@@ -59,9 +76,13 @@ def _chunks(vpp: int | None, build: Any) -> list[Any]:
     chunks = []
     for vp in range(vpp or 1):
         vp_stage = vp if vpp else None
-        chunks.append(build(pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                            vp_stage=vp_stage))
+        chunks.append(
+            build(
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                vp_stage=vp_stage,
+            )
+        )
     return chunks
 
 
@@ -83,8 +104,9 @@ def tree_chunks(flavor: str, config: Any, *, vpp: int | None, **model_kwargs: An
         if getattr(config, "mtp_num_layers", None):
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-            mtp["mtp_block_spec"] = _per_stream_h_proj(get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
-                                                                              vp_stage=vp_stage))
+            mtp["mtp_block_spec"] = _per_stream_h_proj(
+                get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+            )
         # The local spec's torch norms refuse sequence parallelism: the same norms, taking it (a CPU workaround).
         block, mtp_spec = sequence_parallel_specs(config, spec, mtp.get("mtp_block_spec"), vp_stage=vp_stage)
         if mtp_spec is not None:
@@ -119,11 +141,20 @@ def _per_stream_h_proj(block_spec: Any) -> Any:
     if block_spec is None:
         return None
     subs = getattr(block_spec, "submodules", block_spec)
-    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, h_proj=_per_stream_linear()))
-              if getattr(layer.submodules, "h_proj", None) is not None else layer for layer in subs.layer_specs]
+    layers = [
+        dataclasses.replace(
+            layer, submodules=dataclasses.replace(layer.submodules, h_proj=_per_stream_linear())
+        )
+        if getattr(layer.submodules, "h_proj", None) is not None
+        else layer
+        for layer in subs.layer_specs
+    ]
     subs = dataclasses.replace(subs, layer_specs=layers)
-    return dataclasses.replace(block_spec, submodules=subs) if subs is not block_spec and hasattr(
-        block_spec, "submodules") else subs
+    return (
+        dataclasses.replace(block_spec, submodules=subs)
+        if subs is not block_spec and hasattr(block_spec, "submodules")
+        else subs
+    )
 
 
 def _hybrid_mtp_block_spec() -> Any:
@@ -140,11 +171,21 @@ def _hybrid_mtp_block_spec() -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
-        enorm=WrappedTorchNorm, hnorm=WrappedTorchNorm, eh_proj=ColumnParallelLinear, e_proj=ColumnParallelLinear,
-        h_proj=_per_stream_linear(), mtp_model_layer=None, layer_norm=WrappedTorchNorm))
-    return ModuleSpec(module=MultiTokenPredictionBlock,
-                      submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer]))
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=WrappedTorchNorm,
+            hnorm=WrappedTorchNorm,
+            eh_proj=ColumnParallelLinear,
+            e_proj=ColumnParallelLinear,
+            h_proj=_per_stream_linear(),
+            mtp_model_layer=None,
+            layer_norm=WrappedTorchNorm,
+        ),
+    )
+    return ModuleSpec(
+        module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer])
+    )
 
 
 def _hybrid_stack_spec(num_experts: int | None, mtp: bool = False) -> Any:
@@ -163,15 +204,29 @@ def _hybrid_stack_spec(num_experts: int | None, mtp: bool = False) -> Any:
 
     dense = get_gpt_layer_local_spec().submodules
     parts: dict[str, Any] = dict(
-        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            input_layernorm=dense.input_layernorm, self_attention=dense.self_attention,
-            self_attn_bda=dense.self_attn_bda)),
-        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda)))
+        attention_layer=ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=dense.input_layernorm,
+                self_attention=dense.self_attention,
+                self_attn_bda=dense.self_attn_bda,
+            ),
+        ),
+        mlp_layer=ModuleSpec(
+            module=MLPLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda
+            ),
+        ),
+    )
     if num_experts:
         moe = get_gpt_layer_local_spec(num_experts=num_experts).submodules
-        parts["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+        parts["moe_layer"] = ModuleSpec(
+            module=MoETransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda
+            ),
+        )
     if mtp:
         parts["mtp_block_spec"] = _hybrid_mtp_block_spec()
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**parts))
@@ -193,8 +248,10 @@ def hybrid_chunks(config: Any, pattern: str, *, vpp: int | None, **model_kwargs:
     if importlib.util.find_spec("transformer_engine") is None:
         hybrid_block.TENorm = WrappedTorchNorm
     try:
-        return _chunks(vpp, lambda **stage: HybridModel(config, spec, hybrid_layer_pattern=pattern, **stage,
-                                                        **model_kwargs))
+        return _chunks(
+            vpp,
+            lambda **stage: HybridModel(config, spec, hybrid_layer_pattern=pattern, **stage, **model_kwargs),
+        )
     finally:
         hybrid_block.TENorm = te_norm
 
@@ -208,12 +265,19 @@ def record_tensor_shapes(schedules: Any, calls: list[dict]) -> None:
     def get_tensor_shapes(*args: Any, **kwargs: Any) -> Any:
         shapes = stock(*args, **kwargs)
         pp, tp, cp = kwargs.get("pp_group"), kwargs.get("tp_group"), kwargs.get("cp_group")
-        calls.append({"is_recv": kwargs.get("is_recv", True), "pp_rank": pp.rank() if pp else None,
-                      "pp_size": pp.size() if pp else None, "seq_length": kwargs.get("seq_length"),
-                      "micro_batch_size": kwargs.get("micro_batch_size"),
-                      "sequence_parallel": bool(kwargs["config"].sequence_parallel),
-                      "tp_size": tp.size() if tp else 1, "cp_size": cp.size() if cp else 1,
-                      "shapes": [tuple(s) for s in shapes]})
+        calls.append(
+            {
+                "is_recv": kwargs.get("is_recv", True),
+                "pp_rank": pp.rank() if pp else None,
+                "pp_size": pp.size() if pp else None,
+                "seq_length": kwargs.get("seq_length"),
+                "micro_batch_size": kwargs.get("micro_batch_size"),
+                "sequence_parallel": bool(kwargs["config"].sequence_parallel),
+                "tp_size": tp.size() if tp else 1,
+                "cp_size": cp.size() if cp else 1,
+                "shapes": [tuple(s) for s in shapes],
+            }
+        )
         return shapes
 
     schedules.get_tensor_shapes = get_tensor_shapes

@@ -60,10 +60,15 @@ def markdown(rows: Sequence[TreeRow]) -> list[str]:
     """The report section: one line per comparison with its worst differences."""
     if not rows:
         return []
-    out = ["## Megatron-LM tree", "",
-           "Worst relative difference over every step (pp: every microbatch loss, gradient and updated weight; "
-           "functional: each metric per step, in the approximate bands).", "",
-           "| suite | case | comparison | tree | worst relative difference | status |", "|---|---|---|---|---|---|"]
+    out = [
+        "## Megatron-LM tree",
+        "",
+        "Worst relative difference over every step (pp: every microbatch loss, gradient and updated weight; "
+        "functional: each metric per step, in the approximate bands).",
+        "",
+        "| suite | case | comparison | tree | worst relative difference | status |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         worst = ", ".join(f"{k} {v:.1e}" for k, v in r.worst.items()) or "-"
         status = ("ok" if r.ok else "**differs**") + (f" ({r.note})" if r.note else "")

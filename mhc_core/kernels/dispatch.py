@@ -215,9 +215,13 @@ def get_backend(backend: str) -> Backend:
     raise ValueError(f"mhc_core.kernels: backend={backend!r} is unknown; valid: {', '.join(BACKENDS)}")
 
 
-_ENTRIES: dict[str, Callable[..., Any]] = {"sinkhorn": ops.sinkhorn, "mapping": ops.mapping,
-                                          "h_aggregate": ops.h_aggregate, "h_post_bda": ops.h_post_bda,
-                                          "pre": ops.pre}
+_ENTRIES: dict[str, Callable[..., Any]] = {
+    "sinkhorn": ops.sinkhorn,
+    "mapping": ops.mapping,
+    "h_aggregate": ops.h_aggregate,
+    "h_post_bda": ops.h_post_bda,
+    "pre": ops.pre,
+}
 """The public entry of each op (`mhc_core.ops`)."""
 
 
@@ -225,7 +229,9 @@ def op_on(op: str, backend: str | Backend) -> Callable[..., Any]:
     """The public entry of `op` (`mhc_core.ops.<op>`, its signature) computing on `backend` (a name or an object):
     for the tests and tools that pick ops by name."""
     _check_op(op)
-    return functools.partial(_ENTRIES[op], backend=get_backend(backend) if isinstance(backend, str) else backend)
+    return functools.partial(
+        _ENTRIES[op], backend=get_backend(backend) if isinstance(backend, str) else backend
+    )
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,9 @@ def _plan(op: str, device: str, *, n: int, dtype: torch.dtype, dropout: float) -
     if gap is None:
         return OpPlan(op=op, set_by=set_by, backend=backend, runs_on=backend, why=reason)
     if set_by is not None:  # a forced cutile propagates its NotImplementedError
-        return OpPlan(op=op, set_by=set_by, backend=backend, runs_on="-", why=f"{set_by} forces cutile, but {gap}")
+        return OpPlan(
+            op=op, set_by=set_by, backend=backend, runs_on="-", why=f"{set_by} forces cutile, but {gap}"
+        )
     runs_on, why = dispatch.without_cutile(device, f"it does not cover this run: {gap}")
     return OpPlan(op=op, set_by=None, backend=backend, runs_on=runs_on, why=why)
 
@@ -118,8 +120,15 @@ def _tuning(device: str, gpu_name: str | None) -> tuple[str | None, str | None]:
         return None, str(exc)
 
 
-def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int = 4, dtype: str = "bf16",
-              dropout: float = 0.0, variant: str = "megatron_main") -> Preflight:
+def preflight(
+    *,
+    device: str | None = None,
+    gpu_name: str | None = None,
+    n: int = 4,
+    dtype: str = "bf16",
+    dropout: float = 0.0,
+    variant: str = "megatron_main",
+) -> Preflight:
     """The dispatch's choices for tensors on `device` (None: cuda if present, else cpu), for a run
     with `n` streams, `dtype` activations, hidden `dropout` and the numeric `variant` (it sets the
     Sinkhorn logits' dtype); `gpu_name` (default: the GPU's name, if any) picks the shipped cuTile
@@ -148,12 +157,16 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
     if tuning_problem:
         problems.append(tuning_problem)
     notes: list[str] = []
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MHC_BACKEND") or k == "MHC_CUTILE_TUNING"}
+    env = {
+        k: v for k, v in sorted(os.environ.items()) if k.startswith("MHC_BACKEND") or k == "MHC_CUTILE_TUNING"
+    }
     known = {dispatch.ENV_ALL, *(dispatch.env_var(op) for op in dispatch.OPS)}
     for var in (k for k in env if k.startswith("MHC_BACKEND") and k not in known):  # ignored by the dispatch
         close = difflib.get_close_matches(var, sorted(known), n=1)
-        problems.append(f"{var} is not a variable the dispatch reads (it is ignored)"
-                        + (f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(sorted(known))}"))
+        problems.append(
+            f"{var} is not a variable the dispatch reads (it is ignored)"
+            + (f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(sorted(known))}")
+        )
     if device == "cuda" and not torch.cuda.is_available():
         notes.append("no CUDA device on this machine: this describes the dispatch's choices only")
     pre_plan = next(p for p in plans if p.op == "pre")
@@ -166,29 +179,57 @@ def preflight(*, device: str | None = None, gpu_name: str | None = None, n: int 
             ok, why = False, str(exc)
             problems.append(str(exc))
         act = _DTYPES[dtype]
-        compute = torch.float32 if spec.mapping_fp32 else act  # the mapping's dtype, as the compiled pre has it
+        compute = (
+            torch.float32 if spec.mapping_fp32 else act
+        )  # the mapping's dtype, as the compiled pre has it
         native_fwd, native_bwd = native.passes(act, compute, n, native.chosen_kernel() if ok else None)
         where = "its native kernel" if native_fwd else "its torch.compile graph"
         math = "fp32" if compute == torch.float32 else dtype
-        reason = why if not ok else (f"the mapping computes in {math}" if native_fwd else
-                                     f"the native kernel reads no {dtype} activations"
-                                     if act not in (torch.float32, torch.bfloat16) else f"n > {native.MAX_N}")
-        backward = ("the native kernel's passes over x" if native_bwd else
-                    "its torch.compile graph" + (" (bf16 GEMMs)" if native_fwd else ""))
-        notes.append(f"pre's forward runs {where} ({reason}), its backward {backward}; MHC_NATIVE=0 turns the "
-                     f"native kernels off, MHC_NATIVE=<kernel> picks one of "
-                     f"{', '.join(native.kernels()) or 'none here'}")
-    return Preflight(device=device, gpu_name=gpu_name, torch=torch.__version__, n=n, dtype=dtype, dropout=dropout,
-                     variant=spec.variant.value,
-                     ops=plans, backends=backends, environment=env, cutile_tuning=described, problems=tuple(problems),
-                     notes=tuple(notes))
+        reason = (
+            why
+            if not ok
+            else (
+                f"the mapping computes in {math}"
+                if native_fwd
+                else f"the native kernel reads no {dtype} activations"
+                if act not in (torch.float32, torch.bfloat16)
+                else f"n > {native.MAX_N}"
+            )
+        )
+        backward = (
+            "the native kernel's passes over x"
+            if native_bwd
+            else "its torch.compile graph" + (" (bf16 GEMMs)" if native_fwd else "")
+        )
+        notes.append(
+            f"pre's forward runs {where} ({reason}), its backward {backward}; MHC_NATIVE=0 turns the "
+            f"native kernels off, MHC_NATIVE=<kernel> picks one of "
+            f"{', '.join(native.kernels()) or 'none here'}"
+        )
+    return Preflight(
+        device=device,
+        gpu_name=gpu_name,
+        torch=torch.__version__,
+        n=n,
+        dtype=dtype,
+        dropout=dropout,
+        variant=spec.variant.value,
+        ops=plans,
+        backends=backends,
+        environment=env,
+        cutile_tuning=described,
+        problems=tuple(problems),
+        notes=tuple(notes),
+    )
 
 
 def format_text(p: Preflight) -> str:
     """The report as aligned text (what `python -m mhc_core.kernels` prints)."""
     gpu = f" ({p.gpu_name})" if p.gpu_name and p.device == "cuda" else ""
-    lines = [f"mHC kernels for tensors on {p.device}{gpu}: torch {p.torch}, n = {p.n}, {p.dtype} activations, "
-             f"hidden dropout {p.dropout:g}, {p.variant}"]
+    lines = [
+        f"mHC kernels for tensors on {p.device}{gpu}: torch {p.torch}, n = {p.n}, {p.dtype} activations, "
+        f"hidden dropout {p.dropout:g}, {p.variant}"
+    ]
     width = max(len(o.op) for o in p.ops)
     for o in p.ops:
         how = f"forced by {o.set_by}" if o.set_by else "auto"
@@ -213,18 +254,30 @@ def format_text(p: Preflight) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mhc_core.kernels", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cpu", "cuda"), help="where the tensors live (default: cuda if present)")
+    ap.add_argument(
+        "--device", choices=("cpu", "cuda"), help="where the tensors live (default: cuda if present)"
+    )
     ap.add_argument("--gpu-name", help="device name for the shipped cuTile tuning (default: this GPU's)")
     ap.add_argument("--n", type=int, default=4, help="residual streams (default 4)")
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="activation dtype (default bf16)")
     ap.add_argument("--dropout", type=float, default=0.0, help="hidden dropout in training (default 0)")
-    ap.add_argument("--variant", default="megatron_main", choices=[v.value for v in Variant],
-                    help="numeric variant (default megatron_main)")
+    ap.add_argument(
+        "--variant",
+        default="megatron_main",
+        choices=[v.value for v in Variant],
+        help="numeric variant (default megatron_main)",
+    )
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     try:
-        p = preflight(device=args.device, gpu_name=args.gpu_name, n=args.n, dtype=args.dtype, dropout=args.dropout,
-                      variant=args.variant)
+        p = preflight(
+            device=args.device,
+            gpu_name=args.gpu_name,
+            n=args.n,
+            dtype=args.dtype,
+            dropout=args.dropout,
+            variant=args.variant,
+        )
     except ValueError as exc:
         ap.error(str(exc))
     if args.json:

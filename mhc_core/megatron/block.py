@@ -84,8 +84,14 @@ class StreamContraction:
         """`[s, b, n*C] -> [s, b, C]`: mean of the streams, or the learned contraction."""
         n = self.num_residual_streams
         if self.learned_contraction:
-            return learned_contract(hidden_states, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, n,
-                                    self.config.layernorm_epsilon)
+            return learned_contract(
+                hidden_states,
+                self.hc_head_fn,
+                self.hc_head_base,
+                self.hc_head_scale,
+                n,
+                self.config.layernorm_epsilon,
+            )
         return contract(hidden_states, n)
 
 
@@ -110,7 +116,9 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
             return
         self.num_residual_streams = int(config.mhc_num_residual_streams)
         for i, layer in enumerate(self.layers):
-            if not isinstance(layer, RecomputeMember):  # the mHC layer kinds' common base (no import of hybrid)
+            if not isinstance(
+                layer, RecomputeMember
+            ):  # the mHC layer kinds' common base (no import of hybrid)
                 raise ValueError(
                     f"HyperConnectionTransformerBlock: layers[{i}] is a {type(layer).__name__}, but "
                     "config.enable_mhc_connections=True needs HyperConnectionTransformerLayer "
@@ -126,14 +134,18 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
                 self._contract_before_final_layernorm
             )
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> Any:
         """The stock block's sharded state dict plus the block's own parameters (the learned exit's `hc_head_*`):
         released megatron-core's block saves its children only, so a checkpoint lost them and the optimizer
         found parameters it could not map (upstream dev's block saves them the same way). A hybrid stack's layers
         differ in kind (attention, MLP, MoE), so their tensors are keyed per layer (`non_homogeneous_layers`, as
         megatron-core does for heterogeneous specs): one tensor stacked over all layers would miss the layers of
         the other kinds."""
-        if any(not isinstance(layer, HyperConnectionTransformerLayer) for layer in self.layers):  # hybrid layers
+        if any(
+            not isinstance(layer, HyperConnectionTransformerLayer) for layer in self.layers
+        ):  # hybrid layers
             metadata = {**(metadata or {}), "non_homogeneous_layers": True}
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         local: dict[str, Any] = {}
@@ -142,9 +154,18 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
             from megatron.core import parallel_state as ps
             from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-            dp_cp = (metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(with_context_parallel=True)
-            out.update(make_sharded_tensors_for_checkpoint(local, prefix, sharded_offsets=sharded_offsets,
-                                                           tp_group=getattr(self, "tp_group", None), dp_cp_group=dp_cp))
+            dp_cp = (metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(
+                with_context_parallel=True
+            )
+            out.update(
+                make_sharded_tensors_for_checkpoint(
+                    local,
+                    prefix,
+                    sharded_offsets=sharded_offsets,
+                    tp_group=getattr(self, "tp_group", None),
+                    dp_cp_group=dp_cp,
+                )
+            )
         return out
 
     def _plan_mhc_recompute(self, config: Any) -> None:
@@ -191,14 +212,22 @@ class HyperConnectionTransformerBlock(StreamContraction, KeepInFp32Mixin, Transf
         if self.pre_process:
             t, width, what = hidden_states, c, "[s, b, C] (the embedding output)"
         else:
-            t, width, what = getattr(self, "input_tensor", None), n * c, "[s, b, n*C] (the streams received from the previous stage)"
+            t, width, what = (
+                getattr(self, "input_tensor", None),
+                n * c,
+                "[s, b, n*C] (the streams received from the previous stage)",
+            )
             if is_single_pass(self.config) and isinstance(t, Tensor):
                 width = boundary_width(self.config, t.dtype)
-                what = f"[s, b, n*C + k] (the single-pass carrier received from the previous stage, {t.dtype})"
+                what = (
+                    f"[s, b, n*C + k] (the single-pass carrier received from the previous stage, {t.dtype})"
+                )
         if isinstance(t, Tensor) and (t.dim() != 3 or t.shape[-1] != width):
             role = "the pre_process chunk" if self.pre_process else "a chunk after the first"
-            raise ValueError(f"HyperConnectionTransformerBlock ({role}, n = {n}, C = {c}, {len(self.layers)} layers): "
-                             f"its input must be {what}, last dim {width}; got {list(t.shape)}")
+            raise ValueError(
+                f"HyperConnectionTransformerBlock ({role}, n = {n}, C = {c}, {len(self.layers)} layers): "
+                f"its input must be {what}, last dim {width}; got {list(t.shape)}"
+            )
 
     def forward(self, hidden_states: Tensor | WrappedTensor | None, *args: Any, **kwargs: Any) -> Tensor:
         """`[s, b, C]` (pre_process chunk) or the received `[s, b, n*C]` in; `[s, b, C]` out of the

@@ -80,22 +80,38 @@ class MHCTransformerConfig(TransformerConfig):
     `DSv41HybridStack`'s packing; `mhc_core.handoff.HandoffPrecision`)."""
 
     def __post_init__(self) -> None:
-        for field in ("enable_mhc_connections", "use_fused_mhc", "mhc_learned_contraction",
-                      "mhc_norm_eps_inside_sqrt", "mhc_keep_mappings_in_fp32", "mhc_single_pass",
-                      "mhc_fp32_coefficients"):
+        for field in (
+            "enable_mhc_connections",
+            "use_fused_mhc",
+            "mhc_learned_contraction",
+            "mhc_norm_eps_inside_sqrt",
+            "mhc_keep_mappings_in_fp32",
+            "mhc_single_pass",
+            "mhc_fp32_coefficients",
+        ):
             v = getattr(self, field)
-            if not isinstance(v, bool) and not (v is None and field in ("mhc_keep_mappings_in_fp32",
-                                                                        "mhc_fp32_coefficients")):
+            if not isinstance(v, bool) and not (
+                v is None and field in ("mhc_keep_mappings_in_fp32", "mhc_fp32_coefficients")
+            ):
                 # "False" is truthy: it would switch the feature on
                 raise ValueError(_bad(field, v, "must be True or False"))
         modules = self.recompute_modules
-        if modules is not None and (not isinstance(modules, list | tuple) or not all(isinstance(m, str) for m in modules)):
-            raise ValueError(_bad("recompute_modules", modules, "must be a list of module names, e.g. ['mhc']"))
+        if modules is not None and (
+            not isinstance(modules, list | tuple) or not all(isinstance(m, str) for m in modules)
+        ):
+            raise ValueError(
+                _bad("recompute_modules", modules, "must be a list of module names, e.g. ['mhc']")
+            )
         if self.enable_mhc_connections is True and getattr(self, "overlap_moe_expert_parallel_comm", False):
             # before megatron's own checks, which would ask for EP and bf16 first
-            raise NotImplementedError(_bad(
-                "overlap_moe_expert_parallel_comm", True, "the a2a-overlap schedule splits a layer into nodes of its "
-                "own, none for mHC's n-stream update; not supported with enable_mhc_connections=True"))
+            raise NotImplementedError(
+                _bad(
+                    "overlap_moe_expert_parallel_comm",
+                    True,
+                    "the a2a-overlap schedule splits a layer into nodes of its "
+                    "own, none for mHC's n-stream update; not supported with enable_mhc_connections=True",
+                )
+            )
         # megatron-core 0.16.1 / 0.19.2 validate recompute_modules against their own list, which
         # lacks upstream main's "mhc": take it out for the base validation, put it back after.
         lists_mhc = self._lists_mhc
@@ -113,15 +129,32 @@ class MHCTransformerConfig(TransformerConfig):
         if self.enable_mhc_connections:
             self._validate_mhc_compatibility()
         else:
-            for field in ("use_fused_mhc", "mhc_learned_contraction", "mhc_norm_eps_inside_sqrt", "mhc_single_pass"):
+            for field in (
+                "use_fused_mhc",
+                "mhc_learned_contraction",
+                "mhc_norm_eps_inside_sqrt",
+                "mhc_single_pass",
+            ):
                 if getattr(self, field):
-                    raise ValueError(_bad(field, getattr(self, field), "requires enable_mhc_connections=True"))
+                    raise ValueError(
+                        _bad(field, getattr(self, field), "requires enable_mhc_connections=True")
+                    )
             if self._lists_mhc:
-                raise ValueError(_bad("recompute_modules", self.recompute_modules,
-                                      "'mhc' requires enable_mhc_connections=True"))
+                raise ValueError(
+                    _bad(
+                        "recompute_modules",
+                        self.recompute_modules,
+                        "'mhc' requires enable_mhc_connections=True",
+                    )
+                )
         if self.mhc_recompute_layer_num is not None and not self.mhc_recompute:
-            raise ValueError(_bad("mhc_recompute_layer_num", self.mhc_recompute_layer_num,
-                                  "needs 'mhc' in recompute_modules with recompute_granularity='selective'"))
+            raise ValueError(
+                _bad(
+                    "mhc_recompute_layer_num",
+                    self.mhc_recompute_layer_num,
+                    "needs 'mhc' in recompute_modules with recompute_granularity='selective'",
+                )
+            )
 
     @property
     def _lists_mhc(self) -> bool:
@@ -157,20 +190,35 @@ class MHCTransformerConfig(TransformerConfig):
             valid = ", ".join(v.value for v in Variant)
             raise ValueError(_bad("mhc_variant", self.mhc_variant, f"valid: {valid}")) from None
         if spec.options:
-            raise ValueError(_bad("mhc_variant", self.mhc_variant,
-                                  "name the variant alone and set its options with mhc_norm_eps_inside_sqrt, "
-                                  "mhc_keep_mappings_in_fp32, mhc_fp32_coefficients and mhc_learned_contraction"))
+            raise ValueError(
+                _bad(
+                    "mhc_variant",
+                    self.mhc_variant,
+                    "name the variant alone and set its options with mhc_norm_eps_inside_sqrt, "
+                    "mhc_keep_mappings_in_fp32, mhc_fp32_coefficients and mhc_learned_contraction",
+                )
+            )
         self.mhc_variant = spec.variant.value
         from mhc_core.handoff import HandoffPrecision
 
         try:
             self.mhc_handoff_precision = HandoffPrecision(self.mhc_handoff_precision).value
         except ValueError:
-            raise ValueError(_bad("mhc_handoff_precision", self.mhc_handoff_precision,
-                                  f"valid: {', '.join(h.value for h in HandoffPrecision)}")) from None
+            raise ValueError(
+                _bad(
+                    "mhc_handoff_precision",
+                    self.mhc_handoff_precision,
+                    f"valid: {', '.join(h.value for h in HandoffPrecision)}",
+                )
+            ) from None
         if self.mhc_handoff_precision != HandoffPrecision.EXACT and not self.mhc_single_pass:
-            raise ValueError(_bad("mhc_handoff_precision", self.mhc_handoff_precision,
-                                  "is a single-pass setting (mhc_single_pass=True)"))
+            raise ValueError(
+                _bad(
+                    "mhc_handoff_precision",
+                    self.mhc_handoff_precision,
+                    "is a single-pass setting (mhc_single_pass=True)",
+                )
+            )
         if self.mhc_h_res_constraint not in ("sinkhorn", "none"):
             raise ValueError(_bad("mhc_h_res_constraint", self.mhc_h_res_constraint, "valid: sinkhorn, none"))
 
@@ -181,10 +229,15 @@ class MHCTransformerConfig(TransformerConfig):
         if self.fp32_residual_connection:
             raise NotImplementedError(_bad("fp32_residual_connection", True, f"not supported {on}"))
         if self.recompute_granularity == "full" and not self.mhc_single_pass:
-            raise NotImplementedError(_bad(
-                "recompute_granularity", "full", f"full recompute is not supported {on} in the per-sublayer form (as "
-                "upstream main); use 'selective', or mhc_single_pass=True, whose handoff travels through the "
-                "checkpoints"))
+            raise NotImplementedError(
+                _bad(
+                    "recompute_granularity",
+                    "full",
+                    f"full recompute is not supported {on} in the per-sublayer form (as "
+                    "upstream main); use 'selective', or mhc_single_pass=True, whose handoff travels through the "
+                    "checkpoints",
+                )
+            )
         if self.mhc_single_pass:
             self._validate_single_pass()
         if getattr(self, "inference_fuse_tp_communication", False):
@@ -193,25 +246,47 @@ class MHCTransformerConfig(TransformerConfig):
             raise NotImplementedError(_bad("fine_grained_activation_offloading", True, f"not supported {on}"))
         if self._lists_mhc:
             if self.recompute_granularity != "selective":
-                raise ValueError(_bad("recompute_modules", self.recompute_modules,
-                                      f"'mhc' needs recompute_granularity='selective', got {self.recompute_granularity!r}"))
+                raise ValueError(
+                    _bad(
+                        "recompute_modules",
+                        self.recompute_modules,
+                        f"'mhc' needs recompute_granularity='selective', got {self.recompute_granularity!r}",
+                    )
+                )
             if "mlp" in self.recompute_modules:
-                raise ValueError(_bad("recompute_modules", self.recompute_modules,
-                                      "'mhc' cannot be combined with 'mlp' (as upstream main)"))
+                raise ValueError(
+                    _bad(
+                        "recompute_modules",
+                        self.recompute_modules,
+                        "'mhc' cannot be combined with 'mlp' (as upstream main)",
+                    )
+                )
 
     def _validate_single_pass(self) -> None:
         on = "with mhc_single_pass=True"
         if getattr(self, "mtp_num_layers", None):
-            raise NotImplementedError(_bad(
-                "mtp_num_layers", self.mtp_num_layers, f"multi-token prediction is not defined {on}: DeepSeek-V4.1 "
-                "publishes no MTP form for the single-pass handoff (which H_pre an MTP depth's first sublayer "
-                "aggregates with, and whether its exit keeps a learned head) and upstream's DSv41HybridStack refuses "
-                "MTP layers as out of scope; the suite refuses it rather than define a contract nobody can check"))
+            raise NotImplementedError(
+                _bad(
+                    "mtp_num_layers",
+                    self.mtp_num_layers,
+                    f"multi-token prediction is not defined {on}: DeepSeek-V4.1 "
+                    "publishes no MTP form for the single-pass handoff (which H_pre an MTP depth's first sublayer "
+                    "aggregates with, and whether its exit keeps a learned head) and upstream's DSv41HybridStack refuses "
+                    "MTP layers as out of scope; the suite refuses it rather than define a contract nobody can check",
+                )
+            )
         if self.mhc_learned_contraction:
-            raise ValueError(_bad("mhc_learned_contraction", True, f"{on} the exit aggregates with the last H_pre; "
-                                  "there is no learned exit head"))
+            raise ValueError(
+                _bad(
+                    "mhc_learned_contraction",
+                    True,
+                    f"{on} the exit aggregates with the last H_pre; there is no learned exit head",
+                )
+            )
         if self.mhc_h_res_constraint != "sinkhorn":
-            raise ValueError(_bad("mhc_h_res_constraint", self.mhc_h_res_constraint, f"{on} needs 'sinkhorn'"))
+            raise ValueError(
+                _bad("mhc_h_res_constraint", self.mhc_h_res_constraint, f"{on} needs 'sinkhorn'")
+            )
 
     @property
     def mhc_numerics(self) -> VariantSpec:

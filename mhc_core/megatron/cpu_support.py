@@ -340,9 +340,12 @@ def _patch_nvtx() -> Callable[[], None]:
 def _patch_moe() -> Callable[[], None]:
     """The MoE modules' torch shimmed; `moe_utils.te_general_gemm` defined as None where transformer_engine is
     absent (megatron-core 0.16.1 imports it only with TE, then reads it unconditionally in the router's GEMM)."""
-    undo_modules = _shim_modules("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils",
-                                 "megatron.core.transformer.moe.token_dispatcher",
-                                 "megatron.core.tensor_parallel.mappings")
+    undo_modules = _shim_modules(
+        "megatron.core.transformer.moe.router",
+        "megatron.core.transformer.moe.moe_utils",
+        "megatron.core.transformer.moe.token_dispatcher",
+        "megatron.core.tensor_parallel.mappings",
+    )
     moe_utils: Any = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     dispatcher: Any = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     defined = "te_general_gemm" not in moe_utils.__dict__
@@ -373,7 +376,9 @@ def _patch_mtp() -> Callable[[], None]:
     with `Tensor.cuda` as the identity for the duration of one call (it moves the shared embedding weight
     to the GPU before the all-reduce that ties the MTP stage's copy to the first stage's)."""
     undo_module = _shim_module("megatron.core.transformer.multi_token_prediction")
-    language_module: Any = importlib.import_module("megatron.core.models.common.language_module.language_module")
+    language_module: Any = importlib.import_module(
+        "megatron.core.models.common.language_module.language_module"
+    )
     cls = language_module.LanguageModule
     original = cls.__dict__["setup_embeddings_and_output_layer"]
 

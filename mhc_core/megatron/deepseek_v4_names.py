@@ -73,12 +73,17 @@ def _as_gpt(key: str) -> str:
 
 _SUBLAYERS = {"self_attention_hyper_connection": "attn_hc", "mlp_hyper_connection": "ffn_hc"}
 _CKPT_SUBLAYERS = {"attn_hc": "hc_attn", "ffn_hc": "hc_ffn"}
-_MEGATRON = re.compile(r"^(?:module\.)?decoder\.layers\.(\d+)\.(self_attention_hyper_connection|mlp_hyper_connection)\."
-                       r"(mapping_proj\.weight|bias|alpha_pre|alpha_post|alpha_res)$")
+_MEGATRON = re.compile(
+    r"^(?:module\.)?decoder\.layers\.(\d+)\.(self_attention_hyper_connection|mlp_hyper_connection)\."
+    r"(mapping_proj\.weight|bias|alpha_pre|alpha_post|alpha_res)$"
+)
 _HF = re.compile(r"^model\.layers\.(\d+)\.(attn_hc|ffn_hc)\.(fn|base|scale)$")
 _CKPT = re.compile(r"^layers\.(\d+)\.(hc_attn|hc_ffn)_(fn|base|scale)$")
-_HEAD = {"decoder.hc_head_fn": "model.hc_head.hc_fn", "decoder.hc_head_base": "model.hc_head.hc_base",
-         "decoder.hc_head_scale": "model.hc_head.hc_scale"}
+_HEAD = {
+    "decoder.hc_head_fn": "model.hc_head.hc_fn",
+    "decoder.hc_head_base": "model.hc_head.hc_base",
+    "decoder.hc_head_scale": "model.hc_head.hc_scale",
+}
 _ALPHAS = ("alpha_pre", "alpha_post", "alpha_res")
 
 
@@ -94,8 +99,12 @@ _CONVERTIBLE = ("megatron_dev", "deepseek_v41")
 """The configurations whose models convert: DeepSeek-V4's convention, and DeepSeek-V4.1's single-pass numerics."""
 
 
-def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str,
-                   names: DeepseekV4Names | str = DeepseekV4Names.TRANSFORMERS) -> dict[str, torch.Tensor]:
+def to_deepseek_v4(
+    state: Mapping[str, torch.Tensor],
+    *,
+    variant: str,
+    names: DeepseekV4Names | str = DeepseekV4Names.TRANSFORMERS,
+) -> dict[str, torch.Tensor]:
     """The mHC entries of a `mhc_core.megatron` state dict under DeepSeek-V4's names (`names`: transformers'
     or the released checkpoint's); `variant="deepseek_v41"` for a DeepSeek-V4.1 (single-pass) model, whose
     checkpoint has the same names and no `hc_head`.
@@ -105,21 +114,27 @@ def to_deepseek_v4(state: Mapping[str, torch.Tensor], *, variant: str,
     `deepseek_v41`.
     """
     if variant not in _CONVERTIBLE:
-        raise ValueError(f"variant={variant!r}: DeepSeek-V4 computes megatron_dev's convention (H_res^T mix, "
-                         "softmax-started Sinkhorn with eps, h_pre + eps), DeepSeek-V4.1 deepseek_v41's; a model of "
-                         "another variant would compute another function under their names")
+        raise ValueError(
+            f"variant={variant!r}: DeepSeek-V4 computes megatron_dev's convention (H_res^T mix, "
+            "softmax-started Sinkhorn with eps, h_pre + eps), DeepSeek-V4.1 deepseek_v41's; a model of "
+            "another variant would compute another function under their names"
+        )
     heads = [k for k in state if k.removeprefix("module.") in _HEAD]
     if variant == "deepseek_v41" and heads:
-        raise ValueError(f"variant='deepseek_v41': {heads[0]} is a learned exit head, which DeepSeek-V4.1 does not "
-                         "have (its exit aggregates with the last sublayer's H_pre)")
+        raise ValueError(
+            f"variant='deepseek_v41': {heads[0]} is a learned exit head, which DeepSeek-V4.1 does not "
+            "have (its exit aggregates with the last sublayer's H_pre)"
+        )
     groups: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         m = _MEGATRON.match(_as_gpt(key))
         if m:
             groups.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = value
     if not groups:
-        raise ValueError("no mHC parameters (decoder.layers.<i>.*_hyper_connection.*, or a hybrid stack's "
-                         "decoder.layers.<j>.hyper_connection.*) in the state dict")
+        raise ValueError(
+            "no mHC parameters (decoder.layers.<i>.*_hyper_connection.*, or a hybrid stack's "
+            "decoder.layers.<j>.hyper_connection.*) in the state dict"
+        )
     out: dict[str, torch.Tensor] = {}
     for (i, sub), p in sorted(groups.items()):
         missing = sorted({"mapping_proj.weight", "bias", *_ALPHAS} - set(p))
@@ -151,7 +166,9 @@ def _from_checkpoint(key: str) -> str:
     return key
 
 
-def from_deepseek_v4(state: Mapping[str, torch.Tensor], *, form: Form | str = Form.GPT) -> dict[str, torch.Tensor]:
+def from_deepseek_v4(
+    state: Mapping[str, torch.Tensor], *, form: Form | str = Form.GPT
+) -> dict[str, torch.Tensor]:
     """The mHC entries of a DeepSeek-V4 state dict (either naming) under `mhc_core.megatron`'s names (a
     `megatron_dev` model's): the GPT's, or with `form="hybrid"` the hybrid stack's; `ValueError` naming a bad
     `scale` shape, an unknown form or an empty result."""
@@ -171,14 +188,18 @@ def from_deepseek_v4(state: Mapping[str, torch.Tensor], *, form: Form | str = Fo
                 out[f"{prefix}.bias"] = value
             else:
                 if tuple(value.shape) != (3,):
-                    raise ValueError(f"{key}: scale must have shape [3] (pre, post, comb), got {list(value.shape)}")
+                    raise ValueError(
+                        f"{key}: scale must have shape [3] (pre, post, comb), got {list(value.shape)}"
+                    )
                 for j, a in enumerate(_ALPHAS):
-                    out[f"{prefix}.{a}"] = value[j:j + 1].clone()
+                    out[f"{prefix}.{a}"] = value[j : j + 1].clone()
         elif _from_checkpoint(key) in _HEAD.values():
             out[next(k for k, v in _HEAD.items() if v == _from_checkpoint(key))] = value
     if not out:
-        raise ValueError("no DeepSeek-V4 mHC parameters (model.layers.<i>.attn_hc/ffn_hc.*, model.hc_head.*, or the "
-                         "checkpoint's layers.<i>.hc_attn_*/hc_ffn_*, hc_head_*) in the state dict")
+        raise ValueError(
+            "no DeepSeek-V4 mHC parameters (model.layers.<i>.attn_hc/ffn_hc.*, model.hc_head.*, or the "
+            "checkpoint's layers.<i>.hc_attn_*/hc_ffn_*, hc_head_*) in the state dict"
+        )
     if form == Form.HYBRID:
         from mhc_core.megatron.hybrid import hybrid_key
 

@@ -30,8 +30,10 @@ class MHCGPTModel(GPTModel):
     """
 
     def __init__(self, config: Any, transformer_layer_spec: ModuleSpec, *args: Any, **kwargs: Any):
-        with gpt_model_classes(TransformerBlock=HyperConnectionTransformerBlock,
-                               MultiTokenPredictionBlock=HyperConnectionMTPBlock):
+        with gpt_model_classes(
+            TransformerBlock=HyperConnectionTransformerBlock,
+            MultiTokenPredictionBlock=HyperConnectionMTPBlock,
+        ):
             super().__init__(config, transformer_layer_spec, *args, **kwargs)
         if not isinstance(self.decoder, HyperConnectionTransformerBlock):
             raise RuntimeError(
@@ -83,10 +85,13 @@ def build_gpt_model(
     check_int(vocab_size, name="vocab_size", op="build_gpt_model")
     check_int(max_sequence_length, name="max_sequence_length", op="build_gpt_model")
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
-    if vp_stage is not None and (isinstance(vp_stage, bool) or not isinstance(vp_stage, int)
-                                 or not 0 <= vp_stage < (vpp or 1)):
-        raise ValueError(f"build_gpt_model: vp_stage={vp_stage!r} must be None or an integer in [0, "
-                         f"virtual_pipeline_model_parallel_size={vpp or 1})")
+    if vp_stage is not None and (
+        isinstance(vp_stage, bool) or not isinstance(vp_stage, int) or not 0 <= vp_stage < (vpp or 1)
+    ):
+        raise ValueError(
+            f"build_gpt_model: vp_stage={vp_stage!r} must be None or an integer in [0, "
+            f"virtual_pipeline_model_parallel_size={vpp or 1})"
+        )
     enable = bool(getattr(config, "enable_mhc_connections", False))
     common = dict(
         num_experts=config.num_moe_experts,
@@ -113,11 +118,14 @@ def build_gpt_model(
         raise ValueError(f"build_gpt_model: spec={spec!r}; valid: 'local', 'te' or a ModuleSpec")
     model_cls = MHCGPTModel if enable else GPTModel
     if getattr(config, "mtp_num_layers", None) and "mtp_block_spec" not in kwargs:
-        kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=spec == "te",
-                                                          vp_stage=vp_stage)
+        kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(
+            config, layer_spec, use_transformer_engine=spec == "te", vp_stage=vp_stage
+        )
     block_spec: Any = layer_spec
     if spec == "local":  # megatron-core's local norms refuse sequence parallelism: torch norms that take it
-        block_spec, mtp = sequence_parallel_specs(config, layer_spec, kwargs.get("mtp_block_spec"), vp_stage=vp_stage)
+        block_spec, mtp = sequence_parallel_specs(
+            config, layer_spec, kwargs.get("mtp_block_spec"), vp_stage=vp_stage
+        )
         if mtp is not None:
             kwargs["mtp_block_spec"] = mtp
     return model_cls(

@@ -24,13 +24,24 @@ from torch import Tensor
 from mhc_core.handoff import HandoffPrecision, handoff_channels, pack, unpack
 from mhc_core.ops.single_pass import entry_mix, exit_aggregate, mix_dtype
 
-__all__ = ["boundary_width", "carrier_width", "enter", "handoff_mix_dtype", "is_single_pass", "leave", "receive",
-           "rounded_at_boundaries", "send"]
+__all__ = [
+    "boundary_width",
+    "carrier_width",
+    "enter",
+    "handoff_mix_dtype",
+    "is_single_pass",
+    "leave",
+    "receive",
+    "rounded_at_boundaries",
+    "send",
+]
 
 
 def is_single_pass(config: Any) -> bool:
     """mHC on, in the single-pass form."""
-    return bool(getattr(config, "enable_mhc_connections", False) and getattr(config, "mhc_single_pass", False))
+    return bool(
+        getattr(config, "enable_mhc_connections", False) and getattr(config, "mhc_single_pass", False)
+    )
 
 
 def handoff_mix_dtype(config: Any, streams_dtype: torch.dtype) -> torch.dtype:
@@ -41,13 +52,17 @@ def handoff_mix_dtype(config: Any, streams_dtype: torch.dtype) -> torch.dtype:
 def carrier_width(config: Any, streams_dtype: torch.dtype) -> int:
     """`n*C + k`: the width of the carrier of `streams_dtype` streams."""
     n = int(config.mhc_num_residual_streams)
-    return n * config.hidden_size + handoff_channels(n, streams_dtype, handoff_mix_dtype(config, streams_dtype))
+    return n * config.hidden_size + handoff_channels(
+        n, streams_dtype, handoff_mix_dtype(config, streams_dtype)
+    )
 
 
 def enter(config: Any, streams: Tensor) -> Tensor:
     """The block's entry: the expanded streams `[s, b, n*C]` with the identity mix (stream 0) behind them."""
     n = int(config.mhc_num_residual_streams)
-    mix = entry_mix(tuple(streams.shape[:2]), n, dtype=handoff_mix_dtype(config, streams.dtype), device=streams.device)
+    mix = entry_mix(
+        tuple(streams.shape[:2]), n, dtype=handoff_mix_dtype(config, streams.dtype), device=streams.device
+    )
     return pack(streams, mix)
 
 
@@ -60,8 +75,10 @@ def leave(config: Any, carrier: Tensor) -> Tensor:
 
 def rounded_at_boundaries(config: Any) -> bool:
     """`mhc_handoff_precision="pipeline_dtype"`: the mix is rounded to the pipeline dtype between stages."""
-    return HandoffPrecision(getattr(config, "mhc_handoff_precision", HandoffPrecision.EXACT)) == \
-        HandoffPrecision.PIPELINE_DTYPE
+    return (
+        HandoffPrecision(getattr(config, "mhc_handoff_precision", HandoffPrecision.EXACT))
+        == HandoffPrecision.PIPELINE_DTYPE
+    )
 
 
 def boundary_width(config: Any, streams_dtype: torch.dtype) -> int:

@@ -44,9 +44,19 @@ from torch import Tensor
 from mhc_core.megatron.layer import RecomputeMember
 from mhc_core.module import HyperConnectionModule
 
-__all__ = ["HyperConnectionHybridLayer", "HybridLayerSequence", "HybridLayerSubmodules", "HybridSequenceSubmodules",
-           "gpt_key", "hybrid_block_spec", "hybrid_key", "hybrid_layout", "hybrid_mtp_block_spec", "parse_pattern",
-           "split_mtp"]
+__all__ = [
+    "HyperConnectionHybridLayer",
+    "HybridLayerSequence",
+    "HybridLayerSubmodules",
+    "HybridSequenceSubmodules",
+    "gpt_key",
+    "hybrid_block_spec",
+    "hybrid_key",
+    "hybrid_layout",
+    "hybrid_mtp_block_spec",
+    "parse_pattern",
+    "split_mtp",
+]
 
 ATTENTION, MLP, MOE, STAGE, MTP = "*", "-", "E", "|", "/"
 RUNS_HERE = (ATTENTION, MLP, MOE)
@@ -73,11 +83,15 @@ def split_mtp(pattern: str) -> tuple[str, str | None, int]:
     if any(not d for d in depths):
         raise ValueError(f"hybrid pattern {pattern!r}: an MTP depth after {MTP!r} holds no layer")
     if len(set(depths)) != 1:
-        raise ValueError(f"hybrid pattern {pattern!r}: every MTP depth has the same layers (dev's form "
-                         f"<main>/<mtp>/<mtp>), got {depths}")
+        raise ValueError(
+            f"hybrid pattern {pattern!r}: every MTP depth has the same layers (dev's form "
+            f"<main>/<mtp>/<mtp>), got {depths}"
+        )
     if STAGE in depths[0]:
-        raise ValueError(f"hybrid pattern {pattern!r}: an MTP depth holds no stage boundary {STAGE!r} (the depths run "
-                         "on the last stage)")
+        raise ValueError(
+            f"hybrid pattern {pattern!r}: an MTP depth holds no stage boundary {STAGE!r} (the depths run "
+            "on the last stage)"
+        )
     return main, depths[0], len(depths)
 
 
@@ -90,13 +104,17 @@ def parse_pattern(pattern: str) -> list[str]:
         NotImplementedError: a symbol that cannot run here (`NOT_HERE`), with its reason.
     """
     if not isinstance(pattern, str) or not pattern:
-        raise ValueError(f"hybrid pattern {pattern!r}: a non-empty string of {RUNS_HERE}, {STAGE!r} and {MTP!r}")
+        raise ValueError(
+            f"hybrid pattern {pattern!r}: a non-empty string of {RUNS_HERE}, {STAGE!r} and {MTP!r}"
+        )
     for i, sym in enumerate(pattern):
         if sym in NOT_HERE:
             raise NotImplementedError(f"hybrid pattern {pattern!r}: {sym!r} at position {i}: {NOT_HERE[sym]}")
         if sym not in RUNS_HERE and sym not in (STAGE, MTP):
-            raise ValueError(f"hybrid pattern {pattern!r}: unknown symbol {sym!r} at position {i}; valid: "
-                             f"{', '.join(RUNS_HERE)}, {STAGE!r} (a stage boundary) and {MTP!r} (MTP depths)")
+            raise ValueError(
+                f"hybrid pattern {pattern!r}: unknown symbol {sym!r} at position {i}; valid: "
+                f"{', '.join(RUNS_HERE)}, {STAGE!r} (a stage boundary) and {MTP!r} (MTP depths)"
+            )
     main, _, _ = split_mtp(pattern)
     segments = main.split(STAGE)
     empty = [i for i, seg in enumerate(segments) if not seg]
@@ -132,10 +150,14 @@ class HyperConnectionHybridLayer(RecomputeMember, MegatronModule):
 
     def __init__(self, config: Any, submodules: HybridLayerSubmodules, layer_number: int = 1, **kwargs: Any):
         super().__init__(config=config)
-        self.inner_layer = build_module(submodules.inner_layer, config=config, layer_number=layer_number, **kwargs)
+        self.inner_layer = build_module(
+            submodules.inner_layer, config=config, layer_number=layer_number, **kwargs
+        )
         if not isinstance(self.inner_layer, TransformerLayer):
-            raise TypeError(f"HyperConnectionHybridLayer: the wrapped layer is a {type(self.inner_layer).__name__}; "
-                            "only megatron-core TransformerLayer branches run here")
+            raise TypeError(
+                f"HyperConnectionHybridLayer: the wrapped layer is a {type(self.inner_layer).__name__}; "
+                "only megatron-core TransformerLayer branches run here"
+            )
         self.layer_number = self.inner_layer.layer_number
         self.hyper_connection = HyperConnectionModule(config, layer_number=self.layer_number)
         layer = self.inner_layer
@@ -151,9 +173,12 @@ class HyperConnectionHybridLayer(RecomputeMember, MegatronModule):
         """`[s, b, C]` -> the branch output and bias, before any residual add."""
         layer = self.inner_layer
         if self.has_attention:
-            out = layer.self_attention(layer.input_layernorm(aggregated), attention_mask=kwargs.get("attention_mask"),
-                                       rotary_pos_emb=kwargs.get("rotary_pos_emb"),
-                                       packed_seq_params=kwargs.get("packed_seq_params"))
+            out = layer.self_attention(
+                layer.input_layernorm(aggregated),
+                attention_mask=kwargs.get("attention_mask"),
+                rotary_pos_emb=kwargs.get("rotary_pos_emb"),
+                packed_seq_params=kwargs.get("packed_seq_params"),
+            )
         else:
             out = layer.mlp(layer.pre_mlp_layernorm(aggregated))
         return out[0], out[1]
@@ -174,8 +199,10 @@ class HyperConnectionHybridLayer(RecomputeMember, MegatronModule):
             out, context = self.inner_layer(aggregated, *args, **kwargs)
             y, bias, dropout = out - aggregated, None, 0.0
         if y.shape != aggregated.shape:
-            raise RuntimeError(f"HyperConnectionHybridLayer {self.layer_number}: the branch output "
-                               f"{list(y.shape)} is not the shape of its input {list(aggregated.shape)}")
+            raise RuntimeError(
+                f"HyperConnectionHybridLayer {self.layer_number}: the branch output "
+                f"{list(y.shape)} is not the shape of its input {list(aggregated.shape)}"
+            )
         return self._mix(hc, h_res, residual, h_post, (y, bias), dropout, next_h_pre), context
 
 
@@ -193,8 +220,11 @@ class HybridSequenceSubmodules(TransformerLayerSubmodules):
 
         attention = [spec.submodules.inner_layer.submodules.self_attention for spec in self.layers]
         attention = [a for a in attention if a is not IdentityOp]
-        self.self_attention = attention[0] if attention else ModuleSpec(
-            module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal})
+        self.self_attention = (
+            attention[0]
+            if attention
+            else ModuleSpec(module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal})
+        )
 
 
 class HybridLayerSequence(MegatronModule):
@@ -202,13 +232,17 @@ class HybridLayerSequence(MegatronModule):
     n streams, `[s, b, n*C]` in and out, no expand or contraction of their own. Called as the depth's inner layer
     (`hidden_states=...` and the layer's keyword arguments), returns `(hidden_states, context)`."""
 
-    def __init__(self, config: Any, submodules: HybridSequenceSubmodules, layer_number: int = 1, **kwargs: Any):
+    def __init__(
+        self, config: Any, submodules: HybridSequenceSubmodules, layer_number: int = 1, **kwargs: Any
+    ):
         super().__init__(config=config)
         if not submodules.layers:
             raise ValueError("HybridLayerSequence: an MTP depth needs at least one layer")
         # One number for the depth's layers: megatron-core numbers an MTP depth's inner layer after the decoder's.
-        self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=layer_number, **kwargs)
-                                          for spec in submodules.layers)
+        self.layers = torch.nn.ModuleList(
+            build_module(spec, config=config, layer_number=layer_number, **kwargs)
+            for spec in submodules.layers
+        )
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         context = kwargs.get("context")
@@ -227,8 +261,9 @@ def _layer_spec(symbol: str, *, num_experts: int | None, normalization: str) -> 
     if symbol == ATTENTION:
         sub = dataclasses.replace(sub, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityOp)
     else:
-        sub = dataclasses.replace(sub, input_layernorm=IdentityOp, self_attention=IdentityOp,
-                                  self_attn_bda=IdentityOp)
+        sub = dataclasses.replace(
+            sub, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityOp
+        )
     inner = dataclasses.replace(stock, submodules=sub)
     return ModuleSpec(module=HyperConnectionHybridLayer, submodules=HybridLayerSubmodules(inner_layer=inner))
 
@@ -236,8 +271,10 @@ def _layer_spec(symbol: str, *, num_experts: int | None, normalization: str) -> 
 def _layer_specs(config: Any, symbols: str) -> list[ModuleSpec]:
     """The hybrid layer spec of each symbol, with the config's experts and normalization."""
     normalization = getattr(config, "normalization", "LayerNorm")
-    return [_layer_spec(sym, num_experts=getattr(config, "num_moe_experts", None), normalization=normalization)
-            for sym in symbols]
+    return [
+        _layer_spec(sym, num_experts=getattr(config, "num_moe_experts", None), normalization=normalization)
+        for sym in symbols
+    ]
 
 
 def hybrid_block_spec(config: Any, pattern: str, *, stage: int = 0, vp_stage: int | None = None) -> Any:
@@ -252,19 +289,28 @@ def hybrid_block_spec(config: Any, pattern: str, *, stage: int = 0, vp_stage: in
     pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(config, "virtual_pipeline_model_parallel_size", None) or 1)
     if len(segments) != pp * vpp:
-        raise ValueError(f"hybrid pattern {pattern!r} has {len(segments)} stages; the config runs PP {pp} x VPP {vpp}")
+        raise ValueError(
+            f"hybrid pattern {pattern!r} has {len(segments)} stages; the config runs PP {pp} x VPP {vpp}"
+        )
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if pp > 1 and str(layout) != hybrid_layout(pattern):  # a layout object prints as its string (0.16, 0.19)
-        raise ValueError(f"hybrid pattern {pattern!r}: set pipeline_model_parallel_layout={hybrid_layout(pattern)!r} "
-                         f"(got {layout!r}) so that layer numbers follow the pattern's stages")
+        raise ValueError(
+            f"hybrid pattern {pattern!r}: set pipeline_model_parallel_layout={hybrid_layout(pattern)!r} "
+            f"(got {layout!r}) so that layer numbers follow the pattern's stages"
+        )
     depths = split_mtp(pattern)[2]
     if depths != int(getattr(config, "mtp_num_layers", None) or 0):
-        raise ValueError(f"hybrid pattern {pattern!r} has {depths} MTP depth(s); set config.mtp_num_layers={depths} "
-                         f"(got {getattr(config, 'mtp_num_layers', None)!r})")
+        raise ValueError(
+            f"hybrid pattern {pattern!r} has {depths} MTP depth(s); set config.mtp_num_layers={depths} "
+            f"(got {getattr(config, 'mtp_num_layers', None)!r})"
+        )
     chunk = (vp_stage or 0) * pp + stage
-    stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=getattr(config, "normalization", "LayerNorm"))
-    return TransformerBlockSubmodules(layer_specs=_layer_specs(config, segments[chunk]),
-                                      layer_norm=stock.submodules.input_layernorm)
+    stock = gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization=getattr(config, "normalization", "LayerNorm")
+    )
+    return TransformerBlockSubmodules(
+        layer_specs=_layer_specs(config, segments[chunk]), layer_norm=stock.submodules.input_layernorm
+    )
 
 
 def hybrid_mtp_block_spec(config: Any, pattern: str, *, vp_stage: int | None = None) -> Any:
@@ -276,9 +322,13 @@ def hybrid_mtp_block_spec(config: Any, pattern: str, *, vp_stage: int | None = N
     _, depth_pattern, depths = split_mtp(pattern)
     if depth_pattern is None:
         return None
-    inner = ModuleSpec(module=HybridLayerSequence,
-                       submodules=HybridSequenceSubmodules(layers=_layer_specs(config, depth_pattern)))
-    stock = gpt_layer_specs.get_gpt_layer_local_spec(normalization=getattr(config, "normalization", "LayerNorm"))
+    inner = ModuleSpec(
+        module=HybridLayerSequence,
+        submodules=HybridSequenceSubmodules(layers=_layer_specs(config, depth_pattern)),
+    )
+    stock = gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization=getattr(config, "normalization", "LayerNorm")
+    )
     return get_gpt_mtp_block_spec(config, stock, vp_stage=vp_stage, inner=inner)
 
 
@@ -293,10 +343,10 @@ def gpt_key(key: str) -> str:
     `inner_layer.` prefix dropped). Keys outside `decoder.layers.` are unchanged."""
     if not key.startswith(_LAYERS):
         return key
-    index, rest = key[len(_LAYERS):].split(".", 1)
+    index, rest = key[len(_LAYERS) :].split(".", 1)
     layer, branch = divmod(int(index), 2)
     if rest.startswith("hyper_connection."):
-        rest = f"{_SLOTS[branch]}." + rest[len("hyper_connection."):]
+        rest = f"{_SLOTS[branch]}." + rest[len("hyper_connection.") :]
     rest = rest.removeprefix("inner_layer.")
     return f"{_LAYERS}{layer}.{rest}"
 
@@ -306,8 +356,8 @@ def hybrid_key(key: str) -> str:
     `decoder.layers.<2i or 2i+1>.hyper_connection.*`); other keys unchanged."""
     if not key.startswith(_LAYERS):
         return key
-    index, rest = key[len(_LAYERS):].split(".", 1)
+    index, rest = key[len(_LAYERS) :].split(".", 1)
     for branch, slot in enumerate(_SLOTS):
         if rest.startswith(f"{slot}."):
-            return f"{_LAYERS}{2 * int(index) + branch}.hyper_connection." + rest[len(slot) + 1:]
+            return f"{_LAYERS}{2 * int(index) + branch}.hyper_connection." + rest[len(slot) + 1 :]
     return key

@@ -41,8 +41,13 @@ from mhc_core.megatron.compat import checkpoint_without_output
 from mhc_core.ops.single_pass import mix_dtype
 from mhc_core.recompute import StreamRecompute
 
-__all__ = ["HyperConnectionTransformerLayer", "HyperConnectionTransformerLayerSubmodules", "RecomputeMember",
-           "RecomputePlan", "RecomputeSlot"]
+__all__ = [
+    "HyperConnectionTransformerLayer",
+    "HyperConnectionTransformerLayerSubmodules",
+    "RecomputeMember",
+    "RecomputePlan",
+    "RecomputeSlot",
+]
 
 _HC_SLOTS = ("self_attention_hyper_connection", "cross_attention_hyper_connection", "mlp_hyper_connection")
 
@@ -153,15 +158,24 @@ class RecomputeMember:
         aggregated, h_res, h_post, next_h_pre = hc(streams, previous_h_pre=h_pre)
         return _Connection(aggregated, _Streams(streams, h_res, h_post), next_h_pre)
 
-    def _mix(self, hc: Any, h_res: Tensor, residual: Tensor, h_post: Tensor,
-             output_with_bias: tuple[Tensor, Tensor | None], dropout: float, carry: Tensor | None = None) -> Tensor:
+    def _mix(
+        self,
+        hc: Any,
+        h_res: Tensor,
+        residual: Tensor,
+        h_post: Tensor,
+        output_with_bias: tuple[Tensor, Tensor | None],
+        dropout: float,
+        carry: Tensor | None = None,
+    ) -> Tensor:
         """`hc.post_residual_bda` with hidden dropout `dropout`, as a recompute step when a group is open; with
         `carry` (the single-pass `H_pre` handed on) the carrier of its output and `carry`."""
         if self._mhc_group is None:
             out = hc.post_residual_bda(h_res, residual, h_post, output_with_bias, dropout, self.training)
             return out if carry is None else pack(out, carry)
-        return self._mhc_group.post_residual_bda(hc, h_res, residual, h_post, output_with_bias, dropout, self.training,
-                                                 carry=carry)
+        return self._mhc_group.post_residual_bda(
+            hc, h_res, residual, h_post, output_with_bias, dropout, self.training, carry=carry
+        )
 
 
 def _is_identity(spec: Any) -> bool:
@@ -244,15 +258,28 @@ class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The stock forward; with mHC recompute on, run inside this layer's recompute group (`RecomputeMember`)."""
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        return self._in_recompute_group(hidden_states, lambda: super(HyperConnectionTransformerLayer, self).forward(
-            *args, **kwargs))
+        return self._in_recompute_group(
+            hidden_states, lambda: super(HyperConnectionTransformerLayer, self).forward(*args, **kwargs)
+        )
 
-    def _post_bda(self, hc: Any, streams: _Streams, output_with_bias: tuple[Tensor, Tensor | None],
-                  next_h_pre: Tensor | None) -> Tensor:
+    def _post_bda(
+        self,
+        hc: Any,
+        streams: _Streams,
+        output_with_bias: tuple[Tensor, Tensor | None],
+        next_h_pre: Tensor | None,
+    ) -> Tensor:
         """`hc.post_residual_bda` with the layer's hidden dropout, as a recompute step when a group is open (the
         carrier with `next_h_pre` in the single-pass form)."""
-        return self._mix(hc, streams.h_res, streams.residual, streams.h_post, output_with_bias, self.hidden_dropout,
-                         next_h_pre)
+        return self._mix(
+            hc,
+            streams.h_res,
+            streams.residual,
+            streams.h_post,
+            output_with_bias,
+            self.hidden_dropout,
+            next_h_pre,
+        )
 
     def _forward_attention(
         self,
@@ -398,8 +425,9 @@ class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
             self.pre_mlp_norm_checkpoint.discard_output_and_register_recompute(mlp_output_with_bias[0])
         mlp_output_with_bias = self._sandwich_norm("post_mlp_layernorm", mlp_output_with_bias)
         with self.bias_dropout_add_exec_handler():
-            hidden_states = self._post_bda(self.mlp_hyper_connection, residual, mlp_output_with_bias,
-                                           residual.next_h_pre)
+            hidden_states = self._post_bda(
+                self.mlp_hyper_connection, residual, mlp_output_with_bias, residual.next_h_pre
+            )
         return make_viewless_tensor(
             inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True
         )
@@ -410,8 +438,11 @@ class HyperConnectionTransformerLayer(RecomputeMember, TransformerLayer):
 
         static_inputs = super().get_layer_static_inputs(seq_length, micro_batch_size)
         hs = static_inputs["hidden_states"]
-        width = (carrier_width(self.config, hs.dtype) if is_single_pass(self.config)
-                 else self.num_residual_streams * hs.shape[-1])
+        width = (
+            carrier_width(self.config, hs.dtype)
+            if is_single_pass(self.config)
+            else self.num_residual_streams * hs.shape[-1]
+        )
         static_inputs["hidden_states"] = torch.ones(
             (*hs.shape[:-1], width),
             dtype=hs.dtype,

@@ -44,7 +44,12 @@ from torch import Tensor, nn
 from mhc_core.megatron.block import StreamContraction
 from mhc_core.precision import KeepInFp32Mixin
 
-__all__ = ["HyperConnectionMTPBlock", "HyperConnectionMTPLayer", "get_gpt_mtp_block_spec", "tracked_mtp_losses"]
+__all__ = [
+    "HyperConnectionMTPBlock",
+    "HyperConnectionMTPLayer",
+    "get_gpt_mtp_block_spec",
+    "tracked_mtp_losses",
+]
 
 _INNER_NAMES = ("mtp_model_layer", "transformer_layer")
 
@@ -55,8 +60,10 @@ def _inner_field(submodules: Any) -> str:
     for name in _INNER_NAMES:
         if name in names:
             return name
-    raise RuntimeError(f"{type(submodules).__name__} has none of the fields {_INNER_NAMES}: "
-                       "mhc_core.megatron.mtp needs updating for this megatron-core")
+    raise RuntimeError(
+        f"{type(submodules).__name__} has none of the fields {_INNER_NAMES}: "
+        "mhc_core.megatron.mtp needs updating for this megatron-core"
+    )
 
 
 class HyperConnectionMTPLayer(StreamContraction, KeepInFp32Mixin, mcore_mtp.MultiTokenPredictionLayer):
@@ -92,14 +99,26 @@ class HyperConnectionMTPLayer(StreamContraction, KeepInFp32Mixin, mcore_mtp.Mult
         if "tp_comm_buffer_name" in params:
             extra["tp_comm_buffer_name"] = buffer_name
         c = config.hidden_size
-        return build_module(linear, c, c, config=config, init_method=config.init_method, gather_output=False,
-                            bias=False, skip_bias_add=False, is_expert=False, **extra)
+        return build_module(
+            linear,
+            c,
+            c,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=False,
+            is_expert=False,
+            **extra,
+        )
 
     def _check_streams(self, hidden_states: Tensor) -> None:
         n, c = self.num_residual_streams, self.config.hidden_size
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != n * c:
-            raise ValueError(f"HyperConnectionMTPLayer (depth {self.layer_number}, n = {n}, C = {c}): its input must "
-                             f"be the streams [s, b, n*C], last dim {n * c}; got {list(hidden_states.shape)}")
+            raise ValueError(
+                f"HyperConnectionMTPLayer (depth {self.layer_number}, n = {n}, C = {c}): its input must "
+                f"be the streams [s, b, n*C], last dim {n * c}; got {list(hidden_states.shape)}"
+            )
 
     def _concat_embeddings(self, hidden_states: Tensor, decoder_input: Tensor) -> Tensor:
         """`[s, b, n*C]` streams and `[s, b, C]` embedding -> `[s, b, n*C]`, the inner layer's input."""
@@ -167,8 +186,10 @@ class HyperConnectionMTPBlock(mcore_mtp.MultiTokenPredictionBlock):
         if self.mhc_enabled:
             for i, layer in enumerate(self.layers):
                 if not isinstance(layer, HyperConnectionMTPLayer):
-                    raise ValueError(f"HyperConnectionMTPBlock: layers[{i}] is a {type(layer).__name__}, but mHC needs "
-                                     "HyperConnectionMTPLayer (build the spec with mhc_core.megatron.get_gpt_mtp_block_spec)")
+                    raise ValueError(
+                        f"HyperConnectionMTPBlock: layers[{i}] is a {type(layer).__name__}, but mHC needs "
+                        "HyperConnectionMTPLayer (build the spec with mhc_core.megatron.get_gpt_mtp_block_spec)"
+                    )
 
     @contextmanager
     def streams_from_decoder(self, streams: Tensor | None) -> Iterator[None]:
@@ -183,15 +204,21 @@ class HyperConnectionMTPBlock(mcore_mtp.MultiTokenPredictionBlock):
         if not self.mhc_enabled:
             return super().forward(*args, **kwargs)
         if args:
-            raise TypeError("HyperConnectionMTPBlock.forward takes keyword arguments only (as GPTModel calls it)")
+            raise TypeError(
+                "HyperConnectionMTPBlock.forward takes keyword arguments only (as GPTModel calls it)"
+            )
         offset = mcore_mtp.get_mtp_layer_offset(self.config, self.vp_stage)
         if offset != 0:
-            raise NotImplementedError(f"HyperConnectionMTPBlock: MTP depths split over stages (offset {offset}) are not "
-                                      "supported with mHC: the decoder's streams reach only the stage with its final layernorm")
+            raise NotImplementedError(
+                f"HyperConnectionMTPBlock: MTP depths split over stages (offset {offset}) are not "
+                "supported with mHC: the decoder's streams reach only the stage with its final layernorm"
+            )
         streams = self._streams
         if streams is None:
-            raise RuntimeError("HyperConnectionMTPBlock: no decoder streams [s, b, n*C]; MTP with mHC runs inside "
-                               "MHCGPTModel, whose decoder hands them over (HyperConnectionTransformerBlock.mtp_streams)")
+            raise RuntimeError(
+                "HyperConnectionMTPBlock: no decoder streams [s, b, n*C]; MTP with mHC runs inside "
+                "MHCGPTModel, whose decoder hands them over (HyperConnectionTransformerBlock.mtp_streams)"
+            )
         hidden_states = kwargs.pop("hidden_states")
         if getattr(self.config, "mtp_detach_heads", False):
             streams = streams.detach()
@@ -208,8 +235,14 @@ class HyperConnectionMTPBlock(mcore_mtp.MultiTokenPredictionBlock):
         return torch.cat(outputs, dim=0)
 
 
-def get_gpt_mtp_block_spec(config: Any, layer_spec: ModuleSpec, *, use_transformer_engine: bool = False,
-                           vp_stage: int | None = None, inner: ModuleSpec | None = None) -> Any:
+def get_gpt_mtp_block_spec(
+    config: Any,
+    layer_spec: ModuleSpec,
+    *,
+    use_transformer_engine: bool = False,
+    vp_stage: int | None = None,
+    inner: ModuleSpec | None = None,
+) -> Any:
     """The MTP block spec of the installed megatron-core for this stage, each depth an mHC depth.
 
     Args:
@@ -224,8 +257,9 @@ def get_gpt_mtp_block_spec(config: Any, layer_spec: ModuleSpec, *, use_transform
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     stock = ModuleSpec(module=TransformerLayer, submodules=layer_spec.submodules, params=layer_spec.params)
-    spec = gpt_layer_specs.get_gpt_mtp_block_spec(config, stock, use_transformer_engine=use_transformer_engine,
-                                                  vp_stage=vp_stage)
+    spec = gpt_layer_specs.get_gpt_mtp_block_spec(
+        config, stock, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage
+    )
     if spec is None or not getattr(config, "enable_mhc_connections", False):
         return spec
     depths = []
@@ -243,7 +277,9 @@ def tracked_mtp_losses() -> Tensor | None:
     apart: ValueError naming it)."""
     tracker = mcore_mtp.MTPLossLoggingHelper.tracker
     if tracker.get("calculate_per_token_loss"):
-        raise ValueError("megatron-core's MTP tracker holds per-token loss sums (calculate_per_token_loss=True); the "
-                         "per-depth MTP loss here is the micro-batch mean: train without calculate_per_token_loss")
+        raise ValueError(
+            "megatron-core's MTP tracker holds per-token loss sums (calculate_per_token_loss=True); the "
+            "per-depth MTP loss here is the micro-batch mean: train without calculate_per_token_loss"
+        )
     values = tracker.get("loss_values", tracker.get("values", tracker.get("loss_sums")))
     return values if isinstance(values, Tensor) else None

@@ -19,8 +19,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["SequenceParallelTorchNorm", "sequence_parallel_block_spec", "sequence_parallel_specs",
-           "with_sequence_parallel_norms"]
+__all__ = [
+    "SequenceParallelTorchNorm",
+    "sequence_parallel_block_spec",
+    "sequence_parallel_specs",
+    "with_sequence_parallel_norms",
+]
 
 
 class SequenceParallelTorchNorm:
@@ -34,11 +38,15 @@ class SequenceParallelTorchNorm:
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
         for option in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
             if getattr(config, option, False):
-                raise ValueError(f"SequenceParallelTorchNorm: config.{option}=True is not supported by torch's norms")
+                raise ValueError(
+                    f"SequenceParallelTorchNorm: config.{option}=True is not supported by torch's norms"
+                )
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         if config.normalization not in kinds:
-            raise ValueError(f"SequenceParallelTorchNorm: config.normalization={config.normalization!r}; valid: "
-                             f"{', '.join(kinds)}")
+            raise ValueError(
+                f"SequenceParallelTorchNorm: config.normalization={config.normalization!r}; valid: "
+                f"{', '.join(kinds)}"
+            )
         norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
         if getattr(config, "sequence_parallel", False):
             for p in norm.parameters():
@@ -79,12 +87,15 @@ def sequence_parallel_block_spec(config: Any, layer_spec: Any, *, vp_stage: int 
     )
 
     layer = with_sequence_parallel_norms(layer_spec)
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=SequenceParallelTorchNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=SequenceParallelTorchNorm,
+    )
 
 
-def sequence_parallel_specs(config: Any, layer_spec: Any, mtp_block_spec: Any = None, *,
-                            vp_stage: int | None = None) -> tuple[Any, Any]:
+def sequence_parallel_specs(
+    config: Any, layer_spec: Any, mtp_block_spec: Any = None, *, vp_stage: int | None = None
+) -> tuple[Any, Any]:
     """A GPT chunk's `(block spec, MTP block spec)` from a local layer spec under `config.sequence_parallel`,
     every norm `SequenceParallelTorchNorm` (the MTP block's too, None stays None); without sequence parallelism
     `(layer_spec, mtp_block_spec)` unchanged."""

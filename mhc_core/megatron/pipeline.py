@@ -65,7 +65,11 @@ def mhc_width(config: Any) -> int:
         if getattr(config, "mhc_single_pass", False):
             from mhc_core.megatron.handoff import boundary_width
 
-            dtype = getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None) or torch.float32
+            dtype = (
+                getattr(config, "pipeline_dtype", None)
+                or getattr(config, "params_dtype", None)
+                or torch.float32
+            )
             return boundary_width(config, dtype)
         return config.hidden_size * int(getattr(config, "mhc_num_residual_streams", 1))
     return config.hidden_size
@@ -113,8 +117,13 @@ def interleaved_tensor_shape(
 ) -> tuple[int, int, int]:
     """The one shape of every hop of the interleaved schedule: `[s / CP (/ TP with SP), b, w]`,
     w = n*C with mHC and PP > 1, else C."""
-    for name, v in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size), ("tp_size", tp_size),
-                    ("cp_size", cp_size), ("pp_size", pp_size)):
+    for name, v in (
+        ("seq_length", seq_length),
+        ("micro_batch_size", micro_batch_size),
+        ("tp_size", tp_size),
+        ("cp_size", cp_size),
+        ("pp_size", pp_size),
+    ):
         check_int(v, name=name, op="interleaved_tensor_shape")
     s = seq_length // cp_size
     if getattr(config, "sequence_parallel", False):
@@ -152,8 +161,17 @@ def _groups(p2p_communicator, pg_collection):
 
 
 @functools.wraps(_STOCK_1F1B)
-def _mhc_1f1b(*, model, seq_length, micro_batch_size, decoder_seq_length=None, adjust_tensor_shapes_fn=None,
-              p2p_communicator=None, pg_collection=None, **kwargs):
+def _mhc_1f1b(
+    *,
+    model,
+    seq_length,
+    micro_batch_size,
+    decoder_seq_length=None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
+    **kwargs,
+):
     config = get_model_config(model[0] if isinstance(model, list) else model)
     if getattr(config, "enable_mhc_connections", False):
         pp_group, tp_group, cp_group = _groups(p2p_communicator, pg_collection)

@@ -29,14 +29,18 @@ def parse_layout(layout: str | list[list[str]]) -> list[list[str]]:
             while i < len(raw):
                 ch = raw[i]
                 if ch not in _LAYOUT_CHARS:
-                    raise ValueError(f"pipeline_model_parallel_layout: unknown layer symbol {ch!r} in {layout!r}")
+                    raise ValueError(
+                        f"pipeline_model_parallel_layout: unknown layer symbol {ch!r} in {layout!r}"
+                    )
                 count = 1
                 if i + 1 < len(raw) and raw[i + 1] == "*":
                     j = i + 2
                     while j < len(raw) and raw[j].isdigit():
                         j += 1
                     if j == i + 2:
-                        raise ValueError(f"pipeline_model_parallel_layout: {ch!r}* without a repeat count in {layout!r}")
+                        raise ValueError(
+                            f"pipeline_model_parallel_layout: {ch!r}* without a repeat count in {layout!r}"
+                        )
                     count = int(raw[i + 2 : j])
                     i = j
                 else:
@@ -46,13 +50,17 @@ def parse_layout(layout: str | list[list[str]]) -> list[list[str]]:
         return stages
     names = set(_LAYOUT_CHARS.values())
     if not isinstance(layout, list | tuple) or not all(isinstance(stage, list | tuple) for stage in layout):
-        raise ValueError(f"pipeline_model_parallel_layout={layout!r}: expected a string such as 'Et|tt|tL' "
-                         f"or a list of stages, each a list of {sorted(names)}")
+        raise ValueError(
+            f"pipeline_model_parallel_layout={layout!r}: expected a string such as 'Et|tt|tL' "
+            f"or a list of stages, each a list of {sorted(names)}"
+        )
     for k, stage in enumerate(layout):
         unknown = [kind for kind in stage if kind not in names]
         if unknown:
-            raise ValueError(f"pipeline_model_parallel_layout: stage {k} holds unknown layer kinds {unknown}; "
-                             f"valid: {sorted(names)}")
+            raise ValueError(
+                f"pipeline_model_parallel_layout: stage {k} holds unknown layer kinds {unknown}; "
+                f"valid: {sorted(names)}"
+            )
     return [list(stage) for stage in layout]
 
 
@@ -68,10 +76,19 @@ class PipelineSplit:
     pipeline_model_parallel_layout: str | list[list[str]] | None = None
 
     def __post_init__(self) -> None:
-        pp, vpp, layers = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size, self.num_layers
-        for name, v in (("num_layers", layers), ("pipeline_model_parallel_size", pp),
-                        ("virtual_pipeline_model_parallel_size", vpp)):
-            if not (v is None and name.startswith("virtual")) and (isinstance(v, bool) or not isinstance(v, int)):
+        pp, vpp, layers = (
+            self.pipeline_model_parallel_size,
+            self.virtual_pipeline_model_parallel_size,
+            self.num_layers,
+        )
+        for name, v in (
+            ("num_layers", layers),
+            ("pipeline_model_parallel_size", pp),
+            ("virtual_pipeline_model_parallel_size", vpp),
+        ):
+            if not (v is None and name.startswith("virtual")) and (
+                isinstance(v, bool) or not isinstance(v, int)
+            ):
                 raise ValueError(f"PipelineSplit: {name}={v!r} must be an integer")
         for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
             if not isinstance(getattr(self, name), bool):
@@ -84,7 +101,9 @@ class PipelineSplit:
         if self.pipeline_model_parallel_layout is not None:
             self._check_layout()
             return
-        standalone = int(self.account_for_embedding_in_pipeline_split) + int(self.account_for_loss_in_pipeline_split)
+        standalone = int(self.account_for_embedding_in_pipeline_split) + int(
+            self.account_for_loss_in_pipeline_split
+        )
         total = layers + standalone
         if total % pp:
             raise ValueError(

@@ -12,7 +12,13 @@ import torch
 
 from mhc_core.checks import check_dim, check_floating, check_rank, check_streams
 
-__all__ = ["AggregateBackend", "AggregateCall", "h_aggregate", "h_aggregate_reference", "check_h_aggregate_args"]
+__all__ = [
+    "AggregateBackend",
+    "AggregateCall",
+    "h_aggregate",
+    "h_aggregate_reference",
+    "check_h_aggregate_args",
+]
 
 
 def check_h_aggregate_args(x, h_pre, *, op: str = "h_aggregate") -> tuple[int, int]:
@@ -52,7 +58,9 @@ def h_aggregate_reference(call: AggregateCall) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor, *, backend: AggregateBackend | None = None) -> torch.Tensor:
+def h_aggregate(
+    x: torch.Tensor, h_pre: torch.Tensor, *, backend: AggregateBackend | None = None
+) -> torch.Tensor:
     """Weighted sum of the `n` streams.
 
     Args:

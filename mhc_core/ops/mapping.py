@@ -28,12 +28,23 @@ from mhc_core.checks import check_dim, check_floating, check_number, check_rank,
 from mhc_core.ops.permutations import num_permutations, permutation_mixture
 from mhc_core.variants import ResidualConstraint, Variant, VariantSpec, get_variant
 
-__all__ = ["MappingBackend", "MappingCall", "mapping_reference", "mapping", "gated_projection", "permutation_mapping", "num_mapping_outputs", "num_res_logits", "check_mapping_args", "compute_dtype", "effective_norm_eps",
-           "NORM_EPS"]
+__all__ = [
+    "MappingBackend",
+    "MappingCall",
+    "mapping_reference",
+    "mapping",
+    "gated_projection",
+    "permutation_mapping",
+    "num_mapping_outputs",
+    "num_res_logits",
+    "check_mapping_args",
+    "compute_dtype",
+    "effective_norm_eps",
+    "NORM_EPS",
+]
 
 NORM_EPS = 1e-6
 """eps of the RMS norm (outside the square root, as upstream, unless the spec says inside)."""
-
 
 
 def compute_dtype(spec: VariantSpec, dtype: torch.dtype) -> torch.dtype:
@@ -59,22 +70,36 @@ def num_mapping_outputs(n: int, residual: ResidualConstraint = ResidualConstrain
     return num_res_logits(n, residual) + 2 * n
 
 
-def check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, *, op: str = "mapping",
-                       norm_eps: float = NORM_EPS, residual: ResidualConstraint = ResidualConstraint.SINKHORN) -> int:
+def check_mapping_args(
+    x,
+    weight,
+    alpha_pre,
+    alpha_post,
+    alpha_res,
+    bias,
+    n,
+    *,
+    op: str = "mapping",
+    norm_eps: float = NORM_EPS,
+    residual: ResidualConstraint = ResidualConstraint.SINKHORN,
+) -> int:
     """The argument checks of `mapping`, shared by every backend; returns `n` as a Python int."""
     n = check_streams(n, op=op)
     check_number(norm_eps, name="norm_eps", op=op, low=0.0)
     check_rank(x, 2, name="x", op=op, layout="[T, n*C]")
     width = x.shape[1]
     if width % n != 0 or width == 0:
-        raise ValueError(f"{op}: x width n*C={width} is not a positive multiple of n={n}; x is {shape_str(x)}")
+        raise ValueError(
+            f"{op}: x width n*C={width} is not a positive multiple of n={n}; x is {shape_str(x)}"
+        )
     big_n = num_mapping_outputs(n, residual)
     check_dim(weight, (big_n, width), name="weight", op=op, layout="[N, n*C]")
     for name, a in (("alpha_pre", alpha_pre), ("alpha_post", alpha_post), ("alpha_res", alpha_res)):
         check_dim(a, (1,), name=name, op=op, layout="[1]")
     check_dim(bias, (big_n,), name="bias", op=op, layout="[N]")
-    check_floating(op=op, x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res,
-                   bias=bias)
+    check_floating(
+        op=op, x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias
+    )
     return n
 
 
@@ -112,8 +137,9 @@ class MappingBackend(Protocol):
 
 def mapping_reference(call: MappingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference backend's `mapping` (the module docstring's math)."""
-    h_pre, h_post, logits = gated_projection(call.x, *call.params, call.n, call.spec, call.norm_eps,
-                                             ResidualConstraint.SINKHORN, op="mapping")
+    h_pre, h_post, logits = gated_projection(
+        call.x, *call.params, call.n, call.spec, call.norm_eps, ResidualConstraint.SINKHORN, op="mapping"
+    )
     return h_pre, h_post, logits.reshape(call.x.shape[0], call.n, call.n)
 
 
@@ -144,9 +170,20 @@ def mapping(
         `h_pre [T, n]`, `h_post [T, n]`, `h_res_logits [T, n, n]`.
     """
     spec = get_variant(variant)
-    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op="mapping", norm_eps=norm_eps)
-    call = MappingCall(x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias,
-                       n=n, spec=spec, norm_eps=float(norm_eps))
+    n = check_mapping_args(
+        x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op="mapping", norm_eps=norm_eps
+    )
+    call = MappingCall(
+        x=x,
+        weight=weight,
+        alpha_pre=alpha_pre,
+        alpha_post=alpha_post,
+        alpha_res=alpha_res,
+        bias=bias,
+        n=n,
+        spec=spec,
+        norm_eps=float(norm_eps),
+    )
     return mapping_reference(call) if backend is None else backend.mapping(call)
 
 
@@ -168,8 +205,9 @@ def gated_projection(
     `[T, n*n]`, or `[T, n!]` for `permutations` (whose weight and bias have `2n + n!` rows: mHC-lite)."""
     spec = get_variant(variant)
     residual = ResidualConstraint(residual)
-    n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps,
-                           residual=residual)
+    n = check_mapping_args(
+        x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps, residual=residual
+    )
     n_res = num_res_logits(n, residual)
     width = x.shape[1]
 
@@ -200,13 +238,31 @@ def gated_projection(
     return h_pre, h_post, h_res_logits
 
 
-def permutation_mapping(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, alpha_post: torch.Tensor,
-                        alpha_res: torch.Tensor, bias: torch.Tensor, n: int,
-                        variant: str | Variant | VariantSpec = Variant.MEGATRON_DEV, norm_eps: float = NORM_EPS,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def permutation_mapping(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    alpha_pre: torch.Tensor,
+    alpha_post: torch.Tensor,
+    alpha_res: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    variant: str | Variant | VariantSpec = Variant.MEGATRON_DEV,
+    norm_eps: float = NORM_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC-lite's coefficients (`ResidualConstraint.PERMUTATIONS`): `mapping` with `2n + n!` projection outputs
     (`weight [2n + n!, n*C]`, `bias` likewise): `h_pre [T, n]`, `h_post [T, n]`, and `h_res [T, n, n]`, the
     permutation mixture of the `n!` logits (`mhc_core.ops.permutations`)."""
-    h_pre, h_post, logits = gated_projection(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, variant, norm_eps,
-                                             ResidualConstraint.PERMUTATIONS, op="permutation_mapping")
+    h_pre, h_post, logits = gated_projection(
+        x,
+        weight,
+        alpha_pre,
+        alpha_post,
+        alpha_res,
+        bias,
+        n,
+        variant,
+        norm_eps,
+        ResidualConstraint.PERMUTATIONS,
+        op="permutation_mapping",
+    )
     return h_pre, h_post, permutation_mixture(logits, n)

@@ -27,8 +27,10 @@ MAX_STREAMS = 6
 def num_permutations(n: int) -> int:
     """n!, after checking `n` (ValueError naming it above `MAX_STREAMS`)."""
     if not 1 <= n <= MAX_STREAMS:
-        raise ValueError(f"permutation mixture: n={n} streams has {math.factorial(max(n, 0))} permutations; "
-                         f"supported 1 <= n <= {MAX_STREAMS}")
+        raise ValueError(
+            f"permutation mixture: n={n} streams has {math.factorial(max(n, 0))} permutations; "
+            f"supported 1 <= n <= {MAX_STREAMS}"
+        )
     return math.factorial(n)
 
 
@@ -38,8 +40,9 @@ def _matrices(n: int) -> torch.Tensor:
     return torch.stack([eye[list(perm)] for perm in itertools.permutations(range(n))])
 
 
-def permutation_matrices(n: int, dtype: torch.dtype = torch.float32,
-                         device: torch.device | str | None = None) -> torch.Tensor:
+def permutation_matrices(
+    n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
     """`[n!, n, n]`: row `i` of the p-th matrix has its one in column `perm_p[i]`."""
     num_permutations(n)
     return _matrices(n).to(dtype=dtype, device=device)
@@ -50,7 +53,9 @@ def permutation_mixture(logits: torch.Tensor, n: int) -> torch.Tensor:
     op = "permutation_mixture"
     check_rank(logits, 2, name="logits", op=op, layout="[T, n!]")
     if logits.shape[1] != num_permutations(n):
-        raise ValueError(f"{op}: logits must be [T, n!] = [T, {math.factorial(n)}] for n={n}, got {shape_str(logits)}")
+        raise ValueError(
+            f"{op}: logits must be [T, n!] = [T, {math.factorial(n)}] for n={n}, got {shape_str(logits)}"
+        )
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     weights = torch.softmax(logits.to(compute), dim=-1)  # [T, n!]
     mats = permutation_matrices(n, compute, logits.device)  # [n!, n, n]

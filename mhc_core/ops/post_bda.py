@@ -20,7 +20,14 @@ import torch.nn.functional as F
 from mhc_core.checks import check_dim, check_floating, check_number, check_rank, check_streams
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["PostBdaBackend", "PostBdaCall", "h_post_bda", "h_post_bda_reference", "apply_h_res", "check_h_post_bda_args"]
+__all__ = [
+    "PostBdaBackend",
+    "PostBdaCall",
+    "h_post_bda",
+    "h_post_bda_reference",
+    "apply_h_res",
+    "check_h_post_bda_args",
+]
 
 
 def check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, *, op: str = "h_post_bda") -> None:
@@ -109,6 +116,14 @@ def h_post_bda(
     """
     spec = get_variant(variant)
     check_h_post_bda_args(h_res, residual, h_post, y, bias, dropout_p, op="h_post_bda")
-    call = PostBdaCall(h_res=h_res, residual=residual, h_post=h_post, y=y, bias=bias, dropout_p=float(dropout_p),
-                       training=bool(training), spec=spec)
+    call = PostBdaCall(
+        h_res=h_res,
+        residual=residual,
+        h_post=h_post,
+        y=y,
+        bias=bias,
+        dropout_p=float(dropout_p),
+        training=bool(training),
+        spec=spec,
+    )
     return h_post_bda_reference(call) if backend is None else backend.h_post_bda(call)

@@ -25,8 +25,20 @@ from mhc_core.variants import Variant, VariantSpec, get_variant
 __all__ = ["PreBackend", "PreCall", "check_pre_args", "pre", "pre_reference"]
 
 
-def check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec: VariantSpec, *,
-                   op: str = "pre", norm_eps: float = NORM_EPS) -> tuple[int, int]:
+def check_pre_args(
+    x,
+    weight,
+    alpha_pre,
+    alpha_post,
+    alpha_res,
+    bias,
+    n,
+    iterations,
+    spec: VariantSpec,
+    *,
+    op: str = "pre",
+    norm_eps: float = NORM_EPS,
+) -> tuple[int, int]:
     """The argument checks of `pre`, shared by every backend (those of `mapping` and the iteration count of
     `sinkhorn`); returns `(n, iterations)` as Python ints."""
     n = check_mapping_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, op=op, norm_eps=norm_eps)
@@ -60,16 +72,29 @@ class PreCall:
 
     def mapping_call(self) -> MappingCall:
         """The `mapping` it starts with."""
-        return MappingCall(x=self.x, weight=self.weight, alpha_pre=self.alpha_pre, alpha_post=self.alpha_post,
-                           alpha_res=self.alpha_res, bias=self.bias, n=self.n, spec=self.spec, norm_eps=self.norm_eps)
+        return MappingCall(
+            x=self.x,
+            weight=self.weight,
+            alpha_pre=self.alpha_pre,
+            alpha_post=self.alpha_post,
+            alpha_res=self.alpha_res,
+            bias=self.bias,
+            n=self.n,
+            spec=self.spec,
+            norm_eps=self.norm_eps,
+        )
 
     def sinkhorn_call(self, logits: torch.Tensor) -> SinkhornCall:
         """The `sinkhorn` of the mapping's residual logits `[T, n, n]`."""
-        return SinkhornCall(logits=logits, iterations=self.iterations, eps=self.spec.sinkhorn_eps, spec=self.spec)
+        return SinkhornCall(
+            logits=logits, iterations=self.iterations, eps=self.spec.sinkhorn_eps, spec=self.spec
+        )
 
     def aggregate_call(self, h_pre: torch.Tensor) -> AggregateCall:
         """The `h_aggregate` of the streams `[T, n, C]` with `h_pre [T, n]`."""
-        return AggregateCall(x=self.x.reshape(self.x.shape[0], self.n, self.x.shape[1] // self.n), h_pre=h_pre)
+        return AggregateCall(
+            x=self.x.reshape(self.x.shape[0], self.n, self.x.shape[1] // self.n), h_pre=h_pre
+        )
 
 
 class PreBackend(Protocol):
@@ -111,8 +136,19 @@ def pre(
         Sinkhorn), each as `mapping`, `sinkhorn` and `h_aggregate` give them.
     """
     spec = get_variant(variant)
-    n, iterations = check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec,
-                                   norm_eps=norm_eps)
-    call = PreCall(x=x, weight=weight, alpha_pre=alpha_pre, alpha_post=alpha_post, alpha_res=alpha_res, bias=bias,
-                   n=n, iterations=iterations, spec=spec, norm_eps=float(norm_eps))
+    n, iterations = check_pre_args(
+        x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec, norm_eps=norm_eps
+    )
+    call = PreCall(
+        x=x,
+        weight=weight,
+        alpha_pre=alpha_pre,
+        alpha_post=alpha_post,
+        alpha_res=alpha_res,
+        bias=bias,
+        n=n,
+        iterations=iterations,
+        spec=spec,
+        norm_eps=float(norm_eps),
+    )
     return pre_reference(call) if backend is None else backend.pre(call)

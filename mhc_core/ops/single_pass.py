@@ -39,8 +39,13 @@ def mix_dtype(variant: str | Variant | VariantSpec, dtype: torch.dtype) -> torch
     return dtype if spec.coefficients_in_activation_dtype else compute_dtype(spec, dtype)
 
 
-def entry_mix(tokens: int | tuple[int, ...], n: int, *, dtype: torch.dtype = torch.float32,
-              device: torch.device | str | None = None) -> torch.Tensor:
+def entry_mix(
+    tokens: int | tuple[int, ...],
+    n: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """The identity mix of the model's first sublayer: `[*tokens, n]`, 1 on stream 0 and 0 elsewhere (an
     aggregate with it is exactly stream 0)."""
     n = check_streams(n, op="entry_mix")
@@ -50,8 +55,15 @@ def entry_mix(tokens: int | tuple[int, ...], n: int, *, dtype: torch.dtype = tor
     return out
 
 
-def check_previous_h_pre(previous_h_pre: torch.Tensor | None, tokens: tuple[int, ...], n: int, *, op: str,
-                         name: str = "previous_h_pre", layout: str = "[T, n]") -> None:
+def check_previous_h_pre(
+    previous_h_pre: torch.Tensor | None,
+    tokens: tuple[int, ...],
+    n: int,
+    *,
+    op: str,
+    name: str = "previous_h_pre",
+    layout: str = "[T, n]",
+) -> None:
     """`previous_h_pre` is None (the model's entry) or a floating tensor `[*tokens, n]`; a `ValueError` names it
     (`name`)."""
     if previous_h_pre is None:
@@ -88,8 +100,9 @@ def single_pass_pre(
     """
     op = "single_pass_pre"
     spec = get_variant(variant)
-    n, iterations = check_pre_args(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec, op=op,
-                                   norm_eps=norm_eps)
+    n, iterations = check_pre_args(
+        x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec, op=op, norm_eps=norm_eps
+    )
     check_previous_h_pre(previous_h_pre, (x.shape[0],), n, op=op)
     next_h_pre, h_post, logits = mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, spec, norm_eps)
     h_res = sinkhorn(logits, iterations, None, spec)
@@ -108,10 +121,14 @@ def exit_aggregate(x: torch.Tensor, last_h_pre: torch.Tensor, n: int) -> torch.T
     n = check_streams(n, op=op)
     check_rank(x, 3, name="x", op=op, layout="[s, b, n*C]")
     if x.shape[-1] % n != 0 or x.shape[-1] == 0:
-        raise ValueError(f"{op}: hidden width {x.shape[-1]} of x {shape_str(x)} is not a positive multiple of n={n}")
+        raise ValueError(
+            f"{op}: hidden width {x.shape[-1]} of x {shape_str(x)} is not a positive multiple of n={n}"
+        )
     s, b, width = x.shape
     if last_h_pre is None:
-        raise ValueError(f"{op}: last_h_pre is None; the exit aggregates with the last sublayer's H_pre [s, b, n]")
+        raise ValueError(
+            f"{op}: last_h_pre is None; the exit aggregates with the last sublayer's H_pre [s, b, n]"
+        )
     check_previous_h_pre(last_h_pre, (s, b), n, op=op, name="last_h_pre", layout="[s, b, n]")
     out = h_aggregate(x.reshape(s * b, n, width // n), last_h_pre.reshape(s * b, n))
     return out.view(s, b, width // n)

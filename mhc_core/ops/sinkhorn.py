@@ -30,8 +30,15 @@ import torch
 from mhc_core.checks import check_finite, check_floating, check_int, check_number, check_rank, shape_str
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["SinkhornBackend", "SinkhornCall", "sinkhorn", "sinkhorn_iterate", "sinkhorn_reference", "check_sinkhorn_args",
-           "normalisation_dims"]
+__all__ = [
+    "SinkhornBackend",
+    "SinkhornCall",
+    "sinkhorn",
+    "sinkhorn_iterate",
+    "sinkhorn_reference",
+    "check_sinkhorn_args",
+    "normalisation_dims",
+]
 
 
 def check_sinkhorn_args(

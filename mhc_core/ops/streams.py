@@ -21,7 +21,9 @@ def _split_width(x: torch.Tensor, n: int, op: str) -> tuple[int, int]:
     n = check_streams(n, op=op)
     check_rank(x, 3, name="x", op=op, layout="[s, b, n*C]")
     if x.shape[-1] % n != 0 or x.shape[-1] == 0:
-        raise ValueError(f"{op}: hidden width {x.shape[-1]} of x {shape_str(x)} is not a positive multiple of n={n}")
+        raise ValueError(
+            f"{op}: hidden width {x.shape[-1]} of x {shape_str(x)} is not a positive multiple of n={n}"
+        )
     return n, x.shape[-1] // n
 
 

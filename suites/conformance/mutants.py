@@ -36,16 +36,20 @@ class Mutant(MhcCorePeer):
     def _mapping(self, flat, w, a_pre, a_post, a_res, bias, n, variant=None, norm_eps=NORM_EPS):
         """`[T, n*C] -> h_pre, h_post, logits` with the mapping faults."""
         if self.fault == "bias pre/post halves swapped":
-            bias = torch.cat([bias[n:2 * n], bias[:n], bias[2 * n:]])
+            bias = torch.cat([bias[n : 2 * n], bias[:n], bias[2 * n :]])
         if self.fault == "norm eps inside the square root":
             spec = get_variant(self.variant)
             r = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
             alpha = torch.cat([a_pre.expand(n), a_post.expand(n), a_res.expand(n * n)])
             h = r * (flat @ w.t()) * alpha + bias
-            return (torch.sigmoid(h[:, :n]) + spec.h_pre_eps, 2 * torch.sigmoid(h[:, n:2 * n]),
-                    h[:, 2 * n:].reshape(-1, n, n))
-        h_pre, h_post, logits = ops.mapping(flat, w, a_pre, a_post, a_res, bias, n, variant=self.variant,
-                                            norm_eps=norm_eps)
+            return (
+                torch.sigmoid(h[:, :n]) + spec.h_pre_eps,
+                2 * torch.sigmoid(h[:, n : 2 * n]),
+                h[:, 2 * n :].reshape(-1, n, n),
+            )
+        h_pre, h_post, logits = ops.mapping(
+            flat, w, a_pre, a_post, a_res, bias, n, variant=self.variant, norm_eps=norm_eps
+        )
         if self.fault == "H_post without its factor 2":
             h_post = h_post / 2
         return h_pre, h_post, logits
@@ -60,20 +64,30 @@ class Mutant(MhcCorePeer):
 
     def _h_post_bda(self, h_res, residual, h_post, y, bias, variant=None):
         untransposed = self.fault == "residual mix untransposed"
-        return ops.h_post_bda(h_res, residual, h_post, y, bias,
-                              variant="megatron_main" if untransposed else self.variant)
+        return ops.h_post_bda(
+            h_res, residual, h_post, y, bias, variant="megatron_main" if untransposed else self.variant
+        )
 
     def _ops(self):
-        return SimpleNamespace(mapping=self._mapping, sinkhorn=self._sinkhorn, h_aggregate=ops.h_aggregate,
-                               h_post_bda=self._h_post_bda)
+        return SimpleNamespace(
+            mapping=self._mapping,
+            sinkhorn=self._sinkhorn,
+            h_aggregate=ops.h_aggregate,
+            h_post_bda=self._h_post_bda,
+        )
 
     def coefficients(self, x, params: SublayerParams, iterations):
         t, n, c = x.shape
         p = params
-        h_pre, h_post, logits = self._mapping(x.reshape(t, n * c), p.weight, p.alpha_pre, p.alpha_post,
-                                              p.alpha_res, p.bias, n)
-        return {"h_pre": h_pre, "h_post": h_post, "h_res": self._sinkhorn(logits, iterations),
-                "aggregate": ops.h_aggregate(x, h_pre)}
+        h_pre, h_post, logits = self._mapping(
+            x.reshape(t, n * c), p.weight, p.alpha_pre, p.alpha_post, p.alpha_res, p.bias, n
+        )
+        return {
+            "h_pre": h_pre,
+            "h_post": h_post,
+            "h_res": self._sinkhorn(logits, iterations),
+            "aggregate": ops.h_aggregate(x, h_pre),
+        }
 
     def mix(self, h_res, residual, h_post, y):
         return self._h_post_bda(h_res, residual, h_post, y, None)
@@ -98,23 +112,57 @@ class Mutant(MhcCorePeer):
 
 def _mutant(fault: str, variant: str, caught_by: tuple[str, ...], spared: tuple[str, ...]) -> Mutant:
     slug = fault.replace(" ", "-").replace("/", "-").lower()
-    return Mutant(name=f"mutant[{slug}]", description=f"mhc_core[{variant}] with: {fault}", variant=variant,
-                  claims=variant, ops=_ALL_OPS, fault=fault, caught_by=caught_by, spared=spared)
+    return Mutant(
+        name=f"mutant[{slug}]",
+        description=f"mhc_core[{variant}] with: {fault}",
+        variant=variant,
+        claims=variant,
+        ops=_ALL_OPS,
+        fault=fault,
+        caught_by=caught_by,
+        spared=spared,
+    )
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    _mutant("residual mix untransposed", "megatron_dev", ("orientation", "mix", "layer"),
-            ("sinkhorn", "coefficients", "aggregate")),
-    _mutant("norm eps inside the square root", "megatron_main", ("coefficients@rms1e-2",),
-            ("mix", "sinkhorn", "aggregate")),
-    _mutant("Sinkhorn ends on a row pass", "megatron_main", ("exact-sums", "sinkhorn s10 it1", "coefficients"),
-            ("mix", "aggregate")),
-    _mutant("bias pre/post halves swapped", "megatron_main", ("coefficients", "layer"),
-            ("mix", "sinkhorn", "aggregate")),
-    _mutant("H_post without its factor 2", "paper", ("coefficients", "layer"), ("mix", "sinkhorn", "aggregate")),
-    _mutant("gradient detached before Sinkhorn", "megatron_dev", ("coefficients", "layer", "sinkhorn s1 it20"),
-            ("mix", "aggregate", "block-exit")),
+    _mutant(
+        "residual mix untransposed",
+        "megatron_dev",
+        ("orientation", "mix", "layer"),
+        ("sinkhorn", "coefficients", "aggregate"),
+    ),
+    _mutant(
+        "norm eps inside the square root",
+        "megatron_main",
+        ("coefficients@rms1e-2",),
+        ("mix", "sinkhorn", "aggregate"),
+    ),
+    _mutant(
+        "Sinkhorn ends on a row pass",
+        "megatron_main",
+        ("exact-sums", "sinkhorn s10 it1", "coefficients"),
+        ("mix", "aggregate"),
+    ),
+    _mutant(
+        "bias pre/post halves swapped",
+        "megatron_main",
+        ("coefficients", "layer"),
+        ("mix", "sinkhorn", "aggregate"),
+    ),
+    _mutant(
+        "H_post without its factor 2", "paper", ("coefficients", "layer"), ("mix", "sinkhorn", "aggregate")
+    ),
+    _mutant(
+        "gradient detached before Sinkhorn",
+        "megatron_dev",
+        ("coefficients", "layer", "sinkhorn s1 it20"),
+        ("mix", "aggregate", "block-exit"),
+    ),
     # mhc-pytorch 0.2.3's design: no n-stream residual between layers, so H_res acts on n equal copies
-    _mutant("streams collapsed every layer", "megatron_main", ("stack", "stack-grads"),
-            ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block-exit", "orientation", "exact-sums")),
+    _mutant(
+        "streams collapsed every layer",
+        "megatron_main",
+        ("stack", "stack-grads"),
+        ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block-exit", "orientation", "exact-sums"),
+    ),
 )

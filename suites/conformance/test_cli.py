@@ -14,8 +14,17 @@ from harness.peers.megatron_lm import TreeError, tree_flavor
 
 def test_writes_the_matrix_as_json_and_markdown(tmp_path, capsys):
     """The matrix of the named peers goes to conformance.json / .md; the summary names each peer's best variant."""
-    assert 0 == main(["conformance", "--peer", "mhc_core[megatron_dev]", "--peer", "megatron_lm[main]",
-                      "--out", str(tmp_path)])
+    assert 0 == main(
+        [
+            "conformance",
+            "--peer",
+            "mhc_core[megatron_dev]",
+            "--peer",
+            "megatron_lm[main]",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert "mhc_core[megatron_dev] (0.1.0): conforms to megatron_dev" in out
     assert "megatron_lm[main] (main@d98e8a64ddf3): conforms to megatron_main" in out
@@ -32,11 +41,22 @@ def test_strict_fails_on_a_peer_that_differs(tmp_path, capsys, monkeypatch):
     (a Sinkhorn that ends on a row pass is no named option)."""
     (tmp_path / "faulty_peer.py").write_text(
         "from suites.conformance.mutants import MUTANTS\n"
-        "PEER = next(m for m in MUTANTS if m.fault == 'Sinkhorn ends on a row pass')\n")
+        "PEER = next(m for m in MUTANTS if m.fault == 'Sinkhorn ends on a row pass')\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
-    code = main(["conformance", "--peer", "mutant[sinkhorn-ends-on-a-row-pass]", "--peer-module", "faulty_peer:PEER",
-                 "--out", str(tmp_path), "--strict"])
+    code = main(
+        [
+            "conformance",
+            "--peer",
+            "mutant[sinkhorn-ends-on-a-row-pass]",
+            "--peer-module",
+            "faulty_peer:PEER",
+            "--out",
+            str(tmp_path),
+            "--strict",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1 and "--strict: mutant[sinkhorn-ends-on-a-row-pass] do not conform" in out, out
 
@@ -48,13 +68,25 @@ def test_unknown_peer_lists_the_known_ones(tmp_path, capsys):
     assert "unknown peer(s) ['nope']; known: mhc_core[paper]" in err and "hf_deepseek_v4" in err
 
 
-@pytest.mark.parametrize(("layout", "message"), [
-    (None, "not a directory"),
-    ({}, "not a Megatron-LM tree (no megatron/core/__init__.py under it)"),
-    ({"megatron/core/__init__.py": ""}, "a Megatron-LM tree without mHC (no megatron/core/transformer/hyper_connection.py)"),
-    ({"megatron/core/__init__.py": "", "megatron/core/transformer/hyper_connection.py": "",
-      "megatron/core/transformer/transformer_config.py": "x = 1"}, "has neither enable_mhc_connections"),
-])
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        (None, "not a directory"),
+        ({}, "not a Megatron-LM tree (no megatron/core/__init__.py under it)"),
+        (
+            {"megatron/core/__init__.py": ""},
+            "a Megatron-LM tree without mHC (no megatron/core/transformer/hyper_connection.py)",
+        ),
+        (
+            {
+                "megatron/core/__init__.py": "",
+                "megatron/core/transformer/hyper_connection.py": "",
+                "megatron/core/transformer/transformer_config.py": "x = 1",
+            },
+            "has neither enable_mhc_connections",
+        ),
+    ],
+)
 def test_a_bad_megatron_tree_is_named(tmp_path, capsys, layout, message):
     """A path that is not a Megatron-LM tree, or one without mHC, is refused naming it, before anything runs."""
     tree = tmp_path / "tree"
@@ -78,14 +110,38 @@ def test_run_embeds_the_matrix_in_the_report(tmp_path, capsys):
     (suites / "test_tiny.py").write_text("def test_ok():\n    pass\n")
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     out = tmp_path / "out"
-    assert 0 == main(["run", "tiny", "--suites-dir", str(tmp_path / "suites"), "--out", str(out), "--no-plots",
-                      "--conformance", "--peer", "mhc_core[paper]", "--pytest-args",
-                      "-p no:hypothesispytest -p no:benchmark -p no:xdist"])
+    assert 0 == main(
+        [
+            "run",
+            "tiny",
+            "--suites-dir",
+            str(tmp_path / "suites"),
+            "--out",
+            str(out),
+            "--no-plots",
+            "--conformance",
+            "--peer",
+            "mhc_core[paper]",
+            "--pytest-args",
+            "-p no:hypothesispytest -p no:benchmark -p no:xdist",
+        ]
+    )
     assert "mhc_core[paper] (0.1.0): conforms to paper" in capsys.readouterr().out
     report = (out / "report.md").read_text()
     assert "## Conformance" in report and "| mhc_core[paper] | 0.1.0 | paper |" in report
-    assert 0 == main(["run", "tiny", "--suites-dir", str(tmp_path / "suites"), "--out", str(out), "--no-plots",
-                      "--pytest-args", "-p no:hypothesispytest -p no:benchmark -p no:xdist"])
+    assert 0 == main(
+        [
+            "run",
+            "tiny",
+            "--suites-dir",
+            str(tmp_path / "suites"),
+            "--out",
+            str(out),
+            "--no-plots",
+            "--pytest-args",
+            "-p no:hypothesispytest -p no:benchmark -p no:xdist",
+        ]
+    )
     assert "## Conformance" not in (out / "report.md").read_text()  # no stale matrix
 
 
@@ -115,8 +171,10 @@ def test_a_live_tree_matches_its_branchs_recording(tmp_path):
 
     tree = os.environ.get("MHC_MEGATRON_LM")
     if not tree:
-        pytest.skip("MHC_MEGATRON_LM is not set (a Megatron-LM main or dev checkout; the committed recordings "
-                    "stand in for it)")
+        pytest.skip(
+            "MHC_MEGATRON_LM is not set (a Megatron-LM main or dev checkout; the committed recordings "
+            "stand in for it)"
+        )
     peers = tree_peers(Path(tree), python=os.environ.get("MHC_MEGATRON_LM_PYTHON"))
     for row in run_matrix(peers).peers:
         assert "API generation " in row.description, row.description

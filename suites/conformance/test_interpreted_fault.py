@@ -15,9 +15,10 @@ import torch
 from harness.conformance.matrix import run_matrix
 from harness.peers.liger import LigerPeer
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None
-                                or importlib.util.find_spec("triton") is None,
-                                reason="liger-kernel / triton are not installed (the peers extra has them)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None,
+    reason="liger-kernel / triton are not installed (the peers extra has them)",
+)
 
 GOOD = "o2 * stride_hri + i * stride_hrj"
 FAULT = "o2 * stride_hrj + i * stride_hri"

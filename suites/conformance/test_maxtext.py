@@ -42,7 +42,9 @@ def test_the_committed_recording_is_what_maxtext_computes_here(live):
     from the same package files."""
     (recorded,) = load_recording(RECORDING)
     source = json.loads(RECORDING.read_text())["source"]
-    assert source["files_sha256"] == MaxTextPeer().files().hashes(), "maxtext's files changed: re-record (docs/conformance.md)"
+    assert source["files_sha256"] == MaxTextPeer().files().hashes(), (
+        "maxtext's files changed: re-record (docs/conformance.md)"
+    )
     row = run_matrix([recorded]).peer(recorded.name)
     assert row.configuration == live.configuration
     assert [c.status for c in row.cells()] == [c.status for c in live.cells()]
@@ -66,15 +68,27 @@ def test_pallas_fused_mix_is_the_transposed_mix_forward_and_backward(live):
 
     t, n, c = 8, 4, 128
     x = _streams(t, n, c, 1).to(torch.bfloat16).double().requires_grad_(True)
-    y = torch.randn(t, c, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(torch.bfloat16).double()
+    y = (
+        torch.randn(t, c, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        .to(torch.bfloat16)
+        .double()
+    )
     y.requires_grad_(True)
-    h_post = (0.2 + 1.6 * torch.rand(t, n, generator=torch.Generator().manual_seed(3), dtype=torch.float64)).requires_grad_(True)
-    h_res = (0.05 + torch.rand(t, n, n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)).requires_grad_(True)
+    h_post = (
+        0.2 + 1.6 * torch.rand(t, n, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ).requires_grad_(True)
+    h_res = (
+        0.05 + torch.rand(t, n, n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ).requires_grad_(True)
     cfg = pallas_config()
 
     def post(ya, xa, hp, hr):
-        ctx = api.MhcContext(x=xa.astype(jnp.bfloat16).reshape(1, t, n, c), h_post=hp.reshape(1, t, n),
-                             residual=hr.reshape(1, t, n, n), implementation="mosaic")
+        ctx = api.MhcContext(
+            x=xa.astype(jnp.bfloat16).reshape(1, t, n, c),
+            h_post=hp.reshape(1, t, n),
+            residual=hr.reshape(1, t, n, n),
+            implementation="mosaic",
+        )
         return (api.post(ya.astype(jnp.bfloat16).reshape(1, t, c), ctx, config=cfg)[0],)
 
     (out,) = jax_call(post, jnp.float32, y, x, h_post, h_res)
@@ -105,9 +119,12 @@ def test_pallas_mhc_lite_kernels_match_maxtexts_xla_path(live):
 
     t, n, c = 8, 4, 128
     x = jnp.asarray(_streams(t, n, c, 6).numpy(), dtype=jnp.bfloat16).reshape(1, t, n, c)
-    w = jnp.asarray((torch.randn(c, c, generator=torch.Generator().manual_seed(7)) / c ** 0.5).numpy(), jnp.bfloat16)
-    hc = ManifoldConstrainedHyperConnections(maxtext_config(n, c, 20, jnp.bfloat16, enable_mhc_lite=True), dim=c,
-                                             mesh=_mesh(), rngs=nnx.Rngs(0))
+    w = jnp.asarray(
+        (torch.randn(c, c, generator=torch.Generator().manual_seed(7)) / c**0.5).numpy(), jnp.bfloat16
+    )
+    hc = ManifoldConstrainedHyperConnections(
+        maxtext_config(n, c, 20, jnp.bfloat16, enable_mhc_lite=True), dim=c, mesh=_mesh(), rngs=nnx.Rngs(0)
+    )
 
     def branch(inputs):
         return jnp.tanh(inputs @ w)
@@ -146,9 +163,17 @@ def _lite_reference(hc, x: torch.Tensor, w: torch.Tensor, configuration: str) ->
 
     weight = torch.cat([param(hc.pre_alpha).T, param(hc.post_alpha).T, param(hc.res_alpha).T])
     bias = torch.cat([param(hc.pre_beta), param(hc.post_beta), param(hc.res_beta)])
-    h_pre, h_post, h_res = permutation_mapping(x.reshape(t, n * c), weight, param(hc.pre_alpha_scale),
-                                               param(hc.post_alpha_scale), param(hc.res_alpha_scale), bias, n,
-                                               configuration, 1e-6)
+    h_pre, h_post, h_res = permutation_mapping(
+        x.reshape(t, n * c),
+        weight,
+        param(hc.pre_alpha_scale),
+        param(hc.post_alpha_scale),
+        param(hc.res_alpha_scale),
+        bias,
+        n,
+        configuration,
+        1e-6,
+    )
     y = torch.tanh(h_aggregate(x, h_pre) @ w.to(x.dtype))
     return h_post_bda(h_res, x, h_post, y, None, variant=configuration)
 
@@ -168,14 +193,21 @@ def test_maxtext_mhc_lite_is_the_permutation_mixture(live):
 
     t, n, c = 6, 4, 16
     x = _streams(t, n, c, 8).float()
-    w = torch.randn(c, c, generator=torch.Generator().manual_seed(9)) / c ** 0.5
-    hc = ManifoldConstrainedHyperConnections(maxtext_config(n, c, 20, jnp.float32, enable_mhc_lite=True), dim=c,
-                                             mesh=_mesh(), rngs=nnx.Rngs(3))
+    w = torch.randn(c, c, generator=torch.Generator().manual_seed(9)) / c**0.5
+    hc = ManifoldConstrainedHyperConnections(
+        maxtext_config(n, c, 20, jnp.float32, enable_mhc_lite=True), dim=c, mesh=_mesh(), rngs=nnx.Rngs(3)
+    )
     wj = jnp.asarray(w.numpy())
-    out, _ = hc(lambda z: z, lambda inputs: jnp.tanh(inputs @ wj), jnp.asarray(x.numpy()).reshape(1, t, n, c),
-                HyperConnectionType.MLP_DENSE)
+    out, _ = hc(
+        lambda z: z,
+        lambda inputs: jnp.tanh(inputs @ wj),
+        jnp.asarray(x.numpy()).reshape(1, t, n, c),
+        HyperConnectionType.MLP_DENSE,
+    )
     theirs = torch.from_numpy(np.asarray(out[0], np.float64))
     ours = _lite_reference(hc, x, w, "megatron_dev+eps_inside_sqrt+activation_mappings")
-    assert_close("maxtext mHC-lite vs the permutation mixture", theirs, ours.double(), tolerance(torch.float32, "fwd"))
+    assert_close(
+        "maxtext mHC-lite vs the permutation mixture", theirs, ours.double(), tolerance(torch.float32, "fwd")
+    )
     wrong = _lite_reference(hc, x, w, "megatron_dev+eps_inside_sqrt+activation_mappings+untransposed_mix")
     assert (theirs - wrong.double()).abs().max() > 1e-3  # the comparison sees the mix's orientation

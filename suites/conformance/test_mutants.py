@@ -34,9 +34,13 @@ def test_mutant_is_caught_by_its_check(mutant):
         assert not touched, f"{mutant.fault}: checks it does not touch failed: {touched}"
 
 
-@pytest.mark.parametrize(("fault", "configuration"), [
-    ("norm eps inside the square root", "megatron_main+eps_inside_sqrt"),
-    ("residual mix untransposed", "megatron_dev+untransposed_mix")])
+@pytest.mark.parametrize(
+    ("fault", "configuration"),
+    [
+        ("norm eps inside the square root", "megatron_main+eps_inside_sqrt"),
+        ("residual mix untransposed", "megatron_dev+untransposed_mix"),
+    ],
+)
 def test_a_fault_that_is_a_named_option_is_named(fault, configuration):
     """A fault that is an option is named: the matrix reports the configuration the mutant computes, which
     it conforms to, and says it is not the one it claims."""
@@ -48,13 +52,27 @@ def test_a_fault_that_is_a_named_option_is_named(fault, configuration):
     assert row.configuration == configuration and row.conforms and not row.meets_claim
     passes, of = row.configuration_tally(configuration)
     assert passes == of
-    assert (f"conforms to {configuration} {passes}/{of}; claims {mutant.claims}: NOT met ("
-            in format_summary(matrix)), format_summary(matrix)
+    assert f"conforms to {configuration} {passes}/{of}; claims {mutant.claims}: NOT met (" in format_summary(
+        matrix
+    ), format_summary(matrix)
 
 
-@pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.fault in (
-    "Sinkhorn ends on a row pass", "bias pre/post halves swapped", "H_post without its factor 2",
-    "gradient detached before Sinkhorn", "streams collapsed every layer")], ids=lambda m: m.fault.replace(" ", "-"))
+@pytest.mark.parametrize(
+    "mutant",
+    [
+        m
+        for m in MUTANTS
+        if m.fault
+        in (
+            "Sinkhorn ends on a row pass",
+            "bias pre/post halves swapped",
+            "H_post without its factor 2",
+            "gradient detached before Sinkhorn",
+            "streams collapsed every layer",
+        )
+    ],
+    ids=lambda m: m.fault.replace(" ", "-"),
+)
 def test_a_fault_that_is_no_option_conforms_to_nothing(mutant):
     """The other faults match no variant and no configuration."""
     assert not _matrix(mutant).peer(mutant.name).conforms
@@ -65,8 +83,9 @@ def test_the_unmutated_core_passes_every_check():
     from harness.peers.mhc_core_peer import mhc_core_peers
 
     for row in run_matrix(mhc_core_peers()).peers:
-        assert row.meets_claim and row.configuration == row.claims, \
-            [c.message for c in row.cells() if c.status != "pass"]
+        assert row.meets_claim and row.configuration == row.claims, [
+            c.message for c in row.cells() if c.status != "pass"
+        ]
 
 
 def test_collapsed_streams_starve_the_residual_mix_of_gradient():

@@ -31,7 +31,9 @@ def test_mhc_core_matches_its_own_variant_and_no_other(matrix, variant):
     assert row.best == variant and row.conforms, _not_passing(row)
     for other in set(row.by_variant) - {variant}:
         passes, total = row.score(other)[0], len(row.by_variant[other])
-        assert passes < total / 2, f"{variant} passes {passes}/{total} checks of {other}: the checks cannot tell them apart"
+        assert passes < total / 2, (
+            f"{variant} passes {passes}/{total} checks of {other}: the checks cannot tell them apart"
+        )
 
 
 def test_hf_deepseek_v4_is_megatron_dev_with_eps_inside_and_the_learned_exit(matrix):
@@ -39,7 +41,9 @@ def test_hf_deepseek_v4_is_megatron_dev_with_eps_inside_and_the_learned_exit(mat
     exit; against plain megatron_dev only the small-RMS coefficients fail, naming its eps."""
     row = _row(matrix, "hf_deepseek_v4")
     assert row.best == "megatron_dev"
-    assert row.configuration == "megatron_dev+eps_inside_sqrt+learned_exit" and row.conforms, _not_passing(row)
+    assert row.configuration == "megatron_dev+eps_inside_sqrt+learned_exit" and row.conforms, _not_passing(
+        row
+    )
     plain = {c.check: c for c in row.by_variant["megatron_dev"] if c.status != "pass"}
     assert set(plain) == {"coefficients@rms1e-2 n2 fp32", "coefficients@rms1e-2 n4 fp32"}, plain
     assert all("eps inside the square root" in c.message for c in plain.values())
@@ -55,11 +59,19 @@ def test_lucidrains_has_papers_sinkhorn_a_transposed_mix_and_says_what_differs(m
     row = _row(matrix, "lucidrains")
     assert row.best == "paper" and row.configuration == "paper+transposed_mix" and row.conforms
     cells = {c.check: c for c in row.cells("paper")}
-    assert all(c.status == "pass" for k, c in cells.items() if k.startswith(("sinkhorn", "exact-sums", "aggregate")))
+    assert all(
+        c.status == "pass" for k, c in cells.items() if k.startswith(("sinkhorn", "exact-sums", "aggregate"))
+    )
     assert cells["exact-sums n4 fp32"].observed == "rows"
-    assert cells["orientation n4 fp32"].observed == "H^T @ x" and cells["orientation n4 fp32"].status == "fail"
+    assert (
+        cells["orientation n4 fp32"].observed == "H^T @ x" and cells["orientation n4 fp32"].status == "fail"
+    )
     na = cells["coefficients"]
-    assert na.status == "n/a" and "RMSNorm over C with a learned gain" in na.message and "projection" in na.message
+    assert (
+        na.status == "n/a"
+        and "RMSNorm over C with a learned gain" in na.message
+        and "projection" in na.message
+    )
     assert cells["layer"].status == "n/a" and cells["block_exit"].status == "n/a"
 
 
@@ -68,7 +80,9 @@ def test_liger_has_devs_coefficients_and_mains_mix(matrix):
     Sinkhorn with eps) but for its eps inside the square root, and it mixes H @ x as megatron_main does,
     so its layer matches no variant, and it conforms fully to megatron_dev+eps_inside_sqrt+untransposed_mix."""
     row = _row(matrix, "liger_kernel")
-    assert row.configuration == "megatron_dev+eps_inside_sqrt+untransposed_mix" and row.conforms, _not_passing(row)
+    assert row.configuration == "megatron_dev+eps_inside_sqrt+untransposed_mix" and row.conforms, (
+        _not_passing(row)
+    )
     by = {v: {c.check: c for c in cells} for v, cells in row.by_variant.items()}
     for n in (2, 4):
         assert by["megatron_dev"][f"coefficients n{n} fp32"].status == "pass"
@@ -84,11 +98,15 @@ def test_liger_has_devs_coefficients_and_mains_mix(matrix):
         assert "interpreted" in (row.version or "")
 
 
-@pytest.mark.parametrize(("peer", "variant", "configuration", "checks"), [
-    ("megatron_lm[main]", "megatron_main", "megatron_main", 48),
-    ("megatron_lm[dev]", "megatron_dev", "megatron_dev+learned_exit", 24),
-    ("megatron_lm[dev,fused]", "megatron_dev", "megatron_dev+learned_exit", 24),
-    ("megatron_lm[dev,fused,triton]", "megatron_dev", "megatron_dev+learned_exit", 24)])
+@pytest.mark.parametrize(
+    ("peer", "variant", "configuration", "checks"),
+    [
+        ("megatron_lm[main]", "megatron_main", "megatron_main", 48),
+        ("megatron_lm[dev]", "megatron_dev", "megatron_dev+learned_exit", 24),
+        ("megatron_lm[dev,fused]", "megatron_dev", "megatron_dev+learned_exit", 24),
+        ("megatron_lm[dev,fused,triton]", "megatron_dev", "megatron_dev+learned_exit", 24),
+    ],
+)
 def test_upstream_recordings_conform(matrix, peer, variant, configuration, checks):
     """The committed numbers of upstream main and dev (native and fused modules, the fused one on its torch
     and, interpreted, its Triton backend) pass every check of the variant named after them; dev's with its
@@ -101,10 +119,12 @@ def test_upstream_recordings_conform(matrix, peer, variant, configuration, check
 def test_recordings_carry_their_provenance():
     """Each committed recording names its repository, branch, commit (a released package: its name and version)
     and the sha256 of the files that ran."""
-    files = {"NVIDIA/Megatron-LM": "megatron/core/transformer/hyper_connection.py",
-             "NVIDIA/TransformerEngine": "transformer_engine/common/triton/mhc.py",
-             "pytorch/torchtitan": "torchtitan/models/deepseek_v4/mhc.py",
-             "AI-Hypercomputer/maxtext": "maxtext/layers/mhc.py"}
+    files = {
+        "NVIDIA/Megatron-LM": "megatron/core/transformer/hyper_connection.py",
+        "NVIDIA/TransformerEngine": "transformer_engine/common/triton/mhc.py",
+        "pytorch/torchtitan": "torchtitan/models/deepseek_v4/mhc.py",
+        "AI-Hypercomputer/maxtext": "maxtext/layers/mhc.py",
+    }
     seen = set()
     for path in sorted(RECORDED_DIR.glob("*.json")):
         src = json.loads(path.read_text())["source"]
@@ -112,8 +132,12 @@ def test_recordings_carry_their_provenance():
         assert len(src["commit"] or "") == 40 or src.get("package", "").startswith("maxtext "), path
         assert files[src["repository"]] in src["files_sha256"], path
         seen.add((src["repository"], src["branch"]))
-    assert {("NVIDIA/Megatron-LM", "main"), ("NVIDIA/Megatron-LM", "dev"), ("NVIDIA/TransformerEngine", "main"),
-            ("pytorch/torchtitan", "pull/3634")} <= seen
+    assert {
+        ("NVIDIA/Megatron-LM", "main"),
+        ("NVIDIA/Megatron-LM", "dev"),
+        ("NVIDIA/TransformerEngine", "main"),
+        ("pytorch/torchtitan", "pull/3634"),
+    } <= seen
 
 
 def test_te_triton_is_main_with_a_transposed_mix_and_the_dtype_eps(matrix):
@@ -130,10 +154,15 @@ def test_te_triton_is_main_with_a_transposed_mix_and_the_dtype_eps(matrix):
     assert cells["stack n4 fp32"].status == "pass" and cells["stack-grads n4 fp32"].status == "pass"
     for other in ("megatron_main+transposed_mix", "megatron_main+eps_inside_sqrt+transposed_mix"):
         cells = {c.check: c for c in row.cells(other)}
-        assert cells["coefficients@rms1e-2 n4 fp32"].status == "fail" and cells["coefficients n4 fp32"].status == "pass"
+        assert (
+            cells["coefficients@rms1e-2 n4 fp32"].status == "fail"
+            and cells["coefficients n4 fp32"].status == "pass"
+        )
         assert "grad x" in cells["coefficients@rms1e-2 n4 fp32"].message
     cells = {c.check: c for c in row.cells()}
-    assert cells["exact-sums n4 fp32"].observed == "cols" and cells["orientation n4 fp32"].observed == "H^T @ x"
+    assert (
+        cells["exact-sums n4 fp32"].observed == "cols" and cells["orientation n4 fp32"].observed == "H^T @ x"
+    )
     assert "interpreted" in row.version
 
 
@@ -147,13 +176,23 @@ def test_torchtitan_sinkhorn_is_not_deepseek_v4s(matrix):
     row = matrix.peer("torchtitan[recorded]")
     assert row.configuration == "megatron_main+eps_inside_sqrt+learned_exit+transposed_mix", row.configuration
     failing = _not_passing(row)
-    assert set(failing) - {"aggregate"} == {"sinkhorn s10 it1 n2 fp32", "sinkhorn s10 it1 n4 fp32",
-                                            "sinkhorn s10 it20 n4 fp32", "exact-sums n4 fp32", "stack n4 fp32"}, failing
+    assert set(failing) - {"aggregate"} == {
+        "sinkhorn s10 it1 n2 fp32",
+        "sinkhorn s10 it1 n4 fp32",
+        "sinkhorn s10 it20 n4 fp32",
+        "exact-sums n4 fp32",
+        "stack n4 fp32",
+    }, failing
     assert "out: max abs err" in failing["stack n4 fp32"].message
     assert next(c for c in row.cells() if c.check == "stack-grads n4 fp32").status == "pass"
-    assert all(c.status == "pass" for c in row.cells() if c.op in ("coefficients", "mix", "layer", "block_exit"))
+    assert all(
+        c.status == "pass" for c in row.cells() if c.op in ("coefficients", "mix", "layer", "block_exit")
+    )
     deepseek = {c.check: c for c in row.cells("megatron_dev+eps_inside_sqrt+learned_exit")}
-    assert deepseek["coefficients n4 fp32"].status == "fail" and "h_res" in deepseek["coefficients n4 fp32"].message
+    assert (
+        deepseek["coefficients n4 fp32"].status == "fail"
+        and "h_res" in deepseek["coefficients n4 fp32"].message
+    )
     assert deepseek["layer n4 fp32"].status == "fail"
 
 
@@ -170,8 +209,13 @@ def test_a_recording_on_other_inputs_is_an_error_naming_it():
 def test_gpu_peers_say_why_they_did_not_run(matrix):
     """TileKernels, vLLM and sglang need a GPU; TE and torchtitan need a tree (or a GPU for the installed TE):
     where they cannot run, their row says why."""
-    for name, reason in (("tile_kernels", "CUDA GPU"), ("vllm[tilelang]", "CUDA GPU"), ("sglang[tilelang]", "CUDA GPU"),
-                         ("te_triton", "--transformer-engine"), ("torchtitan", "--torchtitan")):
+    for name, reason in (
+        ("tile_kernels", "CUDA GPU"),
+        ("vllm[tilelang]", "CUDA GPU"),
+        ("sglang[tilelang]", "CUDA GPU"),
+        ("te_triton", "--transformer-engine"),
+        ("torchtitan", "--torchtitan"),
+    ):
         row = matrix.peer(name)
         if row.skipped is None:
             assert row.best is not None
@@ -199,7 +243,10 @@ def test_a_peer_that_raises_is_named_and_the_rest_still_runs():
     row = m.peer("raising")
     errors = [c for c in row.cells() if c.status == "error"]
     assert errors and all(c.op == "mix" for c in errors)
-    assert "raising raised RuntimeError in mix (x [6, 2, 8], n=2, torch.float64): kernel exploded" in errors[0].message
+    assert (
+        "raising raised RuntimeError in mix (x [6, 2, 8], n=2, torch.float64): kernel exploded"
+        in errors[0].message
+    )
     assert row.best == "paper" and any(c.status == "pass" for c in row.cells() if c.op == "sinkhorn")
     assert m.peer("mhc_core[paper]").conforms
 

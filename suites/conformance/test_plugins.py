@@ -47,18 +47,27 @@ def test_instance_and_factory_are_peers_too(user_dir):
     """NAME may be an instance or a function returning a list of peers."""
     (user_dir / "my_factory.py").write_text(
         "from my_mhc import MyPeer\nONE = MyPeer(name='mine_a')\n"
-        "def both():\n    return [MyPeer(name='mine_b'), MyPeer(name='mine_c')]\n", encoding="utf-8")
+        "def both():\n    return [MyPeer(name='mine_b'), MyPeer(name='mine_c')]\n",
+        encoding="utf-8",
+    )
     assert [p.name for p in load_peer_spec("my_factory:ONE")] == ["mine_a"]
     assert [p.name for p in load_peer_spec("my_factory:both")] == ["mine_b", "mine_c"]
 
 
-@pytest.mark.parametrize(("spec", "source", "message"), [
-    ("my_mhc", None, "expected MODULE:NAME, e.g. my_pkg.my_mhc:MyPeer"),
-    ("no_such_module_here:Peer", None, "module 'no_such_module_here' failed to import in"),
-    ("broken_mhc:P", "import torch\nraise RuntimeError('my init failed')\n", "RuntimeError: my init failed"),
-    ("my_mhc:Missing", None, "has no 'Missing'; it has"),
-    ("not_a_peer:THING", "THING = 42\n", "not a Peer (got int)"),
-])
+@pytest.mark.parametrize(
+    ("spec", "source", "message"),
+    [
+        ("my_mhc", None, "expected MODULE:NAME, e.g. my_pkg.my_mhc:MyPeer"),
+        ("no_such_module_here:Peer", None, "module 'no_such_module_here' failed to import in"),
+        (
+            "broken_mhc:P",
+            "import torch\nraise RuntimeError('my init failed')\n",
+            "RuntimeError: my init failed",
+        ),
+        ("my_mhc:Missing", None, "has no 'Missing'; it has"),
+        ("not_a_peer:THING", "THING = 42\n", "not a Peer (got int)"),
+    ],
+)
 def test_bad_peer_module_is_named(user_dir, spec, source, message, capsys):
     """A spec without a colon, a module that fails to import, a missing name, a non-peer: named, exit 2."""
     if source is not None:
@@ -74,11 +83,15 @@ def test_entry_point_plugin_is_loaded(user_dir):
     """An installed distribution's `mhc_suite.peers` entry point gives its peer on every run."""
     info = user_dir / "my_mhc_plugin-1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-mhc-plugin\nVersion: 1.0\n", encoding="utf-8")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: my-mhc-plugin\nVersion: 1.0\n", encoding="utf-8"
+    )
     (info / "entry_points.txt").write_text("[mhc_suite.peers]\nmy_mhc = my_mhc:MyPeer\n", encoding="utf-8")
     assert [p.name for p in entry_point_peers()] == ["my_mhc"]
     (info / "entry_points.txt").write_text("[mhc_suite.peers]\nmine = my_mhc:NoSuchThing\n", encoding="utf-8")
-    with pytest.raises(PeerPluginError, match=r"entry point mine = my_mhc:NoSuchThing \(mhc_suite.peers\): failed"):
+    with pytest.raises(
+        PeerPluginError, match=r"entry point mine = my_mhc:NoSuchThing \(mhc_suite.peers\): failed"
+    ):
         entry_point_peers()
 
 
@@ -91,7 +104,9 @@ def test_an_installed_plugin_with_a_timing_is_timed_by_the_perf_suite(user_dir):
 
     info = user_dir / "my_mhc_plugin-1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-mhc-plugin\nVersion: 1.0\n", encoding="utf-8")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: my-mhc-plugin\nVersion: 1.0\n", encoding="utf-8"
+    )
     (info / "entry_points.txt").write_text("[mhc_suite.peers]\nmy_mhc = my_mhc:MyPeer\n", encoding="utf-8")
     registry_peers.cache_clear()
     try:

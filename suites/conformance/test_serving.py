@@ -40,7 +40,9 @@ def test_sglang_torch_path_is_devs_with_eps_inside_the_square_root(matrix):
     row = matrix.peer("sglang")
     if row.skipped:
         pytest.skip(row.skipped)
-    assert row.configuration == "megatron_dev+eps_inside_sqrt" and row.conforms and row.meets_claim, _not_passing(row)
+    assert row.configuration == "megatron_dev+eps_inside_sqrt" and row.conforms and row.meets_claim, (
+        _not_passing(row)
+    )
     cells = {c.check: c for c in row.cells()}
     assert cells["orientation n4 bf16"].observed == "H^T @ x"
     plain = {c.check: c for c in row.by_variant["megatron_dev"] if c.status == "fail"}
@@ -65,10 +67,18 @@ def test_sglang_triton_coefficients_match_the_oracle_where_its_kernel_runs():
     n, c, t = 4, 16, 5
     x = torch.randn(t, n, c, generator=g).to(torch.bfloat16)
     big = n * n + 2 * n
-    p = SublayerParams(n=n, weight=torch.randn(big, n * c, generator=g) * 0.2, alpha_pre=torch.tensor([0.7]),
-                       alpha_post=torch.tensor([0.9]), alpha_res=torch.tensor([1.3]), bias=torch.randn(big, generator=g) * 0.5)
+    p = SublayerParams(
+        n=n,
+        weight=torch.randn(big, n * c, generator=g) * 0.2,
+        alpha_pre=torch.tensor([0.7]),
+        alpha_post=torch.tensor([0.9]),
+        alpha_res=torch.tensor([1.3]),
+        bias=torch.randn(big, generator=g) * 0.5,
+    )
     y, h_res, h_post = peer.pre(x, p, 20)
-    p64 = SublayerParams(n=n, **{f.name: getattr(p, f.name).double() for f in dataclasses.fields(p) if f.name != "n"})
+    p64 = SublayerParams(
+        n=n, **{f.name: getattr(p, f.name).double() for f in dataclasses.fields(p) if f.name != "n"}
+    )
     ref = oracle(TRAINER).coefficients(x.double(), p64, 20)
     assert rel_err(h_res, ref["h_res"]) < 1e-5 and rel_err(h_post, ref["h_post"]) < 1e-5
     assert rel_err(y, ref["aggregate"]) < 8e-3  # the layer input is rounded to bf16
@@ -85,8 +95,13 @@ def _planted(tmp_path: Path, source: Path, pattern: str, replacement: str) -> Pa
 
 _PLANTS = {
     # sglang's `_mhc_post_torch`: out[o] = sum_i comb[i, o] x[i]; planted: comb transposed (H @ x).
-    "sglang": (SglangPeer, SGLANG, KERNEL_FILE, r"comb_res_mix\.unsqueeze\(-1\) \* residual\.unsqueeze\(2\)",
-               "comb_res_mix.transpose(-1, -2).unsqueeze(-1) * residual.unsqueeze(2)"),
+    "sglang": (
+        SglangPeer,
+        SGLANG,
+        KERNEL_FILE,
+        r"comb_res_mix\.unsqueeze\(-1\) \* residual\.unsqueeze\(2\)",
+        "comb_res_mix.transpose(-1, -2).unsqueeze(-1) * residual.unsqueeze(2)",
+    ),
     # vLLM's `mhc_post_torch`: einsum "...ij,...ih->...jh"; planted: "...ji,...ih->...jh".
     "vllm": (VllmPeer, VLLM, TORCH_FILE, r'"\.\.\.ij,\.\.\.ih->\.\.\.jh"', '"...ji,...ih->...jh"'),
 }
@@ -106,7 +121,9 @@ def test_a_planted_transposed_mix_in_a_copy_of_the_serving_kernel_is_caught(tmp_
     assert orientation.status == "fail" and orientation.observed == "H @ x"
     (trainer, planted) = (lambda rows: (rows[0], rows[1]))(measure([mutant], SMALL))
     assert planted.passed is False and trainer.passed
-    assert "first op that differs: the mix" in planted.reason and "untransposed_mix" in planted.reason, planted.reason
+    assert "first op that differs: the mix" in planted.reason and "untransposed_mix" in planted.reason, (
+        planted.reason
+    )
 
 
 def test_train_serve_measurement_at_ci_size(tmp_path):

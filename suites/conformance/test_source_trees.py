@@ -24,13 +24,15 @@ from harness.peers.triton_interpreter import device_properties, interpreted, pre
 
 TE_TREE = os.environ.get("MHC_TRANSFORMER_ENGINE")
 TITAN_TREE = os.environ.get("MHC_TORCHTITAN")
-needs_interpreter = pytest.mark.skipif(importlib.util.find_spec("triton") is None or not interpreted()
-                                       or prepare_interpreter() is not None,
-                                       reason="needs triton, no GPU, and TRITON_INTERPRET=1 before triton imports")
+needs_interpreter = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not interpreted() or prepare_interpreter() is not None,
+    reason="needs triton, no GPU, and TRITON_INTERPRET=1 before triton imports",
+)
 
 
-@pytest.mark.parametrize(("option", "missing"), [("--transformer-engine", str(KERNELS_FILE)),
-                                                 ("--torchtitan", str(MHC_FILE))])
+@pytest.mark.parametrize(
+    ("option", "missing"), [("--transformer-engine", str(KERNELS_FILE)), ("--torchtitan", str(MHC_FILE))]
+)
 def test_a_bad_tree_is_refused_naming_it(tmp_path, capsys, option, missing):
     """A path that is not a directory, or a directory without the peer's files, is refused naming the option,
     the path and the missing file (exit 2), before anything runs or is written."""
@@ -49,7 +51,7 @@ def test_a_tree_from_the_environment_that_is_not_one_is_a_skip_reason(tmp_path):
         assert row.skipped and str(tmp_path) in row.skipped and "no " in row.skipped, row.skipped
 
 
-PRUNED = '''
+PRUNED = """
 import triton
 import triton.language as tl
 
@@ -67,7 +69,7 @@ def double(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(out_ptr + offs, 2 * tl.load(x_ptr + offs, mask=mask), mask=mask)
-'''
+"""
 
 
 @needs_interpreter
@@ -134,8 +136,10 @@ def test_a_peer_without_a_backward_is_compared_on_its_outputs():
 @pytest.fixture
 def te_tree() -> Path:
     if not TE_TREE:
-        pytest.skip("MHC_TRANSFORMER_ENGINE is not set (a TransformerEngine checkout; the committed recording "
-                    "te_triton.json stands in for it)")
+        pytest.skip(
+            "MHC_TRANSFORMER_ENGINE is not set (a TransformerEngine checkout; the committed recording "
+            "te_triton.json stands in for it)"
+        )
     if prepare_interpreter() is not None and not torch.cuda.is_available():
         pytest.skip(prepare_interpreter())
     return Path(TE_TREE)
@@ -145,7 +149,9 @@ def test_te_from_a_tree_matches_its_recording(te_tree):
     """TE's two mHC files from the tree give the configuration and the passes of the committed recording, and
     nothing is left in sys.modules pretending TransformerEngine is installed."""
     live = run_matrix([TeTritonPeer(tree=te_tree)]).peer("te_triton")
-    recorded = run_matrix([p for p in _recorded() if p.name == "te_triton[recorded]"]).peer("te_triton[recorded]")
+    recorded = run_matrix([p for p in _recorded() if p.name == "te_triton[recorded]"]).peer(
+        "te_triton[recorded]"
+    )
     assert live.configuration == recorded.configuration
     assert [c.status for c in live.cells()] == [c.status for c in recorded.cells()]
     assert "transformer_engine" not in sys.modules
@@ -181,10 +187,14 @@ def test_a_transposed_index_in_tes_interpreted_kernel_is_caught(te_tree, monkeyp
 def test_torchtitan_from_a_tree_matches_its_recording():
     """torchtitan's mhc.py from the tree gives the configuration and the passes of the committed recording."""
     if not TITAN_TREE:
-        pytest.skip("MHC_TORCHTITAN is not set (a torchtitan checkout of PR #3634; the committed recording "
-                    "torchtitan.json stands in for it)")
+        pytest.skip(
+            "MHC_TORCHTITAN is not set (a torchtitan checkout of PR #3634; the committed recording "
+            "torchtitan.json stands in for it)"
+        )
     live = run_matrix([TorchtitanPeer(tree=Path(TITAN_TREE))]).peer("torchtitan")
-    recorded = run_matrix([p for p in _recorded() if p.name == "torchtitan[recorded]"]).peer("torchtitan[recorded]")
+    recorded = run_matrix([p for p in _recorded() if p.name == "torchtitan[recorded]"]).peer(
+        "torchtitan[recorded]"
+    )
     assert live.configuration == recorded.configuration
     assert [c.status for c in live.cells()] == [c.status for c in recorded.cells()]
 
@@ -193,4 +203,3 @@ def _recorded():
     from harness.conformance.replay import recorded_peers
 
     return recorded_peers()
-

@@ -11,11 +11,12 @@ import torch
 
 from harness.peers.triton_interpreter import interpreted, prepare_interpreter, without_autotune_timing
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or not interpreted()
-                                or prepare_interpreter() is not None,
-                                reason="needs triton, no GPU, and TRITON_INTERPRET=1 before triton imports")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not interpreted() or prepare_interpreter() is not None,
+    reason="needs triton, no GPU, and TRITON_INTERPRET=1 before triton imports",
+)
 
-SOURCE = '''
+SOURCE = """
 import triton
 import triton.language as tl
 
@@ -26,7 +27,7 @@ def double(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(out_ptr + offs, 2 * tl.load(x_ptr + offs, mask=mask), mask=mask)
-'''
+"""
 
 
 def _module(tmp_path, name):

@@ -28,10 +28,14 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if ratios:
         terminalreporter.section("mHC step time")
         for pair, ratio in ratios.items():
-            terminalreporter.line(f"{pair}: step-time ratio {ratio:.3f} (fastest iteration-time of each run, warm-up skipped)")
+            terminalreporter.line(
+                f"{pair}: step-time ratio {ratio:.3f} (fastest iteration-time of each run, warm-up skipped)"
+            )
     times = config.stash.get(MULTINODE_TIMES, {})
     if times:
         terminalreporter.section("multi-node simulation")
         for case, (two, one) in times.items():
-            terminalreporter.line(f"{case}: two agents x two ranks {two:.1f} s (the batch script: plan, both nodes, check); "
-                                  f"one node x four ranks {one:.1f} s (the session's run, with its checkpoint saves)")
+            terminalreporter.line(
+                f"{case}: two agents x two ranks {two:.1f} s (the batch script: plan, both nodes, check); "
+                f"one node x four ranks {one:.1f} s (the session's run, with its checkpoint saves)"
+            )

@@ -37,14 +37,18 @@ def recording_path(out_dir: Path, branch: str, case: str) -> Path:
 
 def command(case: str, hw: str) -> str:
     """The command that re-records `case` (placeholders for this machine's paths)."""
-    return (f"python -m suites.functional.record_tree --megatron-lm <tree> --case {shlex.quote(case)} "
-            f"--hw {shlex.quote(hw)}")
+    return (
+        f"python -m suites.functional.record_tree --megatron-lm <tree> --case {shlex.quote(case)} "
+        f"--hw {shlex.quote(hw)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM source tree (dev or main)")
-    p.add_argument("--case", action="append", default=None, help=f"recipe (repeatable; default {tree_diff.CASES})")
+    p.add_argument(
+        "--case", action="append", default=None, help=f"recipe (repeatable; default {tree_diff.CASES})"
+    )
     p.add_argument("--hw", default="cpu_x86_64", help="hardware key of the recipe entry (default cpu_x86_64)")
     p.add_argument("--out-dir", type=Path, default=RECORDED_DIR, help="where the recordings go")
     args = p.parse_args(argv)
@@ -64,14 +68,28 @@ def main(argv: list[str] | None = None) -> int:
             work, data = Path(tmp), Path(tmp) / "data"
             init = tree_diff.dump_init(case, args.hw, tree.flavor, work_dir=work / "init", data_dir=data)
             run = tree_diff.run_tree(case, args.hw, tree, init, work_dir=work / "tree", data_dir=data)
-            doc = {"format": FORMAT, "case": case, "hw": args.hw,
-                   "source": {"repository": "NVIDIA/Megatron-LM", "branch": tree.flavor, "commit": tree.commit,
-                              "files_sha256": hashes(tree.path), "recorded": utc_now(), "torch": torch.__version__,
-                              "python": platform.python_version(), "command": command(case, args.hw),
-                              "seconds": round(run.seconds, 1)},
-                   "recipe_sha256": tree_diff.recipe_sha256(case), "init_sha256": tree_diff.file_sha256(init),
-                   "our_numerics": dict(tree_diff.OUR_NUMERICS[tree.flavor]),
-                   "metrics": tree_diff.as_json({m: run.metrics[m] for m in tree_diff.METRICS if m in run.metrics})}
+            doc = {
+                "format": FORMAT,
+                "case": case,
+                "hw": args.hw,
+                "source": {
+                    "repository": "NVIDIA/Megatron-LM",
+                    "branch": tree.flavor,
+                    "commit": tree.commit,
+                    "files_sha256": hashes(tree.path),
+                    "recorded": utc_now(),
+                    "torch": torch.__version__,
+                    "python": platform.python_version(),
+                    "command": command(case, args.hw),
+                    "seconds": round(run.seconds, 1),
+                },
+                "recipe_sha256": tree_diff.recipe_sha256(case),
+                "init_sha256": tree_diff.file_sha256(init),
+                "our_numerics": dict(tree_diff.OUR_NUMERICS[tree.flavor]),
+                "metrics": tree_diff.as_json(
+                    {m: run.metrics[m] for m in tree_diff.METRICS if m in run.metrics}
+                ),
+            }
         out = recording_path(args.out_dir, tree.flavor, case)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp_out = out.with_name(f".{out.name}.{os.getpid()}.tmp")

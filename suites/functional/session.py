@@ -42,8 +42,10 @@ def planted_overrides(env: dict[str, str] | None = None) -> dict[str, Any]:
     except ValueError as exc:
         raise ValueError(f"{PLANT_ENV_VAR}={raw!r} is not JSON: {exc}") from None
     if not isinstance(doc, dict) or not all(isinstance(k, str) and k.startswith("--") for k in doc):
-        raise ValueError(f"{PLANT_ENV_VAR}={raw!r} must be a JSON object of MODEL_ARGS flags, e.g. "
-                         '{"--lr-warmup-iters": 3}')
+        raise ValueError(
+            f"{PLANT_ENV_VAR}={raw!r} must be a JSON object of MODEL_ARGS flags, e.g. "
+            '{"--lr-warmup-iters": 3}'
+        )
     return doc
 
 
@@ -62,12 +64,16 @@ class FunctionalRuns:
         """Why `case` cannot run here, or None."""
         recipe = self.recipe(case)
         if self.hw not in recipe.hardware:
-            where = ", ".join(f"{k} ({h.nproc} ranks, {h.backend}, {h.dtype})" for k, h in recipe.hardware.items())
+            where = ", ".join(
+                f"{k} ({h.nproc} ranks, {h.backend}, {h.dtype})" for k, h in recipe.hardware.items()
+            )
             return f"{case}: the recipe has no HARDWARE entry for {self.hw}; it runs on {where}"
         spec = recipe.hardware[self.hw]
         if spec.backend == "nccl" and spec.nnodes > 1:
-            return (f"{case}: {spec.nnodes} nodes x {spec.nproc} GPUs on {self.hw}; run it across nodes with "
-                    "ci/slurm/functional.sbatch (docs/functional.md, 'Several nodes')")
+            return (
+                f"{case}: {spec.nnodes} nodes x {spec.nproc} GPUs on {self.hw}; run it across nodes with "
+                "ci/slurm/functional.sbatch (docs/functional.md, 'Several nodes')"
+            )
         if spec.backend == "nccl" and torch.cuda.device_count() < spec.nproc:
             return f"{case}: needs {spec.nproc} GPUs on {self.hw}, {torch.cuda.device_count()} visible"
         return None
@@ -94,8 +100,14 @@ class FunctionalRuns:
             planted = planted_overrides()
             if planted:
                 print(f"[functional] {case}: MODEL_ARGS planted by ${PLANT_ENV_VAR}: {planted}", flush=True)
-            self._runs[case] = run_case(case, self.hw, work_dir=self.root / case / "run", data_dir=self.data_dir,
-                                        save=save, overrides=planted or None)
+            self._runs[case] = run_case(
+                case,
+                self.hw,
+                work_dir=self.root / case / "run",
+                data_dir=self.data_dir,
+                save=save,
+                overrides=planted or None,
+            )
         return self._runs[case]
 
     def resumed(self, case: str) -> RunResult:
@@ -103,13 +115,25 @@ class FunctionalRuns:
         key = f"{case}:resumed"
         if key not in self._runs:
             first = self.run(case)
-            self._runs[key] = run_ckpt_resume(first, self.root / case / "checkpoints", self.root / case / "resumed",
-                                              data_dir=self.data_dir)
+            self._runs[key] = run_ckpt_resume(
+                first, self.root / case / "checkpoints", self.root / case / "resumed", data_dir=self.data_dir
+            )
         return self._runs[key]
 
-    def fresh(self, case: str, tag: str, overrides: dict[str, Any] | None = None,
-              numerics: CpuNumerics | None = None) -> RunResult:
+    def fresh(
+        self,
+        case: str,
+        tag: str,
+        overrides: dict[str, Any] | None = None,
+        numerics: CpuNumerics | None = None,
+    ) -> RunResult:
         """A new launch of `case` (never cached), e.g. a second run, a deliberately broken one, or one
         under another CPU numerics profile."""
-        return run_case(case, self.hw, work_dir=self.root / case / tag, data_dir=self.data_dir, overrides=overrides,
-                        numerics=numerics)
+        return run_case(
+            case,
+            self.hw,
+            work_dir=self.root / case / tag,
+            data_dir=self.data_dir,
+            overrides=overrides,
+            numerics=numerics,
+        )

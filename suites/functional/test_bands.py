@@ -20,9 +20,12 @@ from harness.training.numerics import CpuNumerics
 
 DRIFT = REPO_ROOT / "docs" / "measurements" / "cpu-numerics-drift"
 CASES = ("gpt_tp1_pp1", "gpt_tp1_pp1_mhc", "gpt_tp1_pp1_mhc_gate1", "gpt_tp1_pp1_hc", "gpt_tp2_pp2_mhc")
-NUMERICS_ONLY = [(c, p.name) for c in CASES for p in sorted((DRIFT / c).glob("*.json"))
-                 if not p.name.startswith("change-") and not p.name.endswith(".fingerprint.json")
-                 and p.name != "avx2.json"]
+NUMERICS_ONLY = [
+    (c, p.name)
+    for c in CASES
+    for p in sorted((DRIFT / c).glob("*.json"))
+    if not p.name.startswith("change-") and not p.name.endswith(".fingerprint.json") and p.name != "avx2.json"
+]
 REAL_CHANGES = {
     # (case, run): the metrics that must fail, each at least at this many steps
     ("gpt_tp1_pp1", "change-warmup.json"): {"lm loss": 15, "grad-norm": 15},
@@ -36,11 +39,16 @@ REAL_CHANGES = {
 def _verdicts(actual: Golden, reference: Golden) -> dict[str, CheckResult]:
     """Every default band's verdict on the metrics both runs hold (the AMD goldens of 2026-11-30 predate
     the stability metrics; the baseline case has none)."""
-    return {m: compare_metric(m, actual.get(m), reference.get(m), band, source="avx2.json")
-            for m, band in DEFAULT_BANDS.items() if m in actual and m in reference}
+    return {
+        m: compare_metric(m, actual.get(m), reference.get(m), band, source="avx2.json")
+        for m, band in DEFAULT_BANDS.items()
+        if m in actual and m in reference
+    }
 
 
-@pytest.mark.parametrize(("case", "run"), NUMERICS_ONLY, ids=[f"{c}-{r.removesuffix('.json')}" for c, r in NUMERICS_ONLY])
+@pytest.mark.parametrize(
+    ("case", "run"), NUMERICS_ONLY, ids=[f"{c}-{r.removesuffix('.json')}" for c, r in NUMERICS_ONLY]
+)
 def test_numerics_drift_fits_the_default_bands(case, run):
     """A run under another ISA profile, or on another x86 model, passes every default band."""
     reference = load_golden(DRIFT / case / "avx2.json")
@@ -57,7 +65,9 @@ def test_the_drift_runs_are_what_they_say():
             assert aten == {"avx2": "avx2", "baseline": "default", "native": None}[profile.value], (case, fp)
 
 
-@pytest.mark.parametrize(("case", "run"), list(REAL_CHANGES), ids=[f"{c}-{r.removesuffix('.json')}" for c, r in REAL_CHANGES])
+@pytest.mark.parametrize(
+    ("case", "run"), list(REAL_CHANGES), ids=[f"{c}-{r.removesuffix('.json')}" for c, r in REAL_CHANGES]
+)
 def test_a_real_change_fails_the_default_bands(case, run):
     """Another mHC variant (where the mixing is non-trivial) or a warm-up one step longer fails."""
     verdicts = _verdicts(load_golden(DRIFT / case / run), load_golden(DRIFT / case / "avx2.json"))
@@ -72,8 +82,12 @@ def test_a_one_step_lm_loss_shift_of_1e_3_fails(step):
     reference = load_golden(DRIFT / "gpt_tp1_pp1_mhc" / "avx2.json")["lm loss"]
     values = dict(reference.values)
     values[step] *= 1 + 1e-3
-    shifted = MetricSeries(start_step=reference.start_step, end_step=reference.end_step,
-                           step_interval=reference.step_interval, values=values)
+    shifted = MetricSeries(
+        start_step=reference.start_step,
+        end_step=reference.end_step,
+        step_interval=reference.step_interval,
+        values=values,
+    )
     r = compare_metric("lm loss", shifted, reference, DEFAULT_BANDS["lm loss"])
     assert r.status == "fail" and r.n_misses == 1 and r.worst_step == step
     assert f"  step {step}: actual " in r.message
@@ -102,5 +116,8 @@ def test_drift_files_are_committed():
     for case in CASES:
         runs = {r for c, r in NUMERICS_ONLY if c == case}
         assert {"baseline.json", "native.json"} <= runs, (case, runs)
-        assert ("amd-epyc-avx2.json" in runs) == (case not in ("gpt_tp1_pp1_mhc_gate1", "gpt_tp1_pp1_hc")), (case, runs)
+        assert ("amd-epyc-avx2.json" in runs) == (case not in ("gpt_tp1_pp1_mhc_gate1", "gpt_tp1_pp1_hc")), (
+            case,
+            runs,
+        )
         assert (DRIFT / case / "drift.txt").is_file()

@@ -44,19 +44,28 @@ def test_changed_sinkhorn_iterations_fail_golden_comparison(functional_runs, req
 
     broken = functional_runs.fresh(CASE, "broken", overrides=BROKEN)
     assert broken.plan.args.mhc_sinkhorn_iterations == 1
-    outcome = check_case(settings, suite="functional", case=CASE, metrics=broken.metrics,
-                         checks=functional_runs.recipe(CASE).checks(hw),
-                         fingerprint=fingerprint_from_json(broken.fingerprint, source="broken run"))
+    outcome = check_case(
+        settings,
+        suite="functional",
+        case=CASE,
+        metrics=broken.metrics,
+        checks=functional_runs.recipe(CASE).checks(hw),
+        fingerprint=fingerprint_from_json(broken.fingerprint, source="broken run"),
+    )
 
     assert outcome.status == "fail", outcome.message
     msg = outcome.message
     assert f"golden mismatch for functional/{CASE} on {hw}" in msg
     # The approximate lane fails on every machine, whether or not the exact lane applies here.
     assert "lm loss [approx" in msg and "steps outside the band" in msg, msg
-    assert re.search(r"^  step \d+: actual \S+, golden \S+, delta \S+ \(rel \S+\), band \|delta\| <= \S+$", msg, re.M), msg
+    assert re.search(
+        r"^  step \d+: actual \S+, golden \S+, delta \S+ \(rel \S+\), band \|delta\| <= \S+$", msg, re.M
+    ), msg
     if outcome.lane == "exact":
         assert "lm loss [exact]" in msg and "steps differ" in msg
-        assert re.search(r"^  step \d+: actual \S+, golden \S+, delta \S+ \(rel \S+\), band delta == 0$", msg, re.M), msg
+        assert re.search(
+            r"^  step \d+: actual \S+, golden \S+, delta \S+ \(rel \S+\), band delta == 0$", msg, re.M
+        ), msg
     else:
         assert "exact: n/a, recorded on" in msg, msg
     assert {p: p.read_bytes() for p in files.json.parent.iterdir()} == before, "a golden file was written"

@@ -29,4 +29,6 @@ def test_resumed_steps_equal_uninterrupted_run(case, functional_runs):
         assert all(any(isinstance(x, ExactCheck) for x in c) for c in checks.values()), checks
     tail = {m: {s: v for s, v in full.metrics[m].items() if s > half} for m in checks}
     results = compare(to_golden(resumed.metrics), to_golden(tail), checks, source=f"{case} uninterrupted run")
-    assert all(r.ok for r in results), f"{case}: resumed from step {half} differs:\n" + format_results(results)
+    assert all(r.ok for r in results), f"{case}: resumed from step {half} differs:\n" + format_results(
+        results
+    )

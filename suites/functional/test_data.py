@@ -20,8 +20,16 @@ from harness.training.data import (
 from harness.training.model_args import parse_model_args
 
 TEXT = DATA_DIR / "declaration.txt"
-ARGS = {"--num-layers": 1, "--hidden-size": 8, "--num-attention-heads": 1, "--seq-length": 32,
-        "--micro-batch-size": 2, "--global-batch-size": 8, "--train-iters": 3, "--lr": 0.1}
+ARGS = {
+    "--num-layers": 1,
+    "--hidden-size": 8,
+    "--num-attention-heads": 1,
+    "--seq-length": 32,
+    "--micro-batch-size": 2,
+    "--global-batch-size": 8,
+    "--train-iters": 3,
+    "--lr": 0.1,
+}
 
 
 def _digest(prefix) -> tuple[str, str]:

@@ -18,6 +18,10 @@ def test_second_launch_is_bitwise_identical(functional_runs):
     first = functional_runs.deterministic_run(CASE)
     second = functional_runs.fresh(CASE, "second")
     names = (LM_LOSS, GRAD_NORM, NUM_ZEROS)
-    results = compare(to_golden({n: second.metrics[n] for n in names}), to_golden({n: first.metrics[n] for n in names}),
-                      {n: ExactCheck() for n in names}, source=f"first launch of {CASE}")
+    results = compare(
+        to_golden({n: second.metrics[n] for n in names}),
+        to_golden({n: first.metrics[n] for n in names}),
+        {n: ExactCheck() for n in names},
+        source=f"first launch of {CASE}",
+    )
     assert all(r.ok for r in results), format_results(results)

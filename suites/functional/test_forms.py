@@ -28,8 +28,10 @@ def test_v41_beside_its_v4_twin(functional_runs, record_property):
     steps = sorted(v41[LM_LOSS])
     print(f"{'step':>4} {'V4.1 lm loss':>13} {'V4 twin':>10} {'V4.1 gain fwd/bwd':>20} {'V4 twin':>20}")
     for s in steps:
-        print(f"{s:>4} {v41[LM_LOSS][s]:>13.6f} {v4[LM_LOSS][s]:>10.6f} "
-              f"{v41[GAINS[0]][s]:>10.6f}/{v41[GAINS[1]][s]:.6f} {v4[GAINS[0]][s]:>10.6f}/{v4[GAINS[1]][s]:.6f}")
+        print(
+            f"{s:>4} {v41[LM_LOSS][s]:>13.6f} {v4[LM_LOSS][s]:>10.6f} "
+            f"{v41[GAINS[0]][s]:>10.6f}/{v41[GAINS[1]][s]:.6f} {v4[GAINS[0]][s]:>10.6f}/{v4[GAINS[1]][s]:.6f}"
+        )
     for name, m in (("V4.1", v41), ("V4 twin", v4)):
         first, last = m[LM_LOSS][steps[0]], m[LM_LOSS][steps[-1]]
         assert last < 0.8 * first, f"{name}: lm loss {first:.4f} -> {last:.4f}"
@@ -40,5 +42,7 @@ def test_v41_beside_its_v4_twin(functional_runs, record_property):
     # part from step 1 (by 1.1e-3 at most over the run, measured: the gates start at 0.01, so the two H_pre differ
     # little, and the entry's stream 0 and the mean-like aggregate meet the same norm).
     gaps = [abs(v41[LM_LOSS][s] - v4[LM_LOSS][s]) for s in steps]
-    assert gaps[0] > 0 and max(gaps) > 1e-5, f"the two forms gave the same lm loss to {max(gaps):.1e}: handoff off?"
+    assert gaps[0] > 0 and max(gaps) > 1e-5, (
+        f"the two forms gave the same lm loss to {max(gaps):.1e}: handoff off?"
+    )
     record_property("v41_minus_v4_final_lm_loss", v41[LM_LOSS][steps[-1]] - v4[LM_LOSS][steps[-1]])

@@ -17,8 +17,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 CASE = "gpt_tp1_pp1_mhc"
 FUSED = {"--use-fused-mhc": True}
 """Upstream's flag: the ops go through the kernel dispatch."""
-CHECKS = {LM_LOSS: ApproximateCheck(rtol=1e-5, max_misses=0), GRAD_NORM: ApproximateCheck(rtol=1e-5, max_misses=0),
-          NUM_ZEROS: DEFAULT_BANDS[NUM_ZEROS]}
+CHECKS = {
+    LM_LOSS: ApproximateCheck(rtol=1e-5, max_misses=0),
+    GRAD_NORM: ApproximateCheck(rtol=1e-5, max_misses=0),
+    NUM_ZEROS: DEFAULT_BANDS[NUM_ZEROS],
+}
 """fp32. Measured on the CPU (compiled backend, 24 steps, each native kernel forced and the compiled graph
 without them; `docs/measurements/cpu-2026-12-06-num-zeros/`): lm loss within 1.5e-7 and grad norm within
 2.5e-7 relative of the reference run at every step. num-zeros (exactly-zero gradient elements) is off by
@@ -48,7 +51,9 @@ def _skip_reason(kernel: str, device: str) -> str | None:
     if not built:
         return why
     if kernel not in native.kernels():
-        return f"this CPU lacks the instructions of the {kernel} kernel (it runs {', '.join(native.kernels())})"
+        return (
+            f"this CPU lacks the instructions of the {kernel} kernel (it runs {', '.join(native.kernels())})"
+        )
     if kernel == native.auto_kernel():
         return f"`auto` runs {kernel} on this CPU: the [auto] case is its run"
     if kernel == "avx512" and native.auto_kernel() == "avx512_bf16":
@@ -77,7 +82,10 @@ def test_fused_mhc_run_matches_the_reference_run(functional_runs, monkeypatch, k
     assert fused.plan.args.use_fused_mhc and not reference.plan.args.use_fused_mhc
     pins = fused.fingerprint.get("pins", {})
     assert pins.get(native.ENV) == (None if kernel == "auto" else kernel), pins
-    results = compare(to_golden({n: fused.metrics[n] for n in CHECKS}),
-                      to_golden({n: reference.metrics[n] for n in CHECKS}), CHECKS,
-                      source=f"reference-ops run of {CASE} (fused: MHC_BACKEND={backend}, {native.ENV}={kernel})")
+    results = compare(
+        to_golden({n: fused.metrics[n] for n in CHECKS}),
+        to_golden({n: reference.metrics[n] for n in CHECKS}),
+        CHECKS,
+        source=f"reference-ops run of {CASE} (fused: MHC_BACKEND={backend}, {native.ENV}={kernel})",
+    )
     assert all(r.ok for r in results), format_results(results)

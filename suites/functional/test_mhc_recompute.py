@@ -21,7 +21,10 @@ def test_mhc_recompute_run_equals_the_plain_run(functional_runs):
     recomputed = functional_runs.fresh(CASE, "mhc-recompute", overrides=RECOMPUTE)
     assert recomputed.plan.args.recompute_modules == ("mhc",)
     names = (LM_LOSS, GRAD_NORM, NUM_ZEROS)
-    results = compare(to_golden({n: recomputed.metrics[n] for n in names}),
-                      to_golden({n: plain.metrics[n] for n in names}),
-                      {n: ExactCheck() for n in names}, source=f"plain run of {CASE}")
+    results = compare(
+        to_golden({n: recomputed.metrics[n] for n in names}),
+        to_golden({n: plain.metrics[n] for n in names}),
+        {n: ExactCheck() for n in names},
+        source=f"plain run of {CASE}",
+    )
     assert all(r.ok for r in results), format_results(results)

@@ -35,7 +35,8 @@ def test_mhc_loss_curve_is_finite_and_differs_from_baseline(base, mhc, functiona
     gap = max(abs(lm[s] - lb[s]) for s in lm)
     assert len(differ) >= len(lm) - 1 and gap > 1e-3, (
         f"{mhc} vs {base}: lm loss differs at {len(differ)} of {len(lm)} steps, max |delta| {gap:.3e}; "
-        "mHC looks inactive")
+        "mHC looks inactive"
+    )
 
 
 @pytest.mark.parametrize(("base", "mhc"), PAIRS, ids=[m for _, m in PAIRS])

@@ -36,27 +36,55 @@ NODES = 2
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != CRASH_RANK_ENV_VAR}
-    return subprocess.run([sys.executable, "-m", "harness.launch.multinode", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "harness.launch.multinode", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 SBATCH = REPO_ROOT / "ci" / "slurm" / "functional.sbatch"
 STANDIN = Path(__file__).with_name("slurm_standin")
 
 
-def _sbatch(case: str, out_root: Path, *, hw: str, port: int, job_id: str, timeout: float) -> subprocess.CompletedProcess:
+def _sbatch(
+    case: str, out_root: Path, *, hw: str, port: int, job_id: str, timeout: float
+) -> subprocess.CompletedProcess:
     """The batch script as Slurm would start it on the first node of a 2-node allocation."""
     env = {k: v for k, v in os.environ.items() if k != CRASH_RANK_ENV_VAR}
-    env.update(PATH=f"{STANDIN}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}",
-               PYTHON=sys.executable, SLURM_JOB_ID=job_id, SLURM_JOB_NUM_NODES=str(NODES),
-               SLURM_JOB_NODELIST="node[0-1]", OUT=str(out_root), PORT=str(port), HW=hw, JOIN_TIMEOUT="120")
-    return subprocess.run(["bash", str(SBATCH), case], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    env.update(
+        PATH=f"{STANDIN}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}",
+        PYTHON=sys.executable,
+        SLURM_JOB_ID=job_id,
+        SLURM_JOB_NUM_NODES=str(NODES),
+        SLURM_JOB_NODELIST="node[0-1]",
+        OUT=str(out_root),
+        PORT=str(port),
+        HW=hw,
+        JOIN_TIMEOUT="120",
+    )
+    return subprocess.run(
+        ["bash", str(SBATCH), case],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def _golden_digest(hw: str) -> dict[str, str]:
     folder = REPO_ROOT / "golden" / hw / "functional"
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob(f"{CASE}*")) if p.is_file()}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob(f"{CASE}*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -80,7 +108,9 @@ def test_two_agents_reproduce_the_one_node_run_bit_for_bit(functional_runs, tmp_
     before = _golden_digest(functional_runs.hw)
     port = int(free_endpoint().rpartition(":")[2])
     start = time.monotonic()
-    proc = _sbatch(CASE, tmp_path, hw=functional_runs.hw, port=port, job_id="4242", timeout=one.plan.timeout + 120)
+    proc = _sbatch(
+        CASE, tmp_path, hw=functional_runs.hw, port=port, job_id="4242", timeout=one.plan.timeout + 120
+    )
     seconds = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = tmp_path / f"{CASE}-4242"
@@ -112,9 +142,14 @@ def test_a_rank_that_crashes_on_the_second_node_ends_the_job(functional_runs, tm
     seconds = time.monotonic() - start
     message = str(err.value)
     node = err.value.failed_node
-    assert re.search(rf"on 2 nodes: node{node} failed first \(agent exit code 1\); stopped node{1 - node}", message), message
+    assert re.search(
+        rf"on 2 nodes: node{node} failed first \(agent exit code 1\); stopped node{1 - node}", message
+    ), message
     # The agent that held rank 3 is the rendezvous's second node (group rank 1: global ranks 2 and 3).
-    assert f"node{node} rank 3 (local rank 1, group rank 1) exited with code 1, the first observed failure" in message
+    assert (
+        f"node{node} rank 3 (local rank 1, group rank 1) exited with code 1, the first observed failure"
+        in message
+    )
     assert "rank 3 of 4: crash planted by $MHC_FUNCTIONAL_TEST_CRASH_RANK" in message
     assert all(n.returncode is not None for n in err.value.nodes.nodes)
     assert not live_pids("worker.py", str(out)) and not (out / "metrics.json").exists()
@@ -125,20 +160,47 @@ def test_a_rank_that_crashes_on_the_second_node_ends_the_job(functional_runs, tm
 def test_a_node_that_never_joins_times_out_naming_the_count(planned):
     """The host node alone: the rendezvous times out after its join timeout, saying 1 of 2 nodes joined."""
     start = time.monotonic()
-    proc = _cli("node", "--out", str(planned), "--endpoint", free_endpoint(), "--run-id", "alone", "--node-rank", "0",
-                "--join-timeout", "8", timeout=120)
+    proc = _cli(
+        "node",
+        "--out",
+        str(planned),
+        "--endpoint",
+        free_endpoint(),
+        "--run-id",
+        "alone",
+        "--node-rank",
+        "0",
+        "--join-timeout",
+        "8",
+        timeout=120,
+    )
     seconds = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert re.search(r"rendezvous alone at 127\.0\.0\.1:\d+ timed out after 8 s: 1 of 2 nodes joined", proc.stderr), \
-        proc.stderr[-3000:]
-    assert seconds < 60 and not live_pids("worker.py", str(planned)) and not (planned / "metrics.json").exists()
+    assert re.search(
+        r"rendezvous alone at 127\.0\.0\.1:\d+ timed out after 8 s: 1 of 2 nodes joined", proc.stderr
+    ), proc.stderr[-3000:]
+    assert (
+        seconds < 60 and not live_pids("worker.py", str(planned)) and not (planned / "metrics.json").exists()
+    )
 
 
 def test_a_node_whose_host_never_starts_names_the_store(planned):
     """Node 1 alone: its agent gives up on the host's store after the join timeout, 0 of 2 joined."""
     endpoint = free_endpoint()
-    proc = _cli("node", "--out", str(planned), "--endpoint", endpoint, "--run-id", "hostless", "--node-rank", "1",
-                "--join-timeout", "6", timeout=120)
+    proc = _cli(
+        "node",
+        "--out",
+        str(planned),
+        "--endpoint",
+        endpoint,
+        "--run-id",
+        "hostless",
+        "--node-rank",
+        "1",
+        "--join-timeout",
+        "6",
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert f"rendezvous hostless: the store at {endpoint} did not answer within 6 s" in proc.stderr
     assert "0 of 2 nodes joined" in proc.stderr and not live_pids("worker.py", str(planned))
@@ -151,18 +213,32 @@ def test_a_taken_port_is_an_error_naming_the_endpoint(planned, tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-        proc = _cli("node", "--out", str(planned), "--endpoint", endpoint, "--run-id", "taken", "--node-rank", "0",
-                    timeout=60)
+        proc = _cli(
+            "node",
+            "--out",
+            str(planned),
+            "--endpoint",
+            endpoint,
+            "--run-id",
+            "taken",
+            "--node-rank",
+            "0",
+            timeout=60,
+        )
         assert proc.returncode == 2 and f"rendezvous endpoint {endpoint}: port" in proc.stderr, proc.stderr
         assert "is already in use" in proc.stderr
         with pytest.raises(OSError, match=f"rendezvous endpoint {endpoint}: port .* is already in use"):
-            launch_nodes(WORKER, [], nnodes=2, nproc=2, timeout=30, log_dir=tmp_path / "logs", endpoint=endpoint)
+            launch_nodes(
+                WORKER, [], nnodes=2, nproc=2, timeout=30, log_dir=tmp_path / "logs", endpoint=endpoint
+            )
     assert not (tmp_path / "logs").exists() and not (planned / "logs").exists()
 
 
 def test_check_without_a_finished_run_names_the_missing_file(planned, tmp_path):
     """`multinode check` of a run that never finished, or of a directory without a plan, exits 2 naming the file."""
     proc = _cli("check", "--out", str(planned))
-    assert proc.returncode == 2 and f"{planned / 'metrics.json'}: missing; the run did not finish" in proc.stderr
+    assert (
+        proc.returncode == 2 and f"{planned / 'metrics.json'}: missing; the run did not finish" in proc.stderr
+    )
     proc = _cli("check", "--out", str(tmp_path / "nothing"))
     assert proc.returncode == 2 and "plan.json: missing; run `multinode plan` first" in proc.stderr

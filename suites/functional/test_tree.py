@@ -27,16 +27,30 @@ def test_tree_training_matches_ours(case, megatron_lm_tree, hw_key, tmp_path, tr
         pytest.skip(f"{tree.label}: {reason}")
     data = tmp_path / "data"
     init = tmp_path / "init" / "init.pt"
-    ours = tree_diff.run_ours(case, hw_key, tree.flavor, init, work_dir=tmp_path / "ours", data_dir=data,
-                              write_init=True)
+    ours = tree_diff.run_ours(
+        case, hw_key, tree.flavor, init, work_dir=tmp_path / "ours", data_dir=data, write_init=True
+    )
     ckpt = tmp_path / "tree-checkpoints"
-    theirs = tree_diff.run_tree(case, hw_key, tree, init, work_dir=tmp_path / "tree", data_dir=data, save=ckpt)
+    theirs = tree_diff.run_tree(
+        case, hw_key, tree, init, work_dir=tmp_path / "tree", data_dir=data, save=ckpt
+    )
     rows = tree_diff.differences(ours.metrics, theirs.metrics)
-    report = f"ours vs {tree.label} on {case} ({theirs.seconds:.0f} s for the tree):\n" + tree_diff.describe(rows)
+    report = f"ours vs {tree.label} on {case} ({theirs.seconds:.0f} s for the tree):\n" + tree_diff.describe(
+        rows
+    )
     print(report)
     ok = all(r.outside == 0 and not r.only_a and not r.only_b for r in rows)
-    tree_rows(TreeRow(suite="functional", case=case, comparison="tree vs ours", tree=tree.label,
-                      worst=tree_diff.worst(rows), ok=ok, note=f"tree {theirs.seconds:.0f} s, ours {ours.seconds:.0f} s"))
+    tree_rows(
+        TreeRow(
+            suite="functional",
+            case=case,
+            comparison="tree vs ours",
+            tree=tree.label,
+            worst=tree_diff.worst(rows),
+            ok=ok,
+            note=f"tree {theirs.seconds:.0f} s, ours {ours.seconds:.0f} s",
+        )
+    )
     assert ok, report
 
     from harness.training.checkpoint import rewind_tracker
@@ -45,14 +59,28 @@ def test_tree_training_matches_ours(case, megatron_lm_tree, hw_key, tmp_path, tr
     if half is None:
         return
     rewind_tracker(ckpt, half)
-    resumed = tree_diff.run_tree(case, hw_key, tree, init, work_dir=tmp_path / "tree-resumed", data_dir=data, load=ckpt)
+    resumed = tree_diff.run_tree(
+        case, hw_key, tree, init, work_dir=tmp_path / "tree-resumed", data_dir=data, load=ckpt
+    )
     checks = tree_diff.functional_checks(case, hw_key)
     tail = {m: {s: v for s, v in theirs.metrics[m].items() if s > half} for m in checks}
-    results = compare(to_golden(resumed.metrics), to_golden(tail), checks, source=f"{tree.label} uninterrupted")
-    tree_rows(TreeRow(suite="functional", case=case, comparison="tree resumed vs uninterrupted", tree=tree.label,
-                      worst={m: max(abs(r.worst_rel or 0.0) for r in results if r.metric == m) for m in checks},
-                      ok=all(r.ok for r in results), note=f"from step {half}"))
-    assert all(r.ok for r in results), f"{tree.label}: resumed from step {half} differs:\n" + format_results(results)
+    results = compare(
+        to_golden(resumed.metrics), to_golden(tail), checks, source=f"{tree.label} uninterrupted"
+    )
+    tree_rows(
+        TreeRow(
+            suite="functional",
+            case=case,
+            comparison="tree resumed vs uninterrupted",
+            tree=tree.label,
+            worst={m: max(abs(r.worst_rel or 0.0) for r in results if r.metric == m) for m in checks},
+            ok=all(r.ok for r in results),
+            note=f"from step {half}",
+        )
+    )
+    assert all(r.ok for r in results), f"{tree.label}: resumed from step {half} differs:\n" + format_results(
+        results
+    )
 
 
 def test_tree_run_that_raises_names_the_tree(megatron_lm_tree, hw_key, tmp_path):
@@ -62,9 +90,18 @@ def test_tree_run_that_raises_names_the_tree(megatron_lm_tree, hw_key, tmp_path)
     from harness.launch.torchrun import LaunchError
 
     case = tree_diff.CASES[1]  # one rank: every tree can train it
-    init = tree_diff.dump_init(case, hw_key, tree.flavor, work_dir=tmp_path / "init", data_dir=tmp_path / "data")
+    init = tree_diff.dump_init(
+        case, hw_key, tree.flavor, work_dir=tmp_path / "init", data_dir=tmp_path / "data"
+    )
     with pytest.raises(LaunchError) as err:
-        tree_diff.run_tree(case, hw_key, tree, init, work_dir=tmp_path / "tree", data_dir=tmp_path / "data",
-                           env={CRASH_RANK_ENV_VAR: "0"})
+        tree_diff.run_tree(
+            case,
+            hw_key,
+            tree,
+            init,
+            work_dir=tmp_path / "tree",
+            data_dir=tmp_path / "data",
+            env={CRASH_RANK_ENV_VAR: "0"},
+        )
     text = str(err.value)
     assert tree.label in text and case in text and "crash planted" in text, text[-2000:]

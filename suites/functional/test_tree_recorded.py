@@ -38,11 +38,15 @@ def _ours(rec, hw_key: str, tmp_path: Path, functional_runs) -> tuple[RunResult,
 
     data = functional_runs.data_dir
     plain = plan_case(rec.case, hw_key, data_dir=data)
-    if plain.args == plan_case(rec.case, hw_key, data_dir=data, overrides=tree_diff.OUR_NUMERICS[rec.branch]).args:
+    if (
+        plain.args
+        == plan_case(rec.case, hw_key, data_dir=data, overrides=tree_diff.OUR_NUMERICS[rec.branch]).args
+    ):
         return functional_runs.run(rec.case), None
     init = tmp_path / "init" / "init.pt"
-    ours = tree_diff.run_ours(rec.case, hw_key, rec.branch, init, work_dir=tmp_path / "ours", data_dir=data,
-                              write_init=True)
+    ours = tree_diff.run_ours(
+        rec.case, hw_key, rec.branch, init, work_dir=tmp_path / "ours", data_dir=data, write_init=True
+    )
     return ours, tree_diff.file_sha256(init) == rec.init_sha256
 
 
@@ -55,15 +59,33 @@ def test_our_training_matches_the_recorded_tree(path, hw_key, tmp_path, tree_row
         pytest.skip(f"{path.name} was recorded for {rec.hw}; this machine is {hw_key}")
     ours, same_init = _ours(rec, hw_key, tmp_path, functional_runs)
     rows = tree_diff.differences(ours.metrics, rec.metrics)
-    init_note = {True: "identical", False: "NOT bitwise identical to the recording",
-                 None: "the recipe run's: it has the tree's numerics"}[same_init]
-    report = (f"ours vs {rec.label} recorded ({rec.case}, initial weights {init_note}):\n" + tree_diff.describe(rows))
+    init_note = {
+        True: "identical",
+        False: "NOT bitwise identical to the recording",
+        None: "the recipe run's: it has the tree's numerics",
+    }[same_init]
+    report = (
+        f"ours vs {rec.label} recorded ({rec.case}, initial weights {init_note}):\n"
+        + tree_diff.describe(rows)
+    )
     print(report)
     ok = all(r.outside == 0 and not r.only_a and not r.only_b for r in rows)
-    tree_rows(TreeRow(suite="functional", case=rec.case, comparison="ours vs recorded tree", tree=rec.label,
-                      worst=tree_diff.worst(rows), ok=ok, note="initial weights differ" if same_init is False else ""))
+    tree_rows(
+        TreeRow(
+            suite="functional",
+            case=rec.case,
+            comparison="ours vs recorded tree",
+            tree=rec.label,
+            worst=tree_diff.worst(rows),
+            ok=ok,
+            note="initial weights differ" if same_init is False else "",
+        )
+    )
     compared = {r.metric for r in rows}
-    assert compared == set(tree_diff.METRICS) & set(rec.metrics) and {"lm loss", "grad-norm", "num-zeros"} <= compared, report
+    assert (
+        compared == set(tree_diff.METRICS) & set(rec.metrics)
+        and {"lm loss", "grad-norm", "num-zeros"} <= compared
+    ), report
     assert ok, report
 
 
@@ -78,16 +100,22 @@ def _write(tmp_path: Path, **changes) -> Path:
 def test_changed_recipe_names_the_command_that_re_records(tmp_path):
     """A recording made from another version of its recipe is refused, naming the re-record command."""
     path = _write(tmp_path, recipe_sha256="0" * 64)
-    with pytest.raises(ValueError, match=r"changed since the recording .*re-record with: python -m "
-                                         r"suites\.functional\.record_tree --megatron-lm <tree> --case"):
+    with pytest.raises(
+        ValueError,
+        match=r"changed since the recording .*re-record with: python -m "
+        r"suites\.functional\.record_tree --megatron-lm <tree> --case",
+    ):
         load_recording(path)
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"format": "other"}, "not a training recording (format 'other'"),
-    ({"metrics": {}}, "has no lm loss steps"),
-    ({"our_numerics": {"--mhc-variant": "paper"}}, "recorded against our numerics"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"format": "other"}, "not a training recording (format 'other'"),
+        ({"metrics": {}}, "has no lm loss steps"),
+        ({"our_numerics": {"--mhc-variant": "paper"}}, "recorded against our numerics"),
+    ],
+)
 def test_malformed_recording_is_named(tmp_path, changes, message):
     """A recording that is not one, has no steps, or was made against other numerics names its file."""
     path = _write(tmp_path, **changes)

@@ -28,12 +28,30 @@ from harness.launch.torchrun import LaunchError
 from harness.training.recipe import RECIPE_DIR
 from harness.upstream.megatron_tree import Tree, tree_env
 
-__all__ = ["CASES", "METRICS", "OUR_NUMERICS", "RECIPE_DIR", "differences", "dump_init", "file_sha256",
-           "functional_checks", "recipe_sha256", "skip_reason",
-           "run_ours", "run_tree"]
+__all__ = [
+    "CASES",
+    "METRICS",
+    "OUR_NUMERICS",
+    "RECIPE_DIR",
+    "differences",
+    "dump_init",
+    "file_sha256",
+    "functional_checks",
+    "recipe_sha256",
+    "skip_reason",
+    "run_ours",
+    "run_tree",
+]
 
-CASES = ("gpt_tp2_pp2_mhc", "gpt_tp1_pp1_mhc", "gpt_tp1_pp1_mhc_gate1", "gpt_tp1_pp2_ep2_mhc_moe",
-         "gpt_tp1_pp2_mhc_mtp", "hybrid_tp1_pp2_mhc_moe", "hybrid_tp1_pp2_mhc_moe_mtp")
+CASES = (
+    "gpt_tp2_pp2_mhc",
+    "gpt_tp1_pp1_mhc",
+    "gpt_tp1_pp1_mhc_gate1",
+    "gpt_tp1_pp2_ep2_mhc_moe",
+    "gpt_tp1_pp2_mhc_mtp",
+    "hybrid_tp1_pp2_mhc_moe",
+    "hybrid_tp1_pp2_mhc_moe_mtp",
+)
 """The recipes a tree trains: TP 2 x PP 2 (4 ranks, 20 steps: upstream's gpt3_mcore_tp2_pp2_mhc at CPU
 size), the one-rank mHC recipes (24 steps; gate1 starts the gates at 1.0, so that the mix is far from
 uniform from step 1 and an orientation or variant difference shows in the loss), MoE with EP 2, MTP, and the
@@ -49,8 +67,16 @@ def skip_reason(case: str, hw: str, flavor: str) -> str | None:
         return f"{case} has PP {plan.args.pipeline_model_parallel_size}: {MAIN_PP_NOTE}"
     return None
 
-METRICS = ("lm loss", "grad-norm", "num-zeros", "mtp_1 loss", "load_balancing_loss", "mhc-amax-gain-fwd",
-           "mhc-amax-gain-bwd")
+
+METRICS = (
+    "lm loss",
+    "grad-norm",
+    "num-zeros",
+    "mtp_1 loss",
+    "load_balancing_loss",
+    "mhc-amax-gain-fwd",
+    "mhc-amax-gain-bwd",
+)
 """Compared step by step, each where both runs have it: the MTP and router losses on those recipes; the
 stability monitor's composite gains (`mhc_core.monitor` reads the tree's own hyper connections too, probing
 the matrix each applies through its own `fused_h_res_h_post_bda`; recordings made before it did hold none)."""
@@ -79,8 +105,9 @@ def dump_init(case: str, hw: str, flavor: str, *, work_dir: Path, data_dir: Path
     return out
 
 
-def run_ours(case: str, hw: str, flavor: str, init: Path, *, work_dir: Path, data_dir: Path,
-             write_init: bool = False) -> RunResult:
+def run_ours(
+    case: str, hw: str, flavor: str, init: Path, *, work_dir: Path, data_dir: Path, write_init: bool = False
+) -> RunResult:
     """Our integration trains `case` with the `flavor`'s numerics from `init`, or (`write_init`) from the weights
     it builds, which it writes to `init` first: what `dump_init` writes, in the same launch."""
     plan = plan_case(case, hw, data_dir=data_dir, overrides=OUR_NUMERICS[flavor])
@@ -88,31 +115,66 @@ def run_ours(case: str, hw: str, flavor: str, init: Path, *, work_dir: Path, dat
     return run_plan(plan, Path(work_dir), data_dir=data_dir, worker_args=args)
 
 
-def run_tree(case: str, hw: str, tree: Tree, init: Path, *, work_dir: Path, data_dir: Path,
-             save: Path | None = None, load: Path | None = None, env: Mapping[str, str] | None = None) -> RunResult:
+def run_tree(
+    case: str,
+    hw: str,
+    tree: Tree,
+    init: Path,
+    *,
+    work_dir: Path,
+    data_dir: Path,
+    save: Path | None = None,
+    load: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> RunResult:
     """The tree trains `case` from `init` with its own model, schedules, DDP and optimizer; a failed launch
     is a `LaunchError` naming the tree (`env`: added to the ranks', e.g. a planted crash)."""
     plan = plan_case(case, hw, data_dir=data_dir)
     try:
-        return run_plan(plan, Path(work_dir), data_dir=data_dir, save=save, load=load, env={**tree_env(tree.path), **(env or {})},
-                        worker_args=["--tree-flavor", tree.flavor, "--init", init])
+        return run_plan(
+            plan,
+            Path(work_dir),
+            data_dir=data_dir,
+            save=save,
+            load=load,
+            env={**tree_env(tree.path), **(env or {})},
+            worker_args=["--tree-flavor", tree.flavor, "--init", init],
+        )
     except LaunchError as err:
-        raise LaunchError(f"the Megatron-LM tree {tree.label} ({tree.path}) failed training {case} on {hw}: {err}",
-                          err.result) from None
+        raise LaunchError(
+            f"the Megatron-LM tree {tree.label} ({tree.path}) failed training {case} on {hw}: {err}",
+            err.result,
+        ) from None
 
 
-def differences(ours: Mapping[str, Mapping[int, float]], theirs: Mapping[str, Mapping[int, float]],
-                metrics: tuple[str, ...] = METRICS) -> list[MetricDrift]:
+def differences(
+    ours: Mapping[str, Mapping[int, float]],
+    theirs: Mapping[str, Mapping[int, float]],
+    metrics: tuple[str, ...] = METRICS,
+) -> list[MetricDrift]:
     """Per metric, how far `ours` is from `theirs` (the reference) under the default bands."""
     pick = {m: dict(theirs[m]) for m in metrics if m in theirs}
     mine = {m: dict(ours[m]) for m in metrics if m in ours}
-    rows = drift(to_golden(pick, source="the tree's run"), to_golden(mine, source="our run"),
-                 {m: DEFAULT_BANDS[m] for m in metrics if m in pick or m in mine})
+    rows = drift(
+        to_golden(pick, source="the tree's run"),
+        to_golden(mine, source="our run"),
+        {m: DEFAULT_BANDS[m] for m in metrics if m in pick or m in mine},
+    )
     # A metric one side logs and the other does not is a difference too (drift covers the metrics both hold).
     for m in [m for m in metrics if (m in pick) != (m in mine)]:
-        rows.append(MetricDrift(metric=m, n_steps=0, max_abs=0.0, max_rel=None, worst_step=None, outside=None,
-                                band=DEFAULT_BANDS.get(m), only_a=tuple(sorted(pick.get(m, {}))),
-                                only_b=tuple(sorted(mine.get(m, {})))))
+        rows.append(
+            MetricDrift(
+                metric=m,
+                n_steps=0,
+                max_abs=0.0,
+                max_rel=None,
+                worst_step=None,
+                outside=None,
+                band=DEFAULT_BANDS.get(m),
+                only_a=tuple(sorted(pick.get(m, {}))),
+                only_b=tuple(sorted(mine.get(m, {}))),
+            )
+        )
     return rows
 
 
@@ -121,12 +183,16 @@ def describe(rows: list[MetricDrift]) -> str:
     out = []
     for r in rows:
         if r.n_steps == 0 and (r.only_a or r.only_b):
-            out.append(f"{r.metric}: logged only by {'the tree' if r.only_a else 'ours'} "
-                       f"({len(r.only_a or r.only_b)} steps)")
+            out.append(
+                f"{r.metric}: logged only by {'the tree' if r.only_a else 'ours'} "
+                f"({len(r.only_a or r.only_b)} steps)"
+            )
             continue
         rel = "n/a" if r.max_rel is None else f"{r.max_rel:.2e}"
-        out.append(f"{r.metric}: worst rel {rel} (abs {r.max_abs:.2e}) at step {r.worst_step}, "
-                   f"{r.outside} of {r.n_steps} steps outside rtol {r.band.rtol:g} atol {r.band.atol:g}")
+        out.append(
+            f"{r.metric}: worst rel {rel} (abs {r.max_abs:.2e}) at step {r.worst_step}, "
+            f"{r.outside} of {r.n_steps} steps outside rtol {r.band.rtol:g} atol {r.band.atol:g}"
+        )
     return "\n".join(out)
 
 

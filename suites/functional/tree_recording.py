@@ -44,8 +44,11 @@ def load_recording(path: Path) -> TreeRecording:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f"{path}: not a training recording (format {got!r}, expected {FORMAT!r})")
-    missing = [k for k in ("case", "hw", "source", "recipe_sha256", "init_sha256", "our_numerics", "metrics")
-               if k not in doc]
+    missing = [
+        k
+        for k in ("case", "hw", "source", "recipe_sha256", "init_sha256", "our_numerics", "metrics")
+        if k not in doc
+    ]
     if missing:
         raise ValueError(f"{path}: a training recording without {', '.join(missing)}")
     source, case = doc["source"], doc["case"]
@@ -53,14 +56,24 @@ def load_recording(path: Path) -> TreeRecording:
     if not (tree_diff.RECIPE_DIR / f"{case}.yaml").is_file():
         raise ValueError(f"{path}: recipe {case!r} no longer exists; drop the recording or {how}")
     if doc["recipe_sha256"] != tree_diff.recipe_sha256(case):
-        raise ValueError(f"{path}: recipes/{case}.yaml changed since the recording ({source.get('recorded', '?')}); "
-                         f"{how}")
+        raise ValueError(
+            f"{path}: recipes/{case}.yaml changed since the recording ({source.get('recorded', '?')}); {how}"
+        )
     branch = source.get("branch")
     if branch not in tree_diff.OUR_NUMERICS or doc["our_numerics"] != dict(tree_diff.OUR_NUMERICS[branch]):
-        raise ValueError(f"{path}: recorded against our numerics {doc['our_numerics']}, now "
-                         f"{dict(tree_diff.OUR_NUMERICS.get(branch, {}))} for {branch!r}; {how}")
+        raise ValueError(
+            f"{path}: recorded against our numerics {doc['our_numerics']}, now "
+            f"{dict(tree_diff.OUR_NUMERICS.get(branch, {}))} for {branch!r}; {how}"
+        )
     metrics = tree_diff.from_json(doc["metrics"])
     if not metrics.get("lm loss"):
         raise ValueError(f"{path}: the recording has no lm loss steps")
-    return TreeRecording(path=path, case=case, hw=doc["hw"], branch=branch, source=source,
-                         init_sha256=doc["init_sha256"], metrics=metrics)
+    return TreeRecording(
+        path=path,
+        case=case,
+        hw=doc["hw"],
+        branch=branch,
+        source=source,
+        init_sha256=doc["init_sha256"],
+        metrics=metrics,
+    )

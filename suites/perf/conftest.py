@@ -47,7 +47,9 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     (set on the first cuTile launch; "none" when nothing launched or no tuning applies)."""
     from mhc_core.kernels.cutile import tiling, tuning
 
-    machine_info["mhc"] = dict(_SETTINGS, torch=torch.__version__, cutile_tuning=tuning.describe(tiling.active_tuning()))
+    machine_info["mhc"] = dict(
+        _SETTINGS, torch=torch.__version__, cutile_tuning=tuning.describe(tiling.active_tuning())
+    )
 
 
 @pytest.fixture(scope="session")

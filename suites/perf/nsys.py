@@ -61,7 +61,9 @@ def _connect(path: str | Path) -> sqlite3.Connection:
     missing = {"CUPTI_ACTIVITY_KIND_KERNEL", "StringIds"} - tables
     if missing:
         con.close()
-        raise ValueError(f"nsys sqlite: {p} lacks table(s) {', '.join(sorted(missing))}; is it an nsys export?")
+        raise ValueError(
+            f"nsys sqlite: {p} lacks table(s) {', '.join(sorted(missing))}; is it an nsys export?"
+        )
     return con
 
 
@@ -74,8 +76,11 @@ def kernel_summary(path: str | Path) -> list[KernelStat]:
     con = _connect(path)
     try:
         cols = _columns(con, "CUPTI_ACTIVITY_KIND_KERNEL")
-        name_col = "COALESCE(k.demangledName, k.shortName)" if {"demangledName", "shortName"} <= cols else (
-            "k.demangledName" if "demangledName" in cols else "k.shortName")
+        name_col = (
+            "COALESCE(k.demangledName, k.shortName)"
+            if {"demangledName", "shortName"} <= cols
+            else ("k.demangledName" if "demangledName" in cols else "k.shortName")
+        )
         rows = con.execute(
             f"""SELECT s.value, COUNT(*), SUM(k.end - k.start), MIN(k.end - k.start), MAX(k.end - k.start)
                 FROM CUPTI_ACTIVITY_KIND_KERNEL AS k JOIN StringIds AS s ON s.id = {name_col}
@@ -83,7 +88,10 @@ def kernel_summary(path: str | Path) -> list[KernelStat]:
         ).fetchall()
     finally:
         con.close()
-    return [KernelStat(name=r[0], count=r[1], total_s=r[2] * 1e-9, min_s=r[3] * 1e-9, max_s=r[4] * 1e-9) for r in rows]
+    return [
+        KernelStat(name=r[0], count=r[1], total_s=r[2] * 1e-9, min_s=r[3] * 1e-9, max_s=r[4] * 1e-9)
+        for r in rows
+    ]
 
 
 def nvtx_kernel_seconds(path: str | Path, prefix: str = "") -> dict[str, RangeStat]:
@@ -94,7 +102,9 @@ def nvtx_kernel_seconds(path: str | Path, prefix: str = "") -> dict[str, RangeSt
         if not {"NVTX_EVENTS", "CUPTI_ACTIVITY_KIND_RUNTIME"} <= tables:
             return {}
         text = "COALESCE(n.text, t.value)" if "textId" in _columns(con, "NVTX_EVENTS") else "n.text"
-        join_text = "LEFT JOIN StringIds AS t ON t.id = n.textId" if "textId" in _columns(con, "NVTX_EVENTS") else ""
+        join_text = (
+            "LEFT JOIN StringIds AS t ON t.id = n.textId" if "textId" in _columns(con, "NVTX_EVENTS") else ""
+        )
         ranges = con.execute(
             f"""SELECT n.rowid, {text} AS name, n.start, n.end, n.globalTid FROM NVTX_EVENTS AS n {join_text}
                 WHERE n.eventType IN ({",".join(map(str, _NVTX_RANGE_TYPES))}) AND n.end IS NOT NULL"""

@@ -32,9 +32,23 @@ from mhc_core.kernels import dispatch
 from mhc_core.testing import tolerance
 from suites.perf.timing import copy_fn
 
-__all__ = ["SMOKE_ENV_VAR", "LOW_PRECISION_FACTOR", "PeerCase", "PeerTimed", "conforms", "peer_cases",
-           "paired_fns", "peer_golden", "peer_golden_case", "peer_info", "ours", "registry_peers", "runner", "smoke",
-           "timed_peers"]
+__all__ = [
+    "SMOKE_ENV_VAR",
+    "LOW_PRECISION_FACTOR",
+    "PeerCase",
+    "PeerTimed",
+    "conforms",
+    "peer_cases",
+    "paired_fns",
+    "peer_golden",
+    "peer_golden_case",
+    "peer_info",
+    "ours",
+    "registry_peers",
+    "runner",
+    "smoke",
+    "timed_peers",
+]
 
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 ITERATIONS = 20
@@ -53,15 +67,20 @@ class PeerCase:
 
     @property
     def id(self) -> str:
-        size = f"T{self.tokens}-n{self.n}" if self.op == "sinkhorn" else f"T{self.tokens}-n{self.n}-C{self.hidden}"
+        size = (
+            f"T{self.tokens}-n{self.n}"
+            if self.op == "sinkhorn"
+            else f"T{self.tokens}-n{self.n}-C{self.hidden}"
+        )
         return f"{self.op}-{size}-{_DTYPE_NAME[self.dtype]}"
 
     def bytes(self, direction: str) -> int:
         act = torch.empty((), dtype=self.dtype).element_size()
 
         def b(op: str, d: str) -> int:
-            return bytes_moved(op, d, tokens=self.tokens, n=self.n, hidden=self.hidden, act_bytes=act,
-                               with_bias=False).total
+            return bytes_moved(
+                op, d, tokens=self.tokens, n=self.n, hidden=self.hidden, act_bytes=act, with_bias=False
+            ).total
 
         dirs = ("fwd",) if direction == "fwd" else ("fwd", "bwd")
         if self.op == "sinkhorn":
@@ -86,7 +105,13 @@ class PeerCase:
             return {"logits": rnd(t, n, n)}
         out = {"x": rnd(t, n, c, dtype=self.dtype)}
         for k in range(2 if self.op == "layer_mhc" else 1):
-            out.update({f"w{k}": rnd(big, n * c, scale=0.05), f"a{k}": rnd(3, scale=0.5), f"b{k}": rnd(big, scale=0.5)})
+            out.update(
+                {
+                    f"w{k}": rnd(big, n * c, scale=0.05),
+                    f"a{k}": rnd(3, scale=0.5),
+                    f"b{k}": rnd(big, scale=0.5),
+                }
+            )
         return out
 
 
@@ -109,16 +134,23 @@ def peer_cases(device: str, *, smoke_run: bool | None = None) -> list[PeerCase]:
         sizes, tokens = ((512, torch.float32),), 256
     else:
         sizes, tokens = ((1024, torch.float32), (2048, torch.bfloat16)), 4096
-    out = [PeerCase(op=op, tokens=tokens, n=4, hidden=c, dtype=dt, device=device)
-           for op in ("coefficients", "layer_mhc") for c, dt in sizes]
-    out.append(PeerCase(op="sinkhorn", tokens=tokens, n=4, hidden=sizes[0][0], dtype=torch.float32, device=device))
+    out = [
+        PeerCase(op=op, tokens=tokens, n=4, hidden=c, dtype=dt, device=device)
+        for op in ("coefficients", "layer_mhc")
+        for c, dt in sizes
+    ]
+    out.append(
+        PeerCase(op="sinkhorn", tokens=tokens, n=4, hidden=sizes[0][0], dtype=torch.float32, device=device)
+    )
     return out
 
 
 def _coeffs(o, x, w, a, b, variant):
     """Our pre-op (mapping, Sinkhorn and aggregate in one, what `HyperConnectionModule` calls)."""
     t, n, c = x.shape
-    agg, h_pre, h_post, h_res = o.pre(x.reshape(t, n * c), w, a[0:1], a[1:2], a[2:3], b, n, ITERATIONS, variant)
+    agg, h_pre, h_post, h_res = o.pre(
+        x.reshape(t, n * c), w, a[0:1], a[1:2], a[2:3], b, n, ITERATIONS, variant
+    )
     return h_pre, h_post, h_res, agg
 
 
@@ -130,9 +162,11 @@ def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torc
     if case.op == "sinkhorn":
         return lambda d: (o.sinkhorn(d["logits"], ITERATIONS, None, variant),)
     if case.op == "coefficients":
+
         def coefficients(d):
             _, h_post, h_res, agg = _coeffs(o, d["x"], d["w0"], d["a0"], d["b0"], variant)
             return h_post, h_res, agg
+
         return coefficients
 
     def layer(d):
@@ -141,6 +175,7 @@ def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torc
             _, h_post, h_res, agg = _coeffs(o, x, d[f"w{k}"], d[f"a{k}"], d[f"b{k}"], variant)
             x = o.h_post_bda(h_res, x, h_post, agg, None, 0.0, False, variant)
         return (x,)
+
     return layer
 
 
@@ -173,7 +208,9 @@ class PeerTimed:
         if case.op not in timing.ops:
             return f"{self.name} has no {case.op} entry point"
         if self.compiled and smoke() and case.device != "cuda" and case.op == "layer_mhc":
-            return f"{self.name} is not timed in a smoke run (each compile costs tens of seconds on two cores)"
+            return (
+                f"{self.name} is not timed in a smoke run (each compile costs tens of seconds on two cores)"
+            )
         return self.peer.unavailable()
 
     def build(self, case: PeerCase) -> Callable[[dict[str, torch.Tensor]], tuple]:
@@ -198,7 +235,9 @@ larger than itself (the layer's mix, up to |x| ~ 40 cancelling to ~0.02) misses 
 result, on both sides alike."""
 
 
-def conforms(fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCase, variant: str) -> tuple[bool, str]:
+def conforms(
+    fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCase, variant: str
+) -> tuple[bool, str]:
     """`fn`'s outputs (ours' order) against our reference in `variant` on the case's inputs, forward: within
     the activation dtype's bound elementwise, or, in a low-precision dtype, with a worst error against the
     fp64 reference at most `LOW_PRECISION_FACTOR` times our reference's in that dtype (+ the bound's atol):
@@ -212,7 +251,10 @@ def conforms(fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCase, var
         a64, e64 = a.detach().double().reshape(e.shape), e.detach().double()
         ratio = float(((a64 - e64).abs() / (tol.atol + tol.rtol * e64.abs())).max())
         if ratio > worst:
-            worst, text = ratio, f"output {i}: max abs err {float((a64 - e64).abs().max()):.2e}, {ratio:.3g}x its bound"
+            worst, text = (
+                ratio,
+                f"output {i}: max abs err {float((a64 - e64).abs().max()):.2e}, {ratio:.3g}x its bound",
+            )
     if worst <= 1 or case.dtype == torch.float32:
         return worst <= 1, text or "exact"
     with torch.no_grad():
@@ -223,8 +265,13 @@ def conforms(fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCase, var
         own_err = float((e.detach().double() - x).abs().max())
         ratio = peer_err / (LOW_PRECISION_FACTOR * own_err + tol.atol)
         if ratio > worst_fa:
-            worst_fa, text_fa = ratio, (f"output {i}: max abs err against fp64 {peer_err:.2e}, ours in "
-                                        f"{_DTYPE_NAME[case.dtype]} {own_err:.2e}")
+            worst_fa, text_fa = (
+                ratio,
+                (
+                    f"output {i}: max abs err against fp64 {peer_err:.2e}, ours in "
+                    f"{_DTYPE_NAME[case.dtype]} {own_err:.2e}"
+                ),
+            )
     ok = worst_fa <= 1
     return ok, f"{text}; {text_fa} ({'within' if ok else 'beyond'} {LOW_PRECISION_FACTOR:g}x ours + atol)"
 
@@ -263,45 +310,74 @@ def peer_golden(peer_s: list[float], ours_s: list[float], device: str) -> tuple[
     machines of different speeds)."""
     window = (1, len(peer_s))
     ratios = [p / o for p, o in zip(peer_s, ours_s, strict=True)]
-    checks = {"speedup-vs-peer": TimingCheck(rel_band_slow=0.15, rel_band_fast=0.30, window=window,
-                                             higher_is_better=True)}
+    checks = {
+        "speedup-vs-peer": TimingCheck(
+            rel_band_slow=0.15, rel_band_fast=0.30, window=window, higher_is_better=True
+        )
+    }
     if device == "cuda":
         checks["iteration-time"] = TimingCheck(rel_band_slow=0.15, rel_band_fast=0.30, window=window)
     return {"iteration-time": peer_s, "speedup-vs-peer": ratios}, checks
 
 
-def peer_info(case: PeerCase, direction: str, peer: str, variant: str, timed: list[list[float]],
-              conformance: str) -> dict:
+def peer_info(
+    case: PeerCase, direction: str, peer: str, variant: str, timed: list[list[float]], conformance: str
+) -> dict:
     """A peer row's `extra_info` from the paired samples `timed = [peer, copy, ours compiled, ours
     reference]` (seconds per rep, one run): times, bytes/s under our bytes model, roofline ratios against
     the copy, our speed-ups over the peer."""
     peer_s, copy_s, ours_s, ref_s = (statistics.median(t) for t in timed)
     nbytes = case.bytes(direction)
-    return {"op": case.op, "direction": direction, "backend": peer, "peer": peer, "shape": case.id,
-            "device": case.device, "variant": variant, "median_s": peer_s, "bytes": nbytes,
-            "bytes_per_s": nbytes / peer_s, "copy_bytes_per_s": nbytes / copy_s, "roofline_ratio": copy_s / peer_s,
-            "ours_compiled_s": ours_s, "ours_reference_s": ref_s, "ours_roofline_ratio": copy_s / ours_s,
-            "speedup_vs_peer": peer_s / ours_s, "reference_speedup_vs_peer": peer_s / ref_s,
-            "conformance": conformance}
+    return {
+        "op": case.op,
+        "direction": direction,
+        "backend": peer,
+        "peer": peer,
+        "shape": case.id,
+        "device": case.device,
+        "variant": variant,
+        "median_s": peer_s,
+        "bytes": nbytes,
+        "bytes_per_s": nbytes / peer_s,
+        "copy_bytes_per_s": nbytes / copy_s,
+        "roofline_ratio": copy_s / peer_s,
+        "ours_compiled_s": ours_s,
+        "ours_reference_s": ref_s,
+        "ours_roofline_ratio": copy_s / ours_s,
+        "speedup_vs_peer": peer_s / ours_s,
+        "reference_speedup_vs_peer": peer_s / ref_s,
+        "conformance": conformance,
+    }
 
 
-def paired_fns(peer_fn: Callable[[dict[str, torch.Tensor]], tuple], case: PeerCase, inputs: dict[str, torch.Tensor],
-               direction: str, variant: str) -> list[Callable[[], object]]:
+def paired_fns(
+    peer_fn: Callable[[dict[str, torch.Tensor]], tuple],
+    case: PeerCase,
+    inputs: dict[str, torch.Tensor],
+    direction: str,
+    variant: str,
+) -> list[Callable[[], object]]:
     """The timed calls of a peer row, in the order `peer_info` reads their samples: the peer, a copy of the
     case's bytes, ours on the compiled and on the reference backend in `variant`."""
-    return [runner(peer_fn, inputs, direction), copy_fn(case.bytes(direction), device=case.device),
-            runner(ours(case, "compiled", variant), inputs, direction),
-            runner(ours(case, "reference", variant), inputs, direction)]
+    return [
+        runner(peer_fn, inputs, direction),
+        copy_fn(case.bytes(direction), device=case.device),
+        runner(ours(case, "compiled", variant), inputs, direction),
+        runner(ours(case, "reference", variant), inputs, direction),
+    ]
 
 
-def runner(fn: Callable[[dict[str, torch.Tensor]], tuple], inputs: dict[str, torch.Tensor], direction: str
-           ) -> Callable[[], object]:
+def runner(
+    fn: Callable[[dict[str, torch.Tensor]], tuple], inputs: dict[str, torch.Tensor], direction: str
+) -> Callable[[], object]:
     """`fn` on `inputs` as one timed call: forward under `no_grad`, or forward + backward to every input
     that requires grad (fixed random cotangents)."""
     if direction == "fwd":
+
         def fwd():
             with torch.no_grad():
                 return fn(inputs)
+
         return fwd
     leaves = [v for v in inputs.values() if v.requires_grad]
     outs = fn(inputs)
@@ -309,4 +385,5 @@ def runner(fn: Callable[[dict[str, torch.Tensor]], tuple], inputs: dict[str, tor
 
     def fwdbwd():
         return torch.autograd.grad(fn(inputs), leaves, cot, allow_unused=True)
+
     return fwdbwd

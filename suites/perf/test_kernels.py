@@ -37,9 +37,11 @@ def _runner(case: PerfCase, backend: str, direction: str):
     impl = dispatch.op_on(case.op, backend)
     args = case.inputs(requires_grad=direction == "fwdbwd")
     if direction == "fwd":
+
         def fwd():
             with torch.no_grad():
                 return impl(*args)
+
         return fwd
     outs = impl(*args)
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -50,6 +52,7 @@ def _runner(case: PerfCase, backend: str, direction: str):
         o = impl(*args)
         o = o if isinstance(o, tuple) else (o,)
         return torch.autograd.grad(o, leaves, grads)
+
     return fwdbwd
 
 
@@ -61,6 +64,7 @@ def _nvtx(fn, label: str):
     def wrapped():
         with torch.cuda.nvtx.range(label):
             return fn()
+
     return wrapped
 
 
@@ -80,14 +84,19 @@ SMOKE_TOKENS = 1024
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", ["fwd", "fwdbwd"])
-@pytest.mark.parametrize("case", cases_for(DEVICE, tokens=SMOKE_TOKENS if smoke() and DEVICE == "cpu" else None),
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    cases_for(DEVICE, tokens=SMOKE_TOKENS if smoke() and DEVICE == "cpu" else None),
+    ids=lambda c: c.id,
+)
 def test_kernel(benchmark, golden_metrics, nsys_ranges, case, direction, backend, reps):
     """Time one op; record bytes/s, roofline ratio against a same-run copy, speed-up over reference."""
     ok, why = dispatch.availability(backend, DEVICE)
     if not ok:
         pytest.skip(f"backend {backend} unavailable: {why}")
-    gap = cutile_gap(case.op, n=case.n, dtype=case.dtype, dropout=case.dropout) if backend == "cutile" else None
+    gap = (
+        cutile_gap(case.op, n=case.n, dtype=case.dtype, dropout=case.dropout) if backend == "cutile" else None
+    )
     if gap:
         pytest.skip(f"no cuTile kernel for {case.id}: {gap}")
     gap = cpu_gap(case, direction)
@@ -105,13 +114,21 @@ def test_kernel(benchmark, golden_metrics, nsys_ranges, case, direction, backend
     seconds, copy_s = statistics.median(timed[0]), statistics.median(timed[1])
     benchmark.group = f"{case.op}-{direction}"
     label = f"{RANGE_PREFIX}{case.id}-{direction}-{backend}"
-    result = benchmark.pedantic(synced(_nvtx(fn, label), device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1,
-                                iterations=1)
+    result = benchmark.pedantic(
+        synced(_nvtx(fn, label), device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1
+    )
 
     info = {
-        "op": case.op, "direction": direction, "backend": backend, "shape": case.id, "device": DEVICE,
-        "median_s": seconds, "bytes": nbytes, "bytes_per_s": nbytes / seconds,
-        "copy_bytes_per_s": nbytes / copy_s, "roofline_ratio": copy_s / seconds,
+        "op": case.op,
+        "direction": direction,
+        "backend": backend,
+        "shape": case.id,
+        "device": DEVICE,
+        "median_s": seconds,
+        "bytes": nbytes,
+        "bytes_per_s": nbytes / seconds,
+        "copy_bytes_per_s": nbytes / copy_s,
+        "roofline_ratio": copy_s / seconds,
     }
     if backend != "reference":
         info["speedup_vs_reference"] = statistics.median(timed[2]) / seconds

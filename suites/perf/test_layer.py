@@ -76,8 +76,14 @@ class Layer(nn.Module):
     with `peer="hf_deepseek_v4"`, the same sublayers inside transformers' `DeepseekV4DecoderLayer.forward`
     (its `attn_hc` / `ffn_hc` and mixing; its own layout, `[b, s, n, C]`)."""
 
-    def __init__(self, shape: LayerShape, n: int | None, use_fused: bool = False, recompute: bool = False,
-                 peer: str | None = None):
+    def __init__(
+        self,
+        shape: LayerShape,
+        n: int | None,
+        use_fused: bool = False,
+        recompute: bool = False,
+        peer: str | None = None,
+    ):
         super().__init__()
         self.shape, self.recompute, self.peer = shape, recompute, peer
         c = shape.hidden
@@ -102,7 +108,11 @@ class Layer(nn.Module):
 
     def _attention_bsc(self, x: torch.Tensor) -> torch.Tensor:
         """`attention` on DeepSeek-V4's `[b, s, C]` (the adapter flattens it to `[b*s, C]`)."""
-        return self.attention(x.view(self.shape.batch, self.shape.seq, -1).transpose(0, 1)).transpose(0, 1).reshape(x.shape)
+        return (
+            self.attention(x.view(self.shape.batch, self.shape.seq, -1).transpose(0, 1))
+            .transpose(0, 1)
+            .reshape(x.shape)
+        )
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         s, b, c = x.shape
@@ -143,6 +153,7 @@ def _step(layer: Layer, width: int):
     def run():
         layer.zero_grad(set_to_none=True)
         torch.autograd.backward(layer(x), g)
+
     run.forward = lambda: layer(x)  # type: ignore[attr-defined]  # the forward alone, for the forward rows
     return run
 
@@ -155,8 +166,10 @@ def _memory(layer: Layer, run) -> dict[str, int | None]:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.id)
-@pytest.mark.parametrize("backend", ["reference", "compiled", "cutile", "reference+recompute", "cutile+recompute",
-                                     "hf_deepseek_v4"])
+@pytest.mark.parametrize(
+    "backend",
+    ["reference", "compiled", "cutile", "reference+recompute", "cutile+recompute", "hf_deepseek_v4"],
+)
 def test_layer_overhead(benchmark, backend, shape, reps, monkeypatch):
     """mHC layer fwd+bwd time and its overhead over the plain layer, both measured in this run; the
     `hf_deepseek_v4` row is the same layer with DeepSeek-V4's mHC (transformers' code) instead of ours."""
@@ -165,7 +178,9 @@ def test_layer_overhead(benchmark, backend, shape, reps, monkeypatch):
     fused = ops_backend in ("compiled", "cutile")
     peer = backend if backend == "hf_deepseek_v4" else None
     if peer:
-        pytest.importorskip("transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed")
+        pytest.importorskip(
+            "transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed"
+        )
     if fused:
         ok, why = dispatch.availability(ops_backend, DEVICE)
         if not ok:
@@ -178,28 +193,57 @@ def test_layer_overhead(benchmark, backend, shape, reps, monkeypatch):
     mhc_t, plain_t = paired_samples([run, plain_run], device=DEVICE, reps=reps, warmup=3)
     mem, plain_mem = _memory(mhc, run), _memory(plain, plain_run)
     mhc_s, plain_s = statistics.median(mhc_t), statistics.median(plain_t)
-    extra = layer_extra_bytes(tokens=shape.seq * shape.batch, n=shape.n, hidden=shape.hidden,
-                              act_bytes=torch.empty((), dtype=DTYPE).element_size())
+    extra = layer_extra_bytes(
+        tokens=shape.seq * shape.batch,
+        n=shape.n,
+        hidden=shape.hidden,
+        act_bytes=torch.empty((), dtype=DTYPE).element_size(),
+    )
     floor_s = copy_seconds(extra, device=DEVICE, reps=reps)
     benchmark.group = "layer-fwdbwd"
     benchmark.pedantic(synced(run, device=DEVICE), rounds=max(3, reps // 2), warmup_rounds=1, iterations=1)
-    benchmark.extra_info.update({
-        "op": "layer", "direction": "fwdbwd", "backend": backend, "device": DEVICE, **({"mhc_of": peer} if peer else {}),
-        "shape": shape.id, "median_s": mhc_s, "plain_median_s": plain_s,
-        "overhead_ratio": mhc_s / plain_s - 1.0, "plain_saved_bytes": plain_mem["saved"],
-        "extra_bytes": extra, "floor_overhead_ratio": floor_s / plain_s,
-    })
+    benchmark.extra_info.update(
+        {
+            "op": "layer",
+            "direction": "fwdbwd",
+            "backend": backend,
+            "device": DEVICE,
+            **({"mhc_of": peer} if peer else {}),
+            "shape": shape.id,
+            "median_s": mhc_s,
+            "plain_median_s": plain_s,
+            "overhead_ratio": mhc_s / plain_s - 1.0,
+            "plain_saved_bytes": plain_mem["saved"],
+            "extra_bytes": extra,
+            "floor_overhead_ratio": floor_s / plain_s,
+        }
+    )
     if mem["saved"] is not None:
-        benchmark.extra_info.update({"saved_bytes": mem["saved"], "saved_bytes_ratio": mem["saved"] / plain_mem["saved"]})
+        benchmark.extra_info.update(
+            {"saved_bytes": mem["saved"], "saved_bytes_ratio": mem["saved"] / plain_mem["saved"]}
+        )
     busy, plain_busy = device_busy_seconds(run, DEVICE), device_busy_seconds(plain_run, DEVICE)
     if busy is not None:
         # The overhead if launches cost nothing (GPU busy time, `tools.device_time`), next to the
         # measured one: far apart, the mHC layer is host-bound at this size.
-        benchmark.extra_info.update({"device_busy_s": busy, "plain_device_busy_s": plain_busy,
-                                     "device_overhead_ratio": busy / plain_busy - 1.0})
+        benchmark.extra_info.update(
+            {
+                "device_busy_s": busy,
+                "plain_device_busy_s": plain_busy,
+                "device_overhead_ratio": busy / plain_busy - 1.0,
+            }
+        )
     if mem["peak"] is not None:
-        benchmark.extra_info.update({"peak_bytes": mem["peak"], "plain_peak_bytes": plain_mem["peak"],
-                                     "peak_bytes_ratio": mem["peak"] / plain_mem["peak"]})
+        benchmark.extra_info.update(
+            {
+                "peak_bytes": mem["peak"],
+                "plain_peak_bytes": plain_mem["peak"],
+                "peak_bytes_ratio": mem["peak"] / plain_mem["peak"],
+            }
+        )
     assert mhc_s > 0 and plain_s > 0 and floor_s > 0
     # The mHC layer saves at least what the plain one does (same sublayers) plus its n*C residual.
-    assert plain_mem["saved"] > 0 and (mem["saved"] is None or mem["saved"] > plain_mem["saved"]), (mem, plain_mem)
+    assert plain_mem["saved"] > 0 and (mem["saved"] is None or mem["saved"] > plain_mem["saved"]), (
+        mem,
+        plain_mem,
+    )

@@ -24,12 +24,33 @@ def test_nightly_script_records_golden_history_plot_and_table(tmp_path):
     record, a trend PNG and the table."""
     golden, out, history = tmp_path / "golden", tmp_path / "nightly", tmp_path / "history" / "cpu.jsonl"
     nightly = {k: v for k, v in os.environ.items() if k != "MHC_PERF_SMOKE"}  # the nightly is no smoke run
-    env = dict(nightly, MHC_PYTHON=sys.executable, MHC_NIGHTLY_OUT=str(out), MHC_PERF_HISTORY=str(history),
-               MHC_PERF_REPS="3", MHC_HW="cpu_nightly_test", TORCHINDUCTOR_COMPILE_THREADS="1")
+    env = dict(
+        nightly,
+        MHC_PYTHON=sys.executable,
+        MHC_NIGHTLY_OUT=str(out),
+        MHC_PERF_HISTORY=str(history),
+        MHC_PERF_REPS="3",
+        MHC_HW="cpu_nightly_test",
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+    )
     proc = subprocess.run(
-        ["bash", str(ROOT / "ci" / "nightly_gpu.sh"), "-q", "-k", SELECT, "--golden-dir", str(golden),
-         "--update-golden=all", "-p", "no:cacheprovider"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            "bash",
+            str(ROOT / "ci" / "nightly_gpu.sh"),
+            "-q",
+            "-k",
+            SELECT,
+            "--golden-dir",
+            str(golden),
+            "--update-golden=all",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -47,9 +68,10 @@ def test_nightly_script_records_golden_history_plot_and_table(tmp_path):
     assert bench["extra_info"]["roofline_ratio"] > 0
 
     backends = (out / "backends.txt").read_text()
-    assert all(f"  {op} " in backends for op in ("sinkhorn", "mapping", "h_aggregate", "h_post_bda")), backends
+    assert all(f"  {op} " in backends for op in ("sinkhorn", "mapping", "h_aggregate", "h_post_bda")), (
+        backends
+    )
     assert "ok: the first mHC call of such a run does not raise" in backends, backends
     assert list((out / "trends").glob("*.png")), sorted(p.name for p in out.rglob("*"))
     table = (out / "perf-table.md").read_text()
     assert "| h_aggregate | fwd | compiled | T4096-n4-C256-fp32 |" in table, table
-

@@ -52,11 +52,15 @@ def _matrix_verdict(peer: PeerTimed, case: PeerCase) -> str:
     row = _MATRIX[peer.conformance_peer]
     if row.skipped:
         return f"matrix: skipped ({row.skipped})"
-    family = {"coefficients": ("coefficients",), "layer_mhc": ("layer", "mix"), "sinkhorn": ("sinkhorn",)}[case.op]
+    family = {"coefficients": ("coefficients",), "layer_mhc": ("layer", "mix"), "sinkhorn": ("sinkhorn",)}[
+        case.op
+    ]
     cells = [c for c in row.cells(peer.variant) if c.check.startswith(family)]
     bad = [c.check for c in cells if c.status != "pass"]
-    return (f"matrix vs {peer.variant}: {len(cells) - len(bad)}/{len(cells)} {'/'.join(family)} checks pass"
-            + (f" (not: {', '.join(bad)})" if bad else ""))
+    return (
+        f"matrix vs {peer.variant}: {len(cells) - len(bad)}/{len(cells)} {'/'.join(family)} checks pass"
+        + (f" (not: {', '.join(bad)})" if bad else "")
+    )
 
 
 @pytest.mark.parametrize("peer", registry_peers(), ids=lambda p: p.name)
@@ -73,7 +77,9 @@ def test_peer(benchmark, golden_metrics, case, direction, peer, reps):
     conforms, worst = peer.conforms_at(case)
     verdict = _matrix_verdict(peer, case)
     if not conforms:
-        pytest.skip(f"{peer.name} does not conform to {peer.variant} at {case.id} ({worst}); not timed. {verdict}")
+        pytest.skip(
+            f"{peer.name} does not conform to {peer.variant} at {case.id} ({worst}); not timed. {verdict}"
+        )
     inputs = case.inputs(requires_grad=direction == "fwdbwd")
     fns = paired_fns(peer.build(case), case, inputs, direction, peer.variant)
     cutile, _ = dispatch.availability("cutile", DEVICE)
@@ -89,8 +95,12 @@ def test_peer(benchmark, golden_metrics, case, direction, peer, reps):
     busy, ours_busy = (device_busy_seconds(fn, DEVICE, calls=5) for fn in (fns[0], fns[2]))
     if busy is not None:
         # GPU busy time per call (the kernels alone), the peer's and ours, and the ratio of the two.
-        info.update({"device_busy_s": busy, "ours_device_busy_s": ours_busy, "speedup_vs_peer_busy": busy / ours_busy})
+        info.update(
+            {"device_busy_s": busy, "ours_device_busy_s": ours_busy, "speedup_vs_peer_busy": busy / ours_busy}
+        )
     benchmark.extra_info.update(info)
     assert info["median_s"] > 0 and info["ours_compiled_s"] > 0 and info["roofline_ratio"] > 0
     if os.environ.get("MHC_PERF_GOLDEN") == "1":
-        golden_metrics.check(peer_golden_case(case, direction, peer.name), *peer_golden(timed[0], timed[2], DEVICE))
+        golden_metrics.check(
+            peer_golden_case(case, direction, peer.name), *peer_golden(timed[0], timed[2], DEVICE)
+        )

@@ -35,7 +35,11 @@ def test_cpu_gap_drops_only_the_bf16_mapping_backward_without_onednn(monkeypatch
     monkeypatch.setattr(registry, "has_onednn_bf16", lambda: onednn_bf16)
     gaps = {(c.id, d): registry.cpu_gap(c, d) for c in cases_for("cpu") for d in ("fwd", "fwdbwd")}
     skipped = {key for key, why in gaps.items() if why}
-    expected = set() if onednn_bf16 else {("mapping-T4096-n4-C2048-bf16", "fwdbwd"), ("pre-T4096-n4-C2048-bf16", "fwdbwd")}
+    expected = (
+        set()
+        if onednn_bf16
+        else {("mapping-T4096-n4-C2048-bf16", "fwdbwd"), ("pre-T4096-n4-C2048-bf16", "fwdbwd")}
+    )
     assert skipped == expected, skipped
     assert all("oneDNN" in gaps[key] for key in skipped)
     assert all(registry.cpu_gap(c, d) is None for c in cases_for("cuda") for d in ("fwd", "fwdbwd"))
@@ -46,7 +50,10 @@ def _cache_bytes(level: int) -> int | None:
     root = Path("/sys/devices/system/cpu/cpu0/cache")
     for index in sorted(root.glob("index*")) if root.exists() else []:
         try:
-            if int((index / "level").read_text()) != level or (index / "type").read_text().strip() == "Instruction":
+            if (
+                int((index / "level").read_text()) != level
+                or (index / "type").read_text().strip() == "Instruction"
+            ):
                 continue
             size = (index / "size").read_text().strip()
         except OSError:
@@ -134,26 +141,65 @@ def test_nsys_rejects_a_non_export(tmp_path):
 
 def test_table_renders_rows(tmp_path, capsys):
     """The table prints one Markdown row per benchmark (shape without the op prefix) with GB/s, roofline, speed-up, busy roofline."""
-    doc = {"benchmarks": [
-        {"name": "test_kernel[x]", "stats": {"median": 0.002},
-         "extra_info": {"op": "h_aggregate", "direction": "fwd", "backend": "compiled", "shape": "h_aggregate-T4-n4-C8",
-                        "median_s": 0.001, "bytes_per_s": 4e10, "copy_bytes_per_s": 5e10,
-                        "roofline_ratio": 0.8, "speedup_vs_reference": 2.5, "pipelined_s": 0.0008,
-                        "roofline_ratio_pipelined": 0.95, "device_busy_s": 0.0007, "bytes_per_s_busy": 4.5e10}},
-        {"name": "test_layer[reference]", "stats": {"median": 0.03},
-         "extra_info": {"op": "layer", "overhead_ratio": 0.5, "saved_bytes_ratio": 1.6}},
-        {"name": "test_layer[compiled]", "stats": {"median": 0.02},
-         "extra_info": {"op": "layer", "overhead_ratio": 0.3, "floor_overhead_ratio": 0.04, "saved_bytes_ratio": 1.6}},
-        {"name": "test_layer[cutile]", "stats": {"median": 0.02},
-         "extra_info": {"op": "layer", "overhead_ratio": 2.0, "device_overhead_ratio": 0.57,
-                        "floor_overhead_ratio": 0.095, "saved_bytes_ratio": 1.6}},
-    ]}
+    doc = {
+        "benchmarks": [
+            {
+                "name": "test_kernel[x]",
+                "stats": {"median": 0.002},
+                "extra_info": {
+                    "op": "h_aggregate",
+                    "direction": "fwd",
+                    "backend": "compiled",
+                    "shape": "h_aggregate-T4-n4-C8",
+                    "median_s": 0.001,
+                    "bytes_per_s": 4e10,
+                    "copy_bytes_per_s": 5e10,
+                    "roofline_ratio": 0.8,
+                    "speedup_vs_reference": 2.5,
+                    "pipelined_s": 0.0008,
+                    "roofline_ratio_pipelined": 0.95,
+                    "device_busy_s": 0.0007,
+                    "bytes_per_s_busy": 4.5e10,
+                },
+            },
+            {
+                "name": "test_layer[reference]",
+                "stats": {"median": 0.03},
+                "extra_info": {"op": "layer", "overhead_ratio": 0.5, "saved_bytes_ratio": 1.6},
+            },
+            {
+                "name": "test_layer[compiled]",
+                "stats": {"median": 0.02},
+                "extra_info": {
+                    "op": "layer",
+                    "overhead_ratio": 0.3,
+                    "floor_overhead_ratio": 0.04,
+                    "saved_bytes_ratio": 1.6,
+                },
+            },
+            {
+                "name": "test_layer[cutile]",
+                "stats": {"median": 0.02},
+                "extra_info": {
+                    "op": "layer",
+                    "overhead_ratio": 2.0,
+                    "device_overhead_ratio": 0.57,
+                    "floor_overhead_ratio": 0.095,
+                    "saved_bytes_ratio": 1.6,
+                },
+            },
+        ]
+    }
     path = tmp_path / "perf.json"
     path.write_text(json.dumps(doc))
     assert table.main([str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 6
-    assert "| h_aggregate | fwd | compiled | T4-n4-C8 | 1.000 ms | 40.00 |" in out[2] and "80 %" in out[2] and "2.50x" in out[2]
+    assert (
+        "| h_aggregate | fwd | compiled | T4-n4-C8 | 1.000 ms | 40.00 |" in out[2]
+        and "80 %" in out[2]
+        and "2.50x" in out[2]
+    )
     assert "| 0.800 ms | 95 % | 0.700 ms | 90 % |" in out[2], out[2]  # busy: 4.5e10 / 5e10
     assert all(line.count("|") == out[0].count("|") == 16 for line in out), out
     assert [line.split("|")[13].strip() for line in out[2:]] == ["90 %", "-", "-", "-"]  # no busy bytes: "-"
@@ -213,27 +259,48 @@ def test_saved_activation_bytes_counts_distinct_storages_without_params():
     assert saved_activation_bytes(lambda: x * x) == 64 * 32 * 4  # x saved twice, one storage
     lin = torch.nn.Linear(32, 16)
     assert saved_activation_bytes(lambda: lin(x), lin.parameters()) == 64 * 32 * 4  # input only
-    assert saved_activation_bytes(lambda: lin(x)) == 64 * 32 * 4 + 16 * 32 * 4  # weight counted when not excluded
+    assert (
+        saved_activation_bytes(lambda: lin(x)) == 64 * 32 * 4 + 16 * 32 * 4
+    )  # weight counted when not excluded
     assert peak_bytes(lambda: None, "cpu") is None
 
 
 def _peer(peer, median, ours, op="coefficients", shape="coefficients-T4-n4-C8-fp32", direction="fwd"):
-    return {"name": f"test_peer[{peer}]", "stats": {"median": median},
-            "extra_info": {"op": op, "direction": direction, "backend": peer, "peer": peer, "shape": shape,
-                           "median_s": median, "roofline_ratio": 0.1, "ours_compiled_s": ours,
-                           "ours_roofline_ratio": 0.4, "speedup_vs_peer": median / ours}}
+    return {
+        "name": f"test_peer[{peer}]",
+        "stats": {"median": median},
+        "extra_info": {
+            "op": op,
+            "direction": direction,
+            "backend": peer,
+            "peer": peer,
+            "shape": shape,
+            "median_s": median,
+            "roofline_ratio": 0.1,
+            "ours_compiled_s": ours,
+            "ours_roofline_ratio": 0.4,
+            "speedup_vs_peer": median / ours,
+        },
+    }
 
 
 def test_peer_table_names_the_fastest_peer_and_our_ratio_to_it(tmp_path, capsys):
     """Peer rows go to their own table, sorted fastest first per op / direction / shape, each with our
     speed-up over that peer and over the fastest peer; the table of ours leaves them out."""
-    doc = {"benchmarks": [_peer("hf_deepseek_v4", 0.004, 0.002), _peer("hf_deepseek_v4[compiled]", 0.003, 0.002),
-                          _peer("lucidrains", 0.010, 0.001, op="sinkhorn", shape="sinkhorn-T4-n4-fp32")]}
+    doc = {
+        "benchmarks": [
+            _peer("hf_deepseek_v4", 0.004, 0.002),
+            _peer("hf_deepseek_v4[compiled]", 0.003, 0.002),
+            _peer("lucidrains", 0.010, 0.001, op="sinkhorn", shape="sinkhorn-T4-n4-fp32"),
+        ]
+    }
     path = tmp_path / "perf.json"
     path.write_text(json.dumps(doc))
     assert len(table.rows(path)) == 2  # header only: no peer row among ours
     rows = table.peer_rows(path)
-    assert rows[2].startswith("| coefficients | fwd | T4-n4-C8-fp32 | hf_deepseek_v4[compiled] | 3.000 ms | 10 % |")
+    assert rows[2].startswith(
+        "| coefficients | fwd | T4-n4-C8-fp32 | hf_deepseek_v4[compiled] | 3.000 ms | 10 % |"
+    )
     assert rows[2].endswith("| 1.50x | hf_deepseek_v4[compiled] | 1.50x |")
     assert rows[3].endswith("| 2.00x | hf_deepseek_v4[compiled] | 1.50x |"), rows[3]
     assert rows[4].endswith("| 10.00x | lucidrains | 10.00x |")
@@ -243,11 +310,15 @@ def test_peer_table_names_the_fastest_peer_and_our_ratio_to_it(tmp_path, capsys)
 def test_peer_cases_and_a_peer_that_does_not_conform_is_not_timed():
     """Peer cases have unique ids and positive bytes; a peer compared with the wrong variant fails
     `conforms_at` with its error (so it is skipped, not timed)."""
-    pytest.importorskip("transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed")
+    pytest.importorskip(
+        "transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed"
+    )
     from suites.perf.peers import PeerCase, peer_cases, registry_peers
 
     cases = peer_cases("cpu")
-    assert len({c.id for c in cases}) == len(cases) and all(c.bytes(d) > 0 for c in cases for d in ("fwd", "fwdbwd"))
+    assert len({c.id for c in cases}) == len(cases) and all(
+        c.bytes(d) > 0 for c in cases for d in ("fwd", "fwdbwd")
+    )
     small = PeerCase(op="layer_mhc", tokens=8, n=4, hidden=8, dtype=torch.float32, device="cpu")
     hf = next(p for p in registry_peers() if p.name == "hf_deepseek_v4")
     assert hf.conforms_at(small)[0]
@@ -259,7 +330,9 @@ def test_peer_cases_and_a_peer_that_does_not_conform_is_not_timed():
 def test_low_precision_conformance_compares_errors_against_fp64_and_still_fails_a_wrong_variant():
     """In bf16 a peer whose worst error against fp64 is within 2x ours conforms; the untransposed mix does
     not, although the rule is looser than the elementwise bound."""
-    pytest.importorskip("transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed")
+    pytest.importorskip(
+        "transformers.models.deepseek_v4", reason="transformers (the peers extra) is not installed"
+    )
     from suites.perf.peers import LOW_PRECISION_FACTOR, PeerCase, registry_peers
 
     case = PeerCase(op="layer_mhc", tokens=64, n=4, hidden=256, dtype=torch.bfloat16, device="cpu")
@@ -276,7 +349,11 @@ def test_peer_table_reads_several_files_as_one_run(tmp_path):
     main.write_text(json.dumps({"benchmarks": [_peer("hf_deepseek_v4", 0.004, 0.002)]}))
     tree.write_text(json.dumps({"benchmarks": [_peer("megatron_lm[main]", 0.001, 0.002)]}))
     rows = table.peer_rows([main, tree])
-    assert len(rows) == 4 and "megatron_lm[main]" in rows[2] and rows[2].endswith("| 0.50x | megatron_lm[main] | 0.50x |")
+    assert (
+        len(rows) == 4
+        and "megatron_lm[main]" in rows[2]
+        and rows[2].endswith("| 0.50x | megatron_lm[main] | 0.50x |")
+    )
     assert rows[3].endswith("| 2.00x | megatron_lm[main] | 0.50x |"), rows[3]
 
 
@@ -346,8 +423,9 @@ def test_liger_gpu_peer_conforms_to_its_configuration_interpreted():
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", _LIGER_CHECK], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _LIGER_CHECK], capture_output=True, text=True, env=env, cwd=root, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in out:
@@ -368,7 +446,13 @@ def test_every_timed_peer_of_the_registry_has_its_entry_points():
     assert all(has_own(r.peer, "timed") for r in rows), [r.name for r in rows if not has_own(r.peer, "timed")]
     names = [r.name for r in rows]
     assert len(set(names)) == len(names), names
-    assert {"hf_deepseek_v4", "hf_deepseek_v4[compiled]", "lucidrains", "te_triton", "tile_kernels",
-            "liger_kernel"} <= set(names), names
+    assert {
+        "hf_deepseek_v4",
+        "hf_deepseek_v4[compiled]",
+        "lucidrains",
+        "te_triton",
+        "tile_kernels",
+        "liger_kernel",
+    } <= set(names), names
     with pytest.raises(ValueError, match=r"\['mix'\] not among"):
         Timing(variant="paper", ops=frozenset({"mix"}))

@@ -15,8 +15,16 @@ import torch
 
 from tools.timing import pipelined_ms
 
-__all__ = ["sample_seconds", "median_seconds", "copy_seconds", "paired_samples", "copy_fn", "pipelined_seconds",
-           "retain_heap", "synced"]
+__all__ = [
+    "sample_seconds",
+    "median_seconds",
+    "copy_seconds",
+    "paired_samples",
+    "copy_fn",
+    "pipelined_seconds",
+    "retain_heap",
+    "synced",
+]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _RETAIN_BYTES = 1 << 30
@@ -33,10 +41,14 @@ def retain_heap() -> str:
         return f"n/a ({sys.platform})"
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN_BYTES) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN_BYTES) == 1
+        ok = (
+            libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN_BYTES) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN_BYTES) == 1
+        )
     except (OSError, AttributeError) as exc:
         return f"unavailable ({exc})"
     return "on (mmap/trim threshold 1 GiB)" if ok else "mallopt refused"
+
 
 _L2_FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -46,14 +58,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_seconds(fn: Callable[[], object], *, device: str, reps: int, warmup: int = 2,
-                   cuda_graph: bool = False) -> float:
+def median_seconds(
+    fn: Callable[[], object], *, device: str, reps: int, warmup: int = 2, cuda_graph: bool = False
+) -> float:
     """Median of `sample_seconds`."""
-    return statistics.median(sample_seconds(fn, device=device, reps=reps, warmup=warmup, cuda_graph=cuda_graph))
+    return statistics.median(
+        sample_seconds(fn, device=device, reps=reps, warmup=warmup, cuda_graph=cuda_graph)
+    )
 
 
-def sample_seconds(fn: Callable[[], object], *, device: str, reps: int, warmup: int = 2,
-                   cuda_graph: bool = False) -> list[float]:
+def sample_seconds(
+    fn: Callable[[], object], *, device: str, reps: int, warmup: int = 2, cuda_graph: bool = False
+) -> list[float]:
     """Seconds of each of `reps` runs of `fn()` after `warmup` runs.
 
     On CUDA each rep is timed with a pair of CUDA events around the launch, after writing a
@@ -104,19 +120,23 @@ def copy_fn(nbytes: int, *, device: str) -> Callable[[], object]:
     return lambda: dst.copy_(src)
 
 
-def paired_samples(fns: list[Callable[[], object]], *, device: str, reps: int, warmup: int = 2,
-                   cuda_graph: bool = False) -> list[list[float]]:
+def paired_samples(
+    fns: list[Callable[[], object]], *, device: str, reps: int, warmup: int = 2, cuda_graph: bool = False
+) -> list[list[float]]:
     """Seconds of each fn, measured rep by rep in alternation, so that every ratio between them
     is taken under the same machine load (a shared CI box changes speed minute to minute)."""
     out: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
-            out[i] += sample_seconds(fn, device=device, reps=1, warmup=warmup if not out[i] else 0,
-                                     cuda_graph=cuda_graph)
+            out[i] += sample_seconds(
+                fn, device=device, reps=1, warmup=warmup if not out[i] else 0, cuda_graph=cuda_graph
+            )
     return out
 
 
-def pipelined_seconds(fns: list[Callable[[], object]], *, device: str, iters: int, rounds: int) -> list[float]:
+def pipelined_seconds(
+    fns: list[Callable[[], object]], *, device: str, iters: int, rounds: int
+) -> list[float]:
     """Seconds per call of each fn when `iters` calls run back to back (no flush, one timer pair),
     the median over `rounds` rounds that alternate the fns.
 
@@ -141,4 +161,5 @@ def synced(fn: Callable[[], object], *, device: str) -> Callable[[], object]:
         out = fn()
         torch.cuda.synchronize()
         return out
+
     return run

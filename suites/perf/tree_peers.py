@@ -57,9 +57,15 @@ def _cases(smoke: bool) -> list[PeerCase]:
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(samples), "mean": statistics.fmean(samples),
-            "stddev": statistics.stdev(samples) if len(samples) > 1 else 0.0, "min": min(samples),
-            "max": max(samples), "rounds": len(samples), "iterations": 1}
+    return {
+        "median": statistics.median(samples),
+        "mean": statistics.fmean(samples),
+        "stddev": statistics.stdev(samples) if len(samples) > 1 else 0.0,
+        "min": min(samples),
+        "max": max(samples),
+        "rounds": len(samples),
+        "iterations": 1,
+    }
 
 
 def tree_rows(tree: Path, *, reps: int, smoke: bool) -> list[dict]:
@@ -67,32 +73,47 @@ def tree_rows(tree: Path, *, reps: int, smoke: bool) -> list[dict]:
     tree_flavor(tree)  # a path that is no tree is named first
     if not torch.cuda.is_available():
         os.environ.setdefault("MHC_FORCE_BACKEND", "native")
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "0")  # load_tree would otherwise switch upstream's compile off
+    os.environ.setdefault(
+        "TORCHDYNAMO_DISABLE", "0"
+    )  # load_tree would otherwise switch upstream's compile off
     load_tree(tree)
     rows = []
     for peer in make_peers(tree, None):
         if peer.timing is None:
-            print(f"{peer.name}: its API generation ({peer.api.generation}) has no timed configuration; not timed",
-                  file=sys.stderr)
+            print(
+                f"{peer.name}: its API generation ({peer.api.generation}) has no timed configuration; not timed",
+                file=sys.stderr,
+            )
             continue
         variant = peer.timing.variant
         for case in _cases(smoke):
             ok, worst = conforms(_build(peer, case), case, variant)
             if not ok:
-                print(f"{peer.name} does not conform to {variant} at {case.id} ({worst}); not timed", file=sys.stderr)
+                print(
+                    f"{peer.name} does not conform to {variant} at {case.id} ({worst}); not timed",
+                    file=sys.stderr,
+                )
                 continue
             for direction in ("fwd", "fwdbwd"):
                 inputs = case.inputs(requires_grad=direction == "fwdbwd")
                 fns = paired_fns(_build(peer, case), case, inputs, direction, variant)
                 timed = paired_samples(fns, device=case.device, reps=reps, warmup=2)
                 info = peer_info(case, direction, peer.name, variant, timed, f"at {case.id}: {worst}")
-                rows.append({"name": f"test_peer[{case.id}-{direction}-{peer.name}]",
-                             "fullname": f"suites/perf/tree_peers.py::test_peer[{case.id}-{direction}-{peer.name}]",
-                             "group": f"peer-{case.op}-{direction}", "params": None, "stats": _stats(timed[0]),
-                             "extra_info": info})
-                print(f"{peer.name} {case.id} {direction}: peer {info['median_s'] * 1e3:.2f} ms, ours "
-                      f"{info['ours_compiled_s'] * 1e3:.2f} ms, ours vs peer {info['speedup_vs_peer']:.2f}x",
-                      file=sys.stderr)
+                rows.append(
+                    {
+                        "name": f"test_peer[{case.id}-{direction}-{peer.name}]",
+                        "fullname": f"suites/perf/tree_peers.py::test_peer[{case.id}-{direction}-{peer.name}]",
+                        "group": f"peer-{case.op}-{direction}",
+                        "params": None,
+                        "stats": _stats(timed[0]),
+                        "extra_info": info,
+                    }
+                )
+                print(
+                    f"{peer.name} {case.id} {direction}: peer {info['median_s'] * 1e3:.2f} ms, ours "
+                    f"{info['ours_compiled_s'] * 1e3:.2f} ms, ours vs peer {info['speedup_vs_peer']:.2f}x",
+                    file=sys.stderr,
+                )
     return rows
 
 
@@ -104,19 +125,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="T 256 at C 512 fp32 only")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    settings = {"malloc_retain": retain_heap(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    settings = {
+        "malloc_retain": retain_heap(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     try:
         rows = tree_rows(args.megatron_lm, reps=args.reps, smoke=args.smoke)
     except TreeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not rows:
-        print(f"error: --megatron-lm {args.megatron_lm}: no peer of the tree conforms at the timed shapes",
-              file=sys.stderr)
+        print(
+            f"error: --megatron-lm {args.megatron_lm}: no peer of the tree conforms at the timed shapes",
+            file=sys.stderr,
+        )
         return 1
-    doc = {"machine_info": {"python_version": platform.python_version(), "torch": torch.__version__,
-                            "megatron_lm": {"tree_sha256": hashes(args.megatron_lm)}, "mhc": settings},
-           "commit_info": {}, "datetime": utc_now(), "version": "mhc-suite tree_peers 1", "benchmarks": rows}
+    doc = {
+        "machine_info": {
+            "python_version": platform.python_version(),
+            "torch": torch.__version__,
+            "megatron_lm": {"tree_sha256": hashes(args.megatron_lm)},
+            "mhc": settings,
+        },
+        "commit_info": {},
+        "datetime": utc_now(),
+        "version": "mhc-suite tree_peers 1",
+        "benchmarks": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

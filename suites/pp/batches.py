@@ -42,7 +42,9 @@ class Batches:
     go together in one launch (`batch=False`: each alone, as under xdist, where every worker holds every item).
     `before(name)` is called for each run a run `needs`, before the launch that runs it."""
 
-    def __init__(self, root: Path, *, batch: bool = True, before: Callable[[str], object] | None = None) -> None:
+    def __init__(
+        self, root: Path, *, batch: bool = True, before: Callable[[str], object] | None = None
+    ) -> None:
         self.root, self.batch, self.before = Path(root), batch, before
         self.planned: dict[str, Planned] = {}
         self.done: set[str] = set()
@@ -65,7 +67,9 @@ class Batches:
             run = self.planned[name]
             if self.batch and run.nproc not in self._launched:
                 self._launched.add(run.nproc)
-                self._run_batch([n for n, r in self.planned.items() if r.nproc == run.nproc and n not in self.done])
+                self._run_batch(
+                    [n for n, r in self.planned.items() if r.nproc == run.nproc and n not in self.done]
+                )
             if name not in self.done:
                 self._run_alone(name)
         return self.root / name
@@ -99,8 +103,12 @@ class Batches:
         spec = self.root / f"batch-{nproc}ranks.json"
         spec.write_text(json.dumps(cases, indent=1) + "\n", encoding="utf-8")
         try:
-            run_worker(self.root / f"batch-{nproc}ranks", nproc, ["--batch", str(spec)],
-                       timeout=TIMEOUT + BATCH_CASE_SECONDS * len(names))
+            run_worker(
+                self.root / f"batch-{nproc}ranks",
+                nproc,
+                ["--batch", str(spec)],
+                timeout=TIMEOUT + BATCH_CASE_SECONDS * len(names),
+            )
         except LaunchError:
             pass  # its finished cases count; the others run alone on request
         self.done.update(n for n in names if self._finished(n))
@@ -124,4 +132,6 @@ class Batches:
     def _finished(self, name: str) -> bool:
         """Every rank wrote its record and none wrote an error."""
         out, nproc = self.root / name, self.planned[name].nproc
-        return all((out / f"rank{r}.pt").is_file() for r in range(nproc)) and not any(out.glob("error-rank*.txt"))
+        return all((out / f"rank{r}.pt").is_file() for r in range(nproc)) and not any(
+            out.glob("error-rank*.txt")
+        )

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["RunRecord", "compare_to_reference", "differences_by_layer", "load_run", "unsharded", "worst_differences"]
+__all__ = [
+    "RunRecord",
+    "compare_to_reference",
+    "differences_by_layer",
+    "load_run",
+    "unsharded",
+    "worst_differences",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,13 +41,22 @@ def unsharded(run: RunRecord) -> RunRecord:
         for name, entries in step.items():
             by_rank = {e["tp_rank"]: e for e in entries}
             first = by_rank[min(by_rank)]
-            value = first["value"] if first["partition_dim"] is None else torch.cat(
-                [by_rank[r]["value"] for r in sorted(by_rank)], dim=first["partition_dim"])
+            value = (
+                first["value"]
+                if first["partition_dim"] is None
+                else torch.cat([by_rank[r]["value"] for r in sorted(by_rank)], dim=first["partition_dim"])
+            )
             out[name] = [{"value": value, "partition_dim": None, "tp_rank": 0, "tp_size": 1}]
         return out
 
-    return RunRecord(losses=run.losses, grads=[join(g) for g in run.grads], weights=[join(w) for w in run.weights],
-                     shapes=run.shapes, aux_losses=run.aux_losses, mtp_losses=run.mtp_losses)
+    return RunRecord(
+        losses=run.losses,
+        grads=[join(g) for g in run.grads],
+        weights=[join(w) for w in run.weights],
+        shapes=run.shapes,
+        aux_losses=run.aux_losses,
+        mtp_losses=run.mtp_losses,
+    )
 
 
 def load_run(directory: Path) -> RunRecord:
@@ -57,7 +73,10 @@ def load_run(directory: Path) -> RunRecord:
             by_dp.setdefault(r.get("dp_rank", 0), r)
 
     def per_microbatch(key: str) -> list[list]:
-        return [[mb for d in sorted(by_dp) for mb in by_dp[d].get(key, [[]] * steps)[step]] for step in range(steps)]
+        return [
+            [mb for d in sorted(by_dp) for mb in by_dp[d].get(key, [[]] * steps)[step]]
+            for step in range(steps)
+        ]
 
     losses = per_microbatch("losses") if by_dp else []
     mtp_losses = per_microbatch("mtp_losses") if by_dp else []
@@ -99,7 +118,9 @@ def _tensor_pairs(run: RunRecord, ref: RunRecord):
     reference also holds, `expected` being the reference's slice for the entry's TP rank."""
     for kind, mine, theirs in (("grad", run.grads, ref.grads), ("weight", run.weights, ref.weights)):
         for step, (got, want) in enumerate(zip(mine, theirs, strict=True)):
-            model_scale = max(float(v[0]["value"].abs().max()) for v in want.values() if v[0]["value"].numel())
+            model_scale = max(
+                float(v[0]["value"].abs().max()) for v in want.values() if v[0]["value"].numel()
+            )
             for name, entries in got.items():
                 if name not in want:
                     continue
@@ -127,26 +148,38 @@ def compare_to_reference(run: RunRecord, ref: RunRecord, rtol: float) -> list[st
                 problems.append(f"loss step {step} microbatch {mb}: {a:.9g} vs reference {e:.9g}")
     for step, (got_mtp, want_mtp) in enumerate(zip(run.mtp_losses, ref.mtp_losses, strict=False)):
         if len(got_mtp) != len(want_mtp):
-            problems.append(f"mtp losses step {step}: {len(got_mtp)} microbatches vs reference {len(want_mtp)}")
+            problems.append(
+                f"mtp losses step {step}: {len(got_mtp)} microbatches vs reference {len(want_mtp)}"
+            )
         for mb, (a_d, e_d) in enumerate(zip(got_mtp, want_mtp, strict=False)):
             if len(a_d) != len(e_d) or any(abs(a - e) > rtol * abs(e) for a, e in zip(a_d, e_d, strict=True)):
                 problems.append(f"mtp losses step {step} microbatch {mb}: per depth {a_d} vs reference {e_d}")
     for step, (got_aux, want_aux) in enumerate(zip(run.aux_losses, ref.aux_losses, strict=False)):
         if set(got_aux) != set(want_aux):
-            problems.append(f"aux losses step {step}: tracked {sorted(got_aux)} vs reference {sorted(want_aux)}")
+            problems.append(
+                f"aux losses step {step}: tracked {sorted(got_aux)} vs reference {sorted(want_aux)}"
+            )
         for name in set(got_aux) & set(want_aux):
             a_v, e_v = got_aux[name], want_aux[name]
             if a_v.shape != e_v.shape or not bool(((a_v - e_v).abs() <= rtol * e_v.abs()).all()):
-                problems.append(f"aux loss {name} step {step}: per layer {a_v.tolist()} vs reference {e_v.tolist()}")
+                problems.append(
+                    f"aux loss {name} step {step}: per layer {a_v.tolist()} vs reference {e_v.tolist()}"
+                )
     for kind, mine, theirs in (("grad", run.grads, ref.grads), ("weight", run.weights, ref.weights)):
         for step, (got, want) in enumerate(zip(mine, theirs, strict=True)):
             missing = sorted(set(want) - set(got))
             if missing:
-                problems.append(f"{kind} step {step}: parameters missing from the pipelined run: {missing[:5]}")
-            problems += [f"{kind} step {step}: {name} not in the reference" for name in got if name not in want]
+                problems.append(
+                    f"{kind} step {step}: parameters missing from the pipelined run: {missing[:5]}"
+                )
+            problems += [
+                f"{kind} step {step}: {name} not in the reference" for name in got if name not in want
+            ]
     for kind, step, name, e, expected, model_scale in _tensor_pairs(run, ref):
         if expected.shape != e["value"].shape:
-            problems.append(f"{kind} step {step} {name}: shape {list(e['value'].shape)} vs {list(expected.shape)}")
+            problems.append(
+                f"{kind} step {step} {name}: shape {list(e['value'].shape)} vs {list(expected.shape)}"
+            )
             continue
         rel = _relative(e["value"], expected, model_scale)
         if not rel <= rtol:
@@ -183,5 +216,8 @@ def differences_by_layer(run: RunRecord, ref: RunRecord) -> dict[str, dict[str, 
         m = re.match(r"decoder\.layers\.(\d+)\.", name)
         row = out.setdefault(f"layer {m.group(1)}" if m else "other", {"grad": 0.0, "weight": 0.0})
         row[kind] = max(row[kind], _relative(e["value"], expected, model_scale))
-    return dict(sorted(out.items(), key=lambda kv: (kv[0] == "other", int(kv[0].split()[-1]) if kv[0] != "other"
-                                                    else 0)))
+    return dict(
+        sorted(
+            out.items(), key=lambda kv: (kv[0] == "other", int(kv[0].split()[-1]) if kv[0] != "other" else 0)
+        )
+    )

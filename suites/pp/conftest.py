@@ -19,12 +19,18 @@ class ReferenceRuns:
     with an MTP depth `*E` under dev's numerics: `"mhc-hybrid-mtp"`); each writes init.pt + rank0.pt. Those the
     session's pipelined cases need run in one launch on the first lookup (`suites.pp.batches`), any other alone."""
 
-    FLAGS = {"mhc": [], "no-mhc": ["--no-mhc"], "mhc-moe": ["--moe", "alltoall"],
-             "mhc-mtp": ["--mtp", "2", "--numerics", "dev"], "mhc-hybrid": ["--hybrid", "*-*E"],
-             "mhc-hybrid-mtp": ["--hybrid", "*-*E/*E", "--numerics", "dev"],
-             "sp": ["--single-pass"], "sp-bf16": ["--single-pass", "--bf16"],
-             "sp-hybrid": ["--single-pass", "--hybrid", "*E*E"],
-             "sp-hybrid-bf16": ["--single-pass", "--bf16", "--hybrid", "*E*E"]}
+    FLAGS = {
+        "mhc": [],
+        "no-mhc": ["--no-mhc"],
+        "mhc-moe": ["--moe", "alltoall"],
+        "mhc-mtp": ["--mtp", "2", "--numerics", "dev"],
+        "mhc-hybrid": ["--hybrid", "*-*E"],
+        "mhc-hybrid-mtp": ["--hybrid", "*-*E/*E", "--numerics", "dev"],
+        "sp": ["--single-pass"],
+        "sp-bf16": ["--single-pass", "--bf16"],
+        "sp-hybrid": ["--single-pass", "--hybrid", "*E*E"],
+        "sp-hybrid-bf16": ["--single-pass", "--bf16", "--hybrid", "*E*E"],
+    }
 
     def __init__(self, root: Path, *, wanted: Iterable[str] = (), batch: bool = True) -> None:
         self.runs = Batches(root, batch=batch)
@@ -42,8 +48,11 @@ class ReferenceRuns:
 
 def _selected_cases(session: pytest.Session) -> list[Case]:
     """The pipelined cases this session runs (after -k and other deselection)."""
-    cases = [item.callspec.params["case"] for item in session.items
-             if isinstance(item, pytest.Function) and item.originalname in PIPELINED_TESTS]
+    cases = [
+        item.callspec.params["case"]
+        for item in session.items
+        if isinstance(item, pytest.Function) and item.originalname in PIPELINED_TESTS
+    ]
     return [c for c in cases if isinstance(c, Case)]
 
 
@@ -60,18 +69,25 @@ def _batching(config: pytest.Config) -> bool:
 def reference_runs(tmp_path_factory, request) -> ReferenceRuns:
     """The single-process reference runs (`ReferenceRuns`)."""
     wanted = sorted({c.reference_run for c in _selected_cases(request.session)})
-    return ReferenceRuns(tmp_path_factory.mktemp("pp-reference"), wanted=wanted, batch=_batching(request.config))
+    return ReferenceRuns(
+        tmp_path_factory.mktemp("pp-reference"), wanted=wanted, batch=_batching(request.config)
+    )
 
 
 @pytest.fixture(scope="session")
 def pipelined_runs(tmp_path_factory, request, reference_runs) -> Batches:
     """The session's pipelined cases by name, each from its reference's initial weights, batched by world size."""
-    runs = Batches(tmp_path_factory.mktemp("pp-runs"), batch=_batching(request.config),
-                   before=lambda need: reference_runs[need])
-    for case in (_selected_cases(request.session) if _batching(request.config) else [*CASES, ROUNDED_HANDOFF]):
+    runs = Batches(
+        tmp_path_factory.mktemp("pp-runs"),
+        batch=_batching(request.config),
+        before=lambda need: reference_runs[need],
+    )
+    for case in _selected_cases(request.session) if _batching(request.config) else [*CASES, ROUNDED_HANDOFF]:
         init = reference_runs.runs.root / case.reference_run / "init.pt"
-        runs.plan(case.name, Planned(nproc=case.nproc, args=(*case.args, "--init", str(init)),
-                                     needs=(case.reference_run,)))
+        runs.plan(
+            case.name,
+            Planned(nproc=case.nproc, args=(*case.args, "--init", str(init)), needs=(case.reference_run,)),
+        )
     return runs
 
 
@@ -90,8 +106,10 @@ class TreeReport:
         def fmt(d: dict[str, float] | None) -> str:
             return "-" if d is None else " / ".join(f"{d[k]:.1e}" for k in ("loss", "grad", "weight"))
 
-        out = [f"Megatron-LM tree {self.label}: worst relative difference, loss / grad / weight",
-               f"{'case':<28} {'tree vs its single process':<30} tree vs ours"]
+        out = [
+            f"Megatron-LM tree {self.label}: worst relative difference, loss / grad / weight",
+            f"{'case':<28} {'tree vs its single process':<30} tree vs ours",
+        ]
         out += [f"{case:<28} {fmt(a):<30} {fmt(b)}" for case, a, b in self.rows]
         return out
 
@@ -117,8 +135,13 @@ class TreeRuns:
     dense GPT (`"dense"`), with MoE MLPs (`"moe"`), with two MTP depths (`"mtp"`) and its `HybridModel` of the pattern
     `*-*E` (`"hybrid"`), each launched on first use."""
 
-    FLAGS = {"dense": [], "moe": ["--moe", "alltoall"], "mtp": ["--mtp", "2"], "hybrid": ["--hybrid", "*-*E"],
-             "hybrid-mtp": ["--hybrid", "*-*E/*E"]}
+    FLAGS = {
+        "dense": [],
+        "moe": ["--moe", "alltoall"],
+        "mtp": ["--mtp", "2"],
+        "hybrid": ["--hybrid", "*-*E"],
+        "hybrid-mtp": ["--hybrid", "*-*E/*E"],
+    }
 
     def __init__(self, tree, root: Path) -> None:
         self.tree, self.root = tree, root
@@ -134,8 +157,12 @@ class TreeRuns:
         if model not in self._refs:
             out = self.root / f"tree-reference-{model}"
             try:
-                run_worker(out, 1, ["--impl", "tree", "--flavor", self.tree.flavor, *self.FLAGS[model]],
-                           tree=self.tree.path)
+                run_worker(
+                    out,
+                    1,
+                    ["--impl", "tree", "--flavor", self.tree.flavor, *self.FLAGS[model]],
+                    tree=self.tree.path,
+                )
             except Exception as exc:
                 self._failed[model] = exc
                 raise

@@ -17,10 +17,13 @@ TIMEOUT = 180.0
 RANK_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def run_worker(out: Path, nproc: int, args: list[str], timeout: float = TIMEOUT, *,
-               tree: Path | None = None) -> LaunchResult:
+def run_worker(
+    out: Path, nproc: int, args: list[str], timeout: float = TIMEOUT, *, tree: Path | None = None
+) -> LaunchResult:
     """Run the worker into `out`, its ranks on the CPU (`RANK_ENV`; with `tree`, the tree's megatron:
     `tree_env`); raises `LaunchError` with the failing ranks' stderr."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**RANK_ENV, **(tree_env(tree) if tree is not None else {})}
-    return launch(WORKER, ["--out", str(out), *args], nproc=nproc, timeout=timeout, log_dir=out / "logs", env=env)
+    return launch(
+        WORKER, ["--out", str(out), *args], nproc=nproc, timeout=timeout, log_dir=out / "logs", env=env
+    )

@@ -42,14 +42,25 @@ def _recompute_kwargs(value: str | None, full: bool = False) -> dict:
         return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     if value is None:
         return {}
-    return {"recompute_granularity": "selective", "recompute_modules": ["mhc"],
-            "mhc_recompute_layer_num": None if value == "chunk" else int(value)}
+    return {
+        "recompute_granularity": "selective",
+        "recompute_modules": ["mhc"],
+        "mhc_recompute_layer_num": None if value == "chunk" else int(value),
+    }
+
 
 def _moe_kwargs(dispatcher: str) -> dict:
     """Config keywords of `--moe`: every MLP an MoE of 4 local experts, top-2, the router's load-balancing loss on
     (upstream's MoE recipes run without linear biases)."""
-    return {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64, "ffn_hidden_size": 64,
-            "add_bias_linear": False, "moe_aux_loss_coeff": 1e-2, "moe_token_dispatcher_type": dispatcher}
+    return {
+        "num_moe_experts": 4,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 64,
+        "ffn_hidden_size": 64,
+        "add_bias_linear": False,
+        "moe_aux_loss_coeff": 1e-2,
+        "moe_token_dispatcher_type": dispatcher,
+    }
 
 
 def _aux_losses() -> dict[str, torch.Tensor]:
@@ -59,7 +70,9 @@ def _aux_losses() -> dict[str, torch.Tensor]:
         get_moe_layer_wise_logging_tracker,
     )
 
-    out = {name: entry["values"].detach().clone() for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    out = {
+        name: entry["values"].detach().clone() for name, entry in get_moe_layer_wise_logging_tracker().items()
+    }
     clear_aux_losses_tracker()
     return out
 
@@ -76,41 +89,81 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-mhc", action="store_true")
     p.add_argument("--impl", choices=("ours", "tree"), default="ours", help="whose GPT and schedules run")
     p.add_argument("--flavor", choices=("main", "dev"), default=None, help="--impl tree: the tree's branch")
-    p.add_argument("--numerics", choices=("main", "dev"), default="main",
-                   help="--impl ours: megatron_main, or megatron_dev with the learned block exit")
-    p.add_argument("--single-pass", action="store_true",
-                   help="--impl ours: DeepSeek-V4.1's single-pass form and numerics (deepseek_v41, the model's RMS "
-                        "epsilon in the mapping)")
-    p.add_argument("--handoff", choices=("exact", "pipeline_dtype"), default="exact",
-                   help="--single-pass: the H_pre across stage boundaries in its own dtype, or rounded to the "
-                        "pipeline dtype (upstream DSv41HybridStack's packing)")
-    p.add_argument("--bf16", action="store_true",
-                   help="megatron-core's bf16 mixed precision: bf16 parameters and activations (Float16Module), a "
-                        "bf16 pipeline, mHC parameters kept fp32")
-    p.add_argument("--mhc-recompute", default=None, metavar="LAYERS|chunk",
-                   help='"mhc" in recompute_modules, LAYERS per recompute group or the whole chunk')
-    p.add_argument("--full-recompute", action="store_true",
-                   help="full activation recompute, one layer per checkpoint (with --single-pass: the carrier crosses "
-                        "each checkpoint)")
-    p.add_argument("--moe", choices=("allgather", "alltoall"), default=None,
-                   help="every MLP an MoE (4 local experts, top-2) with this token dispatcher")
-    p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel size (with --moe): the other ranks of the world are data-parallel, each "
-                        "taking its share of the step's microbatches")
-    p.add_argument("--hybrid", default=None, metavar="PATTERN",
-                   help="the hybrid stack of this layer pattern (ours, or the tree's HybridModel (mhc_core.megatron.hybrid: '*' attention, "
-                        "'-' MLP, 'E' MoE of 4 local experts, '|' a stage boundary, '/' MTP depths after the decoder's "
-                        "pattern: their count is --mtp)")
+    p.add_argument(
+        "--numerics",
+        choices=("main", "dev"),
+        default="main",
+        help="--impl ours: megatron_main, or megatron_dev with the learned block exit",
+    )
+    p.add_argument(
+        "--single-pass",
+        action="store_true",
+        help="--impl ours: DeepSeek-V4.1's single-pass form and numerics (deepseek_v41, the model's RMS "
+        "epsilon in the mapping)",
+    )
+    p.add_argument(
+        "--handoff",
+        choices=("exact", "pipeline_dtype"),
+        default="exact",
+        help="--single-pass: the H_pre across stage boundaries in its own dtype, or rounded to the "
+        "pipeline dtype (upstream DSv41HybridStack's packing)",
+    )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="megatron-core's bf16 mixed precision: bf16 parameters and activations (Float16Module), a "
+        "bf16 pipeline, mHC parameters kept fp32",
+    )
+    p.add_argument(
+        "--mhc-recompute",
+        default=None,
+        metavar="LAYERS|chunk",
+        help='"mhc" in recompute_modules, LAYERS per recompute group or the whole chunk',
+    )
+    p.add_argument(
+        "--full-recompute",
+        action="store_true",
+        help="full activation recompute, one layer per checkpoint (with --single-pass: the carrier crosses "
+        "each checkpoint)",
+    )
+    p.add_argument(
+        "--moe",
+        choices=("allgather", "alltoall"),
+        default=None,
+        help="every MLP an MoE (4 local experts, top-2) with this token dispatcher",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (with --moe): the other ranks of the world are data-parallel, each "
+        "taking its share of the step's microbatches",
+    )
+    p.add_argument(
+        "--hybrid",
+        default=None,
+        metavar="PATTERN",
+        help="the hybrid stack of this layer pattern (ours, or the tree's HybridModel (mhc_core.megatron.hybrid: '*' attention, "
+        "'-' MLP, 'E' MoE of 4 local experts, '|' a stage boundary, '/' MTP depths after the decoder's "
+        "pattern: their count is --mtp)",
+    )
     p.add_argument("--layout", default=None, help="pipeline_model_parallel_layout, e.g. 'Et|tt|t|mL'")
-    p.add_argument("--mtp", type=int, default=None, metavar="D",
-                   help="D multi-token prediction depths on the last stage (MTP loss scale 0.1, rope positions)")
+    p.add_argument(
+        "--mtp",
+        type=int,
+        default=None,
+        metavar="D",
+        help="D multi-token prediction depths on the last stage (MTP loss scale 0.1, rope positions)",
+    )
     p.add_argument("--init", default=None, help="state dict to start from (written by the reference)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--crash-rank", type=int, default=None, help="test hook: this rank dies mid-run")
     p.add_argument("--hang-rank", type=int, default=None, help="test hook: this rank sleeps forever")
     args = p.parse_args(argv)
-    if args.hybrid and "/" in args.hybrid:  # the pattern's MTP depths (dev's unified form) are the run's MTP depths
+    if (
+        args.hybrid and "/" in args.hybrid
+    ):  # the pattern's MTP depths (dev's unified form) are the run's MTP depths
         args.mtp = args.hybrid.count("/")
     return args
 
@@ -122,8 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cases = _batch(argv) if "--batch" in argv else [None]
     if torch.cuda.is_available():  # cpu_support would apply nothing and megatron's p2p buffers would be CUDA
-        raise SystemExit("pp_worker runs its ranks on the CPU: launch it with CUDA_VISIBLE_DEVICES='' "
-                         "(suites/pp/launch.py does)")
+        raise SystemExit(
+            "pp_worker runs its ranks on the CPU: launch it with CUDA_VISIBLE_DEVICES='' "
+            "(suites/pp/launch.py does)"
+        )
     dist.init_process_group("gloo")
 
     from mhc_core.megatron import cpu_support
@@ -134,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         try:
             run_case(args)
         except Exception:  # SystemExit (a tree's refusal) has its own file
-            (Path(args.out) / f"error-rank{dist.get_rank()}.txt").write_text(traceback.format_exc(), encoding="utf-8")
+            (Path(args.out) / f"error-rank{dist.get_rank()}.txt").write_text(
+                traceback.format_exc(), encoding="utf-8"
+            )
             raise
     dist.destroy_process_group()
 
@@ -145,7 +202,9 @@ def _batch(argv: list[str]) -> list[dict[str, Any]]:
     p.add_argument("--out", required=True)
     p.add_argument("--batch", required=True, type=Path)
     cases = json.loads(p.parse_args(argv).batch.read_text(encoding="utf-8"))
-    if not isinstance(cases, list) or not all(isinstance(c, dict) and {"out", "args"} <= c.keys() for c in cases):
+    if not isinstance(cases, list) or not all(
+        isinstance(c, dict) and {"out", "args"} <= c.keys() for c in cases
+    ):
         raise SystemExit(f"{argv}: --batch wants a JSON list of {{'out': DIR, 'args': [flags]}}")
     return cases
 
@@ -228,9 +287,12 @@ def run_case(args: argparse.Namespace) -> None:
 
         try:
             config = tree_config(args.flavor, n=m["n"], **common)
-            model_kwargs = dict(vocab_size=m["vocab"], max_sequence_length=m["seq"],
-                                share_embeddings_and_output_weights=False,
-                                position_embedding_type="rope" if args.mtp else "learned_absolute")
+            model_kwargs = dict(
+                vocab_size=m["vocab"],
+                max_sequence_length=m["seq"],
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="rope" if args.mtp else "learned_absolute",
+            )
             if args.hybrid:
                 from harness.upstream.tree_model import hybrid_chunks
 
@@ -238,7 +300,9 @@ def run_case(args: argparse.Namespace) -> None:
             else:
                 chunks = tree_chunks(args.flavor, config, vpp=args.vpp, **model_kwargs)
         except (ValueError, AssertionError, NotImplementedError) as exc:  # the tree's own validation
-            (Path(args.out) / f"refusal-rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n", encoding="utf-8")
+            (Path(args.out) / f"refusal-rank{rank}.txt").write_text(
+                f"{type(exc).__name__}: {exc}\n", encoding="utf-8"
+            )
             raise SystemExit(REFUSED) from exc
     else:
         chunks = _our_chunks(args, common)
@@ -253,15 +317,21 @@ def run_case(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if args.init is None:
         assert args.pp == 1 and args.tp == 1, "only the reference run writes the initial weights"
-        torch.save({canonical_name(k): v.clone() for k, v in chunks[0].state_dict().items() if v is not None},
-                   out / "init.pt")
+        torch.save(
+            {canonical_name(k): v.clone() for k, v in chunks[0].state_dict().items() if v is not None},
+            out / "init.pt",
+        )
     else:
-        load_full_state(chunks, torch.load(args.init), source=f"--init {args.init}", tp_rank=tp_rank, tp_size=tp_size)
+        load_full_state(
+            chunks, torch.load(args.init), source=f"--init {args.init}", tp_rank=tp_rank, tp_size=tp_size
+        )
 
     g = torch.Generator().manual_seed(99)
     total = args.steps * args.microbatches
     tokens = torch.randint(0, m["vocab"], (total, m["mbs"], m["seq"] + 1), generator=g)
-    causal = torch.triu(torch.ones(m["seq"], m["seq"], dtype=torch.bool), diagonal=1).view(1, 1, m["seq"], m["seq"])
+    causal = torch.triu(torch.ones(m["seq"], m["seq"], dtype=torch.bool), diagonal=1).view(
+        1, 1, m["seq"], m["seq"]
+    )
     position_ids = torch.arange(m["seq"]).unsqueeze(0).expand(m["mbs"], -1)
 
     def forward_step(data_iterator, model):
@@ -277,8 +347,17 @@ def run_case(args: argparse.Namespace) -> None:
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
     fb = get_forward_backward_func()
-    record: dict[str, Any] = {"losses": [], "aux_losses": [], "mtp_losses": [], "grads": [], "weights": [], "shapes": shapes,
-                              "rank": rank, "tensor_shape_calls": shape_calls, "dp_rank": ps.get_data_parallel_rank()}
+    record: dict[str, Any] = {
+        "losses": [],
+        "aux_losses": [],
+        "mtp_losses": [],
+        "grads": [],
+        "weights": [],
+        "shapes": shapes,
+        "rank": rank,
+        "tensor_shape_calls": shape_calls,
+        "dp_rank": ps.get_data_parallel_rank(),
+    }
     for step in range(args.steps):
         opt.zero_grad(set_to_none=False)
         for c in chunks:
@@ -308,8 +387,11 @@ def run_case(args: argparse.Namespace) -> None:
             _allreduce_embedding_grads(chunks, ps)
         _average_data_parallel_grads(chunks, ps)
         record["losses"].append([float(d["lm loss"]) for d in losses])
-        record["mtp_losses"].append([[float(d[f"mtp_{k + 1} loss"]) for k in range(args.mtp)] for d in losses]
-                                    if args.mtp else [[] for _ in losses])
+        record["mtp_losses"].append(
+            [[float(d[f"mtp_{k + 1} loss"]) for k in range(args.mtp)] for d in losses]
+            if args.mtp
+            else [[] for _ in losses]
+        )
         record["aux_losses"].append(_aux_losses() if args.moe else {})
         record["grads"].append(_collect(chunks, names, lambda p: p.grad))
         opt.step()
@@ -319,12 +401,13 @@ def run_case(args: argparse.Namespace) -> None:
     ps.destroy_model_parallel()
 
 
-
 def _recording(base: type, shapes: list) -> type:
     """`base` (a P2P communicator class) recording every shape it receives or sends into `shapes`."""
 
     class RecordingP2P(base):
-        def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, **kw):
+        def _communicate(
+            self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, **kw
+        ):
             widened = self._widen(tensor_shape) if hasattr(self, "_widen") else tensor_shape
             if recv_prev:
                 shapes.append(("recv_prev", tuple(widened)))
@@ -335,8 +418,12 @@ def _recording(base: type, shapes: list) -> type:
             if tensor_send_prev is not None:
                 shapes.append(("send_prev", tuple(tensor_send_prev.shape)))
             return super()._communicate(
-                tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev, recv_prev=recv_prev,
-                recv_next=recv_next, tensor_shape=tensor_shape, **kw,
+                tensor_send_next=tensor_send_next,
+                tensor_send_prev=tensor_send_prev,
+                recv_prev=recv_prev,
+                recv_next=recv_next,
+                tensor_shape=tensor_shape,
+                **kw,
             )
 
     return RecordingP2P
@@ -350,12 +437,24 @@ def _our_chunks(args: argparse.Namespace, common: dict) -> list:
     from mhc_core.megatron.gpt import build_gpt_model
 
     m = MODEL
-    numerics = ({"mhc_variant": "megatron_dev", "mhc_learned_contraction": True} if args.numerics == "dev" else {})
+    numerics = (
+        {"mhc_variant": "megatron_dev", "mhc_learned_contraction": True} if args.numerics == "dev" else {}
+    )
     if args.single_pass:  # DeepSeek-V4.1: deepseek_v41's numerics with the model's RMS epsilon, single-pass
-        numerics = {"mhc_single_pass": True, "mhc_variant": "megatron_dev", "mhc_norm_eps_inside_sqrt": True,
-                    "mhc_fp32_coefficients": True, "mhc_norm_eps": 1e-5, "mhc_handoff_precision": args.handoff}
-    config = MHCTransformerConfig(**common, enable_mhc_connections=not args.no_mhc, mhc_num_residual_streams=m["n"],
-                                  **(numerics if not args.no_mhc else {}))
+        numerics = {
+            "mhc_single_pass": True,
+            "mhc_variant": "megatron_dev",
+            "mhc_norm_eps_inside_sqrt": True,
+            "mhc_fp32_coefficients": True,
+            "mhc_norm_eps": 1e-5,
+            "mhc_handoff_precision": args.handoff,
+        }
+    config = MHCTransformerConfig(
+        **common,
+        enable_mhc_connections=not args.no_mhc,
+        mhc_num_residual_streams=m["n"],
+        **(numerics if not args.no_mhc else {}),
+    )
     chunks = []
     for vp in range(args.vpp or 1):
         vp_stage = vp if args.vpp else None
@@ -363,15 +462,29 @@ def _our_chunks(args: argparse.Namespace, common: dict) -> list:
             from mhc_core.megatron.gpt import MHCGPTModel
             from mhc_core.megatron.hybrid import hybrid_block_spec, hybrid_mtp_block_spec
 
-            mtp = ({"mtp_block_spec": hybrid_mtp_block_spec(config, args.hybrid, vp_stage=vp_stage),
-                    "position_embedding_type": "rope"} if args.mtp else {})
-            chunks.append(MHCGPTModel(
-                config, hybrid_block_spec(config, args.hybrid, stage=ps.get_pipeline_model_parallel_rank(),
-                                          vp_stage=vp_stage),
-                vocab_size=m["vocab"], max_sequence_length=m["seq"],
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                vp_stage=vp_stage, share_embeddings_and_output_weights=False, **mtp))
+            mtp = (
+                {
+                    "mtp_block_spec": hybrid_mtp_block_spec(config, args.hybrid, vp_stage=vp_stage),
+                    "position_embedding_type": "rope",
+                }
+                if args.mtp
+                else {}
+            )
+            chunks.append(
+                MHCGPTModel(
+                    config,
+                    hybrid_block_spec(
+                        config, args.hybrid, stage=ps.get_pipeline_model_parallel_rank(), vp_stage=vp_stage
+                    ),
+                    vocab_size=m["vocab"],
+                    max_sequence_length=m["seq"],
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    vp_stage=vp_stage,
+                    share_embeddings_and_output_weights=False,
+                    **mtp,
+                )
+            )
             continue
         chunks.append(
             build_gpt_model(
@@ -429,7 +542,9 @@ def _hybrid_kwargs(pattern: str) -> dict:
     stages = parse_pattern(pattern)
     out: dict = {"num_layers": sum(len(s) for s in stages)}
     if len(stages) > 1:
-        out["pipeline_model_parallel_layout"] = hybrid_layout(pattern)  # with the MTP depths' 'm' on the last stage
+        out["pipeline_model_parallel_layout"] = hybrid_layout(
+            pattern
+        )  # with the MTP depths' 'm' on the last stage
     if "E" in pattern:
         out.update(_moe_kwargs("alltoall"))
     return out

@@ -28,10 +28,15 @@ def test_pipelined_run_reproduces_single_process(case, reference_runs, pipelined
     assert len(run.losses) == 2 and len(run.losses[0]) == 4
     if "--moe" in case.args:  # the routers' losses were tracked, every layer's on some rank
         assert all(bool((step["load_balancing_loss"] > 0).all()) for step in run.aux_losses), run.aux_losses
-    depths = (int(case.args[case.args.index("--mtp") + 1]) if "--mtp" in case.args
-              else sum(a.count("/") for a in case.args))
+    depths = (
+        int(case.args[case.args.index("--mtp") + 1])
+        if "--mtp" in case.args
+        else sum(a.count("/") for a in case.args)
+    )
     if depths:  # each microbatch's loss of each depth was tracked
-        assert all(len(mb) == depths and min(mb) > 0 for step in run.mtp_losses for mb in step), run.mtp_losses
+        assert all(len(mb) == depths and min(mb) > 0 for step in run.mtp_losses for mb in step), (
+            run.mtp_losses
+        )
 
     if "--pp" not in case.args:  # no pipeline: no P2P traffic to check
         assert all(not shapes for shapes in run.shapes.values()), run.shapes

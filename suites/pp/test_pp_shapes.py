@@ -27,18 +27,34 @@ class Group:
 
 def _config(*, mhc=True, tp=1, pp=2, vpp=None, sp=False, cp=1, layers=8, **kw) -> MHCTransformerConfig:
     return MHCTransformerConfig(
-        num_layers=layers, hidden_size=H, num_attention_heads=4, use_cpu_initialization=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp, sequence_parallel=sp, pipeline_dtype=torch.float32,
-        enable_mhc_connections=mhc, mhc_num_residual_streams=N, **kw,
+        num_layers=layers,
+        hidden_size=H,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        sequence_parallel=sp,
+        pipeline_dtype=torch.float32,
+        enable_mhc_connections=mhc,
+        mhc_num_residual_streams=N,
+        **kw,
     )
 
 
 def _shapes(config, pp, tp=1, cp=1):
     out = []
     for r in range(pp):
-        kw = dict(seq_length=SEQ, micro_batch_size=MBS, decoder_seq_length=None, config=config,
-                  tp_group=Group(0, tp), cp_group=Group(0, cp), pp_group=Group(r, pp))
+        kw = dict(
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+            decoder_seq_length=None,
+            config=config,
+            tp_group=Group(0, tp),
+            cp_group=Group(0, cp),
+            pp_group=Group(r, pp),
+        )
         out.append((get_tensor_shapes(**kw, is_recv=True)[0], get_tensor_shapes(**kw, is_recv=False)[0]))
     return out
 
@@ -62,18 +78,28 @@ def test_1f1b_send_matches_next_receive(pp, sp_tp, cp, mhc):
 SINGLE_PASS = dict(mhc_single_pass=True, mhc_variant="megatron_dev", mhc_norm_eps_inside_sqrt=True)
 
 
-@pytest.mark.parametrize("dtype,coefficients,handoff,k", [
-    (torch.float32, True, "exact", N), (torch.bfloat16, True, "exact", 2 * N),
-    (torch.bfloat16, False, "exact", N), (torch.bfloat16, True, "pipeline_dtype", N),
-], ids=["fp32", "bf16-fp32-mix", "bf16-bf16-mix", "bf16-rounded"])
+@pytest.mark.parametrize(
+    "dtype,coefficients,handoff,k",
+    [
+        (torch.float32, True, "exact", N),
+        (torch.bfloat16, True, "exact", 2 * N),
+        (torch.bfloat16, False, "exact", N),
+        (torch.bfloat16, True, "pipeline_dtype", N),
+    ],
+    ids=["fp32", "bf16-fp32-mix", "bf16-bf16-mix", "bf16-rounded"],
+)
 def test_single_pass_carries_the_mix_behind_the_streams(dtype, coefficients, handoff, k):
     """Single-pass: every hop is n*C + k, k = n where the mix has the pipeline's dtype (or is rounded to it), 2n for
     an fp32 mix's bytes in a bf16 pipeline; 1F1B and the interleaved schedule alike."""
-    cfg = _config(pp=2, vpp=2, **SINGLE_PASS, mhc_fp32_coefficients=coefficients, mhc_handoff_precision=handoff)
+    cfg = _config(
+        pp=2, vpp=2, **SINGLE_PASS, mhc_fp32_coefficients=coefficients, mhc_handoff_precision=handoff
+    )
     cfg.pipeline_dtype = dtype
     shapes = _shapes(cfg, 2)
     assert shapes[0][1] == shapes[1][0] == (SEQ, MBS, H * N + k) and shapes[0][0] == (SEQ, MBS, H)
-    got = interleaved_tensor_shape(seq_length=SEQ, micro_batch_size=MBS, config=cfg, tp_size=1, cp_size=1, pp_size=2)
+    got = interleaved_tensor_shape(
+        seq_length=SEQ, micro_batch_size=MBS, config=cfg, tp_size=1, cp_size=1, pp_size=2
+    )
     assert got == (SEQ, MBS, H * N + k)
 
 
@@ -88,8 +114,14 @@ def test_a_rounded_handoff_is_single_pass_only():
 def test_pp1_and_no_group_keep_megatron_shapes():
     """PP = 1, or no pp group, gives megatron-core's own shape."""
     cfg = _config(pp=1)
-    kw = dict(seq_length=SEQ, micro_batch_size=MBS, decoder_seq_length=None, config=cfg,
-              tp_group=Group(0, 1), cp_group=Group(0, 1))
+    kw = dict(
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        decoder_seq_length=None,
+        config=cfg,
+        tp_group=Group(0, 1),
+        cp_group=Group(0, 1),
+    )
     assert get_tensor_shapes(**kw, pp_group=Group(0, 1)) == [(SEQ, MBS, H)]
     assert get_tensor_shapes(**kw) == [(SEQ, MBS, H)]
 
@@ -100,17 +132,32 @@ def test_interleaved_shape_is_n_streams_on_every_hop(mhc, sp):
     """VPP: one shape for every hop, n*C with mHC and PP > 1; PP = 1 stays C."""
     cfg = _config(mhc=mhc, tp=2, pp=2, vpp=2, sp=sp)
     s = SEQ // (2 if sp else 1)
-    got = interleaved_tensor_shape(seq_length=SEQ, micro_batch_size=MBS, config=cfg, tp_size=2, cp_size=1, pp_size=2)
+    got = interleaved_tensor_shape(
+        seq_length=SEQ, micro_batch_size=MBS, config=cfg, tp_size=2, cp_size=1, pp_size=2
+    )
     assert got == (s, MBS, H * N if mhc else H)
-    assert interleaved_tensor_shape(seq_length=SEQ, micro_batch_size=MBS, config=cfg, tp_size=2, cp_size=1,
-                                    pp_size=1)[-1] == H
+    assert (
+        interleaved_tensor_shape(
+            seq_length=SEQ, micro_batch_size=MBS, config=cfg, tp_size=2, cp_size=1, pp_size=1
+        )[-1]
+        == H
+    )
 
 
-@pytest.mark.parametrize("kw", [{"cp_size": 0}, {"tp_size": "2"}, {"seq_length": 0}], ids=["cp0", "tp-str", "seq0"])
+@pytest.mark.parametrize(
+    "kw", [{"cp_size": 0}, {"tp_size": "2"}, {"seq_length": 0}], ids=["cp0", "tp-str", "seq0"]
+)
 def test_interleaved_shape_names_a_bad_size(kw):
     """A size that is not an integer >= 1 is a ValueError naming it (cp_size = 0 divided by zero)."""
     cfg = _config(mhc=True, tp=2, pp=2, vpp=2, sp=False)
-    args = {"seq_length": SEQ, "micro_batch_size": MBS, "config": cfg, "tp_size": 2, "cp_size": 1, "pp_size": 2} | kw
+    args = {
+        "seq_length": SEQ,
+        "micro_batch_size": MBS,
+        "config": cfg,
+        "tp_size": 2,
+        "cp_size": 1,
+        "pp_size": 2,
+    } | kw
     name, value = next(iter(kw.items()))
     with pytest.raises(ValueError, match=rf"{name}={value!r} must be an integer >= 1"):
         interleaved_tensor_shape(**args)
@@ -137,21 +184,59 @@ def _counts(config, pp, vpp):
 
 LAYER_CASES = [
     ("pp2-l8", dict(pp=2, layers=8), {(0, 0): 4, (1, 0): 4}),
-    ("pp2-l8-embed-loss", dict(pp=2, layers=8 - 2 + 2, account_for_embedding_in_pipeline_split=True,
-                               account_for_loss_in_pipeline_split=True), {(0, 0): 4, (1, 0): 4}),
-    ("pp4-l14-embed-loss", dict(pp=4, layers=14, account_for_embedding_in_pipeline_split=True,
-                                account_for_loss_in_pipeline_split=True),
-     {(0, 0): 3, (1, 0): 4, (2, 0): 4, (3, 0): 3}),
+    (
+        "pp2-l8-embed-loss",
+        dict(
+            pp=2,
+            layers=8 - 2 + 2,
+            account_for_embedding_in_pipeline_split=True,
+            account_for_loss_in_pipeline_split=True,
+        ),
+        {(0, 0): 4, (1, 0): 4},
+    ),
+    (
+        "pp4-l14-embed-loss",
+        dict(
+            pp=4,
+            layers=14,
+            account_for_embedding_in_pipeline_split=True,
+            account_for_loss_in_pipeline_split=True,
+        ),
+        {(0, 0): 3, (1, 0): 4, (2, 0): 4, (3, 0): 3},
+    ),
     ("pp2-vpp2-l8", dict(pp=2, vpp=2, layers=8), {(0, 0): 2, (0, 1): 2, (1, 0): 2, (1, 1): 2}),
-    ("pp4-vpp2-l14-embed-loss", dict(pp=4, vpp=2, layers=14, account_for_embedding_in_pipeline_split=True,
-                                     account_for_loss_in_pipeline_split=True),
-     {(0, 0): 1, (3, 1): 1} | {(r, v): 2 for r in range(4) for v in range(2) if (r, v) not in ((0, 0), (3, 1))}),
-    ("pp2-vpp2-layout", dict(pp=2, vpp=None, layers=7,
-                             pipeline_model_parallel_layout=[["embedding"], ["decoder"] * 6, ["decoder"], ["loss"]]),
-     {(0, 0): 0, (1, 0): 6, (0, 1): 1, (1, 1): 0}),
-    ("pp2-vpp2-layout-empty-stage", dict(pp=2, vpp=None, layers=6,
-                                         pipeline_model_parallel_layout=[["embedding"], ["decoder"] * 6, [], ["loss"]]),
-     {(0, 0): 0, (1, 0): 6, (0, 1): 0, (1, 1): 0}),
+    (
+        "pp4-vpp2-l14-embed-loss",
+        dict(
+            pp=4,
+            vpp=2,
+            layers=14,
+            account_for_embedding_in_pipeline_split=True,
+            account_for_loss_in_pipeline_split=True,
+        ),
+        {(0, 0): 1, (3, 1): 1}
+        | {(r, v): 2 for r in range(4) for v in range(2) if (r, v) not in ((0, 0), (3, 1))},
+    ),
+    (
+        "pp2-vpp2-layout",
+        dict(
+            pp=2,
+            vpp=None,
+            layers=7,
+            pipeline_model_parallel_layout=[["embedding"], ["decoder"] * 6, ["decoder"], ["loss"]],
+        ),
+        {(0, 0): 0, (1, 0): 6, (0, 1): 1, (1, 1): 0},
+    ),
+    (
+        "pp2-vpp2-layout-empty-stage",
+        dict(
+            pp=2,
+            vpp=None,
+            layers=6,
+            pipeline_model_parallel_layout=[["embedding"], ["decoder"] * 6, [], ["loss"]],
+        ),
+        {(0, 0): 0, (1, 0): 6, (0, 1): 0, (1, 1): 0},
+    ),
 ]
 
 
@@ -170,35 +255,81 @@ def test_layer_counts_identical_with_and_without_mhc(name, kw, expected):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(num_layers=7, pipeline_model_parallel_size=2),
-         r"num_layers=7 \+ 0 standalone stage\(s\) = 7 is not divisible by pipeline_model_parallel_size=2"),
-        (dict(num_layers=12, pipeline_model_parallel_size=4, account_for_embedding_in_pipeline_split=True,
-              account_for_loss_in_pipeline_split=True),
-         r"num_layers=12 \+ 2 standalone stage\(s\) = 14 is not divisible by pipeline_model_parallel_size=4"),
-        (dict(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-              account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
-         r"5 layer slot\(s\) per pipeline rank \(10 / 2\) are not divisible by virtual_pipeline_model_parallel_size=2"),
-        (dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|ttL"),
-         r"the layout holds 4 decoder layer\(s\) but num_layers=8"),
-        (dict(num_layers=3, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="tt|tL"),
-         r"must start with exactly one embedding"),
-        (dict(num_layers=3, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t|tL"),
-         r"3 stage\(s\), not a multiple of pipeline_model_parallel_size=2"),
+        (
+            dict(num_layers=7, pipeline_model_parallel_size=2),
+            r"num_layers=7 \+ 0 standalone stage\(s\) = 7 is not divisible by pipeline_model_parallel_size=2",
+        ),
+        (
+            dict(
+                num_layers=12,
+                pipeline_model_parallel_size=4,
+                account_for_embedding_in_pipeline_split=True,
+                account_for_loss_in_pipeline_split=True,
+            ),
+            r"num_layers=12 \+ 2 standalone stage\(s\) = 14 is not divisible by pipeline_model_parallel_size=4",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2,
+                account_for_embedding_in_pipeline_split=True,
+                account_for_loss_in_pipeline_split=True,
+            ),
+            r"5 layer slot\(s\) per pipeline rank \(10 / 2\) are not divisible by virtual_pipeline_model_parallel_size=2",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|ttL"),
+            r"the layout holds 4 decoder layer\(s\) but num_layers=8",
+        ),
+        (
+            dict(num_layers=3, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="tt|tL"),
+            r"must start with exactly one embedding",
+        ),
+        (
+            dict(num_layers=3, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t|tL"),
+            r"3 stage\(s\), not a multiple of pipeline_model_parallel_size=2",
+        ),
         (dict(num_layers="8", pipeline_model_parallel_size=2), r"num_layers='8' must be an integer"),
-        (dict(num_layers=8, pipeline_model_parallel_size=2.0), r"pipeline_model_parallel_size=2.0 must be an integer"),
-        (dict(num_layers=8, pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split="no"),
-         r"account_for_embedding_in_pipeline_split='no' must be True or False"),
-        (dict(num_layers=3, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et*|ttL"),
-         r"'t'\* without a repeat count in 'Et\*\|ttL'"),
-        (dict(num_layers=2, pipeline_model_parallel_size=2,
-              pipeline_model_parallel_layout=[["embedding", "decodr"], ["decoder", "loss"]]),
-         r"stage 0 holds unknown layer kinds \['decodr'\]"),
-        (dict(num_layers=2, pipeline_model_parallel_size=2, pipeline_model_parallel_layout=["Ett", "ttL"]),
-         r"expected a string such as 'Et\|tt\|tL' or a list of stages"),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2.0),
+            r"pipeline_model_parallel_size=2.0 must be an integer",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split="no"),
+            r"account_for_embedding_in_pipeline_split='no' must be True or False",
+        ),
+        (
+            dict(num_layers=3, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et*|ttL"),
+            r"'t'\* without a repeat count in 'Et\*\|ttL'",
+        ),
+        (
+            dict(
+                num_layers=2,
+                pipeline_model_parallel_size=2,
+                pipeline_model_parallel_layout=[["embedding", "decodr"], ["decoder", "loss"]],
+            ),
+            r"stage 0 holds unknown layer kinds \['decodr'\]",
+        ),
+        (
+            dict(num_layers=2, pipeline_model_parallel_size=2, pipeline_model_parallel_layout=["Ett", "ttL"]),
+            r"expected a string such as 'Et\|tt\|tL' or a list of stages",
+        ),
     ],
-    ids=["not-divisible", "standalone-not-divisible", "vpp-not-divisible", "layout-count", "layout-no-embedding",
-         "layout-stages", "layers-str", "pp-float", "embedding-flag-str", "layout-no-count", "layout-unknown-kind",
-         "layout-list-of-str"],
+    ids=[
+        "not-divisible",
+        "standalone-not-divisible",
+        "vpp-not-divisible",
+        "layout-count",
+        "layout-no-embedding",
+        "layout-stages",
+        "layers-str",
+        "pp-float",
+        "embedding-flag-str",
+        "layout-no-count",
+        "layout-unknown-kind",
+        "layout-list-of-str",
+    ],
 )
 def test_bad_split_fails_before_any_process_group(kw, match):
     """A bad split is a ValueError naming the numbers, raised without torch.distributed."""
@@ -210,7 +341,14 @@ def test_bad_split_fails_before_any_process_group(kw, match):
 def test_good_splits_pass():
     """The splits of the multi-process cases are accepted."""
     PipelineSplit(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
-    PipelineSplit(num_layers=4, pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True,
-                  account_for_loss_in_pipeline_split=True)
-    PipelineSplit(num_layers=7, pipeline_model_parallel_size=2,
-                  pipeline_model_parallel_layout=[["embedding"], ["decoder"] * 6, ["decoder"], ["loss"]])
+    PipelineSplit(
+        num_layers=4,
+        pipeline_model_parallel_size=2,
+        account_for_embedding_in_pipeline_split=True,
+        account_for_loss_in_pipeline_split=True,
+    )
+    PipelineSplit(
+        num_layers=7,
+        pipeline_model_parallel_size=2,
+        pipeline_model_parallel_layout=[["embedding"], ["decoder"] * 6, ["decoder"], ["loss"]],
+    )

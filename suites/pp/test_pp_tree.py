@@ -53,7 +53,9 @@ CASES = [
     TreeCase(name="pp2", nproc=2, args=("--pp", "2")),
     TreeCase(name="pp4", nproc=4, args=("--pp", "4")),
     TreeCase(name="pp2-vpp2", nproc=2, args=("--pp", "2", "--vpp", "2"), vpp=True),
-    TreeCase(name="pp2-embedding-loss-stages", nproc=2, args=("--pp", "2", "--embedding-stage", "--loss-stage")),
+    TreeCase(
+        name="pp2-embedding-loss-stages", nproc=2, args=("--pp", "2", "--embedding-stage", "--loss-stage")
+    ),
     # TP splits every matmul's reduction; dev's learned block exit has a small, cancellation-dominated
     # gradient (hc_head_fn, |g| ~1e-5): measured 5.6e-6 against the tree's single process.
     TreeCase(name="tp2-pp2", nproc=4, args=("--tp", "2", "--pp", "2"), rtol=2e-5),
@@ -63,22 +65,48 @@ CASES = [
     # EP 2's data parallelism reorders the microbatch sums; dev's learned-exit gradient hc_head_fn (|g| ~1e-5,
     # cancellation-dominated) moves most: measured 1.3e-5 against the tree's single process.
     TreeCase(name="ep2-moe", nproc=2, args=("--ep", "2", "--moe", "alltoall"), model="moe", rtol=2e-5),
-    TreeCase(name="tp2-pp2-sp-moe", nproc=4, args=("--tp", "2", "--pp", "2", "--sp", "--moe", "alltoall"), model="moe",
-             rtol=2e-5),
+    TreeCase(
+        name="tp2-pp2-sp-moe",
+        nproc=4,
+        args=("--tp", "2", "--pp", "2", "--sp", "--moe", "alltoall"),
+        model="moe",
+        rtol=2e-5,
+    ),
     TreeCase(name="pp2-mtp", nproc=2, args=("--pp", "2", "--mtp", "2"), model="mtp", rtol=1e-5),
-    TreeCase(name="pp2-vpp2-mtp", nproc=2, args=("--pp", "2", "--vpp", "2", "--mtp", "2"), model="mtp", rtol=1e-5,
-             vpp=True),
-    TreeCase(name="pp4-mtp-loss-stage", nproc=4, args=("--pp", "4", "--mtp", "2", "--layout", "Et|tt|t|mmL"),
-             model="mtp", rtol=1e-5),
+    TreeCase(
+        name="pp2-vpp2-mtp",
+        nproc=2,
+        args=("--pp", "2", "--vpp", "2", "--mtp", "2"),
+        model="mtp",
+        rtol=1e-5,
+        vpp=True,
+    ),
+    TreeCase(
+        name="pp4-mtp-loss-stage",
+        nproc=4,
+        args=("--pp", "4", "--mtp", "2", "--layout", "Et|tt|t|mmL"),
+        model="mtp",
+        rtol=1e-5,
+    ),
     # The tree's HybridModel (a local spec of its own classes) split at the pattern's `|`.
     TreeCase(name="pp2-hybrid", nproc=2, args=("--pp", "2", "--hybrid", "*-|*E"), model="hybrid"),
     TreeCase(name="pp4-hybrid", nproc=4, args=("--pp", "4", "--hybrid", "*|-|*|E"), model="hybrid"),
-    TreeCase(name="pp2-vpp2-hybrid", nproc=2, args=("--pp", "2", "--vpp", "2", "--hybrid", "*|-|*|E"), model="hybrid",
-             vpp=True),
+    TreeCase(
+        name="pp2-vpp2-hybrid",
+        nproc=2,
+        args=("--pp", "2", "--vpp", "2", "--hybrid", "*|-|*|E"),
+        model="hybrid",
+        vpp=True,
+    ),
     TreeCase(name="ep2-hybrid", nproc=2, args=("--ep", "2", "--hybrid", "*-*E"), model="hybrid", rtol=2e-5),
     # An MTP depth of the pattern (`/`) on the last stage (the per-stream h_proj: harness.upstream.tree_model).
-    TreeCase(name="pp2-hybrid-mtp", nproc=2, args=("--pp", "2", "--hybrid", "*-|*E/*E"), model="hybrid-mtp",
-             rtol=1e-5),
+    TreeCase(
+        name="pp2-hybrid-mtp",
+        nproc=2,
+        args=("--pp", "2", "--hybrid", "*-|*E/*E"),
+        model="hybrid-mtp",
+        rtol=1e-5,
+    ),
 ]
 
 
@@ -93,7 +121,9 @@ def _launch_tree(tree, out: Path, nproc: int, args: list[str]):
     except LaunchError:
         refusals = sorted(out.glob("refusal-rank*.txt"))
         if refusals:  # the rank wrote the tree's message and exited with REFUSED
-            pytest.skip(f"refused by the tree ({tree.label}): {refusals[0].read_text(encoding='utf-8').strip()}")
+            pytest.skip(
+                f"refused by the tree ({tree.label}): {refusals[0].read_text(encoding='utf-8').strip()}"
+            )
         raise
 
 
@@ -103,10 +133,21 @@ def _reference(tree_runs, model: str, case: str, tree_rows) -> Path:
     try:
         return tree_runs.reference(model)
     except LaunchError as exc:
-        tree_rows(TreeRow(suite="pp", case=case, comparison="tree vs its single process", tree=tree_runs.tree.label,
-                          ok=False, note=f"the tree's single process ({model}) raised: {_first_error(exc)}"))
-        pytest.fail(f"the tree ({tree_runs.tree.label}) raised in its single-process {model} run: "
-                    f"{_first_error(exc)}", pytrace=False)
+        tree_rows(
+            TreeRow(
+                suite="pp",
+                case=case,
+                comparison="tree vs its single process",
+                tree=tree_runs.tree.label,
+                ok=False,
+                note=f"the tree's single process ({model}) raised: {_first_error(exc)}",
+            )
+        )
+        pytest.fail(
+            f"the tree ({tree_runs.tree.label}) raised in its single-process {model} run: "
+            f"{_first_error(exc)}",
+            pytrace=False,
+        )
 
 
 def _first_error(exc: LaunchError) -> str:
@@ -134,10 +175,21 @@ def test_tree_single_process_matches_ours(model, tree_runs, tmp_path, tree_repor
     worst = worst_differences(ours, theirs)
     tree_report.add(case, None, worst)
     problems = compare_to_reference(ours, theirs, TREE_VS_OURS_RTOL)
-    tree_rows(TreeRow(suite="pp", case=case, comparison="tree vs ours", tree=tree.label, worst=worst,
-                      ok=not problems, note=f"bound {TREE_VS_OURS_RTOL:g}"))
-    assert not problems, (f"ours vs the tree ({tree.label}): {len(problems)} mismatches, first "
-                          f"{problems[0]}\n" + "\n".join(problems[1:20]))
+    tree_rows(
+        TreeRow(
+            suite="pp",
+            case=case,
+            comparison="tree vs ours",
+            tree=tree.label,
+            worst=worst,
+            ok=not problems,
+            note=f"bound {TREE_VS_OURS_RTOL:g}",
+        )
+    )
+    assert not problems, (
+        f"ours vs the tree ({tree.label}): {len(problems)} mismatches, first "
+        f"{problems[0]}\n" + "\n".join(problems[1:20])
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -146,8 +198,11 @@ def test_tree_pipelined_run(case, tree_runs, tmp_path, tree_report, tree_rows):
     integration's run of the same case from the same weights matches it."""
     tree = tree_runs.tree
     if tree.flavor == "main":
-        tree_rows(TreeRow(suite="pp", case=case.name, comparison="not run", tree=tree.label, ok=True,
-                          note=MAIN_PP_NOTE))
+        tree_rows(
+            TreeRow(
+                suite="pp", case=case.name, comparison="not run", tree=tree.label, ok=True, note=MAIN_PP_NOTE
+            )
+        )
         pytest.skip(f"{tree.label}: {MAIN_PP_NOTE}; {MAIN_SPEC_NOTE}")
     ref = _reference(tree_runs, case.model, case.name, tree_rows)
     init = ["--init", str(ref / "init.pt")]
@@ -155,10 +210,21 @@ def test_tree_pipelined_run(case, tree_runs, tmp_path, tree_report, tree_rows):
     single, run = load_run(ref), load_run(tmp_path / "tree")
     vs_single = worst_differences(run, single)
     problems = compare_to_reference(run, single, case.rtol)
-    tree_rows(TreeRow(suite="pp", case=case.name, comparison="tree vs its single process", tree=tree.label,
-                      worst=vs_single, ok=not problems, note=f"bound {case.rtol:g}"))
-    assert not problems, (f"the tree ({tree.label}) under {case.name} vs its single process: {len(problems)} "
-                          "mismatches:\n" + "\n".join(problems[:20]))
+    tree_rows(
+        TreeRow(
+            suite="pp",
+            case=case.name,
+            comparison="tree vs its single process",
+            tree=tree.label,
+            worst=vs_single,
+            ok=not problems,
+            note=f"bound {case.rtol:g}",
+        )
+    )
+    assert not problems, (
+        f"the tree ({tree.label}) under {case.name} vs its single process: {len(problems)} "
+        "mismatches:\n" + "\n".join(problems[:20])
+    )
     if "--pp" in case.args:  # no pipeline, no P2P hop to check
         _check_shapes(case, tmp_path / "tree")
 
@@ -167,10 +233,21 @@ def test_tree_pipelined_run(case, tree_runs, tmp_path, tree_report, tree_rows):
     vs_ours = worst_differences(ours, whole)
     tree_report.add(case.name, vs_single, vs_ours)
     problems = compare_to_reference(ours, whole, TREE_VS_OURS_RTOL)
-    tree_rows(TreeRow(suite="pp", case=case.name, comparison="tree vs ours", tree=tree.label, worst=vs_ours,
-                      ok=not problems, note=f"bound {TREE_VS_OURS_RTOL:g}"))
-    assert not problems, (f"ours vs the tree ({tree.label}) under {case.name}: {len(problems)} mismatches, first "
-                          f"{problems[0]}\n" + "\n".join(problems[1:20]))
+    tree_rows(
+        TreeRow(
+            suite="pp",
+            case=case.name,
+            comparison="tree vs ours",
+            tree=tree.label,
+            worst=vs_ours,
+            ok=not problems,
+            note=f"bound {TREE_VS_OURS_RTOL:g}",
+        )
+    )
+    assert not problems, (
+        f"ours vs the tree ({tree.label}) under {case.name}: {len(problems)} mismatches, first "
+        f"{problems[0]}\n" + "\n".join(problems[1:20])
+    )
 
 
 def _check_shapes(case: TreeCase, out: Path) -> None:
@@ -186,16 +263,29 @@ def _check_shapes(case: TreeCase, out: Path) -> None:
         return
     assert calls, "the tree's 1F1B never called get_tensor_shapes"
     for c in calls:
-        config = MHCTransformerConfig(num_layers=MODEL["num_layers"], hidden_size=MODEL["hidden_size"],
-                                      num_attention_heads=MODEL["num_attention_heads"], use_cpu_initialization=True,
-                                      pipeline_dtype=torch.float32, tensor_model_parallel_size=c["tp_size"],
-                                      pipeline_model_parallel_size=c["pp_size"],
-                                      sequence_parallel=c["sequence_parallel"], enable_mhc_connections=True,
-                                      mhc_num_residual_streams=MODEL["n"])
-        rule = get_tensor_shapes(seq_length=c["seq_length"], micro_batch_size=c["micro_batch_size"],
-                                 decoder_seq_length=None, config=config, tp_group=Group(0, c["tp_size"]),
-                                 cp_group=Group(0, c["cp_size"]), pp_group=Group(c["pp_rank"], c["pp_size"]),
-                                 is_recv=c["is_recv"])
+        config = MHCTransformerConfig(
+            num_layers=MODEL["num_layers"],
+            hidden_size=MODEL["hidden_size"],
+            num_attention_heads=MODEL["num_attention_heads"],
+            use_cpu_initialization=True,
+            pipeline_dtype=torch.float32,
+            tensor_model_parallel_size=c["tp_size"],
+            pipeline_model_parallel_size=c["pp_size"],
+            sequence_parallel=c["sequence_parallel"],
+            enable_mhc_connections=True,
+            mhc_num_residual_streams=MODEL["n"],
+        )
+        rule = get_tensor_shapes(
+            seq_length=c["seq_length"],
+            micro_batch_size=c["micro_batch_size"],
+            decoder_seq_length=None,
+            config=config,
+            tp_group=Group(0, c["tp_size"]),
+            cp_group=Group(0, c["cp_size"]),
+            pp_group=Group(c["pp_rank"], c["pp_size"]),
+            is_recv=c["is_recv"],
+        )
         assert [tuple(s) for s in rule] == c["shapes"], (
             f"pp rank {c['pp_rank']}/{c['pp_size']} {'recv' if c['is_recv'] else 'send'}: the tree's "
-            f"get_tensor_shapes {c['shapes']}, the rule {rule}")
+            f"get_tensor_shapes {c['shapes']}, the rule {rule}"
+        )

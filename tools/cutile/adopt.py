@@ -19,6 +19,7 @@ from tools.cutile.retired import RETIRED_FIELDS, implied_value
 
 __all__ = ["check_sweep", "from_sweep", "rank_ms", "canonical_tiles", "names_candidate"]
 
+
 class _RetiredFormulation(Exception):
     """A sweep row's tile holds a retired field at a value this version's tiles do not imply."""
 
@@ -28,18 +29,29 @@ def _literal(node: ast.AST) -> object:
     with keyword fields (retired fields dropped where they hold the value the tile implies)."""
     if isinstance(node, ast.Constant):
         return node.value
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "StreamLayout":
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "StreamLayout"
+    ):
         return tiling.StreamLayout[node.attr]
     if isinstance(node, ast.Dict) and None not in node.keys:
         return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in tiling.TILE_TYPES \
-            and not node.args and all(kw.arg for kw in node.keywords):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in tiling.TILE_TYPES
+        and not node.args
+        and all(kw.arg for kw in node.keywords)
+    ):
         name = node.func.id
         fields = {kw.arg: _literal(kw.value) for kw in node.keywords}
         for f in [f for f in fields if f in RETIRED_FIELDS.get(name, {})]:
             if fields[f] != implied_value(name, f, fields):
                 raise _RetiredFormulation(f"{name}.{f}={fields[f]!r}")
-        return tiling.TILE_TYPES[name](**{f: v for f, v in fields.items() if f not in RETIRED_FIELDS.get(name, {})})
+        return tiling.TILE_TYPES[name](
+            **{f: v for f, v in fields.items() if f not in RETIRED_FIELDS.get(name, {})}
+        )
     raise ValueError(f"not a tile: {ast.unparse(node)[:80]!r}")
 
 
@@ -94,22 +106,38 @@ def check_sweep(data: object, source: str) -> list[dict]:
     if not isinstance(data["rows"], list):
         raise ValueError(f"{source}: rows must be a list, got {type(data['rows']).__name__}")
     for i, r in enumerate(data["rows"]):
-        if not isinstance(r, dict) or not isinstance(r.get("key"), str) or not isinstance(r.get("tiles"), str):
-            raise ValueError(f"{source}: rows[{i}] is not a sweep row (an object with 'key' and 'tiles' strings)")
+        if (
+            not isinstance(r, dict)
+            or not isinstance(r.get("key"), str)
+            or not isinstance(r.get("tiles"), str)
+        ):
+            raise ValueError(
+                f"{source}: rows[{i}] is not a sweep row (an object with 'key' and 'tiles' strings)"
+            )
         if "error" in r:
             continue
         where = f"{source}: rows[{i}] ({r['key']} {r['tiles']})"
         if r.get("direction") not in ("fwd", "bwd") or r.get("check", "ok") not in ("ok", "fail"):
-            raise ValueError(f"{where}: direction={r.get('direction')!r} / check={r.get('check')!r}: "
-                             "expected fwd|bwd and ok|fail (or no check: a sweep file older than the checks)")
+            raise ValueError(
+                f"{where}: direction={r.get('direction')!r} / check={r.get('check')!r}: "
+                "expected fwd|bwd and ok|fail (or no check: a sweep file older than the checks)"
+            )
         ms = rank_ms(r)
         if not _positive(ms):
-            raise ValueError(f"{where}: its time (device_ms, else pipelined_ms) is {ms!r}, not a finite number > 0")
+            raise ValueError(
+                f"{where}: its time (device_ms, else pipelined_ms) is {ms!r}, not a finite number > 0"
+            )
     return data["rows"]
 
 
-def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: float = 1.03,
-               source: str = "", sweep: str = "sweep") -> tuple[Tuning, list[str]]:
+def from_sweep(
+    data: Mapping,
+    candidates: Mapping[str, tuple],
+    *,
+    min_gain: float = 1.03,
+    source: str = "",
+    sweep: str = "sweep",
+) -> tuple[Tuning, list[str]]:
     """The winners of a sweep's `--out` file (`data`, read from `sweep`, which errors name): per tile
     key, the fastest candidate (over the key and its `*_occupancy` key; GPU busy time, else
     back-to-back; Sinkhorn: forward + backward) among the rows whose result matched the reference
@@ -145,7 +173,11 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
     lines = []
     for tile_key in tiling.KERNELS_OF:
         dirs = tiling.directions(tile_key)
-        totals = {cid: sum(t[d] for d in dirs) for cid, t in times.get(tile_key, {}).items() if all(d in t for d in dirs)}
+        totals = {
+            cid: sum(t[d] for d in dirs)
+            for cid, t in times.get(tile_key, {}).items()
+            if all(d in t for d in dirs)
+        }
         default = (tile_key, repr(candidates[tile_key][0])) if tile_key in candidates else None
         if default not in totals:
             lines.append(f"{tile_key}: default not timed or failed its check: kept the heuristic")
@@ -157,7 +189,9 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
             continue
         by_repr = {repr(c): c for c in candidates.get(best[0], ())}
         if best[1] not in by_repr:
-            lines.append(f"{tile_key}: fastest {best[1]} is not a candidate of this version: kept the heuristic")
+            lines.append(
+                f"{tile_key}: fastest {best[1]} is not a candidate of this version: kept the heuristic"
+            )
             continue
         cand = by_repr[best[1]]
         for k, v in override(best[0], cand).items():
@@ -165,10 +199,16 @@ def from_sweep(data: Mapping, candidates: Mapping[str, tuple], *, min_gain: floa
                 occupancy.update(v)
             else:
                 tiles[k] = v
-        gains[tile_key] = {"default_ms": round(totals[default], 4), "ms": round(totals[best], 4),
-                           "candidate": f"{best[0]}={best[1]}"}
-        lines.append(f"{tile_key}: adopted {best[0]}={best[1]}: {totals[default]:.4f} -> {totals[best]:.4f} ms "
-                     f"({gain:.2f}x)")
+        gains[tile_key] = {
+            "default_ms": round(totals[default], 4),
+            "ms": round(totals[best], 4),
+            "candidate": f"{best[0]}={best[1]}",
+        }
+        lines.append(
+            f"{tile_key}: adopted {best[0]}={best[1]}: {totals[default]:.4f} -> {totals[best]:.4f} ms "
+            f"({gain:.2f}x)"
+        )
     measured = {k: data.get(k) for k in ("tokens", "hidden", "dtype", "variant")}
-    return Tuning(device=device, n=n, tiles=tiles, occupancy=occupancy, measured=measured, gains=gains,
-                  source=source), lines
+    return Tuning(
+        device=device, n=n, tiles=tiles, occupancy=occupancy, measured=measured, gains=gains, source=source
+    ), lines

@@ -69,6 +69,7 @@ _PAD_VALUE = {
     _PaddingMode.NEG_INF: -math.inf,
 }
 
+
 def _pad_fill(padding_mode, dtype: torch.dtype):
     """The value out-of-bounds elements of a load read as; `UNDETERMINED` (the default) is poison."""
     if padding_mode is None or padding_mode == _PaddingMode.UNDETERMINED:
@@ -126,7 +127,9 @@ def _perm(order, ndim: int) -> tuple[int, ...]:
 
 def _region(view: torch.Tensor, index, shape) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
     if len(index) != view.dim() or len(shape) != view.dim():
-        raise ValueError(f"emulator: index {tuple(index)} / shape {tuple(shape)} do not match an array of rank {view.dim()}")
+        raise ValueError(
+            f"emulator: index {tuple(index)} / shape {tuple(shape)} do not match an array of rank {view.dim()}"
+        )
     src, dst = [], []
     for i, s, size in zip(index, shape, view.shape, strict=True):
         if not _is_pow2(int(s)):
@@ -134,7 +137,9 @@ def _region(view: torch.Tensor, index, shape) -> tuple[tuple[slice, ...], tuple[
         start = int(i) * int(s)
         stop = min(start + int(s), size)
         if start >= size or int(i) < 0:
-            raise ValueError(f"emulator: tile {tuple(index)} of shape {tuple(shape)} lies outside array {tuple(view.shape)}")
+            raise ValueError(
+                f"emulator: tile {tuple(index)} of shape {tuple(shape)} lies outside array {tuple(view.shape)}"
+            )
         src.append(slice(start, stop))
         dst.append(slice(0, stop - start))
     return tuple(src), tuple(dst)
@@ -149,8 +154,10 @@ def _require_inside(what: str, index, shape, dst: tuple[slice, ...], view: torch
     """Raise unless the tile (`dst`: its part inside the array, `_region`) is whole: an unchecked access
     (`check_bounds=False`) past the array is undefined in cuTile."""
     if any(d.stop < int(s) for d, s in zip(dst, shape, strict=True)):
-        raise ValueError(f"emulator: unchecked {what} (check_bounds=False) of tile {tuple(int(i) for i in index)} "
-                         f"of shape {tuple(int(s) for s in shape)} runs past array {tuple(view.shape)}")
+        raise ValueError(
+            f"emulator: unchecked {what} (check_bounds=False) of tile {tuple(int(i) for i in index)} "
+            f"of shape {tuple(int(s) for s in shape)} runs past array {tuple(view.shape)}"
+        )
 
 
 class EmulatedTile(types.ModuleType):
@@ -190,10 +197,22 @@ class EmulatedTile(types.ModuleType):
 
     # -- memory -------------------------------------------------------------------------------
     @staticmethod
-    def load(array, index, shape, *, order="C", padding_mode=_PaddingMode.UNDETERMINED, latency=None, allow_tma=None,
-             check_bounds=True, **_):
+    def load(
+        array,
+        index,
+        shape,
+        *,
+        order="C",
+        padding_mode=_PaddingMode.UNDETERMINED,
+        latency=None,
+        allow_tma=None,
+        check_bounds=True,
+        **_,
+    ):
         _check_bounds_flag(check_bounds, "load")
-        if latency is not None and (isinstance(latency, bool) or not isinstance(latency, int) or not 1 <= latency <= 10):
+        if latency is not None and (
+            isinstance(latency, bool) or not isinstance(latency, int) or not 1 <= latency <= 10
+        ):
             raise ValueError(f"emulator: load latency={latency!r}: cuTile takes an integer in 1-10 (or None)")
         if not (allow_tma is None or isinstance(allow_tma, bool)):
             raise ValueError(f"emulator: load allow_tma={allow_tma!r}: cuTile takes a bool (or None)")
@@ -360,7 +379,9 @@ class EmulatedTile(types.ModuleType):
         sl = tuple(slice(int(i) * int(s), (int(i) + 1) * int(s)) for i, s in zip(index, shape, strict=True))
         out = x[sl]
         if tuple(out.shape) != tuple(shape):
-            raise ValueError(f"emulator: extract {tuple(index)} of shape {tuple(shape)} out of tile {tuple(x.shape)}")
+            raise ValueError(
+                f"emulator: extract {tuple(index)} of shape {tuple(shape)} out of tile {tuple(x.shape)}"
+            )
         return out
 
     @staticmethod

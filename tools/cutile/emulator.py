@@ -55,7 +55,7 @@ def load_kernel_module(name: str) -> tuple[types.ModuleType, EmulatedTile]:
     the emulated `HELPER_MODULES` in place of the real ones while it loads)."""
     if name in _MODULE_CACHE:
         return _MODULE_CACHE[name]
-    deps = HELPER_MODULES[:HELPER_MODULES.index(name)] if name in HELPER_MODULES else HELPER_MODULES
+    deps = HELPER_MODULES[: HELPER_MODULES.index(name)] if name in HELPER_MODULES else HELPER_MODULES
     helpers = {f"{_PACKAGE}.{h}": load_kernel_module(h)[0] for h in deps}
     path = Path(importlib.import_module(_PACKAGE).__file__).with_name(f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"{_PACKAGE}._emulated_{name}", path)
@@ -102,7 +102,9 @@ def _device_args(kernel, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if not is_const and isinstance(a, float):
             a = _fp32_scalar(a)
         elif not is_const and isinstance(a, int) and not isinstance(a, bool) and not -(2**31) <= a < 2**31:
-            raise OverflowError(f"emulator: scalar argument {a} does not fit in int32 (ct.ScalarInt64 needed)")
+            raise OverflowError(
+                f"emulator: scalar argument {a} does not fit in int32 (ct.ScalarInt64 needed)"
+            )
         out.append(a)
     return tuple(out)
 

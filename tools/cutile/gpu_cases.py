@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from mhc_core.kernels.cutile import tiling
 
-__all__ = ["LAYER_SIZES", "MAPPING_BWD_TILES", "MAPPING_PARITY_SIZES", "PARITY_SIZES", "SINKHORN_FORMS",
-           "STREAM_FORMS"]
+__all__ = [
+    "LAYER_SIZES",
+    "MAPPING_BWD_TILES",
+    "MAPPING_PARITY_SIZES",
+    "PARITY_SIZES",
+    "SINKHORN_FORMS",
+    "STREAM_FORMS",
+]
 
 LAYER_SIZES = ((1024, 2, 4096, 32), (1024, 2, 7168, 56))
 """`(seq, batch, hidden, heads)` of the layer benchmark on a GPU (n = 4): the paper's and Megatron's hidden sizes."""
@@ -31,14 +37,22 @@ SINKHORN_FORMS = {"per_element": {"per_element": True}}
 
 _SLICES, _TUPLE = tiling.StreamLayout.SLICES, tiling.StreamLayout.TUPLE
 STREAM_FORMS = {
-    "stream_loads": {"h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_TUPLE),
-                     "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=_TUPLE)},
-    "loop_c_fwd": {"h_aggregate_fwd": tiling.StreamTiles(8, 256, per_stream=_SLICES, loop_c=True),
-                   "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_TUPLE, loop_c=True)},
-    "mma_fwd": {"h_aggregate_fwd": tiling.StreamTiles(8, 256, mma=True),
-                "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_SLICES, loop_c=True)},
-    "tuned-occupancy": {"h_aggregate_fwd": tiling.StreamTiles(8, 256, loop_c=True, mma=True),
-                        "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=_TUPLE),
-                        "occupancy": {"h_aggregate_fwd_kernel": 4, "h_post_bda_bwd_kernel": 2}},
+    "stream_loads": {
+        "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_TUPLE),
+        "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=_TUPLE),
+    },
+    "loop_c_fwd": {
+        "h_aggregate_fwd": tiling.StreamTiles(8, 256, per_stream=_SLICES, loop_c=True),
+        "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_TUPLE, loop_c=True),
+    },
+    "mma_fwd": {
+        "h_aggregate_fwd": tiling.StreamTiles(8, 256, mma=True),
+        "h_post_bda_fwd": tiling.StreamTiles(4, 256, per_stream=_SLICES, loop_c=True),
+    },
+    "tuned-occupancy": {
+        "h_aggregate_fwd": tiling.StreamTiles(8, 256, loop_c=True, mma=True),
+        "h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=_TUPLE),
+        "occupancy": {"h_aggregate_fwd_kernel": 4, "h_post_bda_bwd_kernel": 2},
+    },
 }
 """The stream kernels' other formulations, as `tiling.overridden` keywords, by test id."""

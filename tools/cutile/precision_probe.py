@@ -36,12 +36,32 @@ def main(argv: list[str] | None = None) -> int:
     t, n, c = args.tokens, args.n, args.hidden
     gen = torch.Generator().manual_seed(0)
     big_n = ref.num_mapping_outputs(n)
-    inputs = [torch.randn(t, n * c, generator=gen), torch.randn(big_n, n * c, generator=gen) * 0.05,
-              torch.tensor([0.7]), torch.tensor([-0.4]), torch.tensor([1.3]), torch.randn(big_n, generator=gen) * 0.5]
+    inputs = [
+        torch.randn(t, n * c, generator=gen),
+        torch.randn(big_n, n * c, generator=gen) * 0.05,
+        torch.tensor([0.7]),
+        torch.tensor([-0.4]),
+        torch.tensor([1.3]),
+        torch.randn(big_n, generator=gen) * 0.5,
+    ]
     x, w, a_pre, a_post, a_res, b = (v.cuda() for v in inputs)
-    oracle = ref.mapping(x.double(), w.double(), a_pre.double(), a_post.double(), a_res.double(), b.double(), n=n,
-                         variant=args.variant)
-    result = {"tokens": t, "n": n, "hidden": c, "variant": args.variant, "outputs": ["h_pre", "h_post", "h_res_logits"]}
+    oracle = ref.mapping(
+        x.double(),
+        w.double(),
+        a_pre.double(),
+        a_post.double(),
+        a_res.double(),
+        b.double(),
+        n=n,
+        variant=args.variant,
+    )
+    result = {
+        "tokens": t,
+        "n": n,
+        "hidden": c,
+        "variant": args.variant,
+        "outputs": ["h_pre", "h_post", "h_res_logits"],
+    }
     saved = torch.backends.cuda.matmul.allow_tf32
     try:
         for name, tf32 in (("cutile_3xtf32", False), ("cutile_tf32", True), ("torch_fp32", False)):
@@ -49,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             fn = ref.mapping if name.startswith("torch") else cutile.mapping
             with torch.no_grad():
                 result[name] = _max_err(fn(x, w, a_pre, a_post, a_res, b, n=n, variant=args.variant), oracle)
-            print(f"{name:14s} max abs err vs fp64 (h_pre, h_post, h_res_logits): "
-                  + ", ".join(f"{e:.3e}" for e in result[name]), flush=True)
+            print(
+                f"{name:14s} max abs err vs fp64 (h_pre, h_post, h_res_logits): "
+                + ", ".join(f"{e:.3e}" for e in result[name]),
+                flush=True,
+            )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
     if args.out:

@@ -49,8 +49,20 @@ from mhc_core.kernels.cutile.runtime import KERNEL_MODULES
 from mhc_core.variants import Variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
-__all__ = ["Recorded", "LaunchRecorder", "record", "sweep_launches", "ops_launches", "build", "pack", "check", "report",
-           "kernel_sources", "sources_digest", "ARCHIVE_NAME"]
+__all__ = [
+    "Recorded",
+    "LaunchRecorder",
+    "record",
+    "sweep_launches",
+    "ops_launches",
+    "build",
+    "pack",
+    "check",
+    "report",
+    "kernel_sources",
+    "sources_digest",
+    "ARCHIVE_NAME",
+]
 
 ARCHIVE_NAME = "cutile-precompiled-{arch}.tar.xz"
 _PACKAGE = Path(_cutile.__file__).resolve().parent
@@ -84,8 +96,15 @@ class LaunchRecorder(RecordingRuntime):
 
     def launch(self, grid: tuple[int, ...], kernel_name: str, args: tuple) -> None:
         super().launch(grid, kernel_name, args)
-        self.recorded.append(Recorded(self.set, f"{self.label}-{kernel_name.removesuffix('_kernel')}", kernel_name,
-                                      self.launches[-1].args, tiling.occupancy(kernel_name)))
+        self.recorded.append(
+            Recorded(
+                self.set,
+                f"{self.label}-{kernel_name.removesuffix('_kernel')}",
+                kernel_name,
+                self.launches[-1].args,
+                tiling.occupancy(kernel_name),
+            )
+        )
 
 
 def record(rec: LaunchRecorder, set_name: str, label: str, fn: Callable[[], object]) -> None:
@@ -94,8 +113,16 @@ def record(rec: LaunchRecorder, set_name: str, label: str, fn: Callable[[], obje
     fn()
 
 
-def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, variant: str,
-                   iterations: int = 20, keys: Sequence[str] | None = None) -> list[Recorded]:
+def sweep_launches(
+    *,
+    tokens: int,
+    n: int,
+    hidden: int,
+    dtype: torch.dtype,
+    variant: str,
+    iterations: int = 20,
+    keys: Sequence[str] | None = None,
+) -> list[Recorded]:
     """Every launch of the tile sweep (`sweep.CANDIDATES`, in `KEY_ORDER`; only `keys` when given) at
     its shape, as the sweep runs them: against the heuristics, whatever tuning is in force
     (`tiling.tuned(None)`). Ids `key[i]-kernel`, `i` the candidate's index."""
@@ -113,16 +140,26 @@ def sweep_launches(*, tokens: int, n: int, hidden: int, dtype: torch.dtype, vari
             continue
         for i, cand in enumerate(cands):
             with tiling.tuned(None), tiling.overridden(**sweep.override(key, cand)):
+
                 def run(key=key):  # building the backward timer already runs the forward
-                    for fn in sweep.timers(ops, key, tokens, n, hidden, dtype, variant, iterations, device="cpu").values():
+                    for fn in sweep.timers(
+                        ops, key, tokens, n, hidden, dtype, variant, iterations, device="cpu"
+                    ).values():
                         fn()
+
                 record(rec, "sweep", f"{key}[{i}]", run)
     return rec.recorded
 
 
-def ops_launches(set_name: str, ns: Sequence[int], tokens: int, hidden: Sequence[int],
-                 acts: Sequence[torch.dtype], overrides: dict | None = None,
-                 variants: Sequence[Variant] | None = None) -> list[Recorded]:
+def ops_launches(
+    set_name: str,
+    ns: Sequence[int],
+    tokens: int,
+    hidden: Sequence[int],
+    acts: Sequence[torch.dtype],
+    overrides: dict | None = None,
+    variants: Sequence[Variant] | None = None,
+) -> list[Recorded]:
     """Every op forward and backward at `[tokens, n, c]` for each `n` in `ns`, `c` in `hidden` and
     activation dtype (`variants`, default all, bias or not: `signatures.record_all`), inside
     `tiling.overridden(**overrides)`."""
@@ -157,8 +194,11 @@ def kernel_sources() -> list[Path]:
             continue
         seen.add(name)
         tree = ast.parse((_PACKAGE / f"{name}.py").read_text())
-        todo += [node.module.removeprefix(prefix) for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix)]
+        todo += [
+            node.module.removeprefix(prefix)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix)
+        ]
     return sorted(_PACKAGE / f"{name}.py" for name in seen)
 
 
@@ -186,7 +226,9 @@ def _keys(db: Path) -> set[str]:
         return {k for (k,) in conn.execute("SELECT key FROM cache")}
 
 
-def _compile_chunk(cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]]) -> list[tuple[int, str | None, str]]:
+def _compile_chunk(
+    cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]]
+) -> list[tuple[int, str | None, str]]:
     """Compile `chunk` into `cache_dir` (the process's `CUDA_TILE_CACHE_DIR`, which cuTile reads once,
     when it is first imported); per launch (index, its new cache key or None, error or "")."""
     from tools.cutile.signatures import PlannedLaunch, export_cubin, kernel_object
@@ -202,7 +244,9 @@ def _compile_chunk(cache_dir: str, arch: str, chunk: list[tuple[int, Recorded]])
             out.append((index, None, f"{type(exc).__name__}: {exc}"[:300]))
             continue
         new = _keys(db) - before
-        out.append((index, new.pop() if len(new) == 1 else None, "" if len(new) <= 1 else f"{len(new)} new keys"))
+        out.append(
+            (index, new.pop() if len(new) == 1 else None, "" if len(new) <= 1 else f"{len(new)} new keys")
+        )
     return out
 
 
@@ -239,10 +283,14 @@ def _run_workers(jobs: list[tuple[str, str, list]]) -> list[list[tuple[int, str 
         except EOFError:
             results.append(None)
         proc.join()
-    crashed = [j for j, (proc, res) in enumerate(zip(procs, results, strict=True)) if res is None or proc.exitcode]
+    crashed = [
+        j for j, (proc, res) in enumerate(zip(procs, results, strict=True)) if res is None or proc.exitcode
+    ]
     if crashed:
-        raise RuntimeError(f"precompile.build: worker(s) {crashed} died (exit codes "
-                           f"{[procs[j].exitcode for j in crashed]}) before returning their results")
+        raise RuntimeError(
+            f"precompile.build: worker(s) {crashed} died (exit codes "
+            f"{[procs[j].exitcode for j in crashed]}) before returning their results"
+        )
     return results
 
 
@@ -256,8 +304,9 @@ class Entry:
     xz_bytes: int
 
 
-def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90",
-          jobs: int = 2) -> tuple[list[Entry], list[tuple[Recorded, str]]]:
+def build(
+    launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90", jobs: int = 2
+) -> tuple[list[Entry], list[tuple[Recorded, str]]]:
     """Compile the distinct `launches` for `arch` into `out_dir/cache.db` (all of them, in order).
 
     Returns the entries and (launch, error) per launch that did not compile."""
@@ -274,8 +323,10 @@ def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90",
     if empty:
         errors = [err or "no new cache entry" for res in results for _, key, err in res if key is None][:3]
         shutil.rmtree(work)
-        raise RuntimeError(f"precompile.build: worker(s) {empty} wrote no cuTile cache ({len(plan)} launches); "
-                           f"first errors: {errors}")
+        raise RuntimeError(
+            f"precompile.build: worker(s) {empty} wrote no cuTile cache ({len(plan)} launches); "
+            f"first errors: {errors}"
+        )
     db = out_dir / "cache.db"
     db.unlink(missing_ok=True)
     shutil.copy(work / "w0" / "cache.db", db)  # cuTile's own schema
@@ -290,8 +341,10 @@ def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90",
                     failures.append((launch, err or "no new cache entry"))
                     continue
                 (blob,) = workers[j].execute("SELECT blob FROM cache WHERE key = ?", (key,)).fetchone()
-                conn.execute("INSERT OR IGNORE INTO cache (key, blob, blob_size, atime, metadata) VALUES (?, ?, ?, 0, NULL)",
-                             (key, blob, len(blob)))
+                conn.execute(
+                    "INSERT OR IGNORE INTO cache (key, blob, blob_size, atime, metadata) VALUES (?, ?, ?, 0, NULL)",
+                    (key, blob, len(blob)),
+                )
                 entries.append(Entry(launch, key, len(blob), len(lzma.compress(blob, preset=6))))
     finally:
         for w in workers:
@@ -300,17 +353,23 @@ def build(launches: Sequence[Recorded], out_dir: Path, *, arch: str = "sm_90",
     return entries, failures
 
 
-def _manifest(entries: Sequence[Entry], dropped: Sequence[Entry], arch: str,
-              failures: Sequence[tuple[Recorded, str]]) -> dict:
+def _manifest(
+    entries: Sequence[Entry], dropped: Sequence[Entry], arch: str, failures: Sequence[tuple[Recorded, str]]
+) -> dict:
     import cuda.tile
 
     from mhc_core.kernels.cutile.toolchain import find_toolchain
 
     tc = find_toolchain()
     return {
-        "arch": arch, "root": _root(), "sources": sources_digest(), "cuda_tile": cuda.tile.__version__,
+        "arch": arch,
+        "root": _root(),
+        "sources": sources_digest(),
+        "cuda_tile": cuda.tile.__version__,
         "tileiras": tc.version if tc else "unknown",
-        "entries": [{"set": e.launch.set, "id": e.launch.id, "key": e.key, "bytes": e.cubin_bytes} for e in entries],
+        "entries": [
+            {"set": e.launch.set, "id": e.launch.id, "key": e.key, "bytes": e.cubin_bytes} for e in entries
+        ],
         "dropped": [{"set": e.launch.set, "id": e.launch.id} for e in dropped],
         "failed": [{"set": r.set, "id": r.id, "error": err} for r, err in failures],
     }
@@ -338,8 +397,15 @@ def _write_archive(db: Path, manifest: dict, keep: set[str], archive: Path) -> i
     return archive.stat().st_size
 
 
-def pack(entries: Sequence[Entry], db: Path, archive: Path, *, arch: str, max_bytes: int,
-         failures: Sequence[tuple[Recorded, str]] = ()) -> tuple[int, int]:
+def pack(
+    entries: Sequence[Entry],
+    db: Path,
+    archive: Path,
+    *,
+    arch: str,
+    max_bytes: int,
+    failures: Sequence[tuple[Recorded, str]] = (),
+) -> tuple[int, int]:
     """Write `archive` with the longest prefix of `entries` (priority order) that packs into
     `max_bytes`. Returns (entries kept, archive bytes)."""
     keep, last = len(entries), None  # last: (size, estimated bytes dropped since)
@@ -351,7 +417,11 @@ def pack(entries: Sequence[Entry], db: Path, archive: Path, *, arch: str, max_by
         # Each entry alone (xz_bytes) packs worse than next to similar ones: scale the estimate by
         # what the last drop actually saved (first by the whole archive's ratio), so that the cut
         # converges in a few packs (each is a minute of xz).
-        scale = size / max(1, sum(e.xz_bytes for e in kept)) if last is None else (last[0] - size) / max(1, last[1])
+        scale = (
+            size / max(1, sum(e.xz_bytes for e in kept))
+            if last is None
+            else (last[0] - size) / max(1, last[1])
+        )
         scale = min(1.0, max(0.01, scale))
         need, est = (size - max_bytes) * 1.05, 0
         start = keep
@@ -383,7 +453,9 @@ def check(directory: Path) -> list[str]:
     if m.get("root") != _root():
         why.append(f"mhc_core is imported from {_root()}, the entries were built under {m.get('root')}")
     if m.get("sources") != sources_digest():
-        why.append(f"kernel sources differ (digest {sources_digest()[:12]} here, {str(m.get('sources'))[:12]} built)")
+        why.append(
+            f"kernel sources differ (digest {sources_digest()[:12]} here, {str(m.get('sources'))[:12]} built)"
+        )
     tc = find_toolchain()
     if tc is None or tc.version != m.get("tileiras"):
         why.append(f"tileiras {tc.version if tc else 'missing'} here, {m.get('tileiras')} built")
@@ -406,8 +478,10 @@ def report(directory: Path, cache_dir: Path) -> str:
         rows = conn.execute("SELECT key, atime FROM cache").fetchall()
     used = sum(1 for key, atime in rows if key in ours and atime > 0)
     jit = sum(1 for key, _ in rows if key not in ours)
-    return (f"precompiled: {used} of {len(ours)} entries used; {jit} kernels JIT-compiled at run time "
-            f"({len(m.get('dropped', []))} launches left out by the size cap, {len(m.get('failed', []))} failed to build)")
+    return (
+        f"precompiled: {used} of {len(ours)} entries used; {jit} kernels JIT-compiled at run time "
+        f"({len(m.get('dropped', []))} launches left out by the size cap, {len(m.get('failed', []))} failed to build)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,14 +489,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="exit 1 with the reasons when this process would not find DIR's entries")
     c.add_argument("dir", type=Path)
-    r = sub.add_parser("report", help="print how many entries a run used and how many kernels it JIT-compiled")
+    r = sub.add_parser(
+        "report", help="print how many entries a run used and how many kernels it JIT-compiled"
+    )
     r.add_argument("dir", type=Path)
     r.add_argument("cache_dir", type=Path)
     args = p.parse_args(argv)
     try:
         if args.cmd == "check":
             why = check(args.dir)
-            print("precompiled entries usable" if not why else "precompiled entries not usable: " + "; ".join(why))
+            print(
+                "precompiled entries usable"
+                if not why
+                else "precompiled entries not usable: " + "; ".join(why)
+            )
             return 1 if why else 0
         print(report(args.dir, args.cache_dir))
     except (ValueError, sqlite3.Error, OSError) as exc:

@@ -79,8 +79,10 @@ class RecordingRuntime:
 
     def __init__(self, num_sms: int = 132) -> None:
         self._sms = num_sms
-        self._params = {name: list(inspect.signature(kernel, eval_str=True).parameters.values())
-                        for name, (kernel, _) in emulated_kernels().items()}
+        self._params = {
+            name: list(inspect.signature(kernel, eval_str=True).parameters.values())
+            for name, (kernel, _) in emulated_kernels().items()
+        }
         self.label = ""
         self.launches: list[Launch] = []
 

@@ -32,10 +32,28 @@ from pathlib import Path
 from mhc_core.kernels.cutile import toolchain
 from tools.cutile.signatures import PlannedLaunch, alternative_plan, signature_plan
 
-__all__ = ["KernelResources", "ToolFailed", "ctas_per_sm", "find_cuobjdump", "inspect_launch", "main", "table"]
+__all__ = [
+    "KernelResources",
+    "ToolFailed",
+    "ctas_per_sm",
+    "find_cuobjdump",
+    "inspect_launch",
+    "main",
+    "table",
+]
 
-_COUNTED = {"LDG": "ldg", "STG": "stg", "UTMALDG": "tma_load", "UTMASTG": "tma_store", "LDS": "lds", "STS": "sts",
-            "SHFL": "shfl", "BAR": "bar", "STL": "stl", "LDL": "ldl"}
+_COUNTED = {
+    "LDG": "ldg",
+    "STG": "stg",
+    "UTMALDG": "tma_load",
+    "UTMASTG": "tma_store",
+    "LDS": "lds",
+    "STS": "sts",
+    "SHFL": "shfl",
+    "BAR": "bar",
+    "STL": "stl",
+    "LDL": "ldl",
+}
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.M)
 
 
@@ -73,7 +91,9 @@ def ctas_per_sm(registers: int, threads: int, shared_bytes: int) -> int:
     sm_90 / sm_100 SM (registers are allocated per warp in units of 256; 1 KB of shared memory is
     reserved per block). 0 when one block does not fit."""
     if registers < 1 or threads < 1 or shared_bytes < 0:
-        raise ValueError(f"ctas_per_sm: registers={registers}, threads={threads}, shared_bytes={shared_bytes}")
+        raise ValueError(
+            f"ctas_per_sm: registers={registers}, threads={threads}, shared_bytes={shared_bytes}"
+        )
     warps = -(-threads // 32)
     per_warp = -(-registers * 32 // 256) * 256
     limits = [_SM_BLOCKS, _SM_THREADS // (warps * 32), (_SM_REGS // per_warp) // warps]
@@ -85,17 +105,23 @@ def ctas_per_sm(registers: int, threads: int, shared_bytes: int) -> int:
 def find_cuobjdump() -> Path:
     """`cuobjdump` next to `tileiras` (the pip wheels) or on PATH; FileNotFoundError naming the wheel."""
     tc = toolchain.find_toolchain()
-    for cand in ([tc.bin_dir / "cuobjdump"] if tc else []) + [Path(p) for p in [shutil.which("cuobjdump")] if p]:
+    for cand in ([tc.bin_dir / "cuobjdump"] if tc else []) + [
+        Path(p) for p in [shutil.which("cuobjdump")] if p
+    ]:
         if cand.is_file():
             return cand
-    raise FileNotFoundError("cuobjdump not found next to tileiras or on PATH "
-                            "(pip install 'nvidia-cuda-cuobjdump==13.4.92', part of the `kernels` extra)")
+    raise FileNotFoundError(
+        "cuobjdump not found next to tileiras or on PATH "
+        "(pip install 'nvidia-cuda-cuobjdump==13.4.92', part of the `kernels` extra)"
+    )
 
 
 def _bytecode(launch: PlannedLaunch, occupancy: int | None = None) -> bytes:
     from tools.cutile.signatures import export_bytecode, kernel_object
 
-    return export_bytecode(launch, None if occupancy is None else kernel_object(launch.kernel_name, occupancy))
+    return export_bytecode(
+        launch, None if occupancy is None else kernel_object(launch.kernel_name, occupancy)
+    )
 
 
 class ToolFailed(RuntimeError):
@@ -110,13 +136,17 @@ def _run(cmd: list[str], env: dict[str, str], what: str) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip()[:300]
-        raise ToolFailed(f"resources: {' '.join(cmd[:2])} failed for {what} (exit {done.returncode}): {detail} "
-                         "(nvdisasm comes from the wheel nvidia-cuda-nvdisasm==13.4.92, part of the `kernels` extra)",
-                         detail)
+        raise ToolFailed(
+            f"resources: {' '.join(cmd[:2])} failed for {what} (exit {done.returncode}): {detail} "
+            "(nvdisasm comes from the wheel nvidia-cuda-nvdisasm==13.4.92, part of the `kernels` extra)",
+            detail,
+        )
     return done.stdout
 
 
-def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int | None = None) -> KernelResources:
+def inspect_launch(
+    launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int | None = None
+) -> KernelResources:
     """Compile `launch` for `arch` (with the occupancy hint, `ct.kernel(occupancy=...)`, when given)
     and read what the compiler chose."""
     tc = toolchain.find_toolchain()
@@ -128,33 +158,67 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int
     with tempfile.TemporaryDirectory() as tmp:
         bc, cubin, remarks = Path(tmp, "k.bc"), Path(tmp, "k.cubin"), Path(tmp, "k.yaml")
         bc.write_bytes(_bytecode(launch, occupancy))
-        subprocess.run([str(tc.tileiras), str(bc), "-o", str(cubin), "--gpu-name", arch, "-O3",
-                        "--remark-format=yaml", "--remarks=all", f"--remarks-output-file={remarks}"],
-                       env=env, check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [
+                str(tc.tileiras),
+                str(bc),
+                "-o",
+                str(cubin),
+                "--gpu-name",
+                arch,
+                "-O3",
+                "--remark-format=yaml",
+                "--remarks=all",
+                f"--remarks-output-file={remarks}",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         usage = _run([str(cuobjdump), "-res-usage", str(cubin)], env, launch.id)
         try:
             sass, sass_error = _run([str(cuobjdump), "-sass", str(cubin)], env, launch.id), ""
         except ToolFailed as exc:  # the resource usage above is still right
             sass, sass_error = None, exc.detail[:120]
         elf = _run([str(cuobjdump), "-elf", str(cubin)], env, launch.id)
-        refusals = re.findall(r"Name:\s+RemarkMemoryTma(?:Load|Store)Failed.*?Reason:\s+'?([^'\n]*)", remarks.read_text(),
-                              re.S) if remarks.is_file() else []
+        refusals = (
+            re.findall(
+                r"Name:\s+RemarkMemoryTma(?:Load|Store)Failed.*?Reason:\s+'?([^'\n]*)",
+                remarks.read_text(),
+                re.S,
+            )
+            if remarks.is_file()
+            else []
+        )
 
     def num(key: str) -> int:
         m = re.search(rf"\b{key}:(\d+)", usage)
         if m is None:
-            raise ValueError(f"resources: no {key} in cuobjdump -res-usage output for {launch.id}: {usage[:200]!r}")
+            raise ValueError(
+                f"resources: no {key} in cuobjdump -res-usage output for {launch.id}: {usage[:200]!r}"
+            )
         return int(m.group(1))
 
     ntid = re.search(r"EIATTR_REQNTID\s+Format:\s+\w+\s+Value:\s+0x([0-9a-f]+)", elf)
     if ntid is None:
-        raise ValueError(f"resources: no EIATTR_REQNTID (threads per block) in cuobjdump -elf output for {launch.id}")
+        raise ValueError(
+            f"resources: no EIATTR_REQNTID (threads per block) in cuobjdump -elf output for {launch.id}"
+        )
     ops = Counter(_SASS_OP.findall(sass)) if sass is not None else None
     return KernelResources(
-        id=launch.id, arch=arch, registers=num("REG"), threads=int(ntid.group(1), 16), shared_bytes=num("SHARED"),
-        local_bytes=num("LOCAL"), stack_bytes=num("STACK"),
-        counts=({"insts": sum(ops.values())} | {name: ops.get(op, 0) for op, name in _COUNTED.items()}
-                if ops is not None else {}),
+        id=launch.id,
+        arch=arch,
+        registers=num("REG"),
+        threads=int(ntid.group(1), 16),
+        shared_bytes=num("SHARED"),
+        local_bytes=num("LOCAL"),
+        stack_bytes=num("STACK"),
+        counts=(
+            {"insts": sum(ops.values())} | {name: ops.get(op, 0) for op, name in _COUNTED.items()}
+            if ops is not None
+            else {}
+        ),
         sass_error=sass_error,
         tma_refused=tuple(sorted({re.sub(r"^loc\(.*?\):\s*", "", r) for r in refusals})),
     )
@@ -163,13 +227,19 @@ def inspect_launch(launch: PlannedLaunch, *, arch: str = "sm_90", occupancy: int
 def table(rows: list[KernelResources]) -> str:
     """Markdown: one row per kernel."""
     names = ["insts", *_COUNTED.values()]
-    out = ["| kernel | regs | threads | smem B | local B | stack B | CTAs/SM | " + " | ".join(names) + " | TMA refused |",
-           "|---|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
+    out = [
+        "| kernel | regs | threads | smem B | local B | stack B | CTAs/SM | "
+        + " | ".join(names)
+        + " | TMA refused |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(names) + "---|",
+    ]
     for r in rows:
-        out.append(f"| {r.id} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | {r.stack_bytes} | "
-                   f"{r.ctas_per_sm} | "
-                   + " | ".join(str(r.counts.get(n, "?")) for n in names)
-                   + f" | {'; '.join(r.tma_refused) or '-'}{' (no SASS: ' + r.sass_error + ')' if r.sass_error else ''} |")
+        out.append(
+            f"| {r.id} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | {r.stack_bytes} | "
+            f"{r.ctas_per_sm} | "
+            + " | ".join(str(r.counts.get(n, "?")) for n in names)
+            + f" | {'; '.join(r.tma_refused) or '-'}{' (no SASS: ' + r.sass_error + ')' if r.sass_error else ''} |"
+        )
     return "\n".join(out)
 
 
@@ -186,13 +256,29 @@ def _sweep_plan(args: argparse.Namespace) -> tuple[list[tuple[PlannedLaunch, int
     from tools.cutile.sweep import CANDIDATES
 
     keys = [k for k in args.keys.split(",") if k] if args.keys else None
-    recorded = precompile.distinct(precompile.sweep_launches(
-        tokens=args.tokens, n=args.n, hidden=args.hidden, dtype=ACT_DTYPES[args.dtype], variant=args.variant,
-        iterations=args.iterations, keys=keys))
-    plan = [(PlannedLaunch(id=r.id, kernel_name=r.kernel_name, args=r.args), r.occupancy) for r in recorded
-            if _matches(args.match, r.id)]
-    legend = [f"{key}[{i}]: {cand!r}" for key, cands in CANDIDATES.items() if keys is None or key in keys
-              for i, cand in enumerate(cands) if any(pl.id.startswith(f"{key}[{i}]-") for pl, _ in plan)]
+    recorded = precompile.distinct(
+        precompile.sweep_launches(
+            tokens=args.tokens,
+            n=args.n,
+            hidden=args.hidden,
+            dtype=ACT_DTYPES[args.dtype],
+            variant=args.variant,
+            iterations=args.iterations,
+            keys=keys,
+        )
+    )
+    plan = [
+        (PlannedLaunch(id=r.id, kernel_name=r.kernel_name, args=r.args), r.occupancy)
+        for r in recorded
+        if _matches(args.match, r.id)
+    ]
+    legend = [
+        f"{key}[{i}]: {cand!r}"
+        for key, cands in CANDIDATES.items()
+        if keys is None or key in keys
+        for i, cand in enumerate(cands)
+        if any(pl.id.startswith(f"{key}[{i}]-") for pl, _ in plan)
+    ]
     return plan, legend
 
 
@@ -201,13 +287,25 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm_90", help="sm_90 (Hopper) or sm_100 (Blackwell)")
-    p.add_argument("--match", default="", help="only launch ids containing this (or one of these, comma-separated)")
-    p.add_argument("--occupancy", type=int, help="compile with this occupancy hint (CTAs per SM, 1-32), "
-                   "as the sweep's *_occupancy candidates (with --sweep: instead of each candidate's)")
-    p.add_argument("--sweep", action="store_true", help="the tile sweep's candidates at the shape below "
-                   "(ids key[i]-kernel) instead of the signature plan at C = 512")
+    p.add_argument(
+        "--match", default="", help="only launch ids containing this (or one of these, comma-separated)"
+    )
+    p.add_argument(
+        "--occupancy",
+        type=int,
+        help="compile with this occupancy hint (CTAs per SM, 1-32), "
+        "as the sweep's *_occupancy candidates (with --sweep: instead of each candidate's)",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the tile sweep's candidates at the shape below "
+        "(ids key[i]-kernel) instead of the signature plan at C = 512",
+    )
     p.add_argument("--keys", default="", help="with --sweep: only these sweep keys (comma-separated)")
-    p.add_argument("--iterations", type=int, default=20, help="with --sweep: Sinkhorn iterations, as the sweep's")
+    p.add_argument(
+        "--iterations", type=int, default=20, help="with --sweep: Sinkhorn iterations, as the sweep's"
+    )
     add_shape_args(p)
     args = p.parse_args(argv)
     if args.occupancy is not None and not 1 <= args.occupancy <= 32:
@@ -225,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.occupancy is not None:
             plan = [(pl, args.occupancy) for pl, _ in plan]
     else:
-        plan = [(pl, args.occupancy) for pl in signature_plan((4,), cs=(512,)) + alternative_plan() if _matches(args.match, pl.id)]
+        plan = [
+            (pl, args.occupancy)
+            for pl in signature_plan((4,), cs=(512,)) + alternative_plan()
+            if _matches(args.match, pl.id)
+        ]
     if not plan:
         p.error(f"--match {args.match!r}: no planned launch id contains it")
     try:

@@ -31,10 +31,25 @@ from mhc_core.ops.mapping import num_mapping_outputs
 from mhc_core.variants import Variant, get_variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime, ScalarArg
 
-__all__ = ["ALL_VARIANTS", "PlannedLaunch", "KernelCase", "kernel_object", "record_all", "signature_plan", "plan_under", "alternative_plan", "tuned_plan",
-           "ALTERNATIVE_TILES", "kernel_cases",
-           "to_signature", "REPRESENTATIVE_T", "REPRESENTATIVE_C", "BYTECODE_VERSION",
-           "export_bytecode", "export_cubin"]
+__all__ = [
+    "ALL_VARIANTS",
+    "PlannedLaunch",
+    "KernelCase",
+    "kernel_object",
+    "record_all",
+    "signature_plan",
+    "plan_under",
+    "alternative_plan",
+    "tuned_plan",
+    "ALTERNATIVE_TILES",
+    "kernel_cases",
+    "to_signature",
+    "REPRESENTATIVE_T",
+    "REPRESENTATIVE_C",
+    "BYTECODE_VERSION",
+    "export_bytecode",
+    "export_cubin",
+]
 
 REPRESENTATIVE_T = 64
 REPRESENTATIVE_C = (512, 64)
@@ -80,13 +95,24 @@ def _leaf(shape, dtype) -> torch.Tensor:
 def _mapping_leaves(t: int, n: int, c: int, act: torch.dtype, pdt: torch.dtype) -> tuple[torch.Tensor, ...]:
     """The inputs of `mapping` / `pre`: `x [t, n*c]` in `act`, weight, alphas and bias in `pdt`."""
     big_n = num_mapping_outputs(n)
-    return (_leaf((t, n * c), act), _leaf((big_n, n * c), pdt), _leaf((1,), pdt), _leaf((1,), pdt), _leaf((1,), pdt),
-            _leaf((big_n,), pdt))
+    return (
+        _leaf((t, n * c), act),
+        _leaf((big_n, n * c), pdt),
+        _leaf((1,), pdt),
+        _leaf((1,), pdt),
+        _leaf((1,), pdt),
+        _leaf((big_n,), pdt),
+    )
 
 
-def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, ...],
-               acts: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
-               variants: tuple[Variant, ...] = ALL_VARIANTS) -> None:
+def record_all(
+    rec: RecordingRuntime,
+    ns: Iterable[int],
+    t: int,
+    cs: tuple[int, ...],
+    acts: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
+    variants: tuple[Variant, ...] = ALL_VARIANTS,
+) -> None:
     """Every op forward and backward through `rec` at `[t, n, c]` for each `n`, `c` and activation
     dtype, each of `variants` (default all), parameter dtype and bias / no bias (launch labels
     `op|tag|direction`)."""
@@ -109,16 +135,25 @@ def record_all(rec: RecordingRuntime, ns: Iterable[int], t: int, cs: tuple[int, 
                         lambda x, w, a, b, d, bias, n=n, v=variant: ops.mapping(x, w, a, b, d, bias, n, v),
                         *_mapping_leaves(t, n, c, act, pdt),
                     )
-                _record(rec, f"sinkhorn|{tag}", lambda z, v=variant: ops.sinkhorn(z, 3, None, v),
-                        _leaf((t, n, n), coef))
-                _record(rec, f"h_aggregate|{tag}", ops.h_aggregate, _leaf((t, n, c), act), _leaf((t, n), coef))
+                _record(
+                    rec,
+                    f"sinkhorn|{tag}",
+                    lambda z, v=variant: ops.sinkhorn(z, 3, None, v),
+                    _leaf((t, n, n), coef),
+                )
+                _record(
+                    rec, f"h_aggregate|{tag}", ops.h_aggregate, _leaf((t, n, c), act), _leaf((t, n), coef)
+                )
                 for with_bias in (False, True):
                     bias = _leaf((c,), act) if with_bias else None
                     _record(
                         rec,
                         f"h_post_bda|{tag}" + ("-bias" if with_bias else ""),
                         lambda hr, r, hp, y, b=bias, v=variant: ops.h_post_bda(hr, r, hp, y, b, 0.0, True, v),
-                        _leaf((t, n, n), coef), _leaf((t, n, c), act), _leaf((t, n), coef), _leaf((t, c), act),
+                        _leaf((t, n, n), coef),
+                        _leaf((t, n, c), act),
+                        _leaf((t, n), coef),
+                        _leaf((t, c), act),
                     )
                 # After the ops it fuses, so that its launches of their kernels keep their ids; its fused
                 # formulation (the composition launches the kernels above).
@@ -148,8 +183,11 @@ def _distinct(rec: RecordingRuntime, prefix: str = "") -> tuple[PlannedLaunch, .
 
 
 @functools.cache
-def signature_plan(ns: tuple[int, ...] = tiling.SUPPORTED_N, t: int = REPRESENTATIVE_T,
-                   cs: tuple[int, ...] = REPRESENTATIVE_C) -> tuple[PlannedLaunch, ...]:
+def signature_plan(
+    ns: tuple[int, ...] = tiling.SUPPORTED_N,
+    t: int = REPRESENTATIVE_T,
+    cs: tuple[int, ...] = REPRESENTATIVE_C,
+) -> tuple[PlannedLaunch, ...]:
     """Distinct launches of all five ops, forward and backward (CPU only, no `cuda.tile`)."""
     rec = RecordingRuntime()
     record_all(rec, ns, t, cs)
@@ -165,10 +203,14 @@ ALTERNATIVE_TILES = (
         "h_post_bda_bwd": tiling.StreamTiles(tile_t=8, tile_c=64, per_stream=_TUPLE),
         "mapping_bwd": tiling.MappingTiles(tile_m=16, tile_k=64),
     },
-    {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, mma=True),
-     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=_TUPLE, loop_c=True)},
-    {"h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, mma=True, loop_c=True),
-     "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=_SLICES, loop_c=True)},
+    {
+        "h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, mma=True),
+        "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=_TUPLE, loop_c=True),
+    },
+    {
+        "h_aggregate_fwd": tiling.StreamTiles(tile_t=8, tile_c=256, mma=True, loop_c=True),
+        "h_post_bda_fwd": tiling.StreamTiles(tile_t=4, tile_c=256, per_stream=_SLICES, loop_c=True),
+    },
 )
 """The formulations the tile sweep can pick besides the defaults: per-element Sinkhorn, the C-looping
 stream forwards, the h_aggregate forward with its stream sum on the tensor cores (with and without the C
@@ -202,7 +244,9 @@ def _beyond_default(plans: Iterable[tuple[PlannedLaunch, ...]]) -> tuple[Planned
 def alternative_plan(n: int = 4) -> tuple[PlannedLaunch, ...]:
     """Launches (ids prefixed `alt<i>-`) of the `ALTERNATIVE_TILES` formulations at `n`, C = 512 that
     the default plan does not hold."""
-    return _beyond_default(plan_under(overrides, n, prefix=f"alt{i}-") for i, overrides in enumerate(ALTERNATIVE_TILES))
+    return _beyond_default(
+        plan_under(overrides, n, prefix=f"alt{i}-") for i, overrides in enumerate(ALTERNATIVE_TILES)
+    )
 
 
 def _plan_tuned(t) -> tuple[PlannedLaunch, ...]:
@@ -235,6 +279,7 @@ BYTECODE_VERSION = "13.3"
 """The TileIR bytecode the offline checks export (the first with Hopper support), so that a kernel
 a 13.3 compiler cannot take fails here."""
 
+
 def _export(launch: PlannedLaunch, kernel, **options) -> bytes:
     """`export_kernel` of `launch` for `kernel` (default `kernel_object(launch.kernel_name)`, the hint in
     force) with cuTile's output `options`; imports `cuda.tile`."""
@@ -243,8 +288,12 @@ def _export(launch: PlannedLaunch, kernel, **options) -> bytes:
     from cuda.tile.compilation import export_kernel
 
     buf = io.BytesIO()
-    export_kernel(kernel_object(launch.kernel_name) if kernel is None else kernel, [to_signature(launch)], buf,
-                  **options)
+    export_kernel(
+        kernel_object(launch.kernel_name) if kernel is None else kernel,
+        [to_signature(launch)],
+        buf,
+        **options,
+    )
     return buf.getvalue()
 
 
@@ -275,7 +324,9 @@ def to_signature(launch: PlannedLaunch):
     params = []
     for a in launch.args:
         if isinstance(a, ArrayArg):
-            extra = {"shape_constant": tuple(1 if one else None for one in a.shape_one)} if a.shape_one else {}
+            extra = (
+                {"shape_constant": tuple(1 if one else None for one in a.shape_one)} if a.shape_one else {}
+            )
             params.append(
                 ctc.ArrayConstraint(
                     _ct_dtype(ct, a.dtype),
@@ -313,8 +364,12 @@ class KernelCase:
 def kernel_cases(ns: tuple[int, ...] = tiling.SUPPORTED_N) -> tuple[KernelCase, ...]:
     """The registry as `KernelCase`s (imports `cuda.tile`)."""
     return tuple(
-        KernelCase(id=p.id, kernel_name=p.kernel_name, kernel=kernel_object(p.kernel_name),
-                   signatures=(to_signature(p),))
+        KernelCase(
+            id=p.id,
+            kernel_name=p.kernel_name,
+            kernel=kernel_object(p.kernel_name),
+            signatures=(to_signature(p),),
+        )
         for p in signature_plan(tuple(ns))
     )
 

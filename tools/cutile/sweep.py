@@ -62,20 +62,44 @@ from tools.cutile.sweep_check import CHECK_RTOL, deviation, grade
 from tools.device_time import device_busy_seconds
 
 # CANDIDATES, KEY_ORDER, override (sweep_candidates) and CHECK_RTOL, deviation (sweep_check) stay importable here.
-__all__ = ["CANDIDATES", "KEY_ORDER", "CHECK_RTOL", "main", "timers", "deviation", "override", "regrade", "summary"]
+__all__ = [
+    "CANDIDATES",
+    "KEY_ORDER",
+    "CHECK_RTOL",
+    "main",
+    "timers",
+    "deviation",
+    "override",
+    "regrade",
+    "summary",
+]
 
-def timers(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str, iterations: int,
-           device: str = "cuda") -> dict[str, Callable[[], object]]:
+
+def timers(
+    ops,
+    key: str,
+    t: int,
+    n: int,
+    c: int,
+    act: torch.dtype,
+    variant: str,
+    iterations: int,
+    device: str = "cuda",
+) -> dict[str, Callable[[], object]]:
     """`{direction: fn}` timing `key`'s op with the ops bundle `ops`, on fresh inputs."""
     op = op_of(key)
     fn = op_call(ops, op, n, variant, iterations)
-    inputs = [x.requires_grad_(True) if x is not None else None
-              for x in make_inputs(op, t, n, c, act, variant, device)]
+    inputs = [
+        x.requires_grad_(True) if x is not None else None
+        for x in make_inputs(op, t, n, c, act, variant, device)
+    ]
     out: dict[str, Callable[[], object]] = {}
     if "fwd" in directions(key):
+
         def fwd():
             with torch.no_grad():
                 return fn(*inputs)
+
         out["fwd"] = fwd
     if "bwd" in directions(key):
         out["bwd"] = backward_fn(fn, inputs)
@@ -97,18 +121,29 @@ def summary(rows: list[dict]) -> str:
             continue
         groups.setdefault((r["key"], r["direction"]), []).append(r)
         base_key = tile_key(r["key"])
-        if r["key"] == base_key and base_key in CANDIDATES and adopt.names_candidate(base_key, r["tiles"],
-                                                                                 CANDIDATES[base_key][0]):
+        if (
+            r["key"] == base_key
+            and base_key in CANDIDATES
+            and adopt.names_candidate(base_key, r["tiles"], CANDIDATES[base_key][0])
+        ):
             default_ms[(base_key, r["direction"])] = adopt.rank_ms(r)
-    out = ["| key | dir | default ms | fastest | ms | GB/s | speed-up | failed |", "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| key | dir | default ms | fastest | ms | GB/s | speed-up | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for (key, direction), rs in groups.items():
         best = min(rs, key=adopt.rank_ms)
         base = default_ms.get((tile_key(key), direction))
         base_s, gain = ("-", "-") if base is None else (f"{base:.4f}", f"{base / adopt.rank_ms(best):.2f}x")
-        out.append(f"| {key} | {direction} | {base_s} | {best['tiles']} | {adopt.rank_ms(best):.4f} | "
-                   f"{best['gb_per_s']:.0f} | {gain} | {len(failed.get(key, ()))} |")
-    out += [f"| {key} | - | - | all {len(k)} candidates failed | - | - | - | {len(k)} |" for key, k in failed.items()
-            if not any(g[0] == key for g in groups)]
+        out.append(
+            f"| {key} | {direction} | {base_s} | {best['tiles']} | {adopt.rank_ms(best):.4f} | "
+            f"{best['gb_per_s']:.0f} | {gain} | {len(failed.get(key, ()))} |"
+        )
+    out += [
+        f"| {key} | - | - | all {len(k)} candidates failed | - | - | - | {len(k)} |"
+        for key, k in failed.items()
+        if not any(g[0] == key for g in groups)
+    ]
     return "\n".join(out)
 
 
@@ -123,12 +158,19 @@ def _read_sweep(path: str, flag: str) -> dict | None:
             raise ValueError(f"{path}: not JSON: {exc}") from None
         adopt.check_sweep(data, path)
     except (OSError, ValueError) as exc:
-        print(f"sweep {flag}: " + (f"{path}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)), file=sys.stderr)
+        print(
+            f"sweep {flag}: " + (f"{path}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)),
+            file=sys.stderr,
+        )
         return None
     changed = regrade(data)
     if changed:
-        print(f"sweep {flag}: {path}: {len(changed)} row(s) refused by this version's check bounds: "
-              + "; ".join(changed[:4]) + (" ..." if len(changed) > 4 else ""), file=sys.stderr)
+        print(
+            f"sweep {flag}: {path}: {len(changed)} row(s) refused by this version's check bounds: "
+            + "; ".join(changed[:4])
+            + (" ..." if len(changed) > 4 else ""),
+            file=sys.stderr,
+        )
     return data
 
 
@@ -160,9 +202,15 @@ def _print_summary(path: str) -> int:
     if not rows:
         print(f"sweep --summary: {path}: no rows (the sweep timed nothing)", file=sys.stderr)
         return 1
-    timing = "GPU busy ms" if all("device_ms" in r for r in rows if "error" not in r) else "ms: GPU busy where timed, else pipelined"
-    print(f"{data.get('device', '?')}: T={data.get('tokens')} n={data.get('n')} C={data.get('hidden')} "
-          f"{data.get('dtype')} {data.get('variant')} ({timing}; the first candidate is the default)")
+    timing = (
+        "GPU busy ms"
+        if all("device_ms" in r for r in rows if "error" not in r)
+        else "ms: GPU busy where timed, else pipelined"
+    )
+    print(
+        f"{data.get('device', '?')}: T={data.get('tokens')} n={data.get('n')} C={data.get('hidden')} "
+        f"{data.get('dtype')} {data.get('variant')} ({timing}; the first candidate is the default)"
+    )
     print(summary(rows))
     return 0
 
@@ -182,11 +230,15 @@ def _adopt(path: str, out: str | None, min_gain: float) -> int:
     print("\n".join(lines))
     if not tuned.tiles and not tuned.occupancy:
         ok = sum(r.get("check") == "ok" for r in data["rows"])
-        print(f"sweep --adopt: nothing adopted ({len(data['rows'])} rows, {ok} passed their check): {out} not written",
-              file=sys.stderr)
+        print(
+            f"sweep --adopt: nothing adopted ({len(data['rows'])} rows, {ok} passed their check): {out} not written",
+            file=sys.stderr,
+        )
         return 1
-    done = (f"wrote {tuning.describe(tuned)}; ship it as mhc_core/kernels/cutile/tuned/"
-            f"{tuning.device_slug(tuned.device)}.json")
+    done = (
+        f"wrote {tuning.describe(tuned)}; ship it as mhc_core/kernels/cutile/tuned/"
+        f"{tuning.device_slug(tuned.device)}.json"
+    )
     try:
         tuning.save(tuned, out)
     except OSError as exc:
@@ -201,18 +253,32 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_args(p)
     p.add_argument("--iterations", type=int, default=20, help="Sinkhorn iterations")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--keys", default=",".join(CANDIDATES), help=f"comma-separated, from {', '.join(CANDIDATES)}")
+    p.add_argument(
+        "--keys", default=",".join(CANDIDATES), help=f"comma-separated, from {', '.join(CANDIDATES)}"
+    )
     p.add_argument("--index", type=int, help="only candidate INDEX of each key (0-based)")
-    p.add_argument("--warm-only", action="store_true", help="run each candidate once (JIT compile), no timing")
+    p.add_argument(
+        "--warm-only", action="store_true", help="run each candidate once (JIT compile), no timing"
+    )
     p.add_argument("--out", help="write the rows as JSON here (with --adopt: the tuning file)")
     p.add_argument("--list", action="store_true", help="print 'key index' per candidate and exit")
     reading = p.add_mutually_exclusive_group()
-    reading.add_argument("--summary", metavar="SWEEP_JSON", help="print the fastest candidate per key of a sweep's --out file")
-    reading.add_argument("--adopt", metavar="SWEEP_JSON",
-                         help="write the winners of a sweep's --out file that passed their check as a tuning file to --out")
-    p.add_argument("--min-gain", type=float, default=1.03, help="--adopt: speed-up over the default a winner needs")
-    p.add_argument("--emulate", action="store_true",
-                   help="run on the CPU kernel interpreter (no GPU; checks the tool, its times mean nothing)")
+    reading.add_argument(
+        "--summary", metavar="SWEEP_JSON", help="print the fastest candidate per key of a sweep's --out file"
+    )
+    reading.add_argument(
+        "--adopt",
+        metavar="SWEEP_JSON",
+        help="write the winners of a sweep's --out file that passed their check as a tuning file to --out",
+    )
+    p.add_argument(
+        "--min-gain", type=float, default=1.03, help="--adopt: speed-up over the default a winner needs"
+    )
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="run on the CPU kernel interpreter (no GPU; checks the tool, its times mean nothing)",
+    )
     args = p.parse_args(argv)
     if args.summary:
         return _print_summary(args.summary)
@@ -229,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         from mhc_core.kernels.dispatch import bound_ops
         from tools.cutile.emulator import EmulatedRuntime
 
-        ops, device, device_name = bound_ops(CuTileBackend(EmulatedRuntime(num_sms=4))), "cpu", "CPU kernel interpreter"
+        ops, device, device_name = (
+            bound_ops(CuTileBackend(EmulatedRuntime(num_sms=4))),
+            "cpu",
+            "CPU kernel interpreter",
+        )
     else:
         cutile = cutile_or_none("sweep")
         if cutile is None:
@@ -249,13 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.index is not None:
             if not 0 <= args.index < len(cands):
                 p.error(f"--index {args.index}: {key} has {len(cands)} candidates")
-            cands = cands[args.index:args.index + 1]
+            cands = cands[args.index : args.index + 1]
         for cand in cands:
             label = f"{key}={cand}"
             try:
                 with tiling.tuned(None), tiling.overridden(**override(key, cand)):
-                    errors = {} if args.warm_only else deviation(ops, key, t, n, c, act, args.variant,
-                                                                 args.iterations, device)
+                    errors = (
+                        {}
+                        if args.warm_only
+                        else deviation(ops, key, t, n, c, act, args.variant, args.iterations, device)
+                    )
                     fns = timers(ops, key, t, n, c, act, args.variant, args.iterations, device)
                     for direction, fn in fns.items():
                         if args.warm_only:
@@ -273,28 +346,56 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             device_error = None if busy_s is not None else f"no GPU busy time on {device}"
                         busy_ms = None if busy_s is None else busy_s * 1e3
-                        model = bytes_moved(op_of(key), direction, tokens=t, n=n, hidden=c, act_bytes=act.itemsize,
-                                            with_bias=op_of(key) == "h_post_bda").total
+                        model = bytes_moved(
+                            op_of(key),
+                            direction,
+                            tokens=t,
+                            n=n,
+                            hidden=c,
+                            act_bytes=act.itemsize,
+                            with_bias=op_of(key) == "h_post_bda",
+                        ).total
                         err = errors[direction]
-                        row = {"key": key, "tiles": repr(cand), "direction": direction,
-                               "single_ms": round(single, 4), "pipelined_ms": round(piped, 4),
-                               "max_rel_err": err if err == float("inf") else float(f"{err:.3g}"),
-                               "check": grade(key, act, err)}
-                        row.update({"device_error": device_error} if busy_ms is None else {"device_ms": round(busy_ms, 4)})
+                        row = {
+                            "key": key,
+                            "tiles": repr(cand),
+                            "direction": direction,
+                            "single_ms": round(single, 4),
+                            "pipelined_ms": round(piped, 4),
+                            "max_rel_err": err if err == float("inf") else float(f"{err:.3g}"),
+                            "check": grade(key, act, err),
+                        }
+                        row.update(
+                            {"device_error": device_error}
+                            if busy_ms is None
+                            else {"device_ms": round(busy_ms, 4)}
+                        )
                         row["gb_per_s"] = round(model / (adopt.rank_ms(row) * 1e6), 1)
                         rows.append(row)
                         busy = "-" if busy_ms is None else f"{busy_ms:8.4f} ms"
-                        print(f"{label:60s} {direction} single {single:8.4f} ms  pipelined {piped:8.4f} ms "
-                              f"GPU busy {busy} {row['gb_per_s']:8.1f} GB/s  check {row['check']} ({err:.2g})",
-                              flush=True)
+                        print(
+                            f"{label:60s} {direction} single {single:8.4f} ms  pipelined {piped:8.4f} ms "
+                            f"GPU busy {busy} {row['gb_per_s']:8.1f} GB/s  check {row['check']} ({err:.2g})",
+                            flush=True,
+                        )
             except Exception as exc:  # a candidate that does not compile or spills is a result too
                 rows.append({"key": key, "tiles": repr(cand), "error": f"{type(exc).__name__}: {exc}"[:400]})
                 print(f"{label:60s} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
             if args.out and not args.warm_only:  # after every candidate: a timeout keeps what was timed
-                write_json(args.out, {"tokens": t, "n": n, "hidden": c, "dtype": args.dtype, "variant": args.variant,
-                                       "device": device_name or torch.cuda.get_device_name(), "rows": rows})
+                write_json(
+                    args.out,
+                    {
+                        "tokens": t,
+                        "n": n,
+                        "hidden": c,
+                        "dtype": args.dtype,
+                        "variant": args.variant,
+                        "device": device_name or torch.cuda.get_device_name(),
+                        "rows": rows,
+                    },
+                )
     return 0
 
 

@@ -54,14 +54,26 @@ def _rel_error(a: torch.Tensor | None, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b) / max(float(torch.linalg.vector_norm(b)), 1e-30))
 
 
-def deviation(ops, key: str, t: int, n: int, c: int, act: torch.dtype, variant: str, iterations: int,
-              device: str = "cuda") -> dict[str, float]:
+def deviation(
+    ops,
+    key: str,
+    t: int,
+    n: int,
+    c: int,
+    act: torch.dtype,
+    variant: str,
+    iterations: int,
+    device: str = "cuda",
+) -> dict[str, float]:
     """`{direction: relative error}` of `key`'s op with the ops bundle `ops` against the reference
     ops on the same fresh inputs: the largest over the forward outputs, or (backward) over the
     gradients of every input for the same random output gradients (small tensors: `SMALL_TENSOR`)."""
     op = op_of(key)
     fn, ref_fn = op_call(ops, op, n, variant, iterations), op_call(ref, op, n, variant, iterations)
-    inputs = [x.requires_grad_(True) if x is not None else None for x in make_inputs(op, t, n, c, act, variant, device)]
+    inputs = [
+        x.requires_grad_(True) if x is not None else None
+        for x in make_inputs(op, t, n, c, act, variant, device)
+    ]
     leaves = [x for x in inputs if x is not None]
     got, want = fn(*inputs), ref_fn(*inputs)
     got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))

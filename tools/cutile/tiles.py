@@ -24,7 +24,9 @@ def tile_of(key: str, n: int, hidden: int) -> object:
     return (tiling.aggregate_tiles if op == "h_aggregate" else tiling.post_bda_tiles)(n, hidden, direction)
 
 
-def tiles_in_force(tuned: tuning.Tuning | None, n: int, hidden: int) -> list[tuple[str, object, object, dict]]:
+def tiles_in_force(
+    tuned: tuning.Tuning | None, n: int, hidden: int
+) -> list[tuple[str, object, object, dict]]:
     """`(key, heuristic tile, tile in force under tuning, its kernels' occupancy hints)` per tile key
     at `[*, n, hidden]` under the tuning `tuned`."""
     rows = []
@@ -32,8 +34,14 @@ def tiles_in_force(tuned: tuning.Tuning | None, n: int, hidden: int) -> list[tup
         with tiling.tuned(None):
             plain = tile_of(key, n, hidden)
         with tiling.tuned(tuned):
-            rows.append((key, plain, tile_of(key, n, hidden),
-                         {k: tiling.occupancy(k) for k in kernels if tiling.occupancy(k) is not None}))
+            rows.append(
+                (
+                    key,
+                    plain,
+                    tile_of(key, n, hidden),
+                    {k: tiling.occupancy(k) for k in kernels if tiling.occupancy(k) is not None},
+                )
+            )
     return rows
 
 
@@ -44,8 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     p = argparse.ArgumentParser(description="cuTile tiles in force under a tuning, against the heuristics")
-    p.add_argument("file", nargs="?", help="a tuning file (default: what MHC_CUTILE_TUNING / tuned/ give for --device)")
-    p.add_argument("--device", default=tuning.REFERENCE_DEVICE, help="GPU model name, as torch.cuda.get_device_name() says it")
+    p.add_argument(
+        "file", nargs="?", help="a tuning file (default: what MHC_CUTILE_TUNING / tuned/ give for --device)"
+    )
+    p.add_argument(
+        "--device",
+        default=tuning.REFERENCE_DEVICE,
+        help="GPU model name, as torch.cuda.get_device_name() says it",
+    )
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--hidden", type=int, default=4096)
     args = p.parse_args(argv)

@@ -43,7 +43,9 @@ def keep_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.Ten
         p: dropout probability in `[0, 1)`.
     """
     if seed.dtype != torch.int32 or seed.dim() != 0:
-        raise ValueError(f"keep_mask: seed must be a 0-d int32 tensor, got {seed.dtype} of shape {tuple(seed.shape)}")
+        raise ValueError(
+            f"keep_mask: seed must be a 0-d int32 tensor, got {seed.dtype} of shape {tuple(seed.shape)}"
+        )
     if not 0.0 <= p < 1.0:
         raise ValueError(f"keep_mask: p={p} is outside [0, 1)")
     numel = 1

@@ -43,8 +43,9 @@ def _alpha(a_pre, a_post, a_res, n: int, compute, acc):
     ).to(acc)
 
 
-def _rms_and_scale(sumsq: torch.Tensor, width: int, norm_eps: float,
-                   eps_inside: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_and_scale(
+    sumsq: torch.Tensor, width: int, norm_eps: float, eps_inside: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rms, r)` from the row sums of squares `sumsq [T, 1]`: `rms = sqrt(sumsq / K (+ eps inside))`,
     `r = 1 / (rms (+ eps outside))`. With the eps outside, `rms` is `sqrt(sumsq) / sqrt(K)`, as upstream
     computes it. Either way `dr/dx = -r^2 * x / (K * rms)`, so a backward needs only the saved `rms`."""
@@ -69,8 +70,20 @@ def _sum_squares(xa: torch.Tensor) -> torch.Tensor:
     return sq.sum(-1, keepdim=True)
 
 
-def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pre_eps: float, norm_eps: float,
-         eps_inside: bool):
+def _fwd(
+    x,
+    weight,
+    a_pre,
+    a_post,
+    a_res,
+    bias,
+    n: int,
+    compute,
+    out_dtype,
+    h_pre_eps: float,
+    norm_eps: float,
+    eps_inside: bool,
+):
     acc = acc_dtype(compute)
     k = x.shape[1]
     xc = x.to(compute)
@@ -101,8 +114,24 @@ def rms_coef(gh, projf, alpha, r, rms, k: int):
     return torch.where(rms > 0, -g_r * r * r / (rms * k), torch.zeros_like(rms))
 
 
-def _bwd(g_pre, g_post, g_logits, x, weight, a_pre, a_post, a_res, bias, proj, rms,
-         n: int, compute, eps_outside: float, need_x: bool, need_w: bool):
+def _bwd(
+    g_pre,
+    g_post,
+    g_logits,
+    x,
+    weight,
+    a_pre,
+    a_post,
+    a_res,
+    bias,
+    proj,
+    rms,
+    n: int,
+    compute,
+    eps_outside: float,
+    need_x: bool,
+    need_w: bool,
+):
     acc = acc_dtype(compute)
     t, k = x.shape
     alpha = _alpha(a_pre, a_post, a_res, n, compute, acc)
@@ -136,8 +165,17 @@ class _Mapping(torch.autograd.Function):
         norm_eps = effective_norm_eps(spec, norm_eps, compute)
         out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
         params = (weight, a_pre, a_post, a_res, bias)
-        key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps,
-               spec.norm_eps_placement, x.device.type)
+        key = (
+            x.dtype,
+            *(p.dtype for p in params),
+            n,
+            compute,
+            out_dtype,
+            spec.h_pre_eps,
+            norm_eps,
+            spec.norm_eps_placement,
+            x.device.type,
+        )
         fwd = compile_for(_fwd, key)
         h_pre, h_post, logits, proj, rms = fwd(
             mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps, spec.norm_eps_inside
@@ -158,9 +196,20 @@ class _Mapping(torch.autograd.Function):
         grads_out = [mark_dynamic(g, 0) for g in grads_out]
         x, proj, rms = (mark_dynamic(t, 0) for t in (x, proj, rms))
         params = (weight, a_pre, a_post, a_res, bias)
-        key = (x.dtype, *(p.dtype for p in params), *(g.dtype for g in grads_out), n, compute, norm_eps,
-               need_x, need_w, x.device.type)
-        grads = compile_for(_bwd, key)(*grads_out, x, *params, proj, rms, n, compute, norm_eps, need_x, need_w)
+        key = (
+            x.dtype,
+            *(p.dtype for p in params),
+            *(g.dtype for g in grads_out),
+            n,
+            compute,
+            norm_eps,
+            need_x,
+            need_w,
+            x.device.type,
+        )
+        grads = compile_for(_bwd, key)(
+            *grads_out, x, *params, proj, rms, n, compute, norm_eps, need_x, need_w
+        )
         return (*grads, None, None, None)
 
 
@@ -173,6 +222,13 @@ def mapping(call: MappingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if call.x.shape[0] == 0:
         return mapping_reference(call)
     return _Mapping.apply(
-        call.x.contiguous(), call.weight.contiguous(), call.alpha_pre, call.alpha_post, call.alpha_res,
-        call.bias.contiguous(), call.n, call.spec, call.norm_eps,
+        call.x.contiguous(),
+        call.weight.contiguous(),
+        call.alpha_pre,
+        call.alpha_post,
+        call.alpha_res,
+        call.bias.contiguous(),
+        call.n,
+        call.spec,
+        call.norm_eps,
     )

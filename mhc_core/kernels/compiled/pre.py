@@ -48,10 +48,28 @@ from mhc_core.variants import VariantSpec
 __all__ = ["pre"]
 
 
-def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pre_eps: float, norm_eps: float,
-         eps_inside: bool, start: str, order: str, guard: str, iterations: int, s_eps: float):
-    h_pre, h_post, logits, proj, rms = _mapping_fwd(x, weight, a_pre, a_post, a_res, bias, n, compute, out_dtype,
-                                                    h_pre_eps, norm_eps, eps_inside)
+def _fwd(
+    x,
+    weight,
+    a_pre,
+    a_post,
+    a_res,
+    bias,
+    n: int,
+    compute,
+    out_dtype,
+    h_pre_eps: float,
+    norm_eps: float,
+    eps_inside: bool,
+    start: str,
+    order: str,
+    guard: str,
+    iterations: int,
+    s_eps: float,
+):
+    h_pre, h_post, logits, proj, rms = _mapping_fwd(
+        x, weight, a_pre, a_post, a_res, bias, n, compute, out_dtype, h_pre_eps, norm_eps, eps_inside
+    )
     z = logits.to(acc_dtype(logits.dtype))
     h_res = _sinkhorn_fwd(z, start, order, guard, iterations, s_eps).to(logits.dtype)
     t, k = x.shape
@@ -59,8 +77,23 @@ def _fwd(x, weight, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, h_pr
     return aggregate, h_pre, h_post, h_res, proj, rms
 
 
-def _epilogue(proj, rms, a_pre, a_post, a_res, bias, n: int, compute, out_dtype, eps_outside: float, start: str,
-              order: str, guard: str, iterations: int, s_eps: float):
+def _epilogue(
+    proj,
+    rms,
+    a_pre,
+    a_post,
+    a_res,
+    bias,
+    n: int,
+    compute,
+    out_dtype,
+    eps_outside: float,
+    start: str,
+    order: str,
+    guard: str,
+    iterations: int,
+    s_eps: float,
+):
     """h_post and h_res from the native forward's `proj [T, N]` and `rms [T, 1]` (the gates as `_fwd` computes them)."""
     acc = acc_dtype(compute)
     t = proj.shape[0]
@@ -68,7 +101,9 @@ def _epilogue(proj, rms, a_pre, a_post, a_res, bias, n: int, compute, out_dtype,
     h = (1.0 / (rms + eps_outside)) * proj.to(acc) * alpha + bias.to(compute).to(acc)
     h_post = (2.0 * torch.sigmoid(h[:, n : 2 * n])).to(out_dtype)
     logits = h[:, 2 * n :].reshape(t, n, n).to(out_dtype)
-    h_res = _sinkhorn_fwd(logits.to(acc_dtype(logits.dtype)), start, order, guard, iterations, s_eps).to(logits.dtype)
+    h_res = _sinkhorn_fwd(logits.to(acc_dtype(logits.dtype)), start, order, guard, iterations, s_eps).to(
+        logits.dtype
+    )
     return h_post, h_res
 
 
@@ -80,9 +115,29 @@ def _native_passes(x: torch.Tensor, compute: torch.dtype, n: int) -> tuple[bool,
     return native.passes(x.dtype, compute, n, native.chosen_kernel())
 
 
-def _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, rms, n: int, k: int, compute,
-               out_dtype, h_pre_eps: float, eps_outside: float, start: str, order: str, guard: str, iterations: int,
-               s_eps: float):
+def _bwd_gates(
+    g_h_agg,
+    g_pre,
+    g_post,
+    g_res,
+    a_pre,
+    a_post,
+    a_res,
+    bias,
+    proj,
+    rms,
+    n: int,
+    k: int,
+    compute,
+    out_dtype,
+    h_pre_eps: float,
+    eps_outside: float,
+    start: str,
+    order: str,
+    guard: str,
+    iterations: int,
+    s_eps: float,
+):
     """The backward up to the gradient of the projection: from `g_h_agg [T, n]`, the aggregate's gradient of h_pre,
     and the coefficients' gradients, `g_proj [T, N]`, `coef [T, 1]` (the RMS term of the gradient of x), h_pre
     `[T, n]` as the forward used it, and the gradients of alpha_pre, alpha_post, alpha_res and bias."""
@@ -97,7 +152,9 @@ def _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, 
     h_pre = (s_pre + h_pre_eps).to(out_dtype)
     logits = h[:, 2 * n :].reshape(t, n, n).to(out_dtype)
     s_acc = acc_dtype(logits.dtype)
-    g_logits = _sinkhorn_bwd(logits.to(s_acc), g_res.to(logits.dtype).to(s_acc), start, order, guard, iterations, s_eps)
+    g_logits = _sinkhorn_bwd(
+        logits.to(s_acc), g_res.to(logits.dtype).to(s_acc), start, order, guard, iterations, s_eps
+    )
     g_pre_total = g_pre.to(acc) + g_h_agg.to(acc)  # [T, n]
     gh = torch.cat(
         [
@@ -111,9 +168,32 @@ def _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, 
     return g_proj, rms_coef(gh, projf, alpha, r, rms, k), h_pre, g_params
 
 
-def _bwd(g_agg, g_pre, g_post, g_res, x, weight, a_pre, a_post, a_res, bias, proj, rms, n: int, compute, out_dtype,
-         h_pre_eps: float, eps_outside: float, start: str, order: str, guard: str, iterations: int, s_eps: float,
-         need_x: bool, need_w: bool):
+def _bwd(
+    g_agg,
+    g_pre,
+    g_post,
+    g_res,
+    x,
+    weight,
+    a_pre,
+    a_post,
+    a_res,
+    bias,
+    proj,
+    rms,
+    n: int,
+    compute,
+    out_dtype,
+    h_pre_eps: float,
+    eps_outside: float,
+    start: str,
+    order: str,
+    guard: str,
+    iterations: int,
+    s_eps: float,
+    need_x: bool,
+    need_w: bool,
+):
     acc = acc_dtype(compute)
     t, k = x.shape
     c = k // n
@@ -121,24 +201,65 @@ def _bwd(g_agg, g_pre, g_post, g_res, x, weight, a_pre, a_post, a_res, bias, pro
     xs = x.view(t, n, c).to(a_acc)
     g_aggf = g_agg.to(a_acc)
     g_h_agg = (g_aggf[:, None, :] * xs).sum(-1)  # [T, n]
-    g_proj, coef, h_pre, g_params = _bwd_gates(g_h_agg, g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, rms,
-                                               n, k, compute, out_dtype, h_pre_eps, eps_outside, start, order,
-                                               guard, iterations, s_eps)
+    g_proj, coef, h_pre, g_params = _bwd_gates(
+        g_h_agg,
+        g_pre,
+        g_post,
+        g_res,
+        a_pre,
+        a_post,
+        a_res,
+        bias,
+        proj,
+        rms,
+        n,
+        k,
+        compute,
+        out_dtype,
+        h_pre_eps,
+        eps_outside,
+        start,
+        order,
+        guard,
+        iterations,
+        s_eps,
+    )
     g_x = g_w = None
     if need_x:
         # One pointwise pass after the GEMM adds c * x and h_pre (x) g_agg to its product, read as [T, n, C] (the
         # view keeps Inductor from folding c * x into an addmm, which writes c * x to a [T, K] buffer of its own
         # and copies it into the product's).
         g_mm = (g_proj.to(compute) @ weight.to(compute)).view(t, n, c).to(acc)
-        g_x = (g_mm + coef.view(t, 1, 1) * x.view(t, n, c).to(compute).to(acc)
-               + h_pre.to(acc)[:, :, None] * g_aggf[:, None, :].to(acc)).to(x.dtype).view(t, k)
+        g_x = (
+            (
+                g_mm
+                + coef.view(t, 1, 1) * x.view(t, n, c).to(compute).to(acc)
+                + h_pre.to(acc)[:, :, None] * g_aggf[:, None, :].to(acc)
+            )
+            .to(x.dtype)
+            .view(t, k)
+        )
     if need_w:
         g_w = (g_proj.to(compute).t() @ x.to(compute)).to(weight.dtype)
     return g_x, g_w, *g_params
 
 
-def _native_bwd(grads, x, params, proj, rms, n: int, compute, out_dtype, h_pre_eps: float, eps_outside: float,
-                sink: tuple, need_x: bool, need_w: bool, key: tuple):
+def _native_bwd(
+    grads,
+    x,
+    params,
+    proj,
+    rms,
+    n: int,
+    compute,
+    out_dtype,
+    h_pre_eps: float,
+    eps_outside: float,
+    sink: tuple,
+    need_x: bool,
+    need_w: bool,
+    key: tuple,
+):
     """The backward with the native kernel's two passes over x around the compiled gates: the aggregate's gradient
     of h_pre (one read of x and g_agg), `_bwd_gates`, then the gradients of x and W (one more)."""
     g_agg, g_pre, g_post, g_res = grads
@@ -146,38 +267,104 @@ def _native_bwd(grads, x, params, proj, rms, n: int, compute, out_dtype, h_pre_e
     t, k = x.shape
     g_h_agg = native.grad_h(x, g_agg, n)
     g_proj, coef, h_pre, g_params = compile_for(_bwd_gates, ("native", *key))(
-        mark_dynamic(g_h_agg, 0), g_pre, g_post, g_res, a_pre, a_post, a_res, bias, proj, rms, n, k, compute,
-        out_dtype, h_pre_eps, eps_outside, *sink)
+        mark_dynamic(g_h_agg, 0),
+        g_pre,
+        g_post,
+        g_res,
+        a_pre,
+        a_post,
+        a_res,
+        bias,
+        proj,
+        rms,
+        n,
+        k,
+        compute,
+        out_dtype,
+        h_pre_eps,
+        eps_outside,
+        *sink,
+    )
     # The mapping's GEMMs read g_proj and W in its dtype: rounded to it first, as they would be, and their gradient
     # of W leaves in it.
-    g_x, g_w = native.grad_x_w(x, g_agg, weight.detach().to(compute), g_proj.to(compute), coef, h_pre, n, need_x,
-                               need_w, bf16_products=compute == torch.bfloat16)
+    g_x, g_w = native.grad_x_w(
+        x,
+        g_agg,
+        weight.detach().to(compute),
+        g_proj.to(compute),
+        coef,
+        h_pre,
+        n,
+        need_x,
+        need_w,
+        bf16_products=compute == torch.bfloat16,
+    )
     return g_x, None if g_w is None else g_w.to(compute).to(weight.dtype), *g_params
 
 
 class _Pre(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, a_pre, a_post, a_res, bias, n: int, iterations: int, spec: VariantSpec,
-                norm_eps: float):
+    def forward(
+        ctx,
+        x,
+        weight,
+        a_pre,
+        a_post,
+        a_res,
+        bias,
+        n: int,
+        iterations: int,
+        spec: VariantSpec,
+        norm_eps: float,
+    ):
         compute = acc_dtype(x.dtype) if spec.mapping_fp32 else x.dtype
         norm_eps = effective_norm_eps(spec, norm_eps, compute)
         out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
         params = (weight, a_pre, a_post, a_res, bias)
         sink = (*spec.sinkhorn_form, iterations, spec.sinkhorn_eps)
-        key = (x.dtype, *(p.dtype for p in params), n, compute, out_dtype, spec.h_pre_eps, norm_eps,
-               spec.norm_eps_placement, *sink, x.device.type)
+        key = (
+            x.dtype,
+            *(p.dtype for p in params),
+            n,
+            compute,
+            out_dtype,
+            spec.h_pre_eps,
+            norm_eps,
+            spec.norm_eps_placement,
+            *sink,
+            x.device.type,
+        )
         eps_outside = 0.0 if spec.norm_eps_inside else norm_eps
         native_fwd, ctx.native = _native_passes(x, compute, n)
         if native_fwd:
-            proj, rms, h_pre, agg = native.pre_forward(x, weight, a_pre, bias, n, norm_eps, spec.norm_eps_inside,
-                                                       spec.h_pre_eps, out_dtype, compute)
+            proj, rms, h_pre, agg = native.pre_forward(
+                x, weight, a_pre, bias, n, norm_eps, spec.norm_eps_inside, spec.h_pre_eps, out_dtype, compute
+            )
             h_post, h_res = compile_for(_epilogue, ("native", *key))(
-                mark_dynamic(proj, 0), mark_dynamic(rms, 0), a_pre, a_post, a_res, bias, n, compute, out_dtype,
-                eps_outside, *sink)
+                mark_dynamic(proj, 0),
+                mark_dynamic(rms, 0),
+                a_pre,
+                a_post,
+                a_res,
+                bias,
+                n,
+                compute,
+                out_dtype,
+                eps_outside,
+                *sink,
+            )
         else:
             agg, h_pre, h_post, h_res, proj, rms = compile_for(_fwd, key)(
-                mark_dynamic(x, 0), *params, n, compute, out_dtype, spec.h_pre_eps, norm_eps, spec.norm_eps_inside,
-                *sink)
+                mark_dynamic(x, 0),
+                *params,
+                n,
+                compute,
+                out_dtype,
+                spec.h_pre_eps,
+                norm_eps,
+                spec.norm_eps_inside,
+                *sink,
+            )
         ctx.save_for_backward(x, *params, proj, rms)
         ctx.n, ctx.compute, ctx.out_dtype, ctx.h_pre_eps = n, compute, out_dtype, spec.h_pre_eps
         ctx.eps_outside = eps_outside
@@ -189,23 +376,69 @@ class _Pre(torch.autograd.Function):
     def backward(ctx, g_agg, g_pre, g_post, g_res):
         x, weight, a_pre, a_post, a_res, bias, proj, rms = ctx.saved_tensors
         n, t = ctx.n, x.shape[0]
-        like = {"g_agg": ((t, x.shape[1] // n), x.dtype), "g_pre": ((t, n), ctx.out_dtype),
-                "g_post": ((t, n), ctx.out_dtype), "g_res": ((t, n, n), ctx.out_dtype)}
+        like = {
+            "g_agg": ((t, x.shape[1] // n), x.dtype),
+            "g_pre": ((t, n), ctx.out_dtype),
+            "g_post": ((t, n), ctx.out_dtype),
+            "g_res": ((t, n, n), ctx.out_dtype),
+        }
         grads = []
         for g, (shape, dtype) in zip((g_agg, g_pre, g_post, g_res), like.values(), strict=True):
-            grads.append(mark_dynamic(torch.zeros(shape, dtype=dtype, device=x.device) if g is None
-                                      else g.contiguous(), 0))
+            grads.append(
+                mark_dynamic(
+                    torch.zeros(shape, dtype=dtype, device=x.device) if g is None else g.contiguous(), 0
+                )
+            )
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         params = (weight, a_pre, a_post, a_res, bias)
-        key = (x.dtype, *(p.dtype for p in params), *(g.dtype for g in grads), n, ctx.compute, ctx.out_dtype,
-               ctx.h_pre_eps, ctx.eps_outside, *ctx.sink, need_x, need_w, x.device.type)
+        key = (
+            x.dtype,
+            *(p.dtype for p in params),
+            *(g.dtype for g in grads),
+            n,
+            ctx.compute,
+            ctx.out_dtype,
+            ctx.h_pre_eps,
+            ctx.eps_outside,
+            *ctx.sink,
+            need_x,
+            need_w,
+            x.device.type,
+        )
         x, proj, rms = (mark_dynamic(v, 0) for v in (x, proj, rms))
         if ctx.native:
-            out = _native_bwd(grads, x, params, proj, rms, n, ctx.compute, ctx.out_dtype, ctx.h_pre_eps,
-                              ctx.eps_outside, ctx.sink, need_x, need_w, key)
+            out = _native_bwd(
+                grads,
+                x,
+                params,
+                proj,
+                rms,
+                n,
+                ctx.compute,
+                ctx.out_dtype,
+                ctx.h_pre_eps,
+                ctx.eps_outside,
+                ctx.sink,
+                need_x,
+                need_w,
+                key,
+            )
             return (*out, None, None, None, None)
-        out = compile_for(_bwd, key)(*grads, x, *params, proj, rms, n, ctx.compute, ctx.out_dtype, ctx.h_pre_eps,
-                                     ctx.eps_outside, *ctx.sink, need_x, need_w)
+        out = compile_for(_bwd, key)(
+            *grads,
+            x,
+            *params,
+            proj,
+            rms,
+            n,
+            ctx.compute,
+            ctx.out_dtype,
+            ctx.h_pre_eps,
+            ctx.eps_outside,
+            *ctx.sink,
+            need_x,
+            need_w,
+        )
         return (*out, None, None, None, None)
 
 
@@ -217,5 +450,15 @@ def pre(call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     """
     if call.x.shape[0] == 0 or call.n == 1:
         return pre_reference(call)
-    return _Pre.apply(call.x.contiguous(), call.weight.contiguous(), call.alpha_pre, call.alpha_post,
-                      call.alpha_res, call.bias.contiguous(), call.n, call.iterations, call.spec, call.norm_eps)
+    return _Pre.apply(
+        call.x.contiguous(),
+        call.weight.contiguous(),
+        call.alpha_pre,
+        call.alpha_post,
+        call.alpha_res,
+        call.bias.contiguous(),
+        call.n,
+        call.iterations,
+        call.spec,
+        call.norm_eps,
+    )

@@ -42,6 +42,7 @@ from mhc_core.ops import AggregateCall, Backend, MappingCall, PostBdaCall, PreCa
 
 __all__ = ["CUTILE", "SUPPORTED_N", "CuTileBackend", "availability"]
 
+
 class CuTileBackend:
     """The cuTile ops bound to one runtime (an object with `launch`, or a zero-argument factory of one)."""
 
@@ -49,8 +50,9 @@ class CuTileBackend:
 
     def __init__(self, runtime: Any | Callable[[], Any]):
         self.runtime = runtime
-        self._get: Callable[[], Any] = (runtime if callable(runtime) and not hasattr(runtime, "launch")
-                                        else (lambda: runtime))
+        self._get: Callable[[], Any] = (
+            runtime if callable(runtime) and not hasattr(runtime, "launch") else (lambda: runtime)
+        )
 
     def sinkhorn(self, call: SinkhornCall) -> torch.Tensor:
         return _sinkhorn.sinkhorn(self._get, call)

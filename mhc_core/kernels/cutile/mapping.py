@@ -42,9 +42,19 @@ def mma_mode(x_dtype: torch.dtype, spec: VariantSpec) -> int:
     return MMA_TF32 if torch.backends.cuda.matmul.allow_tf32 else MMA_3XTF32
 
 
-
-def _forward(rt: Any, x, weight, alphas, bias, n: int, out_dtype: torch.dtype, mma: int, h_pre_eps: float,
-             norm_eps: float, eps_inside: float):
+def _forward(
+    rt: Any,
+    x,
+    weight,
+    alphas,
+    bias,
+    n: int,
+    out_dtype: torch.dtype,
+    mma: int,
+    h_pre_eps: float,
+    norm_eps: float,
+    eps_inside: float,
+):
     """The forward launches: `(h_pre, h_post, h_res_logits, proj_pp, proj_res, rms)`."""
     t, k = x.shape
     dev = x.device
@@ -67,7 +77,19 @@ def _forward(rt: Any, x, weight, alphas, bias, n: int, out_dtype: torch.dtype, m
         rt.launch(
             (m_blocks, splits),
             "mapping_fwd_partial_kernel",
-            (x, weight[: 2 * n], weight[2 * n :], part_pp, part_res, part_sq, per_split, n, tl.tile_m, tl.tile_k, mma),
+            (
+                x,
+                weight[: 2 * n],
+                weight[2 * n :],
+                part_pp,
+                part_res,
+                part_sq,
+                per_split,
+                n,
+                tl.tile_m,
+                tl.tile_k,
+                mma,
+            ),
         )
         head = (part_pp, part_res, part_sq, *alphas, bias[: 2 * n], bias[2 * n :])
         tail = (proj_pp, proj_res, rms)
@@ -108,40 +130,106 @@ def _backward(rt: Any, saved, grads, n: int, mma: int, norm_eps: float, agg=None
     gw_part = alloc((splits, num_mapping_outputs(n), k), dtype=f32, device=dev)
     grad_x = torch.empty_like(x)
     if t:
-        coef = (*grads, proj_pp, proj_res, rms, alpha_pre, alpha_post, alpha_res, bias[: 2 * n], bias[2 * n :],
-                gp_pp, gp_res, cx, gbias_pp, gbias_res, galpha, 1.0 / k, norm_eps, n, tl.tile_m)
+        coef = (
+            *grads,
+            proj_pp,
+            proj_res,
+            rms,
+            alpha_pre,
+            alpha_post,
+            alpha_res,
+            bias[: 2 * n],
+            bias[2 * n :],
+            gp_pp,
+            gp_res,
+            cx,
+            gbias_pp,
+            gbias_res,
+            galpha,
+            1.0 / k,
+            norm_eps,
+            n,
+            tl.tile_m,
+        )
         w = (x, weight[: 2 * n], weight[2 * n :], gp_pp, gp_res, cx)
         out = (grad_x, gw_part[:, : 2 * n], gw_part[:, 2 * n :], per_split, n, tl.tile_m, tl.tile_k, mma)
         rt.launch((m_blocks,), "mapping_bwd_coef_kernel", coef)
         if agg is None:
             rt.launch((k_tiles, splits), "mapping_bwd_dx_dw_kernel", (*w, *out))
         else:
-            rt.launch((k_tiles, splits), "pre_bwd_dx_dw_kernel", (*w, grad_agg, agg[1].to(f32).contiguous(), *out))
+            rt.launch(
+                (k_tiles, splits), "pre_bwd_dx_dw_kernel", (*w, grad_agg, agg[1].to(f32).contiguous(), *out)
+            )
     grad_w = (gw_part.sum(dim=0) if splits > 1 else gw_part[0]).to(weight.dtype)
     grad_bias = torch.cat((gbias_pp.sum(dim=0), gbias_res.sum(dim=0))).to(bias.dtype)
     ga = galpha.sum(dim=0)
-    return (grad_x, grad_w, ga[0:1].to(alpha_pre.dtype), ga[1:2].to(alpha_post.dtype), ga[2:3].to(alpha_res.dtype),
-            grad_bias)
+    return (
+        grad_x,
+        grad_w,
+        ga[0:1].to(alpha_pre.dtype),
+        ga[1:2].to(alpha_post.dtype),
+        ga[2:3].to(alpha_res.dtype),
+        grad_bias,
+    )
 
 
-def _forward_saving(ctx, rt: Any, x, weight, alphas, bias, n: int, out_dtype: torch.dtype, mma: int,
-                    h_pre_eps: float, norm_eps: float, eps_inside: float):
+def _forward_saving(
+    ctx,
+    rt: Any,
+    x,
+    weight,
+    alphas,
+    bias,
+    n: int,
+    out_dtype: torch.dtype,
+    mma: int,
+    h_pre_eps: float,
+    norm_eps: float,
+    eps_inside: float,
+):
     """`_forward` on contiguous inputs, with `ctx.args` set for `_backward`: `(x, saved, h_pre, h_post,
     h_res_logits)`, `saved` the tensors `_backward` reads (for `ctx.save_for_backward`)."""
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
     alphas = tuple(a.contiguous() for a in alphas)
-    h_pre, h_post, h_res, proj_pp, proj_res, rms = _forward(rt, x, weight, alphas, bias, n, out_dtype, mma,
-                                                            h_pre_eps, norm_eps, eps_inside)
+    h_pre, h_post, h_res, proj_pp, proj_res, rms = _forward(
+        rt, x, weight, alphas, bias, n, out_dtype, mma, h_pre_eps, norm_eps, eps_inside
+    )
     ctx.args = (n, mma, float(norm_eps), rt)
     return x, (x, weight, *alphas, bias, proj_pp, proj_res, rms), h_pre, h_post, h_res
 
 
 class _MappingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, alpha_pre, alpha_post, alpha_res, bias, n: int, out_dtype: torch.dtype,
-                mma: int, h_pre_eps: float, norm_eps: float, eps_inside: float, rt: Any):
-        _, saved, h_pre, h_post, h_res = _forward_saving(ctx, rt, x, weight, (alpha_pre, alpha_post, alpha_res), bias,
-                                                         n, out_dtype, mma, h_pre_eps, norm_eps, eps_inside)
+    def forward(
+        ctx,
+        x,
+        weight,
+        alpha_pre,
+        alpha_post,
+        alpha_res,
+        bias,
+        n: int,
+        out_dtype: torch.dtype,
+        mma: int,
+        h_pre_eps: float,
+        norm_eps: float,
+        eps_inside: float,
+        rt: Any,
+    ):
+        _, saved, h_pre, h_post, h_res = _forward_saving(
+            ctx,
+            rt,
+            x,
+            weight,
+            (alpha_pre, alpha_post, alpha_res),
+            bias,
+            n,
+            out_dtype,
+            mma,
+            h_pre_eps,
+            norm_eps,
+            eps_inside,
+        )
         ctx.save_for_backward(*saved)
         return h_pre, h_post, h_res
 
@@ -156,10 +244,36 @@ class _PreFn(torch.autograd.Function):
     """The fused pre-op without Sinkhorn: `(aggregate, h_pre, h_post, h_res_logits)`, three launches each way."""
 
     @staticmethod
-    def forward(ctx, x, weight, alpha_pre, alpha_post, alpha_res, bias, n: int, out_dtype: torch.dtype,
-                mma: int, h_pre_eps: float, norm_eps: float, eps_inside: float, rt: Any):
-        x, saved, h_pre, h_post, logits = _forward_saving(ctx, rt, x, weight, (alpha_pre, alpha_post, alpha_res), bias,
-                                                          n, out_dtype, mma, h_pre_eps, norm_eps, eps_inside)
+    def forward(
+        ctx,
+        x,
+        weight,
+        alpha_pre,
+        alpha_post,
+        alpha_res,
+        bias,
+        n: int,
+        out_dtype: torch.dtype,
+        mma: int,
+        h_pre_eps: float,
+        norm_eps: float,
+        eps_inside: float,
+        rt: Any,
+    ):
+        x, saved, h_pre, h_post, logits = _forward_saving(
+            ctx,
+            rt,
+            x,
+            weight,
+            (alpha_pre, alpha_post, alpha_res),
+            bias,
+            n,
+            out_dtype,
+            mma,
+            h_pre_eps,
+            norm_eps,
+            eps_inside,
+        )
         t, k = x.shape
         agg = aggregate_forward(rt, x.view(t, n, k // n), h_pre)
         ctx.save_for_backward(*saved, h_pre)
@@ -186,10 +300,14 @@ def mapping(rt: Callable[[], Any], call: MappingCall) -> tuple[torch.Tensor, tor
     `x [T, n*C] -> h_pre [T, n], h_post [T, n], h_res_logits [T, n, n]`.
     """
     args = (call.x, *call.params)
-    return _MappingFn.apply(*args, call.n, *_launch_settings(rt, "mapping", args, call.n, call.spec, call.norm_eps))
+    return _MappingFn.apply(
+        *args, call.n, *_launch_settings(rt, "mapping", args, call.n, call.spec, call.norm_eps)
+    )
 
 
-def _launch_settings(rt: Callable[[], Any], op: str, args: tuple, n: int, spec: VariantSpec, norm_eps: float) -> tuple:
+def _launch_settings(
+    rt: Callable[[], Any], op: str, args: tuple, n: int, spec: VariantSpec, norm_eps: float
+) -> tuple:
     """The checks of the runtime and the settings after `n` of `_MappingFn` / `_PreFn` for `args = (x, weight,
     alpha_pre, alpha_post, alpha_res, bias)`: `(out_dtype, mma, h_pre_eps, norm_eps, eps_inside, runtime)`, the
     spec's eps placement giving `norm_eps` to one of the two eps and 0 to the other."""
@@ -203,12 +321,19 @@ def _launch_settings(rt: Callable[[], Any], op: str, args: tuple, n: int, spec: 
     norm_eps = effective_norm_eps(spec, norm_eps, compute)
     out_dtype = x.dtype if spec.coefficients_in_activation_dtype else compute
     inside = spec.norm_eps_inside
-    return (out_dtype, mma_mode(x.dtype, spec), float(spec.h_pre_eps), 0.0 if inside else float(norm_eps),
-            float(norm_eps) if inside else 0.0, runtime)
+    return (
+        out_dtype,
+        mma_mode(x.dtype, spec),
+        float(spec.h_pre_eps),
+        0.0 if inside else float(norm_eps),
+        float(norm_eps) if inside else 0.0,
+        runtime,
+    )
 
 
-def pre(rt: Callable[[], Any], call: PreCall, sinkhorn: Callable[[torch.Tensor], torch.Tensor]
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def pre(
+    rt: Callable[[], Any], call: PreCall, sinkhorn: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """`mhc_core.ops.pre` of a checked call on the runtime `rt()`: `x [T, n*C] -> aggregate [T, C], h_pre,
     h_post [T, n], h_res [T, n, n]` (`sinkhorn`: the cuTile Sinkhorn of the logits `[T, n, n]`). `None` where the
     formulation in force is the composition (`tiling.pre_tiles`) or the fused launches do not cover the shape
@@ -217,6 +342,7 @@ def pre(rt: Callable[[], Any], call: PreCall, sinkhorn: Callable[[torch.Tensor],
     if not (tiling.pre_tiles(n).fused and pre_fuses(n, k)):
         return None
     args = (call.x, *call.params)
-    agg, h_pre, h_post, logits = _PreFn.apply(*args, n, *_launch_settings(rt, "pre", args, n, call.spec,
-                                                                          call.norm_eps))
+    agg, h_pre, h_post, logits = _PreFn.apply(
+        *args, n, *_launch_settings(rt, "pre", args, n, call.spec, call.norm_eps)
+    )
     return agg, h_pre, h_post, sinkhorn(logits)

@@ -45,7 +45,9 @@ F32 = ct.float32
 def _fma_rows(g, w, acc, J, TILE_M):
     """`acc + g @ w` as `J` broadcast FMAs: `g [TILE_M, J]` fp32, `w [J, TILE_K]`."""
     for j in ct.static_iter(range(J)):
-        acc = acc + ct.extract(g, (0, j), shape=(TILE_M, 1)) * ct.astype(ct.extract(w, (j, 0), shape=(1, w.shape[1])), F32)
+        acc = acc + ct.extract(g, (0, j), shape=(TILE_M, 1)) * ct.astype(
+            ct.extract(w, (j, 0), shape=(1, w.shape[1])), F32
+        )
     return acc
 
 
@@ -81,8 +83,19 @@ def _sigmoid(v):
 
 
 @ct.kernel
-def mapping_fwd_partial_kernel(x, w_pp, w_res, part_pp, part_res, part_sq, k_tiles_per_split: int,
-                               N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
+def mapping_fwd_partial_kernel(
+    x,
+    w_pp,
+    w_res,
+    part_pp,
+    part_res,
+    part_sq,
+    k_tiles_per_split: int,
+    N: ConstInt,
+    TILE_M: ConstInt,
+    TILE_K: ConstInt,
+    MMA: ConstInt,
+):
     """Partial projections and sum of squares of one K split; grid `(cdiv(T, TILE_M), S)`."""
     pm = ct.bid(0)
     ps = ct.bid(1)
@@ -106,10 +119,28 @@ def mapping_fwd_partial_kernel(x, w_pp, w_res, part_pp, part_res, part_sq, k_til
 
 
 @ct.kernel
-def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_post, alpha_res,
-                                bias_pp, bias_res, h_pre, h_post, h_res, proj_pp, proj_res, rms_out,
-                                inv_k: float, norm_eps: float, h_pre_eps: float, eps_inside: float,
-                                N: ConstInt, TILE_M: ConstInt):
+def mapping_fwd_epilogue_kernel(
+    part_pp,
+    part_res,
+    part_sq,
+    alpha_pre,
+    alpha_post,
+    alpha_res,
+    bias_pp,
+    bias_res,
+    h_pre,
+    h_post,
+    h_res,
+    proj_pp,
+    proj_res,
+    rms_out,
+    inv_k: float,
+    norm_eps: float,
+    h_pre_eps: float,
+    eps_inside: float,
+    N: ConstInt,
+    TILE_M: ConstInt,
+):
     """Reduce the K splits and apply RMS, alphas, bias and gates; grid `(cdiv(T, TILE_M),)`."""
     pm = ct.bid(0)
     p_pp = ct.zeros((TILE_M, 2 * N), dtype=F32)
@@ -136,11 +167,29 @@ def mapping_fwd_epilogue_kernel(part_pp, part_res, part_sq, alpha_pre, alpha_pos
 
 
 @ct.kernel
-def mapping_bwd_coef_kernel(grad_pre, grad_post, grad_res, proj_pp, proj_res, rms_in,
-                            alpha_pre, alpha_post, alpha_res, bias_pp, bias_res,
-                            gp_pp, gp_res, cx, gbias_pp_part, gbias_res_part, galpha_part,
-                            inv_k: float, norm_eps: float,
-                            N: ConstInt, TILE_M: ConstInt):
+def mapping_bwd_coef_kernel(
+    grad_pre,
+    grad_post,
+    grad_res,
+    proj_pp,
+    proj_res,
+    rms_in,
+    alpha_pre,
+    alpha_post,
+    alpha_res,
+    bias_pp,
+    bias_res,
+    gp_pp,
+    gp_res,
+    cx,
+    gbias_pp_part,
+    gbias_res_part,
+    galpha_part,
+    inv_k: float,
+    norm_eps: float,
+    N: ConstInt,
+    TILE_M: ConstInt,
+):
     """Per-token gradients of the epilogue; grid `(cdiv(T, TILE_M),)`.
 
     Writes `gp = dL/dproj` (fp32 `[T, 2n]`, `[T, n*n]`), `cx [T]` with
@@ -158,8 +207,9 @@ def mapping_bwd_coef_kernel(grad_pre, grad_post, grad_res, proj_pp, proj_res, rm
     a_res = _scalar_f32(alpha_res)
     b_pp = ct.reshape(_load_f32(bias_pp, (0,), (2 * N,)), (1, 2 * N))
     gates = _sigmoid(r * p_pp * a_pp + b_pp)
-    g_gates = ct.cat((_load_f32(grad_pre, (pm, 0), (TILE_M, N)),
-                      2.0 * _load_f32(grad_post, (pm, 0), (TILE_M, N))), axis=1)
+    g_gates = ct.cat(
+        (_load_f32(grad_pre, (pm, 0), (TILE_M, N)), 2.0 * _load_f32(grad_post, (pm, 0), (TILE_M, N))), axis=1
+    )
     gh_pp = g_gates * gates * (1.0 - gates)
     gh_res = ct.reshape(_load_f32(grad_res, (pm, 0, 0), (TILE_M, N, N)), (TILE_M, N * N))
     # Rows past T load as zeros, so they add nothing below.
@@ -175,8 +225,9 @@ def mapping_bwd_coef_kernel(grad_pre, grad_post, grad_res, proj_pp, proj_res, rm
     ct.store(galpha_part, index=(pm, 0), tile=ga)
     ct.store(gp_pp, index=(pm, 0), tile=gh_pp * r * a_pp)
     ct.store(gp_res, index=(pm, 0), tile=gh_res * r * a_res)
-    g_r = ct.sum(gh_pp * p_pp * a_pp, axis=1, keepdims=True) + ct.sum(gh_res * p_res * a_res, axis=1,
-                                                                      keepdims=True)
+    g_r = ct.sum(gh_pp * p_pp * a_pp, axis=1, keepdims=True) + ct.sum(
+        gh_res * p_res * a_res, axis=1, keepdims=True
+    )
     # r = 1 / (rms + eps), rms = ||x|| / sqrt(K): dr/dx = -r^2 x / (K rms); zero where rms == 0.
     safe = ct.where(rms > 0.0, rms, 1.0)
     c = ct.where(rms > 0.0, -g_r * r * r * inv_k / safe, 0.0)
@@ -224,8 +275,25 @@ def _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA):
     return gx
 
 
-def _dx_dw(x, w_pp, w_res, gp_pp, gp_res, cx, grad_agg, h_pre, grad_x, gw_pp_part, gw_res_part, m_tiles_per_split,
-           N, TILE_M, TILE_K, MMA, AGG):
+def _dx_dw(
+    x,
+    w_pp,
+    w_res,
+    gp_pp,
+    gp_res,
+    cx,
+    grad_agg,
+    h_pre,
+    grad_x,
+    gw_pp_part,
+    gw_res_part,
+    m_tiles_per_split,
+    N,
+    TILE_M,
+    TILE_K,
+    MMA,
+    AGG,
+):
     """The body of the dx / dW kernels (`AGG`: also the aggregate's `h_pre[t, i] * grad_agg[t, c]` in `grad_x`)."""
     pk = ct.bid(0)
     ps = ct.bid(1)
@@ -253,8 +321,9 @@ def _dx_dw(x, w_pp, w_res, gp_pp, gp_res, cx, grad_agg, h_pre, grad_x, gw_pp_par
         gx = _grad_x(a, g_pp, g_res, g_all, c, wt_pp, wt_res, wt_all, N, TILE_M, MMA)
         if AGG:
             lanes = ct.reshape(ct.arange(N, dtype=ct.int32), (1, N))
-            weight = ct.sum(ct.where(lanes == stream, _load_f32(h_pre, (mt, 0), (TILE_M, N)), 0.0), axis=1,
-                            keepdims=True)
+            weight = ct.sum(
+                ct.where(lanes == stream, _load_f32(h_pre, (mt, 0), (TILE_M, N)), 0.0), axis=1, keepdims=True
+            )
             gx = gx + weight * _load_f32(grad_agg, (mt, pc), (TILE_M, TILE_K))
         ct.store(grad_x, index=(mt, pk), tile=ct.astype(gx, grad_x.dtype))
         if N == 2 and MMA == MMA_3XTF32:
@@ -274,19 +343,81 @@ def _dx_dw(x, w_pp, w_res, gp_pp, gp_res, cx, grad_agg, h_pre, grad_x, gw_pp_par
 
 
 @ct.kernel
-def mapping_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_x, gw_pp_part, gw_res_part,
-                             m_tiles_per_split: int,
-                             N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
+def mapping_bwd_dx_dw_kernel(
+    x,
+    w_pp,
+    w_res,
+    gp_pp,
+    gp_res,
+    cx,
+    grad_x,
+    gw_pp_part,
+    gw_res_part,
+    m_tiles_per_split: int,
+    N: ConstInt,
+    TILE_M: ConstInt,
+    TILE_K: ConstInt,
+    MMA: ConstInt,
+):
     """`grad_x = gp @ W + cx * x` and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
-    _dx_dw(x, w_pp, w_res, gp_pp, gp_res, cx, x, x, grad_x, gw_pp_part, gw_res_part, m_tiles_per_split,
-           N, TILE_M, TILE_K, MMA, 0)
+    _dx_dw(
+        x,
+        w_pp,
+        w_res,
+        gp_pp,
+        gp_res,
+        cx,
+        x,
+        x,
+        grad_x,
+        gw_pp_part,
+        gw_res_part,
+        m_tiles_per_split,
+        N,
+        TILE_M,
+        TILE_K,
+        MMA,
+        0,
+    )
 
 
 @ct.kernel
-def pre_bwd_dx_dw_kernel(x, w_pp, w_res, gp_pp, gp_res, cx, grad_agg, h_pre, grad_x, gw_pp_part, gw_res_part,
-                         m_tiles_per_split: int,
-                         N: ConstInt, TILE_M: ConstInt, TILE_K: ConstInt, MMA: ConstInt):
+def pre_bwd_dx_dw_kernel(
+    x,
+    w_pp,
+    w_res,
+    gp_pp,
+    gp_res,
+    cx,
+    grad_agg,
+    h_pre,
+    grad_x,
+    gw_pp_part,
+    gw_res_part,
+    m_tiles_per_split: int,
+    N: ConstInt,
+    TILE_M: ConstInt,
+    TILE_K: ConstInt,
+    MMA: ConstInt,
+):
     """The fused pre-op's one gradient of x: `grad_x = gp @ W + cx * x + h_pre[t, i] * grad_agg[t, c]` (k = i*C + c,
     TILE_K divides C) and partial `grad_W = gp^T @ x`; grid `(cdiv(K, TILE_K), S)`."""
-    _dx_dw(x, w_pp, w_res, gp_pp, gp_res, cx, grad_agg, h_pre, grad_x, gw_pp_part, gw_res_part, m_tiles_per_split,
-           N, TILE_M, TILE_K, MMA, 1)
+    _dx_dw(
+        x,
+        w_pp,
+        w_res,
+        gp_pp,
+        gp_res,
+        cx,
+        grad_agg,
+        h_pre,
+        grad_x,
+        gw_pp_part,
+        gw_res_part,
+        m_tiles_per_split,
+        N,
+        TILE_M,
+        TILE_K,
+        MMA,
+        1,
+    )

@@ -28,7 +28,9 @@ def mma_at(a, b, acc, MMA):
     if MMA == MMA_BF16:
         out = ct.mma(ct.astype(a, ct.bfloat16), ct.astype(b, ct.bfloat16), acc)
     elif MMA == MMA_TF32:
-        out = ct.mma(ct.astype(ct.astype(a, F32), ct.tfloat32), ct.astype(ct.astype(b, F32), ct.tfloat32), acc)
+        out = ct.mma(
+            ct.astype(ct.astype(a, F32), ct.tfloat32), ct.astype(ct.astype(b, F32), ct.tfloat32), acc
+        )
     elif MMA == MMA_2XBF16:
         # As for 3xTF32: each product gets its own zero accumulator and joins `acc` in fp32.
         a16 = ct.astype(a, ct.bfloat16)

@@ -63,10 +63,15 @@ def kernel_module(name: str) -> ModuleType:
     """The kernel module `name` of `KERNEL_MODULES` (imports `cuda.tile`): one per op family."""
     from mhc_core.kernels.cutile import mapping_kernels, sinkhorn_kernels, stream_kernels
 
-    modules = {"sinkhorn_kernels": sinkhorn_kernels, "mapping_kernels": mapping_kernels,
-               "stream_kernels": stream_kernels}
+    modules = {
+        "sinkhorn_kernels": sinkhorn_kernels,
+        "mapping_kernels": mapping_kernels,
+        "stream_kernels": stream_kernels,
+    }
     if name not in modules:
-        raise ValueError(f"cutile: {name!r} is not a kernel module; valid: {sorted(set(KERNEL_MODULES.values()))}")
+        raise ValueError(
+            f"cutile: {name!r} is not a kernel module; valid: {sorted(set(KERNEL_MODULES.values()))}"
+        )
     return modules[name]
 
 
@@ -125,8 +130,11 @@ class CuTileRuntime:
 
 # --- what every launch wrapper shares -------------------------------------------------------------------
 
-SINKHORN_FORM_CODE = {("exp", "col_row", "none"): PAPER, ("exp_rowmax", "row_col", "clamp"): MAIN,
-                      ("softmax_eps", "row_col", "add"): DEV}
+SINKHORN_FORM_CODE = {
+    ("exp", "col_row", "none"): PAPER,
+    ("exp_rowmax", "row_col", "clamp"): MAIN,
+    ("softmax_eps", "row_col", "add"): DEV,
+}
 """The `VARIANT` constant of the Sinkhorn kernels per Sinkhorn form (`VariantSpec.sinkhorn_form`: start, order,
 guard), each code named after the variant that introduced its form: a variant with one of these forms runs on
 the kernels as they are; a new form is a new kernel branch."""
@@ -140,7 +148,9 @@ def sinkhorn_code(spec: VariantSpec) -> int:
     except KeyError:
         raise NotImplementedError(
             f"cutile sinkhorn: no kernel computes the Sinkhorn form (start, order, guard) = {spec.sinkhorn_form} of "
-            f"{spec.variant.value}; the kernels compute {sorted(SINKHORN_FORM_CODE)}") from None
+            f"{spec.variant.value}; the kernels compute {sorted(SINKHORN_FORM_CODE)}"
+        ) from None
+
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 

@@ -47,12 +47,17 @@ class _SinkhornFn(torch.autograd.Function):
         if z.shape[0]:
             grid = (cdiv(z.shape[0], tile.tile_b),)
             if tile.per_element:
-                rt.launch(grid, "sinkhorn_bwd_elem_kernel", (z, g, grad, iterations, eps, n, tile.tile_b, code))
+                rt.launch(
+                    grid, "sinkhorn_bwd_elem_kernel", (z, g, grad, iterations, eps, n, tile.tile_b, code)
+                )
             else:
                 # The kernel's scratch: the input of every normalisation pair, fp32 [max(P, 1), B, n, n].
-                work = torch.empty((max(num_pairs(iterations, code), 1), *z.shape), dtype=torch.float32,
-                                   device=z.device)
-                rt.launch(grid, "sinkhorn_bwd_kernel", (z, g, grad, work, iterations, eps, n, tile.tile_b, code))
+                work = torch.empty(
+                    (max(num_pairs(iterations, code), 1), *z.shape), dtype=torch.float32, device=z.device
+                )
+                rt.launch(
+                    grid, "sinkhorn_bwd_kernel", (z, g, grad, work, iterations, eps, n, tile.tile_b, code)
+                )
         return grad.view(logits.shape), None, None, None, None
 
 

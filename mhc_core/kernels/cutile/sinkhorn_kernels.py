@@ -125,8 +125,9 @@ def _pair(s, eps, VARIANT):
 
 
 @ct.kernel
-def sinkhorn_fwd_kernel(logits, out, iterations: int, eps: float,
-                        N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt):
+def sinkhorn_fwd_kernel(
+    logits, out, iterations: int, eps: float, N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt
+):
     """`logits [B, n, n]` -> `out [B, n, n]`; grid `(cdiv(B, TILE_B),)`."""
     pid = ct.bid(0)
     s = _start(_load(logits, pid, N, TILE_B), eps, VARIANT)
@@ -138,8 +139,17 @@ def sinkhorn_fwd_kernel(logits, out, iterations: int, eps: float,
 
 
 @ct.kernel
-def sinkhorn_bwd_kernel(logits, grad_out, grad_logits, work, iterations: int, eps: float,
-                        N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt):
+def sinkhorn_bwd_kernel(
+    logits,
+    grad_out,
+    grad_logits,
+    work,
+    iterations: int,
+    eps: float,
+    N: ConstInt,
+    TILE_B: ConstInt,
+    VARIANT: ConstInt,
+):
     """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]`; `work [max(P, 1), B, n, n]` fp32 scratch."""
     pid = ct.bid(0)
     z = _load(logits, pid, N, TILE_B)
@@ -154,8 +164,10 @@ def sinkhorn_bwd_kernel(logits, grad_out, grad_logits, work, iterations: int, ep
         g = g * ct.exp(st)
     for qq in range(pairs):
         q = pairs - 1 - qq
-        prev = ct.reshape(ct.load(work, index=(q, pid, 0, 0), shape=(1, TILE_B, N, N), padding_mode=PAD_ZERO),
-                          (TILE_B, N, N))
+        prev = ct.reshape(
+            ct.load(work, index=(q, pid, 0, 0), shape=(1, TILE_B, N, N), padding_mode=PAD_ZERO),
+            (TILE_B, N, N),
+        )
         mid = _norm(prev, _first_axis(VARIANT), eps, VARIANT)
         g = _norm_vjp(mid, g, _second_axis(VARIANT), eps, VARIANT)
         g = _norm_vjp(prev, g, _first_axis(VARIANT), eps, VARIANT)
@@ -375,7 +387,6 @@ def _e_pair(s, eps, VARIANT, N):
     return _e_norm(s, _e_second_axis(VARIANT), eps, VARIANT, N)
 
 
-
 def _e_load_elems(arr, pid, N, TILE_B):
     """Block `pid` of `arr [B, n, n]` as `n*n` fp32 tiles `[TILE_B]`."""
     t = ct.astype(ct.load(arr, index=(pid, 0, 0), shape=(TILE_B, N, N), padding_mode=PAD_ZERO), F32)
@@ -446,8 +457,9 @@ def _e_start_vjp(z, g, eps, VARIANT, N):
 
 
 @ct.kernel
-def sinkhorn_fwd_elem_kernel(logits, out, iterations: int, eps: float,
-                             N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt):
+def sinkhorn_fwd_elem_kernel(
+    logits, out, iterations: int, eps: float, N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt
+):
     """`logits [B, n, n]` -> `out [B, n, n]`; grid `(cdiv(B, TILE_B),)`."""
     pid = ct.bid(0)
     s = _e_start(_e_load_elems(logits, pid, N, TILE_B), eps, VARIANT, N)
@@ -457,8 +469,16 @@ def sinkhorn_fwd_elem_kernel(logits, out, iterations: int, eps: float,
 
 
 @ct.kernel
-def sinkhorn_bwd_elem_kernel(logits, grad_out, grad_logits, iterations: int, eps: float,
-                             N: ConstInt, TILE_B: ConstInt, VARIANT: ConstInt):
+def sinkhorn_bwd_elem_kernel(
+    logits,
+    grad_out,
+    grad_logits,
+    iterations: int,
+    eps: float,
+    N: ConstInt,
+    TILE_B: ConstInt,
+    VARIANT: ConstInt,
+):
     """`logits, grad_out [B, n, n]` -> `grad_logits [B, n, n]`; grid `(cdiv(B, TILE_B),)`."""
     pid = ct.bid(0)
     z = _e_load_elems(logits, pid, N, TILE_B)

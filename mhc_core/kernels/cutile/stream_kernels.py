@@ -62,6 +62,7 @@ def load_stream(arr, pt, i, pc, TILE_T, TILE_C):
 # (`block_diag`), computed transposed so that the activations are the left operand; the precision is a
 # `constants.MMA_*` code.
 
+
 def _token_eye(TILE_T):
     """`[TILE_T, 1, TILE_T, 1]` fp32: 1 where the two token indices agree, else 0."""
     tok = ct.arange(TILE_T, dtype=ct.int32)
@@ -81,13 +82,13 @@ def aggregate_tile_mma(x, h_diag, out, pt, pc, N, TILE_T, TILE_C, MMA):
     `x2 [TILE_T*n, TILE_C]` the whole `[TILE_T, n, TILE_C]` tile, `h_diag [TILE_T*n, TILE_T]` the
     block's `h_pre` (`block_diag`); stored through a transposed view of `out`."""
     xt = ct.load(x, index=(pt, 0, pc), shape=(TILE_T, N, TILE_C), padding_mode=PAD_ZERO)
-    acc = mma_at(ct.transpose(ct.reshape(xt, (TILE_T * N, TILE_C))), h_diag, ct.zeros((TILE_C, TILE_T), dtype=F32),
-                 MMA)
+    acc = mma_at(
+        ct.transpose(ct.reshape(xt, (TILE_T * N, TILE_C))), h_diag, ct.zeros((TILE_C, TILE_T), dtype=F32), MMA
+    )
     ct.store(out, index=(pc, pt), tile=ct.astype(acc, out.dtype), order=(1, 0))
 
 
 # --- the kernels -----------------------------------------------------------------------------------
-
 
 
 def _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, TENSOR_CORES, MMA):
@@ -103,8 +104,17 @@ def _aggregate_tile(x, h, h_diag, out, pt, pc, N, TILE_T, TILE_C, TENSOR_CORES, 
 
 
 @ct.kernel
-def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                           LOOP_C: ConstInt, TENSOR_CORES: ConstInt, MMA: ConstInt):
+def h_aggregate_fwd_kernel(
+    x,
+    h_pre,
+    out,
+    N: ConstInt,
+    TILE_T: ConstInt,
+    TILE_C: ConstInt,
+    LOOP_C: ConstInt,
+    TENSOR_CORES: ConstInt,
+    MMA: ConstInt,
+):
     """`out[t, c] = sum_i h_pre[t, i] x[t, i, c]`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`, or
     `(cdiv(T, TILE_T),)` with `LOOP_C`: each block walks all of C, a loop whose loads the compiler
     can pipeline across iterations (as in the backward kernels).
@@ -124,7 +134,9 @@ def h_aggregate_fwd_kernel(x, h_pre, out, N: ConstInt, TILE_T: ConstInt, TILE_C:
 
 
 @ct.kernel
-def h_aggregate_bwd_kernel(grad_out, x, h_pre, grad_x, grad_h, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt):
+def h_aggregate_bwd_kernel(
+    grad_out, x, h_pre, grad_x, grad_h, N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt
+):
     """`grad_x[t, i, c] = h[t, i] go[t, c]`, `grad_h[t, i] = sum_c go[t, c] x[t, i, c]`.
 
     Grid `(cdiv(T, TILE_T),)`; each block walks all of `C`, so `grad_h` needs no second pass.
@@ -173,14 +185,27 @@ def _post_bda_tile(m, hp2, residual, y, bias, out, pt, pc, N, TILE_T, TILE_C, HA
             acc = ct.reshape(ct.extract(hp2, (0, i), shape=(TILE_T, 1)), (TILE_T, 1, 1)) * yb
             for j in ct.static_iter(range(N)):
                 acc = acc + ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)) * ct.extract(
-                    res, (0, j, 0), shape=(TILE_T, 1, TILE_C))
+                    res, (0, j, 0), shape=(TILE_T, 1, TILE_C)
+                )
             ct.store(out, index=(pt, i, pc), tile=ct.astype(acc, out.dtype))
 
 
 @ct.kernel
-def h_post_bda_fwd_kernel(h_res, residual, h_post, y, bias, out,
-                          N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, LOOP_C: ConstInt, TUPLE: ConstInt):
+def h_post_bda_fwd_kernel(
+    h_res,
+    residual,
+    h_post,
+    y,
+    bias,
+    out,
+    N: ConstInt,
+    TILE_T: ConstInt,
+    TILE_C: ConstInt,
+    TRANSPOSED: ConstInt,
+    HAS_BIAS: ConstInt,
+    LOOP_C: ConstInt,
+    TUPLE: ConstInt,
+):
     """`out_i = sum_j M[i, j] residual_j + h_post_i (y + bias)`; grid `(cdiv(T, TILE_T), cdiv(C, TILE_C))`,
     or `(cdiv(T, TILE_T),)` with `LOOP_C` (each block walks all of C, as `h_aggregate_fwd_kernel`).
 
@@ -211,8 +236,11 @@ def _stream_grads(gos, m, hp, grad_residual, grad_y, grad_bias_part, pt, pc, N, 
         for i in ct.static_iter(range(N)):
             m_ij = ct.reshape(ct.extract(m, (0, i, j), shape=(TILE_T, 1, 1)), (TILE_T, 1))
             g_res_j = g_res_j + m_ij * gos[i]
-        ct.store(grad_residual, index=(pt, j, pc),
-                 tile=ct.astype(ct.reshape(g_res_j, (TILE_T, 1, TILE_C)), grad_residual.dtype))
+        ct.store(
+            grad_residual,
+            index=(pt, j, pc),
+            tile=ct.astype(ct.reshape(g_res_j, (TILE_T, 1, TILE_C)), grad_residual.dtype),
+        )
     ct.store(grad_y, index=(pt, pc), tile=ct.astype(g_y, grad_y.dtype))
     if HAS_BIAS:
         ct.store(grad_bias_part, index=(pt, pc), tile=ct.sum(g_y, axis=0, keepdims=True))
@@ -223,15 +251,32 @@ def _channel_sums(parts, COUNT, TILE_T):
     flat = ct.arange(COUNT, dtype=ct.int32)
     out = ct.zeros((TILE_T, COUNT), dtype=F32)
     for k in ct.static_iter(range(COUNT)):
-        out = out + ct.sum(parts[k], axis=1, keepdims=True) * ct.reshape(ct.where(flat == k, 1.0, 0.0), (1, COUNT))
+        out = out + ct.sum(parts[k], axis=1, keepdims=True) * ct.reshape(
+            ct.where(flat == k, 1.0, 0.0), (1, COUNT)
+        )
     return out
 
 
 @ct.kernel
-def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
-                          grad_h_res, grad_residual, grad_h_post, grad_y, grad_bias_part,
-                          N: ConstInt, TILE_T: ConstInt, TILE_C: ConstInt,
-                          TRANSPOSED: ConstInt, HAS_BIAS: ConstInt, TUPLE: ConstInt):
+def h_post_bda_bwd_kernel(
+    grad_out,
+    h_res,
+    residual,
+    h_post,
+    y,
+    bias,
+    grad_h_res,
+    grad_residual,
+    grad_h_post,
+    grad_y,
+    grad_bias_part,
+    N: ConstInt,
+    TILE_T: ConstInt,
+    TILE_C: ConstInt,
+    TRANSPOSED: ConstInt,
+    HAS_BIAS: ConstInt,
+    TUPLE: ConstInt,
+):
     """All input gradients of `h_post_bda` in one pass over `grad_out`; grid `(cdiv(T, TILE_T),)`.
 
     - `grad_residual_j = sum_i M[i, j] go_i`, `grad_M[i, j] = sum_c go_i residual_j`
@@ -273,7 +318,9 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
                 nxt_h = nxt_h + (part_h[i] + gos[i] * yb2,)
             part_m = nxt_m
             part_h = nxt_h
-            _stream_grads(gos, m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS)
+            _stream_grads(
+                gos, m, hp2, grad_residual, grad_y, grad_bias_part, pt, pc, N, TILE_T, TILE_C, HAS_BIAS
+            )
         g_m = ct.reshape(_channel_sums(part_m, N * N, TILE_T), (TILE_T, N, N))
         g_hp = _channel_sums(part_h, N, TILE_T)
     else:
@@ -285,7 +332,9 @@ def h_post_bda_bwd_kernel(grad_out, h_res, residual, h_post, y, bias,
             go = load_f32(grad_out, (pt, 0, pc), (TILE_T, N, TILE_C))
             res = load_f32(residual, (pt, 0, pc), (TILE_T, N, TILE_C))
             for j in ct.static_iter(range(N)):
-                col = ct.sum(go * ct.extract(res, (0, j, 0), shape=(TILE_T, 1, TILE_C)), axis=2, keepdims=True)
+                col = ct.sum(
+                    go * ct.extract(res, (0, j, 0), shape=(TILE_T, 1, TILE_C)), axis=2, keepdims=True
+                )
                 onehot = ct.reshape(ct.where(lanes == j, 1.0, 0.0), (1, 1, N))
                 g_m = g_m + col * onehot
             g_hp = g_hp + ct.sum(go * load_branch(y, bias, pt, pc, TILE_T, TILE_C, HAS_BIAS), axis=2)

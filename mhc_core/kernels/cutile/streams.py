@@ -41,8 +41,18 @@ def aggregate_forward(rt: Any, x: torch.Tensor, h_pre: torch.Tensor) -> torch.Te
         rt.launch(
             _fwd_grid(t, c, tl),
             "h_aggregate_fwd_kernel",
-            (x, h_pre, out, n, tl.tile_t, tl.tile_c, int(tl.loop_c),
-             *_tensor_cores(tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t), x.dtype, h_pre.dtype == torch.bfloat16)),
+            (
+                x,
+                h_pre,
+                out,
+                n,
+                tl.tile_t,
+                tl.tile_c,
+                int(tl.loop_c),
+                *_tensor_cores(
+                    tl.mma, tl.tile_t * n, (tl.tile_c, tl.tile_t), x.dtype, h_pre.dtype == torch.bfloat16
+                ),
+            ),
         )
     return out
 
@@ -54,7 +64,9 @@ def aggregate_grad_h(rt: Any, x: torch.Tensor, grad_out: torch.Tensor) -> torch.
     grad_h = torch.empty((t, n), dtype=torch.float32, device=x.device)
     tl = tiling.aggregate_tiles(n, c, "bwd")
     if t and c:
-        rt.launch((cdiv(t, tl.tile_t),), "h_aggregate_bwd_h_kernel", (grad_out, x, grad_h, n, tl.tile_t, tl.tile_c))
+        rt.launch(
+            (cdiv(t, tl.tile_t),), "h_aggregate_bwd_h_kernel", (grad_out, x, grad_h, n, tl.tile_t, tl.tile_c)
+        )
     else:
         grad_h.zero_()
     return grad_h
@@ -104,7 +116,9 @@ least 16 and output edges of at least 8; smaller tiles keep the CUDA-core formul
 wrong products for a K = 4 MMA in the mapping backward)."""
 
 
-def _tensor_cores(use: bool, k: int, mn: tuple[int, ...], act: torch.dtype, right_exact: bool) -> tuple[int, int]:
+def _tensor_cores(
+    use: bool, k: int, mn: tuple[int, ...], act: torch.dtype, right_exact: bool
+) -> tuple[int, int]:
     """The `TENSOR_CORES, MMA` constants of the `h_aggregate` forward: `(0, MMA_BF16)` (CUDA cores; `MMA`
     unused) unless `use` and the tile's MMA has `k >= 16` and every edge in `mn` >= 8; else `(1, MMA)`
     with bf16 products for bf16 activations when the right operand is exact in bf16 (bf16
@@ -130,8 +144,21 @@ class _PostBdaFn(torch.autograd.Function):
             rt.launch(
                 _fwd_grid(t, c, tl),
                 "h_post_bda_fwd_kernel",
-                (h_res, residual, h_post, y, bias_arg, out, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias),
-                 int(tl.loop_c), int(tl.per_stream == tiling.StreamLayout.TUPLE)),
+                (
+                    h_res,
+                    residual,
+                    h_post,
+                    y,
+                    bias_arg,
+                    out,
+                    n,
+                    tl.tile_t,
+                    tl.tile_c,
+                    int(transposed),
+                    int(has_bias),
+                    int(tl.loop_c),
+                    int(tl.per_stream == tiling.StreamLayout.TUPLE),
+                ),
             )
         ctx.save_for_backward(h_res, residual, h_post, y, bias_arg)
         ctx.args = (has_bias, transposed, rt)
@@ -155,9 +182,25 @@ class _PostBdaFn(torch.autograd.Function):
             rt.launch(
                 (blocks,),
                 "h_post_bda_bwd_kernel",
-                (go, h_res, residual, h_post, y, bias_arg, grad_h_res, grad_residual, grad_h_post, grad_y,
-                 bias_part, n, tl.tile_t, tl.tile_c, int(transposed), int(has_bias),
-                 int(tl.per_stream == tiling.StreamLayout.TUPLE)),
+                (
+                    go,
+                    h_res,
+                    residual,
+                    h_post,
+                    y,
+                    bias_arg,
+                    grad_h_res,
+                    grad_residual,
+                    grad_h_post,
+                    grad_y,
+                    bias_part,
+                    n,
+                    tl.tile_t,
+                    tl.tile_c,
+                    int(transposed),
+                    int(has_bias),
+                    int(tl.per_stream == tiling.StreamLayout.TUPLE),
+                ),
             )
         else:
             grad_h_res.zero_()

@@ -70,15 +70,29 @@ __all__ = [
 SUPPORTED_N = (2, 4, 8)
 """Residual-stream counts with kernels: powers of two (tile shapes must be powers of two)."""
 
-TILE_KEYS = ("sinkhorn", "h_aggregate_fwd", "h_aggregate_bwd", "h_post_bda_fwd", "h_post_bda_bwd",
-             "mapping_fwd", "mapping_bwd", "pre", "occupancy")
+TILE_KEYS = (
+    "sinkhorn",
+    "h_aggregate_fwd",
+    "h_aggregate_bwd",
+    "h_post_bda_fwd",
+    "h_post_bda_bwd",
+    "mapping_fwd",
+    "mapping_bwd",
+    "pre",
+    "occupancy",
+)
 """What `overridden` can replace: `sinkhorn` takes a `SinkhornTiles`, `mapping_*` a `MappingTiles`,
 `pre` a `PreTiles`, the others a `StreamTiles`; `occupancy` a `{kernel name: CTAs per SM}` dict, the cuTile compiler
 hint (`ct.kernel(occupancy=...)`, 1-32; unset: the compiler's choice), which the GPU runtime
 applies at launch."""
 
 KERNELS_OF = {
-    "sinkhorn": ("sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel"),
+    "sinkhorn": (
+        "sinkhorn_fwd_kernel",
+        "sinkhorn_bwd_kernel",
+        "sinkhorn_fwd_elem_kernel",
+        "sinkhorn_bwd_elem_kernel",
+    ),
     "h_aggregate_fwd": ("h_aggregate_fwd_kernel",),
     "h_aggregate_bwd": ("h_aggregate_bwd_kernel",),
     "h_post_bda_fwd": ("h_post_bda_fwd_kernel",),
@@ -112,34 +126,59 @@ def check_tile(key: str, value: object, where: str = "tiling.overridden") -> Non
         known = {k for names in KERNELS_OF.values() for k in names}
         unknown = sorted(k for k in value if k not in known)
         if unknown:
-            raise ValueError(f"{where}: occupancy names unknown kernels {unknown}; valid: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"{where}: occupancy names unknown kernels {unknown}; valid: {', '.join(sorted(known))}"
+            )
         bad = {k: v for k, v in value.items() if not _is_int_in(v, 1, 32)}
         if bad:
             raise ValueError(f"{where}: occupancy={bad!r}: CTAs per SM must be an integer in 1-32")
         return
-    kind = (SinkhornTiles if key == "sinkhorn" else MappingTiles if key.startswith("mapping") else
-            PreTiles if key == "pre" else StreamTiles)
+    kind = (
+        SinkhornTiles
+        if key == "sinkhorn"
+        else MappingTiles
+        if key.startswith("mapping")
+        else PreTiles
+        if key == "pre"
+        else StreamTiles
+    )
     if not isinstance(value, kind):
         raise ValueError(f"{where}: {key}={value!r}: expected a {kind.__name__}")
     if isinstance(value, PreTiles):
         if not isinstance(value.fused, bool):
             raise ValueError(f"{where}: {key}={value!r}: fused must be a bool")
         return
-    dims = ((value.tile_b,) if isinstance(value, SinkhornTiles) else
-            (value.tile_m, value.tile_k) if isinstance(value, MappingTiles) else (value.tile_t, value.tile_c))
+    dims = (
+        (value.tile_b,)
+        if isinstance(value, SinkhornTiles)
+        else (value.tile_m, value.tile_k)
+        if isinstance(value, MappingTiles)
+        else (value.tile_t, value.tile_c)
+    )
     if not all(_is_pow2(d) for d in dims):
         raise ValueError(f"{where}: {key}={value!r}: tile sizes must be powers of two")
     if isinstance(value, StreamTiles):
-        if not isinstance(value.per_stream, StreamLayout) or not isinstance(value.loop_c, bool) \
-                or not isinstance(value.mma, bool):
-            raise ValueError(f"{where}: {key}={value!r}: per_stream must be a StreamLayout (or 0-2), loop_c and mma bools")
+        if (
+            not isinstance(value.per_stream, StreamLayout)
+            or not isinstance(value.loop_c, bool)
+            or not isinstance(value.mma, bool)
+        ):
+            raise ValueError(
+                f"{where}: {key}={value!r}: per_stream must be a StreamLayout (or 0-2), loop_c and mma bools"
+            )
         form = (value.per_stream, value.mma)
         if form not in STREAM_FORMULATIONS[key]:
-            have = ", ".join(f"per_stream={p.name}" + (", mma=True" if m else "") for p, m in STREAM_FORMULATIONS[key])
-            raise ValueError(f"{where}: {key}={value!r}: no {key} kernel for per_stream={value.per_stream.name}"
-                             f"{', mma=True' if value.mma else ''}; the kernels have: {have}")
+            have = ", ".join(
+                f"per_stream={p.name}" + (", mma=True" if m else "") for p, m in STREAM_FORMULATIONS[key]
+            )
+            raise ValueError(
+                f"{where}: {key}={value!r}: no {key} kernel for per_stream={value.per_stream.name}"
+                f"{', mma=True' if value.mma else ''}; the kernels have: {have}"
+            )
         if value.loop_c and not key.endswith("_fwd"):
-            raise ValueError(f"{where}: {key}={value!r}: loop_c applies to the forwards (the backwards always loop)")
+            raise ValueError(
+                f"{where}: {key}={value!r}: loop_c applies to the forwards (the backwards always loop)"
+            )
     if isinstance(value, SinkhornTiles) and not isinstance(value.per_element, bool):
         raise ValueError(f"{where}: {key}={value!r}: per_element must be a bool")
 
@@ -229,7 +268,9 @@ def occupancy(kernel_name: str) -> int | None:
 
 def tile_fields(tile: Any) -> dict[str, Any]:
     """A tile's fields as a dict of JSON values (a `StreamLayout` as its number)."""
-    return {f.name: int(v) if isinstance(v := getattr(tile, f.name), StreamLayout) else v for f in fields(tile)}
+    return {
+        f.name: int(v) if isinstance(v := getattr(tile, f.name), StreamLayout) else v for f in fields(tile)
+    }
 
 
 def next_pow2(v: int) -> int:
@@ -299,8 +340,11 @@ class StreamTiles:
     mma: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.per_stream, int) and not isinstance(self.per_stream, StreamLayout) \
-                and self.per_stream in tuple(StreamLayout):
+        if (
+            isinstance(self.per_stream, int)
+            and not isinstance(self.per_stream, StreamLayout)
+            and self.per_stream in tuple(StreamLayout)
+        ):
             object.__setattr__(self, "per_stream", StreamLayout(int(self.per_stream)))
 
 

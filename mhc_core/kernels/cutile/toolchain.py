@@ -91,7 +91,9 @@ def _first(*candidates: Path) -> Path | None:
 
 
 def _from_root(root: Path, source: str) -> Toolchain:
-    libnvvm = _first(root / "lib" / "libnvvm.so.4", root / "nvvm" / "lib64" / "libnvvm.so", root / "lib64" / "libnvvm.so")
+    libnvvm = _first(
+        root / "lib" / "libnvvm.so.4", root / "nvvm" / "lib64" / "libnvvm.so", root / "lib64" / "libnvvm.so"
+    )
     return Toolchain(
         tileiras=root / "bin" / "tileiras",
         ptxas=_first(root / "bin" / "ptxas"),
@@ -121,5 +123,7 @@ def apply_env() -> Toolchain | None:
     """Export the toolchain's PATH / CUDA_HOME / LD_LIBRARY_PATH into this process; returns it."""
     tc = find_toolchain()
     if tc is not None:
-        os.environ.update({k: v for k, v in tc.env().items() if k in ("PATH", "CUDA_HOME", "LD_LIBRARY_PATH")})
+        os.environ.update(
+            {k: v for k, v in tc.env().items() if k in ("PATH", "CUDA_HOME", "LD_LIBRARY_PATH")}
+        )
     return tc

@@ -34,8 +34,20 @@ from typing import Any
 
 from mhc_core.kernels.cutile import tiling
 
-__all__ = ["ENV", "SCHEMA", "TUNED_DIR", "REFERENCE_DEVICE", "Tuning", "device_slug", "load", "save", "packaged",
-           "resolve", "describe", "write_json"]
+__all__ = [
+    "ENV",
+    "SCHEMA",
+    "TUNED_DIR",
+    "REFERENCE_DEVICE",
+    "Tuning",
+    "device_slug",
+    "load",
+    "save",
+    "packaged",
+    "resolve",
+    "describe",
+    "write_json",
+]
 
 ENV = "MHC_CUTILE_TUNING"
 SCHEMA = 1
@@ -83,9 +95,15 @@ class Tuning:
 
     def to_json(self) -> dict:
         """The file's contents (schema 1)."""
-        return {"schema": SCHEMA, "device": self.device, "n": self.n, "measured": dict(self.measured),
-                "tiles": {k: {type(t).__name__: tiling.tile_fields(t)} for k, t in self.tiles.items()},
-                "occupancy": dict(self.occupancy), "gains": dict(self.gains)}
+        return {
+            "schema": SCHEMA,
+            "device": self.device,
+            "n": self.n,
+            "measured": dict(self.measured),
+            "tiles": {k: {type(t).__name__: tiling.tile_fields(t)} for k, t in self.tiles.items()},
+            "occupancy": dict(self.occupancy),
+            "gains": dict(self.gains),
+        }
 
     @classmethod
     def from_json(cls, data: object, source: str) -> Tuning:
@@ -98,27 +116,44 @@ class Tuning:
         missing = [k for k in ("device", "n", "tiles") if k not in data]
         if missing:
             raise ValueError(f"{where}: missing {', '.join(missing)}")
-        not_objects = [k for k in ("tiles", "occupancy", "measured", "gains") if not isinstance(data.get(k, {}), dict)]
+        not_objects = [
+            k for k in ("tiles", "occupancy", "measured", "gains") if not isinstance(data.get(k, {}), dict)
+        ]
         if not_objects:
             raise ValueError(f"{where}: {', '.join(not_objects)} must be JSON objects")
         tiles = {}
         for key, spec in data["tiles"].items():
-            if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in tiling.TILE_TYPES
-                    and isinstance(next(iter(spec.values())), dict)):
-                raise ValueError(f"{where}: tiles[{key!r}] = {spec!r}: expected {{type: fields}} with a type "
-                                 f"from {', '.join(tiling.TILE_TYPES)}")
-            (name, values), = spec.items()
+            if not (
+                isinstance(spec, dict)
+                and len(spec) == 1
+                and next(iter(spec)) in tiling.TILE_TYPES
+                and isinstance(next(iter(spec.values())), dict)
+            ):
+                raise ValueError(
+                    f"{where}: tiles[{key!r}] = {spec!r}: expected {{type: fields}} with a type "
+                    f"from {', '.join(tiling.TILE_TYPES)}"
+                )
+            ((name, values),) = spec.items()
             kind = tiling.TILE_TYPES[name]
             unknown = set(values) - {f.name for f in fields(kind)}
             if unknown:
-                raise ValueError(f"{where}: tiles[{key!r}]: {name} has no field(s) {', '.join(sorted(unknown))} "
-                                 "(formulations the kernels no longer have: tools/cutile/retired.py)")
+                raise ValueError(
+                    f"{where}: tiles[{key!r}]: {name} has no field(s) {', '.join(sorted(unknown))} "
+                    "(formulations the kernels no longer have: tools/cutile/retired.py)"
+                )
             try:
                 tiles[key] = kind(**values)
             except TypeError as exc:
                 raise ValueError(f"{where}: tiles[{key!r}]: {exc}") from None
-        return cls(device=str(data["device"]), n=data["n"], tiles=tiles, occupancy=dict(data.get("occupancy", {})),
-                   measured=dict(data.get("measured", {})), gains=dict(data.get("gains", {})), source=source)
+        return cls(
+            device=str(data["device"]),
+            n=data["n"],
+            tiles=tiles,
+            occupancy=dict(data.get("occupancy", {})),
+            measured=dict(data.get("measured", {})),
+            gains=dict(data.get("gains", {})),
+            source=source,
+        )
 
 
 def load(path: str | os.PathLike) -> Tuning:

@@ -30,9 +30,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENV", "KERNELS", "MAX_N", "MIN_TOKENS_PER_THREAD", "auto_kernel", "available", "built", "chosen_kernel",
-           "grad_h",
-           "grad_x_w", "kernels", "passes", "pre_forward"]
+__all__ = [
+    "ENV",
+    "KERNELS",
+    "MAX_N",
+    "MIN_TOKENS_PER_THREAD",
+    "auto_kernel",
+    "available",
+    "built",
+    "chosen_kernel",
+    "grad_h",
+    "grad_x_w",
+    "kernels",
+    "passes",
+    "pre_forward",
+]
 
 ENV = "MHC_NATIVE"
 KERNELS = ("avx512_bf16", "avx512", "avx2", "portable")
@@ -50,7 +62,9 @@ def passes(x_dtype: torch.dtype, compute: torch.dtype, n: int, kernel: str | Non
     compiled graph's bf16 GEMMs, oneDNN with AVX-512 BF16, were faster: 81 against 73 ms)."""
     if kernel is None:
         return False, False
-    forward = (x_dtype in (torch.float32, torch.bfloat16) and compute in (torch.float32, x_dtype) and n <= MAX_N)
+    forward = (
+        x_dtype in (torch.float32, torch.bfloat16) and compute in (torch.float32, x_dtype) and n <= MAX_N
+    )
     return forward, forward and (compute == torch.float32 or kernel == "avx512_bf16")
 
 
@@ -59,7 +73,10 @@ def _module():
     try:
         from mhc_core.kernels.native import _pre
     except ImportError as exc:
-        return None, f"mhc_core.kernels.native._pre is not built ({exc}; `pip install -e .` builds it with a C compiler)"
+        return (
+            None,
+            f"mhc_core.kernels.native._pre is not built ({exc}; `pip install -e .` builds it with a C compiler)",
+        )
     return _pre, "built"
 
 
@@ -96,7 +113,9 @@ def chosen_kernel() -> str | None:
     if value not in KERNELS:
         raise ValueError(f"{ENV}={value!r} is none of 0, 1, auto, {', '.join(KERNELS)}")
     if value not in here:
-        raise ValueError(f"{ENV}={value!r}: this CPU lacks that kernel's instructions (it runs {', '.join(here)})")
+        raise ValueError(
+            f"{ENV}={value!r}: this CPU lacks that kernel's instructions (it runs {', '.join(here)})"
+        )
     return value
 
 
@@ -110,7 +129,10 @@ def available() -> tuple[bool, str]:
         return False, why
     kernel = chosen_kernel()
     if kernel is None:
-        return False, "no SIMD kernel for this CPU (AVX2 or AVX-512; MHC_NATIVE=portable forces the scalar one)"
+        return (
+            False,
+            "no SIMD kernel for this CPU (AVX2 or AVX-512; MHC_NATIVE=portable forces the scalar one)",
+        )
     return True, f"native pre-op kernels ({kernel})"
 
 
@@ -129,14 +151,26 @@ def _resolve(kernel: str | None, threads: int | None, t: int) -> tuple[Any, str,
 
 def _check_x(fn: str, x: torch.Tensor) -> None:
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
-        raise ValueError(f"native {fn}: x must be a 2-d CPU fp32 / bf16 tensor, got {x.dtype} {tuple(x.shape)} on "
-                         f"{x.device}")
+        raise ValueError(
+            f"native {fn}: x must be a 2-d CPU fp32 / bf16 tensor, got {x.dtype} {tuple(x.shape)} on "
+            f"{x.device}"
+        )
 
 
-def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, bias: torch.Tensor, n: int,
-                norm_eps: float, eps_inside: bool, h_pre_eps: float, h_pre_dtype: torch.dtype,
-                compute: torch.dtype = torch.float32, kernel: str | None = None,
-                threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pre_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    alpha_pre: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    norm_eps: float,
+    eps_inside: bool,
+    h_pre_eps: float,
+    h_pre_dtype: torch.dtype,
+    compute: torch.dtype = torch.float32,
+    kernel: str | None = None,
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward pass (see the module docstring) on CPU tensors: x `[T, n*C]` fp32 or bf16, weight `[N, n*C]`,
     alpha_pre `[1]`, bias `[N]`, each rounded to `compute` (the mapping's dtype: fp32, or bf16 with bf16 x)
     on the way in; h_pre rounded to `h_pre_dtype` (fp32 or bf16) before it weights the streams. Returns
@@ -149,7 +183,9 @@ def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, 
     if h_pre_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"native pre_forward: h_pre_dtype must be fp32 or bf16, got {h_pre_dtype}")
     if compute not in (torch.float32, x.dtype):
-        raise ValueError(f"native pre_forward: the mapping computes in fp32 or in x's dtype ({x.dtype}), got {compute}")
+        raise ValueError(
+            f"native pre_forward: the mapping computes in fp32 or in x's dtype ({x.dtype}), got {compute}"
+        )
     x = x.contiguous()
     t, k = x.shape
     big_n = n * n + 2 * n
@@ -160,15 +196,33 @@ def pre_forward(x: torch.Tensor, weight: torch.Tensor, alpha_pre: torch.Tensor, 
     rms = torch.empty(t, 1, dtype=torch.float32)
     h_pre = torch.empty(t, n, dtype=torch.float32)
     agg = torch.empty(t, k // n, dtype=x.dtype)
-    module.forward(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, w.data_ptr(), alpha, b.data_ptr(),
-                   float(norm_eps), int(eps_inside), float(h_pre_eps), int(h_pre_dtype == torch.bfloat16),
-                   int(compute == torch.bfloat16), proj.data_ptr(), rms.data_ptr(), h_pre.data_ptr(), agg.data_ptr(),
-                   kernel, threads)
+    module.forward(
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        t,
+        k,
+        n,
+        w.data_ptr(),
+        alpha,
+        b.data_ptr(),
+        float(norm_eps),
+        int(eps_inside),
+        float(h_pre_eps),
+        int(h_pre_dtype == torch.bfloat16),
+        int(compute == torch.bfloat16),
+        proj.data_ptr(),
+        rms.data_ptr(),
+        h_pre.data_ptr(),
+        agg.data_ptr(),
+        kernel,
+        threads,
+    )
     return proj.to(compute), rms, h_pre.to(h_pre_dtype), agg
 
 
-def grad_h(x: torch.Tensor, g_agg: torch.Tensor, n: int, kernel: str | None = None,
-           threads: int | None = None) -> torch.Tensor:
+def grad_h(
+    x: torch.Tensor, g_agg: torch.Tensor, n: int, kernel: str | None = None, threads: int | None = None
+) -> torch.Tensor:
     """The backward's first pass: the aggregate's gradient of h_pre, `[T, n]` fp32 with
     `[t, i] = sum_c g_agg[t, c] x[t, i*C + c]` (x `[T, n*C]`, g_agg `[T, C]` rounded to x's dtype)."""
     _check_x("grad_h", x)
@@ -179,14 +233,34 @@ def grad_h(x: torch.Tensor, g_agg: torch.Tensor, n: int, kernel: str | None = No
     if g_agg.shape != (t, k // n):
         raise ValueError(f"native grad_h: g_agg {tuple(g_agg.shape)} must be [T, C] = [{t}, {k // n}]")
     out = torch.empty(t, n, dtype=torch.float32)
-    module.grad_h(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, g_agg.data_ptr(), out.data_ptr(), kernel,
-                  threads)
+    module.grad_h(
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        t,
+        k,
+        n,
+        g_agg.data_ptr(),
+        out.data_ptr(),
+        kernel,
+        threads,
+    )
     return out
 
 
-def grad_x_w(x: torch.Tensor, g_agg: torch.Tensor, weight: torch.Tensor, g_proj: torch.Tensor, coef: torch.Tensor,
-             h_pre: torch.Tensor, n: int, need_x: bool, need_w: bool, kernel: str | None = None,
-             threads: int | None = None, bf16_products: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def grad_x_w(
+    x: torch.Tensor,
+    g_agg: torch.Tensor,
+    weight: torch.Tensor,
+    g_proj: torch.Tensor,
+    coef: torch.Tensor,
+    h_pre: torch.Tensor,
+    n: int,
+    need_x: bool,
+    need_w: bool,
+    kernel: str | None = None,
+    threads: int | None = None,
+    bf16_products: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The backward's second pass, one read of x and g_agg per block of tokens: `g_x [T, n*C]` in x's dtype
     `= g_proj @ W + coef * x + h_pre (x) g_agg` (summed in fp32, rounded once) where `need_x`, and
     `g_w [N, n*C]` fp32 `= g_proj^T @ x` where `need_w`. weight `[N, n*C]`, g_proj `[T, N]`, coef `[T, 1]` and
@@ -200,18 +274,42 @@ def grad_x_w(x: torch.Tensor, g_agg: torch.Tensor, weight: torch.Tensor, g_proj:
     big_n = n * n + 2 * n
     g_agg = g_agg.to(x.dtype).contiguous()
     exact = torch.bfloat16 if bf16_products else torch.float32
-    f32 = {name: v.detach().to(dtype).to(torch.float32).contiguous()
-           for name, v, dtype in (("weight", weight, exact), ("g_proj", g_proj, exact), ("coef", coef, torch.float32),
-                                  ("h_pre", h_pre, torch.float32))}
-    want = {"g_agg": (g_agg, (t, k // n)), "weight": (f32["weight"], (big_n, k)), "g_proj": (f32["g_proj"], (t, big_n)),
-            "coef": (f32["coef"].view(-1), (t,)), "h_pre": (f32["h_pre"], (t, n))}
+    f32 = {
+        name: v.detach().to(dtype).to(torch.float32).contiguous()
+        for name, v, dtype in (
+            ("weight", weight, exact),
+            ("g_proj", g_proj, exact),
+            ("coef", coef, torch.float32),
+            ("h_pre", h_pre, torch.float32),
+        )
+    }
+    want = {
+        "g_agg": (g_agg, (t, k // n)),
+        "weight": (f32["weight"], (big_n, k)),
+        "g_proj": (f32["g_proj"], (t, big_n)),
+        "coef": (f32["coef"].view(-1), (t,)),
+        "h_pre": (f32["h_pre"], (t, n)),
+    }
     for name, (v, shape) in want.items():
         if tuple(v.shape) != shape:
             raise ValueError(f"native grad_x_w: {name} {tuple(v.shape)} must be {list(shape)}")
     g_x = torch.empty_like(x) if need_x else None
     g_w = torch.empty(big_n, k, dtype=torch.float32) if need_w else None
-    module.grad_x_w(x.data_ptr(), int(x.dtype == torch.bfloat16), t, k, n, g_agg.data_ptr(), f32["weight"].data_ptr(),
-                    f32["g_proj"].data_ptr(), f32["coef"].data_ptr(), f32["h_pre"].data_ptr(),
-                    0 if g_x is None else g_x.data_ptr(), 0 if g_w is None else g_w.data_ptr(), int(bf16_products),
-                    kernel, threads)
+    module.grad_x_w(
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        t,
+        k,
+        n,
+        g_agg.data_ptr(),
+        f32["weight"].data_ptr(),
+        f32["g_proj"].data_ptr(),
+        f32["coef"].data_ptr(),
+        f32["h_pre"].data_ptr(),
+        0 if g_x is None else g_x.data_ptr(),
+        0 if g_w is None else g_w.data_ptr(),
+        int(bf16_products),
+        kernel,
+        threads,
+    )
     return g_x, g_w

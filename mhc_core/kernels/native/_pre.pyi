@@ -1,12 +1,56 @@
 """The C extension `pre.c` builds (`mhc_core.kernels.native`): its functions as the type checker sees them. Pointers
 are the tensors' `data_ptr()`; each function returns the name of the kernel that ran."""
 
-def forward(x_ptr: int, x_bf16: int, t: int, k: int, n: int, w_ptr: int, alpha_pre: float, bias_pre_ptr: int,
-            norm_eps: float, eps_inside: int, h_pre_eps: float, h_pre_bf16: int, proj_bf16: int, proj_ptr: int,
-            rms_ptr: int, h_pre_ptr: int, agg_ptr: int, kernel: str, threads: int, /) -> str: ...
-def grad_h(x_ptr: int, x_bf16: int, t: int, k: int, n: int, g_agg_ptr: int, g_h_ptr: int, kernel: str, threads: int,
-           /) -> str: ...
-def grad_x_w(x_ptr: int, x_bf16: int, t: int, k: int, n: int, g_agg_ptr: int, w_ptr: int, g_proj_ptr: int,
-             coef_ptr: int, h_pre_ptr: int, g_x_ptr: int, g_w_ptr: int, bf16_products: int, kernel: str, threads: int,
-             /) -> str: ...
+def forward(
+    x_ptr: int,
+    x_bf16: int,
+    t: int,
+    k: int,
+    n: int,
+    w_ptr: int,
+    alpha_pre: float,
+    bias_pre_ptr: int,
+    norm_eps: float,
+    eps_inside: int,
+    h_pre_eps: float,
+    h_pre_bf16: int,
+    proj_bf16: int,
+    proj_ptr: int,
+    rms_ptr: int,
+    h_pre_ptr: int,
+    agg_ptr: int,
+    kernel: str,
+    threads: int,
+    /,
+) -> str: ...
+def grad_h(
+    x_ptr: int,
+    x_bf16: int,
+    t: int,
+    k: int,
+    n: int,
+    g_agg_ptr: int,
+    g_h_ptr: int,
+    kernel: str,
+    threads: int,
+    /,
+) -> str: ...
+def grad_x_w(
+    x_ptr: int,
+    x_bf16: int,
+    t: int,
+    k: int,
+    n: int,
+    g_agg_ptr: int,
+    w_ptr: int,
+    g_proj_ptr: int,
+    coef_ptr: int,
+    h_pre_ptr: int,
+    g_x_ptr: int,
+    g_w_ptr: int,
+    bf16_products: int,
+    kernel: str,
+    threads: int,
+    /,
+) -> str: ...
 def kernels() -> list[str]: ...

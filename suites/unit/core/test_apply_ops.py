@@ -89,7 +89,12 @@ def test_gradcheck_h_post_bda(variant):
         torch.randn(c, dtype=torch.float64),
     ]
     inputs = tuple(a.requires_grad_(True) for a in args)
-    assert torch.autograd.gradcheck(lambda h_res, residual, h_post, y, bias: h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant), inputs)
+    assert torch.autograd.gradcheck(
+        lambda h_res, residual, h_post, y, bias: h_post_bda(
+            h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant
+        ),
+        inputs,
+    )
 
 
 def test_gradcheck_h_aggregate():
@@ -146,7 +151,9 @@ class TestStreams:
         """Zero head_fn: pre = sigmoid(base) + eps, y = sum_i pre_i x_i."""
         x = torch.randn(2, 1, 6, dtype=torch.float64)
         base = torch.tensor([0.0, 1.0], dtype=torch.float64)
-        y = learned_contract(x, torch.zeros(2, 6, dtype=torch.float64), base, torch.ones(1, dtype=torch.float64), 2, 1e-5)
+        y = learned_contract(
+            x, torch.zeros(2, 6, dtype=torch.float64), base, torch.ones(1, dtype=torch.float64), 2, 1e-5
+        )
         pre = torch.sigmoid(base) + 1e-5
         torch.testing.assert_close(y, pre[0] * x[..., :3] + pre[1] * x[..., 3:])
 
@@ -160,7 +167,12 @@ class TestStreams:
             torch.ones(1, dtype=torch.float64),
         )
         inputs = tuple(a.requires_grad_(True) for a in args)
-        assert torch.autograd.gradcheck(lambda x, head_fn, head_base, head_scale: learned_contract(x, head_fn, head_base, head_scale, n=2, eps=1e-5), inputs)
+        assert torch.autograd.gradcheck(
+            lambda x, head_fn, head_base, head_scale: learned_contract(
+                x, head_fn, head_base, head_scale, n=2, eps=1e-5
+            ),
+            inputs,
+        )
 
     @pytest.mark.parametrize("fn", [expand, contract], ids=lambda f: f.__name__)
     def test_gradcheck_expand_contract(self, fn):
@@ -170,7 +182,9 @@ class TestStreams:
 
     def test_contract_rejects_indivisible_width(self):
         """A width that is not a multiple of n names both."""
-        with pytest.raises(ValueError, match=r"hidden width 10 of x \[2, 1, 10\] is not a positive multiple of n=4"):
+        with pytest.raises(
+            ValueError, match=r"hidden width 10 of x \[2, 1, 10\] is not a positive multiple of n=4"
+        ):
             contract(torch.zeros(2, 1, 10), 4)
 
     def test_empty_sequence(self):
@@ -195,4 +209,10 @@ class TestApplyBadInput:
     def test_bias_mismatch(self):
         """bias must be [C]."""
         with pytest.raises(ValueError, match=r"bias must have shape \[C\] = \[8\], got \[4\]"):
-            h_post_bda(torch.zeros(2, 4, 4), torch.zeros(2, 4, 8), torch.zeros(2, 4), torch.zeros(2, 8), torch.zeros(4))
+            h_post_bda(
+                torch.zeros(2, 4, 4),
+                torch.zeros(2, 4, 8),
+                torch.zeros(2, 4),
+                torch.zeros(2, 8),
+                torch.zeros(4),
+            )

@@ -25,8 +25,9 @@ def test_reference_module_captures_and_replays_the_eager_result(variant):
     """The reference forward, its Sinkhorn NaN scan included, captures; a replay on new inputs gives the eager result."""
     # fp32 tolerance, not bitwise: cuBLAS may pick another algorithm inside a capture.
     torch.manual_seed(0)
-    hc = HyperConnectionModule(HyperConnectionConfig(hidden_size=C, num_residual_streams=N, variant=variant,
-                                                     init_gating_factor=0.5)).cuda()
+    hc = HyperConnectionModule(
+        HyperConnectionConfig(hidden_size=C, num_residual_streams=N, variant=variant, init_gating_factor=0.5)
+    ).cuda()
     x, y = torch.randn(8, 2, N * C, device="cuda"), torch.randn(8, 2, C, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -12,8 +12,9 @@ from mhc_core import Variant, mapping
 VARIANTS = list(Variant)
 
 
-def _params(n: int, c: int, dtype=torch.float64,
-            seed: int = 0) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def _params(
+    n: int, c: int, dtype=torch.float64, seed: int = 0
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     big_n = n * n + 2 * n
     w = torch.randn(big_n, n * c, generator=g, dtype=dtype) * 0.3
@@ -55,17 +56,27 @@ class TestHandComputed:
     def test_values_eps_inside_sqrt(self, variant):
         """With `eps_inside_sqrt`, r = rsqrt(mean(x^2) + eps) = 1 / sqrt(12.5 + 1e-6)."""
         spec = f"{variant}+eps_inside_sqrt"
-        h_pre, h_post, logits = mapping(self.x, self.w, self.a_pre, self.a_post, self.a_res, self.bias, 1, spec)
+        h_pre, h_post, logits = mapping(
+            self.x, self.w, self.a_pre, self.a_post, self.a_res, self.bias, 1, spec
+        )
         r = 1.0 / math.sqrt(12.5 + 1e-6)
         sig = lambda v: 1.0 / (1.0 + math.exp(-v))  # noqa: E731
-        want = (sig(r * 1.5 + 0.1) + (1e-6 if variant is Variant.MEGATRON_DEV else 0.0), 2.0 * sig(r + 0.2),
-                r * 7.0 + 0.3)
-        for name, g, w in zip(("h_pre", "h_post", "h_res_logits"), (h_pre.item(), h_post.item(), logits.item()),
-                              want, strict=True):
+        want = (
+            sig(r * 1.5 + 0.1) + (1e-6 if variant is Variant.MEGATRON_DEV else 0.0),
+            2.0 * sig(r + 0.2),
+            r * 7.0 + 0.3,
+        )
+        for name, g, w in zip(
+            ("h_pre", "h_post", "h_res_logits"),
+            (h_pre.item(), h_post.item(), logits.item()),
+            want,
+            strict=True,
+        ):
             assert g == pytest.approx(w, rel=0, abs=1e-14), name
 
     def test_eps_placement_matters_only_at_small_rms(self):
         """At RMS ~1 the two placements agree to ~eps; at RMS 1e-3 they differ by far more than rounding."""
+
         def logits(x, spec):
             return mapping(x, self.w, self.a_pre, self.a_post, self.a_res, self.bias, 1, spec)[2]
 
@@ -74,11 +85,16 @@ class TestHandComputed:
         far = (logits(small, "paper") - logits(small, "paper+eps_inside_sqrt")).abs().item()
         assert near < 1e-6 and far > 1e-4, (near, far)
 
-    @pytest.mark.parametrize(("spec", "dtype", "compute"), [
-        ("megatron_main+dtype_eps_inside_sqrt", torch.float32, torch.float32),
-        ("megatron_main+dtype_eps_inside_sqrt", torch.bfloat16, torch.bfloat16),
-        ("megatron_dev+dtype_eps_inside_sqrt", torch.bfloat16, torch.float32),
-        ("paper+dtype_eps_inside_sqrt", torch.float64, torch.float64)], ids=str)
+    @pytest.mark.parametrize(
+        ("spec", "dtype", "compute"),
+        [
+            ("megatron_main+dtype_eps_inside_sqrt", torch.float32, torch.float32),
+            ("megatron_main+dtype_eps_inside_sqrt", torch.bfloat16, torch.bfloat16),
+            ("megatron_dev+dtype_eps_inside_sqrt", torch.bfloat16, torch.float32),
+            ("paper+dtype_eps_inside_sqrt", torch.float64, torch.float64),
+        ],
+        ids=str,
+    )
     def test_dtype_eps_is_the_compute_dtypes_machine_eps(self, spec, dtype, compute):
         """`dtype_eps_inside_sqrt` adds `finfo(compute dtype).eps` inside the square root, whatever eps is
         passed: bitwise the `eps_inside_sqrt` mapping given that eps (fp32: 1.19e-7)."""
@@ -96,7 +112,9 @@ class TestHandComputed:
         got, want = run(spec, 0.25), run(inside, torch.finfo(compute).eps)
         for name, a, b in zip(("h_pre", "h_post", "h_res_logits"), got, want, strict=True):
             assert torch.equal(a, b), name
-        assert not torch.equal(got[2], run(inside, 1e-6)[2]), "at RMS 1e-3 the dtype eps must differ from 1e-6"
+        assert not torch.equal(got[2], run(inside, 1e-6)[2]), (
+            "at RMS 1e-3 the dtype eps must differ from 1e-6"
+        )
 
     def test_bias_layout_is_pre_post_res_row_major(self):
         """bias [pre(n) | post(n) | res(n*n row-major)]: with zero weight the logits are the bias."""
@@ -105,8 +123,14 @@ class TestHandComputed:
         bias = torch.arange(big_n, dtype=torch.float64)
         zero = torch.zeros(1, dtype=torch.float64)
         h_pre, h_post, logits = mapping(
-            torch.ones(2, n * c, dtype=torch.float64), torch.zeros(big_n, n * c, dtype=torch.float64),
-            zero, zero, zero, bias, n, "paper",
+            torch.ones(2, n * c, dtype=torch.float64),
+            torch.zeros(big_n, n * c, dtype=torch.float64),
+            zero,
+            zero,
+            zero,
+            bias,
+            n,
+            "paper",
         )
         torch.testing.assert_close(h_pre[0], torch.sigmoid(bias[:n]))
         torch.testing.assert_close(h_post[0], 2 * torch.sigmoid(bias[n : 2 * n]))
@@ -117,9 +141,13 @@ class TestHandComputed:
 class TestPrecision:
     """Where each variant computes, and what dtype it hands back."""
 
-    def _run(self, variant: str) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                                          tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                                                torch.Tensor]]:
+    def _run(
+        self, variant: str
+    ) -> tuple[
+        torch.Tensor,
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ]:
         torch.manual_seed(0)
         n, c = 4, 16
         w, alphas, bias = _params(n, c, torch.float32)
@@ -142,12 +170,16 @@ class TestPrecision:
         """megatron_main+fp32_mappings: fp32 math rounded once to bf16, as megatron_dev does it."""
         x, (_, _, logits), (w, alphas, bias) = self._run("megatron_main+fp32_mappings")
         assert logits.dtype == torch.bfloat16
-        assert torch.equal(logits, mapping(x.float(), w, *alphas, bias, n=4, variant="megatron_main")[2].to(torch.bfloat16))
+        assert torch.equal(
+            logits, mapping(x.float(), w, *alphas, bias, n=4, variant="megatron_main")[2].to(torch.bfloat16)
+        )
 
     def test_activation_mappings_option_makes_megatron_dev_compute_in_bf16(self):
         """megatron_dev+activation_mappings: the projection in bf16, no longer the fp32 math rounded once."""
         x, (_, _, logits), (w, alphas, bias) = self._run("megatron_dev+activation_mappings")
-        assert not torch.equal(logits, mapping(x.float(), w, *alphas, bias, n=4, variant="megatron_dev")[2].to(torch.bfloat16))
+        assert not torch.equal(
+            logits, mapping(x.float(), w, *alphas, bias, n=4, variant="megatron_dev")[2].to(torch.bfloat16)
+        )
 
     def test_megatron_main_computes_in_activation_dtype(self):
         """megatron_main: the projection runs in bf16, so it differs from the fp32 math."""
@@ -206,7 +238,9 @@ class TestBadInput:
         """weight must be [N, n*C] with N = n*n + 2n."""
         args = self._args()
         args[1] = torch.zeros(20, 32)
-        with pytest.raises(ValueError, match=r"weight must have shape \[N, n\*C\] = \[24, 32\], got \[20, 32\]"):
+        with pytest.raises(
+            ValueError, match=r"weight must have shape \[N, n\*C\] = \[24, 32\], got \[20, 32\]"
+        ):
             mapping(*args)
 
     def test_alpha_shape(self):

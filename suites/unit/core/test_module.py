@@ -210,8 +210,9 @@ class TestNumericsOptions:
     def test_an_option_set_twice_is_refused(self):
         """A configuration name and an option field together is a ValueError naming the field."""
         with pytest.raises(ValueError, match="norm_eps_placement='inside_sqrt': is set twice"):
-            HyperConnectionConfig(hidden_size=8, variant="megatron_dev+eps_inside_sqrt",
-                                  norm_eps_placement="inside_sqrt")
+            HyperConnectionConfig(
+                hidden_size=8, variant="megatron_dev+eps_inside_sqrt", norm_eps_placement="inside_sqrt"
+            )
 
     def test_bad_option_value(self):
         """An unknown choice is a ValueError listing the valid ones."""
@@ -222,12 +223,26 @@ class TestNumericsOptions:
     def test_eps_inside_reaches_the_mapping(self, fused):
         """The module's coefficients are the mapping's under the configured spec, not the plain variant's."""
         torch.manual_seed(0)
-        cfg = HyperConnectionConfig(hidden_size=8, num_residual_streams=2, variant="paper", sinkhorn_iterations=4,
-                                    norm_eps_placement="inside_sqrt", use_fused=fused)  # 4: a short cold compile
+        cfg = HyperConnectionConfig(
+            hidden_size=8,
+            num_residual_streams=2,
+            variant="paper",
+            sinkhorn_iterations=4,
+            norm_eps_placement="inside_sqrt",
+            use_fused=fused,
+        )  # 4: a short cold compile
         hc = HyperConnectionModule(cfg)
         x = 1e-3 * torch.randn(3, 1, 16)  # small RMS: the eps placement shows
         _, _, h_post, _ = hc(x)
-        args = (x.reshape(3, 16), hc.mapping_proj.weight, hc.alpha_pre, hc.alpha_post, hc.alpha_res, hc.bias, 2)
+        args = (
+            x.reshape(3, 16),
+            hc.mapping_proj.weight,
+            hc.alpha_pre,
+            hc.alpha_post,
+            hc.alpha_res,
+            hc.bias,
+            2,
+        )
         inside = mhc_mapping(*args, "paper+eps_inside_sqrt")[1]
         outside = mhc_mapping(*args, "paper")[1]
         torch.testing.assert_close(h_post.reshape(3, 2), inside)
@@ -235,7 +250,10 @@ class TestNumericsOptions:
 
     def test_fp32_mappings_keep_megatron_main_parameters_fp32(self):
         """megatron_main casts its parameters with the model; with mapping_precision='fp32' they stay fp32."""
-        plain = HyperConnectionModule(HyperConnectionConfig(hidden_size=8, variant="megatron_main")).bfloat16()
-        kept = HyperConnectionModule(HyperConnectionConfig(hidden_size=8, variant="megatron_main",
-                                                           mapping_precision="fp32")).bfloat16()
+        plain = HyperConnectionModule(
+            HyperConnectionConfig(hidden_size=8, variant="megatron_main")
+        ).bfloat16()
+        kept = HyperConnectionModule(
+            HyperConnectionConfig(hidden_size=8, variant="megatron_main", mapping_precision="fp32")
+        ).bfloat16()
         assert plain.bias.dtype == torch.bfloat16 and kept.bias.dtype == torch.float32

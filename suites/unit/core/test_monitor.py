@@ -58,7 +58,11 @@ def test_mhc_stays_bounded(variant):
     assert rep.sublayers == 2 * LAYERS and rep.tokens == 16
     assert abs(rep.forward_gain - 1) < 1e-4 and abs(rep.backward_gain - 1) < 1e-4, rep
     assert rep.sum_deviation < 1e-4 and rep.orientation_error < 1e-6, rep
-    assert rep.seconds > 0 and set(rep.metrics()) >= {"mhc-amax-gain-fwd", "mhc-amax-gain-bwd", "mhc-sum-dev-max"}
+    assert rep.seconds > 0 and set(rep.metrics()) >= {
+        "mhc-amax-gain-fwd",
+        "mhc-amax-gain-bwd",
+        "mhc-sum-dev-max",
+    }
 
 
 def test_unconstrained_hyper_connections_grow():
@@ -182,7 +186,9 @@ class HyperConnectionModule_(nn.Module):  # noqa: N801 - renamed below: a tree's
 
     def __init__(self, inner: HyperConnectionModule):
         super().__init__()
-        object.__setattr__(self, "inner", inner)  # not a submodule: the monitor must see the tree's class only
+        object.__setattr__(
+            self, "inner", inner
+        )  # not a submodule: the monitor must see the tree's class only
         self.mapping_weight = inner.mapping_proj.weight  # the device and dtype the probe reads
         self.n, self.hidden_size = inner.n, inner.hidden_size
 
@@ -190,8 +196,9 @@ class HyperConnectionModule_(nn.Module):  # noqa: N801 - renamed below: a tree's
         return self.inner(x)
 
     def fused_h_res_h_post_bda(self, h_res, residual, h_post, out_with_bias, dropout_prob, training, fused):
-        return self.inner.post_residual_bda(h_res, residual, h_post, out_with_bias, dropout_p=dropout_prob,
-                                            training=training)
+        return self.inner.post_residual_bda(
+            h_res, residual, h_post, out_with_bias, dropout_p=dropout_prob, training=training
+        )
 
 
 HyperConnectionModule_.__name__ = "HyperConnectionModule"
@@ -217,7 +224,9 @@ def test_a_trees_hyper_connections_are_read_too():
     ours = _stack(variant="megatron_dev")
     tree = TreeStack(ours.hcs)
     mon_tree = StabilityMonitor(tree, MonitorConfig(every=5))
-    assert len(mon_tree.modules) == 2 * LAYERS and all(isinstance(m, HyperConnectionModule_) for _, m in mon_tree.modules)
+    assert len(mon_tree.modules) == 2 * LAYERS and all(
+        isinstance(m, HyperConnectionModule_) for _, m in mon_tree.modules
+    )
     torch.manual_seed(3)
     rep_tree = _run(tree, mon_tree)
     torch.manual_seed(3)
@@ -225,4 +234,6 @@ def test_a_trees_hyper_connections_are_read_too():
     assert rep_tree.sublayers == rep_ours.sublayers == 2 * LAYERS
     assert rep_tree.forward_gain == pytest.approx(rep_ours.forward_gain, rel=1e-12), (rep_tree, rep_ours)
     assert rep_tree.backward_gain == pytest.approx(rep_ours.backward_gain, rel=1e-12)
-    assert rep_tree.orientation_error == 0.0 and rep_tree.sum_deviation == pytest.approx(rep_ours.sum_deviation)
+    assert rep_tree.orientation_error == 0.0 and rep_tree.sum_deviation == pytest.approx(
+        rep_ours.sum_deviation
+    )

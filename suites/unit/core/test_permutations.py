@@ -30,10 +30,14 @@ def test_mixture_of_two_streams_by_hand():
     assert torch.allclose(permutation_mixture(logits, 2)[0], expected, rtol=0, atol=1e-15)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"]
+)
 def test_mixture_is_doubly_stochastic_without_iterations(dtype):
     """Rows and columns sum to 1 to the rounding of the dtype, at any logit scale."""
-    logits = (torch.randn(7, 24, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 10).to(dtype)
+    logits = (torch.randn(7, 24, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 10).to(
+        dtype
+    )
     h = permutation_mixture(logits, 4).double()
     bound = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
     assert (h.sum(-1) - 1).abs().max() <= bound and (h.sum(-2) - 1).abs().max() <= bound
@@ -52,18 +56,36 @@ def test_bad_shapes_and_too_many_streams_are_named():
 def test_module_with_the_permutation_mixture():
     """The module's projection has 2n + n! outputs; its H_res is the mixture of the mapping's n! logits, and every
     parameter receives a gradient."""
-    cfg = HyperConnectionConfig(hidden_size=8, num_residual_streams=4, h_res_constraint="permutations",
-                                variant="megatron_dev", init_gating_factor=0.5)
+    cfg = HyperConnectionConfig(
+        hidden_size=8,
+        num_residual_streams=4,
+        h_res_constraint="permutations",
+        variant="megatron_dev",
+        init_gating_factor=0.5,
+    )
     m = HyperConnectionModule(cfg).double()
     assert m.mapping_proj.weight.shape == (32, 32) and m.bias.shape == (32,)
     with torch.no_grad():
         m.bias.copy_(torch.randn(32, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
     x = torch.randn(5, 1, 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     agg, h_res, h_post, _ = m(x)
-    _, _, logits = gated_projection(x.reshape(5, 32), m.mapping_proj.weight, m.alpha_pre, m.alpha_post, m.alpha_res,
-                                    m.bias, 4, cfg.numerics, cfg.norm_eps, "permutations", op="test")
+    _, _, logits = gated_projection(
+        x.reshape(5, 32),
+        m.mapping_proj.weight,
+        m.alpha_pre,
+        m.alpha_post,
+        m.alpha_res,
+        m.bias,
+        4,
+        cfg.numerics,
+        cfg.norm_eps,
+        "permutations",
+        op="test",
+    )
     assert logits.shape == (5, 24)
     assert torch.allclose(h_res.reshape(5, 4, 4), permutation_mixture(logits, 4), rtol=0, atol=1e-15)
-    (agg.sum() + (h_res * torch.arange(16.0, dtype=torch.float64).reshape(4, 4)).sum() + h_post.sum()).backward()
+    (
+        agg.sum() + (h_res * torch.arange(16.0, dtype=torch.float64).reshape(4, 4)).sum() + h_post.sum()
+    ).backward()
     for name, p in m.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name

@@ -26,7 +26,9 @@ def test_mark_uses_upstream_attribute_name():
     p = nn.Parameter(torch.zeros(2))
     assert not is_kept_in_fp32(p)
     assert mark_keep_in_fp32(p) is p
-    assert KEEP_IN_FP32_ATTR == "keep_in_fp32" and getattr(p, KEEP_IN_FP32_ATTR) is True and is_kept_in_fp32(p)
+    assert (
+        KEEP_IN_FP32_ATTR == "keep_in_fp32" and getattr(p, KEEP_IN_FP32_ATTR) is True and is_kept_in_fp32(p)
+    )
 
 
 @pytest.mark.parametrize("cast", ["bfloat16", "half", "to_bf16"])

@@ -24,27 +24,36 @@ def _example(heading: str) -> str:
 
 def _run(code: str) -> str:
     """Run `code` in a new interpreter from the repository root; its stdout (fails with its stderr)."""
-    proc = subprocess.run([sys.executable, "-c", code], cwd=README.parent, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- code ---\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=README.parent, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- code ---\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    )
     return proc.stdout
 
 
 def test_reference_module_example_runs_with_the_shapes_it_states():
     """'Using the reference module' runs (its `my_sublayer` stood in by a linear map) and keeps `[s, b, C]`."""
-    code = ("import torch\nmy_sublayer = torch.nn.Linear(256, 256)\n" + _example("Using the reference module")
-            + "print(tuple(aggregated.shape), tuple(h_res.shape), tuple(x.shape), tuple(out.shape))\n")
+    code = (
+        "import torch\nmy_sublayer = torch.nn.Linear(256, 256)\n"
+        + _example("Using the reference module")
+        + "print(tuple(aggregated.shape), tuple(h_res.shape), tuple(x.shape), tuple(out.shape))\n"
+    )
     assert _run(code).split("\n")[-2] == "(128, 2, 256) (128, 2, 4, 4) (128, 2, 1024) (128, 2, 256)"
 
 
 def test_megatron_gpt_example_builds_an_mhc_model():
     """'mHC in a megatron-core GPT' builds an `MHCGPTModel` with upstream's mHC state-dict keys."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    code = (_example("mHC in a megatron-core GPT")
-            + "keys = [k for k in model.state_dict() if 'hyper_connection.mapping_proj.weight' in k]\n"
-            + "print(type(model).__name__, len(keys), keys[0])\n")
+    code = (
+        _example("mHC in a megatron-core GPT")
+        + "keys = [k for k in model.state_dict() if 'hyper_connection.mapping_proj.weight' in k]\n"
+        + "print(type(model).__name__, len(keys), keys[0])\n"
+    )
     assert _run(code).split("\n")[-2] == (
-        "MHCGPTModel 24 decoder.layers.0.self_attention_hyper_connection.mapping_proj.weight")
+        "MHCGPTModel 24 decoder.layers.0.self_attention_hyper_connection.mapping_proj.weight"
+    )
 
 
 def test_stability_example_reports_a_gain():
@@ -60,6 +69,9 @@ def test_stability_example_reports_a_gain():
         "        agg, h_res, h_post, residual = hc(x)\n"
         "        x = hc.post_residual_bda(h_res, residual, h_post, (torch.tanh(agg), None))\n"
         "    return x.sum()\n"
-        "step, pipeline_group, tb_writer, wandb_run = 100, None, None, None\n")
-    code = setup + _example("Stability in your run") + "print(report.sublayers, round(report.forward_gain, 4))\n"
+        "step, pipeline_group, tb_writer, wandb_run = 100, None, None, None\n"
+    )
+    code = (
+        setup + _example("Stability in your run") + "print(report.sublayers, round(report.forward_gain, 4))\n"
+    )
     assert _run(code).split("\n")[-2] == "4 1.0"

@@ -38,7 +38,9 @@ class Stack(nn.Module):
                 x = hc.post_residual_bda(h_res, res, h_post, (y, f.bias), self.dropout, self.training)
             else:
                 with group.saving():
-                    x = group.post_residual_bda(hc, h_res, res, h_post, (y, f.bias), self.dropout, self.training)
+                    x = group.post_residual_bda(
+                        hc, h_res, res, h_post, (y, f.bias), self.dropout, self.training
+                    )
                 if (i + 1) % group_size == 0 or i == len(self.hcs) - 1:
                     group.close()
                     group = None

@@ -30,8 +30,9 @@ V41 = "deepseek_v41"
 def _hc(n=4, c=8, *, variant=V41, form="single_pass", seed=0, **kw) -> HyperConnectionModule:
     """A module whose coefficients are far from their init (random bias and alphas), so every part shows."""
     g = torch.Generator().manual_seed(seed)
-    hc = HyperConnectionModule(HyperConnectionConfig(hidden_size=c, num_residual_streams=n, variant=variant,
-                                                     form=form, **kw))
+    hc = HyperConnectionModule(
+        HyperConnectionConfig(hidden_size=c, num_residual_streams=n, variant=variant, form=form, **kw)
+    )
     with torch.no_grad():
         hc.mapping_proj.weight.copy_(torch.randn(hc.mapping_proj.weight.shape, generator=g) * 0.3)
         hc.bias.copy_(torch.randn(hc.bias.shape, generator=g))
@@ -46,8 +47,12 @@ def _hand_v41(x, previous, weight, a_pre, a_post, a_res, bias, n, iterations, ep
     (row, column) x (iterations - 1); the aggregate with the previous H_pre (stream 0 without one)."""
     t, width = x.shape
     c = width // n
-    agg, nxt, post, res = (torch.zeros(t, c, dtype=torch.float64), torch.zeros(t, n, dtype=torch.float64),
-                           torch.zeros(t, n, dtype=torch.float64), torch.zeros(t, n, n, dtype=torch.float64))
+    agg, nxt, post, res = (
+        torch.zeros(t, c, dtype=torch.float64),
+        torch.zeros(t, n, dtype=torch.float64),
+        torch.zeros(t, n, dtype=torch.float64),
+        torch.zeros(t, n, n, dtype=torch.float64),
+    )
     for i in range(t):
         xi = [float(v) for v in x[i]]
         r = 1.0 / math.sqrt(sum(v * v for v in xi) / width + eps)
@@ -55,8 +60,10 @@ def _hand_v41(x, previous, weight, a_pre, a_post, a_res, bias, n, iterations, ep
         for j in range(n):
             nxt[i, j] = 1 / (1 + math.exp(-(proj[j] * a_pre + float(bias[j])))) + 1e-6
             post[i, j] = 2 / (1 + math.exp(-(proj[n + j] * a_post + float(bias[n + j]))))
-        z = [[proj[2 * n + r_ * n + c_] * a_res + float(bias[2 * n + r_ * n + c_]) for c_ in range(n)]
-             for r_ in range(n)]
+        z = [
+            [proj[2 * n + r_ * n + c_] * a_res + float(bias[2 * n + r_ * n + c_]) for c_ in range(n)]
+            for r_ in range(n)
+        ]
         m = []
         for row in z:
             top = max(row)
@@ -103,15 +110,27 @@ class TestConfiguration:
         with pytest.raises(ValueError, match="deepseek_v41"):
             get_variant("deepseek_v4.1")
 
-    @pytest.mark.parametrize("variant,expected", [(V41, torch.float32), ("megatron_dev", torch.bfloat16),
-                                                  ("paper", torch.float32), ("megatron_main", torch.bfloat16)])
+    @pytest.mark.parametrize(
+        "variant,expected",
+        [
+            (V41, torch.float32),
+            ("megatron_dev", torch.bfloat16),
+            ("paper", torch.float32),
+            ("megatron_main", torch.bfloat16),
+        ],
+    )
     def test_mix_dtype_follows_the_coefficient_precision(self, variant, expected):
         """The H_pre handed on from bf16 streams: fp32 where the coefficients stay in fp32, else bf16."""
         hc = _hc(variant=variant)
         x = torch.randn(3, 2, 32).to(torch.bfloat16)
         out = hc(x, previous_h_pre=None)
-        assert out.next_h_pre.dtype == out.h_res.dtype == out.h_post.dtype == expected == mix_dtype(variant,
-                                                                                                       torch.bfloat16)
+        assert (
+            out.next_h_pre.dtype
+            == out.h_res.dtype
+            == out.h_post.dtype
+            == expected
+            == mix_dtype(variant, torch.bfloat16)
+        )
         assert out.branch_input.dtype == torch.bfloat16
 
     def test_any_variant_runs_single_pass(self):
@@ -155,10 +174,13 @@ class TestOp:
         prev = torch.rand(4, 1, 4)
         out = hc(x, previous_h_pre=prev)
         streams = x.view(4, 1, 4, 8)
-        assert_close("branch", out.branch_input, torch.einsum("sbn,sbnc->sbc", prev, streams),
-                     tolerance(torch.float32))
+        assert_close(
+            "branch", out.branch_input, torch.einsum("sbn,sbnc->sbc", prev, streams), tolerance(torch.float32)
+        )
         own = hc(x, previous_h_pre=out.next_h_pre).branch_input
-        assert float((own - out.branch_input).detach().abs().max()) > 1e-3  # its own H_pre would give another input
+        assert (
+            float((own - out.branch_input).detach().abs().max()) > 1e-3
+        )  # its own H_pre would give another input
 
     def test_entry_is_stream_zero_exactly(self):
         """No predecessor: the branch input is stream 0 bit for bit, and the gradient reaches stream 0 only."""
@@ -176,9 +198,12 @@ class TestOp:
         """The H_pre handed on is exactly what the per-sublayer form aggregates with (the same projection)."""
         hc = _hc()
         x = torch.randn(5, 32)
-        _, nxt, _, _ = single_pass_pre(x, None, hc.mapping_proj.weight, hc.alpha_pre, hc.alpha_post, hc.alpha_res,
-                                       hc.bias, 4, 20, V41)
-        h_pre, _, _ = mapping(x, hc.mapping_proj.weight, hc.alpha_pre, hc.alpha_post, hc.alpha_res, hc.bias, 4, V41)
+        _, nxt, _, _ = single_pass_pre(
+            x, None, hc.mapping_proj.weight, hc.alpha_pre, hc.alpha_post, hc.alpha_res, hc.bias, 4, 20, V41
+        )
+        h_pre, _, _ = mapping(
+            x, hc.mapping_proj.weight, hc.alpha_pre, hc.alpha_post, hc.alpha_res, hc.bias, 4, V41
+        )
         assert torch.equal(nxt, h_pre)
 
     def test_gradcheck(self):
@@ -191,16 +216,20 @@ class TestOp:
 
         x, prev, w, bias = leaf(t, n * c), leaf(t, n), leaf(n * n + 2 * n, n * c), leaf(n * n + 2 * n)
         a = [torch.tensor([v], dtype=torch.float64, requires_grad=True) for v in (0.7, 1.1, 0.9)]
+
         def op(x, prev, w, a_pre, a_post, a_res, bias):
             return single_pass_pre(x, prev, w, a_pre, a_post, a_res, bias, n, 4, V41)
 
         assert torch.autograd.gradcheck(op, (x, prev, w, *a, bias))
 
-    @pytest.mark.parametrize("bad,match", [
-        (torch.rand(3, 2, 5), r"previous_h_pre must have shape \[s, b, n\]"),
-        (torch.rand(3, 2), r"previous_h_pre must have shape \[s, b, n\] \(3 dims\)"),
-        (torch.ones(3, 2, 4, dtype=torch.int64), "previous_h_pre must be a floating tensor"),
-    ])
+    @pytest.mark.parametrize(
+        "bad,match",
+        [
+            (torch.rand(3, 2, 5), r"previous_h_pre must have shape \[s, b, n\]"),
+            (torch.rand(3, 2), r"previous_h_pre must have shape \[s, b, n\] \(3 dims\)"),
+            (torch.ones(3, 2, 4, dtype=torch.int64), "previous_h_pre must be a floating tensor"),
+        ],
+    )
     def test_bad_previous_mix_is_named(self, bad, match):
         """A previous H_pre of the wrong shape or dtype: a ValueError naming it and its layout."""
         with pytest.raises(ValueError, match=match):
@@ -239,7 +268,7 @@ class TestOp:
 def _stack(dtype, depth=4, n=4, c=8, variant=V41, form="single_pass"):
     hcs = [_hc(n, c, variant=variant, form=form, seed=k).to(dtype) for k in range(depth)]
     g = torch.Generator().manual_seed(11)
-    ws = [(torch.randn(c, c, generator=g, dtype=torch.float64) / c ** 0.5) for _ in range(depth)]
+    ws = [(torch.randn(c, c, generator=g, dtype=torch.float64) / c**0.5) for _ in range(depth)]
     branches = [lambda a, w=w: torch.tanh(a @ w.to(a.dtype)) for w in ws]
     return hcs, branches, ws
 
@@ -254,11 +283,18 @@ class TestStack:
         x = expand(h, 4).view(6, 32)
         prev = None
         for hc, f in zip(hcs, branches, strict=True):
-            p = [v.detach() for v in (hc.mapping_proj.weight, hc.alpha_pre, hc.alpha_post, hc.alpha_res, hc.bias)]
-            agg, nxt, post, res = _hand_v41(x, prev, p[0], float(p[1]), float(p[2]), float(p[3]), p[4], 4, 20, 1e-6)
+            p = [
+                v.detach()
+                for v in (hc.mapping_proj.weight, hc.alpha_pre, hc.alpha_post, hc.alpha_res, hc.bias)
+            ]
+            agg, nxt, post, res = _hand_v41(
+                x, prev, p[0], float(p[1]), float(p[2]), float(p[3]), p[4], 4, 20, 1e-6
+            )
             y = f(agg)
             streams = x.view(6, 4, 8)
-            x = (torch.einsum("tji,tjc->tic", res, streams) + post.unsqueeze(-1) * y.unsqueeze(1)).reshape(6, 32)
+            x = (torch.einsum("tji,tjc->tic", res, streams) + post.unsqueeze(-1) * y.unsqueeze(1)).reshape(
+                6, 32
+            )
             prev = nxt
         want = torch.einsum("tn,tnc->tc", prev, x.view(6, 4, 8)).view(3, 2, 8)
         assert_close("stack", run_stack(h, hcs, branches), want, tolerance(torch.float64))
@@ -285,7 +321,9 @@ class TestStack:
         run_stack(h, hcs, branches).square().sum().backward()
         for k, hc in enumerate(hcs):
             for name, p in hc.named_parameters():
-                assert p.grad is not None and bool(p.grad.abs().sum() > 0), f"sublayer {k} {name}: no gradient"
+                assert p.grad is not None and bool(p.grad.abs().sum() > 0), (
+                    f"sublayer {k} {name}: no gradient"
+                )
             assert bool(hc.mapping_proj.weight.grad[:4].abs().sum() > 0), f"sublayer {k}: H_pre rows got none"
 
     def test_first_h_pre_rows_reach_only_the_next_sublayer(self):

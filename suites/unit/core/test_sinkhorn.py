@@ -160,7 +160,9 @@ def test_backward_matches_plain_autograd(variant):
 )
 def test_property_shape_range_and_exact_sums(t, n, variant, scale, seed):
     """Any T and n: output shape [T, n, n], entries in [0, 1], exact sums within 1e-6 (2e-6 dev)."""
-    z = torch.randn(t, n, n, generator=torch.Generator().manual_seed(seed)) * scale  # replayable by hypothesis
+    z = (
+        torch.randn(t, n, n, generator=torch.Generator().manual_seed(seed)) * scale
+    )  # replayable by hypothesis
     out = sinkhorn(z, 20, variant=variant)
     assert out.shape == (t, n, n)
     assert ((out >= 0) & (out <= 1 + 1e-6)).all()

@@ -21,8 +21,11 @@ def test_out_of_tolerance_prints_errors_and_the_first_element():
     e = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     a = e.clone()
     a[1, 0] = 3.1
-    with pytest.raises(AssertionError, match=r"x: 1/4 elements out of tolerance .* max abs err 1\.000e-01.*"
-                                             r"first at \(1, 0\): actual 3\.0999999, expected 3; shape \[2, 2\]"):
+    with pytest.raises(
+        AssertionError,
+        match=r"x: 1/4 elements out of tolerance .* max abs err 1\.000e-01.*"
+        r"first at \(1, 0\): actual 3\.0999999, expected 3; shape \[2, 2\]",
+    ):
         assert_close("x", a, e, FP32)
 
 

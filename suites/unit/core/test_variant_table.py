@@ -13,8 +13,9 @@ from mhc_core import ops
 from mhc_core.kernels.cutile.runtime import SINKHORN_FORM_CODE, sinkhorn_code
 from mhc_core.variants import VARIANTS, Variant
 
-NEW_FORM = dataclasses.replace(VARIANTS[Variant.MEGATRON_MAIN], sinkhorn_order="col_row", sinkhorn_guard="add",
-                               exact_sums="rows")
+NEW_FORM = dataclasses.replace(
+    VARIANTS[Variant.MEGATRON_MAIN], sinkhorn_order="col_row", sinkhorn_guard="add", exact_sums="rows"
+)
 """A Sinkhorn form no variant has: main's start, the paper's order, dev's additive guard."""
 
 
@@ -50,10 +51,13 @@ def test_the_variants_own_forms_map_to_the_kernels_codes_and_a_new_one_is_named(
         sinkhorn_code(NEW_FORM)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"sinkhorn_start": "exp", "sinkhorn_guard": "clamp"}, "log domain"),
-    ({"sinkhorn_start": "softmax_eps", "sinkhorn_order": "col_row"}, "must be 'row_col'"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"sinkhorn_start": "exp", "sinkhorn_guard": "clamp"}, "log domain"),
+        ({"sinkhorn_start": "softmax_eps", "sinkhorn_order": "col_row"}, "must be 'row_col'"),
+    ],
+)
 def test_impossible_sinkhorn_combinations_are_refused(change, message):
     """A log-domain start with a guard, or a softmax start before a column step, is refused naming the fields."""
     with pytest.raises(ValueError, match=message):

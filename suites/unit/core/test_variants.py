@@ -44,36 +44,63 @@ def test_unknown_name():
         get_variant("main")
 
 
-@pytest.mark.parametrize(("name", "eps", "fp32", "exit_"), [
-    ("megatron_dev+eps_inside_sqrt", NormEpsPlacement.INSIDE_SQRT, True, OutputContraction.MEAN),
-    ("megatron_dev+eps_inside_sqrt+learned_exit", NormEpsPlacement.INSIDE_SQRT, True, OutputContraction.LEARNED),
-    ("megatron_main+fp32_mappings", NormEpsPlacement.OUTSIDE_SQRT, True, OutputContraction.MEAN),
-    ("paper+activation_mappings+learned_exit", NormEpsPlacement.OUTSIDE_SQRT, False, OutputContraction.LEARNED),
-])
+@pytest.mark.parametrize(
+    ("name", "eps", "fp32", "exit_"),
+    [
+        ("megatron_dev+eps_inside_sqrt", NormEpsPlacement.INSIDE_SQRT, True, OutputContraction.MEAN),
+        (
+            "megatron_dev+eps_inside_sqrt+learned_exit",
+            NormEpsPlacement.INSIDE_SQRT,
+            True,
+            OutputContraction.LEARNED,
+        ),
+        ("megatron_main+fp32_mappings", NormEpsPlacement.OUTSIDE_SQRT, True, OutputContraction.MEAN),
+        (
+            "paper+activation_mappings+learned_exit",
+            NormEpsPlacement.OUTSIDE_SQRT,
+            False,
+            OutputContraction.LEARNED,
+        ),
+    ],
+)
 def test_configuration_names_resolve(name, eps, fp32, exit_):
     """`<variant>+<option>...` resolves to the variant with those options, and names itself back."""
     spec = get_variant(name)
-    assert (spec.norm_eps_placement, spec.mapping_fp32, spec.params_fp32, spec.output_contraction) == \
-        (eps, fp32, fp32, exit_)
+    assert (spec.norm_eps_placement, spec.mapping_fp32, spec.params_fp32, spec.output_contraction) == (
+        eps,
+        fp32,
+        fp32,
+        exit_,
+    )
     assert spec.name == name and get_variant(spec.name) == spec
     base = VARIANTS[spec.variant]  # every other knob is the variant's
-    assert (spec.sinkhorn_start, spec.res_transposed, spec.h_pre_eps) == \
-        (base.sinkhorn_start, base.res_transposed, base.h_pre_eps)
+    assert (spec.sinkhorn_start, spec.res_transposed, spec.h_pre_eps) == (
+        base.sinkhorn_start,
+        base.res_transposed,
+        base.h_pre_eps,
+    )
 
 
 def test_an_option_equal_to_the_variants_own_is_not_named():
     """Options that change nothing give the variant itself (so `megatron_dev+fp32_mappings` is `megatron_dev`)."""
     assert get_variant("megatron_dev+fp32_mappings") is VARIANTS[Variant.MEGATRON_DEV]
-    assert configure("megatron_main", NumericsOptions(mapping_precision=MappingPrecision.ACTIVATION)).name == \
-        "megatron_main"
-    assert configure("paper", NumericsOptions(norm_eps_placement="inside_sqrt")).name == "paper+eps_inside_sqrt"
+    assert (
+        configure("megatron_main", NumericsOptions(mapping_precision=MappingPrecision.ACTIVATION)).name
+        == "megatron_main"
+    )
+    assert (
+        configure("paper", NumericsOptions(norm_eps_placement="inside_sqrt")).name == "paper+eps_inside_sqrt"
+    )
 
 
-@pytest.mark.parametrize(("name", "message"), [
-    ("megatron_dev+eps_inside", "unknown option 'eps_inside'; options: eps_inside_sqrt"),
-    ("megatron_dev+learned_exit+mean_exit", "'learned_exit' and 'mean_exit' set the same option"),
-    ("dev+learned_exit", "variant='dev\\+learned_exit' is not a known mHC variant"),
-])
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("megatron_dev+eps_inside", "unknown option 'eps_inside'; options: eps_inside_sqrt"),
+        ("megatron_dev+learned_exit+mean_exit", "'learned_exit' and 'mean_exit' set the same option"),
+        ("dev+learned_exit", "variant='dev\\+learned_exit' is not a known mHC variant"),
+    ],
+)
 def test_bad_configuration_names(name, message):
     """An unknown option, two values of one option or an unknown variant is a ValueError naming it."""
     with pytest.raises(ValueError, match=message):
@@ -93,7 +120,10 @@ def test_residual_mix_option_flips_the_orientation():
     from mhc_core import h_post_bda
 
     g = torch.Generator().manual_seed(0)
-    h, x = torch.rand(2, 3, 3, generator=g, dtype=torch.float64), torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    h, x = (
+        torch.rand(2, 3, 3, generator=g, dtype=torch.float64),
+        torch.randn(2, 3, 4, generator=g, dtype=torch.float64),
+    )
     post, y = torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64)
     mix = lambda v: h_post_bda(h, x, post, y, None, variant=v)  # noqa: E731
     assert torch.equal(mix("megatron_dev+untransposed_mix"), mix("megatron_main"))

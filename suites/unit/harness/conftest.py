@@ -49,7 +49,7 @@ def python() -> str:
     return sys.executable
 
 
-DEMO_SUITE = '''
+DEMO_SUITE = """
 import os
 
 import pytest
@@ -78,10 +78,19 @@ def test_tiny(golden_metrics):
 
 def test_plain():
     assert True
-'''
+"""
 """A tiny suite: cases tiny_mhc (perturbed by $DEMO_SCALE, crashing with $DEMO_FAIL) and tiny."""
 
-QUIET_PLUGINS = ("-p", "no:hypothesispytest", "-p", "no:benchmark", "-p", "no:xdist", "-p", "no:cacheprovider")
+QUIET_PLUGINS = (
+    "-p",
+    "no:hypothesispytest",
+    "-p",
+    "no:benchmark",
+    "-p",
+    "no:xdist",
+    "-p",
+    "no:cacheprovider",
+)
 """Plugins the demo runs do not need (hypothesis alone costs seconds per in-process run)."""
 
 

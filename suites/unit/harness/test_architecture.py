@@ -21,9 +21,20 @@ NEVER = {
     "ci": {"suites"},
 }
 """docs/architecture.md, "Which may import which": the parts each part never imports (lazily or not)."""
-_ABOVE_GOLDEN = {"harness.perf", "harness.upstream", "harness.launch", "harness.training", "harness.peers",
-                 "harness.conformance", "harness.cli", "harness.runner", "harness.report", "harness.pytest_plugin",
-                 "harness.progress", "harness.plots"}
+_ABOVE_GOLDEN = {
+    "harness.perf",
+    "harness.upstream",
+    "harness.launch",
+    "harness.training",
+    "harness.peers",
+    "harness.conformance",
+    "harness.cli",
+    "harness.runner",
+    "harness.report",
+    "harness.pytest_plugin",
+    "harness.progress",
+    "harness.plots",
+}
 NEVER_WITHIN = {
     "harness/peers": {"harness.conformance"},
     "harness/training": {"harness.launch"},
@@ -49,16 +60,20 @@ def _imports(path: Path, *, top_level_only: bool = False) -> list[tuple[int, str
 
 
 def _modules(part: str) -> list[Path]:
-    return sorted(p for p in (ROOT / part).rglob("*.py")
-                  if not {".tox", "build"} & set(p.relative_to(ROOT).parts))
+    return sorted(
+        p for p in (ROOT / part).rglob("*.py") if not {".tox", "build"} & set(p.relative_to(ROOT).parts)
+    )
 
 
 @pytest.mark.parametrize("part", sorted(NEVER))
 def test_no_part_imports_a_part_above_it(part):
     """mhc_core imports no harness, suite, tool or CI script; harness no suite, tool or CI; tools no harness."""
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-           for path in _modules(part) for line, module in _imports(path)
-           if module.split(".")[0] in NEVER[part]]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _modules(part)
+        for line, module in _imports(path)
+        if module.split(".")[0] in NEVER[part]
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -67,9 +82,12 @@ def test_no_arrow_points_up_within_a_part(folder):
     """harness.peers (the adapters) imports nothing of harness.conformance (the checks, matrix, recordings);
     harness.training (inside a rank) nothing of harness.launch (what starts the ranks); harness.golden nothing
     of the rooms above it."""
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-           for path in sorted((ROOT / folder).rglob("*.py")) for line, module in _imports(path)
-           if any(module == m or module.startswith(m + ".") for m in NEVER_WITHIN[folder])]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, module in _imports(path)
+        if any(module == m or module.startswith(m + ".") for m in NEVER_WITHIN[folder])
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -84,7 +102,9 @@ def test_no_module_imports_a_private_module_of_another_package():
                 names = module.split(".")
                 if names[0] not in PARTS:
                     continue
-                private = next((i for i, n in enumerate(names) if n.startswith("_") and not n.startswith("__")), None)
+                private = next(
+                    (i for i, n in enumerate(names) if n.startswith("_") and not n.startswith("__")), None
+                )
                 if private is not None and ".".join(names[:private]) != package:
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not bad, "\n".join(bad)
@@ -99,8 +119,10 @@ def _ci_uses_of_suites(ci: Path) -> list[str]:
     out = []
     for p in sorted([*ci.rglob("*.sh"), *ci.rglob("*.py")]):
         text = p.read_text(encoding="utf-8")
-        out += [f"{p.relative_to(ci.parent)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0).strip()}"
-                for m in _SUITE_USE.finditer(text)]
+        out += [
+            f"{p.relative_to(ci.parent)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0).strip()}"
+            for m in _SUITE_USE.finditer(text)
+        ]
     return out
 
 
@@ -111,8 +133,10 @@ def test_no_ci_script_uses_a_suite():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("planted", ['"$PY" -m suites.perf.table "$OUT/perf.json"', "python3 -m suites",
-                                     "from suites.pp.cases import CASES"])
+@pytest.mark.parametrize(
+    "planted",
+    ['"$PY" -m suites.perf.table "$OUT/perf.json"', "python3 -m suites", "from suites.pp.cases import CASES"],
+)
 @pytest.mark.parametrize("script", ["job.sh", "job.py"])
 def test_a_planted_use_of_a_suite_in_ci_is_caught(tmp_path, planted, script):
     """The check above sees a suite run as a module or imported, in a shell script and in a Python one."""
@@ -125,9 +149,13 @@ def test_a_planted_use_of_a_suite_in_ci_is_caught(tmp_path, planted, script):
 
 def test_only_mhc_core_megatron_imports_megatron_at_module_level():
     """`import mhc_core` works without megatron-core: no other mhc_core module imports it at module level."""
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-           for path in _modules("mhc_core") if "megatron" not in path.relative_to(ROOT / "mhc_core").parts
-           for line, module in _imports(path, top_level_only=True) if module.split(".")[0] == "megatron"]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _modules("mhc_core")
+        if "megatron" not in path.relative_to(ROOT / "mhc_core").parts
+        for line, module in _imports(path, top_level_only=True)
+        if module.split(".")[0] == "megatron"
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -153,19 +181,31 @@ _REST = re.compile(r"``[^`]|:(?:py:)?(?:class|func|mod|meth|attr|data|exc|obj|co
 
 def _docstrings_and_comments(path: Path) -> list[tuple[int, str]]:
     src = path.read_text(encoding="utf-8")
-    out = [(node.lineno, node.value.value) for node in ast.walk(ast.parse(src))
-           if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)]
-    out += [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
-            if t.type == tokenize.COMMENT]
+    out = [
+        (node.lineno, node.value.value)
+        for node in ast.walk(ast.parse(src))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    ]
+    out += [
+        (t.start[0], t.string)
+        for t in tokenize.generate_tokens(io.StringIO(src).readline)
+        if t.type == tokenize.COMMENT
+    ]
     return out
 
 
 def test_docstrings_use_one_style():
     """Docstrings and comments use Markdown backticks, `x`, in every part: no reST double-backtick literal
     and no reST role (class, func, mod, ...); a fenced code block is Markdown and allowed."""
-    bad = [f"{path.relative_to(ROOT)}:{line}: {text.strip().splitlines()[0][:80]}"
-           for part in PARTS for path in _modules(part) for line, text in _docstrings_and_comments(path)
-           if _REST.search(text.replace("```", ""))]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {text.strip().splitlines()[0][:80]}"
+        for part in PARTS
+        for path in _modules(part)
+        for line, text in _docstrings_and_comments(path)
+        if _REST.search(text.replace("```", ""))
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -237,8 +277,11 @@ def test_no_import_cycle():
 
 def test_a_cycle_is_seen(tmp_path, monkeypatch):
     """The cycle check finds a lazy two-module cycle, and a package importing its own submodules is none."""
-    for rel, text in {"mhc_core/__init__.py": "from mhc_core import a\n", "mhc_core/a.py": "def f():\n    import mhc_core.b\n",
-                      "mhc_core/b.py": "from mhc_core.a import f\n"}.items():
+    for rel, text in {
+        "mhc_core/__init__.py": "from mhc_core import a\n",
+        "mhc_core/a.py": "def f():\n    import mhc_core.b\n",
+        "mhc_core/b.py": "from mhc_core.a import f\n",
+    }.items():
         (tmp_path / rel).parent.mkdir(exist_ok=True)
         (tmp_path / rel).write_text(text)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
@@ -252,17 +295,27 @@ def test_the_harness_reads_no_file_under_suites():
     bad = []
     for path in _modules("harness"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
-                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
         for node in ast.walk(tree):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
                 text = ast.get_source_segment(path.read_text(encoding="utf-8"), node) or ""
                 if pattern.search(text):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
-            elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-                  and re.fullmatch(r"suites/(functional|pp|perf|unit|conformance)/[\w./-]*\.(yaml|txt|json)",
-                                   node.value)):
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and id(node) not in docstrings
+                and re.fullmatch(
+                    r"suites/(functional|pp|perf|unit|conformance)/[\w./-]*\.(yaml|txt|json)", node.value
+                )
+            ):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert not bad, "\n".join(bad)
     from harness.training.data import DATA_DIR

@@ -26,8 +26,14 @@ def test_megatron_imports_without_inductor():
     """After `defer_compile()` importing megatron-core's fused functions leaves Inductor unimported, and
     its `jit_fuser` functions are the deferred wrappers."""
     pytest.importorskip("megatron.core")
-    proc = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["inductor after import False", "deferred True"], proc.stdout
 

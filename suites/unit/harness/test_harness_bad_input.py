@@ -24,14 +24,20 @@ def golden_dir(tmp_path):
     store = GoldenStore(tmp_path / "golden")
     g = {"lm loss": series_from_list(LOSS)}
     for hw in (HW, "dgx_h100"):  # recorded by this process's fingerprint: the exact lane applies here
-        store.write(hw, "s", "c", g, build_meta(hw=hw, suite="s", case="c", golden=g, source="test",
-                                                numerics=current_fingerprint()))
+        store.write(
+            hw,
+            "s",
+            "c",
+            g,
+            build_meta(hw=hw, suite="s", case="c", golden=g, source="test", numerics=current_fingerprint()),
+        )
     return tmp_path / "golden"
 
 
 def _check(golden_dir, metrics, checks=CHECKS, *, hw=HW, update=None, case="c"):
-    settings = GoldenSettings(golden_dir=golden_dir, hw=HardwareKey(key=hw, rule="test", source="option"),
-                              update=update)
+    settings = GoldenSettings(
+        golden_dir=golden_dir, hw=HardwareKey(key=hw, rule="test", source="option"), update=update
+    )
     return check_case(settings, suite="s", case=case, metrics=metrics, checks=checks)
 
 
@@ -59,8 +65,11 @@ class TestBadInput:
     def test_metric_missing_from_golden(self, golden_dir, tree):
         """A checked metric absent from the golden file is named, with the file."""
         before = tree(golden_dir)
-        o = _check(golden_dir, {"lm loss": LOSS, "num-zeros": [1.0] * 4},
-                   {"lm loss": ExactCheck(), "num-zeros": ApproximateCheck(rtol=0.2)})
+        o = _check(
+            golden_dir,
+            {"lm loss": LOSS, "num-zeros": [1.0] * 4},
+            {"lm loss": ExactCheck(), "num-zeros": ApproximateCheck(rtol=0.2)},
+        )
         assert f"metric 'num-zeros' is missing from golden file {_case_file(golden_dir)}" in o.message
         assert before == tree(golden_dir)
 

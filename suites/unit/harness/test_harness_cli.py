@@ -13,19 +13,30 @@ from harness.golden.schema import dumps_golden, load_golden, series_from_list
 
 HW = "cpu_x86_64"
 FAST = "-p no:hypothesispytest -p no:benchmark"
-LANES_CASE = '''
+LANES_CASE = """
 from harness import ApproximateCheck, ExactCheck
 
 
 def test_lanes(golden_metrics):
     golden_metrics.check("tiny_lanes", {"lm loss": [4.0, 3.0, 2.0]},
                          {"lm loss": (ExactCheck(), ApproximateCheck(rtol=1e-6, max_misses=0))})
-'''
+"""
 
 
 def _run(demo, *extra):
-    return main(["run", "demo", "--suites-dir", str(demo.path / "suites"), "--out", str(demo.path / "out"),
-                 "--hw", HW, *extra])
+    return main(
+        [
+            "run",
+            "demo",
+            "--suites-dir",
+            str(demo.path / "suites"),
+            "--out",
+            str(demo.path / "out"),
+            "--hw",
+            HW,
+            *extra,
+        ]
+    )
 
 
 class TestRun:
@@ -59,7 +70,9 @@ class TestRun:
         assert 0 == _run(demo, "--no-plots", "--pytest-args", f"{FAST} --update-golden=all")
         out = capsys.readouterr().out
         assert "[demo] done: 3/3 tests, 0 failed, 0 skipped, " in out
-        assert 1 == _run(demo, "--no-plots", "--suite-args", "demo=-k tiny_mhc", "--pytest-args", f"{FAST} --hw=bad/")
+        assert 1 == _run(
+            demo, "--no-plots", "--suite-args", "demo=-k tiny_mhc", "--pytest-args", f"{FAST} --hw=bad/"
+        )
         out = capsys.readouterr().out
         assert "[demo] FAILED " in out and "[demo] done: 1/1 tests, 1 failed" in out
         assert (demo.path / "out" / "pytest-demo.log").is_file()
@@ -80,16 +93,35 @@ class TestRun:
         row = "| demo | tiny_lanes | lm loss | exact | n/a | - |"
         report = (demo.path / "out" / "report.md").read_text()
         assert row in report and "| demo | tiny_lanes | approximate | exact: n/a, recorded on " in report
-        case = next(c for c in ET.parse(demo.path / "out" / "junit-demo.xml").getroot().iter("testcase")
-                    if c.get("name") == "test_lanes")
+        case = next(
+            c
+            for c in ET.parse(demo.path / "out" / "junit-demo.xml").getroot().iter("testcase")
+            if c.get("name") == "test_lanes"
+        )
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         assert props["golden_lane"] == "approximate" and props["golden_exact"].startswith("exact: n/a")
         assert f"; this machine {props['numerics_fingerprint']}" in props["golden_exact"]
-        assert 0 == main(["recalibrate", "demo", "tiny_lanes", "--exact-only", "--repeats", "2", "--hw", HW,
-                          "--suites-dir", str(demo.path / "suites"), "--pytest-args", FAST])
+        assert 0 == main(
+            [
+                "recalibrate",
+                "demo",
+                "tiny_lanes",
+                "--exact-only",
+                "--repeats",
+                "2",
+                "--hw",
+                HW,
+                "--suites-dir",
+                str(demo.path / "suites"),
+                "--pytest-args",
+                FAST,
+            ]
+        )
         assert 1 == _run(demo, "--no-plots", "--pytest-args", FAST)
-        assert "demo/tiny_lanes: decided by the exact lane; exact: enforced, exact values of this fingerprint" \
+        assert (
+            "demo/tiny_lanes: decided by the exact lane; exact: enforced, exact values of this fingerprint"
             in capsys.readouterr().out
+        )
 
     def test_unknown_suite_lists_valid(self, demo, capsys):
         """An unknown suite name is a usage error that lists the valid suites."""
@@ -109,10 +141,15 @@ class TestDiff:
         a = tmp_path / "a.json"
         b = tmp_path / "b.json"
         a.write_text(dumps_golden({"lm loss": series_from_list([10.0, 10.0, 10.0])}))
-        b.write_text(dumps_golden({"lm loss": series_from_list([9.0, 9.0]), "num-zeros": series_from_list([1.0])}))
+        b.write_text(
+            dumps_golden({"lm loss": series_from_list([9.0, 9.0]), "num-zeros": series_from_list([1.0])})
+        )
         assert 1 == main(["diff", str(a), str(b)])
         out = capsys.readouterr().out
-        assert "lm loss: mean((A-B)/A) = +1.000000e-01, max |A-B| = 1, max |A-B|/|A| = 1.000e-01 at step 1" in out
+        assert (
+            "lm loss: mean((A-B)/A) = +1.000000e-01, max |A-B| = 1, max |A-B|/|A| = 1.000e-01 at step 1"
+            in out
+        )
         assert "over 2 common steps; 2 step(s) outside the default band" in out
         assert "steps only in A: [3]" in out and "num-zeros: only in B" in out
 
@@ -121,11 +158,19 @@ class TestDiff:
         the default bands (harness.golden.bands)."""
         a, b = tmp_path / "a.json", tmp_path / "b.json"
         loss = [5.0, 4.0, 3.0, 2.0]
-        a.write_text(dumps_golden({"lm loss": series_from_list(loss), "grad-norm": series_from_list([1.0] * 4)}))
+        a.write_text(
+            dumps_golden({"lm loss": series_from_list(loss), "grad-norm": series_from_list([1.0] * 4)})
+        )
         shifted = list(loss)
         shifted[2] *= 1 + 1e-3
-        b.write_text(dumps_golden({"lm loss": series_from_list(shifted),
-                                   "grad-norm": series_from_list([1.0, 1.0, 1.0, 1.0 + 1e-9])}))
+        b.write_text(
+            dumps_golden(
+                {
+                    "lm loss": series_from_list(shifted),
+                    "grad-norm": series_from_list([1.0, 1.0, 1.0, 1.0 + 1e-9]),
+                }
+            )
+        )
         assert 1 == main(["diff", str(a), str(b)])
         out = capsys.readouterr().out
         assert "worst: 'lm loss' at step 3 (|A-B|/|A| = 1.000e-03)" in out
@@ -148,8 +193,18 @@ class TestDiff:
 class TestImport:
     def test_import_legacy_megatron_file(self, data_dir, tmp_path, capsys):
         """import-megatron drops legacy "nan" steps and writes a clean case with meta."""
-        assert 0 == main(["import-megatron", str(data_dir / "golden_values_legacy_nan.json"), "functional",
-                          "gpt_mhc", "--hw", "dgx_h100", "--golden-dir", str(tmp_path)])
+        assert 0 == main(
+            [
+                "import-megatron",
+                str(data_dir / "golden_values_legacy_nan.json"),
+                "functional",
+                "gpt_mhc",
+                "--hw",
+                "dgx_h100",
+                "--golden-dir",
+                str(tmp_path),
+            ]
+        )
         g = load_golden(tmp_path / "dgx_h100" / "functional" / "gpt_mhc.json")
         assert 2 == g["iteration-time"].steps[0]
         meta = json.loads((tmp_path / "dgx_h100" / "functional" / "gpt_mhc.meta.json").read_text())
@@ -159,22 +214,50 @@ class TestImport:
     def test_import_records_the_upstream_provenance(self, data_dir, tmp_path):
         """The meta names the upstream file, its sha256 and the upstream commit given."""
         src = data_dir / "golden_values_legacy_nan.json"
-        assert 0 == main(["import-megatron", str(src), "functional", "gpt_mhc", "--hw", "dgx_h100", "--golden-dir",
-                          str(tmp_path), "--upstream-commit", "d48bd6be", "--upstream-path", "tests/x/golden.json"])
+        assert 0 == main(
+            [
+                "import-megatron",
+                str(src),
+                "functional",
+                "gpt_mhc",
+                "--hw",
+                "dgx_h100",
+                "--golden-dir",
+                str(tmp_path),
+                "--upstream-commit",
+                "d48bd6be",
+                "--upstream-path",
+                "tests/x/golden.json",
+            ]
+        )
         meta = json.loads((tmp_path / "dgx_h100" / "functional" / "gpt_mhc.meta.json").read_text())
-        assert meta["imported"] == {"file": "tests/x/golden.json", "upstream_commit": "d48bd6be",
-                                    "file_sha256": hashlib.sha256(src.read_bytes()).hexdigest()}
+        assert meta["imported"] == {
+            "file": "tests/x/golden.json",
+            "upstream_commit": "d48bd6be",
+            "file_sha256": hashlib.sha256(src.read_bytes()).hexdigest(),
+        }
 
     def test_import_says_what_it_drops_and_replaces(self, data_dir, tmp_path, capsys):
         """import-megatron counts the 'nan' steps it drops and shows the change when it replaces a case."""
-        argv = ["import-megatron", str(data_dir / "golden_values_legacy_nan.json"), "functional", "gpt_mhc",
-                "--hw", "dgx_h100", "--golden-dir", str(tmp_path)]
+        argv = [
+            "import-megatron",
+            str(data_dir / "golden_values_legacy_nan.json"),
+            "functional",
+            "gpt_mhc",
+            "--hw",
+            "dgx_h100",
+            "--golden-dir",
+            str(tmp_path),
+        ]
         assert 0 == main(argv)
         out = capsys.readouterr().out
         assert "dropped 1 'nan' step(s)" in out and "replacing" not in out, out
         assert 0 == main(argv)
         out = capsys.readouterr().out
-        assert "replacing the existing functional/gpt_mhc on dgx_h100:" in out and "max |old-new| = 0 over 50 steps" in out, out
+        assert (
+            "replacing the existing functional/gpt_mhc on dgx_h100:" in out
+            and "max |old-new| = 0 over 50 steps" in out
+        ), out
 
 
 class TestArgumentErrors:
@@ -184,17 +267,33 @@ class TestArgumentErrors:
         assert "--pytest-args '\"-k': No closing quotation" in capsys.readouterr().err
         with pytest.raises(SystemExit) as exc:
             main(["run", "demo", "--timeout", "-5"])
-        assert exc.value.code == 2 and "'-5': must be a finite number of seconds > 0" in capsys.readouterr().err
+        assert (
+            exc.value.code == 2 and "'-5': must be a finite number of seconds > 0" in capsys.readouterr().err
+        )
 
     def test_schema_errors_list_only_what_is_wrong(self, tmp_path, capsys):
         """An extra key is named without an empty 'missing' list; a non-ASCII digit is not a step."""
         bad = tmp_path / "a.json"
-        bad.write_text(json.dumps({"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1,
-                                               "values": {"1": 1.0}, "extra": 0}}))
+        bad.write_text(
+            json.dumps(
+                {
+                    "lm loss": {
+                        "start_step": 1,
+                        "end_step": 1,
+                        "step_interval": 1,
+                        "values": {"1": 1.0},
+                        "extra": 0,
+                    }
+                }
+            )
+        )
         assert 1 == main(["diff", str(bad), str(bad)])
         err = capsys.readouterr().err
         assert "unexpected keys ['extra']" in err and "missing keys" not in err
-        bad.write_text(json.dumps({"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1,
-                                               "values": {"\uff11": 1.0}}}))
+        bad.write_text(
+            json.dumps(
+                {"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1, "values": {"\uff11": 1.0}}}
+            )
+        )
         assert 1 == main(["diff", str(bad), str(bad)])
         assert "step key '\uff11' is not a non-negative integer" in capsys.readouterr().err

@@ -51,8 +51,13 @@ class TestExact:
 
 
 class TestApproximateMisses:
-    @pytest.mark.parametrize(("n", "k"), [pytest.param(n, k, id=f"N{n}-k{k}") for n, k in
-                                          [(1, 0), (50, 1), (199, 1), (250, 2), (5000, 50), (10000, 50)]])
+    @pytest.mark.parametrize(
+        ("n", "k"),
+        [
+            pytest.param(n, k, id=f"N{n}-k{k}")
+            for n, k in [(1, 0), (50, 1), (199, 1), (250, 2), (5000, 50), (10000, 50)]
+        ],
+    )
     def test_allowed_misses(self, n, k):
         """k = min(max(N // 100, 1), 50), and 0 for a single value."""
         assert k == allowed_misses(n)
@@ -111,8 +116,9 @@ class TestApproximateBand:
 
 def _timing(actual: float, **kw):
     g = [8.0] * 50
-    return compare_metric("iteration-time", *_pair(g, [actual] * 50),
-                          TimingCheck(rel_band_slow=0.25, rel_band_fast=0.25, **kw))
+    return compare_metric(
+        "iteration-time", *_pair(g, [actual] * 50), TimingCheck(rel_band_slow=0.25, rel_band_fast=0.25, **kw)
+    )
 
 
 class TestTimingBand:

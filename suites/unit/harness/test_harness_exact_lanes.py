@@ -23,8 +23,15 @@ CHECKS = {"lm loss": (ExactCheck(), ApproximateCheck(rtol=1e-5, max_misses=0))}
 
 
 def _fp(model: str, **kw) -> NumericsFingerprint:
-    return NumericsFingerprint(device="cpu", cpu_vendor="GenuineIntel", cpu_model=model, cpu_capability="AVX2",
-                               threads=1, torch="2.13.0+cpu", **kw)
+    return NumericsFingerprint(
+        device="cpu",
+        cpu_vendor="GenuineIntel",
+        cpu_model=model,
+        cpu_capability="AVX2",
+        threads=1,
+        torch="2.13.0+cpu",
+        **kw,
+    )
 
 
 RECORDER, OTHER = _fp("Xeon 6/207/2"), _fp("EPYC 25/1/0")
@@ -33,20 +40,31 @@ RECORDER, OTHER = _fp("Xeon 6/207/2"), _fp("EPYC 25/1/0")
 def _store(tmp_path, *, numerics=RECORDER) -> GoldenStore:
     store = GoldenStore(tmp_path / "golden")
     g = {"lm loss": series_from_list(LOSS)}
-    store.write(HW, "s", "c", g, build_meta(hw=HW, suite="s", case="c", golden=g, source="test", numerics=numerics))
+    store.write(
+        HW, "s", "c", g, build_meta(hw=HW, suite="s", case="c", golden=g, source="test", numerics=numerics)
+    )
     return store
 
 
 def _check(store, values, fingerprint, checks=CHECKS):
     settings = GoldenSettings(golden_dir=store.root, hw=HardwareKey(key=HW, rule="test", source="option"))
-    return check_case(settings, suite="s", case="c", metrics={"lm loss": values}, checks=checks,
-                      fingerprint=fingerprint)
+    return check_case(
+        settings, suite="s", case="c", metrics={"lm loss": values}, checks=checks, fingerprint=fingerprint
+    )
 
 
 def _exact(store, values, fingerprint, *, repeats=2, **kw):
-    return recalibrate(store=store, hw=HW, suite="s", case="c", repeats=repeats, exact_only=True,
-                       runner=lambda i: Repeat(metrics={"lm loss": values}, fingerprint=fingerprint),
-                       out=kw.pop("out", lambda s: None), **kw)
+    return recalibrate(
+        store=store,
+        hw=HW,
+        suite="s",
+        case="c",
+        repeats=repeats,
+        exact_only=True,
+        runner=lambda i: Repeat(metrics={"lm loss": values}, fingerprint=fingerprint),
+        out=kw.pop("out", lambda s: None),
+        **kw,
+    )
 
 
 class TestLanes:
@@ -57,7 +75,9 @@ class TestLanes:
         o = _check(store, ULP, RECORDER)
         assert o.status == "fail" and o.lane == "exact"
         assert "lm loss [exact]: 4 of 4 steps differ" in o.message
-        assert o.lane_reason.startswith(f"exact: enforced, this fingerprint recorded the reference ({RECORDER.id}")
+        assert o.lane_reason.startswith(
+            f"exact: enforced, this fingerprint recorded the reference ({RECORDER.id}"
+        )
 
     def test_other_fingerprint_exact_is_na_and_approximate_decides(self, tmp_path):
         """Elsewhere the exact check is n/a, naming both fingerprints, and the approximate lane decides."""
@@ -80,12 +100,18 @@ class TestLanes:
     def test_meta_without_fingerprint(self, tmp_path):
         """A reference whose meta predates fingerprints enforces exact values nowhere, and says so."""
         o = _check(_store(tmp_path, numerics=None), LOSS, RECORDER)
-        assert o.lane == "approximate" and "recorded on an unrecorded fingerprint (the meta predates" in o.lane_reason
+        assert (
+            o.lane == "approximate"
+            and "recorded on an unrecorded fingerprint (the meta predates" in o.lane_reason
+        )
 
     def test_exact_only_check_without_a_lane_fails(self, tmp_path):
         """A metric with only an exact check, n/a here, fails: no lane decides it."""
         o = _check(_store(tmp_path), LOSS, OTHER, checks={"lm loss": ExactCheck()})
-        assert o.status == "fail" and "lm loss: no lane decides: its only check is exact, n/a on this machine" in o.message
+        assert (
+            o.status == "fail"
+            and "lm loss: no lane decides: its only check is exact, n/a on this machine" in o.message
+        )
 
 
 class TestExactSets:
@@ -100,10 +126,16 @@ class TestExactSets:
         assert res.written and res.path == f.exact_json(OTHER.id)
         assert ref == {p: p.read_bytes() for p in (f.json, f.meta)}
         meta = json.loads(f.exact_meta(OTHER.id).read_text())
-        assert meta["numerics"]["id"] == OTHER.id and meta["reference_sha256"] == golden_digest(store.load(HW, "s", "c")[0])
+        assert meta["numerics"]["id"] == OTHER.id and meta["reference_sha256"] == golden_digest(
+            store.load(HW, "s", "c")[0]
+        )
         assert any("exact values for this fingerprint" in x for x in lines)
         o = _check(store, ULP, OTHER)
-        assert o.status == "pass" and o.lane == "exact" and "exact values of this fingerprint added" in o.lane_reason
+        assert (
+            o.status == "pass"
+            and o.lane == "exact"
+            and "exact values of this fingerprint added" in o.lane_reason
+        )
         o = _check(store, LOSS, OTHER)  # the reference's own values are one ulp off for this machine
         assert o.status == "fail" and "lm loss [exact]: 4 of 4 steps differ" in o.message
         third = _fp("Graviton")
@@ -125,19 +157,40 @@ class TestExactSets:
             _exact(GoldenStore(tmp_path / "empty"), LOSS, OTHER)
         store = _store(tmp_path)
         before = tree(store.root)
-        with pytest.raises(RecalibrationError, match="recorded the reference .* recalibrate without --exact-only"):
+        with pytest.raises(
+            RecalibrationError, match="recorded the reference .* recalibrate without --exact-only"
+        ):
             _exact(store, LOSS, RECORDER)
         with pytest.raises(RecalibrationError, match="reported no numerics fingerprint"):
             _exact(store, LOSS, None)
         vals = [LOSS, ULP]
-        with pytest.raises(RecalibrationError, match=r"no metric is bitwise reproducible over 2 repeats here "
-                                                     r"\(lm loss \(first differs at step 1"):
-            recalibrate(store=store, hw=HW, suite="s", case="c", repeats=2, exact_only=True, out=lambda s: None,
-                        runner=lambda i: Repeat(metrics={"lm loss": vals[i]}, fingerprint=OTHER))
+        with pytest.raises(
+            RecalibrationError,
+            match=r"no metric is bitwise reproducible over 2 repeats here "
+            r"\(lm loss \(first differs at step 1",
+        ):
+            recalibrate(
+                store=store,
+                hw=HW,
+                suite="s",
+                case="c",
+                repeats=2,
+                exact_only=True,
+                out=lambda s: None,
+                runner=lambda i: Repeat(metrics={"lm loss": vals[i]}, fingerprint=OTHER),
+            )
         with pytest.raises(RecalibrationError, match="repeat 2 ran under another numerics fingerprint"):
             fps = [OTHER, _fp("Graviton")]
-            recalibrate(store=store, hw=HW, suite="s", case="c", repeats=2, exact_only=True, out=lambda s: None,
-                        runner=lambda i: Repeat(metrics={"lm loss": LOSS}, fingerprint=fps[i]))
+            recalibrate(
+                store=store,
+                hw=HW,
+                suite="s",
+                case="c",
+                repeats=2,
+                exact_only=True,
+                out=lambda s: None,
+                runner=lambda i: Repeat(metrics={"lm loss": LOSS}, fingerprint=fps[i]),
+            )
         _exact(store, ULP, OTHER, dry_run=True)
         assert before == tree(store.root)
 
@@ -145,13 +198,24 @@ class TestExactSets:
         """A metric whose repeats differ (a timing) is left out of the exact set, and the output says so."""
         store = _store(tmp_path)
         lines: list[str] = []
-        recalibrate(store=store, hw=HW, suite="s", case="c", repeats=2, exact_only=True, out=lines.append,
-                    runner=lambda i: Repeat(metrics={"lm loss": ULP, "iteration-time": [0.1 + i] * 4},
-                                            fingerprint=OTHER))
+        recalibrate(
+            store=store,
+            hw=HW,
+            suite="s",
+            case="c",
+            repeats=2,
+            exact_only=True,
+            out=lines.append,
+            runner=lambda i: Repeat(
+                metrics={"lm loss": ULP, "iteration-time": [0.1 + i] * 4}, fingerprint=OTHER
+            ),
+        )
         (entry,) = store.exact_sets(HW, "s", "c")
         assert list(entry.golden) == ["lm loss"]
-        assert any("left out, not bitwise reproducible over 2 repeats: iteration-time (first differs at step 1"
-                   in x for x in lines)
+        assert any(
+            "left out, not bitwise reproducible over 2 repeats: iteration-time (first differs at step 1" in x
+            for x in lines
+        )
 
     def test_new_reference_drops_the_old_sets(self, tmp_path):
         """Rewriting the reference (a full recalibration) removes the sets recorded beside the old one,
@@ -159,8 +223,15 @@ class TestExactSets:
         store = _store(tmp_path)
         _exact(store, ULP, OTHER)
         lines: list[str] = []
-        recalibrate(store=store, hw=HW, suite="s", case="c", repeats=1, out=lines.append,
-                    runner=lambda i: Repeat(metrics={"lm loss": [x + 1 for x in LOSS]}, fingerprint=RECORDER))
+        recalibrate(
+            store=store,
+            hw=HW,
+            suite="s",
+            case="c",
+            repeats=1,
+            out=lines.append,
+            runner=lambda i: Repeat(metrics={"lm loss": [x + 1 for x in LOSS]}, fingerprint=RECORDER),
+        )
         assert any(f"go with it: {OTHER.id}" in x for x in lines)
         assert store.exact_sets(HW, "s", "c") == []
         assert not store.files(HW, "s", "c").exact_json(OTHER.id).exists()
@@ -171,7 +242,9 @@ class TestExactSets:
         _exact(store, ULP, OTHER)
         f = store.files(HW, "s", "c")
         f.exact_json(OTHER.id).write_text(f.exact_json(OTHER.id).read_text().replace("5.5", "5.6", 1))
-        with pytest.raises(MetaError, match=f"{OTHER.id}.meta.json: golden_sha256 .* does not match its values"):
+        with pytest.raises(
+            MetaError, match=f"{OTHER.id}.meta.json: golden_sha256 .* does not match its values"
+        ):
             store.exact_sets(HW, "s", "c")
         o = _check(store, ULP, OTHER)
         assert o.status == "error" and "does not match its values" in o.message
@@ -183,11 +256,21 @@ class TestExactSets:
         """write_exact checks, under the lock, that the reference is the one the set was recorded beside."""
         store = _store(tmp_path)
         g = {"lm loss": series_from_list(ULP)}
-        meta = {"hardware": HW, "suite": "s", "case": "c", "date": "d", "source": "t", "repeats": 1,
-                "versions": {}, "git_commit": None, "reference_sha256": "0" * 64,
-                "numerics": {"id": OTHER.id, "label": OTHER.label, "fingerprint": OTHER.to_json()}}
+        meta = {
+            "hardware": HW,
+            "suite": "s",
+            "case": "c",
+            "date": "d",
+            "source": "t",
+            "repeats": 1,
+            "versions": {},
+            "git_commit": None,
+            "reference_sha256": "0" * 64,
+            "numerics": {"id": OTHER.id, "label": OTHER.label, "fingerprint": OTHER.to_json()},
+        }
         before = tree(store.root)
         with pytest.raises(MetaError, match="the reference changed"):
             store.write_exact(HW, "s", "c", g, meta)
-        assert {k: v for k, v in tree(store.root).items() if not k.endswith(".lock")} == \
-            {k: v for k, v in before.items() if not k.endswith(".lock")}
+        assert {k: v for k, v in tree(store.root).items() if not k.endswith(".lock")} == {
+            k: v for k, v in before.items() if not k.endswith(".lock")
+        }

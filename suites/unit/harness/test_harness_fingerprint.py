@@ -8,9 +8,19 @@ from harness.cli import main
 from harness.golden.errors import GoldenFormatError
 from harness.golden.fingerprint import NumericsFingerprint, current_fingerprint, fingerprint_from_json
 
-AMD = NumericsFingerprint(device="cpu", cpu_vendor="AuthenticAMD", cpu_model="AMD EPYC 7B13 25/1/0",
-                          cpu_isa=("avx2", "fma"), cpu_capability="AVX2", blas="MKL 2024.2", onednn="3.12.0",
-                          pins={"ATEN_CPU_CAPABILITY": "avx2"}, threads=1, torch="2.13.0+cpu", megatron_core="0.16.1")
+AMD = NumericsFingerprint(
+    device="cpu",
+    cpu_vendor="AuthenticAMD",
+    cpu_model="AMD EPYC 7B13 25/1/0",
+    cpu_isa=("avx2", "fma"),
+    cpu_capability="AVX2",
+    blas="MKL 2024.2",
+    onednn="3.12.0",
+    pins={"ATEN_CPU_CAPABILITY": "avx2"},
+    threads=1,
+    torch="2.13.0+cpu",
+    megatron_core="0.16.1",
+)
 
 
 class TestFingerprint:
@@ -45,9 +55,13 @@ class TestFingerprint:
 
     def test_bad_json_is_named(self):
         """Unknown keys, a non-object or a bad device are errors naming the source."""
-        with pytest.raises(GoldenFormatError, match=r"meta\.json: unknown numerics fingerprint key\(s\) \['cpu'\]"):
+        with pytest.raises(
+            GoldenFormatError, match=r"meta\.json: unknown numerics fingerprint key\(s\) \['cpu'\]"
+        ):
             fingerprint_from_json({**AMD.to_json(), "cpu": 1}, source="meta.json")
-        with pytest.raises(GoldenFormatError, match="meta.json: a numerics fingerprint is a JSON object, got list"):
+        with pytest.raises(
+            GoldenFormatError, match="meta.json: a numerics fingerprint is a JSON object, got list"
+        ):
             fingerprint_from_json([], source="meta.json")
         with pytest.raises(GoldenFormatError, match="device='tpu' must be 'cpu' or 'cuda'"):
             fingerprint_from_json({**AMD.to_json(), "device": "tpu"}, source="meta.json")

@@ -9,11 +9,15 @@ from harness.golden.errors import GoldenFormatError
 from harness.golden.megatron_log import parse_log
 from harness.golden.schema import load_golden
 
-UPSTREAM = (" [2026-12-01 10:00:00] iteration        1/      50 | consumed samples:            8 | elapsed time per "
-            "iteration (ms): 412.5 | learning rate: 1.500000E-03 | global batch size:     8 | lm loss: 1.087094E+01 |"
-            " loss scale: 1.0 | grad norm: 3.626 | num zeros: 12.0 | number of skipped iterations:   0 |")
-OURS = (" iteration        2/      24 | elapsed time per iteration (ms): 140.3 | learning rate: 3.000000E-03 | "
-        "lm loss: 5.576416E+00 | grad norm: 3.530 | num zeros: 0 | mhc amax gain: 1.0000/1.0002 |")
+UPSTREAM = (
+    " [2026-12-01 10:00:00] iteration        1/      50 | consumed samples:            8 | elapsed time per "
+    "iteration (ms): 412.5 | learning rate: 1.500000E-03 | global batch size:     8 | lm loss: 1.087094E+01 |"
+    " loss scale: 1.0 | grad norm: 3.626 | num zeros: 12.0 | number of skipped iterations:   0 |"
+)
+OURS = (
+    " iteration        2/      24 | elapsed time per iteration (ms): 140.3 | learning rate: 3.000000E-03 | "
+    "lm loss: 5.576416E+00 | grad norm: 3.530 | num zeros: 0 | mhc amax gain: 1.0000/1.0002 |"
+)
 
 
 def test_upstream_and_our_lines_become_series():
@@ -39,7 +43,9 @@ def test_import_log_writes_a_result_file_diff_can_read(tmp_path, capsys):
     log = tmp_path / "train.log"
     log.write_text("\n".join([UPSTREAM, OURS]) + "\n")
     out = tmp_path / "run.json"
-    assert 0 == main(["import-log", str(log), "--out", str(out), "--metric", "lm loss", "--metric", "grad-norm"])
+    assert 0 == main(
+        ["import-log", str(log), "--out", str(out), "--metric", "lm loss", "--metric", "grad-norm"]
+    )
     assert list(load_golden(out)) == ["lm loss", "grad-norm"]
     assert 0 == main(["diff", str(out), str(out)])
     assert 2 == main(["import-log", str(log), "--out", str(out), "--metric", "nope"])
@@ -58,9 +64,21 @@ def test_a_tensorboard_run_reads_back(tmp_path):
     writer = SummaryWriter(str(tmp_path / "tb"))
     for step in (10, 20):
         writer.add_scalar("lm loss", 5.0 - step / 10, step)
-        log_report(StabilityReport(step=step, forward_gain=1.0 + step / 1000, backward_gain=1.0, worst_layer_gain=1.0,
-                                   worst_layer="hc", sum_deviation=0.0, orientation_error=0.0, sublayers=4,
-                                   tokens=64, seconds=0.001), tensorboard=writer)
+        log_report(
+            StabilityReport(
+                step=step,
+                forward_gain=1.0 + step / 1000,
+                backward_gain=1.0,
+                worst_layer_gain=1.0,
+                worst_layer="hc",
+                sum_deviation=0.0,
+                orientation_error=0.0,
+                sublayers=4,
+                tokens=64,
+                seconds=0.001,
+            ),
+            tensorboard=writer,
+        )
     writer.close()
     g = read_log(tmp_path / "tb")
     assert g["lm loss"].values == {10: 4.0, 20: 3.0}

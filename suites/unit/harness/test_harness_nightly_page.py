@@ -49,21 +49,34 @@ def test_a_regression_is_marked_on_the_page(tmp_path):
     assert "2 run(s) in the history" in page
 
 
-@pytest.mark.parametrize(("schema", "paths"), [
-    ("vendor.github-workflows", [".github/workflows/cpu.yml", ".github/workflows/nightly-gpu.yml"]),
-    ("vendor.gitlab-ci", [".gitlab-ci.yml"]),
-])
+@pytest.mark.parametrize(
+    ("schema", "paths"),
+    [
+        ("vendor.github-workflows", [".github/workflows/cpu.yml", ".github/workflows/nightly-gpu.yml"]),
+        ("vendor.gitlab-ci", [".gitlab-ci.yml"]),
+    ],
+)
 def test_ci_definitions_validate_and_a_broken_one_does_not(tmp_path, schema, paths):
     """The workflow files and the GitLab file pass their published schemas (check-jsonschema's vendored
     copies, no network); the same file with a job missing its runner fails."""
     exe = shutil.which("check-jsonschema") or str(Path(sys.executable).with_name("check-jsonschema"))
     if not Path(exe).exists():
         pytest.skip("check-jsonschema is not installed (the test extra has it)")
-    ok = subprocess.run([exe, "--builtin-schema", schema, *[str(ROOT / p) for p in paths]], capture_output=True,
-                        text=True, timeout=120)
+    ok = subprocess.run(
+        [exe, "--builtin-schema", schema, *[str(ROOT / p) for p in paths]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     broken = tmp_path / Path(paths[0]).name
     text = (ROOT / paths[0]).read_text()
-    broken.write_text(text.replace("runs-on:", "runs_on:") if "github" in schema else text.replace("stage: test", "stage: [1]"))
-    bad = subprocess.run([exe, "--builtin-schema", schema, str(broken)], capture_output=True, text=True, timeout=120)
+    broken.write_text(
+        text.replace("runs-on:", "runs_on:")
+        if "github" in schema
+        else text.replace("stage: test", "stage: [1]")
+    )
+    bad = subprocess.run(
+        [exe, "--builtin-schema", schema, str(broken)], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode != 0, bad.stdout

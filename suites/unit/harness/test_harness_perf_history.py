@@ -14,15 +14,23 @@ from harness.perf.history import check_history, read_history, record_from_benchm
 def _bench_json(path, medians: dict[str, float], *, commit="abc123", date="2026-11-01T00:00:00+00:00"):
     """A minimal pytest-benchmark JSON file with one benchmark per name."""
     doc = {
-        "machine_info": {"node": "x", "python_version": "3.11.7",
-                         "mhc": {"cuda_graph": False, "cutile_tuning": "tuned/nvidia_h200.json (NVIDIA H200, n = 4)"}},
+        "machine_info": {
+            "node": "x",
+            "python_version": "3.11.7",
+            "mhc": {"cuda_graph": False, "cutile_tuning": "tuned/nvidia_h200.json (NVIDIA H200, n = 4)"},
+        },
         "commit_info": {"id": commit, "dirty": False, "branch": "main"},
         "datetime": date,
         "version": "5.3.1",
         "benchmarks": [
-            {"group": "sinkhorn", "name": name, "fullname": f"suites/perf/test_k.py::{name}", "params": {"T": 512},
-             "extra_info": {"bytes_per_s": 1e9 / m, "roofline_ratio": 0.5},
-             "stats": {"min": m, "max": m, "mean": m, "stddev": 0.0, "median": m, "rounds": 10}}
+            {
+                "group": "sinkhorn",
+                "name": name,
+                "fullname": f"suites/perf/test_k.py::{name}",
+                "params": {"T": 512},
+                "extra_info": {"bytes_per_s": 1e9 / m, "roofline_ratio": 0.5},
+                "stats": {"min": m, "max": m, "mean": m, "stddev": 0.0, "median": m, "rounds": 10},
+            }
             for name, m in medians.items()
         ],
     }
@@ -77,8 +85,10 @@ class TestCheck:
         _append(tmp_path, history, 1.2e-3, 2e-3)
         assert 1 == main(["perf-history", "check", "--history", str(history)])
         out = capsys.readouterr().out
-        assert ("REGRESSION   sinkhorn::test_a[T512]: measured 1.2 ms, baseline 1 ms (median of 5), delta +20.0%, "
-                "band -20%..+10%") in out
+        assert (
+            "REGRESSION   sinkhorn::test_a[T512]: measured 1.2 ms, baseline 1 ms (median of 5), delta +20.0%, "
+            "band -20%..+10%"
+        ) in out
 
     def test_improvement_flagged(self, history, tmp_path, capsys):
         """A run much faster than the band is flagged IMPROVED (exit 0 unless --fail-on-improvement)."""
@@ -89,8 +99,10 @@ class TestCheck:
 
     def test_window_and_hardware(self):
         """The baseline is the median of the last K records of the newest record's hardware key."""
-        recs = [{"hardware": hw, "benchmarks": [{"key": "k", "median_s": m}]}
-                for hw, m in [("cpu", 7.0), ("cpu", 1.0), ("cpu", 2.0), ("h200", 9.0), ("cpu", 2.0)]]
+        recs = [
+            {"hardware": hw, "benchmarks": [{"key": "k", "median_s": m}]}
+            for hw, m in [("cpu", 7.0), ("cpu", 1.0), ("cpu", 2.0), ("h200", 9.0), ("cpu", 2.0)]
+        ]
         (v,) = check_history(recs, window=2)
         assert (1.5, 2, "regression") == (v.baseline_s, v.n_baseline, v.status)
 
@@ -110,7 +122,9 @@ class TestCheck:
 class TestPlot:
     def test_png_per_group(self, history, tmp_path, capsys):
         """plot writes one trend PNG per hardware and benchmark group, and the hardware's summary page."""
-        assert 0 == main(["perf-history", "plot", "--history", str(history), "--out", str(tmp_path / "plots")])
+        assert 0 == main(
+            ["perf-history", "plot", "--history", str(history), "--out", str(tmp_path / "plots")]
+        )
         pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
         assert ["perf_cpu_x86_64_sinkhorn.png"] == pngs
         assert sorted(p.name for p in (tmp_path / "plots").glob("*.md")) == ["cpu_x86_64.md"]
@@ -126,8 +140,16 @@ class TestBenchmarkPlugin:
         pytester.makeini("[pytest]\n")
         pytester.makepyfile(test_b="def test_b(benchmark):\n    benchmark(lambda: None)\n")
         out = tmp_path / "bench.json"
-        pytester.runpytest("-p", "no:hypothesispytest", "-p", "no:xdist", "--hw=h200", f"--benchmark-json={out}",
-                           "--benchmark-min-rounds=1", "--benchmark-max-time=0.001").assert_outcomes(passed=1)
+        pytester.runpytest(
+            "-p",
+            "no:hypothesispytest",
+            "-p",
+            "no:xdist",
+            "--hw=h200",
+            f"--benchmark-json={out}",
+            "--benchmark-min-rounds=1",
+            "--benchmark-max-time=0.001",
+        ).assert_outcomes(passed=1)
         assert "h200" == json.loads(out.read_text())["machine_info"]["mhc_hw"]
         assert 0 == main(["perf-history", "append", str(out), "--history", str(tmp_path / "h.jsonl")])
         record = read_history(tmp_path / "h.jsonl")[0]
@@ -144,11 +166,18 @@ class TestBadHistoryInput:
         assert "the last line is incomplete" in capsys.readouterr().err
         assert history.read_text() == text[:-1]
 
-    @pytest.mark.parametrize(("bench", "match"), [
-        ({"name": "x"}, r"benchmarks\[0\]: not a benchmark"),
-        ({"key": "g::x", "name": "x", "median_s": "slow"}, r"benchmarks\[0\] \(g::x\): median_s='slow'"),
-        ({"key": "g::x", "name": "x", "median_s": 1e-3, "extra_info": [1]}, r"benchmarks\[0\] \(g::x\): extra_info must be an object"),
-    ], ids=["no-key", "median-str", "extra-list"])
+    @pytest.mark.parametrize(
+        ("bench", "match"),
+        [
+            ({"name": "x"}, r"benchmarks\[0\]: not a benchmark"),
+            ({"key": "g::x", "name": "x", "median_s": "slow"}, r"benchmarks\[0\] \(g::x\): median_s='slow'"),
+            (
+                {"key": "g::x", "name": "x", "median_s": 1e-3, "extra_info": [1]},
+                r"benchmarks\[0\] \(g::x\): extra_info must be an object",
+            ),
+        ],
+        ids=["no-key", "median-str", "extra-list"],
+    )
     def test_read_refuses_malformed_benchmarks(self, tmp_path, bench, match):
         """A benchmark entry without key / name, with a non-numeric median or a non-object extra_info is named."""
         h = tmp_path / "h.jsonl"
@@ -164,7 +193,10 @@ class TestBadHistoryInput:
         f.write_text(json.dumps(doc))
         h = tmp_path / "h.jsonl"
         assert 1 == main(["perf-history", "append", str(f), "--history", str(h), "--hw", "cpu_x86_64"])
-        assert "b.json: benchmarks[0] (test_a[T512]): extra_info holds non-finite values" in capsys.readouterr().err
+        assert (
+            "b.json: benchmarks[0] (test_a[T512]): extra_info holds non-finite values"
+            in capsys.readouterr().err
+        )
         good = _bench_json(tmp_path / "g.json", {"test_a[T512]": 1e-3})
         assert 2 == main(["perf-history", "append", str(good), "--history", str(h), "--hw", "BAD/HW"])
         assert "--hw='BAD/HW' is not a valid hardware key" in capsys.readouterr().err

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 HW = "cpu_x86_64"
+
+
 def _golden(pytester, case="tiny_mhc", hw=HW):
     return pytester.path / "golden" / hw / "demo" / f"{case}.json"
 
@@ -55,8 +57,14 @@ class TestOptions:
     def test_options_in_help(self, run_inline, demo):
         """The option group lists --hw, --golden-dir, --update-golden and --mhc-results-dir."""
         run_inline(demo, "--help").stdout.fnmatch_lines(
-            ["*mHC golden values*", "*--hw=HW*", "*--golden-dir=GOLDEN_DIR*", "*--update-golden=*",
-             "*--mhc-results-dir=*"])
+            [
+                "*mHC golden values*",
+                "*--hw=HW*",
+                "*--golden-dir=GOLDEN_DIR*",
+                "*--update-golden=*",
+                "*--mhc-results-dir=*",
+            ]
+        )
 
     def test_env_hw(self, run_inline, demo, monkeypatch):
         """MHC_HW picks the golden directory when --hw is not given."""
@@ -75,7 +83,9 @@ class TestOptions:
         run_inline(demo, f"--hw={HW}", f"--mhc-results-dir={tmp_path / 'res'}").assert_outcomes(passed=3)
         outcome = json.loads((tmp_path / "res" / "demo" / "tiny_mhc.result.json").read_text())
         assert ("pass", HW) == (outcome["status"], outcome["hw"])
-        assert {"lm loss", "iteration-time"} == set(json.loads((tmp_path / "res" / "demo" / "tiny_mhc.json").read_text()))
+        assert {"lm loss", "iteration-time"} == set(
+            json.loads((tmp_path / "res" / "demo" / "tiny_mhc.json").read_text())
+        )
 
     def test_case_selection(self, run_inline, demo):
         """--mhc-case runs only tests whose golden_case marker names the case."""
@@ -88,7 +98,9 @@ class TestOptions:
         run_inline(demo, "--update-golden=all", f"--hw={HW}")
         before = _golden(demo).read_bytes()
         monkeypatch.setenv("DEMO_SCALE", "1.5")
-        run_inline(demo, f"--hw={HW}", "--mhc-record-only", f"--mhc-results-dir={tmp_path}").assert_outcomes(passed=3)
+        run_inline(demo, f"--hw={HW}", "--mhc-record-only", f"--mhc-results-dir={tmp_path}").assert_outcomes(
+            passed=3
+        )
         assert before == _golden(demo).read_bytes()
         assert json.loads((tmp_path / "demo" / "tiny_mhc.result.json").read_text())["golden_passed"] is False
 
@@ -97,9 +109,11 @@ class TestFixtureErrors:
     def test_suite_outside_suites_dir(self, run_inline, pytester):
         """A test outside suites/<suite>/ must pass suite=; the failure says so."""
         pytester.makeini("[pytest]\n")
-        pytester.makepyfile(test_x="def test_x(golden_metrics):\n"
-                                   "    from harness import ExactCheck\n"
-                                   "    golden_metrics.check('c', {'m': [1.0]}, {'m': ExactCheck()})\n")
+        pytester.makepyfile(
+            test_x="def test_x(golden_metrics):\n"
+            "    from harness import ExactCheck\n"
+            "    golden_metrics.check('c', {'m': [1.0]}, {'m': ExactCheck()})\n"
+        )
         r = run_inline(pytester, f"--hw={HW}")
         r.assert_outcomes(failed=1)
         r.stdout.fnmatch_lines(["*cannot derive the suite*pass suite= to golden_metrics.check*"])
@@ -107,9 +121,11 @@ class TestFixtureErrors:
     def test_explicit_suite(self, run_inline, pytester):
         """suite= overrides the path-derived suite."""
         pytester.makeini("[pytest]\n")
-        pytester.makepyfile(test_x="def test_x(golden_metrics):\n"
-                                   "    from harness import ExactCheck\n"
-                                   "    golden_metrics.check('c', {'m': [1.0]}, {'m': ExactCheck()}, suite='mine')\n")
+        pytester.makepyfile(
+            test_x="def test_x(golden_metrics):\n"
+            "    from harness import ExactCheck\n"
+            "    golden_metrics.check('c', {'m': [1.0]}, {'m': ExactCheck()}, suite='mine')\n"
+        )
         run_inline(pytester, f"--hw={HW}", "--update-golden=all").assert_outcomes(passed=1)
         assert (pytester.path / "golden" / HW / "mine" / "c.json").is_file()
 
@@ -118,7 +134,9 @@ class TestFixtureErrors:
         (demo.path / "suites" / "demo" / "test_dup.py").write_text(
             "from harness import ExactCheck\n"
             "def test_dup(golden_metrics):\n"
-            "    golden_metrics.check('tiny', {'m': [1.0]}, {'m': ExactCheck()})\n", encoding="utf-8")
+            "    golden_metrics.check('tiny', {'m': [1.0]}, {'m': ExactCheck()})\n",
+            encoding="utf-8",
+        )
         r = run_inline(demo, "--update-golden=all", f"--hw={HW}")
         r.assert_outcomes(passed=3, failed=1)
         r.stdout.fnmatch_lines(["*case demo/tiny was already checked by*test_demo.py::test_tiny*"])
@@ -129,7 +147,9 @@ class TestFixtureErrors:
             "import pytest\nfrom harness import ExactCheck\n"
             "@pytest.mark.golden_case('a')\n"
             "def test_m(golden_metrics):\n"
-            "    golden_metrics.check('b', {'m': [1.0]}, {'m': ExactCheck()})\n", encoding="utf-8")
+            "    golden_metrics.check('b', {'m': [1.0]}, {'m': ExactCheck()})\n",
+            encoding="utf-8",
+        )
         r = run_inline(demo, "--update-golden=all", f"--hw={HW}", "suites/demo/test_mark.py")
         r.assert_outcomes(failed=1)
         assert "case 'b' is not among its golden_case marker names ['a']" in r.stdout.str()

@@ -19,9 +19,15 @@ HW = "cpu_x86_64"
 def _run(store, values_per_repeat, *, lines=None, **kw):
     """Recalibrate s/c with one list of lm-loss values per repeat."""
     kw.setdefault("repeats", len(values_per_repeat))
-    return recalibrate(store=store, hw=HW, suite="s", case="c",
-                       runner=lambda i: {"lm loss": values_per_repeat[i]},
-                       out=(lines.append if lines is not None else lambda s: None), **kw)
+    return recalibrate(
+        store=store,
+        hw=HW,
+        suite="s",
+        case="c",
+        runner=lambda i: {"lm loss": values_per_repeat[i]},
+        out=(lines.append if lines is not None else lambda s: None),
+        **kw,
+    )
 
 
 class TestProgrammatic:
@@ -32,7 +38,9 @@ class TestProgrammatic:
         golden, meta = store.load(HW, "s", "c")
         assert {1: 2.0, 2: 3.0} == dict(golden["lm loss"].values)
         assert 2 == meta["repeats"]
-        assert {"min": 1.0, "max": 3.0} == {k: meta["spread"]["lm loss"]["steps"]["1"][k] for k in ("min", "max")}
+        assert {"min": 1.0, "max": 3.0} == {
+            k: meta["spread"]["lm loss"]["steps"]["1"][k] for k in ("min", "max")
+        }
         assert "mhc-harness recalibrate" == meta["source"]
 
     def test_identical_repeats_stay_bit_exact(self, tmp_path):
@@ -65,11 +73,20 @@ class TestProgrammatic:
 
     def test_refuses_failed_run(self, tmp_path, tree):
         """A runner that fails aborts the recalibration; nothing is written."""
+
         def runner(i):
             raise RecalibrationError("repeat 1: the run failed")
+
         with pytest.raises(RecalibrationError, match="the run failed"):
-            recalibrate(store=GoldenStore(tmp_path), hw=HW, suite="s", case="c", runner=runner, repeats=2,
-                        out=lambda s: None)
+            recalibrate(
+                store=GoldenStore(tmp_path),
+                hw=HW,
+                suite="s",
+                case="c",
+                runner=runner,
+                repeats=2,
+                out=lambda s: None,
+            )
         assert {} == tree(tmp_path)
 
     def test_refuses_unknown_hw_before_running(self, tmp_path, tree):
@@ -79,9 +96,17 @@ class TestProgrammatic:
         def runner(i):
             calls.append(i)
             return {"m": [1.0]}
+
         with pytest.raises(UnknownHardwareError, match="gpu_foo_x1"):
-            recalibrate(store=GoldenStore(tmp_path), hw="gpu_foo_x1", suite="s", case="c", repeats=1,
-                        runner=runner, out=lambda s: None)
+            recalibrate(
+                store=GoldenStore(tmp_path),
+                hw="gpu_foo_x1",
+                suite="s",
+                case="c",
+                repeats=1,
+                runner=runner,
+                out=lambda s: None,
+            )
         assert ([], {}) == (calls, tree(tmp_path))
 
     def test_refuses_an_unwritable_golden_dir_before_running(self, tmp_path):
@@ -94,20 +119,38 @@ class TestProgrammatic:
         def runner(i):
             calls.append(i)
             return {"lm loss": [1.0]}
+
         with pytest.raises(GoldenFormatError, match=r"store: not a writable directory.*nothing was run"):
-            recalibrate(store=GoldenStore(tmp_path / "store"), hw=HW, suite="s", case="c", repeats=2,
-                        runner=runner, out=lambda s: None)
+            recalibrate(
+                store=GoldenStore(tmp_path / "store"),
+                hw=HW,
+                suite="s",
+                case="c",
+                repeats=2,
+                runner=runner,
+                out=lambda s: None,
+            )
         assert calls == []
 
     def test_allow_unknown_hw(self, tmp_path):
         """allow_unknown_hw lets an unknown key through."""
-        r = recalibrate(store=GoldenStore(tmp_path), hw="gpu_foo_x1", suite="s", case="c", repeats=1,
-                        runner=lambda i: {"m": [1.0]}, allow_unknown_hw=True, out=lambda s: None)
+        r = recalibrate(
+            store=GoldenStore(tmp_path),
+            hw="gpu_foo_x1",
+            suite="s",
+            case="c",
+            repeats=1,
+            runner=lambda i: {"m": [1.0]},
+            allow_unknown_hw=True,
+            out=lambda s: None,
+        )
         assert r.written
 
     def test_misaligned_repeats_refused(self, tmp_path, tree):
         """Repeats with different steps are refused, naming the steps."""
-        with pytest.raises(RecalibrationError, match=r"steps differ between repeat 1 and repeat 2: only in 1: \[3\]"):
+        with pytest.raises(
+            RecalibrationError, match=r"steps differ between repeat 1 and repeat 2: only in 1: \[3\]"
+        ):
             _run(GoldenStore(tmp_path), [[1.0, 2.0, 3.0], [1.0, 2.0]])
         assert {} == tree(tmp_path)
 
@@ -129,8 +172,16 @@ class TestProgrammatic:
         """A runner reporting golden_passed decides --only-failing without checks."""
         store = GoldenStore(tmp_path)
         _run(store, [[1.0]])
-        r = recalibrate(store=store, hw=HW, suite="s", case="c", repeats=1, only_failing=True, out=lambda s: None,
-                        runner=lambda i: Repeat(metrics={"lm loss": [5.0]}, golden_passed=True))
+        r = recalibrate(
+            store=store,
+            hw=HW,
+            suite="s",
+            case="c",
+            repeats=1,
+            only_failing=True,
+            out=lambda s: None,
+            runner=lambda i: Repeat(metrics={"lm loss": [5.0]}, golden_passed=True),
+        )
         assert not r.written
 
     def test_dry_run_writes_nothing(self, tmp_path, tree):
@@ -141,8 +192,20 @@ class TestProgrammatic:
 
 class TestCli:
     def _cli(self, demo, *extra):
-        return main(["recalibrate", "demo", "tiny_mhc", "--suites-dir", str(demo.path / "suites"), "--hw", HW,
-                     "--pytest-args", "-p no:hypothesispytest -p no:benchmark", *extra])
+        return main(
+            [
+                "recalibrate",
+                "demo",
+                "tiny_mhc",
+                "--suites-dir",
+                str(demo.path / "suites"),
+                "--hw",
+                HW,
+                "--pytest-args",
+                "-p no:hypothesispytest -p no:benchmark",
+                *extra,
+            ]
+        )
 
     def test_recalibrate_runs_pytest(self, demo, capsys):
         """The CLI runs the case N times through pytest and writes golden and meta."""
@@ -168,14 +231,31 @@ class TestCli:
 
     def test_unknown_hw_refused(self, demo, capsys, tree):
         """An unknown --hw is refused before anything runs."""
-        assert 1 == main(["recalibrate", "demo", "tiny", "--suites-dir", str(demo.path / "suites"),
-                          "--hw", "gpu_foo_x1"])
+        assert 1 == main(
+            ["recalibrate", "demo", "tiny", "--suites-dir", str(demo.path / "suites"), "--hw", "gpu_foo_x1"]
+        )
         assert "not a known key" in capsys.readouterr().err
         assert {} == tree(demo.path / "golden")
 
     def test_unknown_case_says_no_test_runs_it(self, demo, capsys, tree):
         """A case no test of the suite runs is named as such (pytest exit 5), not as a failed run."""
-        assert 1 == main(["recalibrate", "demo", "nocase", "--suites-dir", str(demo.path / "suites"), "--hw", HW,
-                          "--pytest-args", "-p no:hypothesispytest -p no:benchmark", "--repeats", "1"])
-        assert "runs case 'nocase' (pytest exit 5: nothing collected or all deselected)" in capsys.readouterr().err
+        assert 1 == main(
+            [
+                "recalibrate",
+                "demo",
+                "nocase",
+                "--suites-dir",
+                str(demo.path / "suites"),
+                "--hw",
+                HW,
+                "--pytest-args",
+                "-p no:hypothesispytest -p no:benchmark",
+                "--repeats",
+                "1",
+            ]
+        )
+        assert (
+            "runs case 'nocase' (pytest exit 5: nothing collected or all deselected)"
+            in capsys.readouterr().err
+        )
         assert {} == tree(demo.path / "golden")

@@ -39,9 +39,15 @@ Root Cause (first observed failure):
 
 def test_c10d_flags_name_nodes_endpoint_id_and_timeouts():
     """A c10d agent gets torchrun's multi-node flags, no restarts, and its host role when given."""
-    r = Rendezvous(nnodes=2, endpoint="10.0.0.1:29500", run_id="job-7", node_rank=1, is_host=False, join_timeout=30)
+    r = Rendezvous(
+        nnodes=2, endpoint="10.0.0.1:29500", run_id="job-7", node_rank=1, is_host=False, join_timeout=30
+    )
     assert r.torchrun_args() == [
-        "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29500", "--rdzv-id=job-7", "--max-restarts=0",
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.1:29500",
+        "--rdzv-id=job-7",
+        "--max-restarts=0",
         "--rdzv-conf=join_timeout=30,read_timeout=30,is_host=0",
     ]
     assert not r.hosts_store and r.node == "node1"
@@ -58,21 +64,31 @@ def test_one_node_stays_standalone(tmp_path):
     """Without a rendezvous the command is today's `--standalone` one."""
     cmd = torchrun_command("w.py", ["--x"], nproc=4, log_dir=tmp_path)
     assert "--standalone" in cmd and not any(a.startswith("--nnodes") for a in cmd)
-    multi = torchrun_command("w.py", [], nproc=2, log_dir=tmp_path,
-                             rendezvous=Rendezvous(nnodes=2, endpoint="h:1", node_rank=0, is_host=True))
+    multi = torchrun_command(
+        "w.py",
+        [],
+        nproc=2,
+        log_dir=tmp_path,
+        rendezvous=Rendezvous(nnodes=2, endpoint="h:1", node_rank=0, is_host=True),
+    )
     assert "--standalone" not in multi and "--nnodes=2" in multi and "--nproc-per-node=2" in multi
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    pytest.param({"nnodes": 0}, r"nnodes=0 must be an integer >= 1", id="zero-nodes"),
-    pytest.param({"endpoint": "host"}, r"endpoint 'host' must be host:port", id="no-port"),
-    pytest.param({"endpoint": "host:70000"}, r"endpoint 'host:70000' must be host:port", id="port-range"),
-    pytest.param({"run_id": "a b"}, r"run_id='a b'", id="run-id"),
-    pytest.param({"node_rank": 2}, r"node_rank=2 must be in 0..1", id="rank-range"),
-    pytest.param({"backend": "static"}, r"node_rank is required with the static backend", id="static-no-rank"),
-    pytest.param({"backend": "etcd"}, r"'etcd' is not a valid RendezvousBackend", id="backend"),
-    pytest.param({"join_timeout": 0}, r"join_timeout=0 must be > 0", id="timeout"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"nnodes": 0}, r"nnodes=0 must be an integer >= 1", id="zero-nodes"),
+        pytest.param({"endpoint": "host"}, r"endpoint 'host' must be host:port", id="no-port"),
+        pytest.param({"endpoint": "host:70000"}, r"endpoint 'host:70000' must be host:port", id="port-range"),
+        pytest.param({"run_id": "a b"}, r"run_id='a b'", id="run-id"),
+        pytest.param({"node_rank": 2}, r"node_rank=2 must be in 0..1", id="rank-range"),
+        pytest.param(
+            {"backend": "static"}, r"node_rank is required with the static backend", id="static-no-rank"
+        ),
+        pytest.param({"backend": "etcd"}, r"'etcd' is not a valid RendezvousBackend", id="backend"),
+        pytest.param({"join_timeout": 0}, r"join_timeout=0 must be > 0", id="timeout"),
+    ],
+)
 def test_bad_settings_name_the_field(kwargs, message):
     """Each bad field is a ValueError naming it and its value."""
     with pytest.raises(ValueError, match=message):
@@ -93,11 +109,15 @@ def test_failure_table_lists_the_root_cause_first():
 def test_diagnoses_name_the_count_the_store_and_the_port():
     """A timeout names how many nodes joined; an unreachable store names it; a taken port too."""
     r = Rendezvous(nnodes=2, endpoint="127.0.0.1:29500", run_id="j", join_timeout=8)
-    assert diagnose("... RendezvousTimeoutError\n", r, 1) == \
-        "rendezvous j at 127.0.0.1:29500 timed out after 8 s: 1 of 2 nodes joined"
+    assert (
+        diagnose("... RendezvousTimeoutError\n", r, 1)
+        == "rendezvous j at 127.0.0.1:29500 timed out after 8 s: 1 of 2 nodes joined"
+    )
     assert "an unknown number of the 2 nodes joined" in diagnose("RendezvousTimeoutError", r, None)
     assert "0 of 2 nodes joined" in diagnose("RendezvousConnectionError: The connection", r, None)
-    assert "127.0.0.1:29500: its port is already in use" in diagnose("OSError: Address already in use", r, None)
+    assert "127.0.0.1:29500: its port is already in use" in diagnose(
+        "OSError: Address already in use", r, None
+    )
     assert diagnose("RuntimeError: something else", r, 2) is None
 
 
@@ -136,12 +156,16 @@ def test_the_join_watcher_outlives_no_launcher(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
-    starter = ("import subprocess, sys\n"
-               "import os\n"
-               "c = subprocess.Popen([sys.executable, '-m', 'harness.launch.rendezvous', '127.0.0.1:9', 'x', '0.2', '600',\n"
-               "                      str(os.getpid())])\n"
-               "print(c.pid, flush=True)\n")
-    proc = subprocess.run([sys.executable, "-c", starter], cwd=root, capture_output=True, text=True, timeout=60)
+    starter = (
+        "import subprocess, sys\n"
+        "import os\n"
+        "c = subprocess.Popen([sys.executable, '-m', 'harness.launch.rendezvous', '127.0.0.1:9', 'x', '0.2', '600',\n"
+        "                      str(os.getpid())])\n"
+        "print(c.pid, flush=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", starter], cwd=root, capture_output=True, text=True, timeout=60
+    )
     child = int(proc.stdout.split()[0])
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

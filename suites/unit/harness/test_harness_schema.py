@@ -40,7 +40,9 @@ class TestMegatronFile:
 
     def test_legacy_nan_string_rejected_on_read(self, data_dir):
         """An old file with "nan" for iteration-time step 1 is rejected, naming file, metric and step."""
-        with pytest.raises(NonFiniteError, match=r"golden_values_legacy_nan\.json: metric 'iteration-time' step 1"):
+        with pytest.raises(
+            NonFiniteError, match=r"golden_values_legacy_nan\.json: metric 'iteration-time' step 1"
+        ):
             load_golden(data_dir / LEGACY)
 
     def test_legacy_nan_string_dropped_on_import(self, data_dir):
@@ -85,8 +87,11 @@ class TestParseErrors:
     def test_duplicate_key_names_its_lines(self):
         """A key written twice in one object is named with the lines it is written at."""
         text = '{"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1,\n  "values": {"1": 2.0}},\n "lm loss": {}}'
-        with pytest.raises(GoldenFormatError, match=r"f\.json: duplicate key 'lm loss' in one object "
-                                                    r"\(the key is written at lines 1, 3\)"):
+        with pytest.raises(
+            GoldenFormatError,
+            match=r"f\.json: duplicate key 'lm loss' in one object "
+            r"\(the key is written at lines 1, 3\)",
+        ):
             parse_golden(text, source="f.json")
 
     def test_extra_top_level_key_rejected(self):

@@ -48,7 +48,9 @@ class TestLayout:
         store = GoldenStore(tmp_path)
         _write(store, 1.0)
         _, meta = store.load(HW, "s", "c")
-        assert {"hardware", "versions", "git_commit", "date", "repeats", "spread", "golden_sha256"} <= set(meta)
+        assert {"hardware", "versions", "git_commit", "date", "repeats", "spread", "golden_sha256"} <= set(
+            meta
+        )
         assert "torch" in meta["versions"] and "cuda" in meta["versions"]
 
     def test_meta_commit_from_env(self, tmp_path, monkeypatch):
@@ -90,8 +92,10 @@ class TestAtomicWrites:
         """Two recalibrations started at once leave one writer's json and meta, never a mix."""
         env = dict(subprocess_env, **{PAUSE_ENV_VAR: "0.3"})
         start = time.time() + 1.0
-        procs = [subprocess.Popen([python, "-c", WRITER, str(tmp_path), v, r, str(start)], env=env)
-                 for v, r in (("1.0", "2"), ("2.0", "3"))]
+        procs = [
+            subprocess.Popen([python, "-c", WRITER, str(tmp_path), v, r, str(start)], env=env)
+            for v, r in (("1.0", "2"), ("2.0", "3"))
+        ]
         assert [0, 0] == [p.wait(timeout=60) for p in procs]
         assert time.time() - start >= 0.6, "the two writes overlapped: each pauses 0.3 s inside the lock"
         golden, meta = GoldenStore(tmp_path).load(HW, "s", "c")  # validates the digest: json and meta agree
@@ -109,8 +113,9 @@ class TestAtomicWrites:
         d = tmp_path / HW / "s"
         before = {p.name: p.read_bytes() for p in d.iterdir() if not p.name.startswith(".")}
         env = dict(subprocess_env, **{PAUSE_ENV_VAR: "60"})
-        proc = subprocess.Popen([python, "-c", WRITER, str(tmp_path), "7.0", "1", "0"], env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [python, "-c", WRITER, str(tmp_path), "7.0", "1", "0"], env=env, start_new_session=True
+        )
         try:
             deadline = time.time() + 30
             while not any(p.name.endswith(".tmp") for p in d.iterdir()) and time.time() < deadline:
@@ -190,7 +195,9 @@ class TestWrittenFiles:
         before = f.json.read_text()
         f.meta.unlink()
         f.meta.mkdir()
-        with pytest.raises(GoldenFormatError, match=r"c\.meta\.json: exists and is not a regular file; nothing written"):
+        with pytest.raises(
+            GoldenFormatError, match=r"c\.meta\.json: exists and is not a regular file; nothing written"
+        ):
             _write(store, 2.0)
         assert f.json.read_text() == before
         assert not [p.name for p in f.directory.iterdir() if p.name.endswith(".tmp")]

@@ -35,12 +35,22 @@ def test_upstream_dsv4_hybrid_recipe_is_refused_naming_its_attention_data_and_cp
     logging ones."""
     plan = plan_case("hybrid_mr_mcore_te_tp1_pp2_dsv4_hybrid_mhc_mtp", "dgx_h100", data_dir=Path("."))
     a = plan.args
-    assert a.num_layers == 8 and a.enable_mhc_connections and a.mhc_num_residual_streams == 4 and a.mtp_num_layers == 1
+    assert (
+        a.num_layers == 8
+        and a.enable_mhc_connections
+        and a.mhc_num_residual_streams == 4
+        and a.mtp_num_layers == 1
+    )
     with pytest.raises(NotImplementedError) as err:
         _refuse_unsupported(a)
     text = str(err.value)
-    for flag in ("--multi-latent-attention=True", "--experimental-attention-variant='dsv4_hybrid'",
-                 "--context-parallel-size=2", "--use-varlen-dataset=True", "--cuda-graph-impl='transformer_engine'"):
+    for flag in (
+        "--multi-latent-attention=True",
+        "--experimental-attention-variant='dsv4_hybrid'",
+        "--context-parallel-size=2",
+        "--use-varlen-dataset=True",
+        "--cuda-graph-impl='transformer_engine'",
+    ):
         assert flag in text, flag
     assert "--log-params-norm" not in text and "--eval-iters" not in text
 
@@ -49,14 +59,26 @@ def test_upstream_flags_are_typed_and_dev_aliases_are_not_set_twice():
     """An upstream-only flag of the wrong type is named; dev's name and main's of one field together are refused."""
     from harness.training.model_args import parse_model_args
 
-    base = {"--num-layers": 2, "--hidden-size": 8, "--num-attention-heads": 2, "--seq-length": 8,
-            "--micro-batch-size": 1, "--global-batch-size": 1, "--train-iters": 2, "--lr": 1e-3, "--mock-data": True,
-            "--tokenizer-type": "NullTokenizer", "--vocab-size": 16}
+    base = {
+        "--num-layers": 2,
+        "--hidden-size": 8,
+        "--num-attention-heads": 2,
+        "--seq-length": 8,
+        "--micro-batch-size": 1,
+        "--global-batch-size": 1,
+        "--train-iters": 2,
+        "--lr": 1e-3,
+        "--mock-data": True,
+        "--tokenizer-type": "NullTokenizer",
+        "--vocab-size": 16,
+    }
     assert dict(parse_model_args({**base, "--eval-iters": 10}, source="t").upstream) == {"--eval-iters": 10}
     with pytest.raises(ValueError, match=r"t: MODEL_ARGS --q-lora-rank='big': must be an integer"):
         parse_model_args({**base, "--q-lora-rank": "big"}, source="t")
     with pytest.raises(ValueError, match="sets --enable-mhc-connections a second time"):
-        parse_model_args({**base, "--enable-mhc-connections": True, "--enable-hyper-connections": True}, source="t")
+        parse_model_args(
+            {**base, "--enable-mhc-connections": True, "--enable-hyper-connections": True}, source="t"
+        )
 
 
 def test_then_train_without_a_dump_is_refused(capsys):

@@ -25,11 +25,17 @@ def test_no_tree_named_is_none(monkeypatch):
     assert tree_under_test() is None
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda p: str(p / "missing"), "not a directory"),
-    (lambda p: str(p), "not a Megatron-LM tree (no megatron/core/__init__.py under it)"),
-    (lambda p: _tree(p, config="x = 1\n"), "has neither enable_mhc_connections (main) nor enable_hyper_connections"),
-])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: str(p / "missing"), "not a directory"),
+        (lambda p: str(p), "not a Megatron-LM tree (no megatron/core/__init__.py under it)"),
+        (
+            lambda p: _tree(p, config="x = 1\n"),
+            "has neither enable_mhc_connections (main) nor enable_hyper_connections",
+        ),
+    ],
+)
 def test_bad_path_is_named(tmp_path, make, message):
     """A path that is not a tree, or a tree whose config has neither mHC field, is a TreeError naming it."""
     path = make(tmp_path)

@@ -33,14 +33,35 @@ def _wheel(files: dict[str, Path], out: Path) -> Path:
             shutil.copytree(src, project / name, ignore=_SKIP)
         else:
             shutil.copy2(src, project / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(out), str(project)], check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(out),
+            str(project),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     (wheel,) = out.glob("*.whl")
     return wheel
 
 
-CORE = {"pyproject.toml": ROOT / "pyproject.toml", "setup.py": ROOT / "setup.py", "README.md": ROOT / "README.md",
-        "mhc_core": ROOT / "mhc_core"}
+CORE = {
+    "pyproject.toml": ROOT / "pyproject.toml",
+    "setup.py": ROOT / "setup.py",
+    "README.md": ROOT / "README.md",
+    "mhc_core": ROOT / "mhc_core",
+}
 """mhc-core's project: the root pyproject.toml, setup.py (its C extension) and the mhc_core package."""
 
 
@@ -64,25 +85,35 @@ def test_the_core_wheel_holds_mhc_core_and_depends_on_torch_only(core_wheel):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"mhc_core"}, tops
     assert "mhc_core/kernels/cutile/tuned/nvidia_h200.json" in names
-    if sys.platform.startswith("linux") and shutil.which("cc"):  # the optional extension builds where a compiler is
+    if sys.platform.startswith("linux") and shutil.which(
+        "cc"
+    ):  # the optional extension builds where a compiler is
         assert any(n.startswith("mhc_core/kernels/native/_pre.") and n.endswith(".so") for n in names), names
     assert not any(n.endswith("entry_points.txt") for n in names)
-    required = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    required = [
+        line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")
+    ]
     plain = [r for r in required if "extra ==" not in r]
     assert plain == ["torch>=2.6"], required
-    assert any(r.startswith("megatron-core") and "extra == \"megatron\"" in r for r in required), required
+    assert any(r.startswith("megatron-core") and 'extra == "megatron"' in r for r in required), required
 
 
 def test_the_harness_wheel_carries_the_cli_the_plugin_and_the_recordings(tmp_path):
     """mhc-harness's wheel: the harness package with its recordings, the functional recipes and corpus, the CLI
     and the pytest plugin; it depends on mhc-core."""
-    harness = {p.name: p for p in (ROOT / "harness").iterdir() if p.name not in ("__pycache__", "build")
-               and not p.name.endswith(".egg-info")}
+    harness = {
+        p.name: p
+        for p in (ROOT / "harness").iterdir()
+        if p.name not in ("__pycache__", "build") and not p.name.endswith(".egg-info")
+    }
     names, meta = _metadata(_wheel(harness, tmp_path))
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"harness"}, tops
     assert "harness/conformance/recorded/te_triton.json" in names and "harness/peers/base.py" in names
-    assert "harness/training/recipes/gpt_tp1_pp1_mhc.yaml" in names and "harness/training/corpus/declaration.txt" in names
+    assert (
+        "harness/training/recipes/gpt_tp1_pp1_mhc.yaml" in names
+        and "harness/training/corpus/declaration.txt" in names
+    )
     assert "Requires-Dist: mhc-core==0.1.0" in meta
     with zipfile.ZipFile(next(tmp_path.glob("*.whl"))) as z:
         entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
@@ -93,7 +124,11 @@ def _top_levels(dist: md.Distribution) -> set[str]:
     tops = set()
     for f in dist.files or ():
         first = f.parts[0]
-        if first.endswith((".dist-info", ".data")) or first in ("..", "__pycache__") or first.endswith(".pth"):
+        if (
+            first.endswith((".dist-info", ".data"))
+            or first in ("..", "__pycache__")
+            or first.endswith(".pth")
+        ):
             continue
         tops.add(first)
     return tops
@@ -123,8 +158,13 @@ def test_mhc_core_alone_runs_in_a_fresh_venv(core_wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(core_wheel)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(core_wheel)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     site = Path(md.distribution("torch").locate_file(""))
     shared = tmp_path / "torch-only"
     shared.mkdir()
@@ -148,5 +188,7 @@ assert aggregated.shape == (5, 2, 8) and out.shape == (5, 2, 32) and torch.isfin
 from mhc_core.kernels import native
 print("ok", torch.__version__, native.available())
 """
-    run = subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    run = subprocess.run(
+        [str(python), "-I", "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stderr[-3000:]

@@ -9,17 +9,20 @@ from harness.report import step_time_ratios
 
 
 def _series(values: list[float]) -> MetricSeries:
-    return MetricSeries(start_step=1, end_step=len(values), step_interval=1,
-                        values={i + 1: v for i, v in enumerate(values)})
+    return MetricSeries(
+        start_step=1, end_step=len(values), step_interval=1, values={i + 1: v for i, v in enumerate(values)}
+    )
 
 
 def test_ratio_of_medians_after_warmup():
     """Pairs X with X_mhc and divides the medians of iteration-time after the warm-up steps."""
-    actuals = {"functional": {
-        "gpt": {"iteration-time": _series([9.0, 9.0, 9.0, 1.0, 1.0, 2.0])},
-        "gpt_mhc": {"iteration-time": _series([9.0, 9.0, 9.0, 2.0, 3.0, 3.0])},
-        "other_mhc": {"iteration-time": _series([1.0])},
-    }}
+    actuals = {
+        "functional": {
+            "gpt": {"iteration-time": _series([9.0, 9.0, 9.0, 1.0, 1.0, 2.0])},
+            "gpt_mhc": {"iteration-time": _series([9.0, 9.0, 9.0, 2.0, 3.0, 3.0])},
+            "other_mhc": {"iteration-time": _series([1.0])},
+        }
+    }
     [(suite, base, mhc, tb, tm, ratio)] = step_time_ratios(actuals)
     assert (suite, base, mhc) == ("functional", "gpt", "gpt_mhc")
     assert (tb, tm) == (1.0, 3.0)

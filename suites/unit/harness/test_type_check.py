@@ -26,7 +26,9 @@ def te_rows():
 '''
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed (harness[test] has it)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mypy") is None, reason="mypy is not installed (harness[test] has it)"
+)
 def test_mypy_fails_a_missing_name_in_a_gpu_only_function(tmp_path):
     """`from harness.peers.gpu import TeTritonPeer` (the class lives in harness.peers.te_triton) in a GPU-only
     function fails the check naming the module and the name; the right module passes."""
@@ -37,9 +39,23 @@ def test_mypy_fails_a_missing_name_in_a_gpu_only_function(tmp_path):
         planted.write_text(GPU_ONLY.format(module=module), encoding="utf-8")
         # The lint env's cache (the repository's .mypy_cache) where it ran first: seconds instead of a minute.
         results[module] = subprocess.run(
-            [sys.executable, "-m", "mypy", "--cache-dir", str(REPO / ".mypy_cache"), "--no-error-summary",
-             str(planted)], cwd=REPO, capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "mypy",
+                "--cache-dir",
+                str(REPO / ".mypy_cache"),
+                "--no-error-summary",
+                str(planted),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     wrong, right = results["harness.peers.gpu"], results["harness.peers.te_triton"]
     assert wrong.returncode == 1, wrong.stdout + wrong.stderr
-    assert 'Module "harness.peers.gpu" has no attribute "TeTritonPeer"  [attr-defined]' in wrong.stdout, wrong.stdout
+    assert 'Module "harness.peers.gpu" has no attribute "TeTritonPeer"  [attr-defined]' in wrong.stdout, (
+        wrong.stdout
+    )
     assert right.returncode == 0, right.stdout + right.stderr

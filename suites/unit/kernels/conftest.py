@@ -37,7 +37,15 @@ def cutile_on_cpu(monkeypatch):
 
     emulated = CuTileBackend(EmulatedRuntime(num_sms=4))
     real_availability, real_backend = dispatch.availability, dispatch.get_backend
-    monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (
-        (True, "cuTile on the CPU interpreter (test)") if backend == "cutile" else real_availability(backend, device)))
-    monkeypatch.setattr(dispatch, "get_backend", lambda backend: (
-        emulated if backend == "cutile" else real_backend(backend)))
+    monkeypatch.setattr(
+        dispatch,
+        "availability",
+        lambda backend, device=None: (
+            (True, "cuTile on the CPU interpreter (test)")
+            if backend == "cutile"
+            else real_availability(backend, device)
+        ),
+    )
+    monkeypatch.setattr(
+        dispatch, "get_backend", lambda backend: emulated if backend == "cutile" else real_backend(backend)
+    )

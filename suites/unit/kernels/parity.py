@@ -73,8 +73,13 @@ class Case:
     extra: str = ""
 
     def __str__(self) -> str:
-        parts = [f"T{self.tokens}", f"n{self.n}", f"C{self.hidden}", DTYPE_NAMES[self.dtype],
-                 get_variant(self.variant).name]
+        parts = [
+            f"T{self.tokens}",
+            f"n{self.n}",
+            f"C{self.hidden}",
+            DTYPE_NAMES[self.dtype],
+            get_variant(self.variant).name,
+        ]
         return "-".join(parts + ([self.extra] if self.extra else []))
 
 
@@ -83,7 +88,11 @@ def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 
 def run_fwd_bwd(
-    fn: Callable, inputs: dict[str, torch.Tensor | None], grad_names: Sequence[str], seed: int = 1234, **kwargs
+    fn: Callable,
+    inputs: dict[str, torch.Tensor | None],
+    grad_names: Sequence[str],
+    seed: int = 1234,
+    **kwargs,
 ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
     """Outputs of `fn(**inputs, **kwargs)` and the gradients of `grad_names` under fixed random cotangents."""
     leaves = {k: None if v is None else _leaf(v, k in grad_names) for k, v in inputs.items()}

@@ -52,7 +52,9 @@ def test_env_var_names():
 @needs_compiled
 def test_auto_on_cpu_is_compiled():
     """Without overrides on a CPU tensor, every op resolves to `compiled` (cutile needs CUDA)."""
-    assert {op: dispatch.resolve_backend(op, "cpu") for op in dispatch.OPS} == dict.fromkeys(dispatch.OPS, "compiled")
+    assert {op: dispatch.resolve_backend(op, "cpu") for op in dispatch.OPS} == dict.fromkeys(
+        dispatch.OPS, "compiled"
+    )
 
 
 def test_per_op_override_wins_over_global(monkeypatch):
@@ -61,8 +63,13 @@ def test_per_op_override_wins_over_global(monkeypatch):
     monkeypatch.setenv("MHC_BACKEND_SINKHORN", "auto")
     monkeypatch.setattr(dispatch, "availability", lambda backend, device=None: (backend != "cutile", "stub"))
     got = {op: dispatch.resolve_backend(op, "cpu") for op in dispatch.OPS}
-    assert got == {"sinkhorn": "compiled", "mapping": "reference", "h_aggregate": "reference", "h_post_bda": "reference",
-                   "pre": "reference"}
+    assert got == {
+        "sinkhorn": "compiled",
+        "mapping": "reference",
+        "h_aggregate": "reference",
+        "h_post_bda": "reference",
+        "pre": "reference",
+    }
 
 
 def test_values_are_case_and_space_insensitive(monkeypatch):
@@ -179,17 +186,34 @@ def test_compiled_empty_tokens(op):
         inputs = {"logits": torch.zeros(0, n, n)}
     elif op == "mapping":
         k, big_n = n * C, n * n + 2 * n
-        inputs = {"x": torch.zeros(0, k), "weight": torch.ones(big_n, k), "alpha_pre": torch.ones(1),
-                  "alpha_post": torch.ones(1), "alpha_res": torch.ones(1), "bias": torch.zeros(big_n)}
+        inputs = {
+            "x": torch.zeros(0, k),
+            "weight": torch.ones(big_n, k),
+            "alpha_pre": torch.ones(1),
+            "alpha_post": torch.ones(1),
+            "alpha_res": torch.ones(1),
+            "bias": torch.zeros(big_n),
+        }
     elif op == "h_aggregate":
         inputs = {"x": torch.zeros(0, n, C), "h_pre": torch.zeros(0, n)}
     elif op == "pre":
         k, big_n = n * C, n * n + 2 * n
-        inputs = {"x": torch.zeros(0, k), "weight": torch.ones(big_n, k), "alpha_pre": torch.ones(1),
-                  "alpha_post": torch.ones(1), "alpha_res": torch.ones(1), "bias": torch.zeros(big_n)}
+        inputs = {
+            "x": torch.zeros(0, k),
+            "weight": torch.ones(big_n, k),
+            "alpha_pre": torch.ones(1),
+            "alpha_post": torch.ones(1),
+            "alpha_res": torch.ones(1),
+            "bias": torch.zeros(big_n),
+        }
     else:
-        inputs = {"h_res": torch.zeros(0, n, n), "residual": torch.zeros(0, n, C), "h_post": torch.zeros(0, n),
-                  "y": torch.zeros(0, C), "bias": torch.zeros(C)}
+        inputs = {
+            "h_res": torch.zeros(0, n, n),
+            "residual": torch.zeros(0, n, C),
+            "h_post": torch.zeros(0, n),
+            "y": torch.zeros(0, C),
+            "bias": torch.zeros(C),
+        }
     inputs = {k: v.to(DEV) for k, v in inputs.items()}
     kwargs = {"n": n} if op in ("mapping", "pre") else {}
     got, got_grads = run_fwd_bwd(impl, inputs, list(inputs), **kwargs)
@@ -222,8 +246,13 @@ def test_module_fused_matches_reference(variant, monkeypatch):
     from suites.unit.kernels.test_kernels_parity_sinkhorn import ITERATIONS
 
     torch.manual_seed(0)
-    kwargs = {"hidden_size": C, "num_residual_streams": 4, "variant": variant, "sinkhorn_iterations": ITERATIONS,
-              "init_gating_factor": 0.5}
+    kwargs = {
+        "hidden_size": C,
+        "num_residual_streams": 4,
+        "variant": variant,
+        "sinkhorn_iterations": ITERATIONS,
+        "init_gating_factor": 0.5,
+    }
     ref_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=False)).to(DEV)
     fused_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=True)).to(DEV)
     fused_mod.load_state_dict(ref_mod.state_dict())
@@ -262,8 +291,14 @@ def test_single_pass_module_fused_matches_reference(monkeypatch):
     monkeypatch.setenv("MHC_BACKEND", "compiled")
     from mhc_core.testing import assert_close, tolerance
 
-    kwargs = {"hidden_size": C, "num_residual_streams": 4, "variant": "deepseek_v41", "norm_eps": 1e-5,
-              "form": "single_pass", "init_gating_factor": 0.5}
+    kwargs = {
+        "hidden_size": C,
+        "num_residual_streams": 4,
+        "variant": "deepseek_v41",
+        "norm_eps": 1e-5,
+        "form": "single_pass",
+        "init_gating_factor": 0.5,
+    }
     ref_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=False)).to(DEV)
     fused_mod = HyperConnectionModule(HyperConnectionConfig(**kwargs, use_fused=True)).to(DEV)
     with torch.no_grad():
@@ -278,8 +313,9 @@ def test_single_pass_module_fused_matches_reference(monkeypatch):
         xi, pi = x.clone().requires_grad_(True), prev.clone().requires_grad_(True)
         branch, h_res, h_post, nxt = mod(xi, previous_h_pre=pi)
         out = mod.post_residual_bda(h_res, xi, h_post, (y + branch, None))
-        loss = (out.float() * torch.cos(torch.arange(out.numel(), device=DEV).view_as(out).float())).sum() + \
-            (nxt * torch.linspace(1, 2, 4, device=DEV)).sum()
+        loss = (out.float() * torch.cos(torch.arange(out.numel(), device=DEV).view_as(out).float())).sum() + (
+            nxt * torch.linspace(1, 2, 4, device=DEV)
+        ).sum()
         grads = torch.autograd.grad(loss, [xi, pi, *mod.parameters()])
         results.append(((out.detach(), branch.detach(), nxt.detach()), grads))
     (outs_r, grads_r), (outs_f, grads_f) = results

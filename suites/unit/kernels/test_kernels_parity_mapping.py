@@ -15,9 +15,14 @@ CASES = (
     [Case(tokens=48, n=4, dtype=dt, variant=v) for v in Variant for dt in (FP32, BF16)]
     + [Case(tokens=40, n=2, dtype=FP32, variant=v) for v in (Variant.PAPER, Variant.MEGATRON_MAIN)]
     + [Case(tokens=40, n=n, dtype=FP32, variant=Variant.MEGATRON_DEV) for n in (1, 3)]
-    + [Case(tokens=48, n=4, dtype=dt, variant=get_variant(name), extra="rms1e-3")
-       for name, dt in (("megatron_dev+eps_inside_sqrt", FP32), ("megatron_main+eps_inside_sqrt+fp32_mappings", BF16),
-                        ("megatron_main+dtype_eps_inside_sqrt", FP32))]
+    + [
+        Case(tokens=48, n=4, dtype=dt, variant=get_variant(name), extra="rms1e-3")
+        for name, dt in (
+            ("megatron_dev+eps_inside_sqrt", FP32),
+            ("megatron_main+eps_inside_sqrt+fp32_mappings", BF16),
+            ("megatron_main+dtype_eps_inside_sqrt", FP32),
+        )
+    ]
 )
 """Every variant at n = 4 in fp32 and bf16; n = 1, 2, 3 in fp32 (fp32 paper and megatron_main share a graph);
 the eps inside the square root (with x at RMS 1e-3, where its placement shows), the dtype's eps there, and fp32

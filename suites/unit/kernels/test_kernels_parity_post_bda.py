@@ -84,8 +84,10 @@ def test_h_post_bda_without_bias(backend):
 P = 0.25
 COMPILED_OK, COMPILED_WHY = dispatch.availability("compiled", device_for("compiled"))
 needs_compiled = pytest.mark.skipif(not COMPILED_OK, reason=COMPILED_WHY)
-DROPOUT_CASES = [Case(tokens=48, n=4, dtype=FP32, variant=Variant.MEGATRON_MAIN, extra="p0.25"),
-                 Case(tokens=48, n=4, dtype=BF16, variant=Variant.MEGATRON_DEV, extra="p0.25")]
+DROPOUT_CASES = [
+    Case(tokens=48, n=4, dtype=FP32, variant=Variant.MEGATRON_MAIN, extra="p0.25"),
+    Case(tokens=48, n=4, dtype=BF16, variant=Variant.MEGATRON_DEV, extra="p0.25"),
+]
 """Both orientations, both dtypes, one graph pair each (the dropout rate is part of the compile key)."""
 
 
@@ -129,9 +131,16 @@ def test_compiled_h_post_bda_dropout_matches_the_formula_with_its_mask(case):
     formulation with the keep mask rebuilt from the seed the compiled backend saved for backward."""
     inputs = _inputs(case, device_for("compiled"))
     keep = _mask(inputs, 11, case.variant)
-    check_parity(f"h_post_bda[compiled, dropout {P}, {case}]", _with_mask(keep, P),
-                 _seeded_compiled(11, dropout_p=P, training=True), inputs, GRADS, case.dtype,
-                 cosine_groups=[["bias"]], variant=case.variant)
+    check_parity(
+        f"h_post_bda[compiled, dropout {P}, {case}]",
+        _with_mask(keep, P),
+        _seeded_compiled(11, dropout_p=P, training=True),
+        inputs,
+        GRADS,
+        case.dtype,
+        cosine_groups=[["bias"]],
+        variant=case.variant,
+    )
 
 
 @needs_compiled
@@ -140,11 +149,17 @@ def test_compiled_h_post_bda_dropout_mask_is_seeded_with_rate_p():
     (within 5 sigma), and eval mode (training=False) draws none."""
     case = DROPOUT_CASES[0]
     inputs = _inputs(case, device_for("compiled"))
-    a, b, other = _mask(inputs, 11, case.variant), _mask(inputs, 11, case.variant), _mask(inputs, 12, case.variant)
+    a, b, other = (
+        _mask(inputs, 11, case.variant),
+        _mask(inputs, 11, case.variant),
+        _mask(inputs, 12, case.variant),
+    )
     assert torch.equal(a, b)
     assert not torch.equal(a, other)
     frac, sigma = a.float().mean().item(), ((1 - P) * P / a.numel()) ** 0.5
-    assert abs(frac - (1 - P)) < 5 * sigma, f"kept {frac:.4f} of {a.numel()}, expected {1 - P} +- {5 * sigma:.4f}"
+    assert abs(frac - (1 - P)) < 5 * sigma, (
+        f"kept {frac:.4f} of {a.numel()}, expected {1 - P} +- {5 * sigma:.4f}"
+    )
     assert _mask(inputs, 11, case.variant, training=False) is None
 
 
@@ -158,11 +173,16 @@ def test_keep_mask_is_uniform_and_uncorrelated():
         sigma = ((1 - p) * p / keep.numel()) ** 0.5
         assert abs(keep.mean().item() - (1 - p)) < 5 * sigma, f"p={p}: kept {keep.mean().item():.4f}"
         agree = p * p + (1 - p) * (1 - p)  # P(two independent draws agree)
-        for name, a, b in (("C", keep[:, :, 1:], keep[:, :, :-1]), ("streams", keep[:, 1:], keep[:, :-1]),
-                           ("tokens", keep[1:], keep[:-1])):
+        for name, a, b in (
+            ("C", keep[:, :, 1:], keep[:, :, :-1]),
+            ("streams", keep[:, 1:], keep[:, :-1]),
+            ("tokens", keep[1:], keep[:-1]),
+        ):
             got = (a == b).float().mean().item()
             bound = 5 * (agree * (1 - agree) / a.numel()) ** 0.5
-            assert abs(got - agree) < bound, f"p={p}: neighbours along {name} agree {got:.4f}, expected {agree:.4f}"
+            assert abs(got - agree) < bound, (
+                f"p={p}: neighbours along {name} agree {got:.4f}, expected {agree:.4f}"
+            )
 
 
 def test_keep_mask_rejects_bad_seed_and_rate():

@@ -15,8 +15,13 @@ CASES = (
     [Case(tokens=48, n=4, dtype=dt, variant=v) for v in Variant for dt in (FP32, BF16)]
     + [Case(tokens=40, n=2, dtype=FP32, variant=v) for v in (Variant.PAPER, Variant.MEGATRON_DEV)]
     + [Case(tokens=40, n=4, dtype=FP64, variant=Variant.MEGATRON_DEV)]
-    + [Case(tokens=48, n=4, dtype=dt, variant=get_variant(name), extra="rms1e-3")
-       for name, dt in (("megatron_dev+eps_inside_sqrt", FP32), ("megatron_main+eps_inside_sqrt+fp32_mappings", BF16))]
+    + [
+        Case(tokens=48, n=4, dtype=dt, variant=get_variant(name), extra="rms1e-3")
+        for name, dt in (
+            ("megatron_dev+eps_inside_sqrt", FP32),
+            ("megatron_main+eps_inside_sqrt+fp32_mappings", BF16),
+        )
+    ]
 )
 """Every variant at n = 4 in fp32 and bf16, n = 2 in fp32, fp64 (dev), and the eps inside the square root (x at
 RMS 1e-3, where its placement shows) with fp32 mappings on main."""
@@ -73,8 +78,11 @@ def test_pre_matches_reference(backend, case):
     )
 
 
-NATIVE_CASES = [c for c in CASES if c.n == 2 or (c.dtype != FP64 and c.variant in (Variant.MEGATRON_MAIN,
-                                                                                    Variant.MEGATRON_DEV))]
+NATIVE_CASES = [
+    c
+    for c in CASES
+    if c.n == 2 or (c.dtype != FP64 and c.variant in (Variant.MEGATRON_MAIN, Variant.MEGATRON_DEV))
+]
 """The cases whose passes over x a native kernel takes (fp32 and bf16, the mapping in fp32 or bf16, n = 2 and 4)."""
 
 
@@ -88,11 +96,22 @@ def test_compiled_pre_matches_reference_under_each_native_kernel(monkeypatch, ca
     if kernel not in native.kernels():
         pytest.skip(f"this CPU lacks the instructions of the {kernel} kernel (it runs {native.kernels()})")
     if kernel == native.auto_kernel():
-        pytest.skip(f"`auto` runs {kernel} on this CPU: test_pre_matches_reference[{case}-compiled] is its run")
+        pytest.skip(
+            f"`auto` runs {kernel} on this CPU: test_pre_matches_reference[{case}-compiled] is its run"
+        )
     monkeypatch.setenv(native.ENV, kernel)
-    check_parity(f"pre[compiled, MHC_NATIVE={kernel}, {case}]", ops.pre, dispatch.op_on("pre", "compiled"),
-                 _inputs(case, "cpu"), GRADS, case.dtype, cosine_groups=COSINE, n=case.n, iterations=ITERATIONS,
-                 variant=case.variant)
+    check_parity(
+        f"pre[compiled, MHC_NATIVE={kernel}, {case}]",
+        ops.pre,
+        dispatch.op_on("pre", "compiled"),
+        _inputs(case, "cpu"),
+        GRADS,
+        case.dtype,
+        cosine_groups=COSINE,
+        n=case.n,
+        iterations=ITERATIONS,
+        variant=case.variant,
+    )
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -100,9 +119,18 @@ def test_pre_default_iterations(backend):
     """At the default 20 iterations (megatron_main, n = 4, fp32: the functional recipe's configuration) every output
     and gradient match the reference."""
     case = Case(tokens=48, n=4, dtype=FP32, variant=Variant.MEGATRON_MAIN)
-    check_parity(f"pre[{backend}, {case}, 20 iterations]", ops.pre, dispatch.op_on("pre", backend),
-                 _inputs(case, device_for(backend)), GRADS, case.dtype, cosine_groups=COSINE, n=case.n, iterations=20,
-                 variant=case.variant)
+    check_parity(
+        f"pre[{backend}, {case}, 20 iterations]",
+        ops.pre,
+        dispatch.op_on("pre", backend),
+        _inputs(case, device_for(backend)),
+        GRADS,
+        case.dtype,
+        cosine_groups=COSINE,
+        n=case.n,
+        iterations=20,
+        variant=case.variant,
+    )
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -116,10 +144,20 @@ def test_pre_with_unused_outputs(backend):
         def run(**kw):
             agg, _, _, h_res = fn(**kw)
             return agg, h_res
+
         return run
 
-    check_parity(f"pre[{backend}, unused outputs]", first_and_last(ops.pre), first_and_last(dispatch.op_on("pre", backend)),
-                 inputs, GRADS, FP32, n=case.n, iterations=ITERATIONS, variant=case.variant)
+    check_parity(
+        f"pre[{backend}, unused outputs]",
+        first_and_last(ops.pre),
+        first_and_last(dispatch.op_on("pre", backend)),
+        inputs,
+        GRADS,
+        FP32,
+        n=case.n,
+        iterations=ITERATIONS,
+        variant=case.variant,
+    )
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -138,7 +176,9 @@ def test_bf16_pre_is_closer_to_fp64(backend, case):
         e = exact[k]
         err_ref, err_got = (float((g[k].double() - e).abs().max()) for g in (ref, got))
         scale = float(e.abs().max())
-        assert err_got <= err_ref + 1e-3 * scale, f"grad {k}: fused error {err_got:.4g}, reference {err_ref:.4g}, scale {scale:.4g}"
+        assert err_got <= err_ref + 1e-3 * scale, (
+            f"grad {k}: fused error {err_got:.4g}, reference {err_ref:.4g}, scale {scale:.4g}"
+        )
 
 
 def test_reference_pre_is_the_composition_of_the_ops():
@@ -147,7 +187,9 @@ def test_reference_pre_is_the_composition_of_the_ops():
     case = Case(tokens=16, n=4, dtype=BF16, variant=Variant.MEGATRON_DEV)
     t = _inputs(case, "cpu")
     w, a_pre, a_post, a_res, b = (t[k] for k in GRADS[1:])
-    agg, h_pre, h_post, h_res = ops.pre(t["x"], w, a_pre, a_post, a_res, b, n=4, iterations=7, variant=case.variant)
+    agg, h_pre, h_post, h_res = ops.pre(
+        t["x"], w, a_pre, a_post, a_res, b, n=4, iterations=7, variant=case.variant
+    )
     p, q, logits = ops.mapping(t["x"], w, a_pre, a_post, a_res, b, n=4, variant=case.variant)
     assert torch.equal(h_pre, p) and torch.equal(h_post, q)
     assert torch.equal(h_res, ops.sinkhorn(logits, 7, None, case.variant))
@@ -162,5 +204,7 @@ def test_pre_refuses_bad_arguments_naming_them():
     for fn in (ops.pre, dispatch.op_on("pre", "compiled")):
         with pytest.raises(ValueError, match="pre: iterations"):
             fn(t["x"], w, a_pre, a_post, a_res, b, n=4, iterations=0)
-        with pytest.raises(ValueError, match=r"pre: weight must have shape \[N, n\*C\] = \[24, 256\], got \[24, 8\]"):
+        with pytest.raises(
+            ValueError, match=r"pre: weight must have shape \[N, n\*C\] = \[24, 256\], got \[24, 8\]"
+        ):
             fn(t["x"], w[:, :8], a_pre, a_post, a_res, b, n=4)

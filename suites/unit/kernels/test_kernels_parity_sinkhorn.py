@@ -96,8 +96,18 @@ def test_compiled_sinkhorn_of_a_new_form_matches_reference():
     ok, why = dispatch.availability("compiled", "cpu")
     if not ok:
         pytest.skip(why)
-    spec = dataclasses.replace(VARIANTS[Variant.MEGATRON_MAIN], sinkhorn_order="col_row", sinkhorn_guard="add",
-                               exact_sums="rows")
+    spec = dataclasses.replace(
+        VARIANTS[Variant.MEGATRON_MAIN], sinkhorn_order="col_row", sinkhorn_guard="add", exact_sums="rows"
+    )
     case = Case(tokens=48, n=4, dtype=FP32)
-    check_parity("sinkhorn[compiled, new form]", ops.sinkhorn, dispatch.op_on("sinkhorn", "compiled"),
-                 {"logits": _logits(case, "cpu")}, ["logits"], FP32, iterations=ITERATIONS, eps=None, variant=spec)
+    check_parity(
+        "sinkhorn[compiled, new form]",
+        ops.sinkhorn,
+        dispatch.op_on("sinkhorn", "compiled"),
+        {"logits": _logits(case, "cpu")},
+        ["logits"],
+        FP32,
+        iterations=ITERATIONS,
+        eps=None,
+        variant=spec,
+    )

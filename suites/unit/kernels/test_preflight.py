@@ -40,11 +40,15 @@ def test_cpu_runs_every_op_on_compiled(capsys):
 
 
 @needs_compiled
-@pytest.mark.parametrize(("n", "dropout", "uncovered"), [
-    (3, 0.0, set(dispatch.OPS)),
-    (4, 0.1, {"h_post_bda"}),
-    (4, 0.0, set()),
-], ids=["n3", "n4-dropout", "n4"])
+@pytest.mark.parametrize(
+    ("n", "dropout", "uncovered"),
+    [
+        (3, 0.0, set(dispatch.OPS)),
+        (4, 0.1, {"h_post_bda"}),
+        (4, 0.0, set()),
+    ],
+    ids=["n3", "n4-dropout", "n4"],
+)
 def test_prediction_matches_the_dispatch(cutile_on_cpu, caplog, n, dropout, uncovered):
     """Under auto with cuTile available, the ops cuTile does not cover (n = 3: none; dropout in
     training: h_post_bda) are predicted on `compiled`, and a real dispatched call runs there."""
@@ -68,7 +72,9 @@ def test_prediction_matches_the_dispatch(cutile_on_cpu, caplog, n, dropout, unco
         assert last.startswith(f"mHC op {op} uses backend {runs_on[op]} "), (op, logged)
     if uncovered:
         p = next(p for p in report.ops if p.op in uncovered)
-        assert "does not cover this run" in p.why and (f"n={n}" in p.why or f"dropout_p={dropout}" in p.why), p.why
+        assert "does not cover this run" in p.why and (
+            f"n={n}" in p.why or f"dropout_p={dropout}" in p.why
+        ), p.why
 
 
 def test_forced_cutile_that_does_not_cover_the_run_is_a_problem(cutile_on_cpu, capsys, monkeypatch):
@@ -88,8 +94,10 @@ def test_forced_unavailable_and_invalid_values_are_problems(capsys, monkeypatch)
     out = capsys.readouterr().out
     assert rc == 1
     assert "PROBLEM: sinkhorn: MHC_BACKEND_SINKHORN='fast' is not a valid mHC backend" in out, out
-    assert "PROBLEM: h_aggregate: mhc_core.kernels: op 'h_aggregate' is forced to backend 'cutile' by " \
-           "MHC_BACKEND_H_AGGREGATE='cutile'" in out, out
+    assert (
+        "PROBLEM: h_aggregate: mhc_core.kernels: op 'h_aggregate' is forced to backend 'cutile' by "
+        "MHC_BACKEND_H_AGGREGATE='cutile'" in out
+    ), out
     assert "environment: MHC_BACKEND_H_AGGREGATE=cutile, MHC_BACKEND_SINKHORN=fast" in out
 
 
@@ -117,11 +125,15 @@ def test_json_report(capsys):
     assert set(doc["backends"]) == set(dispatch.BACKENDS)
 
 
-@pytest.mark.parametrize(("argv", "named"), [
-    (["--n", "0"], "n=0 residual streams: must be >= 1"),
-    (["--dropout", "1.5"], "dropout=1.5: must be in [0, 1)"),
-    (["--dtype", "fp8"], "invalid choice: 'fp8'"),
-], ids=["n0", "dropout", "dtype"])
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--n", "0"], "n=0 residual streams: must be >= 1"),
+        (["--dropout", "1.5"], "dropout=1.5: must be in [0, 1)"),
+        (["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    ],
+    ids=["n0", "dropout", "dtype"],
+)
 def test_bad_arguments_exit_2(argv, named, capsys):
     """n < 1, a dropout outside [0, 1) and an unknown dtype are usage errors naming the value."""
     with pytest.raises(SystemExit) as exc:
@@ -135,8 +147,10 @@ def test_a_misspelt_backend_variable_is_a_problem(capsys, monkeypatch):
     monkeypatch.setenv("MHC_BACKEND_AGGREGATE", "reference")
     assert preflight.main(["--device", "cpu"]) == 1
     out = capsys.readouterr().out
-    assert ("PROBLEM: MHC_BACKEND_AGGREGATE is not a variable the dispatch reads (it is ignored); "
-            "did you mean MHC_BACKEND_H_AGGREGATE?") in out, out
+    assert (
+        "PROBLEM: MHC_BACKEND_AGGREGATE is not a variable the dispatch reads (it is ignored); "
+        "did you mean MHC_BACKEND_H_AGGREGATE?"
+    ) in out, out
 
 
 def test_cuda_without_a_gpu_says_so(capsys, monkeypatch):
@@ -149,10 +163,14 @@ def test_cuda_without_a_gpu_says_so(capsys, monkeypatch):
 def test_fp32_sinkhorn_logits_of_paper_stay_on_cutile(cutile_on_cpu):
     """fp16 activations have no cuTile kernel, but `paper` hands fp32 coefficients: only its sinkhorn stays on
     cuTile; under megatron_main and megatron_dev (logits in the activation dtype) it moves too."""
-    plans = {v: {p.op: p.runs_on for p in preflight.preflight(device="cpu", dtype="fp16", variant=v).ops}
-             for v in ("paper", "megatron_main", "megatron_dev")}
+    plans = {
+        v: {p.op: p.runs_on for p in preflight.preflight(device="cpu", dtype="fp16", variant=v).ops}
+        for v in ("paper", "megatron_main", "megatron_dev")
+    }
     assert [plans[v]["sinkhorn"] == "cutile" for v in plans] == [True, False, False], plans
-    assert all(plans[v][op] != "cutile" for v in plans for op in ("mapping", "h_aggregate", "h_post_bda")), plans
+    assert all(plans[v][op] != "cutile" for v in plans for op in ("mapping", "h_aggregate", "h_post_bda")), (
+        plans
+    )
 
 
 def test_preflight_says_where_pres_forward_runs(monkeypatch):
@@ -171,13 +189,21 @@ def test_preflight_says_where_pres_forward_runs(monkeypatch):
     monkeypatch.delenv(native.ENV)
     if native.available()[0]:
         notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_dev").notes)
-        assert ("pre's forward runs its native kernel (the mapping computes in fp32), its backward the native "
-                "kernel's passes over x") in notes
+        assert (
+            "pre's forward runs its native kernel (the mapping computes in fp32), its backward the native "
+            "kernel's passes over x"
+        ) in notes
         for kernel in ("avx512_bf16", "avx512"):  # bf16 dot products, or fp32 FMAs and the bf16 GEMMs
             if kernel not in native.kernels():
                 continue
             monkeypatch.setenv(native.ENV, kernel)
             notes = " ".join(preflight.preflight(device="cpu", dtype="bf16", variant="megatron_main").notes)
-            backward = ("the native kernel's passes over x" if kernel == "avx512_bf16" else
-                        "its torch.compile graph (bf16 GEMMs)")
-            assert f"pre's forward runs its native kernel (the mapping computes in bf16), its backward {backward}" in notes
+            backward = (
+                "the native kernel's passes over x"
+                if kernel == "avx512_bf16"
+                else "its torch.compile graph (bf16 GEMMs)"
+            )
+            assert (
+                f"pre's forward runs its native kernel (the mapping computes in bf16), its backward {backward}"
+                in notes
+            )

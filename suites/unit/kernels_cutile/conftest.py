@@ -12,7 +12,9 @@ import torch
 def poisoned_empty():
     """`torch.empty` outputs start as NaN (CPU), so a tile a kernel never writes fails the comparison
     instead of passing on a stale, correct block the allocator handed back."""
-    det: Any = torch.utils.deterministic  # the flag is a property of the module's class, unseen by torch's stubs
+    det: Any = (
+        torch.utils.deterministic
+    )  # the flag is a property of the module's class, unseen by torch's stubs
     was_on, was_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
     det.fill_uninitialized_memory = True

@@ -37,8 +37,9 @@ def _run(fn: Callable, inputs: Sequence[torch.Tensor | None], grads: Sequence[to
     return outs, [None if t is None else t.grad for t in leaves], grads
 
 
-def grad_errors_vs_fp64(kernel: Callable, oracle: Callable, inputs: Sequence[torch.Tensor], grad: torch.Tensor,
-                        wrt: Sequence[int]) -> list[float]:
+def grad_errors_vs_fp64(
+    kernel: Callable, oracle: Callable, inputs: Sequence[torch.Tensor], grad: torch.Tensor, wrt: Sequence[int]
+) -> list[float]:
     """For each input index in `wrt`: the max error of `kernel`'s gradient (output gradient `grad`)
     against `oracle`'s run in fp64, relative to the largest entry of the fp64 gradient."""
     leaves = [a.detach().clone().requires_grad_(True) for a in inputs]
@@ -84,8 +85,12 @@ def compare(
         assert a is not None and b is not None, f"{name}: grad {input_names[i]} missing on one side"
         if input_names[i] in row_scaled:
             scale = b.detach().double().abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
-            assert_close(f"{name}: grad {input_names[i]} (in units of each row's largest entry)",
-                         a.double() / scale, b.double() / scale, tolerance(dtype, "bwd"))
+            assert_close(
+                f"{name}: grad {input_names[i]} (in units of each row's largest entry)",
+                a.double() / scale,
+                b.double() / scale,
+                tolerance(dtype, "bwd"),
+            )
         else:
             assert_close(f"{name}: grad {input_names[i]}", a, b, tolerance(dtype, "bwd"))
         if dtype != torch.float32 and input_names[i] in cosine_inputs:
@@ -134,8 +139,16 @@ def mapping_oracle(n: int, variant):
 
     def fn(x, weight, alpha_pre, alpha_post, alpha_res, bias):
         w = weight if get_variant(variant).mapping_fp32 else weight.to(x.dtype)
-        return ref.mapping(x.double(), w.double(), alpha_pre.double(), alpha_post.double(), alpha_res.double(),
-                           bias.double(), n=n, variant=variant)
+        return ref.mapping(
+            x.double(),
+            w.double(),
+            alpha_pre.double(),
+            alpha_post.double(),
+            alpha_res.double(),
+            bias.double(),
+            n=n,
+            variant=variant,
+        )
 
     return fn
 
@@ -145,8 +158,17 @@ def pre_oracle(n: int, variant, iterations: int):
 
     def fn(x, weight, alpha_pre, alpha_post, alpha_res, bias):
         w = weight if get_variant(variant).mapping_fp32 else weight.to(x.dtype)
-        return ref.pre(x.double(), w.double(), alpha_pre.double(), alpha_post.double(), alpha_res.double(),
-                       bias.double(), n=n, iterations=iterations, variant=variant)
+        return ref.pre(
+            x.double(),
+            w.double(),
+            alpha_pre.double(),
+            alpha_post.double(),
+            alpha_res.double(),
+            bias.double(),
+            n=n,
+            iterations=iterations,
+            variant=variant,
+        )
 
     return fn
 
@@ -154,4 +176,3 @@ def pre_oracle(n: int, variant, iterations: int):
 MAPPING_INPUT_NAMES = ("x", "weight", "alpha_pre", "alpha_post", "alpha_res", "bias")
 MAPPING_COSINE = ("alpha_pre", "alpha_post", "alpha_res", "bias")
 POST_BDA_INPUT_NAMES = ("h_res", "residual", "h_post", "y", "bias")
-

@@ -70,7 +70,9 @@ def build_stub(directory: Path) -> Path | None:
     src = directory / "stub.c"
     src.write_text(STUB_C)
     lib = directory / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True, timeout=60
+    )
     return lib
 
 
@@ -126,7 +128,9 @@ def main(argv: list[str]) -> int:
             super().launch(grid, kernel_name, args)
             kernel = signatures.kernel_object(kernel_name)
             try:
-                ct.launch(0, grid, kernel, tuple(_CudaView(a) if isinstance(a, torch.Tensor) else a for a in args))
+                ct.launch(
+                    0, grid, kernel, tuple(_CudaView(a) if isinstance(a, torch.Tensor) else a for a in args)
+                )
             except Exception as exc:
                 self.errors.append(f"{self.label} {kernel_name}: {type(exc).__name__}: {exc}"[:300])
 
@@ -134,15 +138,31 @@ def main(argv: list[str]) -> int:
 
     n, t, c = (int(v) for v in argv[:3])
     act = argv[3] if len(argv) > 3 else "both"
-    acts = (torch.bfloat16,) if act == "bf16" else (torch.float32,) if act == "fp32" else (
-        torch.bfloat16, torch.float32)
+    acts = (
+        (torch.bfloat16,)
+        if act == "bf16"
+        else (torch.float32,)
+        if act == "fp32"
+        else (torch.bfloat16, torch.float32)
+    )
     variants = tuple(Variant(v) for v in argv[4:]) or tuple(Variant)
     rt = StubGpuRuntime()
     signatures.record_all(rt, (n,), t, (c,), acts, variants)
     first_round, first_compiles = len(rt.launches), len(compiles)
-    signatures.record_all(rt, (n,), t, (c,), acts, variants)  # new tensors, the same kinds: no compile expected
-    print(json.dumps({"launches": first_round, "misses": len(misses), "errors": rt.errors[:20],
-                      "compiles": first_compiles, "recompiles": len(compiles) - first_compiles}))
+    signatures.record_all(
+        rt, (n,), t, (c,), acts, variants
+    )  # new tensors, the same kinds: no compile expected
+    print(
+        json.dumps(
+            {
+                "launches": first_round,
+                "misses": len(misses),
+                "errors": rt.errors[:20],
+                "compiles": first_compiles,
+                "recompiles": len(compiles) - first_compiles,
+            }
+        )
+    )
     return 0
 
 

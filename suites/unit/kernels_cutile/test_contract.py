@@ -76,8 +76,16 @@ def test_dropout_in_training_is_not_implemented(emu):
     """dropout_p > 0 while training: NotImplementedError naming dropout."""
     t, n, c = 2, 4, 8
     with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
-        emu.h_post_bda(torch.zeros(t, n, n), torch.zeros(t, n, c), torch.zeros(t, n), torch.zeros(t, c), None,
-                       0.1, True, "megatron_main")
+        emu.h_post_bda(
+            torch.zeros(t, n, n),
+            torch.zeros(t, n, c),
+            torch.zeros(t, n),
+            torch.zeros(t, c),
+            None,
+            0.1,
+            True,
+            "megatron_main",
+        )
 
 
 def test_bad_shapes_raise_the_reference_value_error(emu):
@@ -103,29 +111,44 @@ def test_toolchain_env_puts_its_bin_first(tmp_path):
     """Toolchain.env() prepends bin to PATH, sets CUDA_HOME and the libnvvm directory."""
     (tmp_path / "bin").mkdir()
     (tmp_path / "lib").mkdir()
-    tc = toolchain.Toolchain(tileiras=tmp_path / "bin" / "tileiras", ptxas=None,
-                             libnvvm=tmp_path / "lib" / "libnvvm.so.4", cuda_home=tmp_path, source="test")
+    tc = toolchain.Toolchain(
+        tileiras=tmp_path / "bin" / "tileiras",
+        ptxas=None,
+        libnvvm=tmp_path / "lib" / "libnvvm.so.4",
+        cuda_home=tmp_path,
+        source="test",
+    )
     env = tc.env({"PATH": "/usr/bin"})
     assert env["PATH"].split(":")[0] == str(tmp_path / "bin")
     assert env["CUDA_HOME"] == str(tmp_path)
     assert env["LD_LIBRARY_PATH"] == str(tmp_path / "lib")
 
 
-@pytest.mark.parametrize(("version", "release", "hopper"),
-                         [("13.4.92", (13, 4), True), ("13.10.1", (13, 10), True), ("13.2.1", (13, 2), False),
-                          ("unknown", (0,), False)])
+@pytest.mark.parametrize(
+    ("version", "release", "hopper"),
+    [
+        ("13.4.92", (13, 4), True),
+        ("13.10.1", (13, 10), True),
+        ("13.2.1", (13, 2), False),
+        ("unknown", (0,), False),
+    ],
+)
 def test_toolchain_release_compares_as_numbers(tmp_path, version, release, hopper):
     """`Toolchain.release` is `(major, minor)` of the tileiras version, compared as numbers (sm_90 needs
     >= 13.3, `HOPPER_MIN_TILEIRAS`); a version that cannot be read counts as too old."""
     from mhc_core.kernels.cutile import HOPPER_MIN_TILEIRAS
 
-    tc = toolchain.Toolchain(tileiras=tmp_path / "tileiras", ptxas=None, libnvvm=None, cuda_home=None, source="test")
+    tc = toolchain.Toolchain(
+        tileiras=tmp_path / "tileiras", ptxas=None, libnvvm=None, cuda_home=None, source="test"
+    )
     tc.__dict__["version"] = version  # what the cached `tileiras --version` parse returned
     assert tc.release == release
     assert (tc.release >= HOPPER_MIN_TILEIRAS) is hopper
 
 
-@pytest.mark.skipif(not _has_cuda_tile(), reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+@pytest.mark.skipif(
+    not _has_cuda_tile(), reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')"
+)
 def test_occupancy_hint_reaches_the_kernel_object():
     """Inside `tiling.overridden(occupancy=...)` the GPU runtime launches a hinted copy (kept), outside the plain kernel."""
     from mhc_core.kernels.cutile import tiling
@@ -141,7 +164,9 @@ def test_occupancy_hint_reaches_the_kernel_object():
         assert rt._kernel("h_aggregate_fwd_kernel") is plain
 
 
-@pytest.mark.skipif(not _has_cuda_tile(), reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+@pytest.mark.skipif(
+    not _has_cuda_tile(), reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')"
+)
 def test_default_occupancy_reaches_runtime_and_offline_compile(monkeypatch):
     """A hint in `tiling.DEFAULT_OCCUPANCY` is what the runtime launches and CI compiles; an override replaces it."""
     from mhc_core.kernels.cutile import tiling
@@ -170,8 +195,15 @@ def test_numpy_integers_reach_the_kernels_as_python_ints():
         ops = bound_ops(CuTileBackend(rt))
         t, n, c = 4, 4, 16
         x = torch.randn(t, n * c, requires_grad=True)
-        outs = ops.mapping(x, torch.randn(n * n + 2 * n, n * c), torch.ones(1), torch.ones(1), torch.ones(1),
-                           torch.zeros(n * n + 2 * n), as_int(n))
+        outs = ops.mapping(
+            x,
+            torch.randn(n * n + 2 * n, n * c),
+            torch.ones(1),
+            torch.ones(1),
+            torch.ones(1),
+            torch.zeros(n * n + 2 * n),
+            as_int(n),
+        )
         logits = torch.randn(t, n, n, requires_grad=True)
         outs = (*outs, ops.sinkhorn(logits, as_int(5)))
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
@@ -180,4 +212,6 @@ def test_numpy_integers_reach_the_kernels_as_python_ints():
     want, got = record(int), record(np.int64)
     assert got == want and len(want) >= 4
     consts = [a.value for launch in got for a in launch.args if isinstance(a, ConstArg)]
-    assert consts and all(type(v) in (int, float, bool) for v in consts), sorted({type(v).__name__ for v in consts})
+    assert consts and all(type(v) in (int, float, bool) for v in consts), sorted(
+        {type(v).__name__ for v in consts}
+    )

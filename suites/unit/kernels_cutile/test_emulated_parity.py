@@ -72,7 +72,9 @@ def test_sinkhorn(emu, n, variant, dtype, tiles):
         )
 
 
-@pytest.mark.parametrize("tiles", [None, tiling.SinkhornTiles(64, per_element=True)], ids=["default", "per_element"])
+@pytest.mark.parametrize(
+    "tiles", [None, tiling.SinkhornTiles(64, per_element=True)], ids=["default", "per_element"]
+)
 @pytest.mark.parametrize("iterations", [1, 20])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sinkhorn_iterations(emu, variant, iterations, tiles):
@@ -121,7 +123,9 @@ def test_h_post_bda(emu, n, variant, x_dtype, h_dtype, t, c, with_bias):
     compare(
         f"h_post_bda n{n} {variant} T{t} C{c} bias={with_bias}",
         lambda *a: emu.h_post_bda(*a, 0.0, False, variant),
-        lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
+        lambda h_res, residual, h_post, y, bias: ref.h_post_bda(
+            h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant
+        ),
         post_bda_inputs(t, n, c, x_dtype, h_dtype, with_bias, "cpu"),
         x_dtype,
         input_names=POST_BDA_INPUT_NAMES,
@@ -135,7 +139,9 @@ def test_h_post_bda_n8(emu):
     compare(
         "h_post_bda n8 dev",
         lambda *a: emu.h_post_bda(*a, 0.0, False, variant),
-        lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
+        lambda h_res, residual, h_post, y, bias: ref.h_post_bda(
+            h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant
+        ),
         post_bda_inputs(21, 8, 300, torch.float32, torch.float32, True, "cpu"),
         torch.float32,
         input_names=POST_BDA_INPUT_NAMES,
@@ -143,14 +149,21 @@ def test_h_post_bda_n8(emu):
 
 
 # h_post_bda: both mix orientations, with and without bias, n = 2 / 4 / 8; h_aggregate: n only.
-_POST_BDA_CASES = [(4, Variant.MEGATRON_DEV, True), (4, Variant.MEGATRON_MAIN, False), (2, Variant.PAPER, True),
-                   (8, Variant.MEGATRON_DEV, False)]
+_POST_BDA_CASES = [
+    (4, Variant.MEGATRON_DEV, True),
+    (4, Variant.MEGATRON_MAIN, False),
+    (2, Variant.PAPER, True),
+    (8, Variant.MEGATRON_DEV, False),
+]
 _SLICES, _TUPLE, _WHOLE = tiling.StreamLayout.SLICES, tiling.StreamLayout.TUPLE, tiling.StreamLayout.WHOLE
 STREAM_FORM_CASES = [
     pytest.param("h_aggregate", _SLICES, n, None, False, id=f"h_aggregate-slices-n{n}") for n in (2, 4, 8)
 ] + [
-    pytest.param("h_post_bda", mode, n, v, b, id=f"h_post_bda-{mode.name.lower()}-n{n}-{v.value}{'-bias' if b else ''}")
-    for mode in (_SLICES, _TUPLE) for n, v, b in _POST_BDA_CASES
+    pytest.param(
+        "h_post_bda", mode, n, v, b, id=f"h_post_bda-{mode.name.lower()}-n{n}-{v.value}{'-bias' if b else ''}"
+    )
+    for mode in (_SLICES, _TUPLE)
+    for n, v, b in _POST_BDA_CASES
 ]
 
 
@@ -162,20 +175,29 @@ def test_stream_formulations(emu, op, mode, n, variant, with_bias, loop_c):
     t, c = 21, 300
     tiles = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=mode, loop_c=loop_c)
     if op == "h_aggregate":
-        kernel, oracle, inputs, names = emu.h_aggregate, ref.h_aggregate, aggregate_inputs(
-            t, n, c, torch.bfloat16, torch.float32, "cpu"), ("x", "h_pre")
+        kernel, oracle, inputs, names = (
+            emu.h_aggregate,
+            ref.h_aggregate,
+            aggregate_inputs(t, n, c, torch.bfloat16, torch.float32, "cpu"),
+            ("x", "h_pre"),
+        )
     else:
         kernel = lambda *a: emu.h_post_bda(*a, 0.0, False, variant)  # noqa: E731
 
         def post_bda(h_res, residual, h_post, y, bias):
-            return ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant)
+            return ref.h_post_bda(
+                h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant
+            )
+
         oracle = post_bda
         inputs = post_bda_inputs(t, n, c, torch.bfloat16, torch.float32, with_bias, "cpu")
         names = POST_BDA_INPUT_NAMES
     overrides = {f"{op}_fwd": tiles}
     if op == "h_post_bda":
         # loop_c: the backward always loops; its layouts are whole tiles or the tuple
-        overrides["h_post_bda_bwd"] = tiling.StreamTiles(tile_t=8, tile_c=128, per_stream=_TUPLE if mode == _TUPLE else _WHOLE)
+        overrides["h_post_bda_bwd"] = tiling.StreamTiles(
+            tile_t=8, tile_c=128, per_stream=_TUPLE if mode == _TUPLE else _WHOLE
+        )
     with tiling.overridden(**overrides):
         compare(f"{op} {tiles} n{n} {variant}", kernel, oracle, inputs, torch.bfloat16, input_names=names)
 
@@ -187,15 +209,21 @@ def test_unchecked_access_past_its_array_raises():
     shim = emulated_tile.EmulatedTile()
     a = torch.arange(40.0).reshape(5, 8)
     assert torch.equal(shim.load(a, (1, 0), (2, 8), check_bounds=False), a[2:4])
-    with pytest.raises(ValueError, match=r"unchecked load .* tile \(2, 0\) of shape \(2, 8\) runs past array \(5, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"unchecked load .* tile \(2, 0\) of shape \(2, 8\) runs past array \(5, 8\)"
+    ):
         shim.load(a, (2, 0), (2, 8), check_bounds=False)
     shim.store(a, (1, 0), torch.zeros(2, 8), check_bounds=False)
     assert a[2:4].eq(0).all() and a[:2].ne(0).any()
-    with pytest.raises(ValueError, match=r"unchecked store .* tile \(2, 0\) of shape \(2, 8\) runs past array \(5, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"unchecked store .* tile \(2, 0\) of shape \(2, 8\) runs past array \(5, 8\)"
+    ):
         shim.store(a, (2, 0), torch.ones(2, 8), check_bounds=False)
     assert a[4].ne(1).any(), "nothing is written on the way to the error"
-    for access in (lambda: shim.load(a, (0, 0), (2, 8), check_bounds=1),
-                   lambda: shim.store(a, (0, 0), torch.ones(2, 8), check_bounds=1)):
+    for access in (
+        lambda: shim.load(a, (0, 0), (2, 8), check_bounds=1),
+        lambda: shim.store(a, (0, 0), torch.ones(2, 8), check_bounds=1),
+    ):
         with pytest.raises(ValueError, match="check_bounds=1"):
             access()
 
@@ -210,8 +238,14 @@ def test_aggregate_forward_mma(emu, n, x_dtype, coef):
     inputs = aggregate_inputs(21, n, 300, x_dtype, coef, "cpu")
     for loop_c in (False, True):
         with tiling.overridden(h_aggregate_fwd=dataclasses.replace(tiles, loop_c=loop_c)):
-            compare(f"h_aggregate mma fwd n{n} loop_c={loop_c}", emu.h_aggregate, ref.h_aggregate, inputs, x_dtype,
-                    input_names=("x", "h_pre"))
+            compare(
+                f"h_aggregate mma fwd n{n} loop_c={loop_c}",
+                emu.h_aggregate,
+                ref.h_aggregate,
+                inputs,
+                x_dtype,
+                input_names=("x", "h_pre"),
+            )
 
 
 @pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
@@ -225,7 +259,9 @@ def test_aggregate_forward_mma_keeps_fp32_coefficients(emu, n):
             out = emu.h_aggregate(*inputs)
         want = ref.h_aggregate(*inputs)
     equal = float((out == want).float().mean())
-    assert equal >= 0.99, f"h_aggregate n={n}: {equal:.2%} of {out.numel()} outputs equal the reference's bits (< 99 %)"
+    assert equal >= 0.99, (
+        f"h_aggregate n={n}: {equal:.2%} of {out.numel()} outputs equal the reference's bits (< 99 %)"
+    )
 
 
 def test_mma_needs_tensor_core_sized_tiles():
@@ -259,15 +295,26 @@ def test_tile_override_is_scoped_and_checked():
             pass
 
 
-@pytest.mark.parametrize(("key", "tile", "match"), [
-    ("h_post_bda_bwd", tiling.StreamTiles(8, 64, per_stream=tiling.StreamLayout.SLICES),
-     r"no h_post_bda_bwd kernel for per_stream=SLICES; the kernels have: .*per_stream=TUPLE"),
-    ("h_post_bda_fwd", tiling.StreamTiles(4, 256, mma=True), "no h_post_bda_fwd kernel for per_stream=WHOLE, mma=True"),
-    ("h_aggregate_fwd", tiling.StreamTiles(8, 256), "no h_aggregate_fwd kernel for per_stream=WHOLE"),
-    ("h_aggregate_bwd", tiling.StreamTiles(8, 256, loop_c=True), "loop_c applies to the forwards"),
-    ("h_post_bda_fwd", tiling.StreamTiles(4, 256, per_stream=3), "per_stream must be a StreamLayout"),
-    ("sinkhorn", tiling.SinkhornTiles(64, per_element=1), "per_element must be a bool"),
-], ids=["bwd-slices", "fwd-mma", "aggregate-whole-without-mma", "bwd-loop_c", "layout-3", "per_element-int"])
+@pytest.mark.parametrize(
+    ("key", "tile", "match"),
+    [
+        (
+            "h_post_bda_bwd",
+            tiling.StreamTiles(8, 64, per_stream=tiling.StreamLayout.SLICES),
+            r"no h_post_bda_bwd kernel for per_stream=SLICES; the kernels have: .*per_stream=TUPLE",
+        ),
+        (
+            "h_post_bda_fwd",
+            tiling.StreamTiles(4, 256, mma=True),
+            "no h_post_bda_fwd kernel for per_stream=WHOLE, mma=True",
+        ),
+        ("h_aggregate_fwd", tiling.StreamTiles(8, 256), "no h_aggregate_fwd kernel for per_stream=WHOLE"),
+        ("h_aggregate_bwd", tiling.StreamTiles(8, 256, loop_c=True), "loop_c applies to the forwards"),
+        ("h_post_bda_fwd", tiling.StreamTiles(4, 256, per_stream=3), "per_stream must be a StreamLayout"),
+        ("sinkhorn", tiling.SinkhornTiles(64, per_element=1), "per_element must be a bool"),
+    ],
+    ids=["bwd-slices", "fwd-mma", "aggregate-whole-without-mma", "bwd-loop_c", "layout-3", "per_element-int"],
+)
 def test_formulations_the_kernels_lack_are_refused(key, tile, match):
     """A tile naming a formulation no kernel has (`tiling.STREAM_FORMULATIONS`; the retired ones are
     declared in `tools/cutile/retired.py`) is refused with the key, the tile and what the kernel has."""
@@ -281,7 +328,9 @@ def test_stream_layout_reads_its_number():
     True is SLICES) and reprs by name."""
     assert tiling.StreamTiles(4, 256, per_stream=2).per_stream is tiling.StreamLayout.TUPLE
     assert tiling.StreamTiles(4, 256, per_stream=True).per_stream is tiling.StreamLayout.SLICES
-    assert tiling.StreamTiles(4, 256, per_stream=2) == tiling.StreamTiles(4, 256, per_stream=tiling.StreamLayout.TUPLE)
+    assert tiling.StreamTiles(4, 256, per_stream=2) == tiling.StreamTiles(
+        4, 256, per_stream=tiling.StreamLayout.TUPLE
+    )
     assert "per_stream=StreamLayout.TUPLE" in repr(tiling.StreamTiles(4, 256, per_stream=2))
     assert tiling.tile_fields(tiling.StreamTiles(4, 256, per_stream=2))["per_stream"] == 2
 
@@ -307,7 +356,9 @@ def test_mapping(emu, n, variant, dtype, t, c, bwd):
         compare(
             f"mapping n{n} {variant} {dtype} T{t} C{c} {bwd}",
             lambda *a: emu.mapping(*a, n, variant),
-            lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=n, variant=variant),
+            lambda x, w, a_pre, a_post, a_res, b: ref.mapping(
+                x, w, a_pre, a_post, a_res, b, n=n, variant=variant
+            ),
             mapping_inputs(t, n, c, dtype, "cpu"),
             dtype,
             input_names=MAPPING_INPUT_NAMES,
@@ -316,7 +367,9 @@ def test_mapping(emu, n, variant, dtype, t, c, bwd):
         )
 
 
-@pytest.mark.parametrize("variant", ["megatron_dev+eps_inside_sqrt", "megatron_main+eps_inside_sqrt+fp32_mappings"])
+@pytest.mark.parametrize(
+    "variant", ["megatron_dev+eps_inside_sqrt", "megatron_main+eps_inside_sqrt+fp32_mappings"]
+)
 def test_mapping_numerics_options(emu, variant):
     """The eps inside the square root (and fp32 mappings on megatron_main) match the reference, fwd + bwd,
     with x at RMS 1e-3 where the eps placement shows."""
@@ -324,7 +377,9 @@ def test_mapping_numerics_options(emu, variant):
     compare(
         f"mapping {variant}",
         lambda *a: emu.mapping(*a, 4, variant),
-        lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=4, variant=variant),
+        lambda x, w, a_pre, a_post, a_res, b: ref.mapping(
+            x, w, a_pre, a_post, a_res, b, n=4, variant=variant
+        ),
         [x * 1e-3, *rest],
         torch.float32,
         input_names=MAPPING_INPUT_NAMES,
@@ -340,7 +395,9 @@ def test_pre(emu, variant, dtype):
     compare(
         f"pre {variant} {dtype}",
         lambda *a: emu.pre(*a, 4, 5, variant),
-        lambda x, w, a_pre, a_post, a_res, b: ref.pre(x, w, a_pre, a_post, a_res, b, n=4, iterations=5, variant=variant),
+        lambda x, w, a_pre, a_post, a_res, b: ref.pre(
+            x, w, a_pre, a_post, a_res, b, n=4, iterations=5, variant=variant
+        ),
         mapping_inputs(20, 4, 64, dtype, "cpu"),
         dtype,
         input_names=MAPPING_INPUT_NAMES,
@@ -360,8 +417,11 @@ class _LaunchLog(EmulatedRuntime):
         super().launch(grid, kernel_name, args)
 
 
-PRE_CASES = [pytest.param(v, d, None, id=f"{VARIANT_NAMES[v]}-{DTYPE_NAMES[d]}-default")
-             for v in Variant for d in (torch.float32, torch.bfloat16)] + [
+PRE_CASES = [
+    pytest.param(v, d, None, id=f"{VARIANT_NAMES[v]}-{DTYPE_NAMES[d]}-default")
+    for v in Variant
+    for d in (torch.float32, torch.bfloat16)
+] + [
     pytest.param(Variant.MEGATRON_DEV, torch.bfloat16, tiles, id=f"dev-bf16-{name}")
     for name, tiles in MAPPING_BWD_TILES.items()
 ]
@@ -374,11 +434,15 @@ def _check_pre_fused(n: int, t: int, c: int, variant, dtype, tiles=None) -> None
     backward tiles `tiles`; its backward writes one gradient of x: no aggregate backward, no plain mapping dx."""
     rt = _LaunchLog()
     ops = bound_ops(CuTileBackend(rt))
-    with tiling.overridden(pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})):
+    with tiling.overridden(
+        pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})
+    ):
         compare(
             f"pre fused {tiles} n{n} {variant} {dtype}",
             lambda *a: ops.pre(*a, n, 20, variant),
-            lambda x, w, a_pre, a_post, a_res, b: ref.pre(x, w, a_pre, a_post, a_res, b, n=n, iterations=20, variant=variant),
+            lambda x, w, a_pre, a_post, a_res, b: ref.pre(
+                x, w, a_pre, a_post, a_res, b, n=n, iterations=20, variant=variant
+            ),
             mapping_inputs(t, n, c, dtype, "cpu"),
             dtype,
             input_names=MAPPING_INPUT_NAMES,
@@ -399,8 +463,9 @@ def test_pre_fused(variant, dtype, tiles):
 
 
 @pytest.mark.parametrize("n", [2, 8])
-@pytest.mark.parametrize(("variant", "dtype"), [(Variant.MEGATRON_DEV, torch.float32),
-                                               (Variant.MEGATRON_MAIN, torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("variant", "dtype"), [(Variant.MEGATRON_DEV, torch.float32), (Variant.MEGATRON_MAIN, torch.bfloat16)]
+)
 def test_pre_fused_other_n(n, variant, dtype):
     """The fused pre at n = 2 and 8 (the dx kernel finds each K tile's stream from C / TILE_K), T37 C256 with
     the default 128-wide backward K tile: two tiles per stream, a partial token tile."""
@@ -422,7 +487,9 @@ def test_mapping_n8(emu):
     compare(
         "mapping n8",
         lambda *a: emu.mapping(*a, 8, Variant.MEGATRON_DEV),
-        lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=8, variant=Variant.MEGATRON_DEV),
+        lambda x, w, a_pre, a_post, a_res, b: ref.mapping(
+            x, w, a_pre, a_post, a_res, b, n=8, variant=Variant.MEGATRON_DEV
+        ),
         mapping_inputs(20, 8, 300, torch.float32, "cpu"),
         torch.float32,
         input_names=MAPPING_INPUT_NAMES,

@@ -34,7 +34,10 @@ def test_load_tile_space_and_padding():
 def test_load_order():
     """`order` permutes the loaded tile's axes (column-major and 3-d); num_tiles rounds up."""
     x = torch.arange(16).reshape(4, 4)
-    assert [ct.load(x, (i, 0), (1, 4), order="F").tolist() for i in range(2)] == [[[0, 4, 8, 12]], [[1, 5, 9, 13]]]
+    assert [ct.load(x, (i, 0), (1, 4), order="F").tolist() for i in range(2)] == [
+        [[0, 4, 8, 12]],
+        [[1, 5, 9, 13]],
+    ]
     x3 = torch.arange(8).reshape(2, 2, 2)
     assert ct.load(x3, (1, 0, 0), (1, 2, 2), order=(0, 2, 1)).tolist() == [[[4, 6], [5, 7]]]
     assert ct.num_tiles(torch.empty(42, 64), 0, (4, 8)) == 11

@@ -14,7 +14,9 @@ import re
 
 import pytest
 
-ct = pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+ct = pytest.importorskip(
+    "cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')"
+)
 
 from cuda.tile.compilation import export_kernel  # noqa: E402
 
@@ -69,12 +71,21 @@ def test_alternative_plan_holds_each_formulation():
     backward, which the fused pre-op's backward uses too) are listed, each kernel with the constants that
     select it."""
     kernels = {p.kernel_name for p in ALT_PLAN}
-    assert kernels == {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel", "h_aggregate_fwd_kernel",
-                       "h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel", "mapping_bwd_coef_kernel",
-                       "mapping_bwd_dx_dw_kernel", "pre_bwd_dx_dw_kernel"}
+    assert kernels == {
+        "sinkhorn_fwd_elem_kernel",
+        "sinkhorn_bwd_elem_kernel",
+        "h_aggregate_fwd_kernel",
+        "h_post_bda_fwd_kernel",
+        "h_post_bda_bwd_kernel",
+        "mapping_bwd_coef_kernel",
+        "mapping_bwd_dx_dw_kernel",
+        "pre_bwd_dx_dw_kernel",
+    }
     consts = {p.kernel_name: set() for p in ALT_PLAN}
     for p in ALT_PLAN:
-        consts[p.kernel_name].add(tuple(a.value for a in p.args if isinstance(a, ConstArg))[3:])  # after N, TILE_T, TILE_C
+        consts[p.kernel_name].add(
+            tuple(a.value for a in p.args if isinstance(a, ConstArg))[3:]
+        )  # after N, TILE_T, TILE_C
     # h_aggregate fwd (LOOP_C, TENSOR_CORES, MMA): C-looping slices, tensor cores with and without the loop
     assert {c[:2] for c in consts["h_aggregate_fwd_kernel"]} == {(1, 0), (0, 1), (1, 1)}
     # h_post_bda fwd (TRANSPOSED, HAS_BIAS, LOOP_C, TUPLE): the tuple with and without the loop, looping slices
@@ -87,8 +98,13 @@ def test_plan_exports_at_one_bytecode_version():
     a 13.3 tileiras takes."""
     assert BYTECODE_VERSION == "13.3"
     launch = PLAN[0]
-    export_kernel(kernel_object(launch.kernel_name), [to_signature(launch)], io.BytesIO(),
-                  output_format="tileir_bytecode", bytecode_version="13.3")
+    export_kernel(
+        kernel_object(launch.kernel_name),
+        [to_signature(launch)],
+        io.BytesIO(),
+        output_format="tileir_bytecode",
+        bytecode_version="13.3",
+    )
 
 
 def _formulation(launch) -> tuple[str, str]:
@@ -129,8 +145,10 @@ def test_compile_alternative_cubin(compiler, launch):
     assert len(export_cubin(launch, "sm_90")) > 0
 
 
-_ARCH_OF_MODEL = ((re.compile(r"\b(G?H100|G?H200|H800|H20)\b", re.I), "sm_90"),
-                  (re.compile(r"\b(G?B100|G?B200|G?B300)\b", re.I), "sm_100"))
+_ARCH_OF_MODEL = (
+    (re.compile(r"\b(G?H100|G?H200|H800|H20)\b", re.I), "sm_90"),
+    (re.compile(r"\b(G?B100|G?B200|G?B300)\b", re.I), "sm_100"),
+)
 
 
 def tuning_archs(device: str) -> list[str]:
@@ -146,11 +164,17 @@ def test_tuning_archs_follow_the_gpu_model():
     assert tuning_archs("NVIDIA RTX PRO 6000") == ["sm_90", "sm_100"]
 
 
-SHIPPED = [(t, p, arch) for t in (tuning.load(f) for f in sorted(tuning.TUNED_DIR.glob("*.json")))
-           for p in tuned_plan([t]) for arch in tuning_archs(t.device)]
+SHIPPED = [
+    (t, p, arch)
+    for t in (tuning.load(f) for f in sorted(tuning.TUNED_DIR.glob("*.json")))
+    for p in tuned_plan([t])
+    for arch in tuning_archs(t.device)
+]
 
 
-@pytest.mark.parametrize(("tuned", "launch", "arch"), SHIPPED, ids=[f"{p.id}-{arch}" for _, p, arch in SHIPPED])
+@pytest.mark.parametrize(
+    ("tuned", "launch", "arch"), SHIPPED, ids=[f"{p.id}-{arch}" for _, p, arch in SHIPPED]
+)
 def test_compile_shipped_tuning_cubin(compiler, tuned, launch, arch):
     """tileiras compiles what each tuning shipped in `tuned/` launches (its tiles and occupancy hints) for
     its GPU model's arch."""
@@ -162,13 +186,18 @@ def test_compile_shipped_tuning_cubin(compiler, tuned, launch, arch):
 def test_tuning_launches_export_with_their_hints():
     """A tuning's launches (tuple h_post_bda backward, occupancy 4) export under the tuning, at
     every dtype and variant, and the hinted kernel object is the tuning's."""
-    t = tuning.Tuning(device="test", n=4,
-                      tiles={"h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=tiling.StreamLayout.TUPLE)},
-                      occupancy={"h_post_bda_bwd_kernel": 4})
+    t = tuning.Tuning(
+        device="test",
+        n=4,
+        tiles={"h_post_bda_bwd": tiling.StreamTiles(8, 64, per_stream=tiling.StreamLayout.TUPLE)},
+        occupancy={"h_post_bda_bwd_kernel": 4},
+    )
     plan = tuned_plan([t])
     assert {p.kernel_name for p in plan} == {"h_post_bda_bwd_kernel"} and len(plan) >= 6
     with tiling.tuned(t):
-        assert kernel_object("h_post_bda_bwd_kernel")._compiler_options.occupancy == 4  # cuda.tile 1.7 internals
+        assert (
+            kernel_object("h_post_bda_bwd_kernel")._compiler_options.occupancy == 4
+        )  # cuda.tile 1.7 internals
         for launch in plan:
             assert len(export_bytecode(launch)) > 0
 
@@ -178,8 +207,9 @@ def test_misshaped_signature_fails():
     launch = next(p for p in PLAN if p.kernel_name == "h_aggregate_fwd_kernel")
     x = launch.args[0]
     assert isinstance(x, ArrayArg) and x.ndim == 3
-    bad_x = dataclasses.replace(x, ndim=2, stride_one=x.stride_one[1:], stride_div=x.stride_div[1:],
-                                shape_16=x.shape_16[1:])
+    bad_x = dataclasses.replace(
+        x, ndim=2, stride_one=x.stride_one[1:], stride_div=x.stride_div[1:], shape_16=x.shape_16[1:]
+    )
     bad = dataclasses.replace(launch, args=(bad_x, *launch.args[1:]))
     with pytest.raises(Exception, match="does not match the array rank"):
         export_bytecode(bad)

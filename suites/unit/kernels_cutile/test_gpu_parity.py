@@ -97,7 +97,9 @@ def test_h_post_bda(n, variant, dtype, t, c, with_bias):
     compare(
         f"h_post_bda n{n} {variant} T{t} C{c} bias={with_bias}",
         lambda *a: CUTILE_OPS.h_post_bda(*a, 0.0, False, variant),
-        lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
+        lambda h_res, residual, h_post, y, bias: ref.h_post_bda(
+            h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant
+        ),
         post_bda_inputs(t, n, c, dtype, _coef_dtype(variant, dtype), with_bias, DEV),
         dtype,
         input_names=POST_BDA_INPUT_NAMES,
@@ -111,11 +113,15 @@ def test_h_post_bda(n, variant, dtype, t, c, with_bias):
 @pytest.mark.parametrize("n", NS)
 def test_mapping(n, variant, dtype, t, c):
     """mapping fwd + bwd (split-K forward, split-token backward at the larger size)."""
-    oracle = mapping_oracle(n, variant) if (variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16) else None
+    oracle = (
+        mapping_oracle(n, variant) if (variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16) else None
+    )
     compare(
         f"mapping n{n} {variant} T{t} C{c}",
         lambda *a: CUTILE_OPS.mapping(*a, n, variant),
-        lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=n, variant=variant),
+        lambda x, w, a_pre, a_post, a_res, b: ref.mapping(
+            x, w, a_pre, a_post, a_res, b, n=n, variant=variant
+        ),
         mapping_inputs(t, n, c, dtype, DEV),
         dtype,
         input_names=MAPPING_INPUT_NAMES,
@@ -134,12 +140,16 @@ BWD_TILES = [pytest.param(tiles, id=name) for name, tiles in MAPPING_BWD_TILES.i
 @pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"n{n}")
 def test_mapping_bwd_tiles(n, variant, dtype, tiles):
     """The mapping backward's sweep candidates: the spill-free 16 x 64 tile and the shipped H200 tuning's 16 x 256."""
-    oracle = mapping_oracle(n, variant) if (variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16) else None
+    oracle = (
+        mapping_oracle(n, variant) if (variant == Variant.MEGATRON_MAIN and dtype == torch.bfloat16) else None
+    )
     with tiling.overridden(mapping_bwd=tiles):
         compare(
             f"mapping {tiles} n{n} {variant}",
             lambda *a: CUTILE_OPS.mapping(*a, n, variant),
-            lambda x, w, a_pre, a_post, a_res, b: ref.mapping(x, w, a_pre, a_post, a_res, b, n=n, variant=variant),
+            lambda x, w, a_pre, a_post, a_res, b: ref.mapping(
+                x, w, a_pre, a_post, a_res, b, n=n, variant=variant
+            ),
             mapping_inputs(1100, n, 1024, dtype, DEV),
             dtype,
             input_names=MAPPING_INPUT_NAMES,
@@ -158,12 +168,16 @@ def test_pre_fused(n, variant, dtype, tiles):
     T1100 C1024 (the backward's K tiles divide C: the fused launches), under the default backward tiles and the
     sweep's."""
     oracle = pre_oracle(n, variant, 20) if dtype == torch.bfloat16 else None
-    with tiling.overridden(pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})):
+    with tiling.overridden(
+        pre=tiling.PreTiles(fused=True), **({} if tiles is None else {"mapping_bwd": tiles})
+    ):
         assert pre_fuses(n, n * 1024)
         compare(
             f"pre {tiles} n{n} {variant}",
             lambda *a: CUTILE_OPS.pre(*a, n, 20, variant),
-            lambda x, w, a_pre, a_post, a_res, b: ref.pre(x, w, a_pre, a_post, a_res, b, n=n, iterations=20, variant=variant),
+            lambda x, w, a_pre, a_post, a_res, b: ref.pre(
+                x, w, a_pre, a_post, a_res, b, n=n, iterations=20, variant=variant
+            ),
             mapping_inputs(1100, n, 1024, dtype, DEV),
             dtype,
             input_names=MAPPING_INPUT_NAMES,
@@ -174,7 +188,9 @@ def test_pre_fused(n, variant, dtype, tiles):
         )
 
 
-SINKHORN_TILES = [pytest.param(tiling.SinkhornTiles(64, **kw), id=name) for name, kw in SINKHORN_FORMS.items()]
+SINKHORN_TILES = [
+    pytest.param(tiling.SinkhornTiles(64, **kw), id=name) for name, kw in SINKHORN_FORMS.items()
+]
 
 
 @pytest.mark.parametrize("tiles", SINKHORN_TILES)
@@ -213,7 +229,9 @@ def test_stream_formulations(variant, dtype, forms):
         compare(
             f"h_post_bda {forms} {variant}",
             lambda *a: CUTILE_OPS.h_post_bda(*a, 0.0, False, variant),
-            lambda h_res, residual, h_post, y, bias: ref.h_post_bda(h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant),
+            lambda h_res, residual, h_post, y, bias: ref.h_post_bda(
+                h_res, residual, h_post, y, bias, dropout_p=0.0, training=False, variant=variant
+            ),
             post_bda_inputs(300, 4, 1024, dtype, _coef_dtype(variant, dtype), True, DEV),
             dtype,
             input_names=POST_BDA_INPUT_NAMES,

@@ -51,19 +51,34 @@ def test_size_one_dims_are_recorded():
 def test_kernel_sources_follow_the_kernel_imports():
     """The digested sources are the kernel modules and the package modules they import, no others."""
     names = {p.name for p in precompile.kernel_sources()}
-    assert {"stream_kernels.py", "mapping_kernels.py", "sinkhorn_kernels.py", "mma.py", "constants.py"} == names
+    assert {
+        "stream_kernels.py",
+        "mapping_kernels.py",
+        "sinkhorn_kernels.py",
+        "mma.py",
+        "constants.py",
+    } == names
 
 
 def _build(out: Path) -> dict:
-    launches = precompile.ops_launches("ops", (SHAPE["n"],), SHAPE["t"], (SHAPE["c"],), (torch.bfloat16,),
-                                       variants=(VARIANT,))
+    launches = precompile.ops_launches(
+        "ops", (SHAPE["n"],), SHAPE["t"], (SHAPE["c"],), (torch.bfloat16,), variants=(VARIANT,)
+    )
     entries, failures = precompile.build(launches, out, arch="sm_90", jobs=2)
     archive = out / "all.tar.xz"
     kept, size = precompile.pack(entries, out / "cache.db", archive, arch="sm_90", max_bytes=1 << 30)
     unpacked = out / "unpacked"
     shutil.unpack_archive(archive, unpacked)
-    return {"launches": launches, "entries": entries, "failures": failures, "db": out / "cache.db",
-            "archive": archive, "size": size, "kept": kept, "dir": unpacked}
+    return {
+        "launches": launches,
+        "entries": entries,
+        "failures": failures,
+        "db": out / "cache.db",
+        "archive": archive,
+        "size": size,
+        "kept": kept,
+        "dir": unpacked,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +88,9 @@ def built(tmp_path_factory):
 
     Built once per run: under xdist the first worker builds it (~50 s of tileiras) in the run's
     shared base directory, under a file lock, and the others load what it recorded."""
-    pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+    pytest.importorskip(
+        "cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')"
+    )
     if toolchain.find_toolchain() is None:
         pytest.skip("no tileiras (pip install 'cuda-tile[tileiras]==1.7.0', the tox env `kernels`)")
     base = tmp_path_factory.getbasetemp()
@@ -101,8 +118,9 @@ def test_every_distinct_launch_gets_one_entry(built):
 def test_the_cap_keeps_a_prefix(built, tmp_path):
     """Under a cap below the full archive, the manifest keeps the first entries and lists the rest as dropped."""
     cap = built["size"] // 2
-    kept, size = precompile.pack(built["entries"], built["db"], tmp_path / "capped.tar.xz", arch="sm_90",
-                                 max_bytes=cap)
+    kept, size = precompile.pack(
+        built["entries"], built["db"], tmp_path / "capped.tar.xz", arch="sm_90", max_bytes=cap
+    )
     assert size <= cap and 0 < kept < len(built["entries"])
     shutil.unpack_archive(tmp_path / "capped.tar.xz", tmp_path / "x")
     manifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
@@ -152,11 +170,28 @@ def test_jit_launches_find_the_precompiled_entries(built, tmp_path):
     cache.mkdir()
     shutil.copy(built["dir"] / "cache.db", cache / "cache.db")
     env = toolchain.find_toolchain().env()
-    env.update(CUDA_TILE_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT),
-               LD_LIBRARY_PATH=f"{tmp_path}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}")
-    done = subprocess.run([sys.executable, "-m", "suites.unit.kernels_cutile.stub_driver", str(SHAPE["n"]),
-                           str(SHAPE["t"]), str(SHAPE["c"]), "bf16", str(VARIANT)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    env.update(
+        CUDA_TILE_CACHE_DIR=str(cache),
+        PYTHONPATH=str(ROOT),
+        LD_LIBRARY_PATH=f"{tmp_path}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}",
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "suites.unit.kernels_cutile.stub_driver",
+            str(SHAPE["n"]),
+            str(SHAPE["t"]),
+            str(SHAPE["c"]),
+            "bf16",
+            str(VARIANT),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["launches"] == len(built["launches"])
@@ -167,7 +202,7 @@ def test_jit_launches_find_the_precompiled_entries(built, tmp_path):
     assert used == len(built["entries"])
 
 
-_MAIN_IMPORTS_CUDA_TILE = '''
+_MAIN_IMPORTS_CUDA_TILE = """
 import os
 import sys
 from pathlib import Path
@@ -179,22 +214,31 @@ if __name__ == "__main__":
     launches = precompile.ops_launches("ops", (4,), 64, (512,), (torch.bfloat16,))[:4]
     entries, failures = precompile.build(launches, Path(sys.argv[1]), jobs=2)
     print(len(entries), len(failures), os.environ.get("CUDA_TILE_CACHE_DIR"))
-'''
+"""
 
 
 def test_build_workers_cache_where_told_when_main_imports_cuda_tile(tmp_path):
     """The compile workers write their own caches even when the main script imports `cuda.tile` (spawn
     re-imports it in each child, and cuTile fixes its cache dir at import): the driver's case."""
-    pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+    pytest.importorskip(
+        "cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')"
+    )
     if toolchain.find_toolchain() is None:
         pytest.skip("no tileiras (pip install 'cuda-tile[tileiras]==1.7.0', the tox env `kernels`)")
     script = tmp_path / "driver.py"
     script.write_text(_MAIN_IMPORTS_CUDA_TILE)
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_TILE_CACHE_DIR=str(tmp_path / "elsewhere"))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["4", "0", str(tmp_path / "elsewhere")], proc.stdout  # and the variable restored
+    assert proc.stdout.split() == ["4", "0", str(tmp_path / "elsewhere")], (
+        proc.stdout
+    )  # and the variable restored
 
 
 def test_precompile_script_records_the_perf_cases_cutile_runs(monkeypatch):
@@ -219,7 +263,8 @@ def test_precompile_script_records_the_perf_cases_cutile_runs(monkeypatch):
     assert labels == {c.id for c in cases} - gaps, labels
     kernels = {r.kernel_name for r in recs}
     assert {"h_post_bda_fwd_kernel", "h_post_bda_bwd_kernel"} <= kernels and any(
-        k.startswith("sinkhorn_bwd") for k in kernels), kernels
+        k.startswith("sinkhorn_bwd") for k in kernels
+    ), kernels
 
 
 def test_precompile_script_sets_keep_priority_order_and_name_bad_ones():

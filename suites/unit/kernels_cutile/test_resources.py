@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')")
+pytest.importorskip(
+    "cuda.tile", reason="cuda.tile is not installed (pip install 'cuda-tile[tileiras]==1.7.0')"
+)
 
 from mhc_core.kernels.cutile import tiling, toolchain  # noqa: E402
 from tools.cutile import resources  # noqa: E402
@@ -33,9 +35,13 @@ def test_report_reads_registers_and_memory_instructions(tools, ident):
     assert r.counts["stg"] + r.counts["tma_store"] >= 1, r
     assert r.counts["insts"] > sum(v for k, v in r.counts.items() if k != "insts"), r
     rows = resources.table([r]).splitlines()
-    assert rows[0].startswith("| kernel | regs | threads | smem B | local B | stack B | CTAs/SM | insts | ldg |")
-    assert rows[2].startswith(f"| {ident} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | "
-                              f"{r.stack_bytes} | {r.ctas_per_sm} |")
+    assert rows[0].startswith(
+        "| kernel | regs | threads | smem B | local B | stack B | CTAs/SM | insts | ldg |"
+    )
+    assert rows[2].startswith(
+        f"| {ident} | {r.registers} | {r.threads} | {r.shared_bytes} | {r.local_bytes} | "
+        f"{r.stack_bytes} | {r.ctas_per_sm} |"
+    )
 
 
 @pytest.mark.slow
@@ -62,14 +68,20 @@ def test_unreadable_sass_keeps_the_resource_usage(tools, monkeypatch):
 
     def failing_sass(cmd, env, what):
         if "-sass" in cmd:
-            raise resources.ToolFailed(f"resources: cuobjdump -sass failed for {what} (exit 1)",
-                                       "nvdisasm error   : Opclass 'nop_'")
+            raise resources.ToolFailed(
+                f"resources: cuobjdump -sass failed for {what} (exit 1)", "nvdisasm error   : Opclass 'nop_'"
+            )
         return real(cmd, env, what)
 
     monkeypatch.setattr(resources, "_run", failing_sass)
     launch = next(p for p in signature_plan() if p.id == "h_aggregate-fwd-n4-bf16-main")
     r = resources.inspect_launch(launch, arch="sm_90")
-    assert r.registers >= 1 and r.threads >= 32 and r.counts == {} and r.sass_error == "nvdisasm error   : Opclass 'nop_'"
+    assert (
+        r.registers >= 1
+        and r.threads >= 32
+        and r.counts == {}
+        and r.sass_error == "nvdisasm error   : Opclass 'nop_'"
+    )
     assert "| ? |" in resources.table([r]) and "(no SASS: nvdisasm error" in resources.table([r])
 
 
@@ -81,16 +93,19 @@ def test_occupancy_hint_caps_registers(tools):
     assert hinted.ctas_per_sm >= 4 and hinted.registers < free.registers, (free, hinted)
 
 
-@pytest.mark.parametrize(("regs", "threads", "smem", "ctas"), [
-    (255, 256, 0, 1),        # 64 Ki registers: one block of 8 warps at 255 (256 per thread allocated)
-    (64, 256, 0, 4),
-    (92, 128, 0, 5),         # 92 -> 96 per thread: 21 warps of registers, 4 warps per block
-    (40, 128, 0, 12),
-    (32, 128, 100_000, 2),   # shared memory: 228 KB per SM, 1 KB reserved per block
-    (16, 32, 0, 32),         # the 32-block cap
-    (32, 1024, 0, 2),        # 2048 threads per SM
-    (255, 512, 0, 0),        # does not fit at all
-])
+@pytest.mark.parametrize(
+    ("regs", "threads", "smem", "ctas"),
+    [
+        (255, 256, 0, 1),  # 64 Ki registers: one block of 8 warps at 255 (256 per thread allocated)
+        (64, 256, 0, 4),
+        (92, 128, 0, 5),  # 92 -> 96 per thread: 21 warps of registers, 4 warps per block
+        (40, 128, 0, 12),
+        (32, 128, 100_000, 2),  # shared memory: 228 KB per SM, 1 KB reserved per block
+        (16, 32, 0, 32),  # the 32-block cap
+        (32, 1024, 0, 2),  # 2048 threads per SM
+        (255, 512, 0, 0),  # does not fit at all
+    ],
+)
 def test_ctas_per_sm(regs, threads, smem, ctas):
     """Resident blocks per SM from registers, threads and shared memory (sm_90 / sm_100 limits)."""
     assert resources.ctas_per_sm(regs, threads, smem) == ctas
@@ -117,8 +132,24 @@ def test_sweep_report_names_candidates_at_the_sweep_shape(tools, capsys):
     from tools.cutile.sweep import CANDIDATES
 
     i = next(i for i, c in enumerate(CANDIDATES["sinkhorn"]) if c.per_element)
-    assert resources.main(["--sweep", "--keys", "sinkhorn", "--match", f"sinkhorn[{i}]-sinkhorn_bwd",
-                           "--tokens", "256", "--hidden", "512", "--iterations", "3"]) == 0
+    assert (
+        resources.main(
+            [
+                "--sweep",
+                "--keys",
+                "sinkhorn",
+                "--match",
+                f"sinkhorn[{i}]-sinkhorn_bwd",
+                "--tokens",
+                "256",
+                "--hidden",
+                "512",
+                "--iterations",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"| sinkhorn[{i}]-sinkhorn_bwd_elem | " in out
     assert f"sinkhorn[{i}]: {CANDIDATES['sinkhorn'][i]!r}" in out and "per_element=True" in out

@@ -14,7 +14,9 @@ from mhc_core.variants import Variant
 from tools.cutile.recording import ArrayArg, ConstArg, RecordingRuntime
 from tools.cutile.signatures import alternative_plan, signature_plan
 
-ID_RE = re.compile(r"^(sinkhorn|h_aggregate|h_post_bda|mapping|pre)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$")
+ID_RE = re.compile(
+    r"^(sinkhorn|h_aggregate|h_post_bda|mapping|pre)-(fwd|bwd)-n\d+-(bf16|fp32)-(main|dev|paper)[-a-z0-9_]*$"
+)
 
 
 ALTERNATIVE_ONLY = {"sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel"}
@@ -55,7 +57,12 @@ def test_sinkhorn_workspace_only_for_the_stored_backward(variant):
     with tiling.overridden(sinkhorn=tiling.SinkhornTiles(32, per_element=True)):
         ops.sinkhorn(z, 20, None, variant).sum().backward()
     names = [la.kernel_name for la in rec.launches]
-    assert names == ["sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel", "sinkhorn_fwd_elem_kernel", "sinkhorn_bwd_elem_kernel"]
+    assert names == [
+        "sinkhorn_fwd_kernel",
+        "sinkhorn_bwd_kernel",
+        "sinkhorn_fwd_elem_kernel",
+        "sinkhorn_bwd_elem_kernel",
+    ]
     pairs = 19 if variant is Variant.MEGATRON_DEV else 20
     assert tuple(rec.tensors[1][3].shape) == (pairs, 40, 4, 4) and rec.tensors[1][3].dtype == torch.float32
     assert len(rec.tensors[3]) == 3  # logits, grad_out, grad_logits
@@ -101,12 +108,24 @@ def test_plan_covers_other_production_shapes(t, c):
             xs = torch.zeros(small_t, n, c, dtype=dtype, requires_grad=True)
             ops.h_aggregate(xs, outs[0].detach().requires_grad_(True)).sum().backward()
             y = torch.zeros(small_t, c, dtype=dtype, requires_grad=True)
-            out = ops.h_post_bda(z.detach().requires_grad_(True), xs, outs[1].detach().requires_grad_(True), y,
-                                 torch.zeros(c, dtype=dtype, requires_grad=True), 0.0, False, variant)
+            out = ops.h_post_bda(
+                z.detach().requires_grad_(True),
+                xs,
+                outs[1].detach().requires_grad_(True),
+                y,
+                torch.zeros(c, dtype=dtype, requires_grad=True),
+                0.0,
+                False,
+                variant,
+            )
             out.sum().backward()
     recorded = {la.kernel_name for la in rec.launches}
-    assert recorded == {p.kernel_name for p in signature_plan()}, sorted(recorded)  # every kernel was launched
-    missing = [key(la.kernel_name, la.args) for la in rec.launches if key(la.kernel_name, la.args) not in planned]
+    assert recorded == {p.kernel_name for p in signature_plan()}, sorted(
+        recorded
+    )  # every kernel was launched
+    missing = [
+        key(la.kernel_name, la.args) for la in rec.launches if key(la.kernel_name, la.args) not in planned
+    ]
     assert not missing, f"{len(missing)} launches not in the signature plan, first: {missing[0]}"
 
 

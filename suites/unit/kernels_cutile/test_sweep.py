@@ -17,7 +17,11 @@ from tools.cutile.sweep import CANDIDATES, KEY_ORDER, override, timers
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
-CASES = [pytest.param(key, cand, id=f"{key}-{i}") for key, cands in CANDIDATES.items() for i, cand in enumerate(cands)]
+CASES = [
+    pytest.param(key, cand, id=f"{key}-{i}")
+    for key, cands in CANDIDATES.items()
+    for i, cand in enumerate(cands)
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +66,11 @@ def test_first_candidate_is_the_default():
     """The first candidate of each stream key is what the heuristic picks at n = 4, C = 4096."""
     assert CANDIDATES["sinkhorn"][0] == tiling.sinkhorn_tile(4)
     assert all(key.removesuffix("_occupancy") in tiling.KERNELS_OF for key in CANDIDATES)
-    for op, fn in (("h_aggregate", tiling.aggregate_tiles), ("h_post_bda", tiling.post_bda_tiles),
-                   ("mapping", lambda n, c, d: tiling.mapping_tiles(n, n * c, d))):
+    for op, fn in (
+        ("h_aggregate", tiling.aggregate_tiles),
+        ("h_post_bda", tiling.post_bda_tiles),
+        ("mapping", lambda n, c, d: tiling.mapping_tiles(n, n * c, d)),
+    ):
         for direction in ("fwd", "bwd"):
             assert CANDIDATES[f"{op}_{direction}"][0] == fn(4, 4096, direction)
 
@@ -95,19 +102,38 @@ def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
     default = repr(CANDIDATES["h_aggregate_fwd"][0])
 
     def row(key, tiles, ms):
-        return {"key": key, "tiles": tiles, "direction": "fwd", "single_ms": ms, "pipelined_ms": ms,
-                "gb_per_s": round(320 / ms)}
+        return {
+            "key": key,
+            "tiles": tiles,
+            "direction": "fwd",
+            "single_ms": ms,
+            "pipelined_ms": ms,
+            "gb_per_s": round(320 / ms),
+        }
 
     rows = [
-        row("h_aggregate_fwd", default, 0.8), row("h_aggregate_fwd", "B", 0.2),
+        row("h_aggregate_fwd", default, 0.8),
+        row("h_aggregate_fwd", "B", 0.2),
         {"key": "h_aggregate_fwd", "tiles": "C", "error": "TileCompilerError: x"},
-        row("h_aggregate_fwd_occupancy", "occ2", 0.4), row("h_aggregate_fwd_occupancy", "occ4", 0.5),
+        row("h_aggregate_fwd_occupancy", "occ2", 0.4),
+        row("h_aggregate_fwd_occupancy", "occ4", 0.5),
         row("mapping_fwd", "not the default", 0.3),
         {"key": "sinkhorn", "tiles": "S", "error": "RuntimeError: y"},
     ]
     path = tmp_path / "sweep.json"
-    path.write_text(json.dumps({"tokens": 8, "n": 4, "hidden": 64, "dtype": "bf16", "variant": "megatron_dev",
-                                "device": "test", "rows": rows}))
+    path.write_text(
+        json.dumps(
+            {
+                "tokens": 8,
+                "n": 4,
+                "hidden": 64,
+                "dtype": "bf16",
+                "variant": "megatron_dev",
+                "device": "test",
+                "rows": rows,
+            }
+        )
+    )
     assert main(["--summary", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| h_aggregate_fwd | fwd | 0.8000 | B | 0.2000 | 1600 | 4.00x | 1 |" in out
@@ -116,12 +142,17 @@ def test_summary_picks_fastest_and_counts_failures(tmp_path, capsys):
     assert "| sinkhorn | - | - | all 1 candidates failed |" in out
     # Rows with GPU busy time are ranked by it: back-to-back times that only measure the host
     # (equal for every tile) do not pick the winner.
-    busy = [dict(row("sinkhorn", repr(CANDIDATES["sinkhorn"][0]), 0.044), device_ms=0.012),
-            dict(row("sinkhorn", "P", 0.043), device_ms=0.020), dict(row("sinkhorn", "E", 0.045), device_ms=0.004)]
+    busy = [
+        dict(row("sinkhorn", repr(CANDIDATES["sinkhorn"][0]), 0.044), device_ms=0.012),
+        dict(row("sinkhorn", "P", 0.043), device_ms=0.020),
+        dict(row("sinkhorn", "E", 0.045), device_ms=0.004),
+    ]
     path.write_text(json.dumps({"rows": busy}))
     assert main(["--summary", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "GPU busy ms" in out and "| sinkhorn | fwd | 0.0120 | E | 0.0040 |" in out and "| 3.00x |" in out, out
+    assert (
+        "GPU busy ms" in out and "| sinkhorn | fwd | 0.0120 | E | 0.0040 |" in out and "| 3.00x |" in out
+    ), out
     path.write_text("{not json")
     assert main(["--summary", str(path)]) == 2
     assert f"sweep --summary: {path}: not JSON" in capsys.readouterr().err
@@ -134,21 +165,39 @@ def test_summary_finds_the_default_in_a_sweep_file_written_before_the_cut(tmp_pa
 
     old_default = "StreamTiles(tile_t=8, tile_c=256, per_stream=True, loop_c=False, mma=False, latency=0)"
     assert repr(CANDIDATES["h_aggregate_fwd"][0]) != old_default
-    rows = [{"key": "h_aggregate_fwd", "tiles": t, "direction": "fwd", "single_ms": ms, "pipelined_ms": ms,
-             "gb_per_s": 1.0} for t, ms in ((old_default, 0.6), ("B", 0.2))]
+    rows = [
+        {
+            "key": "h_aggregate_fwd",
+            "tiles": t,
+            "direction": "fwd",
+            "single_ms": ms,
+            "pipelined_ms": ms,
+            "gb_per_s": 1.0,
+        }
+        for t, ms in ((old_default, 0.6), ("B", 0.2))
+    ]
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"rows": rows}))
     assert main(["--summary", str(path)]) == 0
     assert "| h_aggregate_fwd | fwd | 0.6000 | B | 0.2000 | 1 | 3.00x | 0 |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("rows", "message"), [
-    ([{"tiles": "A"}], r"rows\[0\] is not a sweep row"),
-    ([{"key": "sinkhorn", "tiles": "A", "direction": "fwd", "pipelined_ms": None}],
-     r"rows\[0\] \(sinkhorn A\): its time .* is None, not a finite number > 0"),
-    ([{"key": "sinkhorn", "tiles": "A", "direction": "up", "pipelined_ms": 1.0}], r"rows\[0\] \(sinkhorn A\): direction='up'"),
-    ({"a": 1}, r"rows must be a list, got dict"),
-], ids=["no-key", "no-time", "direction", "rows-dict"])
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"tiles": "A"}], r"rows\[0\] is not a sweep row"),
+        (
+            [{"key": "sinkhorn", "tiles": "A", "direction": "fwd", "pipelined_ms": None}],
+            r"rows\[0\] \(sinkhorn A\): its time .* is None, not a finite number > 0",
+        ),
+        (
+            [{"key": "sinkhorn", "tiles": "A", "direction": "up", "pipelined_ms": 1.0}],
+            r"rows\[0\] \(sinkhorn A\): direction='up'",
+        ),
+        ({"a": 1}, r"rows must be a list, got dict"),
+    ],
+    ids=["no-key", "no-time", "direction", "rows-dict"],
+)
 @pytest.mark.parametrize("flag", ["--summary", "--adopt"])
 def test_malformed_sweep_rows_are_named_not_a_traceback(tmp_path, capsys, rows, message, flag):
     """--summary and --adopt refuse a malformed row naming the file and the row (exit 2), and write nothing."""
@@ -169,8 +218,13 @@ def test_adopt_names_the_sweep_not_the_output_and_writes_nothing_when_nothing_wi
     path.write_text(json.dumps({"n": 4, "device": 7, "rows": []}))
     assert main(["--adopt", str(path), "--out", str(out)]) == 2
     assert f"sweep --adopt: {path}: device=7 must be the GPU's name" in capsys.readouterr().err
-    failed = {"key": "sinkhorn", "tiles": repr(CANDIDATES["sinkhorn"][0]), "direction": "fwd", "device_ms": 0.1,
-              "check": "fail"}
+    failed = {
+        "key": "sinkhorn",
+        "tiles": repr(CANDIDATES["sinkhorn"][0]),
+        "direction": "fwd",
+        "device_ms": 0.1,
+        "check": "fail",
+    }
     path.write_text(json.dumps({"n": 4, "device": "test", "rows": [failed]}))
     assert main(["--adopt", str(path), "--out", str(out)]) == 1
     assert "nothing adopted (1 rows, 0 passed their check)" in capsys.readouterr().err
@@ -183,8 +237,11 @@ def test_tuning_cli_refuses_an_n_without_kernels(capsys):
     """`python -m tools.cutile.tiles --n 3` (no kernels) and --hidden 0 are usage errors."""
     from tools.cutile.tiles import main
 
-    for argv, msg in ((["--n", "3"], "--n 3: the cuTile kernels exist for n in (2, 4, 8)"),
-                      (["--n", "0"], "--n 0:"), (["--hidden", "0"], "--hidden 0: must be >= 1")):
+    for argv, msg in (
+        (["--n", "3"], "--n 3: the cuTile kernels exist for n in (2, 4, 8)"),
+        (["--n", "0"], "--n 0:"),
+        (["--hidden", "0"], "--hidden 0: must be >= 1"),
+    ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2 and msg in capsys.readouterr().err
@@ -215,8 +272,26 @@ def test_whole_sweep_loop_runs_on_the_interpreter(tmp_path, capsys):
     torch.manual_seed(0)
     out = tmp_path / "sweep.json"
     keys = ["h_aggregate_fwd", "h_post_bda_bwd_occupancy", "sinkhorn_occupancy"]
-    assert main(["--emulate", "--tokens", "32", "--hidden", "256", "--iterations", "3", "--iters", "1",
-                 "--keys", ",".join(keys), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--emulate",
+                "--tokens",
+                "32",
+                "--hidden",
+                "256",
+                "--iterations",
+                "3",
+                "--iters",
+                "1",
+                "--keys",
+                ",".join(keys),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert data["device"] == "CPU kernel interpreter"

@@ -21,16 +21,25 @@ MMA_FWD = _S(8, 256, mma=True)  # a sweep candidate of h_aggregate_fwd, not the 
 
 
 def _tuning(**kw) -> tuning.Tuning:
-    base = dict(device="NVIDIA H200", n=4, tiles={"h_aggregate_fwd": MMA_FWD, "sinkhorn": tiling.SinkhornTiles(128)},
-                occupancy={"h_post_bda_bwd_kernel": 4})
+    base = dict(
+        device="NVIDIA H200",
+        n=4,
+        tiles={"h_aggregate_fwd": MMA_FWD, "sinkhorn": tiling.SinkhornTiles(128)},
+        occupancy={"h_post_bda_bwd_kernel": 4},
+    )
     return tuning.Tuning(**{**base, **kw})
 
 
 def test_file_round_trip(tmp_path):
     """A saved tuning loads back equal, with every tile type and the occupancy hints."""
-    t = _tuning(tiles={"h_aggregate_fwd": MMA_FWD, "sinkhorn": tiling.SinkhornTiles(128, per_element=True),
-                       "mapping_bwd": tiling.MappingTiles(16, 64),
-                       "h_post_bda_bwd": _S(8, 64, per_stream=tiling.StreamLayout.TUPLE)})
+    t = _tuning(
+        tiles={
+            "h_aggregate_fwd": MMA_FWD,
+            "sinkhorn": tiling.SinkhornTiles(128, per_element=True),
+            "mapping_bwd": tiling.MappingTiles(16, 64),
+            "h_post_bda_bwd": _S(8, 64, per_stream=tiling.StreamLayout.TUPLE),
+        }
+    )
     path = tmp_path / "t.json"
     tuning.save(t, path)
     back = tuning.load(path)
@@ -40,30 +49,54 @@ def test_file_round_trip(tmp_path):
     assert raw["h_post_bda_bwd"]["StreamTiles"]["per_stream"] == 2  # a StreamLayout is written as its number
 
 
-@pytest.mark.parametrize(("content", "match"), [
-    (None, "cannot read it"),
-    ("{not json", "not JSON"),
-    ('{"schema": 2, "device": "x", "n": 4, "tiles": {}}', "schema 2"),
-    ('{"schema": 1, "device": "x", "tiles": {}}', "missing n"),
-    ('{"schema": 1, "device": "x", "n": 3, "tiles": {}}', "n=3"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": [], "occupancy": [1]}', "tiles, occupancy must be JSON objects"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": {"tile_t": 8, "tile_c": 96}}}}',
-     "powers of two"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"sinkhorn": {"StreamTiles": {"tile_t": 8, "tile_c": 64}}}}',
-     "expected a SinkhornTiles"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"no_key": {"StreamTiles": {"tile_t": 8, "tile_c": 64}}}}',
-     "unknown key 'no_key'"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": {"tile_t": 8, "tile_c": 64, '
-     '"tile_x": 1}}}}', "no field"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"Tiles": {}}}}', "expected {type: fields}"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": [8, 256]}}}',
-     "expected {type: fields}"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"h_aggregate_fwd_kernel": 64}}',
-     "must be an integer in 1-32"),
-    ('{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"bogus_kernel": 2}}',
-     r"occupancy names unknown kernels \['bogus_kernel'\]; valid: h_aggregate_bwd_h_kernel"),
-    ('{"schema": 1, "device": "x", "n": "4", "tiles": {}}', r"n='4' must be an integer"),
-])
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (None, "cannot read it"),
+        ("{not json", "not JSON"),
+        ('{"schema": 2, "device": "x", "n": 4, "tiles": {}}', "schema 2"),
+        ('{"schema": 1, "device": "x", "tiles": {}}', "missing n"),
+        ('{"schema": 1, "device": "x", "n": 3, "tiles": {}}', "n=3"),
+        (
+            '{"schema": 1, "device": "x", "n": 4, "tiles": [], "occupancy": [1]}',
+            "tiles, occupancy must be JSON objects",
+        ),
+        (
+            '{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": {"tile_t": 8, "tile_c": 96}}}}',
+            "powers of two",
+        ),
+        (
+            '{"schema": 1, "device": "x", "n": 4, "tiles": {"sinkhorn": {"StreamTiles": {"tile_t": 8, "tile_c": 64}}}}',
+            "expected a SinkhornTiles",
+        ),
+        (
+            '{"schema": 1, "device": "x", "n": 4, "tiles": {"no_key": {"StreamTiles": {"tile_t": 8, "tile_c": 64}}}}',
+            "unknown key 'no_key'",
+        ),
+        (
+            '{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": {"tile_t": 8, "tile_c": 64, '
+            '"tile_x": 1}}}}',
+            "no field",
+        ),
+        (
+            '{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"Tiles": {}}}}',
+            "expected {type: fields}",
+        ),
+        (
+            '{"schema": 1, "device": "x", "n": 4, "tiles": {"h_aggregate_fwd": {"StreamTiles": [8, 256]}}}',
+            "expected {type: fields}",
+        ),
+        (
+            '{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"h_aggregate_fwd_kernel": 64}}',
+            "must be an integer in 1-32",
+        ),
+        (
+            '{"schema": 1, "device": "x", "n": 4, "tiles": {}, "occupancy": {"bogus_kernel": 2}}',
+            r"occupancy names unknown kernels \['bogus_kernel'\]; valid: h_aggregate_bwd_h_kernel",
+        ),
+        ('{"schema": 1, "device": "x", "n": "4", "tiles": {}}', r"n='4' must be an integer"),
+    ],
+)
 def test_malformed_file_is_named(tmp_path, content, match):
     """A missing, non-JSON or invalid tuning file raises `ValueError` naming the file and the entry."""
     path = tmp_path / "bad.json"
@@ -82,12 +115,19 @@ def test_tuning_sits_between_overrides_and_heuristics():
     with tiling.tuned(_tuning()):
         assert tiling.aggregate_tiles(4, 4096, "fwd") == MMA_FWD
         assert tiling.aggregate_tiles(4, 256, "fwd") == MMA_FWD
-        assert tiling.aggregate_tiles(4, 64, "fwd") == _S(tile_t=32, tile_c=64, per_stream=tiling.StreamLayout.SLICES)  # TILE_C 256 > 64
+        assert tiling.aggregate_tiles(4, 64, "fwd") == _S(
+            tile_t=32, tile_c=64, per_stream=tiling.StreamLayout.SLICES
+        )  # TILE_C 256 > 64
         assert tiling.aggregate_tiles(2, 4096, "fwd") == default_n2  # another n: heuristic
         assert tiling.aggregate_tiles(4, 4096, "bwd") == tiling.StreamTiles(8, 256)  # not tuned: heuristic
         assert tiling.sinkhorn_tile(4) == tiling.SinkhornTiles(128) and tiling.sinkhorn_tile(8).tile_b == 16
-        assert tiling.occupancy("h_post_bda_bwd_kernel") == 4 and tiling.occupancy("h_aggregate_fwd_kernel") is None
-        with tiling.overridden(h_aggregate_fwd=_S(2, 512, per_stream=tiling.StreamLayout.SLICES), occupancy={}):
+        assert (
+            tiling.occupancy("h_post_bda_bwd_kernel") == 4
+            and tiling.occupancy("h_aggregate_fwd_kernel") is None
+        )
+        with tiling.overridden(
+            h_aggregate_fwd=_S(2, 512, per_stream=tiling.StreamLayout.SLICES), occupancy={}
+        ):
             assert tiling.aggregate_tiles(4, 4096, "fwd") == _S(2, 512, per_stream=tiling.StreamLayout.SLICES)
             assert tiling.occupancy("h_post_bda_bwd_kernel") is None
     assert tiling.aggregate_tiles(4, 4096, "fwd") == default and tiling.active_tuning() is None
@@ -121,14 +161,30 @@ def test_resolve_env_then_shipped_file(tmp_path, monkeypatch):
 
 
 def _row(key, cand, direction, ms, check="ok"):
-    return {"key": key, "tiles": repr(cand), "direction": direction, "single_ms": ms, "pipelined_ms": ms * 2,
-            "device_ms": ms, "gb_per_s": 1.0, "check": check, "max_rel_err": 1e-3 if check == "ok" else 0.9}
+    return {
+        "key": key,
+        "tiles": repr(cand),
+        "direction": direction,
+        "single_ms": ms,
+        "pipelined_ms": ms * 2,
+        "device_ms": ms,
+        "gb_per_s": 1.0,
+        "check": check,
+        "max_rel_err": 1e-3 if check == "ok" else 0.9,
+    }
 
 
 def _sweep_doc(rows):
     """A sweep `--out` document (bf16, `megatron_dev`, NVIDIA H200) holding `rows`."""
-    return {"tokens": 8192, "hidden": 4096, "n": 4, "dtype": "bf16", "variant": "megatron_dev", "device": "NVIDIA H200",
-            "rows": rows}
+    return {
+        "tokens": 8192,
+        "hidden": 4096,
+        "n": 4,
+        "dtype": "bf16",
+        "variant": "megatron_dev",
+        "device": "NVIDIA H200",
+        "rows": rows,
+    }
 
 
 def _stale_sinkhorn_rows():
@@ -144,13 +200,17 @@ def _sweep_rows():
     agg, pbwd, sk = CANDIDATES["h_aggregate_fwd"], CANDIDATES["h_post_bda_bwd"], CANDIDATES["sinkhorn"]
     occ = CANDIDATES["h_post_bda_bwd_occupancy"]
     return [
-        _row("h_aggregate_fwd", agg[0], "fwd", 0.20), _row("h_aggregate_fwd", agg[1], "fwd", 0.15),
+        _row("h_aggregate_fwd", agg[0], "fwd", 0.20),
+        _row("h_aggregate_fwd", agg[1], "fwd", 0.15),
         _row("h_aggregate_fwd", agg[2], "fwd", 0.05, check="fail"),  # fastest, but wrong
-        _row("h_post_bda_bwd", pbwd[0], "bwd", 1.00), _row("h_post_bda_bwd", pbwd[1], "bwd", 0.99),
+        _row("h_post_bda_bwd", pbwd[0], "bwd", 1.00),
+        _row("h_post_bda_bwd", pbwd[1], "bwd", 0.99),
         _row("h_post_bda_bwd_occupancy", occ[-1], "bwd", 0.50),
-        _row("sinkhorn", sk[0], "fwd", 0.040), _row("sinkhorn", sk[0], "bwd", 0.160),
+        _row("sinkhorn", sk[0], "fwd", 0.040),
+        _row("sinkhorn", sk[0], "bwd", 0.160),
         _row("sinkhorn", sk[1], "fwd", 0.010),  # no backward timed: not comparable
-        _row("sinkhorn", sk[2], "fwd", 0.050), _row("sinkhorn", sk[2], "bwd", 0.100),
+        _row("sinkhorn", sk[2], "fwd", 0.050),
+        _row("sinkhorn", sk[2], "bwd", 0.100),
         {"key": "mapping_bwd", "tiles": repr(CANDIDATES["mapping_bwd"][1]), "error": "TileCompilerError"},
         _row("mapping_fwd", CANDIDATES["mapping_fwd"][1], "fwd", 0.1),  # default not timed
     ]
@@ -162,10 +222,17 @@ def test_from_sweep_adopts_checked_winners():
     data = _sweep_doc(_sweep_rows())
     t, lines = adopt.from_sweep(data, CANDIDATES, min_gain=1.03, source="t.json")
     occ_winner = CANDIDATES["h_post_bda_bwd_occupancy"][-1]
-    assert t.tiles == {"h_aggregate_fwd": CANDIDATES["h_aggregate_fwd"][1],
-                       "h_post_bda_bwd": occ_winner["h_post_bda_bwd"], "sinkhorn": CANDIDATES["sinkhorn"][2]}
+    assert t.tiles == {
+        "h_aggregate_fwd": CANDIDATES["h_aggregate_fwd"][1],
+        "h_post_bda_bwd": occ_winner["h_post_bda_bwd"],
+        "sinkhorn": CANDIDATES["sinkhorn"][2],
+    }
     assert t.occupancy == occ_winner["occupancy"]
-    assert t.gains["sinkhorn"] == {"default_ms": 0.2, "ms": 0.15, "candidate": f"sinkhorn={CANDIDATES['sinkhorn'][2]!r}"}
+    assert t.gains["sinkhorn"] == {
+        "default_ms": 0.2,
+        "ms": 0.15,
+        "candidate": f"sinkhorn={CANDIDATES['sinkhorn'][2]!r}",
+    }
     assert t.measured == {"tokens": 8192, "hidden": 4096, "dtype": "bf16", "variant": "megatron_dev"}
     text = "\n".join(lines)
     assert "mapping_fwd: default not timed" in text and "mapping_bwd: default not timed" in text
@@ -181,8 +248,12 @@ def test_a_fused_pre_that_wins_the_sweep_is_adopted_and_launched(tmp_path):
     kernels; the default (the composition) launches the mapping's own."""
     composed, fused = CANDIDATES["pre"]
     assert (composed, fused) == (tiling.PreTiles(fused=False), tiling.PreTiles(fused=True))
-    rows = [_row("pre", composed, "fwd", 0.30), _row("pre", composed, "bwd", 0.60),
-            _row("pre", fused, "fwd", 0.20), _row("pre", fused, "bwd", 0.40)]
+    rows = [
+        _row("pre", composed, "fwd", 0.30),
+        _row("pre", composed, "bwd", 0.60),
+        _row("pre", fused, "fwd", 0.20),
+        _row("pre", fused, "bwd", 0.40),
+    ]
     t, lines = adopt.from_sweep(_sweep_doc(rows), CANDIDATES, source="t.json")
     assert t.tiles == {"pre": fused}, lines
     path = tmp_path / "t.json"
@@ -198,12 +269,14 @@ def test_a_fused_pre_that_wins_the_sweep_is_adopted_and_launched(tmp_path):
         def counted(grid, name, args):
             names.append(name)
             return launch(grid, name, args)
+
         rt.launch = counted  # this runtime object's launches, counted
         x = torch.randn(40, 4 * 256, requires_grad=True)
         w = (torch.randn(24, 4 * 256) * 0.05).requires_grad_(True)
         with tiling.tuned(tun):
-            outs = bound_ops(CuTileBackend(rt)).pre(x, w, *(torch.full((1,), 0.5) for _ in range(3)), torch.zeros(24), 4, 3,
-                                    "megatron_dev")
+            outs = bound_ops(CuTileBackend(rt)).pre(
+                x, w, *(torch.full((1,), 0.5) for _ in range(3)), torch.zeros(24), 4, 3, "megatron_dev"
+            )
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         return set(names)
 
@@ -233,7 +306,11 @@ def test_tuned_plan_lists_the_tuned_launches():
     """The signature plan of a tuning holds its tiles' launches (CI compiles them), none of the default plan's."""
     plan = signatures.tuned_plan([_tuning()])
     assert plan and all(p.id.startswith("tuned-nvidia_h200-") for p in plan)
-    assert {p.kernel_name for p in plan} == {"h_aggregate_fwd_kernel", "sinkhorn_fwd_kernel", "sinkhorn_bwd_kernel"}
+    assert {p.kernel_name for p in plan} == {
+        "h_aggregate_fwd_kernel",
+        "sinkhorn_fwd_kernel",
+        "sinkhorn_bwd_kernel",
+    }
     default = {(p.kernel_name, p.args) for p in signatures.signature_plan()}
     assert not default & {(p.kernel_name, p.args) for p in plan}
     assert signatures.tuned_plan([]) == ()
@@ -244,7 +321,11 @@ def emu():
     return bound_ops(CuTileBackend(EmulatedRuntime(num_sms=4)))
 
 
-CASES = [pytest.param(key, cand, id=f"{key}-{i}") for key, cands in CANDIDATES.items() for i, cand in enumerate(cands)]
+CASES = [
+    pytest.param(key, cand, id=f"{key}-{i}")
+    for key, cands in CANDIDATES.items()
+    for i, cand in enumerate(cands)
+]
 
 
 @pytest.mark.usefixtures("poisoned_empty")
@@ -296,7 +377,10 @@ def test_sinkhorn_has_its_own_bound_and_old_files_are_refused_by_it():
     with that error is not, and an older file's rows are refused by these bounds before winners are
     picked."""
     assert check_rtol("sinkhorn_occupancy", torch.bfloat16) == SINKHORN_RTOL < CHECK_RTOL[torch.float32]
-    assert grade("sinkhorn", torch.bfloat16, 7.6e-3) == "fail" and grade("mapping_bwd", torch.bfloat16, 7.6e-3) == "ok"
+    assert (
+        grade("sinkhorn", torch.bfloat16, 7.6e-3) == "fail"
+        and grade("mapping_bwd", torch.bfloat16, 7.6e-3) == "ok"
+    )
     sk = CANDIDATES["sinkhorn"]
     rows = _sweep_rows()
     wrong = _stale_sinkhorn_rows()
@@ -310,15 +394,19 @@ def test_sinkhorn_has_its_own_bound_and_old_files_are_refused_by_it():
     assert regrade(data) == [] and regrade({**data, "dtype": "fp8"}) == []
 
 
-@pytest.mark.parametrize(("row", "check"), [
-    ({"check": "fail", "max_rel_err": 1e-5}, "fail"),  # never promoted
-    ({"check": "ok", "max_rel_err": float("inf")}, "fail"),
-    ({"max_rel_err": 5e-3}, "fail"),  # rows before 11-30 had no check
-    ({"check": "ok", "max_rel_err": None}, "ok"),
-    ({"check": "ok", "max_rel_err": True}, "ok"),
-    ({"check": "ok", "max_rel_err": "7e-3"}, "ok"),
-    ({"check": "ok", "max_rel_err": 7e-3, "error": "TileCompilerError"}, "ok"),
-], ids=["fail-stays", "inf", "no-check", "none", "bool", "str", "error-row"])
+@pytest.mark.parametrize(
+    ("row", "check"),
+    [
+        ({"check": "fail", "max_rel_err": 1e-5}, "fail"),  # never promoted
+        ({"check": "ok", "max_rel_err": float("inf")}, "fail"),
+        ({"max_rel_err": 5e-3}, "fail"),  # rows before 11-30 had no check
+        ({"check": "ok", "max_rel_err": None}, "ok"),
+        ({"check": "ok", "max_rel_err": True}, "ok"),
+        ({"check": "ok", "max_rel_err": "7e-3"}, "ok"),
+        ({"check": "ok", "max_rel_err": 7e-3, "error": "TileCompilerError"}, "ok"),
+    ],
+    ids=["fail-stays", "inf", "no-check", "none", "bool", "str", "error-row"],
+)
 def test_regrade_only_refuses_rows_with_a_numeric_error_beyond_the_bound(row, check):
     """`regrade` turns "ok" into "fail" beyond the bound and nothing else; odd rows keep what they recorded."""
     r = {"key": "sinkhorn", "tiles": "t", "direction": "bwd", **row}
@@ -365,7 +453,9 @@ def test_precompiled_sweep_ignores_the_tuning():
     from tools.cutile import precompile
 
     def launches():
-        recs = precompile.sweep_launches(tokens=32, n=4, hidden=256, dtype=torch.bfloat16, variant="megatron_dev")
+        recs = precompile.sweep_launches(
+            tokens=32, n=4, hidden=256, dtype=torch.bfloat16, variant="megatron_dev"
+        )
         return [(r.id, r.kernel_name, r.args, r.occupancy) for r in recs]
 
     plain = launches()
@@ -393,12 +483,22 @@ def test_show_cli_lists_tiles_in_force(tmp_path, capsys):
 
 def test_sweep_check_refuses_a_non_finite_gain_gradient(emu):
     """A `[1]` gain's gradient is not compared (its sum can cancel to ~0), but a NaN there fails the check."""
+
     def nan_gain_grad(x, w, a_pre, a_post, a_res, bias, n, variant):
         return emu.mapping(x, w, a_pre.detach() + float("nan") * a_pre, a_post, a_res, bias, n, variant)
 
     torch.manual_seed(0)
-    errs = deviation(dataclasses.replace(emu, mapping=nan_gain_grad), "mapping_bwd", 40, 4, 512, torch.bfloat16, "megatron_dev",
-                     3, device="cpu")
+    errs = deviation(
+        dataclasses.replace(emu, mapping=nan_gain_grad),
+        "mapping_bwd",
+        40,
+        4,
+        512,
+        torch.bfloat16,
+        "megatron_dev",
+        3,
+        device="cpu",
+    )
     assert errs["bwd"] == float("inf"), errs
 
 
@@ -426,7 +526,8 @@ def test_gpu_runtime_puts_the_device_tuning_in_force(tmp_path, monkeypatch, capl
         assert tiling.active_tuning() == _tuning()
         assert tiling.aggregate_tiles(4, 4096, "fwd") == MMA_FWD
         assert [r.getMessage() for r in caplog.records] == [
-            f"cuTile tuning: {tuning.describe(tuning.load(shipped / 'nvidia_h200.json'))}"]
+            f"cuTile tuning: {tuning.describe(tuning.load(shipped / 'nvidia_h200.json'))}"
+        ]
     finally:
         cutile._default_runtime.cache_clear()
 
@@ -439,33 +540,88 @@ def test_recorded_h200_sweep_still_adopts_the_shipped_tuning(tmp_path):
 
     root = Path(__file__).resolve().parents[3]
     out = tmp_path / "tuning.json"
-    assert main(["--adopt", str(root / "docs/measurements/h200-2026-11-30/run1-sweep.json"), "--out", str(out)]) == 0
+    assert (
+        main(["--adopt", str(root / "docs/measurements/h200-2026-11-30/run1-sweep.json"), "--out", str(out)])
+        == 0
+    )
     got, shipped = tuning.load(out), tuning.load(root / "mhc_core/kernels/cutile/tuned/nvidia_h200.json")
     assert (got.tiles, got.occupancy) == (shipped.tiles, shipped.occupancy)
-    assert shipped.digest() == "987e463037a3"  # the file as shipped: a change to it is a change of the product
+    assert (
+        shipped.digest() == "987e463037a3"
+    )  # the file as shipped: a change to it is a change of the product
 
 
-@pytest.mark.parametrize(("key", "text", "want"), [
-    ("sinkhorn", "SinkhornTiles(tile_b=128, batch_last=False, recompute=True, per_element=True, approx_div=True)",
-     "SinkhornTiles(tile_b=128, per_element=True)"),
-    ("sinkhorn", "SinkhornTiles(tile_b=64, batch_last=False, recompute=False, per_element=False, approx_div=False)",
-     "SinkhornTiles(tile_b=64, per_element=False)"),
-    ("sinkhorn", "SinkhornTiles(tile_b=64, batch_last=True, recompute=False, per_element=False, approx_div=False)", None),
-    ("sinkhorn", "SinkhornTiles(tile_b=64, batch_last=False, recompute=False, per_element=True, approx_div=True)", None),
-    ("h_post_bda_bwd", "StreamTiles(tile_t=8, tile_c=128, per_stream=True, loop_c=False, mma=False)", None),
-    ("h_post_bda_bwd", "StreamTiles(tile_t=8, tile_c=64, per_stream=2, loop_c=False, mma=False, latency=9)", None),
-    ("h_post_bda_fwd", "StreamTiles(tile_t=4, tile_c=256, per_stream=2, loop_c=True, mma=False)",
-     "StreamTiles(tile_t=4, tile_c=256, per_stream=StreamLayout.TUPLE, loop_c=True, mma=False)"),
-    ("mapping_bwd", "MappingTiles(tile_m=16, tile_k=256, split_dx=False)", "MappingTiles(tile_m=16, tile_k=256)"),
-    ("mapping_bwd", "MappingTiles(tile_m=32, tile_k=128, split_dx=True)", None),
-    ("h_aggregate_fwd_occupancy",
-     "{'h_aggregate_fwd': StreamTiles(tile_t=8, tile_c=256, per_stream=0, loop_c=True, mma=True), "
-     "'occupancy': {'h_aggregate_fwd_kernel': 4}}",
-     "{'h_aggregate_fwd': StreamTiles(tile_t=8, tile_c=256, per_stream=StreamLayout.WHOLE, loop_c=True, mma=True), "
-     "'occupancy': {'h_aggregate_fwd_kernel': 4}}"),
-    ("mapping_bwd_occupancy", "{'occupancy': {'mapping_bwd_coef_kernel': 2, 'mapping_bwd_dx_kernel': 2}}", None),
-], ids=["sinkhorn-tuned", "sinkhorn-default", "batch-last", "per-element-stored", "bwd-slices", "latency",
-        "fwd-tuple", "mapping", "split-dx", "occupancy-dict", "retired-kernel-hint"])
+@pytest.mark.parametrize(
+    ("key", "text", "want"),
+    [
+        (
+            "sinkhorn",
+            "SinkhornTiles(tile_b=128, batch_last=False, recompute=True, per_element=True, approx_div=True)",
+            "SinkhornTiles(tile_b=128, per_element=True)",
+        ),
+        (
+            "sinkhorn",
+            "SinkhornTiles(tile_b=64, batch_last=False, recompute=False, per_element=False, approx_div=False)",
+            "SinkhornTiles(tile_b=64, per_element=False)",
+        ),
+        (
+            "sinkhorn",
+            "SinkhornTiles(tile_b=64, batch_last=True, recompute=False, per_element=False, approx_div=False)",
+            None,
+        ),
+        (
+            "sinkhorn",
+            "SinkhornTiles(tile_b=64, batch_last=False, recompute=False, per_element=True, approx_div=True)",
+            None,
+        ),
+        (
+            "h_post_bda_bwd",
+            "StreamTiles(tile_t=8, tile_c=128, per_stream=True, loop_c=False, mma=False)",
+            None,
+        ),
+        (
+            "h_post_bda_bwd",
+            "StreamTiles(tile_t=8, tile_c=64, per_stream=2, loop_c=False, mma=False, latency=9)",
+            None,
+        ),
+        (
+            "h_post_bda_fwd",
+            "StreamTiles(tile_t=4, tile_c=256, per_stream=2, loop_c=True, mma=False)",
+            "StreamTiles(tile_t=4, tile_c=256, per_stream=StreamLayout.TUPLE, loop_c=True, mma=False)",
+        ),
+        (
+            "mapping_bwd",
+            "MappingTiles(tile_m=16, tile_k=256, split_dx=False)",
+            "MappingTiles(tile_m=16, tile_k=256)",
+        ),
+        ("mapping_bwd", "MappingTiles(tile_m=32, tile_k=128, split_dx=True)", None),
+        (
+            "h_aggregate_fwd_occupancy",
+            "{'h_aggregate_fwd': StreamTiles(tile_t=8, tile_c=256, per_stream=0, loop_c=True, mma=True), "
+            "'occupancy': {'h_aggregate_fwd_kernel': 4}}",
+            "{'h_aggregate_fwd': StreamTiles(tile_t=8, tile_c=256, per_stream=StreamLayout.WHOLE, loop_c=True, mma=True), "
+            "'occupancy': {'h_aggregate_fwd_kernel': 4}}",
+        ),
+        (
+            "mapping_bwd_occupancy",
+            "{'occupancy': {'mapping_bwd_coef_kernel': 2, 'mapping_bwd_dx_kernel': 2}}",
+            None,
+        ),
+    ],
+    ids=[
+        "sinkhorn-tuned",
+        "sinkhorn-default",
+        "batch-last",
+        "per-element-stored",
+        "bwd-slices",
+        "latency",
+        "fwd-tuple",
+        "mapping",
+        "split-dx",
+        "occupancy-dict",
+        "retired-kernel-hint",
+    ],
+)
 def test_canonical_tiles_reads_rows_written_before_a_retirement(key, text, want):
     """A sweep row's tiles read in this version's repr: retired fields at the value the tiles imply are
     dropped, a `per_stream` number becomes its `StreamLayout`, a retired formulation (a retired field at
@@ -489,7 +645,9 @@ def test_retired_registry_declares_every_retired_field():
     assert len(names) == len(set(names))
     declared = {f for r in retired.RETIRED for f in r.fields}
     for type_name, fields in retired.RETIRED_FIELDS.items():
-        assert set(fields) <= declared, f"{type_name}: {set(fields) - declared} retired without a declared formulation"
+        assert set(fields) <= declared, (
+            f"{type_name}: {set(fields) - declared} retired without a declared formulation"
+        )
         have = {f.name for f in dataclasses.fields(getattr(tiling, type_name))}
         assert not set(fields) & have, f"{type_name} still has {set(fields) & have}"
     for r in retired.RETIRED:
@@ -511,8 +669,12 @@ def test_retired_formulations_are_in_their_commits():
     sources: dict[str, str] = {}
     for r in retired.RETIRED:
         if r.commit not in sources:
-            show = subprocess.run(["git", "-C", str(root), "show", f"{r.commit}:mhc_core/kernels/cutile/tiling.py"],
-                                  capture_output=True, text=True, check=False)
+            show = subprocess.run(
+                ["git", "-C", str(root), "show", f"{r.commit}:mhc_core/kernels/cutile/tiling.py"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if show.returncode != 0:
                 pytest.skip(f"git cannot show {r.commit} here (no history?): {show.stderr.strip()[:120]}")
             sources[r.commit] = show.stdout

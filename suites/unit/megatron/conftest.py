@@ -67,7 +67,9 @@ def fresh_loss_trackers() -> Iterator[None]:
     import sys
 
     def clear() -> None:
-        moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")  # megatron-core >= 0.16's home
+        moe_logging = sys.modules.get(
+            "megatron.core.transformer.moe.moe_logging"
+        )  # megatron-core >= 0.16's home
         if moe_logging is not None and hasattr(moe_logging, "get_moe_metrics_tracker"):
             moe_logging.get_moe_metrics_tracker().metrics.clear()
         moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")

@@ -141,17 +141,34 @@ def test_block_with_mhc_off_is_the_stock_block(make_config, x, mask):
     assert torch.equal(out, stock(hidden_states=x, attention_mask=mask))
 
 
-@pytest.mark.parametrize(("pre", "layers", "expanded", "what"), [
-    (False, 0, False, r"a chunk after the first, n = 3, C = 32, 0 layers\): its input must be \[s, b, n\*C\]"),
-    (False, 1, False, r"a chunk after the first, n = 3, C = 32, 1 layers\): its input must be \[s, b, n\*C\]"),
-    (True, 1, True, r"the pre_process chunk, n = 3, C = 32, 1 layers\): its input must be \[s, b, C\]"),
-], ids=["zero-layer-gets-C", "later-gets-C", "pre-gets-nC"])
+@pytest.mark.parametrize(
+    ("pre", "layers", "expanded", "what"),
+    [
+        (
+            False,
+            0,
+            False,
+            r"a chunk after the first, n = 3, C = 32, 0 layers\): its input must be \[s, b, n\*C\]",
+        ),
+        (
+            False,
+            1,
+            False,
+            r"a chunk after the first, n = 3, C = 32, 1 layers\): its input must be \[s, b, n\*C\]",
+        ),
+        (True, 1, True, r"the pre_process chunk, n = 3, C = 32, 1 layers\): its input must be \[s, b, C\]"),
+    ],
+    ids=["zero-layer-gets-C", "later-gets-C", "pre-gets-nC"],
+)
 def test_a_chunk_given_the_wrong_width_names_its_role(make_config, x, mask, pre, layers, expanded, what):
     """A chunk fed the other width ([s, b, C] vs [s, b, n*C]) raises naming its role, n, C and the shape,
     also with zero layers (which used to contract or pass the wrong width on)."""
     block = _block(make_config(n=N), layers, pre=pre, post=True, final_norm=False)
     given = expand(x, N) if expanded else x
-    with pytest.raises(ValueError, match=rf"HyperConnectionTransformerBlock \({what}.*got \[{', '.join(map(str, given.shape))}\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"HyperConnectionTransformerBlock \({what}.*got \[{', '.join(map(str, given.shape))}\]",
+    ):
         _run(block, given, mask)
 
 

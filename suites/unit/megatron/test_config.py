@@ -61,15 +61,25 @@ INVALID_VALUES = [
     pytest.param({"mhc_num_residual_streams": 0}, "mhc_num_residual_streams=0", id="streams-0"),
     pytest.param({"mhc_num_residual_streams": True}, "mhc_num_residual_streams=True", id="streams-bool"),
     pytest.param({"mhc_variant": "v3"}, "mhc_variant='v3'", id="variant-unknown"),
-    pytest.param({"mhc_init_gating_factor": float("inf")}, "mhc_init_gating_factor=inf: must be a finite number",
-                 id="gating-inf"),
+    pytest.param(
+        {"mhc_init_gating_factor": float("inf")},
+        "mhc_init_gating_factor=inf: must be a finite number",
+        id="gating-inf",
+    ),
     pytest.param({"use_fused_mhc": "False"}, "use_fused_mhc='False': must be True or False", id="fused-str"),
-    pytest.param({"mhc_learned_contraction": 1}, "mhc_learned_contraction=1: must be True or False",
-                 id="learned-int"),
-    pytest.param({"recompute_granularity": "selective", "recompute_modules": "mhc"},
-                 "recompute_modules='mhc': must be a list of module names", id="recompute-str"),
-    pytest.param({"recompute_granularity": "selective", "recompute_modules": ["MHC"]},
-                 "Invalid choices for recompute_modules: {'MHC'}", id="recompute-unknown"),
+    pytest.param(
+        {"mhc_learned_contraction": 1}, "mhc_learned_contraction=1: must be True or False", id="learned-int"
+    ),
+    pytest.param(
+        {"recompute_granularity": "selective", "recompute_modules": "mhc"},
+        "recompute_modules='mhc': must be a list of module names",
+        id="recompute-str",
+    ),
+    pytest.param(
+        {"recompute_granularity": "selective", "recompute_modules": ["MHC"]},
+        "Invalid choices for recompute_modules: {'MHC'}",
+        id="recompute-unknown",
+    ),
 ]
 
 
@@ -119,23 +129,41 @@ def test_learned_contraction_accepted_with_dev_variant(make_config):
     assert cfg.mhc_learned_contraction
 
 
-@pytest.mark.parametrize(("overrides", "name"), [
-    ({"mhc_variant": "megatron_dev"}, "megatron_dev"),
-    ({"mhc_variant": "megatron_dev", "mhc_norm_eps_inside_sqrt": True, "mhc_learned_contraction": True},
-     "megatron_dev+eps_inside_sqrt+learned_exit"),
-    ({"mhc_variant": "megatron_dev", "mhc_keep_mappings_in_fp32": False}, "megatron_dev+activation_mappings"),
-    ({"mhc_keep_mappings_in_fp32": True, "mhc_learned_contraction": True}, "megatron_main+fp32_mappings+learned_exit"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "name"),
+    [
+        ({"mhc_variant": "megatron_dev"}, "megatron_dev"),
+        (
+            {
+                "mhc_variant": "megatron_dev",
+                "mhc_norm_eps_inside_sqrt": True,
+                "mhc_learned_contraction": True,
+            },
+            "megatron_dev+eps_inside_sqrt+learned_exit",
+        ),
+        (
+            {"mhc_variant": "megatron_dev", "mhc_keep_mappings_in_fp32": False},
+            "megatron_dev+activation_mappings",
+        ),
+        (
+            {"mhc_keep_mappings_in_fp32": True, "mhc_learned_contraction": True},
+            "megatron_main+fp32_mappings+learned_exit",
+        ),
+    ],
+)
 def test_numerics_options_name_the_configuration(make_config, overrides, name):
     """The option fields (upstream PR #7521's names) make a named configuration of the variant."""
     assert make_config(n=2, **overrides).mhc_numerics.name == name
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"mhc_norm_eps_inside_sqrt": "yes"}, "mhc_norm_eps_inside_sqrt='yes': must be True or False"),
-    ({"mhc_keep_mappings_in_fp32": 1}, "mhc_keep_mappings_in_fp32=1: must be True or False"),
-    ({"mhc_variant": "megatron_dev+eps_inside_sqrt"}, "set its options with mhc_norm_eps_inside_sqrt"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"mhc_norm_eps_inside_sqrt": "yes"}, "mhc_norm_eps_inside_sqrt='yes': must be True or False"),
+        ({"mhc_keep_mappings_in_fp32": 1}, "mhc_keep_mappings_in_fp32=1: must be True or False"),
+        ({"mhc_variant": "megatron_dev+eps_inside_sqrt"}, "set its options with mhc_norm_eps_inside_sqrt"),
+    ],
+)
 def test_bad_numerics_options(make_config, overrides, message):
     """A non-bool option, or options folded into mhc_variant, is a ValueError naming the field."""
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -168,7 +196,8 @@ def test_numpy_integers_are_stored_as_ints(make_config):
     """NumPy integers for the mHC counts are accepted and stored as Python ints."""
     import numpy as np
 
-    cfg = make_config(enable_mhc_connections=True, mhc_num_residual_streams=np.int64(4),
-                      mhc_sinkhorn_iterations=np.int32(7))
+    cfg = make_config(
+        enable_mhc_connections=True, mhc_num_residual_streams=np.int64(4), mhc_sinkhorn_iterations=np.int32(7)
+    )
     assert (cfg.mhc_num_residual_streams, cfg.mhc_sinkhorn_iterations) == (4, 7)
     assert type(cfg.mhc_num_residual_streams) is int and type(cfg.mhc_sinkhorn_iterations) is int

@@ -310,7 +310,9 @@ class TestDdpBuffers:
         config = make_config(n=2)
         ddp_model = _ddp(config, build_gpt(config, seed=0))
         reference = build_gpt(config, seed=0)
-        loss = reference(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        loss = reference(
+            batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+        )
         loss.float().mean().backward()
         _forward_backward(config, ddp_model, batch)
         ref = dict(reference.named_parameters())
@@ -448,16 +450,23 @@ class TestDistCkpt:
             for p in saved.parameters():
                 p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
         before = restored.state_dict()
-        differ = [k for k, v in saved.state_dict().items() if isinstance(v, torch.Tensor) and not torch.equal(v, before[k])]
+        differ = [
+            k
+            for k, v in saved.state_dict().items()
+            if isinstance(v, torch.Tensor) and not torch.equal(v, before[k])
+        ]
         assert any("hyper_connection" in k and k.endswith("alpha_res") for k in differ), differ
         self._save(saved, tmp_path / "ckpt")
-        restored.load_state_dict(dist_checkpointing.load(restored.sharded_state_dict(), str(tmp_path / "ckpt")))
+        restored.load_state_dict(
+            dist_checkpointing.load(restored.sharded_state_dict(), str(tmp_path / "ckpt"))
+        )
         expected = saved.state_dict()
         for name, value in restored.state_dict().items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, expected[name]), name
-        assert len(differ) == sum(isinstance(v, torch.Tensor) and v.is_floating_point() for v in expected.values()), \
-            "every parameter was perturbed, so every one had to be restored by the load"
+        assert len(differ) == sum(
+            isinstance(v, torch.Tensor) and v.is_floating_point() for v in expected.values()
+        ), "every parameter was perturbed, so every one had to be restored by the load"
 
 
 class TestNvtx:
@@ -584,7 +593,9 @@ class TestInstall:
         assert result.returncode == 0, result.stderr[-2000:]
 
 
-MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, ffn_hidden_size=64, add_bias_linear=False)
+MOE = dict(
+    num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, ffn_hidden_size=64, add_bias_linear=False
+)
 
 
 class TestMoe:
@@ -622,7 +633,9 @@ class TestMoe:
 
         clear_aux_losses_tracker()
         model = build_gpt(make_config(**MOE, moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type=dispatcher))
-        out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        out = model(
+            batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+        )
         out.mean().backward()
         assert model.decoder.layers[0].mlp.router.weight.grad.abs().max() > 0
         tracked = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-pytest.importorskip("transformers.models.deepseek_v4", reason="transformers with DeepSeek-V4 (the peers extra) is "
-                    "not installed")
+pytest.importorskip(
+    "transformers.models.deepseek_v4",
+    reason="transformers with DeepSeek-V4 (the peers extra) is not installed",
+)
 
 from transformers import DeepseekV4Config  # noqa: E402
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
@@ -28,8 +30,9 @@ N = 4
 def model(make_config, build_gpt):
     """A 2-layer megatron_dev mHC GPT with the learned block exit, its mHC parameters moved off their init
     (alphas ~1, random bias) so that H_res is far from uniform."""
-    gpt = build_gpt(make_config(n=N, mhc_variant="megatron_dev", mhc_learned_contraction=True,
-                                layernorm_epsilon=1e-6))
+    gpt = build_gpt(
+        make_config(n=N, mhc_variant="megatron_dev", mhc_learned_contraction=True, layernorm_epsilon=1e-6)
+    )
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in gpt.named_parameters():
@@ -42,15 +45,22 @@ def model(make_config, build_gpt):
 
 def _hf(model):
     c = model.config
-    cfg = DeepseekV4Config(hidden_size=c.hidden_size, hc_mult=N, hc_sinkhorn_iters=c.mhc_sinkhorn_iterations,
-                           hc_eps=1e-6, rms_norm_eps=1e-6)
+    cfg = DeepseekV4Config(
+        hidden_size=c.hidden_size,
+        hc_mult=N,
+        hc_sinkhorn_iters=c.mhc_sinkhorn_iterations,
+        hc_eps=1e-6,
+        rms_norm_eps=1e-6,
+    )
     hf = to_deepseek_v4(model.state_dict(), variant=model.config.mhc_variant)
     layers = []
     for i in range(c.num_layers):
         mods = {}
         for sub in ("attn_hc", "ffn_hc"):
             m = DeepseekV4HyperConnection(cfg)
-            m.load_state_dict({k.rsplit(".", 1)[1]: v for k, v in hf.items() if k.startswith(f"model.layers.{i}.{sub}.")})
+            m.load_state_dict(
+                {k.rsplit(".", 1)[1]: v for k, v in hf.items() if k.startswith(f"model.layers.{i}.{sub}.")}
+            )
             mods[sub] = m
         layers.append(mods)
     head = DeepseekV4HyperHead(cfg)
@@ -62,13 +72,25 @@ def test_names_and_shapes(model):
     """Every mHC tensor maps to DeepSeek-V4's names with its shape; the alphas become one scale [3]."""
     hf, _, _ = _hf(model)
     c = model.config
-    assert set(hf) == {f"model.layers.{i}.{s}.{p}" for i in range(c.num_layers) for s in ("attn_hc", "ffn_hc")
-                       for p in ("fn", "base", "scale")} | {"model.hc_head.hc_fn", "model.hc_head.hc_base",
-                                                             "model.hc_head.hc_scale"}
+    assert set(hf) == {
+        f"model.layers.{i}.{s}.{p}"
+        for i in range(c.num_layers)
+        for s in ("attn_hc", "ffn_hc")
+        for p in ("fn", "base", "scale")
+    } | {"model.hc_head.hc_fn", "model.hc_head.hc_base", "model.hc_head.hc_scale"}
     sd = model.state_dict()
-    assert torch.equal(hf["model.layers.1.ffn_hc.fn"], sd["decoder.layers.1.mlp_hyper_connection.mapping_proj.weight"])
-    assert torch.equal(hf["model.layers.0.attn_hc.scale"], torch.cat(
-        [sd[f"decoder.layers.0.self_attention_hyper_connection.alpha_{a}"] for a in ("pre", "post", "res")]))
+    assert torch.equal(
+        hf["model.layers.1.ffn_hc.fn"], sd["decoder.layers.1.mlp_hyper_connection.mapping_proj.weight"]
+    )
+    assert torch.equal(
+        hf["model.layers.0.attn_hc.scale"],
+        torch.cat(
+            [
+                sd[f"decoder.layers.0.self_attention_hyper_connection.alpha_{a}"]
+                for a in ("pre", "post", "res")
+            ]
+        ),
+    )
 
 
 def test_round_trip_is_exact(model):
@@ -89,8 +111,10 @@ def test_both_sides_compute_the_same_mhc(model):
     y = torch.randn(s, b, c, generator=g)
     tol = tolerance(torch.float32, "fwd")
     for i, layer in enumerate(model.decoder.layers):
-        for ours, theirs in ((layer.self_attention_hyper_connection, layers[i]["attn_hc"]),
-                             (layer.mlp_hyper_connection, layers[i]["ffn_hc"])):
+        for ours, theirs in (
+            (layer.self_attention_hyper_connection, layers[i]["attn_hc"]),
+            (layer.mlp_hyper_connection, layers[i]["ffn_hc"]),
+        ):
             aggregated, h_res, h_post, residual = ours(x)
             streams = x.view(s, b, N, c).transpose(0, 1)  # [b, s, n, C]
             post, comb, collapsed = theirs(streams)
@@ -98,9 +122,15 @@ def test_both_sides_compute_the_same_mhc(model):
             assert_close(f"layer {i} h_res", h_res.transpose(0, 1), comb, tol)
             assert_close(f"layer {i} aggregate", aggregated.transpose(0, 1), collapsed, tol)
             mixed = ours.post_residual_bda(h_res, residual, h_post, (y, None), dropout_p=0.0)
-            hf_mixed = HfDeepseekV4Peer().mix(comb.reshape(b * s, N, N), streams.reshape(b * s, N, c),
-                                              post.reshape(b * s, N), y.transpose(0, 1).reshape(b * s, c))
-            assert_close(f"layer {i} mixed", mixed.view(s, b, N, c).transpose(0, 1).reshape(b * s, N, c), hf_mixed, tol)
+            hf_mixed = HfDeepseekV4Peer().mix(
+                comb.reshape(b * s, N, N),
+                streams.reshape(b * s, N, c),
+                post.reshape(b * s, N),
+                y.transpose(0, 1).reshape(b * s, c),
+            )
+            assert_close(
+                f"layer {i} mixed", mixed.view(s, b, N, c).transpose(0, 1).reshape(b * s, N, c), hf_mixed, tol
+            )
     exit_ours = model.decoder.contract_streams(x)
     assert_close("block exit", exit_ours.transpose(0, 1), head(x.view(s, b, N, c).transpose(0, 1)), tol)
 
@@ -109,7 +139,9 @@ def test_other_variants_and_bad_input_are_refused(model):
     """A megatron_main model is refused (another function under DeepSeek-V4's names), so are an empty
     state dict, a sublayer missing a parameter, and a scale of the wrong shape, each named."""
     sd = model.state_dict()
-    with pytest.raises(ValueError, match="variant='megatron_main': DeepSeek-V4 computes megatron_dev's convention"):
+    with pytest.raises(
+        ValueError, match="variant='megatron_main': DeepSeek-V4 computes megatron_dev's convention"
+    ):
         to_deepseek_v4(sd, variant="megatron_main")
     with pytest.raises(ValueError, match="no mHC parameters"):
         to_deepseek_v4({"decoder.final_layernorm.weight": torch.ones(2)}, variant="megatron_dev")
@@ -135,8 +167,10 @@ def test_checkpoint_names_are_what_transformers_loader_renames(model):
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     meta = {k.removeprefix("model."): v for k, v in hf.items()}
-    renamed = {rename_source_key(k, renamings, converters, base_model_prefix="model", meta_state_dict=meta)[0]: v
-               for k, v in ckpt.items()}
+    renamed = {
+        rename_source_key(k, renamings, converters, base_model_prefix="model", meta_state_dict=meta)[0]: v
+        for k, v in ckpt.items()
+    }
     assert set(renamed) == {k.removeprefix("model.") for k in hf}
     assert all(torch.equal(renamed[k.removeprefix("model.")], v) for k, v in hf.items())
     back = from_deepseek_v4(ckpt)
@@ -152,10 +186,15 @@ def _torchtitan_mhc_map(tree):
 
     source = (tree / "torchtitan/models/deepseek_v4/state_dict_adapter.py").read_text()
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
-                and any(isinstance(t, ast.Attribute) and t.attr == "from_hf_map" for t in node.targets)):
-            pairs = {ast.literal_eval(k): ast.literal_eval(v) for k, v in zip(node.value.keys, node.value.values,
-                                                                               strict=True)}
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Dict)
+            and any(isinstance(t, ast.Attribute) and t.attr == "from_hf_map" for t in node.targets)
+        ):
+            pairs = {
+                ast.literal_eval(k): ast.literal_eval(v)
+                for k, v in zip(node.value.keys, node.value.values, strict=True)
+            }
             return {k: v for k, v in pairs.items() if "hc_" in k}
     raise AssertionError("no from_hf_map dict in torchtitan's DeepSeek-V4 state_dict_adapter.py")
 
@@ -187,10 +226,16 @@ def test_torchtitans_adapter_beside_ours(model):
     streams = x.view(s, b, N, c.hidden_size).transpose(0, 1)  # [b, s, n, C]
     tol = tolerance(torch.float32, "fwd")
     for i, layer in enumerate(model.decoder.layers):
-        for ours, sub in ((layer.self_attention_hyper_connection, "hc_attn_pre"),
-                          (layer.mlp_hyper_connection, "hc_ffn_pre")):
-            pre = mhc.HcPre.Config(hc_mult=N, dim=c.hidden_size, sinkhorn_iters=c.mhc_sinkhorn_iterations).build()
-            pre.load_state_dict({k.rsplit(".", 1)[1]: v for k, v in titan.items() if k.startswith(f"layers.{i}.{sub}.")})
+        for ours, sub in (
+            (layer.self_attention_hyper_connection, "hc_attn_pre"),
+            (layer.mlp_hyper_connection, "hc_ffn_pre"),
+        ):
+            pre = mhc.HcPre.Config(
+                hc_mult=N, dim=c.hidden_size, sinkhorn_iters=c.mhc_sinkhorn_iterations
+            ).build()
+            pre.load_state_dict(
+                {k.rsplit(".", 1)[1]: v for k, v in titan.items() if k.startswith(f"layers.{i}.{sub}.")}
+            )
             aggregated, h_res, h_post, _ = ours(x)
             y, post, comb = pre(streams)
             assert_close(f"layer {i} {sub} h_post", h_post.transpose(0, 1), post, tol)
@@ -211,9 +256,18 @@ def hybrid(make_config):
     from mhc_core.megatron.gpt import MHCGPTModel
     from mhc_core.megatron.hybrid import hybrid_block_spec
 
-    config = make_config(n=N, num_layers=4, mhc_variant="megatron_dev", mhc_learned_contraction=True,
-                         layernorm_epsilon=1e-6, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
-                         ffn_hidden_size=64, add_bias_linear=False)
+    config = make_config(
+        n=N,
+        num_layers=4,
+        mhc_variant="megatron_dev",
+        mhc_learned_contraction=True,
+        layernorm_epsilon=1e-6,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        ffn_hidden_size=64,
+        add_bias_linear=False,
+    )
     torch.manual_seed(0)
     model = MHCGPTModel(config, hybrid_block_spec(config, "*E*E"), vocab_size=64, max_sequence_length=16)
     g = torch.Generator().manual_seed(5)
@@ -229,10 +283,15 @@ def test_a_hybrid_stacks_keys_map_per_logical_layer_both_ways(hybrid):
     bit, in both namings), the head is `hc_head`; back with `form="hybrid"` gives the hybrid keys and tensors."""
     sd = hybrid.state_dict()
     hf = to_deepseek_v4(sd, variant="megatron_dev")
-    assert set(hf) == {f"model.layers.{i}.{s}.{p}" for i in range(2) for s in ("attn_hc", "ffn_hc")
-                       for p in ("fn", "base", "scale")} | {"model.hc_head.hc_fn", "model.hc_head.hc_base",
-                                                            "model.hc_head.hc_scale"}
-    assert torch.equal(hf["model.layers.1.ffn_hc.fn"], sd["decoder.layers.3.hyper_connection.mapping_proj.weight"])
+    assert set(hf) == {
+        f"model.layers.{i}.{s}.{p}"
+        for i in range(2)
+        for s in ("attn_hc", "ffn_hc")
+        for p in ("fn", "base", "scale")
+    } | {"model.hc_head.hc_fn", "model.hc_head.hc_base", "model.hc_head.hc_scale"}
+    assert torch.equal(
+        hf["model.layers.1.ffn_hc.fn"], sd["decoder.layers.3.hyper_connection.mapping_proj.weight"]
+    )
     assert torch.equal(hf["model.layers.1.attn_hc.base"], sd["decoder.layers.2.hyper_connection.bias"])
     for names in ("transformers", "checkpoint"):
         back = from_deepseek_v4(to_deepseek_v4(sd, variant="megatron_dev", names=names), form="hybrid")

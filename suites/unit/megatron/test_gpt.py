@@ -127,7 +127,9 @@ def test_sharded_state_dict_holds_every_parameter(make_config, build_gpt, exit_)
     sharded = set(model.sharded_state_dict())
     params = {name for name, _ in model.named_parameters()}
     assert params <= sharded, sorted(params - sharded)
-    assert {k for k in sharded if "hyper_connection" in k} == {k for k in model.state_dict() if "hyper_connection" in k}
+    assert {k for k in sharded if "hyper_connection" in k} == {
+        k for k in model.state_dict() if "hyper_connection" in k
+    }
     assert ("decoder.hc_head_fn" in sharded) == (exit_ == "learned")
 
 
@@ -221,11 +223,18 @@ def test_forward_backward_schedule_runs(make_config, build_gpt, batch):
     assert all(p.grad is not None for n, p in model.named_parameters() if "hyper_connection" in n)
 
 
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"vocab_size": 0}, r"vocab_size=0 must be an integer >= 1"),
-    ({"max_sequence_length": "64"}, r"max_sequence_length='64' must be an integer >= 1"),
-    ({"vp_stage": 5}, r"vp_stage=5 must be None or an integer in \[0, virtual_pipeline_model_parallel_size=1\)"),
-], ids=["vocab-0", "seq-str", "vp-stage-without-vpp"])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"vocab_size": 0}, r"vocab_size=0 must be an integer >= 1"),
+        ({"max_sequence_length": "64"}, r"max_sequence_length='64' must be an integer >= 1"),
+        (
+            {"vp_stage": 5},
+            r"vp_stage=5 must be None or an integer in \[0, virtual_pipeline_model_parallel_size=1\)",
+        ),
+    ],
+    ids=["vocab-0", "seq-str", "vp-stage-without-vpp"],
+)
 def test_build_gpt_model_names_a_bad_size(make_config, kw, match):
     """A vocab_size or max_sequence_length that is not an integer >= 1, or a vp_stage the config has no
     virtual stage for, is refused by name before megatron sees it."""

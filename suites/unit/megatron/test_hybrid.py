@@ -22,8 +22,14 @@ from suites.unit.megatron.conftest import SEQ, VOCAB  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 N = 4
-MOE: dict[str, Any] = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, ffn_hidden_size=64,
-                           add_bias_linear=False, moe_aux_loss_coeff=1e-2)
+MOE: dict[str, Any] = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    ffn_hidden_size=64,
+    add_bias_linear=False,
+    moe_aux_loss_coeff=1e-2,
+)
 
 
 DENSE: dict[str, Any] = dict(ffn_hidden_size=64, add_bias_linear=False)
@@ -39,19 +45,29 @@ def _model(make_config, pattern: str = "*-*E", seed: int = 0, **overrides: Any) 
     mtp = {"mtp_num_layers": depths, "mtp_loss_scaling_factor": 0.1} if depths else {}
     config = make_config(n=N, num_layers=len(main.replace("|", "")), **{**base, **mtp, **overrides})
     torch.manual_seed(seed)
-    extra = {"mtp_block_spec": hybrid_mtp_block_spec(config, pattern), "position_embedding_type": "rope"} if depths else {}
-    return MHCGPTModel(config, hybrid_block_spec(config, pattern), vocab_size=VOCAB, max_sequence_length=2 * SEQ,
-                       **extra)
+    extra = (
+        {"mtp_block_spec": hybrid_mtp_block_spec(config, pattern), "position_embedding_type": "rope"}
+        if depths
+        else {}
+    )
+    return MHCGPTModel(
+        config, hybrid_block_spec(config, pattern), vocab_size=VOCAB, max_sequence_length=2 * SEQ, **extra
+    )
 
 
 def _bad_gradients(model: Any) -> dict[str, float | None]:
     """The parameters whose gradient is missing, non-finite or zero: `{name: max |grad| or None}`."""
-    return {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
-            if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
+    return {
+        n: None if p.grad is None else float(p.grad.abs().max())
+        for n, p in model.named_parameters()
+        if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0
+    }
 
 
 def _loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]).mean()
+    return model(
+        batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    ).mean()
 
 
 def test_pattern_parsing_and_layout():
@@ -61,12 +77,20 @@ def test_pattern_parsing_and_layout():
     assert parse_pattern("*-|*E/*E/*E") == ["*-", "*E"] and hybrid_layout("*-|*E/*E/*E") == "Ett|ttmmL"
 
 
-@pytest.mark.parametrize(("pattern", "error", "match"), [
-    ("*M-", NotImplementedError, r"'M' at position 1: Mamba needs mamba_ssm"),
-    ("W-", NotImplementedError, r"'W' at position 0: DeepSeek-V4's windowed attention needs Transformer Engine"),
-    ("*x", ValueError, r"unknown symbol 'x' at position 1"),
-    ("*-||E", ValueError, r"stage 1 holds no layer"),
-], ids=["mamba", "dsv4-attention", "unknown", "empty-stage"])
+@pytest.mark.parametrize(
+    ("pattern", "error", "match"),
+    [
+        ("*M-", NotImplementedError, r"'M' at position 1: Mamba needs mamba_ssm"),
+        (
+            "W-",
+            NotImplementedError,
+            r"'W' at position 0: DeepSeek-V4's windowed attention needs Transformer Engine",
+        ),
+        ("*x", ValueError, r"unknown symbol 'x' at position 1"),
+        ("*-||E", ValueError, r"stage 1 holds no layer"),
+    ],
+    ids=["mamba", "dsv4-attention", "unknown", "empty-stage"],
+)
 def test_a_pattern_that_cannot_run_here_is_refused_with_why(pattern, error, match):
     with pytest.raises(error, match=match):
         parse_pattern(pattern)
@@ -77,7 +101,10 @@ def test_every_parameter_of_a_hybrid_mhc_model_gets_a_gradient(make_config, batc
     """`*-*E` (attention, MLP, attention, MoE) trains: finite loss, every parameter a finite non-zero gradient."""
     name, _, option = variant.partition("+")
     model = _model(make_config, mhc_variant=name, mhc_learned_contraction=option == "learned_exit")
-    assert all(isinstance(layer, HyperConnectionHybridLayer) and layer.single_branch for layer in model.decoder.layers)
+    assert all(
+        isinstance(layer, HyperConnectionHybridLayer) and layer.single_branch
+        for layer in model.decoder.layers
+    )
     loss = _loss(model, batch)
     loss.backward()
     bad = _bad_gradients(model)
@@ -102,11 +129,19 @@ def test_mtp_depths_of_the_pattern_train_on_the_streams(make_config, batch):
     assert torch.isfinite(loss) and not bad, bad
     keys = set(model.state_dict())
     assert {"mtp.layers.0.e_proj.weight", "mtp.layers.0.h_proj.weight", "mtp.layers.0.hc_head_fn"} <= keys
-    assert any(".layers.1.inner_layer.mlp.router.weight" in k and k.startswith("mtp.") for k in keys), sorted(keys)
+    assert any(".layers.1.inner_layer.mlp.router.weight" in k and k.startswith("mtp.") for k in keys), sorted(
+        keys
+    )
 
 
-@pytest.mark.parametrize(("pattern", "match"), [("*E/*E/-", "every MTP depth has the same layers"),
-                                                ("*E/", "holds no layer"), ("*E/*|E", "holds no stage boundary")])
+@pytest.mark.parametrize(
+    ("pattern", "match"),
+    [
+        ("*E/*E/-", "every MTP depth has the same layers"),
+        ("*E/", "holds no layer"),
+        ("*E/*|E", "holds no stage boundary"),
+    ],
+)
 def test_bad_mtp_depths_are_named(pattern, match):
     """Depths that differ, an empty depth or a stage boundary inside one are refused, naming the pattern."""
     with pytest.raises(ValueError, match=match):
@@ -130,8 +165,13 @@ def test_the_sharded_state_dict_keys_every_parameter_per_layer(make_config):
     params = {name for name, _ in model.named_parameters()}
     assert params <= set(sharded), sorted(params - set(sharded))
     assert "decoder.layers.3.inner_layer.mlp.router.weight" in sharded and "decoder.hc_head_fn" in sharded
-    stacked = [f"{name} -> {t.key}" for name, t in sharded.items() if name.startswith("decoder.layers.")
-               and hasattr(t, "key") and not t.key.startswith("decoder.layers." + name.split(".")[2] + ".")]
+    stacked = [
+        f"{name} -> {t.key}"
+        for name, t in sharded.items()
+        if name.startswith("decoder.layers.")
+        and hasattr(t, "key")
+        and not t.key.startswith("decoder.layers." + name.split(".")[2] + ".")
+    ]
     assert not stacked, stacked[:5]
 
 
@@ -142,6 +182,7 @@ def test_a_single_branch_layer_feeds_its_raw_branch_output(make_config, batch, i
     model = _model(make_config).eval()
     layer = model.decoder.layers[index]
     seen: dict[str, Any] = {}
+
     def keep_input(module, args, kwargs):
         seen.setdefault("x", kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
 
@@ -155,9 +196,14 @@ def test_a_single_branch_layer_feeds_its_raw_branch_output(make_config, batch, i
         hc, inner = layer.hyper_connection, layer.inner_layer
         aggregated, h_res, h_post, residual = hc(seen["x"])
         if index == 0:
-            rope = model.rotary_pos_emb(batch["input_ids"].shape[1]) if hasattr(model, "rotary_pos_emb") else None
-            y = inner.self_attention(inner.input_layernorm(aggregated), attention_mask=batch["attention_mask"],
-                                     rotary_pos_emb=rope)
+            rope = (
+                model.rotary_pos_emb(batch["input_ids"].shape[1])
+                if hasattr(model, "rotary_pos_emb")
+                else None
+            )
+            y = inner.self_attention(
+                inner.input_layernorm(aggregated), attention_mask=batch["attention_mask"], rotary_pos_emb=rope
+            )
         else:
             y = inner.mlp(inner.pre_mlp_layernorm(aggregated))
         want = hc.post_residual_bda(h_res, residual, h_post, (y[0], y[1]), inner.hidden_dropout, False)
@@ -169,7 +215,9 @@ def _loss_and_grads(model: Any, batch: dict[str, torch.Tensor], seed: int = 11) 
     model.zero_grad(set_to_none=True)
     loss = _loss(model, batch)
     loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("per_group", [None, 1], ids=["chunk", "per-layer"])
@@ -178,8 +226,14 @@ def test_mhc_recompute_equals_the_plain_run(make_config, batch, per_group, dropo
     """With "mhc" recompute the hybrid stack's loss and every gradient equal the run without it, bitwise (dropout
     masks replayed), and the n-stream states inside a group are not kept after forward (only its anchor)."""
     plain = _model(make_config, seed=1, hidden_dropout=dropout).train()
-    recomputed = _model(make_config, seed=1, hidden_dropout=dropout, recompute_granularity="selective",
-                        recompute_modules=["mhc"], mhc_recompute_layer_num=per_group).train()
+    recomputed = _model(
+        make_config,
+        seed=1,
+        hidden_dropout=dropout,
+        recompute_granularity="selective",
+        recompute_modules=["mhc"],
+        mhc_recompute_layer_num=per_group,
+    ).train()
     recomputed.load_state_dict(plain.state_dict())
     want_loss, want = _loss_and_grads(plain, batch)
     recompute_states.clear()  # the plain run makes none; start from the recomputed run's forward
@@ -221,5 +275,9 @@ def test_a_hybrid_of_attention_and_mlp_layers_is_the_gpt(make_config, build_gpt,
         loss.backward()
     assert torch.equal(losses[0], losses[1]), [float(x) for x in losses]
     grads = {gpt_key(n): p.grad for n, p in hybrid.named_parameters()}
-    diff = {n: float((p.grad - grads[n]).abs().max()) for n, p in gpt.named_parameters() if not torch.equal(p.grad, grads[n])}
+    diff = {
+        n: float((p.grad - grads[n]).abs().max())
+        for n, p in gpt.named_parameters()
+        if not torch.equal(p.grad, grads[n])
+    }
     assert not diff, diff

@@ -208,13 +208,19 @@ def test_cuda_graph_scope_covers_the_hyper_connections(make_config, scope, expec
     assert _captured_hyper_connections(layer) == expected
 
 
-@pytest.mark.skipif("cuda_graph_modules" not in {f.name for f in dataclasses.fields(TransformerConfig)},
-                    reason="megatron-core < 0.19 has no cuda_graph_modules")
-@pytest.mark.parametrize(("modules", "expected"), [(["attn"], ["self_attention_hyper_connection"]),
-                                                   (["mlp"], ["mlp_hyper_connection"]),
-                                                   (["attn", "mlp"], ["self_attention_hyper_connection",
-                                                                      "mlp_hyper_connection"])],
-                         ids=["attn", "mlp", "attn-mlp"])
+@pytest.mark.skipif(
+    "cuda_graph_modules" not in {f.name for f in dataclasses.fields(TransformerConfig)},
+    reason="megatron-core < 0.19 has no cuda_graph_modules",
+)
+@pytest.mark.parametrize(
+    ("modules", "expected"),
+    [
+        (["attn"], ["self_attention_hyper_connection"]),
+        (["mlp"], ["mlp_hyper_connection"]),
+        (["attn", "mlp"], ["self_attention_hyper_connection", "mlp_hyper_connection"]),
+    ],
+    ids=["attn", "mlp", "attn-mlp"],
+)
 def test_cuda_graph_modules_cover_the_hyper_connections(make_config, modules, expected):
     """megatron-core 0.19's `cuda_graph_modules`: the hyper connection of each captured sublayer."""
     layer = _layer(make_config(n=N, cuda_graph_modules=modules))
@@ -223,8 +229,11 @@ def test_cuda_graph_modules_cover_the_hyper_connections(make_config, modules, ex
 
 def _captured_hyper_connections(layer) -> list[str]:
     submodules = layer._get_submodules_under_cudagraphs()
-    return [name for name in ("self_attention_hyper_connection", "mlp_hyper_connection")
-            if any(m is getattr(layer, name) for m in submodules)]
+    return [
+        name
+        for name in ("self_attention_hyper_connection", "mlp_hyper_connection")
+        if any(m is getattr(layer, name) for m in submodules)
+    ]
 
 
 def test_mhc_layer_is_a_transformer_layer():

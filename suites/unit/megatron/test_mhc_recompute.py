@@ -19,7 +19,11 @@ N = 2
 def _config(make_config, *, layers=4, recompute=True, per_group=None, modules=("mhc",), **extra):
     kw = dict(num_layers=layers, **extra)
     if recompute:
-        kw.update(recompute_granularity="selective", recompute_modules=list(modules), mhc_recompute_layer_num=per_group)
+        kw.update(
+            recompute_granularity="selective",
+            recompute_modules=list(modules),
+            mhc_recompute_layer_num=per_group,
+        )
     return make_config(n=N, **kw)
 
 
@@ -29,7 +33,9 @@ def _loss_and_grads(model, batch, seed=11):
     out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     loss = out.float().mean()
     loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("per_group", [None, 1, 3], ids=["chunk", "per-layer", "groups-of-3"])
@@ -43,7 +49,9 @@ def test_loss_and_gradients_equal_the_plain_run(make_config, build_gpt, batch, p
     assert torch.equal(l1, l2), (l1.item(), l2.item())
     assert g1.keys() == g2.keys() and any("hyper_connection" in n for n in g1)
     for name in g1:
-        assert torch.equal(g1[name], g2[name]), f"{name}: max abs diff {(g1[name] - g2[name]).abs().max().item():.3e}"
+        assert torch.equal(g1[name], g2[name]), (
+            f"{name}: max abs diff {(g1[name] - g2[name]).abs().max().item():.3e}"
+        )
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
@@ -62,7 +70,7 @@ def test_fused_ops_rebuild_bitwise(make_config, build_gpt, batch, monkeypatch, d
 
 
 def test_combines_with_layernorm_and_core_attention_recompute(make_config, build_gpt, batch):
-    """"mhc" with "layernorm" and "core_attn" selective recompute: loss and gradients still equal the plain run."""
+    """ "mhc" with "layernorm" and "core_attn" selective recompute: loss and gradients still equal the plain run."""
     plain = build_gpt(_config(make_config, recompute=False), seed=1)
     both = build_gpt(_config(make_config, per_group=2, modules=("mhc", "layernorm", "core_attn")), seed=1)
     both.load_state_dict(plain.state_dict())
@@ -87,9 +95,15 @@ def test_failed_forward_leaves_no_open_group(make_config, build_gpt, batch, monk
     assert torch.isfinite(loss) and grads
 
 
-@pytest.mark.parametrize(("per_group", "kept"), [(None, [False] * 7), (1, [False, True] * 3 + [False]),
-                                                 (2, [False, False, False, True, False, False, False])],
-                         ids=["chunk", "per-layer", "groups-of-2"])
+@pytest.mark.parametrize(
+    ("per_group", "kept"),
+    [
+        (None, [False] * 7),
+        (1, [False, True] * 3 + [False]),
+        (2, [False, False, False, True, False, False, False]),
+    ],
+    ids=["chunk", "per-layer", "groups-of-2"],
+)
 def test_states_inside_groups_are_not_kept(make_config, build_gpt, batch, recompute_states, per_group, kept):
     """After forward only each group's anchor survives among the 7 inner states of a 4-layer block (8 mixes)."""
     made = recompute_states
@@ -106,6 +120,7 @@ def test_eval_forward_takes_no_group(make_config, build_gpt, batch, monkeypatch)
 
     def init(*a, **k):
         calls.append(a)
+
     monkeypatch.setattr(StreamRecompute, "__init__", init)
     model = build_gpt(_config(make_config), seed=1).eval()
     with torch.no_grad():
@@ -114,19 +129,30 @@ def test_eval_forward_takes_no_group(make_config, build_gpt, batch, monkeypatch)
 
 
 def test_config_keeps_mhc_in_recompute_modules(make_config):
-    """"mhc" survives megatron-core's own recompute_modules validation, which does not list it."""
+    """ "mhc" survives megatron-core's own recompute_modules validation, which does not list it."""
     config = _config(make_config, per_group=2)
-    assert config.recompute_modules == ["mhc"] and config.mhc_recompute and config.mhc_recompute_layer_num == 2
+    assert (
+        config.recompute_modules == ["mhc"] and config.mhc_recompute and config.mhc_recompute_layer_num == 2
+    )
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         ({"recompute_modules": ["mhc"]}, "'mhc' needs recompute_granularity='selective', got None"),
-        ({"recompute_granularity": "selective", "recompute_modules": ["mhc", "mlp"]}, "cannot be combined with 'mlp'"),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ["mhc", "mlp"]},
+            "cannot be combined with 'mlp'",
+        ),
         ({"mhc_recompute_layer_num": 2}, "needs 'mhc' in recompute_modules"),
-        ({"recompute_granularity": "selective", "recompute_modules": ["mhc"], "mhc_recompute_layer_num": 0},
-         "mhc_recompute_layer_num=0: must be None or an integer >= 1"),
+        (
+            {
+                "recompute_granularity": "selective",
+                "recompute_modules": ["mhc"],
+                "mhc_recompute_layer_num": 0,
+            },
+            "mhc_recompute_layer_num=0: must be None or an integer >= 1",
+        ),
     ],
     ids=["no-selective", "with-mlp", "layer-num-without-mhc", "layer-num-zero"],
 )
@@ -137,6 +163,6 @@ def test_bad_recompute_settings_raise(make_config, overrides, message):
 
 
 def test_mhc_recompute_needs_mhc(make_config):
-    """"mhc" in recompute_modules without enable_mhc_connections is a ValueError."""
+    """ "mhc" in recompute_modules without enable_mhc_connections is a ValueError."""
     with pytest.raises(ValueError, match="'mhc' requires enable_mhc_connections=True"):
         make_config(recompute_granularity="selective", recompute_modules=["mhc"])

@@ -15,29 +15,44 @@ from mhc_core.megatron import HyperConnectionTransformerLayer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 N = 4
-MOE: dict[str, Any] = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, ffn_hidden_size=64,
-                           add_bias_linear=False, moe_aux_loss_coeff=1e-2)
+MOE: dict[str, Any] = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    ffn_hidden_size=64,
+    add_bias_linear=False,
+    moe_aux_loss_coeff=1e-2,
+)
 """4 local experts, top-2 (upstream's MoE recipes run without linear biases)."""
 
 
 def _loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]).mean()
+    return model(
+        batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    ).mean()
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 @pytest.mark.parametrize("variant", ["megatron_main", "megatron_dev", "paper"])
-def test_every_parameter_of_an_mhc_moe_gpt_gets_a_gradient(make_config, build_gpt, batch, variant, dispatcher):
+def test_every_parameter_of_an_mhc_moe_gpt_gets_a_gradient(
+    make_config, build_gpt, batch, variant, dispatcher
+):
     """An mHC GPT whose every MLP is an MoE trains: finite loss, and every parameter (the router, each expert, the
     two hyper connections of each layer) a finite, non-zero gradient."""
     config = make_config(n=N, mhc_variant=variant, moe_token_dispatcher_type=dispatcher, **MOE)
     model = build_gpt(config)
-    assert all(isinstance(layer, HyperConnectionTransformerLayer) and layer.is_moe_layer
-               for layer in model.decoder.layers)
+    assert all(
+        isinstance(layer, HyperConnectionTransformerLayer) and layer.is_moe_layer
+        for layer in model.decoder.layers
+    )
     loss = _loss(model, batch)
     loss.backward()
     assert torch.isfinite(loss)
-    bad = {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
-           if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
+    bad = {
+        n: None if p.grad is None else float(p.grad.abs().max())
+        for n, p in model.named_parameters()
+        if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0
+    }
     assert not bad, f"parameters without a finite, non-zero gradient: {bad}"
 
 
@@ -47,6 +62,7 @@ def test_the_router_and_experts_see_the_aggregated_stream(make_config, build_gpt
     model = build_gpt(make_config(n=N, **MOE)).eval()
     layer = model.decoder.layers[0]
     seen: dict[str, Any] = {}
+
     # The model's own forward's values (the first call each hook sees; the checks below call the modules again).
     def first_moe_input(module, args, out):
         seen.setdefault("moe_in", args[0])
@@ -75,7 +91,9 @@ def test_the_router_and_experts_see_the_aggregated_stream(make_config, build_gpt
 def test_the_two_dispatchers_give_the_same_model(make_config, build_gpt, batch):
     """allgather and alltoall route the same tokens to the same experts: one model's weights in the other give
     the same loss and gradients within fp32 rounding (eval-free: dropout is 0)."""
-    models = [build_gpt(make_config(n=N, moe_token_dispatcher_type=d, **MOE)) for d in ("allgather", "alltoall")]
+    models = [
+        build_gpt(make_config(n=N, moe_token_dispatcher_type=d, **MOE)) for d in ("allgather", "alltoall")
+    ]
     models[1].load_state_dict(models[0].state_dict())
     grads = []
     losses = []
@@ -85,8 +103,10 @@ def test_the_two_dispatchers_give_the_same_model(make_config, build_gpt, batch):
         losses.append(loss.detach())
         grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
-    worst = {name: float((grads[1][name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
-             for name, g in grads[0].items()}
+    worst = {
+        name: float((grads[1][name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        for name, g in grads[0].items()
+    }
     assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
 
 
@@ -107,15 +127,20 @@ def test_the_router_aux_loss_reaches_the_router_through_mhc(make_config, build_g
         if coeff:
             tracked = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
             assert tracked.shape == (2,) and bool((tracked > 0).all()), tracked
-    assert not torch.allclose(router_grads[0], router_grads[1]), "the aux loss added nothing to the router's grad"
+    assert not torch.allclose(router_grads[0], router_grads[1]), (
+        "the aux loss added nothing to the router's grad"
+    )
 
 
 def test_state_dict_keys_are_upstreams(make_config, build_gpt):
     """The MoE layer keeps megatron-core's keys (router, local experts) beside upstream's mHC keys."""
     keys = set(build_gpt(make_config(n=N, **MOE)).state_dict())
-    for want in ("decoder.layers.0.mlp.router.weight", "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
-                 "decoder.layers.0.mlp_hyper_connection.mapping_proj.weight",
-                 "decoder.layers.0.self_attention_hyper_connection.bias"):
+    for want in (
+        "decoder.layers.0.mlp.router.weight",
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
+        "decoder.layers.0.mlp_hyper_connection.mapping_proj.weight",
+        "decoder.layers.0.self_attention_hyper_connection.bias",
+    ):
         assert want in keys, sorted(k for k in keys if "layers.0" in k)
 
 

@@ -19,7 +19,9 @@ N = 4
 
 
 def _loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]).mean()
+    return model(
+        batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    ).mean()
 
 
 def _inner(layer: Any) -> Any:
@@ -35,7 +37,9 @@ def test_every_parameter_of_an_mhc_mtp_gpt_gets_a_gradient(make_config, build_gp
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     name, _, option = variant.partition("+")
-    config = make_config(n=N, mhc_variant=name, mhc_learned_contraction=option == "learned_exit", mtp_num_layers=2)
+    config = make_config(
+        n=N, mhc_variant=name, mhc_learned_contraction=option == "learned_exit", mtp_num_layers=2
+    )
     model = build_gpt(config)
     assert isinstance(model.mtp, HyperConnectionMTPBlock)
     assert all(isinstance(layer, HyperConnectionMTPLayer) for layer in model.mtp.layers)
@@ -43,16 +47,23 @@ def test_every_parameter_of_an_mhc_mtp_gpt_gets_a_gradient(make_config, build_gp
     loss = _loss(model, batch)
     loss.backward()
     tracked = tracked_mtp_losses()
-    assert tracked is not None and torch.isfinite(loss) and tracked.shape == (2,) and bool((tracked > 0).all()), (float(loss), tracked)
-    bad = {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
-           if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
+    assert (
+        tracked is not None and torch.isfinite(loss) and tracked.shape == (2,) and bool((tracked > 0).all())
+    ), (float(loss), tracked)
+    bad = {
+        n: None if p.grad is None else float(p.grad.abs().max())
+        for n, p in model.named_parameters()
+        if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0
+    }
     assert not bad, f"parameters without a finite, non-zero gradient: {bad}"
 
 
 def test_state_dict_keys_are_devs(make_config, build_gpt):
     """With mHC each depth has `e_proj` and `h_proj` (C x C) and no `eh_proj`; with the learned exit its own
     `hc_head_fn [n, n*C]`, `hc_head_base [n]`, `hc_head_scale [1]`, as upstream dev names them."""
-    model = build_gpt(make_config(n=N, mhc_variant="megatron_dev", mhc_learned_contraction=True, mtp_num_layers=1))
+    model = build_gpt(
+        make_config(n=N, mhc_variant="megatron_dev", mhc_learned_contraction=True, mtp_num_layers=1)
+    )
     sd = model.state_dict()
     c = model.config.hidden_size
     assert sd["mtp.layers.0.e_proj.weight"].shape == (c, c)
@@ -61,7 +72,9 @@ def test_state_dict_keys_are_devs(make_config, build_gpt):
     assert sd["mtp.layers.0.hc_head_base"].shape == (N,) and sd["mtp.layers.0.hc_head_scale"].shape == (1,)
     assert not [k for k in sd if "eh_proj" in k]
     stock = build_gpt(make_config(mtp_num_layers=1)).state_dict()
-    assert "mtp.layers.0.eh_proj.weight" in stock and not [k for k in stock if "e_proj." in k and "eh_proj" not in k]
+    assert "mtp.layers.0.eh_proj.weight" in stock and not [
+        k for k in stock if "e_proj." in k and "eh_proj" not in k
+    ]
 
 
 def test_each_depth_runs_on_the_streams(make_config, build_gpt, batch, dims):
@@ -70,8 +83,9 @@ def test_each_depth_runs_on_the_streams(make_config, build_gpt, batch, dims):
     streams; each depth's lm-head input is `final_layernorm(contract(its streams))` (learned contraction here)."""
     from megatron.core.transformer.multi_token_prediction import roll_tensor
 
-    model = build_gpt(make_config(n=N, mhc_variant="megatron_dev", mhc_learned_contraction=True,
-                                  mtp_num_layers=2)).eval()
+    model = build_gpt(
+        make_config(n=N, mhc_variant="megatron_dev", mhc_learned_contraction=True, mtp_num_layers=2)
+    ).eval()
     seen: dict[str, list[torch.Tensor]] = {"exit": [], "inner_in": [], "inner_out": [], "block_out": []}
     exit_ = model.decoder._exit
 
@@ -82,7 +96,8 @@ def test_each_depth_runs_on_the_streams(make_config, build_gpt, batch, dims):
     model.decoder._exit = exit_keeping_the_streams
     for layer in model.mtp.layers:
         _inner(layer).register_forward_pre_hook(
-            lambda m, a, k: seen["inner_in"].append(k["hidden_states"]), with_kwargs=True)
+            lambda m, a, k: seen["inner_in"].append(k["hidden_states"]), with_kwargs=True
+        )
         _inner(layer).register_forward_hook(lambda m, a, out: seen["inner_out"].append(out[0]))
     model.mtp.register_forward_hook(lambda m, a, out: seen["block_out"].append(out))
     s, b, c = dims.s, dims.b, dims.c
@@ -103,7 +118,9 @@ def test_each_depth_runs_on_the_streams(make_config, build_gpt, batch, dims):
             streams = seen["inner_out"][depth]
             assert streams.shape == (s, b, N * c)
             head_in = layer.final_layernorm(layer.contract_streams(streams))
-            torch.testing.assert_close(seen["block_out"][0][(depth + 1) * s:(depth + 2) * s], head_in, rtol=0, atol=0)
+            torch.testing.assert_close(
+                seen["block_out"][0][(depth + 1) * s : (depth + 2) * s], head_in, rtol=0, atol=0
+            )
 
 
 def test_mhc_off_is_the_stock_mtp(make_config, build_gpt):
@@ -123,12 +140,20 @@ def test_the_block_without_the_decoder_streams_raises(make_config, build_gpt, ba
     model = build_gpt(make_config(n=N, mtp_num_layers=1))
     x = torch.zeros(batch["input_ids"].shape[1], batch["input_ids"].shape[0], model.config.hidden_size)
     with pytest.raises(RuntimeError, match=r"no decoder streams \[s, b, n\*C\]"):
-        model.mtp(input_ids=batch["input_ids"], position_ids=batch["position_ids"], hidden_states=x,
-                  attention_mask=batch["attention_mask"], embedding=model.embedding)
+        model.mtp(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            hidden_states=x,
+            attention_mask=batch["attention_mask"],
+            embedding=model.embedding,
+        )
 
 
 def test_a_depth_given_one_stream_raises(make_config, build_gpt, dims):
     """A depth's contraction given `[s, b, C]` instead of the streams names n, C and the shape."""
     model = build_gpt(make_config(n=N, mtp_num_layers=1))
-    with pytest.raises(ValueError, match=rf"n = {N}, C = {dims.c}.*last dim {N * dims.c}; got \[{dims.s}, {dims.b}, {dims.c}\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"n = {N}, C = {dims.c}.*last dim {N * dims.c}; got \[{dims.s}, {dims.b}, {dims.c}\]",
+    ):
         model.mtp.layers[0].contract_streams(torch.zeros(dims.s, dims.b, dims.c))

@@ -14,8 +14,13 @@ from mhc_core.megatron.norms import SequenceParallelTorchNorm, with_sequence_par
 
 
 def _config(**kw):
-    base = dict(normalization="LayerNorm", sequence_parallel=True, layernorm_zero_centered_gamma=False,
-                persist_layer_norm=False, memory_efficient_layer_norm=False)
+    base = dict(
+        normalization="LayerNorm",
+        sequence_parallel=True,
+        layernorm_zero_centered_gamma=False,
+        persist_layer_norm=False,
+        memory_efficient_layer_norm=False,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -33,8 +38,13 @@ def test_the_norm_is_torchs_with_its_parameters_marked_sequence_parallel(kind):
     assert not any(getattr(p, "sequence_parallel", False) for p in off.parameters())
 
 
-@pytest.mark.parametrize(("change", "message"), [({"normalization": "L2Norm"}, "normalization='L2Norm'"),
-                                                  ({"persist_layer_norm": True}, "persist_layer_norm")])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"normalization": "L2Norm"}, "normalization='L2Norm'"),
+        ({"persist_layer_norm": True}, "persist_layer_norm"),
+    ],
+)
 def test_what_torchs_norms_lack_is_refused_naming_it(change, message):
     """An unsupported normalization or option is refused, naming it."""
     with pytest.raises(ValueError, match=message):
@@ -47,10 +57,15 @@ def test_every_wrapped_torch_norm_of_a_moe_layer_spec_is_swapped():
     swapped = with_sequence_parallel_norms(stock)
 
     def norms(spec):
-        return [getattr(spec.submodules, f.name) for f in dataclasses.fields(spec.submodules)
-                if getattr(spec.submodules, f.name) in (WrappedTorchNorm, SequenceParallelTorchNorm)]
+        return [
+            getattr(spec.submodules, f.name)
+            for f in dataclasses.fields(spec.submodules)
+            if getattr(spec.submodules, f.name) in (WrappedTorchNorm, SequenceParallelTorchNorm)
+        ]
 
     assert norms(stock) and all(n is WrappedTorchNorm for n in norms(stock))
-    assert len(norms(swapped)) == len(norms(stock)) and all(n is SequenceParallelTorchNorm for n in norms(swapped))
+    assert len(norms(swapped)) == len(norms(stock)) and all(
+        n is SequenceParallelTorchNorm for n in norms(swapped)
+    )
     assert swapped.submodules.mlp is stock.submodules.mlp or swapped.submodules.mlp == stock.submodules.mlp
     assert with_sequence_parallel_norms(swapped) is swapped  # nothing left to swap: the same object

@@ -24,8 +24,14 @@ def _bf16_model(make_config, build_gpt, variant: str, learned: bool):
     from megatron.core.transformer.module import Float16Module
 
     extra = {"mhc_learned_contraction": True} if learned else {}
-    config = make_config(n=2, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-                         mhc_variant=variant, **extra)
+    config = make_config(
+        n=2,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        mhc_variant=variant,
+        **extra,
+    )
     return config, Float16Module(config, build_gpt(config))
 
 
@@ -69,15 +75,22 @@ def test_dev_bf16_backward_through_ddp_fills_fp32_mhc_grads(make_config, build_g
     for name, p in mhc.items():
         g = p.main_grad
         assert torch.isfinite(g).all(), name
-        model_name = name[name.index("decoder."):] if "decoder." in name else name  # without the wrappers' prefixes
-        if not _structurally_zero(model_name, config.mhc_num_residual_streams, config.num_layers) and not g.abs().sum() > 0:
+        model_name = (
+            name[name.index("decoder.") :] if "decoder." in name else name
+        )  # without the wrappers' prefixes
+        if (
+            not _structurally_zero(model_name, config.mhc_num_residual_streams, config.num_layers)
+            and not g.abs().sum() > 0
+        ):
             zero.append(name)
     assert not zero, f"zero main_grad: {zero}"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="megatron-core's bf16 optimizer (Float16OptimizerWithFloat16Params) accepts only "
-                           "torch.cuda.* parameters; the CPU test above covers the model side up to the grad buffer")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="megatron-core's bf16 optimizer (Float16OptimizerWithFloat16Params) accepts only "
+    "torch.cuda.* parameters; the CPU test above covers the model side up to the grad buffer",
+)
 def test_dev_bf16_optimizer_routes_mhc_params_as_fp32(make_config, build_gpt, batch):
     """megatron_dev in bf16: the bf16 optimizer keeps the mHC params in its fp32 group, steps them, and they stay fp32."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -85,8 +98,10 @@ def test_dev_bf16_optimizer_routes_mhc_params_as_fp32(make_config, build_gpt, ba
     config, model = _bf16_model(make_config, build_gpt, "megatron_dev", True)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if _is_mhc(n)}
     ddp = _ddp_forward_backward(config, model, batch)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16,
-                                                 clip_grad=1.0), [ddp])
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0),
+        [ddp],
+    )
     ok, _, _ = opt.step()
     assert ok, "optimizer step reported failure (non-finite gradients)"
     params = {n: p for n, p in ddp.named_parameters() if _is_mhc(n)}

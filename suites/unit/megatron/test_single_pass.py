@@ -18,11 +18,20 @@ from suites.unit.megatron.conftest import SEQ, VOCAB  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 N = 4
-V41: dict[str, Any] = dict(mhc_single_pass=True, mhc_variant="megatron_dev", mhc_norm_eps_inside_sqrt=True,
-                           mhc_fp32_coefficients=True, mhc_norm_eps=1e-5, layernorm_epsilon=1e-5,
-                           add_bias_linear=False, ffn_hidden_size=64)
+V41: dict[str, Any] = dict(
+    mhc_single_pass=True,
+    mhc_variant="megatron_dev",
+    mhc_norm_eps_inside_sqrt=True,
+    mhc_fp32_coefficients=True,
+    mhc_norm_eps=1e-5,
+    layernorm_epsilon=1e-5,
+    add_bias_linear=False,
+    ffn_hidden_size=64,
+)
 """DeepSeek-V4.1's numerics (`deepseek_v41`, the model's RMS epsilon in the mapping) in the single-pass form."""
-MOE: dict[str, Any] = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2)
+MOE: dict[str, Any] = dict(
+    num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2
+)
 
 
 def _gpt(make_config, build_gpt, *, moe=False, layers=2, seed=0, **overrides: Any) -> Any:
@@ -34,13 +43,19 @@ def _hybrid(make_config, pattern="*-*E", seed=0, **overrides: Any) -> Any:
     from mhc_core.megatron.gpt import MHCGPTModel
     from mhc_core.megatron.hybrid import hybrid_block_spec
 
-    config = make_config(n=N, num_layers=len(pattern), **{**V41, **(MOE if "E" in pattern else {}), **overrides})
+    config = make_config(
+        n=N, num_layers=len(pattern), **{**V41, **(MOE if "E" in pattern else {}), **overrides}
+    )
     torch.manual_seed(seed)
-    return MHCGPTModel(config, hybrid_block_spec(config, pattern), vocab_size=VOCAB, max_sequence_length=2 * SEQ)
+    return MHCGPTModel(
+        config, hybrid_block_spec(config, pattern), vocab_size=VOCAB, max_sequence_length=2 * SEQ
+    )
 
 
 def _loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]).mean()
+    return model(
+        batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    ).mean()
 
 
 def _connections(model: Any) -> list[HyperConnectionModule]:
@@ -51,9 +66,18 @@ def _record_calls(model: Any) -> list[dict[str, Any]]:
     """Each hyper connection's calls in order: its streams, the H_pre it was given and the one it returned."""
     calls: list[dict[str, Any]] = []
     for hc in _connections(model):
+
         def hook(module, args, kwargs, out, hc=hc):
-            calls.append({"hc": module, "x": args[0], "previous": kwargs["previous_h_pre"], "next": out.next_h_pre,
-                          "branch": out.branch_input})
+            calls.append(
+                {
+                    "hc": module,
+                    "x": args[0],
+                    "previous": kwargs["previous_h_pre"],
+                    "next": out.next_h_pre,
+                    "branch": out.branch_input,
+                }
+            )
+
         hc.register_forward_hook(hook, with_kwargs=True)
     return calls
 
@@ -70,7 +94,8 @@ def test_each_sublayer_aggregates_with_its_predecessors_h_pre(make_config, build
     model.decoder.final_layernorm.register_forward_pre_hook(lambda m, args: seen.setdefault("exit", args[0]))
     carriers: list[torch.Tensor] = []
     model.decoder.layers[-1].register_forward_hook(
-        lambda m, args, out: carriers.append(out[0] if isinstance(out, tuple) else out))
+        lambda m, args, out: carriers.append(out[0] if isinstance(out, tuple) else out)
+    )
     with torch.no_grad():
         model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
     assert len(calls) == 4 and [c["hc"] for c in calls] == _connections(model)
@@ -80,7 +105,9 @@ def test_each_sublayer_aggregates_with_its_predecessors_h_pre(make_config, build
     assert torch.equal(first["previous"], one_hot) and first["previous"].dtype == torch.float32
     assert torch.equal(first["branch"], first["x"].view(SEQ, -1, N, first["x"].shape[-1] // N)[:, :, 0])
     for k in range(1, len(calls)):
-        assert torch.equal(calls[k]["previous"], calls[k - 1]["next"]), f"sublayer {k}: not its predecessor's H_pre"
+        assert torch.equal(calls[k]["previous"], calls[k - 1]["next"]), (
+            f"sublayer {k}: not its predecessor's H_pre"
+        )
     x, h_pre = unpack(carriers[-1], N, torch.float32)  # the last layer's output carrier
     assert torch.equal(h_pre, calls[-1]["next"]) and torch.equal(seen["exit"], exit_aggregate(x, h_pre, N))
 
@@ -103,8 +130,11 @@ def test_the_decoder_is_the_reference_stack(make_config, build_gpt, batch, kind)
             if kind == "hybrid":
                 branches.append(lambda a, layer=layer: layer._branch(a, attention_mask=mask)[0])
             else:
-                branches.append(lambda a, inner=inner: inner.self_attention(inner.input_layernorm(a),
-                                                                            attention_mask=mask)[0])
+                branches.append(
+                    lambda a, inner=inner: inner.self_attention(
+                        inner.input_layernorm(a), attention_mask=mask
+                    )[0]
+                )
                 branches.append(lambda a, inner=inner: inner.mlp(inner.pre_mlp_layernorm(a))[0])
         want = run_stack(h, _connections(model), branches)
     err = float((seen["exit"] - want).abs().max() / want.abs().max())
@@ -114,7 +144,10 @@ def test_the_decoder_is_the_reference_stack(make_config, build_gpt, batch, kind)
 def test_the_forms_start_from_the_same_weights(make_config):
     """The hybrid stack under one seed has the same parameters, bit for bit, in both forms (single-pass adds and
     drops none): the functional recipe's V4 twin starts where the V4.1 run does."""
-    single, twin = _hybrid(make_config, seed=3).state_dict(), _hybrid(make_config, seed=3, mhc_single_pass=False)
+    single, twin = (
+        _hybrid(make_config, seed=3).state_dict(),
+        _hybrid(make_config, seed=3, mhc_single_pass=False),
+    )
     twin_state = twin.state_dict()
     assert single.keys() == twin_state.keys()
     assert all(torch.equal(v, twin_state[k]) for k, v in single.items() if isinstance(v, torch.Tensor))
@@ -136,8 +169,11 @@ def test_every_parameter_gets_a_gradient(make_config, build_gpt, batch, kind):
     the last sublayer's projection included (they reach the loss through the exit only)."""
     model = _hybrid(make_config) if kind == "hybrid" else _gpt(make_config, build_gpt, moe=kind == "moe")
     _loss(model, batch).backward()
-    bad = {n: None if p.grad is None else float(p.grad.abs().max()) for n, p in model.named_parameters()
-           if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0}
+    bad = {
+        n: None if p.grad is None else float(p.grad.abs().max())
+        for n, p in model.named_parameters()
+        if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.abs().max() > 0
+    }
     assert not bad, bad
     last = _connections(model)[-1]
     assert bool(last.mapping_proj.weight.grad[:N].abs().sum() > 0)
@@ -159,21 +195,30 @@ def test_deepseek_v41_checkpoint_names(make_config, build_gpt):
 
     state = _gpt(make_config, build_gpt).state_dict()
     ckpt = to_deepseek_v4(state, variant="deepseek_v41", names="checkpoint")
-    assert set(ckpt) == {f"layers.{i}.hc_{s}_{p}" for i in range(2) for s in ("attn", "ffn")
-                         for p in ("fn", "base", "scale")}
+    assert set(ckpt) == {
+        f"layers.{i}.hc_{s}_{p}" for i in range(2) for s in ("attn", "ffn") for p in ("fn", "base", "scale")
+    }
     back = from_deepseek_v4(ckpt)
     assert all(torch.equal(back[k], state[k]) for k in back) and len(back) == 20
     with pytest.raises(ValueError, match="hc_head_fn is a learned exit head"):
         to_deepseek_v4({**state, "decoder.hc_head_fn": torch.zeros(4, 128)}, variant="deepseek_v41")
 
 
-@pytest.mark.parametrize("field,value,error,match", [
-    ("mtp_num_layers", 1, NotImplementedError, "multi-token prediction is not defined with mhc_single_pass"),
-    ("mhc_learned_contraction", True, ValueError, "there is no learned exit head"),
-    ("mhc_h_res_constraint", "none", ValueError, "mhc_h_res_constraint='none'.*needs 'sinkhorn'"),
-    ("mhc_single_pass", "yes", ValueError, "mhc_single_pass='yes': must be True or False"),
-    ("mhc_norm_eps", -1.0, ValueError, "mhc_norm_eps=-1.0: must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,error,match",
+    [
+        (
+            "mtp_num_layers",
+            1,
+            NotImplementedError,
+            "multi-token prediction is not defined with mhc_single_pass",
+        ),
+        ("mhc_learned_contraction", True, ValueError, "there is no learned exit head"),
+        ("mhc_h_res_constraint", "none", ValueError, "mhc_h_res_constraint='none'.*needs 'sinkhorn'"),
+        ("mhc_single_pass", "yes", ValueError, "mhc_single_pass='yes': must be True or False"),
+        ("mhc_norm_eps", -1.0, ValueError, "mhc_norm_eps=-1.0: must be a finite number >= 0"),
+    ],
+)
 def test_what_single_pass_refuses_is_named(make_config, field, value, error, match):
     """MTP (no published V4.1 form), a learned head, unconstrained H_res and bad values: errors naming the field."""
     with pytest.raises(error, match=match):
@@ -203,12 +248,16 @@ def _loss_and_grads(model: Any, batch: dict[str, torch.Tensor], seed: int = 11) 
     model.zero_grad(set_to_none=True)
     loss = _loss(model, batch)
     loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 RECOMPUTE = {
     "mhc-chunk": dict(recompute_granularity="selective", recompute_modules=["mhc"]),
-    "mhc-per-layer": dict(recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=1),
+    "mhc-per-layer": dict(
+        recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=1
+    ),
     "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
 }
@@ -220,6 +269,7 @@ RECOMPUTE = {
 def test_recompute_equals_the_plain_run(make_config, build_gpt, batch, kind, recompute, dropout):
     """mHC recompute (which upstream refuses for V4.1) and full recompute, with the handoff crossing every group
     and checkpoint: loss and every gradient bitwise the plain run's, with hidden dropout replayed."""
+
     def build(**extra: Any) -> Any:
         kw = dict(hidden_dropout=dropout, **extra)
         if kind == "hybrid":
@@ -253,7 +303,10 @@ def test_carrier_round_trip_is_bitwise(streams_dtype):
     s = torch.randn(3, 2, 16, dtype=streams_dtype, requires_grad=True)
     m = torch.rand(3, 2, 4, dtype=torch.float32, requires_grad=True)
     carrier = pack(s, m)
-    assert carrier.shape[-1] == 16 + (8 if streams_dtype == torch.bfloat16 else 4) and carrier.dtype == streams_dtype
+    assert (
+        carrier.shape[-1] == 16 + (8 if streams_dtype == torch.bfloat16 else 4)
+        and carrier.dtype == streams_dtype
+    )
     s2, m2 = unpack(carrier, 4, torch.float32)
     assert torch.equal(s2, s) and torch.equal(m2, m)
     gs, gm = torch.randn_like(s2), torch.rand(3, 2, 4) * 1e-30  # tiny mix gradients: no bf16 could hold them
