@@ -155,7 +155,7 @@ def profile_op(
     warmup: int,
     top: int,
 ) -> list[HostProfile]:
-    """Forward and backward host profiles of `op` on `backend` (`dispatch.get_impl`)."""
+    """Forward and backward host profiles of `op` on `backend` (`dispatch.op_on`)."""
     impl = dispatch.op_on(op, backend)
     fn = op_call(SimpleNamespace(**{op: impl}), op, n, variant, iterations)
     inputs = [
