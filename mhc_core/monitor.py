@@ -231,10 +231,11 @@ class StabilityMonitor:
                 f"monitor.sampling({step}))"
             )
         t0 = time.perf_counter()
+        captured, self._captured = self._captured, {}  # nothing of the step outlives its report
         composites: list[torch.Tensor | None] = [None] * self.chunks  # per model chunk (virtual stage)
         worst, worst_name, sum_dev, orient = 0.0, "", 0.0, 0.0
         for name, module in self.modules:
-            h = self._captured[name]
+            h = captured[name]
             ours = isinstance(module, HyperConnectionModule)
             expected = h  # a tree's module claims no variant: what it applies is what it is checked by
             if ours:

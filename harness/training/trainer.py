@@ -211,6 +211,12 @@ def _without_stage(sizes: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sizes.items() if k not in ("pre_process", "post_process")}
 
 
+def retention_checks(train_iters: int) -> set[int]:
+    """The steps after which `RetentionCheck` scans, besides a launch's first (its inventory): the last, where
+    what every step keeps (the last step's) and what accumulates (all of them) are alive; two scans a launch."""
+    return {train_iters}
+
+
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron's `pretrain_gpt.loss_func`: (sum of unmasked token losses, token count, report)."""
     losses = output_tensor.view(-1).float()
@@ -242,6 +248,7 @@ class Trainer:
         from mhc_core.megatron.gpt import build_gpt_model
 
         self.plan, a = plan, plan.args
+        self.tree_flavor = tree_flavor
         _refuse_unsupported(a)
         _seed(a.seed)
         self.config = _config(a, plan.backend, tree_flavor)
@@ -321,6 +328,12 @@ class Trainer:
         self.dataset = build_train_dataset(
             a, num_samples=a.train_iters * a.global_batch_size, cache_dir=data_cache
         )
+        from harness.training.retention import RetentionCheck
+
+        self.retention = RetentionCheck(
+            self.chunks, self.optimizer, checks=retention_checks(a.train_iters), roots={"<Trainer>": self}
+        )
+        """What steps leave alive (`harness.training.retention`): the launch's first step is the inventory."""
         self.monitor = None
         if a.enable_mhc_connections:  # every step, 64 tokens: the stability curve (a tree's modules too)
             from mhc_core.monitor import MonitorConfig, StabilityMonitor
@@ -424,6 +437,11 @@ class Trainer:
         for step in range(start + 1, a.train_iters + 1):
             rec = self.step(step)
             records.append(rec)
+            self.retention.after_step(step)
+            if (
+                self.tree_flavor is None
+            ):  # a tree's retention is the tree's finding (its report), not an error
+                self.retention.raise_if_retained()
             if self.holds_loss and last_rank:
                 print(progress_line(rec, a.train_iters), flush=True)
             if save is not None and a.save_interval and step % a.save_interval == 0:

@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         trainer = Trainer(plan, data_cache=cli.data_cache, tree_flavor=cli.tree_flavor, init=cli.init)
+        from harness.training.retention import PLANT_ENV_VAR, plant_retention
+
+        if os.environ.get(PLANT_ENV_VAR):
+            plant_retention(trainer.model, os.environ[PLANT_ENV_VAR])
         if cli.dump_init is not None:
             from harness.training.model_state import gather_full_state
 
@@ -117,7 +121,10 @@ def main(argv: list[str] | None = None) -> None:
             if not cli.then_train:
                 return
         start = trainer.load(cli.load) if cli.load else 0
-        records = trainer.train(start=start, save=cli.save)
+        try:
+            records = trainer.train(start=start, save=cli.save)
+        finally:
+            trainer.retention.write(cli.out / f"retention-rank{dist.get_rank()}.json")
         if trainer.holds_loss and dist.get_rank() == dist.get_world_size() - 1:
             from harness.golden.fingerprint import current_fingerprint
             from harness.training.metrics import write_metrics

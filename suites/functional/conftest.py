@@ -9,7 +9,7 @@ pytest.importorskip("megatron.core", reason="the functional suite needs megatron
 from typing import Any  # noqa: E402
 
 from harness.golden.hardware import detect_hardware  # noqa: E402
-from suites.functional.session import MULTINODE_TIMES, STEP_TIME_RATIO, FunctionalRuns  # noqa: E402
+from suites.functional.session import MULTINODE_TIMES, RETAINED_BYTES, STEP_TIME_RATIO, FunctionalRuns  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,4 +38,12 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             terminalreporter.line(
                 f"{case}: two agents x two ranks {two:.1f} s (the batch script: plan, both nodes, check); "
                 f"one node x four ranks {one:.1f} s (the session's run, with its checkpoint saves)"
+            )
+    retained = config.stash.get(RETAINED_BYTES, {})
+    if retained:
+        terminalreporter.section("retained after a step (all ranks)")
+        for shape, (first, kept, seconds) in retained.items():
+            terminalreporter.line(
+                f"{shape}: caches and buffers after step 1 {first:,} bytes; a later step's tensors megatron-core "
+                f"keeps {kept:,} bytes; ours 0; checks {seconds:.1f} s"
             )

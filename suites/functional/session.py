@@ -19,13 +19,24 @@ from harness.launch.runs import RunResult, plan_case, run_case, run_ckpt_resume
 from harness.training.numerics import CpuNumerics
 from harness.training.recipe import RECIPE_DIR, Recipe, RunPlan, load_recipe
 
-__all__ = ["MULTINODE_TIMES", "PLANT_ENV_VAR", "STEP_TIME_RATIO", "FunctionalRuns", "planted_overrides"]
+__all__ = [
+    "MULTINODE_TIMES",
+    "PLANT_ENV_VAR",
+    "RETAINED_BYTES",
+    "STEP_TIME_RATIO",
+    "FunctionalRuns",
+    "planted_overrides",
+]
 
 STEP_TIME_RATIO = pytest.StashKey[dict[str, float]]()
 """`{"gpt_tp1_pp1_mhc / gpt_tp1_pp1": ratio}`, printed in the terminal summary."""
 
 MULTINODE_TIMES = pytest.StashKey[dict[str, tuple[float, float]]]()
 """`{case: (two-agent seconds, one-node seconds)}` of test_multinode, printed in the terminal summary."""
+
+RETAINED_BYTES = pytest.StashKey[dict[str, tuple[int, int, float]]]()
+"""`{shape (case): (bytes the first step left over all ranks, bytes megatron-core keeps after the last check,
+seconds the checks took)}` of test_retention, printed in the terminal summary."""
 
 PLANT_ENV_VAR = "MHC_FUNCTIONAL_TEST_OVERRIDES"
 """Test hook: a JSON object of MODEL_ARGS overrides planted into every cached run of the session (a

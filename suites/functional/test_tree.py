@@ -51,6 +51,7 @@ def test_tree_training_matches_ours(case, megatron_lm_tree, hw_key, tmp_path, tr
             note=f"tree {theirs.seconds:.0f} s, ours {ours.seconds:.0f} s",
         )
     )
+    tree_rows(tree_diff.retention_row(case, tree.label, theirs.out_dir))
     assert ok, report
 
     from harness.training.checkpoint import rewind_tracker

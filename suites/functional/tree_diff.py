@@ -27,6 +27,7 @@ from harness.launch.runs import RunResult, plan_case, run_plan
 from harness.launch.torchrun import LaunchError
 from harness.training.recipe import RECIPE_DIR
 from harness.upstream.megatron_tree import Tree, tree_env
+from harness.upstream.tree_report import TreeRow
 
 __all__ = [
     "CASES",
@@ -218,3 +219,28 @@ def functional_checks(case: str, hw: str) -> dict[str, Any]:
 def worst(rows: list[MetricDrift]) -> dict[str, float]:
     """`{metric: worst relative difference}` (the absolute one where the reference is 0 at every step)."""
     return {r.metric: (r.max_rel if r.max_rel is not None else r.max_abs) for r in rows}
+
+
+def retention_row(case: str, tree_label: str, out_dir: Path) -> TreeRow:
+    """What the tree's ranks keep of a step (`harness.training.retention`), as the tree's finding: bytes by
+    holder, megatron-core's own holders apart; never fails (a tree is reported, ours is checked)."""
+    from harness.training.retention import RetentionReport
+
+    reports = [
+        RetentionReport.from_json(json.loads(f.read_text()), source=str(f))
+        for f in sorted(out_dir.glob("retention-rank*.json"))
+    ]
+    held: dict[str, int] = {}
+    for report in reports:
+        for f in report.errors():
+            held[f.where] = held.get(f.where, 0) + f.bytes
+    note = "; ".join(f"{where}: {b:,} bytes" for where, b in sorted(held.items())) or "nothing of a step"
+    return TreeRow(
+        suite="functional",
+        case=case,
+        comparison="tree keeps after a step",
+        tree=tree_label,
+        worst={"retained bytes": float(sum(held.values()))},
+        ok=True,
+        note=f"{len(reports)} rank report(s): {note}",
+    )
