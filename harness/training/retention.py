@@ -45,6 +45,8 @@ __all__ = [
     "PLANT_ENV_VAR",
     "RetainedTensor",
     "RetentionReport",
+    "OUTSIDE_PYTHON",
+    "UNATTRIBUTED_INTEGERS",
     "RetentionCheck",
     "RetentionError",
     "owned_storages",
@@ -73,6 +75,16 @@ BY_DESIGN = {
 }
 """Holders (a regular expression over `RetainedTensor.where`) whose tensors megatron-core keeps after a step,
 with why: reported as megatron-core's (bytes and where), not errors of this suite's model or trainer."""
+
+
+OUTSIDE_PYTHON = "held outside Python"
+"""How `where_held` begins for a tensor no Python object holds (a collective's handle, an autograd node)."""
+
+UNATTRIBUTED_INTEGERS = (
+    "unattributed: an integer tensor (counts or indices, never an activation) that only C++ holds, e.g. the "
+    "splits of megatron-core's MoE all-to-all over expert parallelism"
+)
+"""The `by_design` of an integer tensor held outside Python: reported, not an error (no activation is integer)."""
 
 
 class RetentionError(RuntimeError):
@@ -276,7 +288,7 @@ def where_held(
         for i in range(len(objs)):  # (no zip: its result tuple would refer to the object too)
             obj, path = objs[i], paths[i]
             if budget <= 0:
-                return outermost or "held outside Python (no referrer names it)"
+                return outermost or OUTSIDE_PYTHON + " (no referrer names it)"
             budget -= 1
             for ref in gc.get_referrers(obj):
                 if id(ref) in seen or id(ref) in skip:
@@ -308,7 +320,7 @@ def where_held(
         if not next_objs:
             break
         objs, paths = next_objs[:64], next_paths[:64]
-    return outermost or "held outside Python (no referrer names it)"
+    return outermost or OUTSIDE_PYTHON + " (no referrer names it)"
 
 
 def _saved_by_graph(node: Any, path: str, depth: int = 3) -> Iterator[tuple[str, torch.Tensor]]:
@@ -433,6 +445,8 @@ class RetentionCheck:
                 else "unnamed (not reachable from a root)"
             )
         why = next((why for pattern, why in BY_DESIGN.items() if re.search(pattern, where)), None)
+        if why is None and where.startswith(OUTSIDE_PYTHON) and not (t.is_floating_point() or t.is_complex()):
+            why = UNATTRIBUTED_INTEGERS
         return RetainedTensor(
             step=step,
             where=where,

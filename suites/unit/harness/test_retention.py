@@ -10,6 +10,7 @@ from torch import nn
 
 from harness.training.retention import (
     BY_DESIGN,
+    UNATTRIBUTED_INTEGERS,
     RetentionCheck,
     RetentionError,
     RetentionReport,
@@ -147,3 +148,14 @@ def test_a_malformed_report_is_an_error_naming_the_file():
     """A report without its fields: `ValueError` naming the source and the missing field."""
     with pytest.raises(ValueError, match=r"run/retention-rank1.json: .*findings"):
         RetentionReport.from_json({"inventory": []}, source="run/retention-rank1.json")
+
+
+def test_an_integer_tensor_only_cpp_holds_is_reported_a_float_one_is_an_error():
+    """Held outside Python: an integer tensor (counts, indices) is reported as unattributed, a float one is an
+    error (an activation is never integer)."""
+    net, opt, check = _setup()
+    live = [torch.zeros(2, dtype=torch.int64), torch.zeros(2)]
+    counts = check._describe(live[0], 2, {}, search=(live,))
+    floats = check._describe(live[1], 2, {}, search=(live,))
+    assert counts.where.startswith("held outside Python") and counts.by_design == UNATTRIBUTED_INTEGERS
+    assert floats.where.startswith("held outside Python") and floats.by_design is None
