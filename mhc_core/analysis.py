@@ -1,4 +1,4 @@
-"""Stability metric (composite Amax gain) and the bytes-moved model of each mHC op.
+"""Stability metric (composite Amax gain), the bytes-moved model of each mHC op and mHC's activation memory.
 
 Legend: T tokens, n streams, C hidden size, N = n*n + 2n.
 """
@@ -12,7 +12,15 @@ import torch
 
 from mhc_core.checks import check_rank, shape_str
 
-__all__ = ["AmaxGain", "amax_gain", "OpBytes", "bytes_moved", "layer_extra_bytes", "OPS"]
+__all__ = [
+    "AmaxGain",
+    "amax_gain",
+    "OpBytes",
+    "bytes_moved",
+    "layer_extra_bytes",
+    "activation_extra_bytes",
+    "OPS",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,3 +158,25 @@ def layer_extra_bytes(*, tokens: int, n: int, hidden: int, act_bytes: int, subla
     )
     per_sublayer -= sum(bytes_moved("residual_add", d, **kw).total for d in ("fwd", "bwd"))
     return sublayers * per_sublayer
+
+
+def activation_extra_bytes(
+    *, tokens: int, n: int, hidden: int, act_bytes: int, sublayers: int = 2, recompute: bool = False
+) -> int:
+    """The least activation memory mHC adds to one layer's forward over the plain residual: what its backward
+    cannot do without, by sublayer (attention, MLP), in the activation dtype (`act_bytes`) or fp32 (coefficients):
+
+    - the sublayer's input state `[T, n*C]` (the projection's weight gradient, the aggregate's and the mix's
+      coefficient gradients read it), unless mHC recompute rebuilds it: then only the group's first state is
+      kept, once per layer;
+    - the branch output `y [T, C]` (the gradient of `H_post` reads it; a plain residual add keeps nothing);
+    - the coefficients `H_pre`, `H_post [T, n]`, `H_res [T, n, n]` and the RMS factor `[T, 1]`, fp32.
+
+    The branch's own input (the aggregate, `[T, C]`) takes the place of the plain layer's and is not counted.
+    An implementation keeps at least this (the eager reference keeps Sinkhorn's iterates too:
+    `suites/perf/test_activation_memory.py` sets the two side by side)."""
+    coefficients = tokens * (2 * n + n * n + 1) * 4
+    per_sublayer = tokens * hidden * act_bytes + coefficients
+    state = tokens * n * hidden * act_bytes
+    states = state if recompute else sublayers * state
+    return sublayers * per_sublayer + states

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["saved_activation_bytes", "peak_bytes"]
+__all__ = ["saved_activation_bytes", "retained_bytes", "peak_bytes"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -40,6 +40,22 @@ def saved_activation_bytes(fn: Callable[[], object], params: Iterable[torch.Tens
     total = sum(seen.values())
     del out
     return total
+
+
+def retained_bytes(fn: Callable[[], object]) -> int:
+    """Bytes allocated while `fn()` runs and still allocated when it returns, its result kept (so its graph and
+    everything the graph holds): the profiler's net allocation over the call's operators (`profile_memory`).
+    Unlike `saved_activation_bytes`, it sees what a saved-tensor hook of the code under test keeps (mHC recompute's
+    anchor and the tensors it saves itself), on CPU and CUDA alike."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        out = fn()
+    events = prof.events()
+    total = sum(e.self_cpu_memory_usage + getattr(e, "self_device_memory_usage", 0) for e in events)
+    del out
+    return int(total)
 
 
 def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
