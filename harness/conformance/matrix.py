@@ -47,6 +47,7 @@ from harness.conformance.checks import (
     run_side,
     stack_source,
 )
+from harness.conformance.determinism import Verdict, peer_determinism
 from harness.conformance.oracle import VARIANT_NAMES, oracle_for
 from harness.peers.base import Peer, Replayed
 from mhc_core.testing import tolerance
@@ -107,6 +108,10 @@ class PeerResult:
     """Every check but `block-exit` against each variant with its own numerics."""
     by_configuration: dict[str, list[Cell]] = field(default_factory=dict)
     """Every check against each configuration tried: the plain variants, then each with its options."""
+    determinism: Verdict | None = None
+    """Run to run, batch and thread-count invariance of its probe checks (`harness.conformance.determinism`)."""
+    determinism_error: str | None = None
+    """What the peer raised when a probe ran it again (its cells' first runs had not raised)."""
 
     @staticmethod
     def _score(cells: Sequence[Cell]) -> tuple[int, float]:
@@ -179,6 +184,8 @@ class PeerResult:
             "version": self.version,
             "skipped": self.skipped,
             "claims": self.claims,
+            "determinism": None if self.determinism is None else self.determinism.to_json(),
+            "determinism_error": self.determinism_error,
             "best": self.best,
             "configuration": self.configuration,
             "scores": {v: dict(zip(("pass", "of"), self.tally(v), strict=True)) for v in self.by_variant},
@@ -524,6 +531,11 @@ def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
         except Exception as exc:  # a peer that raises: named, and the rest still runs
             side = exc
         cells.sides.append((spec, side))
+    determinism, determinism_error = None, None
+    try:
+        determinism = None if isinstance(peer, Replayed) else peer_determinism(peer, cells.sides)
+    except Exception as exc:  # a peer that raises on a repeat, with fewer tokens or on one thread
+        determinism_error = f"{type(exc).__name__}: {exc}"
     return PeerResult(
         peer=peer.name,
         description=peer.description,
@@ -532,6 +544,8 @@ def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
         claims=peer.claims,
         by_variant={v: cells.against(v, exit_check=False) for v in variants},
         by_configuration={c: cells.against(c, exit_check=True) for c in _configurations(peer, variants)},
+        determinism=determinism,
+        determinism_error=determinism_error,
     )
 
 

@@ -52,6 +52,15 @@ def _api(p: PeerResult) -> str:
     return p.description[p.description.index(_API) :].removesuffix(" (recorded)")
 
 
+def _determinism(p: PeerResult) -> str:
+    """The determinism cell: `bitwise`, each probe's difference, or why there is none."""
+    if p.determinism_error is not None:
+        return f"error: {p.determinism_error}"
+    if p.determinism is None:
+        return "n/a (a replayed recording, or no probe check ran)"
+    return p.determinism.cell()
+
+
 def format_summary(matrix: Matrix) -> str:
     """One line per peer (best configuration, passes per variant), then every check that did not pass."""
     lines = []
@@ -65,6 +74,7 @@ def format_summary(matrix: Matrix) -> str:
             f"{p.peer} ({p.version or 'no version'}): {verdict} {_configuration(p)}{_claim(p)} "
             f"[per variant: {_scores(p)}]{tried}"
         )
+        lines.append(f"    determinism: {_determinism(p)}")
         if _API in p.description:  # a source tree's peer: which API generation the adapter found
             lines.append("    " + _api(p))
         for c in p.cells():
@@ -82,16 +92,16 @@ def markdown(matrix: Matrix) -> str:
         "variant; the best-matching variant per peer, the options of that variant that fit it (its best "
         "configuration), and each check against it (`docs/conformance.md`).",
         "",
-        "| peer | version | best variant | passes per variant | best configuration | verdict |",
-        "|---|---|---|---|---|---|",
+        "| peer | version | best variant | passes per variant | best configuration | verdict | determinism |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in matrix.peers:
         if p.skipped:
-            md.append(f"| {p.peer} | {p.version or '-'} | - | - | - | skipped: {p.skipped} |")
+            md.append(f"| {p.peer} | {p.version or '-'} | - | - | - | skipped: {p.skipped} | - |")
         else:
             md.append(
                 f"| {p.peer} | {p.version or '-'} | {p.best} | {_scores(p)} | {_configuration(p)} | "
-                f"{'conforms' if p.conforms else 'differs'}{_claim(p)} |"
+                f"{'conforms' if p.conforms else 'differs'}{_claim(p)} | {_determinism(p)} |"
             )
     for p in matrix.peers:
         if p.skipped:

@@ -13,7 +13,8 @@ from harness.peers.megatron_lm import TreeError, tree_flavor
 
 
 def test_writes_the_matrix_as_json_and_markdown(tmp_path, capsys):
-    """The matrix of the named peers goes to conformance.json / .md; the summary names each peer's best variant."""
+    """The matrix of the named peers goes to conformance.json / .md; the summary names each peer's best variant and
+    its determinism verdict."""
     assert 0 == main(
         [
             "conformance",
@@ -34,6 +35,11 @@ def test_writes_the_matrix_as_json_and_markdown(tmp_path, capsys):
     assert {"check", "status", "max_abs", "ratio", "bound"} <= set(cell)
     md = (tmp_path / "conformance.md").read_text()
     assert "| megatron_lm[main] | main@d98e8a64ddf3 | megatron_main | paper 15/48, megatron_main 48/48" in md
+    # The determinism column: a live peer's run-to-run difference is measured (0 for ours), a replayed one's n/a.
+    ours, replayed = doc["peers"]
+    assert ours["determinism"]["run_to_run"] == 0.0 and None not in ours["determinism"].values()
+    assert replayed["determinism"] is None and "    determinism: n/a (a replayed recording" in out
+    assert "| verdict | determinism |" in md
 
 
 def test_strict_fails_on_a_peer_that_differs(tmp_path, capsys, monkeypatch):

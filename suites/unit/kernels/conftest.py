@@ -15,6 +15,9 @@ import pytest
 
 SMALL_MACHINE_CPUS = 4
 
+_VERDICTS: list[dict] = []
+"""The `determinism` properties of this session's reports (test_determinism.py), in arrival order."""
+
 
 def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -49,3 +52,19 @@ def cutile_on_cpu(monkeypatch):
     monkeypatch.setattr(
         dispatch, "get_backend", lambda backend: emulated if backend == "cutile" else real_backend(backend)
     )
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _VERDICTS.extend(v for k, v in report.user_properties if k == "determinism")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not _VERDICTS:
+        return
+    from harness.conformance.determinism import Verdict, verdict_table
+
+    terminalreporter.section("determinism per backend and kernel (max abs difference; 0 = bitwise)")
+    verdicts = sorted((Verdict(**v) for v in _VERDICTS), key=lambda v: v.subject)
+    for line in verdict_table(verdicts).splitlines():
+        terminalreporter.line(line)
