@@ -47,6 +47,10 @@ class TrainArgs:
     bf16: bool = False
     recompute_granularity: str | None = None
     recompute_modules: tuple[str, ...] | None = None
+    recompute_method: str | None = None
+    """With `--recompute-granularity full`: `uniform` or `block` (megatron-core's)."""
+    recompute_num_layers: int | None = None
+    """With `--recompute-granularity full`: layers per recomputed chunk (uniform) or recomputed layers (block)."""
     deterministic_mode: bool = False
     # mHC (upstream main's TransformerConfig fields)
     enable_mhc_connections: bool = False
@@ -199,8 +203,10 @@ FLAGS: dict[str, _Flag] = {
     "--attention-backend": _f(str, choices=("auto", "unfused", "local", "flash", "fused")),
     "--attention-softmax-in-fp32": _f(bool),
     "--bf16": _f(bool),
-    "--recompute-granularity": _f(str, choices=("selective",)),
+    "--recompute-granularity": _f(str, choices=("selective", "full")),
     "--recompute-modules": _f(tuple),
+    "--recompute-method": _f(str, choices=("uniform", "block")),
+    "--recompute-num-layers": _f(int, minimum=1),
     "--deterministic-mode": _f(bool),
     "--enable-mhc-connections": _f(bool),
     "--mhc-num-residual-streams": _f(int, minimum=1),
@@ -428,8 +434,17 @@ def _cross_check(a: TrainArgs, source: str) -> None:
                 a.hybrid_layer_pattern,
                 f"has {len(stages)} stages; --pipeline-model-parallel-size={a.pipeline_model_parallel_size}",
             )
-    if a.recompute_modules is not None and a.recompute_granularity is None:
+    if a.recompute_modules is not None and a.recompute_granularity != "selective":
         raise bad("--recompute-modules", list(a.recompute_modules), "needs --recompute-granularity selective")
+    full = a.recompute_granularity == "full"
+    for flag, value in (
+        ("--recompute-method", a.recompute_method),
+        ("--recompute-num-layers", a.recompute_num_layers),
+    ):
+        if full and value is None:
+            raise bad(flag, value, "is needed with --recompute-granularity full")
+        if not full and value is not None:
+            raise bad(flag, value, "needs --recompute-granularity full")
 
 
 def render_cli(raw: Mapping[str, Any]) -> list[str]:

@@ -391,8 +391,8 @@ def resolve(
 ) -> RunPlan:
     """The run plan of `recipe` on hardware `hw`.
 
-    `variables` fill `${NAME}` in MODEL_ARGS values; `overrides` replace MODEL_ARGS entries
-    (a test hook: e.g. `{"--mhc-sinkhorn-iterations": 1}` breaks the model on purpose).
+    `variables` fill `${NAME}` in MODEL_ARGS values; `overrides` replace MODEL_ARGS entries, None removing
+    one (a test hook: e.g. `{"--mhc-sinkhorn-iterations": 1}` breaks the model on purpose).
     The hardware entry's `iterations` replaces `--train-iters` (a ckpt-resume case then saves at
     half of it) and its `dtype` sets `--bf16`. A CPU run gets the pins of the `numerics` profile
     (default: `$MHC_CPU_NUMERICS`, else `avx2`; `harness/training/numerics.py`).
@@ -405,7 +405,10 @@ def resolve(
             raw["--save-interval"] = spec.iterations // 2
     raw["--bf16"] = spec.dtype == "bf16"
     for flag, value in (overrides or {}).items():
-        raw[flag] = value
+        if value is None:  # an override of None removes the flag (the recipe's value with it)
+            raw.pop(flag, None)
+        else:
+            raw[flag] = value
     args = parse_model_args(_expand(raw, variables or {}, recipe.path), source=str(recipe.path))
     world = spec.nproc * spec.nnodes
     ranks = f"nproc {spec.nproc}" + (f" x nnodes {spec.nnodes}" if spec.nnodes > 1 else "")

@@ -28,3 +28,32 @@ def test_mhc_recompute_run_equals_the_plain_run(functional_runs):
         source=f"plain run of {CASE}",
     )
     assert all(r.ok for r in results), format_results(results)
+
+
+SINGLE_PASS = "hybrid_tp1_pp2_mhc_moe_v41"
+FULL = {
+    "--recompute-granularity": "full",
+    "--recompute-modules": None,
+    "--recompute-method": "uniform",
+    "--recompute-num-layers": 1,
+}
+"""Megatron-core's full recompute instead of the recipe's mHC recompute (allowed in the single-pass form)."""
+
+
+def test_full_recompute_of_the_single_pass_recipe_equals_its_mhc_recompute_run(functional_runs):
+    """DeepSeek-V4.1's recipe (hybrid MoE over two stages, the carrier through megatron's checkpointed layers)
+    under full recompute: lm loss, grad norm and num-zeros at every step bitwise the recipe's own run (mHC
+    recompute); its launch kept nothing of a step (the retention check passes on every rank)."""
+    plain = functional_runs.deterministic_run(SINGLE_PASS)
+    full = functional_runs.fresh(SINGLE_PASS, "full-recompute", overrides=FULL)
+    assert (full.plan.args.recompute_granularity, full.plan.args.recompute_modules) == ("full", None)
+    assert plain.plan.args.recompute_modules == ("mhc",)
+    names = (LM_LOSS, GRAD_NORM, NUM_ZEROS)
+    results = compare(
+        to_golden({n: full.metrics[n] for n in names}),
+        to_golden({n: plain.metrics[n] for n in names}),
+        {n: ExactCheck() for n in names},
+        source=f"the mHC-recompute run of {SINGLE_PASS}",
+    )
+    assert all(r.ok for r in results), format_results(results)
+    assert len(sorted(full.out_dir.glob("retention-rank*.json"))) == full.plan.nproc

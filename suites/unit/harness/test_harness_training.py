@@ -81,6 +81,57 @@ def test_upstream_flags_are_typed_and_dev_aliases_are_not_set_twice():
         )
 
 
+def test_full_recompute_flags_come_together():
+    """`--recompute-granularity full` needs a method and a layer count, which need it; modules need selective."""
+    from harness.training.model_args import parse_model_args
+
+    base = {
+        "--num-layers": 2,
+        "--hidden-size": 8,
+        "--num-attention-heads": 2,
+        "--seq-length": 8,
+        "--micro-batch-size": 1,
+        "--global-batch-size": 1,
+        "--train-iters": 2,
+        "--lr": 1e-3,
+        "--mock-data": True,
+        "--tokenizer-type": "NullTokenizer",
+        "--vocab-size": 16,
+    }
+    full = {"--recompute-granularity": "full", "--recompute-method": "block", "--recompute-num-layers": 1}
+    args = parse_model_args({**base, **full}, source="t")
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == (
+        "full",
+        "block",
+        1,
+    )
+    with pytest.raises(ValueError, match=r"t: MODEL_ARGS --recompute-num-layers=None: is needed with"):
+        parse_model_args(
+            {**base, "--recompute-granularity": "full", "--recompute-method": "block"}, source="t"
+        )
+    with pytest.raises(ValueError, match=r"--recompute-method='uniform': needs --recompute-granularity full"):
+        parse_model_args({**base, "--recompute-method": "uniform"}, source="t")
+    with pytest.raises(
+        ValueError, match=r"--recompute-modules=\['mhc'\]: needs --recompute-granularity selective"
+    ):
+        parse_model_args({**base, **full, "--recompute-modules": "[mhc]"}, source="t")
+
+
+def test_an_override_of_none_removes_the_recipes_flag():
+    """`plan_case(..., overrides={"--recompute-modules": None})` drops the recipe's value."""
+    from harness.launch.runs import plan_case
+
+    case = "hybrid_tp1_pp2_mhc_moe_v41"
+    assert plan_case(case, "cpu_x86_64", data_dir=Path("d")).args.recompute_modules == ("mhc",)
+    plan = plan_case(
+        case,
+        "cpu_x86_64",
+        data_dir=Path("d"),
+        overrides={"--recompute-granularity": None, "--recompute-modules": None},
+    )
+    assert (plan.args.recompute_granularity, plan.args.recompute_modules) == (None, None)
+
+
 def test_then_train_without_a_dump_is_refused(capsys):
     """The worker's --then-train (write the initial weights, then train on) is refused without --dump-init."""
     from harness.training.worker import parse_args
