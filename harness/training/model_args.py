@@ -45,6 +45,9 @@ class TrainArgs:
     attention_backend: str = "auto"
     attention_softmax_in_fp32: bool = False
     bf16: bool = False
+    use_distributed_optimizer: bool = False
+    """megatron-core's distributed optimizer: fp32 main parameters and optimizer state sharded over data
+    parallel, gradients reduce-scattered (upstream's recipes train with it)."""
     recompute_granularity: str | None = None
     recompute_modules: tuple[str, ...] | None = None
     recompute_method: str | None = None
@@ -203,6 +206,7 @@ FLAGS: dict[str, _Flag] = {
     "--attention-backend": _f(str, choices=("auto", "unfused", "local", "flash", "fused")),
     "--attention-softmax-in-fp32": _f(bool),
     "--bf16": _f(bool),
+    "--use-distributed-optimizer": _f(bool),
     "--recompute-granularity": _f(str, choices=("selective", "full")),
     "--recompute-modules": _f(tuple),
     "--recompute-method": _f(str, choices=("uniform", "block")),

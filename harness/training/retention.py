@@ -45,6 +45,7 @@ __all__ = [
     "PLANT_ENV_VAR",
     "RetainedTensor",
     "RetentionReport",
+    "MOE_FULL_RECOMPUTE",
     "OUTSIDE_PYTHON",
     "UNATTRIBUTED_INTEGERS",
     "RetentionCheck",
@@ -85,6 +86,14 @@ UNATTRIBUTED_INTEGERS = (
     "splits of megatron-core's MoE all-to-all over expert parallelism"
 )
 """The `by_design` of an integer tensor held outside Python: reported, not an error (no activation is integer)."""
+
+
+MOE_FULL_RECOMPUTE = (
+    "megatron-core: MoE under full recompute keeps each recomputed layer's input alive after the step, held by "
+    "C++ only (megatron-core's own GPT without mHC keeps [s, b, C] per layer the same way; with mHC it is the "
+    "n-stream state)"
+)
+"""Who keeps the float tensors only C++ holds after a step of an MoE model under full recompute."""
 
 
 class RetentionError(RuntimeError):
@@ -397,11 +406,14 @@ class RetentionCheck:
         *,
         checks: Iterable[int] | None = None,
         roots: dict[str, Any] | None = None,
+        outside_python: str | None = None,
     ):
         """`roots`: objects to name holders from (`{"<Trainer>": trainer}`), besides the model's modules and
-        the loaded modules' globals."""
+        the loaded modules' globals. `outside_python`: who keeps a float tensor only C++ holds in this run, and
+        why, where the run's configuration says (`MOE_FULL_RECOMPUTE`); None: such a tensor is an error."""
         self.chunks = list(chunks)
         self.roots = dict(roots or {})
+        self.outside_python = outside_python
         self.optimizer = optimizer
         self.checks = None if checks is None else set(checks)
         self.findings: list[RetainedTensor] = []
@@ -445,8 +457,8 @@ class RetentionCheck:
                 else "unnamed (not reachable from a root)"
             )
         why = next((why for pattern, why in BY_DESIGN.items() if re.search(pattern, where)), None)
-        if why is None and where.startswith(OUTSIDE_PYTHON) and not (t.is_floating_point() or t.is_complex()):
-            why = UNATTRIBUTED_INTEGERS
+        if why is None and where.startswith(OUTSIDE_PYTHON):
+            why = self.outside_python if t.is_floating_point() or t.is_complex() else UNATTRIBUTED_INTEGERS
         return RetainedTensor(
             step=step,
             where=where,

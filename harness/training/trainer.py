@@ -289,7 +289,9 @@ class Trainer:
         if a.bf16:
             model = Float16Module(self.config, model)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=a.use_distributed_optimizer,
         )
         self.chunks = [DistributedDataParallel(self.config, ddp_config, model)]
         for chunk in self.chunks:
@@ -305,6 +307,7 @@ class Trainer:
                 adam_eps=a.adam_eps,
                 clip_grad=a.clip_grad,
                 bf16=a.bf16,
+                use_distributed_optimizer=a.use_distributed_optimizer,
                 params_dtype=self.config.params_dtype,
                 log_num_zeros_in_grad=a.log_num_zeros_in_grad,
             ),
@@ -330,10 +333,15 @@ class Trainer:
         self.dataset = build_train_dataset(
             a, num_samples=a.train_iters * a.global_batch_size, cache_dir=data_cache
         )
-        from harness.training.retention import RetentionCheck
+        from harness.training.retention import MOE_FULL_RECOMPUTE, RetentionCheck
 
+        moe_full_recompute = a.num_experts is not None and a.recompute_granularity == "full"
         self.retention = RetentionCheck(
-            self.chunks, self.optimizer, checks=retention_checks(a.train_iters), roots={"<Trainer>": self}
+            self.chunks,
+            self.optimizer,
+            checks=retention_checks(a.train_iters),
+            roots={"<Trainer>": self},
+            outside_python=MOE_FULL_RECOMPUTE if moe_full_recompute else None,
         )
         """What steps leave alive (`harness.training.retention`): the launch's first step is the inventory."""
         self.monitor = None
@@ -431,9 +439,34 @@ class Trainer:
             extra=extra,
         )
 
+    def refuse_unsavable(self) -> None:
+        """`NotImplementedError` naming why this run's optimizer cannot be checkpointed by megatron-core 0.16.1 on
+        this machine (checked before the first step of a run that saves, so no step is wasted)."""
+        from mhc_core.precision import is_kept_in_fp32
+
+        a = self.plan.args
+        why = []
+        if a.use_distributed_optimizer and not torch.cuda.is_available():
+            why.append(
+                "--use-distributed-optimizer: without Transformer Engine / apex (torch's AdamW inside), "
+                "DistributedOptimizer.state_dict fails its assertion that all parameters share one Adam step "
+                "count (seen on gpt_tp1_pp1_mhc in fp32)"
+            )
+        if a.bf16 and any(is_kept_in_fp32(p) for p in self.model.parameters()):
+            why.append(
+                "--bf16 with parameters kept fp32 (the mHC parameters of dev's numerics): the bf16 optimizers' "
+                "sharded_state_dict maps only their bf16 parameters and fails on the fp32 ones"
+            )
+        if why:
+            raise NotImplementedError(
+                "this run cannot save checkpoints with megatron-core: " + "; ".join(why)
+            )
+
     def train(self, *, start: int = 0, save: Path | None = None) -> list[StepRecord]:
         """Steps start+1 .. train_iters; saves every --save-interval steps into `save` (when given)."""
         a = self.plan.args
+        if save is not None and a.save_interval:
+            self.refuse_unsavable()
         last_rank = dist.get_rank() == dist.get_world_size() - 1
         records = []
         for step in range(start + 1, a.train_iters + 1):

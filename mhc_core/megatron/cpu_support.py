@@ -15,6 +15,7 @@ around a block. Nothing happens at import, and on a machine where `torch.cuda.is
 | `p2p` | `P2PCommunicator` allocates receive buffers on `torch.cuda.current_device()` and calls `torch.cuda.synchronize()` after batched p2p | same shim in `megatron.core.pipeline_parallel.p2p_communication`; `synchronize` is a no-op |
 | `ddp_buffers` | `DistributedDataParallel` -> `_ParamAndGradBuffer` allocates the grad buffer (and, with the distributed optimizer, the param buffer) on `torch.cuda.current_device()`; 0.19 also waits on `torch.cuda.current_stream()` in `start_grad_sync` | same shim in `megatron.core.distributed.param_and_grad_buffer` |
 | `optimizer` | `get_megatron_optimizer` -> `FP32Optimizer` / `MixedPrecisionOptimizer` create their scale, found-inf and overflow scalars with `device='cuda'` | same shim in `megatron.core.optimizer.optimizer` |
+| `param_types` | bf16 / fp16 training: `Float16OptimizerWithFloat16Params` and `DistributedOptimizer` build their fp32 main parameters only for `param.type()` in `torch.cuda.{Half,BFloat16,Float}Tensor`, else raise `TypeError` | during their `__init__`, `Tensor.type()` names a CPU tensor as its CUDA type |
 | `clip_grads` | `optimizer.step()` -> `get_grad_norm_fp32` / `count_zeros_fp32` create their buffers with `device='cuda'` | same shim in `megatron.core.optimizer.clip_grads` |
 | `clip_assert` | `optimizer.step()` with `clip_grad > 0` -> `clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'` | `megatron.core.optimizer.optimizer` calls a copy that asserts fp32 grads on any device and scales them the same way |
 | `dist_ckpt` | `dist_checkpointing.save` (torch_dist) calls `torch.cuda.synchronize()` after staging the tensors (`...strategies.filesystem_async`) and reduces / broadcasts its flags on the CUDA device (`...strategies.state_dict_saver`) | same shim in both modules |
@@ -400,6 +401,44 @@ def _patch_mtp() -> Callable[[], None]:
     return undo
 
 
+def _patch_param_types() -> Callable[[], None]:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    real_type = torch.Tensor.type
+
+    def cuda_named_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """`Tensor.type()` naming a CPU tensor as its CUDA type (`torch.cuda.BFloat16Tensor`); any other call
+        is torch's."""
+        name = real_type(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu" or not isinstance(name, str):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    originals = {cls: cls.__init__ for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer)}
+
+    def wrap(init: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            with _LOCK:
+                torch.Tensor.type = cuda_named_type  # type: ignore[method-assign,assignment]
+                try:
+                    init(self, *args, **kwargs)
+                finally:
+                    torch.Tensor.type = real_type  # type: ignore[method-assign]
+
+        return __init__
+
+    for cls, init in originals.items():
+        cls.__init__ = wrap(init)
+
+    def undo() -> None:
+        for cls, init in originals.items():
+            cls.__init__ = init
+
+    return undo
+
+
 @dataclass(frozen=True)
 class Workaround:
     """One CPU patch: where megatron-core fails without CUDA, and how to apply it."""
@@ -451,6 +490,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "optimizer",
         "FP32Optimizer / MixedPrecisionOptimizer create device='cuda' scalars",
         lambda: _shim_module("megatron.core.optimizer.optimizer"),
+    ),
+    Workaround(
+        "param_types",
+        "Float16OptimizerWithFloat16Params and DistributedOptimizer take only torch.cuda.*Tensor parameters "
+        "(bf16 / fp16 training's fp32 main parameters)",
+        _patch_param_types,
     ),
     Workaround(
         "clip_grads",

@@ -25,6 +25,8 @@ SHAPES = {
     "hybrid": "hybrid_tp1_pp2_mhc_moe",
     "hybrid-mtp": "hybrid_tp1_pp2_mhc_moe_mtp",
     "single-pass-mhc-recompute": "hybrid_tp1_pp2_mhc_moe_v41",
+    "dense-bf16-distributed-optimizer": "gpt_tp1_pp1_mhc_bf16",
+    "hybrid-bf16-distributed-optimizer": "hybrid_tp1_pp2_mhc_moe_bf16",
 }
 """Each model shape the suite trains -> its recipe (the session's cached run: no extra launch)."""
 

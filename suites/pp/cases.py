@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CASES", "HIDDEN", "N", "SINGLE_PASS_CASES", "Case"]
+__all__ = ["BF16_CASES", "CASES", "HIDDEN", "N", "SINGLE_PASS_CASES", "Case"]
 
 HIDDEN, N = 32, 4
 """C and n of the worker's model (`pp_worker.MODEL`)."""
@@ -128,6 +128,30 @@ CASES = [
         rtol=2e-5,
     ),
 ]
+
+
+BF16_CASES = [
+    # megatron-core's bf16 mixed precision (Float16Module, a bf16 pipeline) with dev's numerics, the mHC parameters
+    # kept fp32: the dense GPT and DeepSeek-V4's hybrid shape (`*E|*E`) over two stages. The n-stream bf16 state
+    # crosses the boundary as the single process hands it from layer to layer: bitwise.
+    Case(
+        name="pp2-bf16",
+        nproc=2,
+        args=("--pp", "2", "--bf16", "--numerics", "dev"),
+        reference="mhc-dev-bf16",
+        rtol=0.0,
+    ),
+    Case(
+        name="pp2-hybrid-bf16",
+        nproc=2,
+        args=("--pp", "2", "--hybrid", "*E|*E", "--bf16", "--numerics", "dev"),
+        reference="mhc-hybrid-dev-bf16",
+        rtol=0.0,
+    ),
+]
+"""The per-sublayer form in bf16 (the single-pass form's are in `SINGLE_PASS_CASES`)."""
+
+CASES += BF16_CASES
 
 
 def _single_pass(

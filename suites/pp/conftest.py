@@ -26,6 +26,8 @@ class ReferenceRuns:
         "mhc-mtp": ["--mtp", "2", "--numerics", "dev"],
         "mhc-hybrid": ["--hybrid", "*-*E"],
         "mhc-hybrid-mtp": ["--hybrid", "*-*E/*E", "--numerics", "dev"],
+        "mhc-dev-bf16": ["--bf16", "--numerics", "dev"],
+        "mhc-hybrid-dev-bf16": ["--hybrid", "*E*E", "--bf16", "--numerics", "dev"],
         "sp": ["--single-pass"],
         "sp-bf16": ["--single-pass", "--bf16"],
         "sp-hybrid": ["--single-pass", "--hybrid", "*E*E"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.launch.runs import plan_case
 from harness.training.trainer import UNSUPPORTED, _refuse_unsupported
@@ -141,3 +142,28 @@ def test_then_train_without_a_dump_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args([*base, "--then-train"])
     assert "--then-train needs --dump-init" in capsys.readouterr().err
+
+
+def test_a_run_megatron_core_cannot_checkpoint_is_refused_naming_why():
+    """bf16 with fp32-kept parameters, and the distributed optimizer on CPU: refused before a step, each named;
+    an fp32 run without it passes."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from harness.training.trainer import Trainer
+    from mhc_core.precision import mark_keep_in_fp32
+
+    model = nn.Linear(2, 2)
+    mark_keep_in_fp32(model.weight)
+
+    def run(**args):
+        defaults = {"bf16": False, "use_distributed_optimizer": False}
+        return SimpleNamespace(
+            plan=SimpleNamespace(args=SimpleNamespace(**{**defaults, **args})), model=model
+        )
+
+    Trainer.refuse_unsavable(run())  # fp32, plain optimizer: saves
+    with pytest.raises(NotImplementedError, match=r"--bf16 with parameters kept fp32") as err:
+        Trainer.refuse_unsavable(run(bf16=True, use_distributed_optimizer=True))
+    assert ("--use-distributed-optimizer" in str(err.value)) == (not torch.cuda.is_available())

@@ -231,12 +231,13 @@ class TestP2P:
         assert received.device.type == "cpu" and torch.equal(received, sent)
 
 
-def _ddp(config, model):
-    """megatron-core's DistributedDataParallel around `model`, as the functional runner builds it."""
+def _ddp(config, model, distributed: bool = False):
+    """megatron-core's DistributedDataParallel around `model`, as the functional runner builds it (`distributed`:
+    for the distributed optimizer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
     )
     return DistributedDataParallel(config, ddp_config, model)
 

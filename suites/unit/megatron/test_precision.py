@@ -1,8 +1,8 @@
 """mHC parameters under megatron-core's `Float16Module` (bf16): kept fp32 for `megatron_dev`, cast for `megatron_main`.
 
 The chain is the real one the functional runner uses: `Float16Module` -> `DistributedDataParallel`
--> megatron's schedule (CPU and GPU) -> `get_megatron_optimizer(bf16=True)` (GPU only: megatron's
-bf16 optimizer accepts only `torch.cuda.*` parameters).
+-> megatron's schedule -> `get_megatron_optimizer(bf16=True)` (on CPU through `cpu_support`'s `param_types`:
+megatron's bf16 optimizers accept only `torch.cuda.*` parameters), plain and distributed.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ def _bf16_model(make_config, build_gpt, variant: str, learned: bool):
     return config, Float16Module(config, build_gpt(config))
 
 
-def _ddp_forward_backward(config, model, batch):
+def _ddp_forward_backward(config, model, batch, distributed: bool = False):
     """megatron DDP around `model`, one micro-batch through megatron's schedule; returns the DDP model."""
     from suites.unit.megatron.test_cpu_support import _ddp, _forward_backward
 
-    ddp = _ddp(config, model)
+    ddp = _ddp(config, model, distributed)
     _forward_backward(config, ddp, batch)
     return ddp
 
@@ -86,11 +86,6 @@ def test_dev_bf16_backward_through_ddp_fills_fp32_mhc_grads(make_config, build_g
     assert not zero, f"zero main_grad: {zero}"
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="megatron-core's bf16 optimizer (Float16OptimizerWithFloat16Params) accepts only "
-    "torch.cuda.* parameters; the CPU test above covers the model side up to the grad buffer",
-)
 def test_dev_bf16_optimizer_routes_mhc_params_as_fp32(make_config, build_gpt, batch):
     """megatron_dev in bf16: the bf16 optimizer keeps the mHC params in its fp32 group, steps them, and they stay fp32."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -110,5 +105,38 @@ def test_dev_bf16_optimizer_routes_mhc_params_as_fp32(make_config, build_gpt, ba
     routed = {id(p) for part in parts for g in part.fp32_from_fp32_groups for p in g}
     assert routed, f"no fp32_from_fp32_groups in {[type(o).__name__ for o in parts]}"
     assert all(id(p) in routed and p.dtype == torch.float32 for p in params.values())
+    moved = [n for n, p in params.items() if not torch.equal(p, before[n.removeprefix("module.")])]
+    assert any("mapping_proj" in n for n in moved), moved
+
+
+def test_dev_bf16_distributed_optimizer_keeps_mhc_params_fp32(make_config, build_gpt, batch):
+    """megatron_dev in bf16 under the distributed optimizer: the mHC params' shards are in its fp32 groups (no
+    fp32 copy of a bf16 param), the bf16 params' in its fp32-from-bf16 groups; a step moves the mapping, and every
+    mHC param stays fp32."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config, model = _bf16_model(make_config, build_gpt, "megatron_dev", True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if _is_mhc(n)}
+    ddp = _ddp_forward_backward(config, model, batch, distributed=True)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            clip_grad=1.0,
+            use_distributed_optimizer=True,
+        ),
+        [ddp],
+    )
+    ok, _, _ = opt.step()
+    assert ok, "optimizer step reported failure (non-finite gradients)"
+    parts = getattr(opt, "chained_optimizers", [opt])
+    assert all(type(o).__name__ == "DistributedOptimizer" for o in parts), [type(o).__name__ for o in parts]
+    fp32_model = {id(p) for o in parts for g in o.model_fp32_groups for p in g}
+    bf16_model = {id(p) for o in parts for g in o.model_float16_groups for p in g}
+    params = {n: p for n, p in ddp.named_parameters() if _is_mhc(n)}
+    assert all(id(p) in fp32_model and p.dtype == torch.float32 for p in params.values())
+    assert bf16_model and not bf16_model & {id(p) for p in params.values()}
     moved = [n for n, p in params.items() if not torch.equal(p, before[n.removeprefix("module.")])]
     assert any("mapping_proj" in n for n in moved), moved
