@@ -182,8 +182,8 @@ def _tensors_in(obj: Any, depth: int, seen: set[int]) -> Iterator[torch.Tensor]:
             if isinstance(extra, torch.Tensor):
                 yield extra
         return
-    if isinstance(obj, types.ModuleType | type | types.FunctionType | types.MethodType):
-        return
+    if isinstance(obj, types.ModuleType | type | types.FunctionType | types.MethodType | nn.Module):
+        return  # (a module's parameters and buffers are owned by name; an optimizer's model chunks are not its)
     if isinstance(obj, dict):
         children: Iterable[Any] = list(obj.values()) + [k for k in obj if isinstance(k, torch.Tensor)]
     elif isinstance(obj, list | tuple | set | frozenset):

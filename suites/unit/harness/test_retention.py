@@ -159,3 +159,15 @@ def test_an_integer_tensor_only_cpp_holds_is_reported_a_float_one_is_an_error():
     floats = check._describe(live[1], 2, {}, search=(live,))
     assert counts.where.startswith("held outside Python") and counts.by_design == UNATTRIBUTED_INTEGERS
     assert floats.where.startswith("held outside Python") and floats.by_design is None
+
+
+def test_an_optimizer_that_holds_the_model_does_not_own_its_activations():
+    """megatron-core's chained optimizer keeps `model_chunks`: a module attribute's activation is still a finding."""
+    from types import SimpleNamespace
+
+    net = _Net()
+    adam = torch.optim.Adam(net.parameters(), lr=1e-3)
+    check = RetentionCheck([net], SimpleNamespace(optimizer=adam, model_chunks=[net]))
+    plant_retention(net, "first")
+    _train(net, check, adam)
+    assert {f.where for f in check.errors()} == {"first._planted_activation"}
