@@ -110,8 +110,8 @@ class PeerResult:
     """Every check against each configuration tried: the plain variants, then each with its options."""
     determinism: Verdict | None = None
     """Run to run, batch and thread-count invariance of its probe checks (`harness.conformance.determinism`)."""
-    determinism_error: str | None = None
-    """What the peer raised when a probe ran it again (its cells' first runs had not raised)."""
+    determinism_note: str | None = None
+    """Why there is no verdict: what the peer raised when a probe ran it again (`error: ...`), or `n/a: ...`."""
 
     @staticmethod
     def _score(cells: Sequence[Cell]) -> tuple[int, float]:
@@ -185,7 +185,7 @@ class PeerResult:
             "skipped": self.skipped,
             "claims": self.claims,
             "determinism": None if self.determinism is None else self.determinism.to_json(),
-            "determinism_error": self.determinism_error,
+            "determinism_note": self.determinism_note,
             "best": self.best,
             "configuration": self.configuration,
             "scores": {v: dict(zip(("pass", "of"), self.tally(v), strict=True)) for v in self.by_variant},
@@ -531,11 +531,17 @@ def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
         except Exception as exc:  # a peer that raises: named, and the rest still runs
             side = exc
         cells.sides.append((spec, side))
-    determinism, determinism_error = None, None
-    try:
-        determinism = None if isinstance(peer, Replayed) else peer_determinism(peer, cells.sides)
-    except Exception as exc:  # a peer that raises on a repeat, with fewer tokens or on one thread
-        determinism_error = f"{type(exc).__name__}: {exc}"
+    determinism, determinism_note = None, None
+    version = peer.version() or ""
+    if isinstance(peer, Replayed):
+        determinism_note = "n/a: a replayed recording is one run"
+    elif version.endswith("(interpreted)"):  # the interpreter's reduction order is not the GPU kernel's
+        determinism_note = "n/a: Triton's interpreter (numpy) says nothing of the GPU kernel's determinism"
+    else:
+        try:
+            determinism = peer_determinism(peer, cells.sides)
+        except Exception as exc:  # a peer that raises on a repeat, with fewer tokens or on one thread
+            determinism_note = f"error: {type(exc).__name__}: {exc}"
     return PeerResult(
         peer=peer.name,
         description=peer.description,
@@ -545,7 +551,7 @@ def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
         by_variant={v: cells.against(v, exit_check=False) for v in variants},
         by_configuration={c: cells.against(c, exit_check=True) for c in _configurations(peer, variants)},
         determinism=determinism,
-        determinism_error=determinism_error,
+        determinism_note=determinism_note,
     )
 
 

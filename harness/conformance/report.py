@@ -54,10 +54,10 @@ def _api(p: PeerResult) -> str:
 
 def _determinism(p: PeerResult) -> str:
     """The determinism cell: `bitwise`, each probe's difference, or why there is none."""
-    if p.determinism_error is not None:
-        return f"error: {p.determinism_error}"
+    if p.determinism_note is not None:
+        return p.determinism_note
     if p.determinism is None:
-        return "n/a (a replayed recording, or no probe check ran)"
+        return "n/a: no probe check ran"
     return p.determinism.cell()
 
 

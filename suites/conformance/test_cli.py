@@ -38,7 +38,7 @@ def test_writes_the_matrix_as_json_and_markdown(tmp_path, capsys):
     # The determinism column: a live peer's run-to-run difference is measured (0 for ours), a replayed one's n/a.
     ours, replayed = doc["peers"]
     assert ours["determinism"]["run_to_run"] == 0.0 and None not in ours["determinism"].values()
-    assert replayed["determinism"] is None and "    determinism: n/a (a replayed recording" in out
+    assert replayed["determinism"] is None and "    determinism: n/a: a replayed recording is one run" in out
     assert "| verdict | determinism |" in md
 
 
