@@ -32,7 +32,7 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,30 +170,59 @@ def _storage_key(t: torch.Tensor) -> int | None:
     return ptr or None
 
 
-def _tensors_in(obj: Any, depth: int, seen: set[int]) -> Iterator[torch.Tensor]:
-    """Tensors reachable from `obj` through containers and instance attributes, `depth` levels deep."""
+_NOT_ENTERED = (types.ModuleType, type, types.FunctionType, types.MethodType, nn.Module)
+"""What a walk does not enter: code, and modules (a module's parameters and buffers are owned, and its attributes
+named, module by module; an optimizer's `model_chunks` are not the optimizer's)."""
+
+
+def _reachable(
+    obj: Any,
+    path: str,
+    depth: int,
+    seen: set[int],
+    *,
+    limit: int | None = None,
+    skip_optimizers: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(path, tensor)` for the tensors reachable from `obj` (named `path`) through containers and instance
+    attributes, `depth` levels deep; `limit`: the most items of one container entered; `skip_optimizers`: objects
+    with `param_groups` are not entered."""
     if id(obj) in seen or depth < 0:
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        yield obj
-        for attr in ("grad", "main_grad"):
-            extra = getattr(obj, attr, None) if attr != "grad" or obj.is_leaf else None
-            if isinstance(extra, torch.Tensor):
-                yield extra
+        yield path, obj
         return
-    if isinstance(obj, types.ModuleType | type | types.FunctionType | types.MethodType | nn.Module):
-        return  # (a module's parameters and buffers are owned by name; an optimizer's model chunks are not its)
+    if isinstance(obj, _NOT_ENTERED):
+        return
     if isinstance(obj, dict):
-        children: Iterable[Any] = list(obj.values()) + [k for k in obj if isinstance(k, torch.Tensor)]
+        items: list[tuple[str, Any]] = [
+            (f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]", v) for k, v in obj.items()
+        ]
+        items += [(f"[{k!r}]", k) for k in obj if isinstance(k, torch.Tensor)]
     elif isinstance(obj, list | tuple | set | frozenset):
-        children = list(obj)
-    elif hasattr(obj, "__dict__"):
-        children = list(vars(obj).values())
+        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
+    elif isinstance(getattr(obj, "__dict__", None), dict) and not (
+        skip_optimizers and hasattr(obj, "param_groups")
+    ):
+        items = [(f".{k}", v) for k, v in vars(obj).items()]
     else:
         return
-    for child in children:
-        yield from _tensors_in(child, depth - 1, seen)
+    for key, child in items[:limit]:
+        yield from _reachable(
+            child, path + key, depth - 1, seen, limit=limit, skip_optimizers=skip_optimizers
+        )
+
+
+def _tensors_in(obj: Any, depth: int) -> Iterator[torch.Tensor]:
+    """Tensors reachable from `obj` (`_reachable`), with a leaf's gradient and megatron-core's `main_grad`."""
+    for _, t in _reachable(obj, "", depth, set()):
+        yield t
+        if t.is_leaf and t.grad is not None:
+            yield t.grad
+        main_grad = getattr(t, "main_grad", None)
+        if isinstance(main_grad, torch.Tensor):
+            yield main_grad
 
 
 def owned_storages(chunks: Iterable[nn.Module], optimizer: Any = None) -> dict[int, str]:
@@ -209,30 +238,35 @@ def owned_storages(chunks: Iterable[nn.Module], optimizer: Any = None) -> dict[i
 
     for chunk in chunks:
         for m in chunk.modules():
-            add(_tensors_in([p for p in m._parameters.values() if p is not None], 2, set()), "parameter")
+            add(_tensors_in([p for p in m._parameters.values() if p is not None], 2), "parameter")
             add((b for b in m._buffers.values() if b is not None), "buffer")
             for attr in ("buffers", "expert_parallel_buffers", "param_to_bucket_group"):
                 if hasattr(m, attr):  # megatron-core DDP's parameter / gradient buffers
-                    add(_tensors_in(getattr(m, attr), 4, set()), "grad buffer")
+                    add(_tensors_in(getattr(m, attr), 4), "grad buffer")
     if optimizer is not None:
-        add(_tensors_in(optimizer, 8, set()), "optimizer")
+        add(_tensors_in(optimizer, 8), "optimizer")
     try:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        add(_tensors_in(get_cuda_rng_tracker(), 4, set()), "rng state")
+        add(_tensors_in(get_cuda_rng_tracker(), 4), "rng state")
     except ImportError:
         pass
     return owned
 
 
-def _module_names(chunks: Iterable[nn.Module]) -> dict[int, str]:
-    """`{id(module): dotted name}` over the chunks (`chunk<i>.` prefixed when there are several)."""
-    chunks = list(chunks)
-    names: dict[int, str] = {}
+def _named_modules(chunks: Sequence[nn.Module]) -> Iterator[tuple[str, nn.Module]]:
+    """`(dotted name, module)` over the chunks (`chunk<i>.` prefixed when there are several)."""
     for i, chunk in enumerate(chunks):
         prefix = f"chunk{i}." if len(chunks) > 1 else ""
         for name, m in chunk.named_modules():
-            names.setdefault(id(m), (prefix + name).rstrip(".") or type(chunk).__name__)
+            yield (prefix + name).rstrip(".") or type(m).__name__, m
+
+
+def _module_names(chunks: Sequence[nn.Module]) -> dict[int, str]:
+    """`{id(module): dotted name}` over the chunks (`_named_modules`)."""
+    names: dict[int, str] = {}
+    for name, m in _named_modules(chunks):
+        names.setdefault(id(m), name)
     return names
 
 
@@ -283,9 +317,8 @@ def where_held(
     a frame's local (`decoder.layers.0.mlp._kept`, `pkg.mod.Class.attr[2]`), else from the outermost object
     found (`<StabilityMonitor>._captured['x']`). `budget`: the most `gc.get_referrers` calls (each scans every
     object: ~0.1 s); `ignore`: the caller's own containers."""
-    skip = {id(sys._getframe()), id(sys._getframe(1))} | {
-        id(o) for o in ignore
-    }  # (no frame in a local: a cycle)
+    # The frames' ids only: a frame held in a local would be a reference cycle.
+    skip = {id(sys._getframe()), id(sys._getframe(1))} | {id(o) for o in ignore}
     objs: list[Any] = [t]  # the frontier as two lists: a (object, path) pair would itself refer to the object
     paths: list[str] = [""]
     seen = {id(t)}
@@ -355,36 +388,13 @@ def names_from_roots(roots: dict[str, Any], *, depth: int = 4) -> dict[int, str]
     and optimizers are not entered (their tensors are named by module, or owned)."""
     names: dict[int, str] = {}
     seen: set[int] = set()
-
-    def walk(obj: Any, path: str, left: int) -> None:
-        if id(obj) in seen or left < 0:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            names.setdefault(id(obj), path)
-            if obj.is_leaf and obj.grad is not None:  # a gradient is held by its tensor, out of gc's sight
-                names.setdefault(id(obj.grad), path + ".grad")
-            for saved, t in _saved_by_graph(obj.grad_fn, path + ".grad_fn"):  # so is what its graph saved
-                names.setdefault(id(t), saved)
-            return
-        if isinstance(obj, types.ModuleType | type | types.FunctionType | types.MethodType | nn.Module):
-            return
-        if isinstance(obj, dict):
-            items: Iterable[tuple[str, Any]] = [
-                (f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]", v)
-                for k, v in list(obj.items())[:256]
-            ]
-        elif isinstance(obj, list | tuple):
-            items = [(f"[{i}]", v) for i, v in enumerate(obj[:256])]
-        elif isinstance(getattr(obj, "__dict__", None), dict) and not hasattr(obj, "param_groups"):
-            items = [(f".{k}", v) for k, v in vars(obj).items()]
-        else:
-            return
-        for key, child in items:
-            walk(child, path + key, left - 1)
-
     for name, root in roots.items():
-        walk(root, name, depth)
+        for path, t in _reachable(root, name, depth, seen, limit=256, skip_optimizers=True):
+            names.setdefault(id(t), path)
+            if t.is_leaf and t.grad is not None:  # a gradient is held by its tensor, out of gc's sight
+                names.setdefault(id(t.grad), path + ".grad")
+            for saved, s in _saved_by_graph(t.grad_fn, path + ".grad_fn"):  # so is what its graph saved
+                names.setdefault(id(s), saved)
     return names
 
 
@@ -432,12 +442,10 @@ class RetentionCheck:
     def _names(self) -> dict[int, str]:
         """Cheap names: the model modules' attributes, `roots`, megatron-core's parallel state."""
         roots: dict[str, Any] = dict(self.roots)
-        for i, chunk in enumerate(self.chunks):
-            for name, m in chunk.named_modules():
-                prefix = f"chunk{i}." if len(self.chunks) > 1 else ""
-                roots[(prefix + name).rstrip(".") or type(m).__name__] = {
-                    k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")
-                }
+        for name, m in _named_modules(self.chunks):
+            roots[name] = {
+                k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")
+            }
         state = sys.modules.get("megatron.core.parallel_state")
         if state is not None:
             roots["megatron.core.parallel_state"] = {

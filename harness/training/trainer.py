@@ -473,9 +473,8 @@ class Trainer:
             rec = self.step(step)
             records.append(rec)
             self.retention.after_step(step)
-            if (
-                self.tree_flavor is None
-            ):  # a tree's retention is the tree's finding (its report), not an error
+            # A tree's retention is the tree's finding (its report), not an error.
+            if self.tree_flavor is None:
                 self.retention.raise_if_retained()
             if self.holds_loss and last_rank:
                 print(progress_line(rec, a.train_iters), flush=True)
