@@ -86,38 +86,14 @@ def test_dev_bf16_backward_through_ddp_fills_fp32_mhc_grads(make_config, build_g
     assert not zero, f"zero main_grad: {zero}"
 
 
-def test_dev_bf16_optimizer_routes_mhc_params_as_fp32(make_config, build_gpt, batch):
-    """megatron_dev in bf16: the bf16 optimizer keeps the mHC params in its fp32 group, steps them, and they stay fp32."""
+def _dev_bf16_step(make_config, build_gpt, batch, distributed: bool):
+    """megatron_dev in bf16 through DDP and one step of megatron-core's bf16 optimizer (`distributed`: the
+    distributed one): `(the optimizer's parts, {name: mHC param}, names of the mHC params the step moved)`."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config, model = _bf16_model(make_config, build_gpt, "megatron_dev", True)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if _is_mhc(n)}
-    ddp = _ddp_forward_backward(config, model, batch)
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0),
-        [ddp],
-    )
-    ok, _, _ = opt.step()
-    assert ok, "optimizer step reported failure (non-finite gradients)"
-    params = {n: p for n, p in ddp.named_parameters() if _is_mhc(n)}
-    # get_megatron_optimizer returns a ChainedOptimizer (0.16.1 and 0.19.2): its parts hold the groups.
-    parts = getattr(opt, "chained_optimizers", [opt])
-    routed = {id(p) for part in parts for g in part.fp32_from_fp32_groups for p in g}
-    assert routed, f"no fp32_from_fp32_groups in {[type(o).__name__ for o in parts]}"
-    assert all(id(p) in routed and p.dtype == torch.float32 for p in params.values())
-    moved = [n for n, p in params.items() if not torch.equal(p, before[n.removeprefix("module.")])]
-    assert any("mapping_proj" in n for n in moved), moved
-
-
-def test_dev_bf16_distributed_optimizer_keeps_mhc_params_fp32(make_config, build_gpt, batch):
-    """megatron_dev in bf16 under the distributed optimizer: the mHC params' shards are in its fp32 groups (no
-    fp32 copy of a bf16 param), the bf16 params' in its fp32-from-bf16 groups; a step moves the mapping, and every
-    mHC param stays fp32."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    config, model = _bf16_model(make_config, build_gpt, "megatron_dev", True)
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if _is_mhc(n)}
-    ddp = _ddp_forward_backward(config, model, batch, distributed=True)
+    ddp = _ddp_forward_backward(config, model, batch, distributed=distributed)
     opt = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -125,18 +101,35 @@ def test_dev_bf16_distributed_optimizer_keeps_mhc_params_fp32(make_config, build
             bf16=True,
             params_dtype=torch.bfloat16,
             clip_grad=1.0,
-            use_distributed_optimizer=True,
+            use_distributed_optimizer=distributed,
         ),
         [ddp],
     )
     ok, _, _ = opt.step()
     assert ok, "optimizer step reported failure (non-finite gradients)"
-    parts = getattr(opt, "chained_optimizers", [opt])
+    params = {n: p for n, p in ddp.named_parameters() if _is_mhc(n)}
+    moved = [n for n, p in params.items() if not torch.equal(p, before[n.removeprefix("module.")])]
+    # get_megatron_optimizer returns a ChainedOptimizer (0.16.1 and 0.19.2): its parts hold the groups.
+    return getattr(opt, "chained_optimizers", [opt]), params, moved
+
+
+def test_dev_bf16_optimizer_routes_mhc_params_as_fp32(make_config, build_gpt, batch):
+    """megatron_dev in bf16: the bf16 optimizer keeps the mHC params in its fp32 group, steps them, and they stay fp32."""
+    parts, params, moved = _dev_bf16_step(make_config, build_gpt, batch, distributed=False)
+    routed = {id(p) for part in parts for g in part.fp32_from_fp32_groups for p in g}
+    assert routed, f"no fp32_from_fp32_groups in {[type(o).__name__ for o in parts]}"
+    assert all(id(p) in routed and p.dtype == torch.float32 for p in params.values())
+    assert any("mapping_proj" in n for n in moved), moved
+
+
+def test_dev_bf16_distributed_optimizer_keeps_mhc_params_fp32(make_config, build_gpt, batch):
+    """megatron_dev in bf16 under the distributed optimizer: the mHC params' shards are in its fp32 groups (no
+    fp32 copy of a bf16 param), the bf16 params' in its fp32-from-bf16 groups; a step moves the mapping, and every
+    mHC param stays fp32."""
+    parts, params, moved = _dev_bf16_step(make_config, build_gpt, batch, distributed=True)
     assert all(type(o).__name__ == "DistributedOptimizer" for o in parts), [type(o).__name__ for o in parts]
     fp32_model = {id(p) for o in parts for g in o.model_fp32_groups for p in g}
     bf16_model = {id(p) for o in parts for g in o.model_float16_groups for p in g}
-    params = {n: p for n, p in ddp.named_parameters() if _is_mhc(n)}
     assert all(id(p) in fp32_model and p.dtype == torch.float32 for p in params.values())
     assert bf16_model and not bf16_model & {id(p) for p in params.values()}
-    moved = [n for n, p in params.items() if not torch.equal(p, before[n.removeprefix("module.")])]
     assert any("mapping_proj" in n for n in moved), moved
