@@ -15,6 +15,7 @@ largest absolute difference over every output and gradient (0.0: bitwise):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -200,12 +201,9 @@ TOKEN_FIELDS = ("x", "h_pre", "h_post", "h_res", "y", "logits", "h0")
 
 
 def _side_diff(a: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], b: Any) -> float:
+    """`_differ` of two `run_side` results (outputs by name, gradients by name) over the outputs both have."""
     keys = [k for k in a[0] if k in b[0]]
-    grads = [k for k in a[1] if k in b[1]]
-    return max(
-        [_max_diff(a[0][k], b[0][k]) for k in keys] + [_max_diff(a[1][k], b[1][k]) for k in grads],
-        default=0.0,
-    )
+    return _differ((tuple(a[0][k] for k in keys), a[1]), (tuple(b[0][k] for k in keys), b[1]))
 
 
 def peer_determinism(peer: Any, sides: Sequence[tuple[Any, Any]]) -> Verdict | None:
@@ -213,8 +211,6 @@ def peer_determinism(peer: Any, sides: Sequence[tuple[Any, Any]]) -> Verdict | N
     first run (`sides`: `(spec, (outputs, gradients) or the exception)` from the matrix) against a second run,
     the forward of the first `TOKENS // 2` tokens alone (its gradients would need the whole batch's cotangents),
     and one thread against the session's count (two where the session runs one). None when no probe check ran (a replayed peer: its recording is one run)."""
-    import dataclasses
-
     from harness.conformance.checks import run_side
 
     ok = [(spec, side) for spec, side in sides if isinstance(side, tuple) and spec.kind == "numeric"]
