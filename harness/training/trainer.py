@@ -247,6 +247,7 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
+        from mhc_core.megatron.distrib_optimizer import align_param_group_index_map
         from mhc_core.megatron.gpt import build_gpt_model
 
         self.plan, a = plan, plan.args
@@ -313,6 +314,8 @@ class Trainer:
             ),
             self.chunks,
         )
+        # megatron-core's distributed optimizer misplaces fp32-kept parameters in its checkpoint map (module doc).
+        align_param_group_index_map(self.optimizer)
         decay = a.lr_decay_iters or a.train_iters
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
@@ -445,21 +448,16 @@ class Trainer:
         from mhc_core.precision import is_kept_in_fp32
 
         a = self.plan.args
-        why = []
-        if a.use_distributed_optimizer and not torch.cuda.is_available():
-            why.append(
-                "--use-distributed-optimizer: without Transformer Engine / apex (torch's AdamW inside), "
-                "DistributedOptimizer.state_dict fails its assertion that all parameters share one Adam step "
-                "count (seen on gpt_tp1_pp1_mhc in fp32)"
-            )
-        if a.bf16 and any(is_kept_in_fp32(p) for p in self.model.parameters()):
-            why.append(
-                "--bf16 with parameters kept fp32 (the mHC parameters of dev's numerics): the bf16 optimizers' "
-                "sharded_state_dict maps only their bf16 parameters and fails on the fp32 ones"
-            )
-        if why:
+        if (
+            a.bf16
+            and not a.use_distributed_optimizer
+            and any(is_kept_in_fp32(p) for p in self.model.parameters())
+        ):
             raise NotImplementedError(
-                "this run cannot save checkpoints with megatron-core: " + "; ".join(why)
+                "this run cannot save checkpoints with megatron-core: --bf16 with parameters kept fp32 (the mHC "
+                "parameters of dev's numerics) and without --use-distributed-optimizer: the bf16 optimizer's "
+                "sharded_state_dict maps only its bf16 parameters and fails on the fp32 ones (upstream trains "
+                "these with the distributed optimizer, which checkpoints them)"
             )
 
     def train(self, *, start: int = 0, save: Path | None = None) -> list[StepRecord]:

@@ -104,10 +104,14 @@ class FunctionalRuns:
         """The resolved plan of `case` on this session's hardware (with any planted overrides)."""
         return plan_case(case, self.hw, data_dir=self.data_dir, overrides=planted_overrides() or None)
 
+    def checkpoints(self, case: str) -> Path:
+        """Where the session's run of a ckpt-resume `case` saves its checkpoints."""
+        return self.root / case / "checkpoints"
+
     def run(self, case: str) -> RunResult:
         """The session's run of `case` (a ckpt-resume case saves its checkpoints on the way)."""
         if case not in self._runs:
-            save = self.root / case / "checkpoints" if self.recipe(case).test_type == "ckpt-resume" else None
+            save = self.checkpoints(case) if self.recipe(case).test_type == "ckpt-resume" else None
             planted = planted_overrides()
             if planted:
                 print(f"[functional] {case}: MODEL_ARGS planted by ${PLANT_ENV_VAR}: {planted}", flush=True)
@@ -127,7 +131,7 @@ class FunctionalRuns:
         if key not in self._runs:
             first = self.run(case)
             self._runs[key] = run_ckpt_resume(
-                first, self.root / case / "checkpoints", self.root / case / "resumed", data_dir=self.data_dir
+                first, self.checkpoints(case), self.root / case / "resumed", data_dir=self.data_dir
             )
         return self._runs[key]
 

@@ -1,11 +1,16 @@
-"""ckpt-resume cases: a second launch from the checkpoint at N/2 reproduces the uninterrupted run."""
+"""ckpt-resume cases: a second launch from the checkpoint at N/2 reproduces the uninterrupted run; a bf16 case's
+checkpoint keeps the mHC parameters fp32."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from harness.golden.compare import ExactCheck, compare, format_results
 from harness.golden.schema import to_golden
+from harness.training.checkpoint import iteration_dir
 from harness.training.recipe import RECIPE_DIR, load_recipe, recipe_names
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -32,3 +37,42 @@ def test_resumed_steps_equal_uninterrupted_run(case, functional_runs):
     assert all(r.ok for r in results), f"{case}: resumed from step {half} differs:\n" + format_results(
         results
     )
+
+
+BF16_RESUME_CASES = [
+    c
+    for c in RESUME_CASES
+    if "cpu_x86_64" in load_recipe(RECIPE_DIR / f"{c}.yaml").hardware
+    and load_recipe(RECIPE_DIR / f"{c}.yaml").hardware["cpu_x86_64"].dtype == "bf16"
+]
+
+
+def _tensor_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
+    """{key: dtype} of every tensor in a torch_dist checkpoint directory (read from its `.metadata` alone)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    return {
+        key: item.properties.dtype
+        for key, item in metadata.state_dict_metadata.items()
+        if hasattr(item, "properties")
+    }
+
+
+@pytest.mark.parametrize("case", BF16_RESUME_CASES)
+def test_bf16_checkpoint_keeps_mhc_params_fp32(case, functional_runs):
+    """In a bf16 run's checkpoint every mHC parameter is fp32 and every other model tensor bf16; the distributed
+    optimizer's state of the fp32 parameters (their own buffer) is fp32."""
+    reason = functional_runs.skip_reason(case)
+    if reason:
+        pytest.skip(reason)
+    full = functional_runs.run(case)
+    dtypes = _tensor_dtypes(iteration_dir(functional_runs.checkpoints(case), full.plan.args.save_interval))
+    model = {k: d for k, d in dtypes.items() if not k.startswith(("optimizer.", "rng_state"))}
+    mhc = {k: d for k, d in model.items() if "hyper_connection" in k or "hc_head" in k}
+    rest = {k: d for k, d in model.items() if k not in mhc}
+    assert mhc and set(mhc.values()) == {torch.float32}, mhc
+    assert rest and set(rest.values()) == {torch.bfloat16}, rest
+    fp32_buffer = {k: d for k, d in dtypes.items() if ".dtype_(torch.float32, torch.float32)." in k}
+    assert {k.rsplit(".", 1)[1] for k in fp32_buffer} == {"param", "exp_avg", "exp_avg_sq"}, sorted(dtypes)
+    assert set(fp32_buffer.values()) == {torch.float32}, fp32_buffer

@@ -133,3 +133,29 @@ def test_dev_bf16_distributed_optimizer_keeps_mhc_params_fp32(make_config, build
     assert all(id(p) in fp32_model and p.dtype == torch.float32 for p in params.values())
     assert bf16_model and not bf16_model & {id(p) for p in params.values()}
     assert any("mapping_proj" in n for n in moved), moved
+
+
+def _misplaced(part) -> list[str]:
+    """Model parameters of a `DistributedOptimizer` part whose `_get_main_param_and_optimizer_states` main copy is
+    not theirs (another size, or values that do not round to theirs)."""
+    wrong = []
+    for group in [*part.model_fp32_groups, *part.model_float16_groups]:
+        for p in group:
+            main = part._get_main_param_and_optimizer_states(p)["param"]
+            if main.numel() != p.numel() or not torch.equal(main.to(p.dtype), p.detach().view(-1)):
+                wrong.append(f"{list(p.shape)} {p.dtype}: main {list(main.shape)}")
+    return wrong
+
+
+def test_dev_bf16_distributed_optimizer_maps_each_param_to_its_state(make_config, build_gpt, batch):
+    """megatron-core's distributed optimizer maps a group mixing fp32-kept and bf16 params to the wrong main copies
+    (the finding); after `align_param_group_index_map` every param's main copy and Adam state are its own."""
+    from mhc_core.megatron.distrib_optimizer import align_param_group_index_map
+
+    parts, _, _ = _dev_bf16_step(make_config, build_gpt, batch, distributed=True)
+    before = [w for part in parts for w in _misplaced(part)]
+    moved = sum(align_param_group_index_map(part) for part in parts)
+    after = [w for part in parts for w in _misplaced(part)]
+    assert not after, f"after the mend: {after}"
+    assert moved > 0 and before, "megatron-core no longer misplaces them: the mend can go (update the docs)"
+    assert align_param_group_index_map(parts[0]) == 0  # idempotent
