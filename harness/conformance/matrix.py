@@ -87,6 +87,16 @@ class Cell:
     """For orientation / exact-sums: what the peer does."""
     message: str = ""
 
+    @property
+    def severity(self) -> float:
+        """How far off it is, for ordering: the error over the bound; for a gradient norm (`stack-grads`) the factor
+        either way; 0 without a number (`observed`, `error`)."""
+        if self.ratio is None or math.isnan(self.ratio):
+            return 0.0
+        if self.max_abs is None:  # a gradient norm ratio, peer / reference
+            return math.inf if self.ratio == 0 else max(self.ratio, 1 / self.ratio)
+        return self.ratio
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for k in ("max_abs", "ratio"):
@@ -177,6 +187,16 @@ class PeerResult:
         """It conforms, and to the configuration it claims (when it claims one)."""
         return self.conforms and (self.claims is None or get_variant(self.claims).name == self.configuration)
 
+    def claim_misses(self) -> list[Cell]:
+        """The checks that fail (or raise) against the configuration it claims: `orientation` first (a mix applied
+        transposed fails most of the rest with it), then the farthest off first (`Cell.severity`); empty without a
+        claim."""
+        if self.claims is None:
+            return []
+        misses = [c for c in self.cells(get_variant(self.claims).name) if c.status in ("fail", "error")]
+
+        return sorted(misses, key=lambda c: (not c.check.startswith("orientation "), -c.severity))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "peer": self.peer,
@@ -193,7 +213,13 @@ class PeerResult:
                 c: dict(zip(("pass", "of"), self.configuration_tally(c), strict=True))
                 for c in self.by_configuration
             },
-            "claim": None if self.claims is None else {"claims": self.claims, "met": self.meets_claim},
+            "claim": None
+            if self.claims is None
+            else {
+                "claims": self.claims,
+                "met": self.meets_claim,
+                "misses": [c.to_json() for c in self.claim_misses()],
+            },
             "cells": [c.to_json() for c in self.cells()],
             "by_variant": {v: [c.to_json() for c in cs] for v, cs in self.by_variant.items()},
             "by_configuration": {v: [c.to_json() for c in cs] for v, cs in self.by_configuration.items()},
@@ -488,7 +514,7 @@ def _grad_size_cell(spec: CheckSpec, variant: str, sizes: list, own: dict[str, f
     worst = max(sizes, key=off)
     bad = [g for g in sizes if off(g) > allowed(g)]
     text = ", ".join(
-        f"{g.name} {g.peer:.2e} vs {g.reference:.2e}" for g in sorted(bad, key=off, reverse=True)[:4]
+        f"{g.name} {g.peer:.2e} vs {g.reference:.2e}" for g in sorted(bad, key=off, reverse=True)
     )
     msg = (
         ""

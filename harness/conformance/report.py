@@ -34,14 +34,44 @@ def _configuration(p: PeerResult) -> str:
     )
 
 
-def _claim(p: PeerResult) -> str:
-    """The peer's claim and whether it holds: `claims X: met`, or `claims X: NOT met (...)`; empty without one."""
+CONSOLE_MISSES = 3
+"""How many of the checks that decide a claim not met the console names (the Markdown and JSON name all)."""
+CONSOLE_MESSAGE = 400
+"""The console shortens a check's message to this many characters (the Markdown and JSON keep it whole)."""
+
+
+def _miss(c: Cell) -> str:
+    """One check a claim misses, with its number: `orientation: transposed (fail)`, `mix 2.2e+05x the bound`."""
+    if c.status == "error":
+        return f"{c.check} raised"
+    if c.observed is not None:
+        return f"{c.check}: {c.observed}"
+    if c.ratio is not None and c.max_abs is not None:
+        return f"{c.check} {c.ratio:.2g}x the bound ({c.max_abs:.1e})"
+    if c.ratio is not None:  # stack-grads: the worst part's gradient norm against the reference's
+        return f"{c.check} a gradient {c.severity:.2g}x off ({c.worst})"
+    return f"{c.check} {c.status}"
+
+
+def _claim(p: PeerResult, limit: int | None = None) -> str:
+    """The peer's claim and whether it holds: `claims X: met`, or `claims X: NOT met (k/n ...): <the checks that
+    fail against X, with their numbers>` (the first `limit` of them); empty without a claim."""
     if p.claims is None:
         return ""
     if p.meets_claim:
         return f"; claims {p.claims}: met"
-    passes, of = p.configuration_tally(get_variant(p.claims).name)
-    return f"; claims {p.claims}: NOT met ({passes}/{of} of its checks pass)"
+    name = get_variant(p.claims).name
+    passes, of = p.configuration_tally(name)
+    misses = p.claim_misses()
+    shown = [_miss(c) for c in misses[:limit]]
+    if limit is not None and len(misses) > limit:
+        shown.append(f"{len(misses) - limit} more")
+    why = f": {'; '.join(shown)}" if shown else f": it conforms to {p.configuration} instead"
+    return f"; claims {p.claims}: NOT met ({passes}/{of} of its checks pass){why}"
+
+
+def _short(text: str, limit: int = CONSOLE_MESSAGE) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "… (whole in conformance.md)"
 
 
 _API = "API generation "
@@ -71,7 +101,7 @@ def format_summary(matrix: Matrix) -> str:
         verdict = "conforms to" if p.conforms else "best matches"
         tried = "" if len(p.by_configuration) < 2 else f" [{len(p.by_configuration)} configurations tried]"
         lines.append(
-            f"{p.peer} ({p.version or 'no version'}): {verdict} {_configuration(p)}{_claim(p)} "
+            f"{p.peer} ({p.version or 'no version'}): {verdict} {_configuration(p)}{_claim(p, CONSOLE_MISSES)} "
             f"[per variant: {_scores(p)}]{tried}"
         )
         lines.append(f"    determinism: {_determinism(p)}")
@@ -79,7 +109,7 @@ def format_summary(matrix: Matrix) -> str:
             lines.append("    " + _api(p))
         for c in p.cells():
             if c.status != "pass":
-                lines.append(f"    {c.check}: {c.status}: {c.message}")
+                lines.append(f"    {c.check}: {c.status}: {_short(c.message)}")
     return "\n".join(lines)
 
 
@@ -101,7 +131,7 @@ def markdown(matrix: Matrix) -> str:
         else:
             md.append(
                 f"| {p.peer} | {p.version or '-'} | {p.best} | {_scores(p)} | {_configuration(p)} | "
-                f"{'conforms' if p.conforms else 'differs'}{_claim(p)} | {_determinism(p)} |"
+                f"{'conforms' if p.conforms else 'differs'}{_claim(p).replace('|', chr(92) + '|')} | {_determinism(p)} |"
             )
     for p in matrix.peers:
         if p.skipped:

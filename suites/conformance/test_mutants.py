@@ -117,6 +117,53 @@ def test_console_markdown_and_json_print_the_same_counts_and_the_claim():
         assert doc["scores"][v] == {"pass": p, "of": o} and o == len(row.by_variant[v])
         assert f"{v} {p}/{o}" in line and f"{v} {p}/{o}" in table
     claimed = doc["configuration_scores"][mutant.claims]
-    assert claimed["pass"] < claimed["of"] and doc["claim"] == {"claims": mutant.claims, "met": False}
-    want = f"claims {mutant.claims}: NOT met ({claimed['pass']}/{claimed['of']} of its checks pass)"
+    assert claimed["pass"] < claimed["of"] and doc["claim"]["claims"] == mutant.claims
+    assert doc["claim"]["met"] is False
+    want = f"claims {mutant.claims}: NOT met ({claimed['pass']}/{claimed['of']} of its checks pass): "
     assert want in line and want in table, (line, table)
+
+
+def test_a_claim_not_met_names_the_checks_that_decide_it():
+    """A claim not met says why: the failing checks against the claimed configuration with their numbers,
+    orientation first where it fails; the console names the first three and counts the rest, the markdown and the
+    JSON name them all."""
+    from harness.conformance.report import CONSOLE_MISSES, format_summary, markdown
+
+    (mutant,) = (m for m in MUTANTS if m.fault == "residual mix untransposed")
+    matrix = _matrix(mutant)
+    row, doc = matrix.peer(mutant.name), matrix.to_json()["peers"][0]
+    misses = row.claim_misses()
+    failing = {c.check for c in row.cells(mutant.claims) if c.status in ("fail", "error")}
+    assert {c.check for c in misses} == failing, ([c.check for c in misses], failing)
+    assert misses[0].check.startswith("orientation ") and len(misses) > CONSOLE_MISSES, [
+        c.check for c in misses
+    ]
+    severities = [c.severity for c in misses if not c.check.startswith("orientation ")]
+    assert severities == sorted(severities, reverse=True)
+    assert [c["check"] for c in doc["claim"]["misses"]] == [c.check for c in misses]
+    line = format_summary(matrix).splitlines()[0]
+    why = line.split(": NOT met (", 1)[1].split("): ", 1)[1]
+    assert why.startswith(f"{misses[0].check}: {misses[0].observed}"), line
+    assert f"{len(misses) - CONSOLE_MISSES} more" in why and misses[CONSOLE_MISSES].check not in why, line
+    numeric = next(c for c in misses if c.max_abs is not None)
+    assert f"{numeric.check} {numeric.ratio:.2g}x the bound ({numeric.max_abs:.1e})" in why, line
+    table = next(x for x in markdown(matrix).splitlines() if x.startswith(f"| {mutant.name} |"))
+    assert all(c.check in table for c in misses) and " more" not in table, table
+
+
+def test_stack_grads_names_every_part_that_is_off():
+    """`stack-grads` names every parameter part whose gradient is off (worst first), not the first few."""
+    import torch
+
+    from harness.conformance.checks import GradSize, _specs_for
+    from harness.conformance.matrix import _grad_size_cell
+
+    (spec,) = (s for s in _specs_for(4, torch.float64) if s.kind == "grad_sizes")
+    sizes = [
+        GradSize(name=f"layer{i}.attn.weight[res]", peer=10.0 ** -(i + 2), reference=1.0) for i in range(6)
+    ]
+    sizes.append(GradSize(name="layer0.attn.alpha_pre", peer=1.0, reference=1.0))
+    cell = _grad_size_cell(spec, "megatron_dev", sizes)
+    listed = cell.message.split("norm): ", 1)[1].split(", ")
+    assert cell.status == "fail" and cell.message.startswith("6 of 7 parameter parts"), cell.message
+    assert [x.split(" ")[0] for x in listed] == [f"layer{i}.attn.weight[res]" for i in reversed(range(6))]
