@@ -171,13 +171,13 @@ def test_a_node_that_never_joins_times_out_naming_the_count(planned):
         "--node-rank",
         "0",
         "--join-timeout",
-        "8",
+        "4",
         timeout=120,
     )
     seconds = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert re.search(
-        r"rendezvous alone at 127\.0\.0\.1:\d+ timed out after 8 s: 1 of 2 nodes joined", proc.stderr
+        r"rendezvous alone at 127\.0\.0\.1:\d+ timed out after 4 s: 1 of 2 nodes joined", proc.stderr
     ), proc.stderr[-3000:]
     assert (
         seconds < 60 and not live_pids("worker.py", str(planned)) and not (planned / "metrics.json").exists()
@@ -198,11 +198,11 @@ def test_a_node_whose_host_never_starts_names_the_store(planned):
         "--node-rank",
         "1",
         "--join-timeout",
-        "6",
+        "3",
         timeout=120,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert f"rendezvous hostless: the store at {endpoint} did not answer within 6 s" in proc.stderr
+    assert f"rendezvous hostless: the store at {endpoint} did not answer within 3 s" in proc.stderr
     assert "0 of 2 nodes joined" in proc.stderr and not live_pids("worker.py", str(planned))
 
 

@@ -220,9 +220,12 @@ class TestNumericsOptions:
             HyperConnectionConfig(hidden_size=8, mapping_precision="fp16")
 
     @pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
-    def test_eps_inside_reaches_the_mapping(self, fused):
-        """The module's coefficients are the mapping's under the configured spec, not the plain variant's."""
+    def test_eps_inside_reaches_the_mapping(self, fused, monkeypatch):
+        """The module's coefficients are the mapping's under the configured spec, not the plain variant's; fused,
+        the spec goes through the kernel dispatch (run on the reference backend here: that the compiled backend
+        honours it is `suites/unit/kernels`' parity, `megatron_dev+eps_inside_sqrt` among its cases)."""
         torch.manual_seed(0)
+        monkeypatch.setenv("MHC_BACKEND", "reference")
         cfg = HyperConnectionConfig(
             hidden_size=8,
             num_residual_streams=2,
@@ -230,7 +233,7 @@ class TestNumericsOptions:
             sinkhorn_iterations=4,
             norm_eps_placement="inside_sqrt",
             use_fused=fused,
-        )  # 4: a short cold compile
+        )
         hc = HyperConnectionModule(cfg)
         x = 1e-3 * torch.randn(3, 1, 16)  # small RMS: the eps placement shows
         _, _, h_post, _ = hc(x)
