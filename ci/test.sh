@@ -30,7 +30,7 @@ if [ -z "${MHC_PYTHON312:-}" ] && command -v pyenv >/dev/null 2>&1; then
 fi
 ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf,conformance,typecheck,kernels,compat}
 # The perf env here is a smoke run beside the other lane (its figures are no measurement): three timed
-# repetitions per benchmark instead of five, the kernel cases over 1024 tokens (suites/perf/test_kernels.py),
+# repetitions per benchmark instead of five, the kernel cases over 1024 tokens at 4 Sinkhorn iterations (suites/perf/test_kernels.py),
 # and the peers at T 256, C 512 with one compiled peer op (suites/perf/peers.py), keep CI's wall time down
 # (`tox -e perf` alone measures).
 export MHC_PERF_REPS="${MHC_PERF_REPS:-3}" MHC_PERF_SMOKE="${MHC_PERF_SMOKE:-1}"

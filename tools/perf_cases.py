@@ -23,6 +23,8 @@ __all__ = ["PerfCase", "cases_for", "cpu_gap", "OPS"]
 
 OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda", "pre")
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+ITERATIONS = 20
+"""Sinkhorn iterations of a timed case: the default of `mhc_sinkhorn_iterations`, upstream's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,10 +39,14 @@ class PerfCase:
     device: str
     dropout: float = 0.0
     """h_post_bda only: hidden dropout, in training mode when > 0."""
+    iterations: int = ITERATIONS
+    """sinkhorn and pre: Sinkhorn iterations (the default's, 20, unless the id says `-it<k>`)."""
 
     def __post_init__(self) -> None:
         if self.dropout and self.op != "h_post_bda":
             raise ValueError(f"PerfCase.dropout={self.dropout}: only h_post_bda has dropout, not {self.op!r}")
+        if self.iterations < 1:
+            raise ValueError(f"PerfCase.iterations={self.iterations}: must be >= 1")
 
     @property
     def id(self) -> str:
@@ -49,7 +55,16 @@ class PerfCase:
             if self.op == "sinkhorn"
             else f"T{self.tokens}-n{self.n}-C{self.hidden}"
         )
-        return f"{self.op}-{size}-{_DTYPE_NAME[self.dtype]}" + (f"-p{self.dropout:g}" if self.dropout else "")
+        it = (
+            f"-it{self.iterations}"
+            if self.iterations != ITERATIONS and self.op in ("sinkhorn", "pre")
+            else ""
+        )
+        return (
+            f"{self.op}-{size}-{_DTYPE_NAME[self.dtype]}"
+            + (f"-p{self.dropout:g}" if self.dropout else "")
+            + it
+        )
 
     def bytes(self, direction: str) -> int:
         """Bytes moved by an ideal kernel (`mhc_core.analysis.bytes_moved`)."""
@@ -74,7 +89,7 @@ class PerfCase:
             return x.requires_grad_(requires_grad and grad)
 
         if self.op == "sinkhorn":
-            return (rnd(t, n, n, dtype=torch.float32), 20, None, "megatron_main")
+            return (rnd(t, n, n, dtype=torch.float32), self.iterations, None, "megatron_main")
         if self.op in ("mapping", "pre"):
             big_n = n * n + 2 * n
             args = (
@@ -84,7 +99,11 @@ class PerfCase:
                 rnd(big_n, dtype=torch.float32, scale=0.01),
                 n,
             )
-            return (*args, "megatron_main") if self.op == "mapping" else (*args, 20, "megatron_main")
+            return (
+                (*args, "megatron_main")
+                if self.op == "mapping"
+                else (*args, self.iterations, "megatron_main")
+            )
         if self.op == "h_aggregate":
             return (rnd(t, n, c), rnd(t, n, dtype=torch.float32))
         if self.op == "h_post_bda":
@@ -101,9 +120,10 @@ class PerfCase:
         raise ValueError(f"PerfCase.op={self.op!r}; valid: {', '.join(OPS)}")
 
 
-def cases_for(device: str, *, tokens: int | None = None) -> list[PerfCase]:
-    """The registry for `device` ("cpu" or "cuda"); `tokens` replaces its token count (CI's smoke run: the same
-    ops, dtypes and widths over fewer tokens)."""
+def cases_for(device: str, *, tokens: int | None = None, iterations: int = ITERATIONS) -> list[PerfCase]:
+    """The registry for `device` ("cpu" or "cuda"); `tokens` replaces its token count and `iterations` the Sinkhorn
+    iterations of sinkhorn and pre (CI's smoke run: the same ops, dtypes and widths over fewer tokens, with fewer
+    unrolled iterations to compile)."""
     if device == "cuda":
         default, sizes = 8192, ((4096, torch.bfloat16), (7168, torch.bfloat16))
     else:
@@ -111,13 +131,24 @@ def cases_for(device: str, *, tokens: int | None = None) -> list[PerfCase]:
     tokens = default if tokens is None else tokens
     # Sinkhorn's logits are fp32 whatever the activation dtype; its id says so.
     out = [
-        PerfCase(op="sinkhorn", tokens=tokens, n=4, hidden=sizes[0][0], dtype=torch.float32, device=device)
+        PerfCase(
+            op="sinkhorn",
+            tokens=tokens,
+            n=4,
+            hidden=sizes[0][0],
+            dtype=torch.float32,
+            device=device,
+            iterations=iterations,
+        )
     ]
     for op in OPS[1:]:
         # The fused pre-op at the sizes of its targets only (C 1024 fp32, C 2048 bf16 on CPU): its compiles
         # cost CI's time.
         op_sizes = sizes[1:] if op == "pre" and device == "cpu" else sizes
-        out += [PerfCase(op=op, tokens=tokens, n=4, hidden=c, dtype=dt, device=device) for c, dt in op_sizes]
+        out += [
+            PerfCase(op=op, tokens=tokens, n=4, hidden=c, dtype=dt, device=device, iterations=iterations)
+            for c, dt in op_sizes
+        ]
     c, dt = sizes[0]
     out.append(PerfCase(op="h_post_bda", tokens=tokens, n=4, hidden=c, dtype=dt, device=device, dropout=0.1))
     return out

@@ -77,16 +77,19 @@ def _bytes(case: PerfCase, direction: str) -> int:
     return case.bytes("fwd") + (case.bytes("bwd") if direction == "fwdbwd" else 0)
 
 
-SMOKE_TOKENS = 1024
-"""The token count of CI's smoke run (`MHC_PERF_SMOKE=1`): every op, dtype and width, a quarter of the tokens on CPU
-(its figures are no measurement; `tox -e perf` alone times the registry's)."""
+SMOKE_TOKENS, SMOKE_ITERATIONS = 1024, 4
+"""The token count and Sinkhorn iterations of CI's smoke run (`MHC_PERF_SMOKE=1`): every op, dtype and width, a
+quarter of the tokens on CPU and 4 iterations (the compiled sinkhorn and pre unroll them: 20 cost about a minute of
+cold compilation more); its figures are no measurement, `tox -e perf` alone times the registry's."""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", ["fwd", "fwdbwd"])
 @pytest.mark.parametrize(
     "case",
-    cases_for(DEVICE, tokens=SMOKE_TOKENS if smoke() and DEVICE == "cpu" else None),
+    cases_for(DEVICE, tokens=SMOKE_TOKENS, iterations=SMOKE_ITERATIONS)
+    if smoke() and DEVICE == "cpu"
+    else cases_for(DEVICE),
     ids=lambda c: c.id,
 )
 def test_kernel(benchmark, golden_metrics, nsys_ranges, case, direction, backend, reps):
