@@ -1,7 +1,7 @@
 """Every peer the conformance suite knows, by name.
 
 `default_peers` is what `mhc-harness conformance` runs without `--peer`: `mhc_core`'s three
-variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, Liger-Kernel, TransformerEngine's
+variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, the `mhc` package, Liger-Kernel, TransformerEngine's
 Triton mHC and torchtitan's DeepSeek-V4 (each from a source tree, `transformer_engine` / `torchtitan`,
 else skipped saying so), the serving engines sglang and vLLM (forward only, from their installed wheels), MaxText
 (JAX, Python >= 3.12: the compat env), the committed recordings (upstream Megatron-LM `main` and `dev`, TE,
@@ -49,6 +49,8 @@ def all_peers(
     from harness.peers.lucidrains import LucidrainsPeer
     from harness.peers.maxtext import MaxTextPeer
     from harness.peers.mhc_core_peer import mhc_core_peers
+    from harness.peers.mhc_package import MhcPackagePeer
+    from harness.peers.nemo_automodel import NemoAutomodelPeer
     from harness.peers.plugins import entry_point_peers, module_peers
     from harness.peers.sglang import SglangPeer, SglangTritonPeer
     from harness.peers.te_triton import TeTritonPeer, te_tree
@@ -64,6 +66,8 @@ def all_peers(
         *mhc_core_peers(("reference", "compiled")),
         HfDeepseekV4Peer(),
         LucidrainsPeer(),
+        MhcPackagePeer(),
+        NemoAutomodelPeer(),
         LigerPeer(),
         TeTritonPeer(**trees),
         TorchtitanPeer(**titan),

@@ -53,6 +53,38 @@ def test_hf_deepseek_v4_is_megatron_dev_with_eps_inside_and_the_learned_exit(mat
     assert exit_mean.status == "fail"  # the exit check tells the learned contraction from the mean
 
 
+def test_nemo_automodel_is_deepseek_v4_as_hugging_faces(matrix):
+    """NeMo Automodel's DeepSeek-V4 conforms to megatron_dev + eps inside the square root + the learned exit, as
+    transformers' does, with the mix transposed as DeepSeek's (`comb^T @ streams`) and its block chained as the
+    stack."""
+    row = _row(matrix, "nemo_automodel")
+    assert row.configuration == "megatron_dev+eps_inside_sqrt+learned_exit" and row.conforms, _not_passing(
+        row
+    )
+    orientation = next(c for c in row.cells() if c.check.startswith("orientation"))
+    assert orientation.observed == "H^T @ x"
+    stack = [c for c in row.cells() if c.check.startswith("stack")]
+    assert stack and all(c.status == "pass" for c in stack), stack
+
+
+def test_mhc_package_has_mains_sinkhorn_but_for_its_eps_and_no_streams(matrix):
+    """The `mhc` package: its Sinkhorn-Knopp is megatron_main's (every fp32 check passes, the columns exact) but
+    for the 1e-9 added to every sum, which fp64 shows (named beside each failing check); every other op is not
+    comparable, saying it has no n-stream residual."""
+    row = _row(matrix, "mhc")
+    assert row.best == "megatron_main" and not row.conforms
+    cells = {c.check: c for c in row.cells("megatron_main")}
+    sinkhorn = {k: c for k, c in cells.items() if k.startswith(("sinkhorn", "exact-sums"))}
+    fp32 = {k: c for k, c in sinkhorn.items() if k.endswith("fp32")}
+    fp64 = {k: c for k, c in sinkhorn.items() if k.endswith("fp64")}
+    assert fp32 and all(c.status == "pass" for c in fp32.values()), {k: c.message for k, c in fp32.items()}
+    assert cells["exact-sums n4 fp32"].observed == "cols"
+    failing = {k: c for k, c in fp64.items() if c.status == "fail"}
+    assert failing and all("sum + 1e-9" in c.message for k, c in failing.items() if k.startswith("sinkhorn"))
+    for op in ("coefficients", "aggregate", "mix", "layer", "block_exit", "stack"):
+        assert cells[op].status == "n/a" and "no n-stream residual" in cells[op].message, cells[op]
+
+
 def test_lucidrains_has_papers_sinkhorn_a_transposed_mix_and_says_what_differs(matrix):
     """lucidrains' Sinkhorn is the paper's (columns then rows, rows exact); its mix is H^T @ x; its
     coefficients are reported not comparable, naming its norm and its projection."""
