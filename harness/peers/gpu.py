@@ -1,6 +1,7 @@
 """GPU-only peers: DeepSeek's TileKernels (training kernels, forward and backward); the serving engines' TileLang
 ops live with their engines (`harness.peers.vllm`,
-`harness.peers.sglang`: `vllm[tilelang]`, `sglang[tilelang]`), and `gpu_peers` lists all three.
+`harness.peers.sglang`: `vllm[tilelang]`, `sglang[tilelang]`), flashinfer's in `harness.peers.flashinfer`, and
+`gpu_peers` lists all four.
 
 They run on CUDA only: on a machine without a GPU (or without the package) they are skipped with the
 reason. Inputs go to the GPU inside each op and the results come back to the inputs' device, so the
@@ -83,8 +84,9 @@ class TileKernelsPeer(Peer):
 
 def gpu_peers() -> list[Peer]:
     """The GPU-only peers (each skipped with its reason where it cannot run): TileKernels here, the engines'
-    TileLang kernels in their engines' modules."""
+    TileLang kernels in their engines' modules, flashinfer's kernels in `harness.peers.flashinfer`."""
+    from harness.peers.flashinfer import FlashinferPeer
     from harness.peers.sglang import SglangTileLangPeer
     from harness.peers.vllm import VllmTileLangPeer
 
-    return [TileKernelsPeer(), VllmTileLangPeer(), SglangTileLangPeer()]
+    return [TileKernelsPeer(), VllmTileLangPeer(), SglangTileLangPeer(), FlashinferPeer()]

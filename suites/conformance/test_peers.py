@@ -239,10 +239,11 @@ def test_a_recording_on_other_inputs_is_an_error_naming_it():
 
 
 def test_gpu_peers_say_why_they_did_not_run(matrix):
-    """TileKernels, vLLM and sglang need a GPU; TE and torchtitan need a tree (or a GPU for the installed TE):
-    where they cannot run, their row says why."""
+    """TileKernels, vLLM, sglang and flashinfer need a GPU; TE and torchtitan need a tree (or a GPU for the installed
+    TE): where they cannot run, their row says why."""
     for name, reason in (
         ("tile_kernels", "CUDA GPU"),
+        ("flashinfer", "CUDA GPU"),
         ("vllm[tilelang]", "CUDA GPU"),
         ("sglang[tilelang]", "CUDA GPU"),
         ("te_triton", "--transformer-engine"),
