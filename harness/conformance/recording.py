@@ -107,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         "--transformer-engine", type=Path, default=None, metavar="PATH", help="a TransformerEngine tree"
     )
     p.add_argument("--torchtitan", type=Path, default=None, metavar="PATH", help="a torchtitan tree")
+    p.add_argument(
+        "--megatron-lm",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a Megatron-LM tree with experimental/lite (the megatron_lite peer)",
+    )
     p.add_argument("--repository", required=True, help="where the peer's code comes from (owner/name)")
     p.add_argument("--branch", default=None, help="the branch or pull request the tree is")
     p.add_argument(
@@ -117,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     from harness.conformance.registry import select
 
     try:
-        (peer,) = select([args.peer], transformer_engine=args.transformer_engine, torchtitan=args.torchtitan)
+        (peer,) = select(
+            [args.peer],
+            transformer_engine=args.transformer_engine,
+            torchtitan=args.torchtitan,
+            megatron_lite=args.megatron_lm,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -135,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             args.peer,
             *(["--transformer-engine", "<tree>"] if args.transformer_engine else []),
             *(["--torchtitan", "<tree>"] if args.torchtitan else []),
+            *(["--megatron-lm", "<tree>"] if args.megatron_lm else []),
             "--repository",
             args.repository,
             *(["--branch", args.branch] if args.branch else []),

@@ -2,7 +2,8 @@
 
 `default_peers` is what `mhc-harness conformance` runs without `--peer`: `mhc_core`'s three
 variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, the `mhc` package, Liger-Kernel, TransformerEngine's
-Triton mHC and torchtitan's DeepSeek-V4 (each from a source tree, `transformer_engine` / `torchtitan`,
+Triton mHC, torchtitan's DeepSeek-V4 and Megatron Lite's (each from a source tree, `transformer_engine` /
+`torchtitan` / `megatron_lm`,
 else skipped saying so), the serving engines sglang and vLLM (forward only, from their installed wheels), MaxText
 (JAX, Python >= 3.12: the compat env), the committed recordings (upstream Megatron-LM `main` and `dev`, TE,
 torchtitan), the GPU-only peers (skipped with a reason on a machine without one), the installed plugins
@@ -35,10 +36,12 @@ def all_peers(
     modules: Sequence[str] = (),
     transformer_engine: Path | None = None,
     torchtitan: Path | None = None,
+    megatron_lite: Path | None = None,
 ) -> list[Peer]:
     """Every known peer (the Megatron-LM tree peers only with `megatron_lm`, recorded with `python`;
     `modules`: `MODULE:NAME` specs of the user's own peers; `transformer_engine` / `torchtitan`: their
-    source trees, default `$MHC_TRANSFORMER_ENGINE` / `$MHC_TORCHTITAN`)."""
+    source trees, default `$MHC_TRANSFORMER_ENGINE` / `$MHC_TORCHTITAN`; `megatron_lite`: the Megatron-LM tree
+    Megatron Lite's peer loads, default `megatron_lm`, else `$MHC_MEGATRON_LM`)."""
     from harness.peers.triton_interpreter import prepare_interpreter
 
     prepare_interpreter()  # before a peer imports triton (see there); LigerPeer.unavailable() repeats its verdict
@@ -48,6 +51,7 @@ def all_peers(
     from harness.peers.liger import LigerPeer
     from harness.peers.lucidrains import LucidrainsPeer
     from harness.peers.maxtext import MaxTextPeer
+    from harness.peers.megatron_lite import MegatronLitePeer
     from harness.peers.mhc_core_peer import mhc_core_peers
     from harness.peers.mhc_package import MhcPackagePeer
     from harness.peers.nemo_automodel import NemoAutomodelPeer
@@ -61,6 +65,8 @@ def all_peers(
     # from the environment is checked by the peer, whose row then says why it did not run.
     trees = {"tree": te_tree(transformer_engine).path} if transformer_engine is not None else {}
     titan = {"tree": torchtitan_tree(torchtitan).path} if torchtitan is not None else {}
+    lite_tree = megatron_lite or megatron_lm
+    lite = {"tree": Path(lite_tree).resolve()} if lite_tree is not None else {}
 
     peers: list[Peer] = [
         *mhc_core_peers(("reference", "compiled")),
@@ -71,6 +77,7 @@ def all_peers(
         LigerPeer(),
         TeTritonPeer(**trees),
         TorchtitanPeer(**titan),
+        MegatronLitePeer(**lite),
         SglangPeer(),
         SglangTritonPeer(),
         VllmPeer(),

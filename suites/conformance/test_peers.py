@@ -152,17 +152,20 @@ def test_recordings_carry_their_provenance():
     """Each committed recording names its repository, branch, commit (a released package: its name and version)
     and the sha256 of the files that ran."""
     files = {
-        "NVIDIA/Megatron-LM": "megatron/core/transformer/hyper_connection.py",
-        "NVIDIA/TransformerEngine": "transformer_engine/common/triton/mhc.py",
-        "pytorch/torchtitan": "torchtitan/models/deepseek_v4/mhc.py",
-        "AI-Hypercomputer/maxtext": "maxtext/layers/mhc.py",
+        "NVIDIA/Megatron-LM": (
+            "megatron/core/transformer/hyper_connection.py",
+            "experimental/lite/megatron/lite/primitive/modules/attention/hca.py",  # Megatron Lite
+        ),
+        "NVIDIA/TransformerEngine": ("transformer_engine/common/triton/mhc.py",),
+        "pytorch/torchtitan": ("torchtitan/models/deepseek_v4/mhc.py",),
+        "AI-Hypercomputer/maxtext": ("maxtext/layers/mhc.py",),
     }
     seen = set()
     for path in sorted(RECORDED_DIR.glob("*.json")):
         src = json.loads(path.read_text())["source"]
         assert src["repository"] in files, path
         assert len(src["commit"] or "") == 40 or src.get("package", "").startswith("maxtext "), path
-        assert files[src["repository"]] in src["files_sha256"], path
+        assert set(files[src["repository"]]) & set(src["files_sha256"]), path
         seen.add((src["repository"], src["branch"]))
     assert {
         ("NVIDIA/Megatron-LM", "main"),
@@ -170,6 +173,30 @@ def test_recordings_carry_their_provenance():
         ("NVIDIA/TransformerEngine", "main"),
         ("pytorch/torchtitan", "pull/3634"),
     } <= seen
+
+
+def test_megatron_lite_mixes_untransposed_against_its_deepseek_v4_claim(matrix):
+    """Megatron Lite's DeepSeek-V4 hyper connection (recorded from dev d48bd6be) loads DeepSeek-V4's weights but
+    computes megatron_main's mHC: `comb @ residual` where DeepSeek-V4 mixes `comb^T @ residual`, main's Sinkhorn,
+    eps outside the square root. Its claim is not met, and the why names the orientation first; its head puts
+    the eps inside the square root (the only fp64 misses against `megatron_main+learned_exit`)."""
+    row = matrix.peer("megatron_lite[recorded]")
+    assert row.claims == "megatron_dev+eps_inside_sqrt+learned_exit" and not row.meets_claim
+    assert row.configuration == "megatron_main+learned_exit", row.configuration
+    misses = row.claim_misses()
+    assert misses[0].check.startswith("orientation ") and misses[0].observed == "H @ x", misses[0]
+    failing = {k for k, c in _not_passing(row).items() if c.status == "fail"}
+    assert failing == {"block-exit n2 fp64", "block-exit n4 fp64", "stack n4 fp64"}, failing
+    src = json.loads((RECORDED_DIR / "megatron_lite.json").read_text())["source"]
+    assert src["commit"].startswith("d48bd6be") and src["branch"] == "dev"
+
+
+def test_a_tree_without_megatron_lite_says_so(tmp_path):
+    """A Megatron-LM tree without `experimental/lite` (main, an older dev): the live row names the missing file."""
+    from harness.peers.megatron_lite import MegatronLitePeer
+
+    why = MegatronLitePeer(tree=tmp_path).unavailable()
+    assert why and "--megatron-lm" in why and "experimental/lite/megatron/lite" in why, why
 
 
 def test_te_triton_is_main_with_a_transposed_mix_and_the_dtype_eps(matrix):

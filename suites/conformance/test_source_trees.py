@@ -203,3 +203,26 @@ def _recorded():
     from harness.conformance.replay import recorded_peers
 
     return recorded_peers()
+
+
+def test_megatron_lite_from_a_tree_matches_its_recording():
+    """Megatron Lite's mHC files from a Megatron-LM tree give the configuration and the passes of the committed
+    recording (dev d48bd6be)."""
+    from harness.peers.megatron_lite import MegatronLitePeer
+
+    tree = os.environ.get("MHC_MEGATRON_LM")
+    if not tree:
+        pytest.skip(
+            "MHC_MEGATRON_LM is not set (a Megatron-LM dev checkout with experimental/lite; the committed "
+            "recording megatron_lite.json stands in for it)"
+        )
+    peer = MegatronLitePeer(tree=Path(tree))
+    why = peer.unavailable()
+    if why:
+        pytest.skip(why)
+    live = run_matrix([peer]).peer("megatron_lite")
+    recorded = run_matrix([p for p in _recorded() if p.name == "megatron_lite[recorded]"]).peer(
+        "megatron_lite[recorded]"
+    )
+    assert live.configuration == recorded.configuration
+    assert [c.status for c in live.cells()] == [c.status for c in recorded.cells()]
