@@ -1,14 +1,14 @@
 """Every peer the conformance suite knows, by name.
 
 `default_peers` is what `mhc-harness conformance` runs without `--peer`: `mhc_core`'s three
-variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, the `mhc` package, Liger-Kernel, TransformerEngine's
-Triton mHC, torchtitan's DeepSeek-V4 and Megatron Lite's (each from a source tree, `transformer_engine` /
-`torchtitan` / `megatron_lm`,
-else skipped saying so), the serving engines sglang and vLLM (forward only, from their installed wheels), MaxText
-(JAX, Python >= 3.12: the compat env), the committed recordings (upstream Megatron-LM `main` and `dev`, TE,
-torchtitan), the GPU-only peers (skipped with a reason on a machine without one), the installed plugins
-(entry point group `mhc_suite.peers`), the `--peer-module` peers and, given `megatron_lm` (a source
-tree), that tree's own modules (`harness.peers.plugins`).
+variants on the reference backend, Hugging Face DeepSeek-V4, lucidrains, the `mhc` package, NeMo Automodel's
+DeepSeek-V4, Liger-Kernel, TransformerEngine's Triton mHC, torchtitan's DeepSeek-V4 and Megatron Lite's (each
+from a source tree, `transformer_engine` / `torchtitan` / `megatron_lm`, else skipped saying so), the serving
+engines sglang and vLLM (forward only, from their installed wheels), MaxText (JAX, Python >= 3.12: the compat
+env), the committed recordings (upstream Megatron-LM `main` and `dev`, Megatron Lite, TE, torchtitan), the
+GPU-only peers (skipped with a reason on a machine without one: TileKernels, the engines' TileLang ops,
+flashinfer), the installed plugins (entry point group `mhc_suite.peers`), the `--peer-module` peers and, given
+`megatron_lm` (a source tree), that tree's own modules (`harness.peers.plugins`).
 `mhc_core[<v>,compiled]` (torch.compile: a compile per shape, minutes on CPU) runs when named.
 """
 
