@@ -10,7 +10,8 @@ Then every variant with each combination of its named options (`mhc_core.variant
 peer's ops can show is tried: the eps placement (through `coefficients` and `layer`), the
 orientation of the mix (`mix`, `orientation`, `layer`) and the block exit (`block-exit`, which
 is compared only here). The best configuration is the one with the most passes (ties: fewer options,
-the one claimed, then the smaller sum of log error ratios), e.g.
+the one claimed, then the smaller sum of log error ratios; a half-precision check failing within
+`HALF_UNDECIDED` times its allowance counts as neither in that ranking), e.g.
 `megatron_dev+eps_inside_sqrt+learned_exit`; `PeerResult.cells` reports every check against
 it. Each oracle runs once per part of a configuration a check can see.
 
@@ -67,6 +68,11 @@ HALF_FACTOR = 4.0
 """A half-precision check passes a tensor whose error is within this many times the reference's own error in that
 dtype (both as ratios to the dtype's bound, against fp64)."""
 _HALF = (torch.bfloat16, torch.float16)
+HALF_UNDECIDED = 1.5
+"""A half-precision check that fails within this many times its allowance decides nothing between two
+configurations: in ranking them it counts as neither pass nor fail (the reported counts are unchanged), so a label
+is named only on evidence beyond the half-precision bound's noise."""
+_HALF_TAGS = (" bf16", " fp16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +109,19 @@ class Cell:
             if d[k] is not None and not math.isfinite(d[k]):
                 d[k] = str(d[k])
         return d
+
+
+def _undecided(cells: Sequence[Cell]) -> int:
+    """The half-precision checks whose error fails within `HALF_UNDECIDED` times their allowance (noise, not
+    evidence; a `stack-grads` norm ratio is no error ratio and always counts)."""
+    return sum(
+        c.status == "fail"
+        and c.check.endswith(_HALF_TAGS)
+        and c.max_abs is not None
+        and c.ratio is not None
+        and c.ratio <= HALF_UNDECIDED
+        for c in cells
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,8 +184,9 @@ class PeerResult:
         claimed = None if self.claims is None else get_variant(self.claims).name
 
         def key(name: str) -> tuple:
-            passes, logs = self._score(self.by_configuration[name])
-            return passes, -name.count("+"), name == claimed, logs
+            cells = self.by_configuration[name]
+            passes, logs = self._score(cells)
+            return passes + _undecided(cells), -name.count("+"), name == claimed, logs
 
         return max(self.by_configuration, key=key)
 

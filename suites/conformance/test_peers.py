@@ -329,3 +329,32 @@ def test_the_dsv4_branch_gets_a_verdict_on_every_row(matrix):
     fused = matrix.peer("megatron_lm[dsv4,fused]")
     assert fused.skipped and "needs cuda.tile" in fused.skipped
     assert "    API generation other:" in format_summary(Matrix(peers=(row,)))
+
+
+@pytest.mark.parametrize(("ratio", "named"), [(1.08, "megatron_main"), (3.0, "megatron_main+fp32_mappings")])
+def test_a_label_is_named_only_beyond_half_precision_noise(ratio, named):
+    """Two configurations that differ in one bf16 check only: failing at 1.08x its allowance under the plain variant
+    (noise) that check does not decide, and the label with fewer options is named; at 3x it decides."""
+    from harness.conformance.matrix import Cell, PeerResult
+
+    def cells(status: str, r: float) -> list[Cell]:
+        common = [
+            Cell(check=f"sinkhorn s1 it20 n4 fp32 #{i}", op="sinkhorn", variant=None, status="pass")
+            for i in range(5)
+        ]
+        grad = Cell(check="stack n4 bf16", op="stack", variant=None, status=status, max_abs=1e-2, ratio=r)
+        return [*common, grad]
+
+    row = PeerResult(
+        peer="trial",
+        description="",
+        version=None,
+        skipped=None,
+        claims=None,
+        by_configuration={
+            "megatron_main": cells("fail", ratio),
+            "megatron_main+fp32_mappings": cells("pass", 0.4),
+        },
+    )
+    assert row.configuration == named
+    assert row.configuration_tally("megatron_main") == (5, 6)  # the reported count is unchanged
