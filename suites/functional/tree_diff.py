@@ -52,11 +52,14 @@ CASES = (
     "gpt_tp1_pp2_mhc_mtp",
     "hybrid_tp1_pp2_mhc_moe",
     "hybrid_tp1_pp2_mhc_moe_mtp",
+    "gpt_tp1_pp1_mhc_bf16",
+    "hybrid_tp1_pp2_mhc_moe_bf16",
 )
 """The recipes a tree trains: TP 2 x PP 2 (4 ranks, 20 steps: upstream's gpt3_mcore_tp2_pp2_mhc at CPU
 size), the one-rank mHC recipes (24 steps; gate1 starts the gates at 1.0, so that the mix is far from
-uniform from step 1 and an orientation or variant difference shows in the loss), MoE with EP 2, MTP, and the
-hybrid stack (the tree's own `HybridModel`)."""
+uniform from step 1 and an orientation or variant difference shows in the loss), MoE with EP 2, MTP, the
+hybrid stack (the tree's own `HybridModel`), and the dense and hybrid recipes in bf16 mixed precision with the
+distributed optimizer (the tree's own fp32-kept mHC parameters)."""
 
 
 def skip_reason(case: str, hw: str, flavor: str) -> str | None:
