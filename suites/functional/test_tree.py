@@ -34,7 +34,7 @@ def test_tree_training_matches_ours(case, megatron_lm_tree, hw_key, tmp_path, tr
     theirs = tree_diff.run_tree(
         case, hw_key, tree, init, work_dir=tmp_path / "tree", data_dir=data, save=ckpt
     )
-    rows = tree_diff.differences(ours.metrics, theirs.metrics)
+    rows = tree_diff.differences(ours.metrics, theirs.metrics, bands=tree_diff.bands_for(case, hw_key))
     report = f"ours vs {tree.label} on {case} ({theirs.seconds:.0f} s for the tree):\n" + tree_diff.describe(
         rows
     )

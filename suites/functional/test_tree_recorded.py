@@ -58,7 +58,7 @@ def test_our_training_matches_the_recorded_tree(path, hw_key, tmp_path, tree_row
     if rec.hw != hw_key:
         pytest.skip(f"{path.name} was recorded for {rec.hw}; this machine is {hw_key}")
     ours, same_init = _ours(rec, hw_key, tmp_path, functional_runs)
-    rows = tree_diff.differences(ours.metrics, rec.metrics)
+    rows = tree_diff.differences(ours.metrics, rec.metrics, bands=tree_diff.bands_for(rec.case, hw_key))
     init_note = {
         True: "identical",
         False: "NOT bitwise identical to the recording",

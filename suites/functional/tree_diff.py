@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from harness.golden.bands import DEFAULT_BANDS, MetricDrift, drift
+from harness.golden.compare import ApproximateCheck
 from harness.golden.schema import to_golden
 from harness.launch.runs import RunResult, plan_case, run_plan
 from harness.launch.torchrun import LaunchError
-from harness.training.recipe import RECIPE_DIR
+from harness.training.recipe import RECIPE_DIR, load_recipe
 from harness.upstream.megatron_tree import Tree, tree_env
 from harness.upstream.tree_report import TreeRow
 
@@ -151,18 +152,33 @@ def run_tree(
         ) from None
 
 
+def bands_for(case: str, hw: str) -> dict[str, ApproximateCheck]:
+    """The bands a tree's run of `case` must keep to ours: the default bands (measured for fp32 runs), except in a
+    half-precision recipe, whose own approximate bands (measured across the CPU numerics profiles in bf16,
+    `docs/measurements/cpu-2026-12-07-bf16/`) replace them metric by metric."""
+    recipe = load_recipe(RECIPE_DIR / f"{case}.yaml")
+    bands = dict(DEFAULT_BANDS)
+    if recipe.hardware_spec(hw).dtype in ("bf16", "fp16"):
+        for metric, checks in recipe.checks(hw).items():
+            approx = [c for c in checks if isinstance(c, ApproximateCheck)]
+            if approx:
+                bands[metric] = approx[0]
+    return bands
+
+
 def differences(
     ours: Mapping[str, Mapping[int, float]],
     theirs: Mapping[str, Mapping[int, float]],
     metrics: tuple[str, ...] = METRICS,
+    bands: Mapping[str, ApproximateCheck] = DEFAULT_BANDS,
 ) -> list[MetricDrift]:
-    """Per metric, how far `ours` is from `theirs` (the reference) under the default bands."""
+    """Per metric, how far `ours` is from `theirs` (the reference) under `bands` (`bands_for` the recipe)."""
     pick = {m: dict(theirs[m]) for m in metrics if m in theirs}
     mine = {m: dict(ours[m]) for m in metrics if m in ours}
     rows = drift(
         to_golden(pick, source="the tree's run"),
         to_golden(mine, source="our run"),
-        {m: DEFAULT_BANDS[m] for m in metrics if m in pick or m in mine},
+        {m: bands[m] for m in metrics if m in pick or m in mine},
     )
     # A metric one side logs and the other does not is a difference too (drift covers the metrics both hold).
     for m in [m for m in metrics if (m in pick) != (m in mine)]:
@@ -174,7 +190,7 @@ def differences(
                 max_rel=None,
                 worst_step=None,
                 outside=None,
-                band=DEFAULT_BANDS.get(m),
+                band=bands.get(m),
                 only_a=tuple(sorted(pick.get(m, {}))),
                 only_b=tuple(sorted(mine.get(m, {}))),
             )
