@@ -71,6 +71,7 @@ __all__ = [
     "SublayerParams",
     "TimedFn",
     "Timing",
+    "bind_tensors",
     "has_own",
     "timed_params",
 ]
@@ -110,6 +111,10 @@ class SublayerParams:
             "alpha_res": self.alpha_res,
             "bias": self.bias,
         }
+
+    def alphas(self) -> torch.Tensor:
+        """`[alpha_pre, alpha_post, alpha_res]` `[3]`: DeepSeek-V4's `scale` (and its ports')."""
+        return torch.cat([self.alpha_pre, self.alpha_post, self.alpha_res])
 
     def detached(self, dtype: torch.dtype) -> SublayerParams:
         """Leaf copies in `dtype` that require grad (the checks differentiate with respect to them)."""
@@ -286,6 +291,15 @@ class Replayed(Protocol):
     """Its recorded `stack` checks chained its `layer` (it has no stack of its own)."""
 
     def side(self, spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]: ...
+
+
+def bind_tensors(module: Any, **tensors: torch.Tensor) -> Any:
+    """`module` (an `nn.Module` of the peer) with each named parameter replaced by the given tensor, a plain
+    attribute instead of a `Parameter`, so that the checks' gradients reach their own leaves; returns it."""
+    for name, tensor in tensors.items():
+        delattr(module, name)
+        setattr(module, name, tensor)
+    return module
 
 
 def has_own(peer: Peer, op: str) -> bool:

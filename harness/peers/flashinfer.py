@@ -72,7 +72,7 @@ class FlashinferPeer(Peer):
         flat = cuda(x).reshape(t, n * c).float()
         dot_mix = flat @ cuda(params.weight.float()).t()
         sqrsum = flat.square().sum(dim=-1)
-        scale = torch.cat([params.alpha_pre, params.alpha_post, params.alpha_res]).float()
+        scale = params.alphas().float()
         post, comb, layer_input = self._mhc().mhc_pre_big_fuse(
             dot_mix,
             sqrsum,

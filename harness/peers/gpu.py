@@ -52,7 +52,7 @@ class TileKernelsPeer(Peer):
 
     def coefficients(self, x, params: SublayerParams, iterations):
         t, n, c = x.shape
-        scale = torch.cat([params.alpha_pre, params.alpha_post, params.alpha_res]).float()
+        scale = params.alphas().float()
         layer_input, (post, comb) = self._tk().mhc_pre(
             cuda(x),
             cuda(params.weight.float()),

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from harness.peers.base import Head, Peer, Sublayer, SublayerParams, TimedFn, Timing
+from harness.peers.base import Head, Peer, Sublayer, SublayerParams, TimedFn, Timing, bind_tensors
 
 __all__ = ["HfDeepseekV4Peer", "VERSION"]
 
@@ -63,14 +63,7 @@ def _hc(n: int, c: int, iterations: int, dtype: torch.dtype):
 
 def _load(hc: nn.Module, params: SublayerParams) -> None:
     """Bind the reference's parameters (autograd flows back to them) as the module's fn / base / scale."""
-    del (
-        hc.fn,
-        hc.base,
-        hc.scale,
-    )  # plain tensors instead of Parameters: gradients reach the reference's leaves
-    hc.fn = params.weight
-    hc.base = params.bias
-    hc.scale = torch.cat([params.alpha_pre, params.alpha_post, params.alpha_res])
+    bind_tensors(hc, fn=params.weight, base=params.bias, scale=params.alphas())
 
 
 class _Fixed(nn.Module):
@@ -166,8 +159,7 @@ class HfDeepseekV4Peer(Peer):
             hc = _hc(n, c, 1, x.dtype)
             zero = torch.zeros_like(hc.fn)
             base = torch.cat([torch.logit(h_pre[i] - hc.hc_eps), torch.zeros(n + n * n, dtype=x.dtype)])
-            del hc.fn, hc.base, hc.scale
-            hc.fn, hc.base, hc.scale = zero, base, torch.ones(3, dtype=x.dtype)
+            bind_tensors(hc, fn=zero, base=base, scale=torch.ones(3, dtype=x.dtype))
             out.append(hc(x[i].reshape(1, 1, n, c))[2].reshape(c))
         return torch.stack(out)
 
@@ -187,11 +179,11 @@ class HfDeepseekV4Peer(Peer):
         for i in range(t):
             hc = _hc(n, 1, iterations, logits.dtype)
             base = torch.cat([torch.zeros(2 * n, dtype=logits.dtype), logits[i].reshape(n * n)])
-            del hc.fn, hc.base, hc.scale
-            hc.fn, hc.base, hc.scale = (
-                torch.zeros(n * n + 2 * n, n, dtype=logits.dtype),
-                base,
-                torch.ones(3, dtype=logits.dtype),
+            bind_tensors(
+                hc,
+                fn=torch.zeros(n * n + 2 * n, n, dtype=logits.dtype),
+                base=base,
+                scale=torch.ones(3, dtype=logits.dtype),
             )
             out.append(hc(torch.ones(1, 1, n, 1, dtype=logits.dtype))[1].reshape(n, n))
         return torch.stack(out)
@@ -256,5 +248,4 @@ class HfDeepseekV4Peer(Peer):
 
 def _load_head(module: nn.Module, head: Head) -> None:
     """Bind the learned exit's parameters as a `DeepseekV4HyperHead`'s hc_fn / hc_base / hc_scale."""
-    del module.hc_fn, module.hc_base, module.hc_scale
-    module.hc_fn, module.hc_base, module.hc_scale = head.fn, head.base, head.scale
+    bind_tensors(module, hc_fn=head.fn, hc_base=head.base, hc_scale=head.scale)

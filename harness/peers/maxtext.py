@@ -122,10 +122,6 @@ def _bind(hc: Any, n: int, w: Any, a: Any, b: Any) -> None:
     hc.res_beta[...] = jnp.reshape(b[2 * n :], (n, n))
 
 
-def _alphas(p: SublayerParams) -> torch.Tensor:
-    return torch.cat([p.alpha_pre, p.alpha_post, p.alpha_res])
-
-
 @dataclass(frozen=True, kw_only=True)
 class MaxTextPeer(Peer):
     """MaxText's mHC layer (see the module docstring)."""
@@ -202,7 +198,7 @@ class MaxTextPeer(Peer):
             f32,
             x,
             params.weight,
-            _alphas(params),
+            params.alphas(),
             params.bias,
         )
         return {"h_pre": h_pre, "h_post": h_post, "h_res": h_res, "aggregate": agg}
@@ -243,10 +239,10 @@ class MaxTextPeer(Peer):
             _jdtype(torch.float32),
             x,
             attn.params.weight,
-            _alphas(attn.params),
+            attn.params.alphas(),
             attn.params.bias,
             mlp.params.weight,
-            _alphas(mlp.params),
+            mlp.params.alphas(),
             mlp.params.bias,
             *ws,
         )

@@ -37,7 +37,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from harness.peers.base import Head, Peer, Sublayer, SublayerParams
+from harness.peers.base import Head, Peer, Sublayer, SublayerParams, bind_tensors
 from harness.upstream.source_tree import SourceTree, SourceTreeError, load_file
 
 __all__ = ["FILES", "MegatronLitePeer", "lite_tree", "load_lite"]
@@ -77,14 +77,6 @@ def load_lite(tree: Path) -> tuple[ModuleType, ModuleType, ModuleType]:
 def _default_tree() -> Path | None:
     value = os.environ.get(TREE_ENV_VAR)
     return Path(value) if value else None
-
-
-def _bind(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """The module with its parameters replaced by the check's tensors (autograd reaches them)."""
-    for name, t in tensors.items():
-        delattr(module, name)
-        setattr(module, name, t)
-    return module
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,8 +134,7 @@ class MegatronLitePeer(Peer):
     def _hc(self, n: int, c: int, iterations: int, p: SublayerParams) -> nn.Module:
         hca = self._modules()[0]
         hc = hca.HyperConnection(c, n, iterations, EPS)
-        scale = torch.cat([p.alpha_pre, p.alpha_post, p.alpha_res])
-        return _bind(hc, {"fn": p.weight, "base": p.bias, "scale": scale})
+        return bind_tensors(hc, fn=p.weight, base=p.bias, scale=p.alphas())
 
     def _post(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
         return self._modules()[0].HyperConnection.post(out, residual, post, comb)
@@ -180,7 +171,7 @@ class MegatronLitePeer(Peer):
 
     def _head(self, n: int, c: int, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> nn.Module:
         head = self._modules()[1].MultiHeadHyperConnectionHead(c, n, EPS)
-        return _bind(head, {"hc_fn": fn, "hc_base": base, "hc_scale": scale})
+        return bind_tensors(head, hc_fn=fn, hc_base=base, hc_scale=scale)
 
     def block_exit(self, x, head_fn, head_base, head_scale):
         t, n, c = x.shape

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.base import Peer, Sublayer, SublayerParams, bind_tensors
 
 __all__ = ["NemoAutomodelPeer", "VERSION"]
 
@@ -55,15 +55,7 @@ def _hyper_connection(n: int, c: int, iterations: int, params: SublayerParams) -
     hc = DeepseekV4HyperConnection(
         hc_mult=n, hidden_size=c, hc_sinkhorn_iters=iterations, hc_eps=EPS, rms_norm_eps=EPS
     )
-    del (
-        hc.fn,
-        hc.base,
-        hc.scale,
-    )  # plain tensors instead of Parameters: gradients reach the reference's leaves
-    hc.fn = params.weight
-    hc.base = params.bias
-    hc.scale = torch.cat([params.alpha_pre, params.alpha_post, params.alpha_res])
-    return hc
+    return bind_tensors(hc, fn=params.weight, base=params.bias, scale=params.alphas())
 
 
 class _Fixed(nn.Module):
@@ -210,6 +202,4 @@ class NemoAutomodelPeer(Peer):
 
         t, n, c = x.shape
         head = DeepseekV4HyperHead(hc_mult=n, hidden_size=c, hc_eps=EPS, rms_norm_eps=EPS)
-        del head.hc_fn, head.hc_base, head.hc_scale
-        head.hc_fn, head.hc_base, head.hc_scale = head_fn, head_base, head_scale
-        return head(x.unsqueeze(0))[0]
+        return bind_tensors(head, hc_fn=head_fn, hc_base=head_base, hc_scale=head_scale)(x.unsqueeze(0))[0]

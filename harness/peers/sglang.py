@@ -136,7 +136,7 @@ def hc_params(p: SublayerParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     """`(hc_fn, hc_scale, hc_base)` in fp32, as sglang holds them."""
     return (
         p.weight.float().contiguous(),
-        torch.cat([p.alpha_pre, p.alpha_post, p.alpha_res]).float(),
+        p.alphas().float(),
         p.bias.float().contiguous(),
     )
 

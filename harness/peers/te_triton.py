@@ -227,7 +227,7 @@ class TeTritonPeer(Peer):
             torch.ones(n * c, dtype=torch.float32, device=phi.device) if self.tree is not None else None
         )
         h, ms = te.mhc_fused_projection(xs.reshape(t, n * c), phi, use_tf32=False, norm_weight=norm_weight)
-        alpha = self._dev(torch.cat([p.alpha_pre, p.alpha_post, p.alpha_res]))
+        alpha = self._dev(p.alphas())
         h_pre, h_post, logits = te.mhc_fused_scale(h, alpha, self._dev(p.bias).reshape(1, -1), ms, n)
         h_res = te.mhc_fused_sinkhorn(logits.reshape(t, 1, n, n), n, recompute_hist=True, iters=iterations)
         return h_pre.reshape(t, n), h_post.reshape(t, n), h_res.reshape(t, n, n), xs

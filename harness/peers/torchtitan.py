@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from harness.peers.base import Peer, Sublayer, SublayerParams
+from harness.peers.base import Peer, Sublayer, SublayerParams, bind_tensors
 from harness.upstream.source_tree import SourceTree, SourceTreeError, load_file
 
 __all__ = [
@@ -149,10 +149,7 @@ class TorchtitanPeer(Peer):
             .HcPre.Config(hc_mult=n, dim=c, sinkhorn_iters=iterations, eps=EPS, norm_eps=EPS)
             .build()
         )
-        del pre.hc_fn, pre.hc_base, pre.hc_scale
-        pre.hc_fn, pre.hc_base = p.weight, p.bias
-        pre.hc_scale = torch.cat([p.alpha_pre, p.alpha_post, p.alpha_res])
-        return pre
+        return bind_tensors(pre, hc_fn=p.weight, hc_base=p.bias, hc_scale=p.alphas())
 
     def _post(self, h_res, residual, h_post, y):
         post = self._mhc().HcPost.Config().build()
@@ -184,6 +181,4 @@ class TorchtitanPeer(Peer):
     def block_exit(self, x, head_fn, head_base, head_scale):
         t, n, c = x.shape
         head = self._mhc().HcHead.Config(hc_mult=n, dim=c, norm_eps=EPS, eps=EPS).build()
-        del head.hc_fn, head.hc_base, head.hc_scale
-        head.hc_fn, head.hc_base, head.hc_scale = head_fn, head_base, head_scale
-        return head(x[None])[0]
+        return bind_tensors(head, hc_fn=head_fn, hc_base=head_base, hc_scale=head_scale)(x[None])[0]

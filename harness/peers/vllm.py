@@ -220,7 +220,7 @@ class VllmTileLangPeer(Peer):
 
     def coefficients(self, x, params: SublayerParams, iterations):
         t, n, c = x.shape
-        scale = torch.cat([params.alpha_pre, params.alpha_post, params.alpha_res]).float()
+        scale = params.alphas().float()
         post, comb, layer_input = self._ops().mhc_pre_tilelang(
             cuda(x),
             cuda(params.weight.float()),
