@@ -31,6 +31,7 @@ from mhc_core.analysis import bytes_moved
 from mhc_core.kernels import dispatch
 from mhc_core.testing import tolerance
 from suites.perf.timing import copy_fn
+from tools.perf_cases import ITERATIONS
 
 __all__ = [
     "SMOKE_ENV_VAR",
@@ -51,7 +52,6 @@ __all__ = [
 ]
 
 _DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-ITERATIONS = 20
 
 
 @dataclass(frozen=True, kw_only=True)

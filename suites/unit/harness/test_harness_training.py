@@ -10,6 +10,21 @@ import pytest
 from harness.launch.runs import plan_case
 from harness.training.trainer import UNSUPPORTED, _refuse_unsupported
 
+MINIMAL_MODEL_ARGS = {
+    "--num-layers": 2,
+    "--hidden-size": 8,
+    "--num-attention-heads": 2,
+    "--seq-length": 8,
+    "--micro-batch-size": 1,
+    "--global-batch-size": 1,
+    "--train-iters": 2,
+    "--lr": 1e-3,
+    "--mock-data": True,
+    "--tokenizer-type": "NullTokenizer",
+    "--vocab-size": 16,
+}
+"""The fewest MODEL_ARGS a recipe runs with (mock data, no mHC): the flag tests add to it."""
+
 
 def test_upstream_ep4_cudagraph_recipe_is_refused_naming_each_flag():
     """The EP4 cudagraph recipe sets all three: each is named with its value and why."""
@@ -59,19 +74,7 @@ def test_upstream_flags_are_typed_and_dev_aliases_are_not_set_twice():
     """An upstream-only flag of the wrong type is named; dev's name and main's of one field together are refused."""
     from harness.training.model_args import parse_model_args
 
-    base = {
-        "--num-layers": 2,
-        "--hidden-size": 8,
-        "--num-attention-heads": 2,
-        "--seq-length": 8,
-        "--micro-batch-size": 1,
-        "--global-batch-size": 1,
-        "--train-iters": 2,
-        "--lr": 1e-3,
-        "--mock-data": True,
-        "--tokenizer-type": "NullTokenizer",
-        "--vocab-size": 16,
-    }
+    base = dict(MINIMAL_MODEL_ARGS)
     assert dict(parse_model_args({**base, "--eval-iters": 10}, source="t").upstream) == {"--eval-iters": 10}
     with pytest.raises(ValueError, match=r"t: MODEL_ARGS --q-lora-rank='big': must be an integer"):
         parse_model_args({**base, "--q-lora-rank": "big"}, source="t")
@@ -85,19 +88,7 @@ def test_full_recompute_flags_come_together():
     """`--recompute-granularity full` needs a method and a layer count, which need it; modules need selective."""
     from harness.training.model_args import parse_model_args
 
-    base = {
-        "--num-layers": 2,
-        "--hidden-size": 8,
-        "--num-attention-heads": 2,
-        "--seq-length": 8,
-        "--micro-batch-size": 1,
-        "--global-batch-size": 1,
-        "--train-iters": 2,
-        "--lr": 1e-3,
-        "--mock-data": True,
-        "--tokenizer-type": "NullTokenizer",
-        "--vocab-size": 16,
-    }
+    base = dict(MINIMAL_MODEL_ARGS)
     full = {"--recompute-granularity": "full", "--recompute-method": "block", "--recompute-num-layers": 1}
     args = parse_model_args({**base, **full}, source="t")
     assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == (

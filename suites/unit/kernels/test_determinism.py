@@ -17,11 +17,12 @@ from harness.conformance.determinism import Subject, Verdict, probe
 from mhc_core.kernels import dispatch, native
 from mhc_core.testing import tolerance
 from suites.unit.kernels.parity import C, backend_params
+from suites.unit.kernels.test_kernels_parity_pre import ITERATIONS
 
-T, N_STREAMS, VARIANT, ITERATIONS = 48, 4, "megatron_dev", 4
-"""The parity tests' shapes (the compiled graphs are shared; the token dim is dynamic). 4 Sinkhorn iterations, as
-the compiled parity cases of `pre`: the compiled graph unrolls them (20 cost 20 s of cold compilation more), and
-the order of every reduction, which is what the probes see, is the same in each iteration."""
+T, N_STREAMS, VARIANT = 48, 4, "megatron_dev"
+"""The parity tests' shapes (the compiled graphs are shared; the token dim is dynamic), at their Sinkhorn iterations
+(`ITERATIONS`, 4: the compiled graph unrolls them, and the order of every reduction, which is what the probes see, is
+the same in each iteration)."""
 
 
 def _g(seed: int) -> torch.Generator:
