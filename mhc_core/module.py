@@ -199,21 +199,23 @@ class HyperConnectionModule(KeepInFp32Mixin, nn.Module):
             )
         x = hidden_states.reshape(s * b, n * c)
         params = (self.mapping_proj.weight, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias)
-        try:
-            next_h_pre, h_post, logits = ops.mapping(
-                x, *params, n, self._spec, cfg.norm_eps, backend=self._backend
+        previous = None if previous_h_pre is None else previous_h_pre.reshape(s * b, n)
+        try:  # the projection, Sinkhorn and the aggregate with the previous H_pre in one op (one read of x, fused)
+            branch, next_h_pre, h_post, h_res = ops.single_pass_pre(
+                x,
+                previous,
+                *params,
+                n,
+                cfg.sinkhorn_iterations,
+                self._spec,
+                cfg.norm_eps,
+                backend=self._backend,
             )
-            h_res = ops.sinkhorn(logits, cfg.sinkhorn_iterations, None, self._spec, backend=self._backend)
         except NonFiniteError:
             check_finite(hidden_states, name="hidden_states", op=op)
             for name, p in self.named_parameters():
                 check_finite(p, name=f"parameter {name}", op=op)
             raise
-        streams = x.view(s * b, n, c)
-        if previous_h_pre is None:  # the model's entry: the identity mix, exactly stream 0
-            branch = streams[:, 0, :].clone()
-        else:
-            branch = ops.h_aggregate(streams, previous_h_pre.reshape(s * b, n), backend=self._backend)
         return SinglePassMix(
             branch.view(s, b, c), h_res.view(s, b, n, n), h_post.view(s, b, n), next_h_pre.view(s, b, n)
         )

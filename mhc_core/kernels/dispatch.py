@@ -221,14 +221,17 @@ _ENTRIES: dict[str, Callable[..., Any]] = {
     "h_aggregate": ops.h_aggregate,
     "h_post_bda": ops.h_post_bda,
     "pre": ops.pre,
+    "single_pass_pre": ops.single_pass_pre,
 }
-"""The public entry of each op (`mhc_core.ops`)."""
+"""The public entry of each op (`mhc_core.ops`); `single_pass_pre` is `pre`'s call in the single-pass form (the
+backend's `pre` computes it, `MHC_BACKEND_PRE` selects it)."""
 
 
 def op_on(op: str, backend: str | Backend) -> Callable[..., Any]:
-    """The public entry of `op` (`mhc_core.ops.<op>`, its signature) computing on `backend` (a name or an object):
-    for the tests and tools that pick ops by name."""
-    _check_op(op)
+    """The public entry of `op` (`mhc_core.ops.<op>`, its signature; an op of `OPS` or `single_pass_pre`) computing
+    on `backend` (a name or an object): for the tests and tools that pick ops by name."""
+    if op not in _ENTRIES:
+        _check_op(op)
     return functools.partial(
         _ENTRIES[op], backend=get_backend(backend) if isinstance(backend, str) else backend
     )
@@ -236,18 +239,20 @@ def op_on(op: str, backend: str | Backend) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class BoundOps:
-    """The five public entries bound to one backend (`bound_ops(CuTileBackend(runtime)).pre(x, weight, ...)`)."""
+    """The public entries bound to one backend (`bound_ops(CuTileBackend(runtime)).pre(x, weight, ...)`): the five
+    ops and `single_pass_pre` (`pre` in the single-pass form)."""
 
     sinkhorn: Callable[..., Any]
     mapping: Callable[..., Any]
     h_aggregate: Callable[..., Any]
     h_post_bda: Callable[..., Any]
     pre: Callable[..., Any]
+    single_pass_pre: Callable[..., Any]
 
 
 def bound_ops(backend: str | Backend) -> BoundOps:
     """`BoundOps` of `backend` (a name or an object)."""
-    return BoundOps(**{op: op_on(op, backend) for op in OPS})
+    return BoundOps(**{op: op_on(op, backend) for op in _ENTRIES})
 
 
 def _log_once(op: str, backend: str, reason: str) -> None:

@@ -8,6 +8,10 @@ What every sublayer does before its function: the coefficients from the RMS-norm
 streams that is the sublayer's input (`h_aggregate`). This reference is exactly that composition, the
 oracle of the fused backends, which read `x` once per pass instead of once per op and produce one
 gradient of `x` (`docs/kernels.md`, "The fused pre-op").
+
+The same call serves the single-pass form (`mhc_core.forms`, `ops.single_pass_pre` builds it): the branch input
+then aggregates with the `H_pre` of the previous sublayer (`PreCall.previous_h_pre`; stream 0 at the model's
+entry) and the `h_pre` returned is the next sublayer's (`PreCall.branch_weights`).
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from typing import Protocol
 
 import torch
 
+from mhc_core.forms import ConnectionForm
 from mhc_core.ops.aggregate import AggregateCall, h_aggregate_reference
 from mhc_core.ops.mapping import NORM_EPS, MappingCall, check_mapping_args, mapping_reference
 from mhc_core.ops.sinkhorn import SinkhornCall, check_sinkhorn_args, sinkhorn_reference
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
-__all__ = ["PreBackend", "PreCall", "check_pre_args", "pre", "pre_reference"]
+__all__ = ["PreBackend", "PreCall", "branch_reference", "check_pre_args", "pre", "pre_reference"]
 
 
 def check_pre_args(
@@ -64,6 +69,25 @@ class PreCall:
     iterations: int
     spec: VariantSpec
     norm_eps: float
+    form: ConnectionForm = ConnectionForm.PER_SUBLAYER
+    """`single_pass`: the branch input aggregates with `previous_h_pre`, not with this call's own `h_pre`."""
+    previous_h_pre: torch.Tensor | None = None
+    """Single-pass only: `[T, n]`, the `H_pre` the previous sublayer produced; None at the model's entry (the
+    identity mix: the branch input is exactly stream 0)."""
+
+    @property
+    def single_pass(self) -> bool:
+        """Whether the call is the single-pass form's (`form`)."""
+        return self.form == ConnectionForm.SINGLE_PASS
+
+    def branch_weights(self, h_pre: torch.Tensor) -> torch.Tensor | None:
+        """The weights `[T, n]` the branch input aggregates the streams with: this call's own `h_pre`
+        (per-sublayer), the previous sublayer's (single-pass), or None (single-pass entry: stream 0)."""
+        return self.previous_h_pre if self.single_pass else h_pre
+
+    def streams(self) -> torch.Tensor:
+        """`x` viewed `[T, n, C]`."""
+        return self.x.reshape(self.x.shape[0], self.n, self.x.shape[1] // self.n)
 
     @property
     def params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,9 +116,7 @@ class PreCall:
 
     def aggregate_call(self, h_pre: torch.Tensor) -> AggregateCall:
         """The `h_aggregate` of the streams `[T, n, C]` with `h_pre [T, n]`."""
-        return AggregateCall(
-            x=self.x.reshape(self.x.shape[0], self.n, self.x.shape[1] // self.n), h_pre=h_pre
-        )
+        return AggregateCall(x=self.streams(), h_pre=h_pre)
 
 
 class PreBackend(Protocol):
@@ -103,11 +125,21 @@ class PreBackend(Protocol):
     def pre(self, call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
+def branch_reference(call: PreCall, h_pre: torch.Tensor) -> torch.Tensor:
+    """The branch input `[T, C]` of `call` given its own `h_pre [T, n]` (`PreCall.branch_weights`): the reference
+    aggregate, or stream 0 (a copy) at the single-pass entry."""
+    weights = call.branch_weights(h_pre)
+    if weights is None:
+        return call.streams()[:, 0, :].clone()
+    return h_aggregate_reference(call.aggregate_call(weights))
+
+
 def pre_reference(call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference backend's `pre`: exactly `mapping`, `sinkhorn` and `h_aggregate` in a row."""
+    """The reference backend's `pre`: exactly `mapping`, `sinkhorn` and `h_aggregate` in a row (the aggregate with
+    the previous `H_pre` in the single-pass form)."""
     h_pre, h_post, logits = mapping_reference(call.mapping_call())
     h_res = sinkhorn_reference(call.sinkhorn_call(logits))
-    return h_aggregate_reference(call.aggregate_call(h_pre)), h_pre, h_post, h_res
+    return branch_reference(call, h_pre), h_pre, h_post, h_res
 
 
 def pre(

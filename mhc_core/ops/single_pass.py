@@ -1,8 +1,12 @@
 """The single-pass pre-op (DeepSeek-V4.1) and the mixes at its entry and exit.
 
 `single_pass_pre(x[T, n*C], previous_h_pre[T, n] | None, weight[N, n*C], alpha_pre, alpha_post, alpha_res,
-                 bias[N], n, iterations, variant, norm_eps)
+                 bias[N], n, iterations, variant, norm_eps, *, backend)
  -> aggregate[T, C], next_h_pre[T, n], h_post[T, n], h_res[T, n, n]`
+
+It is `pre`'s call in the single-pass form (`PreCall(form=single_pass, previous_h_pre=...)`): every backend's
+`pre` computes it, the fused ones from one read of the streams for the projection, the RMS factor and the
+aggregate with the previous `H_pre`.
 
 Sublayer `k` of the single-pass form (`mhc_core.forms`) computes, from its input streams `x_k`:
 
@@ -23,10 +27,10 @@ from __future__ import annotations
 import torch
 
 from mhc_core.checks import check_dim, check_floating, check_rank, check_streams, shape_str
+from mhc_core.forms import ConnectionForm
 from mhc_core.ops.aggregate import h_aggregate
-from mhc_core.ops.mapping import NORM_EPS, compute_dtype, mapping
-from mhc_core.ops.pre import check_pre_args
-from mhc_core.ops.sinkhorn import sinkhorn
+from mhc_core.ops.mapping import NORM_EPS, compute_dtype
+from mhc_core.ops.pre import PreBackend, PreCall, check_pre_args, pre_reference
 from mhc_core.variants import Variant, VariantSpec, get_variant
 
 __all__ = ["check_previous_h_pre", "entry_mix", "exit_aggregate", "mix_dtype", "single_pass_pre"]
@@ -85,6 +89,8 @@ def single_pass_pre(
     iterations: int = 20,
     variant: str | Variant | VariantSpec = Variant.MEGATRON_DEV,
     norm_eps: float = NORM_EPS,
+    *,
+    backend: PreBackend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients and aggregated input of one single-pass sublayer for `T` tokens.
 
@@ -93,6 +99,7 @@ def single_pass_pre(
         previous_h_pre: `[T, n]`, the `H_pre` the previous sublayer produced; None at the model's entry
             (stream 0).
         n: residual streams; iterations: Sinkhorn iterations (>= 1).
+        backend: the backend whose `pre` computes it (`mhc_core.kernels`); None: the reference.
 
     Returns:
         `aggregate [T, C]` (in `x.dtype`), `next_h_pre [T, n]` (the next sublayer's), `h_post [T, n]`,
@@ -104,14 +111,21 @@ def single_pass_pre(
         x, weight, alpha_pre, alpha_post, alpha_res, bias, n, iterations, spec, op=op, norm_eps=norm_eps
     )
     check_previous_h_pre(previous_h_pre, (x.shape[0],), n, op=op)
-    next_h_pre, h_post, logits = mapping(x, weight, alpha_pre, alpha_post, alpha_res, bias, n, spec, norm_eps)
-    h_res = sinkhorn(logits, iterations, None, spec)
-    streams = x.reshape(x.shape[0], n, x.shape[1] // n)
-    if previous_h_pre is None:
-        aggregate = streams[:, 0, :].clone()
-    else:
-        aggregate = h_aggregate(streams, previous_h_pre)
-    return aggregate, next_h_pre, h_post, h_res
+    call = PreCall(
+        x=x,
+        weight=weight,
+        alpha_pre=alpha_pre,
+        alpha_post=alpha_post,
+        alpha_res=alpha_res,
+        bias=bias,
+        n=n,
+        iterations=iterations,
+        spec=spec,
+        norm_eps=float(norm_eps),
+        form=ConnectionForm.SINGLE_PASS,
+        previous_h_pre=previous_h_pre,
+    )
+    return pre_reference(call) if backend is None else backend.pre(call)
 
 
 def exit_aggregate(x: torch.Tensor, last_h_pre: torch.Tensor, n: int) -> torch.Tensor:

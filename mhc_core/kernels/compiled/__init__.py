@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core.kernels.compiled import aggregate, mapping, post_bda, pre, sinkhorn
+from mhc_core.kernels.compiled import aggregate, mapping, post_bda, pre, single_pass, sinkhorn
 from mhc_core.kernels.compiled.common import availability, compiled_cache_size
 from mhc_core.ops import AggregateCall, Backend, MappingCall, PostBdaCall, PreCall, SinkhornCall
 
@@ -34,7 +34,7 @@ class CompiledBackend:
         return post_bda.h_post_bda(call)
 
     def pre(self, call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return pre.pre(call)
+        return single_pass.single_pass_pre(call) if call.single_pass else pre.pre(call)
 
 
 COMPILED: Backend = CompiledBackend()

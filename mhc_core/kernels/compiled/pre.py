@@ -138,8 +138,8 @@ def _bwd_gates(
     iterations: int,
     s_eps: float,
 ):
-    """The backward up to the gradient of the projection: from `g_h_agg [T, n]`, the aggregate's gradient of h_pre,
-    and the coefficients' gradients, `g_proj [T, N]`, `coef [T, 1]` (the RMS term of the gradient of x), h_pre
+    """The backward up to the gradient of the projection: from `g_h_agg [T, n]`, the aggregate's gradient of h_pre
+    (None in the single-pass form, whose aggregate weights are the previous sublayer's), and the coefficients' gradients, `g_proj [T, N]`, `coef [T, 1]` (the RMS term of the gradient of x), h_pre
     `[T, n]` as the forward used it, and the gradients of alpha_pre, alpha_post, alpha_res and bias."""
     acc = acc_dtype(compute)
     t = proj.shape[0]
@@ -155,7 +155,7 @@ def _bwd_gates(
     g_logits = _sinkhorn_bwd(
         logits.to(s_acc), g_res.to(logits.dtype).to(s_acc), start, order, guard, iterations, s_eps
     )
-    g_pre_total = g_pre.to(acc) + g_h_agg.to(acc)  # [T, n]
+    g_pre_total = g_pre.to(acc) if g_h_agg is None else g_pre.to(acc) + g_h_agg.to(acc)  # [T, n]
     gh = torch.cat(
         [
             g_pre_total * s_pre * (1.0 - s_pre),

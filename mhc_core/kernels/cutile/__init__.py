@@ -69,7 +69,19 @@ class CuTileBackend:
     def pre(self, call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The mapping, Sinkhorn and aggregate launches in a row, or under `PreTiles(fused=True)`
         (`tiling.pre_tiles`), where the channels fit its tiles, the same forward with a backward that writes one
-        gradient of x (`mapping.pre`)."""
+        gradient of x (`mapping.pre`). In the single-pass form (`PreCall.single_pass`) the mapping, Sinkhorn and
+        aggregate launches in a row, the aggregate weighted with the previous sublayer's H_pre (stream 0, copied, at
+        the model's entry)."""
+        if call.single_pass:
+            h_pre, h_post, logits = self.mapping(call.mapping_call())
+            h_res = self.sinkhorn(call.sinkhorn_call(logits))
+            weights = call.branch_weights(h_pre)
+            branch = (
+                call.streams()[:, 0, :].clone()
+                if weights is None
+                else self.h_aggregate(call.aggregate_call(weights))
+            )
+            return branch, h_pre, h_post, h_res
         fused = _mapping.pre(self._get, call, lambda logits: self.sinkhorn(call.sinkhorn_call(logits)))
         if fused is not None:
             return fused

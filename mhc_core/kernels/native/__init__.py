@@ -170,10 +170,12 @@ def pre_forward(
     compute: torch.dtype = torch.float32,
     kernel: str | None = None,
     threads: int | None = None,
+    mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward pass (see the module docstring) on CPU tensors: x `[T, n*C]` fp32 or bf16, weight `[N, n*C]`,
     alpha_pre `[1]`, bias `[N]`, each rounded to `compute` (the mapping's dtype: fp32, or bf16 with bf16 x)
-    on the way in; h_pre rounded to `h_pre_dtype` (fp32 or bf16) before it weights the streams. Returns
+    on the way in; h_pre rounded to `h_pre_dtype` (fp32 or bf16) before it weights the streams, or, in the
+    single-pass form, `mix [T, n]` (fp32 or bf16: the previous sublayer's H_pre) weights them instead. Returns
     `proj [T, N]` in `compute`, `rms [T, 1]` fp32, `h_pre [T, n]` in `h_pre_dtype`, `aggregate [T, C]` in x's
     dtype. `kernel`: one of `KERNELS` (tests, benchmarks), else `MHC_NATIVE`'s choice. `threads`: how many
     threads split the tokens (default torch's intra-op count, at most one per `MIN_TOKENS_PER_THREAD` tokens);
@@ -189,6 +191,13 @@ def pre_forward(
     x = x.contiguous()
     t, k = x.shape
     big_n = n * n + 2 * n
+    if mix is not None:
+        if mix.dtype not in (torch.float32, torch.bfloat16) or tuple(mix.shape) != (t, n):
+            raise ValueError(
+                f"native pre_forward: mix must be [T, n] = [{t}, {n}] fp32 or bf16, got {mix.dtype} "
+                f"{list(mix.shape)}"
+            )
+        mix = mix.detach().to(torch.float32).contiguous()
     w = weight.detach().to(compute).to(torch.float32).contiguous()
     b = bias.detach().to(compute).to(torch.float32)[:n].contiguous()
     alpha = float(alpha_pre.detach().to(compute))
@@ -214,6 +223,7 @@ def pre_forward(
         rms.data_ptr(),
         h_pre.data_ptr(),
         agg.data_ptr(),
+        0 if mix is None else mix.data_ptr(),
         kernel,
         threads,
     )

@@ -19,6 +19,7 @@ def forward(
     rms_ptr: int,
     h_pre_ptr: int,
     agg_ptr: int,
+    mix_ptr: int,
     kernel: str,
     threads: int,
     /,

@@ -12,6 +12,9 @@
                                     (rounded to bf16 where the coefficients are bf16)
      pass 2, the rows from cache:   agg[t, c] = sum_i h_pre[t, i] x[t, i*C + c]   (rounded to x's dtype)
 
+   In the single-pass form (DeepSeek-V4.1) pass 2 weights the streams with the previous sublayer's H_pre, `mix`
+   [T, n] fp32, instead of the h_pre just computed (which is still returned: the next sublayer's).
+
    The backward, in two passes over x (grad_h, then the compiled gates in Python, then grad_x_w):
 
      g_h[t, i] = sum_c g_agg[t, c] x[t, i*C + c]
@@ -76,6 +79,7 @@ typedef struct {
     float *rms;       /* [T] */
     float *h_pre;     /* [T, n] */
     void *agg;        /* [T, C] in x's dtype */
+    const float *mix; /* [T, n]: the aggregate's weights in the single-pass form, or NULL (h_pre's) */
 } PreArgs;
 
 /* The backward's two passes (grad_h and grad_x_w below). */
@@ -134,7 +138,8 @@ static inline float load_x(const PreArgs *a, Py_ssize_t t, Py_ssize_t k) { retur
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* The RMS and h_pre of token t from its sum of squares and projection (`hp`: h_pre as used, [n]). */
+/* The RMS and h_pre of token t from its sum of squares and projection (`hp`: the aggregate's weights, [n]: h_pre,
+   or the single-pass form's `mix`). */
 static void token_coefficients(const PreArgs *a, Py_ssize_t t, float sumsq, float *hp) {
     const Py_ssize_t K = a->K, n = a->n;
     float rms, r;
@@ -150,7 +155,7 @@ static void token_coefficients(const PreArgs *a, Py_ssize_t t, float sumsq, floa
         float h = r * a->proj[t * a->N + i] * a->alpha_pre + a->bias_pre[i];
         float s = 1.0f / (1.0f + expf(-h)) + a->h_pre_eps;
         if (a->h_pre_bf16) s = round_bf16(s);
-        hp[i] = s;
+        hp[i] = a->mix ? a->mix[t * n + i] : s;
         a->h_pre[t * n + i] = s;
     }
 }
@@ -654,14 +659,14 @@ static void copy_rows(float *dst, Py_ssize_t stride, const float *src, Py_ssize_
 
 static PyObject *forward(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long x, w, bias_pre, proj, rms, h_pre, agg;
+    unsigned long long x, w, bias_pre, proj, rms, h_pre, agg, mix;
     PreArgs a;
     const char *name;
     int threads;
     Kernel kernel;
-    if (!PyArg_ParseTuple(args, "KinnnKfKfifiiKKKKsi", &x, &a.x_bf16, &a.T, &a.K, &a.n, &w, &a.alpha_pre, &bias_pre,
-                          &a.norm_eps, &a.eps_inside, &a.h_pre_eps, &a.h_pre_bf16, &a.proj_bf16, &proj, &rms, &h_pre,
-                          &agg, &name, &threads) ||
+    if (!PyArg_ParseTuple(args, "KinnnKfKfifiiKKKKKsi", &x, &a.x_bf16, &a.T, &a.K, &a.n, &w, &a.alpha_pre,
+                          &bias_pre, &a.norm_eps, &a.eps_inside, &a.h_pre_eps, &a.h_pre_bf16, &a.proj_bf16, &proj, &rms,
+                          &h_pre, &agg, &mix, &name, &threads) ||
         resolve("forward", name, threads, a.n, a.K, a.T, &kernel) < 0)
         return NULL;
     a.N = a.n * a.n + 2 * a.n;
@@ -689,6 +694,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     a.rms = (float *)(uintptr_t)rms;
     a.h_pre = (float *)(uintptr_t)h_pre;
     a.agg = (void *)(uintptr_t)agg;
+    a.mix = (const float *)(uintptr_t)mix;
     run_job(JOB_FORWARD, kernel, &a, NULL, threads, NULL, 0);
     PyMem_RawFree(w_bf16);
     PyMem_RawFree(w_block);
@@ -792,7 +798,8 @@ static PyObject *kernels(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"forward", forward, METH_VARARGS,
      "forward(x_ptr, x_bf16, T, K, n, w_ptr, alpha_pre, bias_pre_ptr, norm_eps, eps_inside, h_pre_eps, h_pre_bf16, "
-     "proj_bf16, proj_ptr, rms_ptr, h_pre_ptr, agg_ptr, kernel, threads) -> str: the pre-op's forward pass (see the "
+     "proj_bf16, proj_ptr, rms_ptr, h_pre_ptr, agg_ptr, mix_ptr, kernel, threads) -> str: the pre-op's forward pass "
+     "(mix_ptr: the single-pass form's aggregate weights [T, n] fp32, or 0 for h_pre's; see the "
      "file's comment) with `kernel` ('auto': the first of kernels()) on `threads` threads; returns the kernel that ran"},
     {"grad_h", grad_h, METH_VARARGS,
      "grad_h(x_ptr, x_bf16, T, K, n, g_agg_ptr, g_h_ptr, kernel, threads) -> str: the backward's first pass, "

@@ -405,6 +405,30 @@ def test_pre(emu, variant, dtype):
     )
 
 
+@pytest.mark.parametrize("entry", [False, True], ids=["mid", "entry"])
+def test_single_pass_pre(emu, entry):
+    """The single-pass pre (DeepSeek-V4.1's numerics: the mapping, Sinkhorn and aggregate launches, the aggregate
+    with the previous sublayer's H_pre, stream 0 at the model's entry) matches the reference, fwd + bwd, n = 4."""
+    inputs = mapping_inputs(20, 4, 64, torch.float32, "cpu")
+    mix = None if entry else 0.2 + torch.rand(20, 4, generator=torch.Generator().manual_seed(5))
+    names = (*MAPPING_INPUT_NAMES, "previous_h_pre")
+
+    def single_pass(ops_):
+        return lambda x, w, a_pre, a_post, a_res, b, prev: ops_.single_pass_pre(
+            x, prev, w, a_pre, a_post, a_res, b, n=4, iterations=5, variant="deepseek_v41"
+        )
+
+    compare(
+        f"single_pass_pre {'entry' if entry else 'mid'}",
+        single_pass(emu),
+        single_pass(ref),
+        [*inputs, mix],
+        torch.float32,
+        input_names=names,
+        cosine_inputs=MAPPING_COSINE,
+    )
+
+
 class _LaunchLog(EmulatedRuntime):
     """The emulator, recording the kernel of every launch."""
 
