@@ -161,27 +161,35 @@ def _cmd_trainserve(args: argparse.Namespace) -> int:
     prepare_interpreter()  # before anything imports triton
     from harness.conformance.trainserve import TrainServeSetup, measure, serving_peers
     from harness.conformance.trainserve_report import verdict, write_trainserve
+    from mhc_core.forms import ConnectionForm
 
     try:
         depths = tuple(int(d) for d in args.depths.split(","))
-        setup = TrainServeSetup(depths=depths, tokens=args.tokens, hidden=args.hidden)
+        setups = [
+            TrainServeSetup(depths=depths, tokens=args.tokens, hidden=args.hidden, form=form)
+            for form in ConnectionForm
+        ]
     except ValueError as exc:
         print(
             f"error: --depths {args.depths!r} / --tokens {args.tokens} / --hidden {args.hidden}: {exc}",
             file=sys.stderr,
         )
         return 2
-    peers = [p for p in serving_peers() if not args.peer or p.name in args.peer]
-    for p in serving_peers():
-        why = p.unavailable()
-        if why and (not args.peer or p.name in args.peer):
-            print(f"trainserve: {p.name} skipped: {why}")
-    rows = measure(peers, setup)
-    paths = write_trainserve(rows, setup, Path(args.out))
-    for r in rows[1:]:
-        print(f"trainserve: {r.name}: {verdict(r, rows[0])}")
-    print(f"trainserve: {', '.join(map(str, paths))}")
-    return 0 if all(r.passed for r in rows) else 1
+    passed = True
+    for setup in setups:  # the per-sublayer form (DeepSeek-V4), then the single-pass one (DeepSeek-V4.1)
+        candidates = serving_peers(setup.form)
+        peers = [p for p in candidates if not args.peer or p.name in args.peer]
+        for p in peers:
+            why = p.unavailable()
+            if why:
+                print(f"trainserve: {p.name} skipped: {why}")
+        rows = measure(peers, setup)
+        paths = write_trainserve(rows, setup, Path(args.out))
+        for r in rows[1:]:
+            print(f"trainserve ({setup.form}): {r.name}: {verdict(r, rows[0])}")
+        print(f"trainserve ({setup.form}): {', '.join(map(str, paths))}")
+        passed = passed and all(r.passed for r in rows)
+    return 0 if passed else 1
 
 
 def _cmd_recalibrate(args: argparse.Namespace) -> int:
@@ -498,7 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("trainserve", help="the serving engines' mHC against the trainer's, by depth")
     s.add_argument(
-        "--out", default="results", help="writes trainserve.{json,md,png} here (default: ./results)"
+        "--out",
+        default="results",
+        help="writes trainserve.{json,md,png} and trainserve-single-pass.{json,md,png} here (default: ./results)",
     )
     s.add_argument("--depths", default="1,8,32,61", help="the depths reported (default 1,8,32,61)")
     s.add_argument(

@@ -61,7 +61,7 @@ def amax_gain(h_res_stack: torch.Tensor, transposed: bool = False) -> AmaxGain:
     return AmaxGain(forward=float(fwd.max()), backward=float(bwd.max()))
 
 
-OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda", "pre", "residual_add")
+OPS = ("sinkhorn", "mapping", "h_aggregate", "h_post_bda", "pre", "single_pass_pre", "residual_add")
 Direction = Literal["fwd", "bwd"]
 
 
@@ -133,6 +133,12 @@ def bytes_moved(
             read=t * c * a + coeffs + t * nc * a + t * (big_n + 1) * f + big_n * nc * f,
             written=t * nc * a + big_n * nc * f + 3 * f + big_n * f,
         )
+    if op == "single_pass_pre":
+        # pre's traffic with the aggregate weighted by the previous sublayer's H_pre: that mix [T, n] read too
+        # (forward and backward) and its gradient written.
+        one = bytes_moved("pre", direction, tokens=t, n=n, hidden=c, act_bytes=a, coeff_bytes=f)
+        mix = t * n * f
+        return OpBytes(read=one.read + mix, written=one.written + (mix if direction == "bwd" else 0))
     if op == "residual_add":
         if direction == "fwd":
             return OpBytes(read=2 * t * c * a, written=t * c * a)

@@ -17,6 +17,7 @@ does not produce (a detached input) counts as zero.
 | `layer` | two sublayers end to end (`x -> mix(x, f(aggregate(x)))`, attention then MLP) and the gradients w.r.t. x and both sublayers' parameters |
 | `block-exit` | the learned contraction (`megatron_dev` / DeepSeek-V4 `hc_head`); no variant |
 | `stack` | the peer's own composition of `STACK_LAYERS` layers: one stream expanded, the layers, the exit; outputs and the gradients w.r.t. the input and every parameter |
+| `single-pass` | one single-pass (DeepSeek-V4.1) sublayer: the aggregate with the previous sublayer's H_pre, this sublayer's next H_pre, H_post and H_res; gradients w.r.t. x, the previous H_pre and every parameter; `@entry`: the model's first sublayer (no previous H_pre: stream 0); `@rms1e-2`: x at RMS 1e-2 (the norm's eps) |
 | `stack-grads` | the same run: the size (norm) of the gradient each mHC parameter receives, per part (`pre`, `post`, `res` rows of the projection and the bias, each alpha), against the reference's: within `GRAD_SIZE_FACTOR` either way |
 
 Each runs for n in the peer's `streams` among (2, 4) and each dtype of its `dtypes` (orientation,
@@ -138,7 +139,13 @@ def _specs_for(n: int, dtype: torch.dtype) -> list[CheckSpec]:
     ]
     if n >= 3:
         out.append(spec("exact-sums", "sinkhorn", kind="exact_sums", scale=3.0, iterations=3))
-    out += [spec("layer", "layer"), spec("block-exit", "block_exit", variant_free=True)]
+    out += [
+        spec("single-pass", "single_pass", iterations=STACK_ITERATIONS),
+        spec("single-pass@entry", "single_pass", iterations=STACK_ITERATIONS),
+        spec("single-pass@rms1e-2", "single_pass", case=small, iterations=STACK_ITERATIONS),
+        spec("layer", "layer"),
+        spec("block-exit", "block_exit", variant_free=True),
+    ]
     if (
         n >= 3
     ):  # what a stack adds (where the streams live between layers) shows at any n: the larger one only
@@ -186,6 +193,13 @@ def _inputs(
         )
     if spec.op == "aggregate":
         return {"x": c.x, "h_pre": c.h_pre}, lambda p, d: {"aggregate": p.aggregate(d["x"], d["h_pre"])}
+    if spec.op == "single_pass":
+        entry = spec.id.startswith("single-pass@entry")
+        previous = {} if entry else {"previous_h_pre": c.h_pre}
+        return (
+            {"x": c.x, **previous, **_param_inputs(c.params, "")},
+            lambda p, d: p.single_pass(d["x"], d.get("previous_h_pre"), _params(d, "", c.n), it),
+        )
     if spec.op == "mix":
         return (
             {"h_res": c.h_res, "residual": c.x, "h_post": c.h_post, "y": c.y},

@@ -302,10 +302,10 @@ def _shapes(spec: CheckSpec) -> str:
 
 
 OPTION_OPS = {
-    "norm_eps_placement": ("coefficients", "layer", "stack"),
+    "norm_eps_placement": ("coefficients", "layer", "stack", "single_pass"),
     "residual_mix": ("mix", "layer", "stack"),
     "output_contraction": ("block_exit", "stack"),
-    "mapping_precision": ("coefficients", "layer", "stack"),
+    "mapping_precision": ("coefficients", "layer", "stack", "single_pass"),
 }
 """The options the checks can observe, and the ops whose checks show them (the mapping precision: in half
 precision only)."""
@@ -601,7 +601,7 @@ def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
     )
 
 
-_VARIANT_OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer")
+_VARIANT_OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "single_pass")
 
 
 def run_matrix(peers: Iterable[Peer], variants: Sequence[str] = VARIANT_NAMES) -> Matrix:

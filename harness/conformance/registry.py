@@ -52,14 +52,14 @@ def all_peers(
     from harness.peers.lucidrains import LucidrainsPeer
     from harness.peers.maxtext import MaxTextPeer
     from harness.peers.megatron_lite import MegatronLitePeer
-    from harness.peers.mhc_core_peer import mhc_core_peers
+    from harness.peers.mhc_core_peer import mhc_core_peers, single_pass_peer
     from harness.peers.mhc_package import MhcPackagePeer
     from harness.peers.nemo_automodel import NemoAutomodelPeer
     from harness.peers.plugins import entry_point_peers, module_peers
     from harness.peers.sglang import SglangPeer, SglangTritonPeer
     from harness.peers.te_triton import TeTritonPeer, te_tree
     from harness.peers.torchtitan import TorchtitanPeer, torchtitan_tree
-    from harness.peers.vllm import VllmPeer, VllmTritonPeer
+    from harness.peers.vllm import VllmPeer, VllmSinglePassPeer, VllmTritonPeer
 
     # A tree named explicitly is checked here (SourceTreeError, a ValueError naming it: the CLI exits 2); one
     # from the environment is checked by the peer, whose row then says why it did not run.
@@ -70,6 +70,7 @@ def all_peers(
 
     peers: list[Peer] = [
         *mhc_core_peers(("reference", "compiled")),
+        single_pass_peer(),
         HfDeepseekV4Peer(),
         LucidrainsPeer(),
         MhcPackagePeer(),
@@ -82,6 +83,7 @@ def all_peers(
         SglangTritonPeer(),
         VllmPeer(),
         VllmTritonPeer(),
+        VllmSinglePassPeer(),
         MaxTextPeer(),
         *recorded_peers(),
         *gpu_peers(),

@@ -23,6 +23,13 @@ the trainer's (eps placement, mix orientation, Sinkhorn form).
 
 Determinism (the same inputs twice give the same bits) and batch invariance (a token alone and in the batch of
 `tokens` give the same bits) are checked per peer on one layer.
+
+In the single-pass form (`TrainServeSetup(form="single_pass")`, DeepSeek-V4.1) the trainer is `mhc_core`'s
+reference in V4.1's numerics (`SINGLE_PASS_TRAINER`) and each connection carries the mix: a sublayer's layer input
+weights the streams with the `H_pre` the previous one returned (stream 0 at the first), so an error in one
+sublayer's projection reaches the next one's input; the serving peers are those with a `single_pass` op and a post
+(`vllm[v4.1]`: `mhc_pre_delayed_torch` and `mhc_post_torch`), and the first op that differs is looked for among
+H_res, H_post, the next H_pre, the layer input and the mix.
 """
 
 from __future__ import annotations
@@ -38,22 +45,28 @@ from harness.conformance.cases import params
 from harness.peers.base import Peer, Sublayer, SublayerParams
 from harness.peers.mhc_core_peer import MhcCorePeer, sublayer
 from harness.peers.pre_post import PrePostPeer
+from mhc_core.forms import ConnectionForm
+from mhc_core.variants import get_variant
 
 __all__ = [
     "DEPTHS",
     "GROWTH_FACTOR",
     "LEVEL_FACTOR",
+    "SINGLE_PASS_TRAINER",
     "TRAINER",
     "PeerMismatch",
     "TrainServeSetup",
     "measure",
     "rel_err",
     "serving_peers",
+    "trainer_configuration",
 ]
 
 TRAINER = "megatron_dev+eps_inside_sqrt"
 """The configuration the serving peers implement and the trainer runs (DeepSeek-V4's, upstream dev's numerics with
 the norm's eps inside the square root)."""
+SINGLE_PASS_TRAINER = "deepseek_v41"
+"""The single-pass form's trainer: DeepSeek-V4.1's numerics (dev's, eps inside the square root, fp32 coefficients)."""
 DEPTHS = (1, 8, 32, 61)
 """Depths reported (61: DeepSeek-V4's layer count)."""
 GROWTH_FACTOR = 2.0
@@ -76,8 +89,11 @@ class TrainServeSetup:
     iterations: int = 20
     depths: tuple[int, ...] = DEPTHS
     seed: int = 0
+    form: ConnectionForm = ConnectionForm.PER_SUBLAYER
+    """`single_pass`: the connections carry the mix (DeepSeek-V4.1; the module docstring)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "form", ConnectionForm(self.form))
         if not self.depths or min(self.depths) < 1 or list(self.depths) != sorted(set(self.depths)):
             raise ValueError(f"TrainServeSetup.depths={self.depths}: increasing depths >= 1 expected")
         for name in ("n", "hidden", "tokens", "iterations"):
@@ -165,20 +181,49 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
 
 
-def serving_peers() -> list[PrePostPeer]:
-    """The serving peers whose whole connection runs here (pre and post)."""
-    from harness.peers.sglang import SglangPeer, SglangTritonPeer
-    from harness.peers.vllm import VllmPeer
+def trainer_configuration(form: ConnectionForm | str = ConnectionForm.PER_SUBLAYER) -> str:
+    """The trainer's configuration in `form`: `TRAINER`, or `SINGLE_PASS_TRAINER` for the single-pass form."""
+    return SINGLE_PASS_TRAINER if ConnectionForm(form) == ConnectionForm.SINGLE_PASS else TRAINER
 
+
+def serving_peers(form: ConnectionForm | str = ConnectionForm.PER_SUBLAYER) -> list[PrePostPeer]:
+    """The serving peers whose whole connection runs here (pre and post) in `form`."""
+    from harness.peers.sglang import SglangPeer, SglangTritonPeer
+    from harness.peers.vllm import VllmPeer, VllmSinglePassPeer
+
+    if ConnectionForm(form) == ConnectionForm.SINGLE_PASS:
+        return [VllmSinglePassPeer()]
     return [SglangPeer(), SglangTritonPeer(), VllmPeer()]
 
 
-def _connection(peer: PrePostPeer | None, x: torch.Tensor, sub: Sublayer, iterations: int) -> torch.Tensor:
-    """One hyper connection around `sub.f`: the peer's pre / post, or (None) `mhc_core`'s reference."""
+def _trainer(form: ConnectionForm) -> MhcCorePeer:
+    """`mhc_core`'s reference of the trainer's configuration in `form` (fp64 inputs make it the oracle)."""
+    return MhcCorePeer(name="trainer", description="", ops=frozenset(), variant=trainer_configuration(form))
+
+
+def _connection(
+    peer: PrePostPeer | None,
+    x: torch.Tensor,
+    sub: Sublayer,
+    iterations: int,
+    form: ConnectionForm = ConnectionForm.PER_SUBLAYER,
+    mix: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One hyper connection around `sub.f` (the peer's pre / post, or (None) `mhc_core`'s reference) and, single-pass,
+    the mix it hands on (`mix`: the one it was handed, None at the first)."""
+    if form == ConnectionForm.SINGLE_PASS:
+        impl = _trainer(form) if peer is None else peer
+        out = impl.single_pass(x, mix, sub.params, iterations)
+        y = sub.f(out["aggregate"])
+        if peer is None:
+            nxt = impl.mix(out["h_res"], x, out["h_post"], y)
+        else:
+            nxt = peer.post(y, x, out["h_post"], out["h_res"])
+        return nxt, out["next_h_pre"]
     if peer is None:
-        return sublayer(x, sub, iterations, TRAINER)
+        return sublayer(x, sub, iterations, TRAINER), None
     y, h_res, h_post = peer.pre(x, sub.params, iterations)
-    return peer.post(sub.f(y), x, h_post, h_res)
+    return peer.post(sub.f(y), x, h_post, h_res), None
 
 
 def _run(
@@ -187,12 +232,13 @@ def _run(
     subs: Sequence[Sublayer],
     iterations: int,
     depths: Sequence[int],
+    form: ConnectionForm = ConnectionForm.PER_SUBLAYER,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The first connection's output and the streams after each of `depths` layers."""
-    first, out, h = None, [], x
+    first, out, h, mix = None, [], x, None
     with torch.no_grad():
         for i, sub in enumerate(subs):
-            h = _connection(peer, h, sub, iterations)
+            h, mix = _connection(peer, h, sub, iterations, form, mix)
             if i == 0:
                 first = h
             if i % 2 == 1 and (i + 1) // 2 in depths:
@@ -202,13 +248,18 @@ def _run(
 
 
 def _invariance(
-    peer: PrePostPeer | None, x: torch.Tensor, subs: Sequence[Sublayer], iterations: int
+    peer: PrePostPeer | None,
+    x: torch.Tensor,
+    subs: Sequence[Sublayer],
+    iterations: int,
+    form: ConnectionForm = ConnectionForm.PER_SUBLAYER,
 ) -> tuple[bool, bool, float]:
     """`(deterministic, batch invariant, max |alone - in batch|)` of one layer of `peer` (None: the trainer)."""
 
     def layer(z: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return _connection(peer, _connection(peer, z, subs[0], iterations), subs[1], iterations)
+            h, mix = _connection(peer, z, subs[0], iterations, form)
+            return _connection(peer, h, subs[1], iterations, form, mix)[0]
 
     a, b = layer(x), layer(x)
     rows = sorted({0, x.shape[0] // 2, x.shape[0] - 1})
@@ -244,6 +295,38 @@ def _first_differing_op(peer: PrePostPeer, x: torch.Tensor, sub: Sublayer, itera
     return ""
 
 
+def _first_differing_single_pass_op(
+    peer: PrePostPeer, x: torch.Tensor, sub: Sublayer, iterations: int
+) -> str:
+    """As `_first_differing_op` for a single-pass connection handed a mix that is not `x`'s own (the fp64 trainer's
+    H_pre of the tokens rolled by one, rounded to fp32: a connection that aggregated with its own H_pre would hide
+    behind its own): H_res, H_post, the next H_pre, the layer input, then the mix."""
+    form = ConnectionForm.SINGLE_PASS
+    trainer = _trainer(form)
+    x64, p64 = x.double(), _cast(sub.params, torch.float64)
+    with torch.no_grad():
+        mix = trainer.single_pass(x64.roll(1, dims=0), None, p64, iterations)["next_h_pre"].float()
+        ref = trainer.single_pass(x64, mix.double(), p64, iterations)
+        mine = trainer.single_pass(x, mix, sub.params, iterations)
+        theirs = peer.single_pass(x, mix, sub.params, iterations)
+        for name, what in (
+            ("h_res", "H_res (the Sinkhorn output)"),
+            ("h_post", "H_post"),
+            ("next_h_pre", "the next H_pre (the handoff)"),
+            ("aggregate", "the layer input (the aggregate with the previous H_pre)"),
+        ):
+            got, own = rel_err(theirs[name], ref[name]), rel_err(mine[name], ref[name])
+            if got > LEVEL_FACTOR * max(own, _FLOOR):
+                return f"{what}: {got:.2e} vs the trainer's {own:.2e}"
+        f = sub.f(theirs["aggregate"])
+        ref_mix = trainer.mix(ref["h_res"], x64, ref["h_post"], f.double())
+        got = rel_err(peer.post(f, x, theirs["h_post"], theirs["h_res"]), ref_mix)
+        own = rel_err(trainer.mix(mine["h_res"], x, mine["h_post"], f), ref_mix)
+        if got > LEVEL_FACTOR * max(own, _FLOOR):
+            return f"the mix (H_res, H_post and the streams): {got:.2e} vs the trainer's {own:.2e}"
+    return ""
+
+
 def _configuration(peer: Peer) -> str | None:
     """What the conformance matrix finds the peer implements (None when it cannot tell)."""
     from harness.conformance.matrix import run_matrix
@@ -254,18 +337,19 @@ def _configuration(peer: Peer) -> str | None:
 def measure(peers: Sequence[PrePostPeer], setup: TrainServeSetup = TrainServeSetup()) -> list[PeerMismatch]:
     """The trainer's own bf16 row first, then one row per peer that can run here (see the module docstring)."""
     x, layers = _setup(setup)
-    depths = setup.depths
+    depths, form = setup.depths, setup.form
+    trainer = trainer_configuration(form)
     subs64 = layers.sublayers(torch.float64, torch.float64)
     subs = layers.sublayers(torch.bfloat16, torch.float32)
     first64, ref = _run(
-        None, x.double(), subs64, setup.iterations, depths
+        None, x.double(), subs64, setup.iterations, depths, form
     )  # the reference in fp64: the oracle
-    first_t, trained = _run(None, x, subs, setup.iterations, depths)
-    det, inv, worst = _invariance(None, x, subs, setup.iterations)
+    first_t, trained = _run(None, x, subs, setup.iterations, depths, form)
+    det, inv, worst = _invariance(None, x, subs, setup.iterations, form)
     t_fp64 = tuple(rel_err(a, e) for a, e in zip(trained, ref, strict=True))
     rows = [
         PeerMismatch(
-            name=f"trainer (mhc_core[{TRAINER}], bf16)",
+            name=f"trainer (mhc_core[{trainer}], bf16)",
             version=None,
             depths=depths,
             vs_fp64=t_fp64,
@@ -275,15 +359,15 @@ def measure(peers: Sequence[PrePostPeer], setup: TrainServeSetup = TrainServeSet
             deterministic=det,
             batch_invariant=inv,
             batch_max_abs=worst,
-            configuration=TRAINER,
+            configuration=trainer,
         )
     ]
     t_growth = rows[0].growth()
     for peer in peers:
         if peer.unavailable():
             continue
-        first, got = _run(peer, x, subs, setup.iterations, depths)
-        det, inv, worst = _invariance(peer, x, subs, setup.iterations)
+        first, got = _run(peer, x, subs, setup.iterations, depths, form)
+        det, inv, worst = _invariance(peer, x, subs, setup.iterations, form)
         vs64 = tuple(rel_err(a, e) for a, e in zip(got, ref, strict=True))
         row = PeerMismatch(
             name=peer.name,
@@ -311,11 +395,14 @@ def measure(peers: Sequence[PrePostPeer], setup: TrainServeSetup = TrainServeSet
                     f"grows {row.growth():.3g}x from depth {depths[0]} to {depths[-1]} (the trainer's "
                     f"{t_growth:.3g}x, bound {GROWTH_FACTOR:g}x that)"
                 )
-            op = _first_differing_op(peer, x, subs[0], setup.iterations)
+            differing = (
+                _first_differing_single_pass_op if form == ConnectionForm.SINGLE_PASS else _first_differing_op
+            )
+            op = differing(peer, x, subs[0], setup.iterations)
             if op:
                 why.append(f"first op that differs: {op}")
-            if configuration is not None and configuration != TRAINER:
-                why.append(f"the conformance matrix finds {configuration}, the trainer runs {TRAINER}")
+            if configuration is not None and configuration not in (trainer, get_variant(trainer).name):
+                why.append(f"the conformance matrix finds {configuration}, the trainer runs {trainer}")
             row = replace(row, passed=False, reason="; ".join(why), configuration=configuration)
         else:
             row = replace(row, configuration=configuration)

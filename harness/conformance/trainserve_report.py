@@ -1,5 +1,5 @@
 """The train/serve mismatch written out: `trainserve.json`, `trainserve.md` (the table and what a user does with
-it) and `trainserve.png` (the error by depth), atomically."""
+it) and `trainserve.png` (the error by depth), atomically; the single-pass form's as `trainserve-single-pass.*`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.conformance.trainserve import GROWTH_FACTOR, LEVEL_FACTOR, TRAINER, PeerMismatch, TrainServeSetup
+from harness.conformance.trainserve import (
+    GROWTH_FACTOR,
+    LEVEL_FACTOR,
+    PeerMismatch,
+    TrainServeSetup,
+    trainer_configuration,
+)
+from mhc_core.forms import ConnectionForm
 
 __all__ = ["format_table", "verdict", "write_trainserve"]
 
@@ -26,11 +33,18 @@ def format_table(rows: Sequence[PeerMismatch], setup: TrainServeSetup) -> str:
     """The Markdown report."""
     trainer = rows[0]
     depth_cols = " | ".join(f"L={d} vs fp64 / vs trainer" for d in setup.depths)
+    single = setup.form == ConnectionForm.SINGLE_PASS
+    what = (
+        "DeepSeek-V4.1 numerics, single-pass: each sublayer's input weighted with the H_pre the previous one "
+        "handed on"
+        if single
+        else "upstream dev / DeepSeek-V4 numerics"
+    )
     lines = [
-        "# Train/serve mismatch of mHC",
+        "# Train/serve mismatch of mHC" + (" (single-pass, DeepSeek-V4.1)" if single else ""),
         "",
-        f"The serving engines' mHC against the trainer's (`mhc_core[{TRAINER}]` in bf16, fp32 mappings: upstream "
-        f"dev / DeepSeek-V4 numerics) and the same configuration in fp64, from the same parameters and inputs: "
+        f"The serving engines' mHC against the trainer's (`mhc_core[{trainer_configuration(setup.form)}]` in bf16, "
+        f"fp32 mappings: {what}) and the same configuration in fp64, from the same parameters and inputs: "
         f"n {setup.n}, C {setup.hidden}, {setup.tokens} tokens, {setup.iterations} Sinkhorn iterations, a stack of "
         f"{setup.depths[-1]} layers (two connections each, pre-normed `tanh` stand-ins). Worst relative error of the "
         f"streams (`max |a - e| / max |e|`) after L layers. Bound: within {LEVEL_FACTOR:g}x the trainer's own bf16 "
@@ -90,16 +104,18 @@ def write_trainserve(
     """`(json, md, png)` under `out_dir`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    js, md, png = out_dir / "trainserve.json", out_dir / "trainserve.md", out_dir / "trainserve.png"
+    stem = "trainserve-single-pass" if setup.form == ConnectionForm.SINGLE_PASS else "trainserve"
+    js, md, png = out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"
     doc = {
-        "trainer": TRAINER,
-        "setup": {k: getattr(setup, k) for k in setup.__dataclass_fields__},
+        "trainer": trainer_configuration(setup.form),
+        "form": str(setup.form),
+        "setup": {k: str(v) if k == "form" else v for k, v in vars(setup).items()},
         "bounds": {"level_factor": LEVEL_FACTOR, "growth_factor": GROWTH_FACTOR},
         "rows": [r.to_json() for r in rows],
     }
     _atomic(js, json.dumps(doc, indent=1) + "\n")
     _atomic(md, format_table(rows, setup))
-    tmp = png.with_name(".trainserve.tmp.png")
+    tmp = png.with_name(f".{stem}.tmp.png")
     _plot(rows, tmp)
     tmp.replace(png)
     return js, md, png

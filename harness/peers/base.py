@@ -16,12 +16,16 @@ Ops (a peer implements those in `Peer.ops`):
 | `layer` | `(x [T, n, C], attn, mlp, iterations)`: two sublayers | `[T, n, C]` |
 | `block_exit` | `(x [T, n, C], head_fn [n, n*C], head_base [n], head_scale [1])` | `[T, C]` |
 | `stack` | `(h [T, C], layers, head, iterations)`: `layers` a sequence of `(attn, mlp)` `Sublayer` pairs, `head` a `Head` | `[T, C]` |
+| `single_pass` | `(x [T, n, C], previous_h_pre [T, n] or None, params, iterations)`: one single-pass (DeepSeek-V4.1) sublayer's pre-op | dict, below |
 
 `coefficients` returns the subset of `{"h_pre" [T, n], "h_post" [T, n], "h_res" [T, n, n]
 (after Sinkhorn), "aggregate" [T, C]}` the peer exposes (DeepSeek-V4 consumes `h_pre` itself and
 returns the aggregate). `layer` runs attention-like then MLP-like sublayers,
 `x -> mix(x, f(aggregate(x)))` twice, with `attn` / `mlp` a `Sublayer` each.
 `block_exit` is the learned contraction of `megatron_dev` / DeepSeek-V4 (`hc_head`).
+`single_pass` returns the subset of `{"aggregate" [T, C] (the streams weighted with `previous_h_pre`; stream 0
+when it is None, the model's entry), "next_h_pre" [T, n] (this sublayer's projection's, for the next sublayer),
+"h_post" [T, n], "h_res" [T, n, n]}` the peer exposes.
 
 `stack` is the peer's own composition of several layers, as its model runs them: one stream in,
 expanded to n copies, every layer on the n streams, the block exit out. A peer whose exit is the mean
@@ -76,7 +80,7 @@ __all__ = [
     "timed_params",
 ]
 
-OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack")
+OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack", "single_pass")
 TIMED_OPS = ("coefficients", "layer_mhc", "sinkhorn")
 
 TimedFn = Callable[[Mapping[str, torch.Tensor]], tuple[torch.Tensor, ...]]
@@ -246,6 +250,11 @@ class Peer(ABC):
     def stack(
         self, h: torch.Tensor, layers: Sequence[tuple[Sublayer, Sublayer]], head: Head, iterations: int
     ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def single_pass(
+        self, x: torch.Tensor, previous_h_pre: torch.Tensor | None, params: SublayerParams, iterations: int
+    ) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def timed(self, op: str, *, n: int, hidden: int, dtype: torch.dtype, iterations: int) -> TimedFn:

@@ -96,6 +96,24 @@ class MhcCorePeer(Peer):
     def aggregate(self, x, h_pre):
         return self._ops().h_aggregate(x, h_pre)
 
+    def single_pass(self, x, previous_h_pre, params: SublayerParams, iterations):
+        t, n, c = x.shape
+        p = params
+        aggregate, next_h_pre, h_post, h_res = self._ops().single_pass_pre(
+            x.reshape(t, n * c),
+            previous_h_pre,
+            p.weight,
+            p.alpha_pre,
+            p.alpha_post,
+            p.alpha_res,
+            p.bias,
+            n,
+            iterations,
+            variant=self.variant,
+            norm_eps=self.norm_eps,
+        )
+        return {"aggregate": aggregate, "next_h_pre": next_h_pre, "h_post": h_post, "h_res": h_res}
+
     def mix(self, h_res, residual, h_post, y):
         return self._ops().h_post_bda(h_res, residual, h_post, y, None, variant=self.variant)
 
@@ -154,3 +172,17 @@ def mhc_core_peers(backends: tuple[str, ...] = ("reference",)) -> list[MhcCorePe
                 )
             )
     return out
+
+
+def single_pass_peer(backend: str = "reference") -> MhcCorePeer:
+    """`mhc_core[deepseek_v41]`: DeepSeek-V4.1's numerics with the single-pass op (`single_pass_pre`) beside the
+    per-sublayer ones, the row the single-pass implementations are read against."""
+    tag = "deepseek_v41" if backend == "reference" else f"deepseek_v41,{backend}"
+    return MhcCorePeer(
+        name=f"mhc_core[{tag}]",
+        variant="deepseek_v41",
+        backend=backend,
+        claims="megatron_dev+eps_inside_sqrt",
+        description=f"mhc_core's DeepSeek-V4.1 numerics (deepseek_v41), single-pass op, {backend} backend",
+        ops=frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "single_pass"}),
+    )

@@ -14,6 +14,11 @@ dependencies; the adapters execute vLLM's own kernel files on their own
   (`vllm.triton_utils`, whose `tl` / `triton` are triton's own, and `direct_register_custom_op`, which
   registers the functions as `torch.ops.vllm.*`: not needed to call them) are stood in.
 
+- `vllm[v4.1]`: the same file's `mhc_pre_delayed_torch`, DeepSeek-V4.1's single-pass pre (the layer input weighted
+  with the previous sublayer's `pre_mix`, stream 0 without one, and this sublayer's `pre` returned for the next);
+  it computes in fp32 whatever the streams' dtype, so its checks run in bf16 and fp32 (where the norm's eps
+  placement shows).
+
 vLLM's fused pre / post / post-pre kernels are TileLang: `vllm[tilelang]` runs them on a GPU, with vLLM installed
 with its dependencies (skipped with the reason elsewhere). Parameter map and layout:
 as sglang's (`harness.peers.sglang`): `hc_fn` `[N, n*C]` fp32, `hc_scale [3]`, `hc_base [N]`, eps 1e-6.
@@ -41,6 +46,7 @@ __all__ = [
     "TRITON_FILE",
     "VLLM",
     "VllmPeer",
+    "VllmSinglePassPeer",
     "VllmTileLangPeer",
     "VllmTritonPeer",
     "load_vllm_file",
@@ -139,6 +145,45 @@ class VllmPeer(PrePostPeer):
     ) -> torch.Tensor:
         """The next streams `[T, n, C]` (`mhc_post_torch`)."""
         return self.module().mhc_post_torch(y, x, h_post.unsqueeze(-1), h_res)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmSinglePassPeer(VllmPeer):
+    """vLLM's eager DeepSeek-V4.1 single-pass pre (`mhc_pre_delayed_torch`; see the module docstring)."""
+
+    name: str = "vllm[v4.1]"
+    description: str = "vLLM 0.33.0 vllm.model_executor.kernels.mhc.torch mhc_pre_delayed_torch (DeepSeek-V4.1 single-pass pre)"
+    ops: frozenset[str] = frozenset({"single_pass"})
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
+    """bf16, what it serves in, and fp32: its math is fp32 either way, and fp32 shows the norm's eps placement."""
+    claims: str | None = "megatron_dev+eps_inside_sqrt"
+    """DeepSeek-V4.1's numerics (`deepseek_v41`) as the checks can tell them apart: the coefficients' fp32 dtype
+    does not show in a forward check."""
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "coefficients": "V4's per-sublayer pre is mhc_pre_torch: the vllm row",
+            "mix": "the post is V4's mhc_post_torch: the vllm row",
+        }
+    )
+
+    def single_pass(self, x, previous_h_pre, params: SublayerParams, iterations):
+        """`{aggregate [T, C], next_h_pre [T, n], h_post [T, n], h_res [T, n, n]}` of `x [T, n, C]` weighted with
+        `previous_h_pre [T, n]` (stream 0 when None)."""
+        t, n, _ = x.shape
+        fn, scale, base = hc_params(params)
+        post, comb, layer_input, pre = self.module().mhc_pre_delayed_torch(
+            x.contiguous(),
+            fn,
+            scale,
+            base,
+            EPS,
+            EPS,
+            EPS,
+            2.0,
+            iterations,
+            pre_mix=None if previous_h_pre is None else previous_h_pre.float(),
+        )
+        return {"aggregate": layer_input, "next_h_pre": pre, "h_post": post.reshape(t, n), "h_res": comb}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,10 +17,11 @@ from harness.conformance.trainserve import TRAINER, TrainServeSetup, measure, re
 from harness.conformance.trainserve_report import write_trainserve
 from harness.peers.base import SublayerParams
 from harness.peers.sglang import KERNEL_FILE, SGLANG, SglangPeer, SglangTritonPeer
-from harness.peers.vllm import TORCH_FILE, VLLM, VllmPeer
+from harness.peers.vllm import TORCH_FILE, VLLM, VllmPeer, VllmSinglePassPeer
 
 SMALL = TrainServeSetup(depths=(1, 3), tokens=8)
 """The CI size of the train/serve measurement."""
+SMALL_SINGLE_PASS = TrainServeSetup(depths=(1, 3), tokens=8, form="single_pass")
 
 
 def _need(peer):
@@ -140,6 +141,39 @@ def test_train_serve_measurement_at_ci_size(tmp_path):
     text = md.read_text()
     assert "agrees with the trainer to" in text and "| sglang 0.5.23 |" in text
     assert png.stat().st_size > 1000 and js.is_file()
+
+
+def test_single_pass_train_serve_at_ci_size(tmp_path):
+    """vLLM's DeepSeek-V4.1 path (`mhc_pre_delayed_torch` carrying `pre_mix`, `mhc_post_torch`) tracks the single-pass
+    trainer within the bound, deterministic and batch invariant, and its report is written beside the V4 one."""
+    peer = _need(VllmSinglePassPeer())
+    rows = measure([peer], SMALL_SINGLE_PASS)
+    assert [r.name for r in rows] == ["trainer (mhc_core[deepseek_v41], bf16)", "vllm[v4.1]"]
+    for r in rows:
+        assert r.passed, r.reason
+        assert r.deterministic and r.batch_invariant, (r.name, r.batch_max_abs)
+        assert 0 < r.vs_fp64[0] < 5e-2, (r.name, r.vs_fp64)
+    js, md, png = write_trainserve(rows, SMALL_SINGLE_PASS, tmp_path)
+    assert js.name == "trainserve-single-pass.json" and png.stat().st_size > 1000
+    assert "(single-pass, DeepSeek-V4.1)" in md.read_text()
+
+
+def test_a_planted_per_sublayer_aggregate_in_vllms_single_pass_is_caught(tmp_path):
+    """A copy of vLLM's kernel file whose V4.1 pre weights the layer input with its own `pre` instead of the previous
+    sublayer's `pre_mix` (V4's reading in a V4.1 model): the single-pass checks fail, and the train/serve bound fails
+    naming the layer input."""
+    _need(VllmSinglePassPeer())
+    copy = _planted(
+        tmp_path, VLLM.path(TORCH_FILE), r"else \(pre_mix\.unsqueeze\(-1\)", "else (pre.unsqueeze(-1)"
+    )
+    mutant = VllmSinglePassPeer(name="vllm[v4.1,planted]", source=copy)
+    row = run_matrix([mutant]).peer(mutant.name)
+    failing = _not_passing(row)
+    assert not row.meets_claim and any(k.startswith("single-pass n4") for k in failing), sorted(failing)
+    assert not any(k.startswith("single-pass@entry") for k in failing), sorted(failing)
+    trainer, planted = measure([mutant], SMALL_SINGLE_PASS)
+    assert trainer.passed and planted.passed is False
+    assert "first op that differs: the layer input" in planted.reason, planted.reason
 
 
 def test_train_serve_setup_names_a_bad_shape():
