@@ -137,12 +137,15 @@ def test_liger_has_devs_coefficients_and_mains_mix(matrix):
         ("megatron_lm[dev]", "megatron_dev", "megatron_dev+learned_exit", 24),
         ("megatron_lm[dev,fused]", "megatron_dev", "megatron_dev+learned_exit", 24),
         ("megatron_lm[dev,fused,triton]", "megatron_dev", "megatron_dev+learned_exit", 24),
+        ("megatron_lm[single_pass]", "megatron_dev", "megatron_dev+eps_inside_sqrt", 23),
+        ("megatron_lm[single_pass,fused]", "megatron_dev", "megatron_dev+eps_inside_sqrt", 23),
     ],
 )
 def test_upstream_recordings_conform(matrix, peer, variant, configuration, checks):
     """The committed numbers of upstream main and dev (native and fused modules, the fused one on its torch
     and, interpreted, its Triton backend) pass every check of the variant named after them; dev's with its
-    learned block exit, the configuration it claims."""
+    learned block exit, the configuration it claims; upstream's single-pass module (9633c754's file over dev's
+    module) DeepSeek-V4.1's numerics, its single-pass, aggregate (exit) and mix checks all passing."""
     row = matrix.peer(peer)
     assert row.best == variant and row.configuration == configuration and row.meets_claim, _not_passing(row)
     assert len(row.by_variant[variant]) == checks
@@ -173,6 +176,18 @@ def test_recordings_carry_their_provenance():
         ("NVIDIA/TransformerEngine", "main"),
         ("pytorch/torchtitan", "pull/3634"),
     } <= seen
+
+
+def test_the_single_pass_recording_names_the_file_and_the_tree_it_ran_on():
+    """Upstream's single-pass file is newer than any tree: its recording names the file's own commit and sha256
+    beside the dev tree whose HyperConnectionModule it subclassed."""
+    src = json.loads((RECORDED_DIR / "megatron_lm_single_pass.json").read_text())["source"]
+    file = "megatron/core/transformer/single_pass_mhc.py"
+    assert src["file_commits"][file].startswith("9633c754") and len(src["files_sha256"][file]) == 64
+    assert (
+        src["commit"].startswith("d48bd6be")
+        and "megatron/core/transformer/hyper_connection.py" in src["files_sha256"]
+    )
 
 
 def test_megatron_lite_mixes_untransposed_against_its_deepseek_v4_claim(matrix):

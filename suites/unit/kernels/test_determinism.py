@@ -1,6 +1,7 @@
 """Determinism verdicts per backend and kernel: run to run, batch invariance, 1 vs 2 threads.
 
-Each op on `reference` and `compiled` (forward and every gradient), and each native kernel of the fused pre-op
+Each op on `reference` and `compiled` (forward and every gradient; the single-pass pre among them), and each native
+kernel of the fused pre-op
 this CPU runs, each forced (its forward and both backward passes), is probed by
 `harness.conformance.determinism.probe`; the verdicts print as a table at the end of the session
 (`docs/kernels.md`, "Determinism", says why a probe varies). What the design promises is asserted: every subject
@@ -50,6 +51,18 @@ def _op_subjects(backend: str) -> list[Subject]:
             inputs={"x": torch.randn(T, k, generator=g), **params},
             grad_names=("x", *params),
             kwargs={"n": n, "iterations": ITERATIONS, "variant": VARIANT},
+        ),
+        Subject(
+            name=f"single_pass_pre[{backend}]",
+            fn=dispatch.op_on("single_pass_pre", backend),
+            inputs={
+                "x": torch.randn(T, k, generator=g),
+                "previous_h_pre": 0.2 + torch.rand(T, n, generator=g),
+                **params,
+            },
+            grad_names=("x", "previous_h_pre", *params),
+            token_inputs=("x", "previous_h_pre"),
+            kwargs={"n": n, "iterations": ITERATIONS, "variant": "deepseek_v41"},
         ),
         Subject(
             name=f"h_post_bda[{backend}]",
@@ -110,6 +123,21 @@ def _native_subjects(kernel: str) -> list[Subject]:
             threads_kwarg="threads",
         ),
         Subject(
+            name=f"pre_forward_single_pass[native:{kernel}]",
+            fn=lambda x, mix, weight, bias, **kw: native.pre_forward(
+                x, weight, torch.tensor([0.8]), bias, n, 1e-6, True, 1e-6, torch.float32, mix=mix, **kw
+            ),
+            inputs={
+                "x": x,
+                "mix": 0.2 + torch.rand(t, n, generator=g),
+                "weight": weight,
+                "bias": torch.randn(big_n, generator=g),
+            },
+            token_inputs=("x", "mix"),
+            kwargs=fixed,
+            threads_kwarg="threads",
+        ),
+        Subject(
             name=f"grad_h[native:{kernel}]",
             fn=lambda x, g_agg, **kw: native.grad_h(x, g_agg, n, **kw),
             inputs={"x": x, "g_agg": torch.randn(t, c, generator=g)},
@@ -148,7 +176,7 @@ def _record(request: pytest.FixtureRequest, verdict: Verdict) -> Verdict:
 
 
 @pytest.mark.parametrize("backend", [pytest.param("reference", id="reference"), *backend_params()])
-@pytest.mark.parametrize("op", ["pre", "h_post_bda", "h_aggregate", "sinkhorn"])
+@pytest.mark.parametrize("op", ["pre", "single_pass_pre", "h_post_bda", "h_aggregate", "sinkhorn"])
 def test_op_is_bitwise_run_to_run(backend, op, request):
     """The op, forward and every gradient, twice on the same inputs: bitwise equal; its batch and thread
     verdicts are recorded for the table."""
@@ -169,7 +197,7 @@ def _native_subject(kernel: str, op: str) -> Subject:
 
 
 @pytest.mark.parametrize("kernel", native.KERNELS)
-@pytest.mark.parametrize("op", ["pre_forward", "grad_h", "grad_x"])
+@pytest.mark.parametrize("op", ["pre_forward", "pre_forward_single_pass", "grad_h", "grad_x"])
 def test_native_per_token_pass_is_bitwise_batch_and_thread_invariant(kernel, op, request):
     """Each native kernel, forced, on its per-token results (the forward, d h_pre, d x): bitwise run to run, a
     token's results independent of the other tokens and of the thread count (its threads= and torch's)."""
