@@ -18,6 +18,8 @@ does not produce (a detached input) counts as zero.
 | `block-exit` | the learned contraction (`megatron_dev` / DeepSeek-V4 `hc_head`); no variant |
 | `stack` | the peer's own composition of `STACK_LAYERS` layers: one stream expanded, the layers, the exit; outputs and the gradients w.r.t. the input and every parameter |
 | `single-pass` | one single-pass (DeepSeek-V4.1) sublayer: the aggregate with the previous sublayer's H_pre, this sublayer's next H_pre, H_post and H_res; gradients w.r.t. x, the previous H_pre and every parameter; `@entry`: the model's first sublayer (no previous H_pre: stream 0); `@rms1e-2`: x at RMS 1e-2 (the norm's eps) |
+| `single-pass-stack` | the single-pass structure across `STACK_LAYERS` layers: one stream expanded, every sublayer aggregating with the H_pre its predecessor returned (the first with stream 0), the exit aggregating with the last; the peer's own composition (`single_pass_stack`) or its `single_pass`, `mix` and `aggregate` chained by the suite; output and every gradient |
+| `single-pass-stack-grads` | the same run: the gradient size of every mHC parameter part against the reference's (a handoff cut with a `detach` leaves the `pre` rows without one) |
 | `stack-grads` | the same run: the size (norm) of the gradient each mHC parameter receives, per part (`pre`, `post`, `res` rows of the projection and the bias, each alpha), against the reference's: within `GRAD_SIZE_FACTOR` either way |
 
 Each runs for n in the peer's `streams` among (2, 4) and each dtype of its `dtypes` (orientation,
@@ -41,6 +43,7 @@ from mhc_core.variants import get_variant
 
 __all__ = [
     "CHECK_STREAMS",
+    "SINGLE_PASS_CHAIN_OPS",
     "EXIT_OPS",
     "GRAD_SIZE_FACTOR",
     "SINKHORN_ITERATIONS",
@@ -49,6 +52,7 @@ __all__ = [
     "Comparison",
     "GRAD_FLOOR",
     "GradSize",
+    "chained_single_pass_stack",
     "chained_stack",
     "check_specs",
     "compare",
@@ -57,6 +61,7 @@ __all__ = [
     "observe_exact_sums",
     "observe_orientation",
     "run_side",
+    "single_pass_stack_source",
     "stack_source",
 ]
 
@@ -152,6 +157,13 @@ def _specs_for(n: int, dtype: torch.dtype) -> list[CheckSpec]:
         out += [
             spec("stack", "stack", iterations=STACK_ITERATIONS),
             spec("stack-grads", "stack", kind="grad_sizes", iterations=STACK_ITERATIONS),
+            spec("single-pass-stack", "single_pass_stack", iterations=STACK_ITERATIONS),
+            spec(
+                "single-pass-stack-grads",
+                "single_pass_stack",
+                kind="grad_sizes",
+                iterations=STACK_ITERATIONS,
+            ),
         ]
     return out
 
@@ -221,6 +233,25 @@ def _inputs(
             {"x": c.x, "head_fn": c.head_fn, "head_base": c.head_base, "head_scale": c.head_scale},
             lambda p, d: {"out": p.block_exit(d["x"], d["head_fn"], d["head_base"], d["head_scale"])},
         )
+    if spec.op == "single_pass_stack":
+        fns = stack_layers(c)
+
+        def run_single_pass_stack(p: Peer, d: dict) -> dict[str, torch.Tensor]:
+            layers = [
+                (
+                    Sublayer(params=_params(d, f"layer{i}.attn.", c.n), f=a.f, w=a.w),
+                    Sublayer(params=_params(d, f"layer{i}.mlp.", c.n), f=m.f, w=m.w),
+                )
+                for i, (a, m) in enumerate(fns)
+            ]
+            own = has_own(p, "single_pass_stack")
+            go = p.single_pass_stack if own else lambda *a: chained_single_pass_stack(p, *a)
+            return {"out": go(d["h"], layers, it)}
+
+        sp_inputs = {"h": c.h0}
+        for i, (a, m) in enumerate(c.stack_params):
+            sp_inputs |= {**_param_inputs(a, f"layer{i}.attn."), **_param_inputs(m, f"layer{i}.mlp.")}
+        return sp_inputs, run_single_pass_stack
     if spec.op == "stack":
         fns = stack_layers(c)
 
@@ -266,6 +297,33 @@ def chained_stack(peer: Peer, h: torch.Tensor, layers, head: Head, iterations: i
     if "block_exit" in peer.ops:
         return peer.block_exit(x, head.fn, head.base, head.scale)
     return x.mean(dim=1)
+
+
+SINGLE_PASS_CHAIN_OPS = frozenset({"single_pass", "mix", "aggregate"})
+"""What the suite needs of a peer to chain its single-pass stack."""
+
+
+def single_pass_stack_source(peer: Peer) -> str | None:
+    """How a peer's single-pass stack checks run: `"own"` (its `single_pass_stack`), `"chained"` (its `single_pass`,
+    `mix` and `aggregate` chained by the suite) or None (neither)."""
+    if "single_pass_stack" in peer.ops:
+        return "own"
+    return "chained" if SINGLE_PASS_CHAIN_OPS <= peer.ops else None
+
+
+def chained_single_pass_stack(peer: Peer, h: torch.Tensor, layers, iterations: int) -> torch.Tensor:
+    """`h [T, C] -> [T, C]`: n copies of `h`; per sublayer the peer's `single_pass` with the H_pre the previous one
+    returned (None first: stream 0), the sublayer's function of its aggregate, the peer's `mix`; its `aggregate`
+    with the last H_pre as the exit."""
+    n = layers[0][0].params.n
+    x = h.unsqueeze(1).expand(h.shape[0], n, h.shape[1]).contiguous()
+    mix = None
+    for pair in layers:
+        for sub in pair:
+            out = peer.single_pass(x, mix, sub.params, iterations)
+            x = peer.mix(out["h_res"], x, out["h_post"], sub.f(out["aggregate"]))
+            mix = out["next_h_pre"]
+    return peer.aggregate(x, mix)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -46,6 +46,7 @@ from harness.conformance.checks import (
     observe_exact_sums,
     observe_orientation,
     run_side,
+    single_pass_stack_source,
     stack_source,
 )
 from harness.conformance.determinism import Verdict, peer_determinism
@@ -302,10 +303,10 @@ def _shapes(spec: CheckSpec) -> str:
 
 
 OPTION_OPS = {
-    "norm_eps_placement": ("coefficients", "layer", "stack", "single_pass"),
-    "residual_mix": ("mix", "layer", "stack"),
+    "norm_eps_placement": ("coefficients", "layer", "stack", "single_pass", "single_pass_stack"),
+    "residual_mix": ("mix", "layer", "stack", "single_pass_stack"),
     "output_contraction": ("block_exit", "stack"),
-    "mapping_precision": ("coefficients", "layer", "stack", "single_pass"),
+    "mapping_precision": ("coefficients", "layer", "stack", "single_pass", "single_pass_stack"),
 }
 """The options the checks can observe, and the ops whose checks show them (the mapping precision: in half
 precision only)."""
@@ -405,13 +406,15 @@ class _Cells:
         if spec.dtype in _HALF:
             comparisons = _scaled(comparisons, self._own_rounding(spec, v, side, ref))
         cell = _numeric_cell(spec, v, comparisons, self.peer.differences.get(spec.op))
-        if spec.op == "stack" and stack_source(self.peer) == "chained":
+        if (spec.op == "stack" and stack_source(self.peer) == "chained") or (
+            spec.op == "single_pass_stack" and single_pass_stack_source(self.peer) == "chained"
+        ):
             cell = replace(cell, message=(cell.message + "; " if cell.message else "") + _CHAINED)
         return cell
 
     def _reference(self, spec: CheckSpec, side: Any, v: str) -> tuple[dict, dict]:
         """The oracle's side of a check; `stack` and `stack-grads` share their inputs, so one run."""
-        key = (spec.op, spec.n, spec.dtype, v) if spec.op == "stack" else None
+        key = (spec.op, spec.n, spec.dtype, v) if spec.op in ("stack", "single_pass_stack") else None
         if key is not None and key in self._refs:
             return self._refs[key]
         ref = run_side(oracle_for(v, spec.dtype), spec, torch.float64, keys=tuple(side[0]))
@@ -451,7 +454,11 @@ class _Cells:
             return []
         ran = {spec.id.split(" ")[0] for spec, _ in self.sides if spec.op == "stack"}
         why = {}
-        if stack_source(self.peer) is None:
+        if stack_source(self.peer) is None and "single_pass" in self.peer.ops:
+            why["stack"] = why["stack-grads"] = (
+                "a single-pass peer: its structure is the single-pass-stack checks"
+            )
+        elif stack_source(self.peer) is None:
             why["stack"] = why["stack-grads"] = (
                 "not recorded: the recording predates the stack checks; re-record it"
                 if hasattr(self.peer, "side")
@@ -559,6 +566,10 @@ def _grad_size_cell(spec: CheckSpec, variant: str, sizes: list, own: dict[str, f
 def _runs(peer: Peer, spec: CheckSpec) -> bool:
     """Whether `peer` runs `spec` (the stack checks: with a stack or a layer it has; the gradient sizes need
     a backward)."""
+    if spec.op == "single_pass_stack":
+        return single_pass_stack_source(peer) is not None and (
+            spec.kind != "grad_sizes" or peer.differentiable
+        )
     if spec.op != "stack":
         return spec.op in peer.ops
     if "stack" in peer.differences or stack_source(peer) is None:
@@ -601,7 +612,7 @@ def _run_peer(peer: Peer, variants: Sequence[str]) -> PeerResult:
     )
 
 
-_VARIANT_OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "single_pass")
+_VARIANT_OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "single_pass", "single_pass_stack")
 
 
 def run_matrix(peers: Iterable[Peer], variants: Sequence[str] = VARIANT_NAMES) -> Matrix:

@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from harness.conformance.checks import check_specs, inputs_digest, run_side, stack_source
+from harness.conformance.checks import (
+    check_specs,
+    inputs_digest,
+    run_side,
+    single_pass_stack_source,
+    stack_source,
+)
 from harness.conformance.replay import FORMAT, tensor_to_json
 from harness.golden.provenance import utc_now
 from harness.peers.base import FromInstalledFiles, FromSourceTree, Peer
@@ -41,8 +47,11 @@ def record_peer(peer: Peer, *, name: str | None = None) -> dict[str, Any]:
     checks = {}
     skipped = peer.unavailable()
     chained = stack_source(peer) == "chained"  # its layers chained by the suite: recorded as such
+    sp_chained = single_pass_stack_source(peer) == "chained"
     for spec in [] if skipped else check_specs(peer):
-        if spec.op not in peer.ops and not (spec.op == "stack" and chained):
+        if spec.op not in peer.ops and not (
+            (spec.op == "stack" and chained) or (spec.op == "single_pass_stack" and sp_chained)
+        ):
             continue
         entry: dict[str, Any] = {"inputs_sha256": inputs_digest(spec)}
         try:

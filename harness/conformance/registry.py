@@ -55,6 +55,7 @@ def all_peers(
     from harness.peers.mhc_core_peer import mhc_core_peers, single_pass_peer
     from harness.peers.mhc_package import MhcPackagePeer
     from harness.peers.nemo_automodel import NemoAutomodelPeer
+    from harness.peers.nemo_automodel_v41 import NemoAutomodelV41Peer
     from harness.peers.plugins import entry_point_peers, module_peers
     from harness.peers.sglang import SglangPeer, SglangTritonPeer
     from harness.peers.te_triton import TeTritonPeer, te_tree
@@ -75,6 +76,7 @@ def all_peers(
         LucidrainsPeer(),
         MhcPackagePeer(),
         NemoAutomodelPeer(),
+        NemoAutomodelV41Peer(),
         LigerPeer(),
         TeTritonPeer(**trees),
         TorchtitanPeer(**titan),

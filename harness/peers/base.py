@@ -17,6 +17,7 @@ Ops (a peer implements those in `Peer.ops`):
 | `block_exit` | `(x [T, n, C], head_fn [n, n*C], head_base [n], head_scale [1])` | `[T, C]` |
 | `stack` | `(h [T, C], layers, head, iterations)`: `layers` a sequence of `(attn, mlp)` `Sublayer` pairs, `head` a `Head` | `[T, C]` |
 | `single_pass` | `(x [T, n, C], previous_h_pre [T, n] or None, params, iterations)`: one single-pass (DeepSeek-V4.1) sublayer's pre-op | dict, below |
+| `single_pass_stack` | `(h [T, C], layers, iterations)`: the peer's own single-pass composition, the handoff between its sublayers, the exit with the last H_pre | `[T, C]` |
 
 `coefficients` returns the subset of `{"h_pre" [T, n], "h_post" [T, n], "h_res" [T, n, n]
 (after Sinkhorn), "aggregate" [T, C]}` the peer exposes (DeepSeek-V4 consumes `h_pre` itself and
@@ -25,7 +26,8 @@ returns the aggregate). `layer` runs attention-like then MLP-like sublayers,
 `block_exit` is the learned contraction of `megatron_dev` / DeepSeek-V4 (`hc_head`).
 `single_pass` returns the subset of `{"aggregate" [T, C] (the streams weighted with `previous_h_pre`; stream 0
 when it is None, the model's entry), "next_h_pre" [T, n] (this sublayer's projection's, for the next sublayer),
-"h_post" [T, n], "h_res" [T, n, n]}` the peer exposes.
+"h_post" [T, n], "h_res" [T, n, n]}` the peer exposes. A peer with `single_pass`, `mix` and `aggregate` but no
+`single_pass_stack` of its own is chained by the suite for the single-pass stack checks (`aggregate` is the exit).
 
 `stack` is the peer's own composition of several layers, as its model runs them: one stream in,
 expanded to n copies, every layer on the n streams, the block exit out. A peer whose exit is the mean
@@ -80,7 +82,17 @@ __all__ = [
     "timed_params",
 ]
 
-OPS = ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block_exit", "stack", "single_pass")
+OPS = (
+    "coefficients",
+    "aggregate",
+    "mix",
+    "sinkhorn",
+    "layer",
+    "block_exit",
+    "stack",
+    "single_pass",
+    "single_pass_stack",
+)
 TIMED_OPS = ("coefficients", "layer_mhc", "sinkhorn")
 
 TimedFn = Callable[[Mapping[str, torch.Tensor]], tuple[torch.Tensor, ...]]
@@ -255,6 +267,11 @@ class Peer(ABC):
     def single_pass(
         self, x: torch.Tensor, previous_h_pre: torch.Tensor | None, params: SublayerParams, iterations: int
     ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def single_pass_stack(
+        self, h: torch.Tensor, layers: Sequence[tuple[Sublayer, Sublayer]], iterations: int
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def timed(self, op: str, *, n: int, hidden: int, dtype: torch.dtype, iterations: int) -> TimedFn:

@@ -74,6 +74,7 @@ class Mutant(MhcCorePeer):
             sinkhorn=self._sinkhorn,
             h_aggregate=ops.h_aggregate,
             h_post_bda=self._h_post_bda,
+            single_pass_pre=ops.single_pass_pre,
         )
 
     def coefficients(self, x, params: SublayerParams, iterations):
@@ -99,6 +100,16 @@ class Mutant(MhcCorePeer):
         o = self._ops()
         return sublayer(sublayer(x, attn, iterations, self.variant, o), mlp, iterations, self.variant, o)
 
+    def single_pass(self, x, previous_h_pre, params: SublayerParams, iterations):
+        if self.fault == "single-pass aggregate with its own H_pre":  # V4's reading in a V4.1 model
+            own = super().single_pass(x, None, params, iterations)
+            out = super().single_pass(x, own["next_h_pre"], params, iterations)
+            return {**out, "next_h_pre": own["next_h_pre"]}
+        out = super().single_pass(x, previous_h_pre, params, iterations)
+        if self.fault == "single-pass handoff detached":
+            out["next_h_pre"] = out["next_h_pre"].detach()
+        return out
+
     def stack(self, h, layers, head, iterations):
         if self.fault != "streams collapsed every layer":
             return super().stack(h, layers, head, iterations)
@@ -110,14 +121,24 @@ class Mutant(MhcCorePeer):
         return self.block_exit(x, head.fn, head.base, head.scale)
 
 
-def _mutant(fault: str, variant: str, caught_by: tuple[str, ...], spared: tuple[str, ...]) -> Mutant:
+_SINGLE_PASS_OPS = frozenset({"coefficients", "aggregate", "mix", "sinkhorn", "single_pass"})
+"""A single-pass mutant's ops (`mhc_core[deepseek_v41]`'s), its stack chained by the suite."""
+
+
+def _mutant(
+    fault: str,
+    variant: str,
+    caught_by: tuple[str, ...],
+    spared: tuple[str, ...],
+    ops: frozenset[str] = _ALL_OPS,
+) -> Mutant:
     slug = fault.replace(" ", "-").replace("/", "-").lower()
     return Mutant(
         name=f"mutant[{slug}]",
         description=f"mhc_core[{variant}] with: {fault}",
         variant=variant,
         claims=variant,
-        ops=_ALL_OPS,
+        ops=ops,
         fault=fault,
         caught_by=caught_by,
         spared=spared,
@@ -164,5 +185,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "megatron_main",
         ("stack", "stack-grads"),
         ("coefficients", "aggregate", "mix", "sinkhorn", "layer", "block-exit", "orientation", "exact-sums"),
+    ),
+    # Single-pass (DeepSeek-V4.1): the handoff cut from autograd, and V4's aggregate in a V4.1 model
+    _mutant(
+        "single-pass handoff detached",
+        "megatron_dev+eps_inside_sqrt",
+        ("single-pass", "single-pass-stack", "single-pass-stack-grads"),
+        ("coefficients", "aggregate", "mix", "sinkhorn"),
+        _SINGLE_PASS_OPS,
+    ),
+    _mutant(
+        "single-pass aggregate with its own H_pre",
+        "megatron_dev+eps_inside_sqrt",
+        ("single-pass", "single-pass@entry", "single-pass-stack"),
+        ("coefficients", "aggregate", "mix", "sinkhorn"),
+        _SINGLE_PASS_OPS,
     ),
 )

@@ -53,6 +53,34 @@ def test_hf_deepseek_v4_is_megatron_dev_with_eps_inside_and_the_learned_exit(mat
     assert exit_mean.status == "fail"  # the exit check tells the learned contraction from the mean
 
 
+@pytest.mark.parametrize(
+    ("name", "stack"),
+    [
+        ("mhc_core[deepseek_v41]", "chained"),
+        ("nemo_automodel[v4.1]", "own"),
+        ("vllm[v4.1]", None),
+    ],
+)
+def test_single_pass_implementations_are_deepseek_v41(matrix, name, stack):
+    """Ours in V4.1's numerics, NeMo Automodel's DeepSeek-V4.1 and vLLM's V4.1 serving path conform to V4.1's numerics
+    as the checks tell them (dev's, eps inside the square root): every single-pass check passes, the handoff, the
+    entry's stream 0 and the eps at small RMS; the single-pass stack (NeMo's own blocks and exit, ours chained by
+    the suite; vLLM has no mix or exit op to chain) with every parameter part receiving its gradient."""
+    row = _row(matrix, name)
+    assert row.configuration == "megatron_dev+eps_inside_sqrt" and row.meets_claim, _not_passing(row)
+    by = {c.check: c for c in row.cells()}
+    for check in ("single-pass", "single-pass@entry", "single-pass@rms1e-2"):
+        assert all(c.status == "pass" for k, c in by.items() if k.startswith(check + " ")), check
+    stacks = [c for k, c in by.items() if k.startswith("single-pass-stack")]
+    if stack is None:
+        assert not stacks
+    else:
+        assert stacks and all(c.status == "pass" for c in stacks), stacks
+        assert ("chained by the suite" in stacks[0].message) == (stack == "chained"), stacks[0].message
+    plain = {c.check: c for c in row.cells("megatron_dev")}
+    assert plain["single-pass@rms1e-2 n4 fp32"].status == "fail"  # the eps after the root misses
+
+
 def test_nemo_automodel_is_deepseek_v4_as_hugging_faces(matrix):
     """NeMo Automodel's DeepSeek-V4 conforms to megatron_dev + eps inside the square root + the learned exit, as
     transformers' does, with the mix transposed as DeepSeek's (`comb^T @ streams`) and its block chained as the
@@ -137,8 +165,8 @@ def test_liger_has_devs_coefficients_and_mains_mix(matrix):
         ("megatron_lm[dev]", "megatron_dev", "megatron_dev+learned_exit", 24),
         ("megatron_lm[dev,fused]", "megatron_dev", "megatron_dev+learned_exit", 24),
         ("megatron_lm[dev,fused,triton]", "megatron_dev", "megatron_dev+learned_exit", 24),
-        ("megatron_lm[single_pass]", "megatron_dev", "megatron_dev+eps_inside_sqrt", 23),
-        ("megatron_lm[single_pass,fused]", "megatron_dev", "megatron_dev+eps_inside_sqrt", 23),
+        ("megatron_lm[single_pass]", "megatron_dev", "megatron_dev+eps_inside_sqrt", 27),
+        ("megatron_lm[single_pass,fused]", "megatron_dev", "megatron_dev+eps_inside_sqrt", 27),
     ],
 )
 def test_upstream_recordings_conform(matrix, peer, variant, configuration, checks):
