@@ -60,7 +60,7 @@ def all_peers(
     from harness.peers.sglang import SglangPeer, SglangTritonPeer
     from harness.peers.te_triton import TeTritonPeer, te_tree
     from harness.peers.torchtitan import TorchtitanPeer, torchtitan_tree
-    from harness.peers.vllm import VllmPeer, VllmSinglePassPeer, VllmTritonPeer
+    from harness.peers.vllm import VllmPeer, VllmSinglePassPeer, VllmSinglePassTritonPeer, VllmTritonPeer
 
     # A tree named explicitly is checked here (SourceTreeError, a ValueError naming it: the CLI exits 2); one
     # from the environment is checked by the peer, whose row then says why it did not run.
@@ -86,6 +86,7 @@ def all_peers(
         VllmPeer(),
         VllmTritonPeer(),
         VllmSinglePassPeer(),
+        VllmSinglePassTritonPeer(),
         MaxTextPeer(),
         *recorded_peers(),
         *gpu_peers(),

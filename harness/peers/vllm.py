@@ -17,7 +17,14 @@ dependencies; the adapters execute vLLM's own kernel files on their own
 - `vllm[v4.1]`: the same file's `mhc_pre_delayed_torch`, DeepSeek-V4.1's single-pass pre (the layer input weighted
   with the previous sublayer's `pre_mix`, stream 0 without one, and this sublayer's `pre` returned for the next);
   it computes in fp32 whatever the streams' dtype, so its checks run in bf16 and fp32 (where the norm's eps
-  placement shows).
+  placement shows);
+- `vllm[v4.1,triton]`: the same file's Triton kernels of the V4.1 seam, interpreted on CPU: `hc_collapse_triton`
+  (the layer input: bf16 streams weighted with the fp32 `pre_mix` the previous sublayer handed on) and
+  `mhc_pre_mix_triton` (the next `pre_mix`, recovered from a split-K projection's partial sums and square sums, as
+  its ROCm path feeds it from AITER's `mhc_pre_big_fuse`; AITER does not run here, so those partial sums are formed
+  by the adapter in fp32 over two halves of `n*C`). H_post and H_res are AITER's (not run): its single-pass checks
+  compare the layer input (bf16 only: `hc_collapse_triton` asserts bf16 streams) and the next H_pre (bf16 and
+  fp32, where the eps placement shows).
 
 vLLM's fused pre / post / post-pre kernels are TileLang: `vllm[tilelang]` runs them on a GPU, with vLLM installed
 with its dependencies (skipped with the reason elsewhere). Parameter map and layout:
@@ -47,6 +54,7 @@ __all__ = [
     "VLLM",
     "VllmPeer",
     "VllmSinglePassPeer",
+    "VllmSinglePassTritonPeer",
     "VllmTileLangPeer",
     "VllmTritonPeer",
     "load_vllm_file",
@@ -184,6 +192,50 @@ class VllmSinglePassPeer(VllmPeer):
             pre_mix=None if previous_h_pre is None else previous_h_pre.float(),
         )
         return {"aggregate": layer_input, "next_h_pre": pre, "h_post": post.reshape(t, n), "h_res": comb}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmSinglePassTritonPeer(VllmSinglePassPeer):
+    """vLLM's V4.1 seam kernels `hc_collapse_triton` and `mhc_pre_mix_triton` (see the module docstring)."""
+
+    name: str = "vllm[v4.1,triton]"
+    description: str = (
+        "vLLM 0.33.0 vllm.model_executor.kernels.mhc.triton hc_collapse_triton / mhc_pre_mix_triton (DeepSeek-V4.1 "
+        "seam; interpreted without a GPU)"
+    )
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
+    file: str = TRITON_FILE
+    differences: dict[str, str] = field(
+        default_factory=lambda: {
+            "coefficients": "V4's per-sublayer pre is the vllm row",
+            "mix": "the post is V4's (the vllm row)",
+        }
+    )
+
+    def unavailable(self) -> str | None:
+        return VllmTritonPeer().unavailable() if self.source is None else super().unavailable()
+
+    def single_pass(self, x, previous_h_pre, params: SublayerParams, iterations):
+        """`{next_h_pre [T, n]}`, and `aggregate [T, C]` for bf16 streams where a previous `pre_mix` is given (the
+        model's first seam takes stream 0 without a kernel)."""
+        t, n, c = x.shape
+        d = device_for_triton
+        fn, scale, base = hc_params(params)
+        flat = x.reshape(t, n * c).float()
+        halves = (slice(0, n * c // 2), slice(n * c // 2, n * c))
+        gemm = torch.stack([flat[:, h] @ fn[:, h].t() for h in halves])  # [2, T, N]: split-K partial sums
+        sqrsum = torch.stack([flat[:, h].square().sum(-1) for h in halves])  # [2, T]
+        module = self.module()
+        out = {
+            "next_h_pre": module.mhc_pre_mix_triton(
+                d(gemm.contiguous()), d(sqrsum.contiguous()), d(scale), d(base), n, n * c, EPS, EPS
+            ).to(x.device)
+        }
+        if previous_h_pre is not None and x.dtype == torch.bfloat16:
+            out["aggregate"] = module.hc_collapse_triton(
+                d(x.contiguous()), d(previous_h_pre.float().contiguous())
+            ).to(x.device)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,13 +59,15 @@ def test_hf_deepseek_v4_is_megatron_dev_with_eps_inside_and_the_learned_exit(mat
         ("mhc_core[deepseek_v41]", "chained"),
         ("nemo_automodel[v4.1]", "own"),
         ("vllm[v4.1]", None),
+        ("vllm[v4.1,triton]", None),
     ],
 )
 def test_single_pass_implementations_are_deepseek_v41(matrix, name, stack):
     """Ours in V4.1's numerics, NeMo Automodel's DeepSeek-V4.1 and vLLM's V4.1 serving path conform to V4.1's numerics
     as the checks tell them (dev's, eps inside the square root): every single-pass check passes, the handoff, the
     entry's stream 0 and the eps at small RMS; the single-pass stack (NeMo's own blocks and exit, ours chained by
-    the suite; vLLM has no mix or exit op to chain) with every parameter part receiving its gradient."""
+    the suite; vLLM has no mix or exit op to chain) with every parameter part receiving its gradient. vLLM's Triton
+    seam kernels (interpreted) show the layer input and the next H_pre only."""
     row = _row(matrix, name)
     assert row.configuration == "megatron_dev+eps_inside_sqrt" and row.meets_claim, _not_passing(row)
     by = {c.check: c for c in row.cells()}
