@@ -19,6 +19,7 @@ from mhc_core.variants import (
     OutputContraction,
     ResidualConstraint,
     ResidualMix,
+    SinkhornPrecision,
     Variant,
     VariantSpec,
     configure,
@@ -58,6 +59,9 @@ class HyperConnectionConfig:
     coefficient_precision: CoefficientPrecision | None = None
     """`activation` (coefficients cast to the activation dtype) or `compute` (kept in the mapping's compute dtype,
     fp32 under fp32 mappings); None: the variant's."""
+    sinkhorn_precision: SinkhornPrecision | None = None
+    """`fp32` (Sinkhorn iterates in fp32 at least) or `input` (in the logits' own dtype); None: the variant's
+    (fp32)."""
     form: ConnectionForm = ConnectionForm.PER_SUBLAYER
     """`per_sublayer` (mHC, DeepSeek-V4) or `single_pass` (DeepSeek-V4.1: the aggregate uses the previous
     sublayer's `H_pre`; `mhc_core.forms`). Which call the module answers: `forward` or `single_pass`."""
@@ -142,6 +146,7 @@ class HyperConnectionConfig:
                 output_contraction=self.output_contraction,
                 residual_mix=self.residual_mix,
                 coefficient_precision=self.coefficient_precision,
+                sinkhorn_precision=self.sinkhorn_precision,
             ),
         )
 

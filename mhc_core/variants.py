@@ -18,7 +18,9 @@ as DeepSeek-V4 and Liger; `dtype_eps_inside_sqrt`: the same with the compute dty
 and parameters in fp32 or in the activation dtype), the block exit (`learned_exit` / `mean_exit`) and
 the orientation of the residual mix (`transposed_mix`: `H^T @ x` / `untransposed_mix`: `H @ x`; Liger
 mixes dev's H_res untransposed) and the coefficients' dtype (`fp32_coefficients`: kept in the mapping's
-compute dtype, fp32 under fp32 mappings, as DeepSeek-V4.1 / `activation_coefficients`: cast to the activation dtype).
+compute dtype, fp32 under fp32 mappings, as DeepSeek-V4.1 / `activation_coefficients`: cast to the activation dtype)
+and the dtype Sinkhorn iterates in (`input_dtype_sinkhorn`: the logits' own, bf16 logits stay bf16 through every
+normalisation, as Megatron Lite / `fp32_sinkhorn`: fp32 at least, every variant's own).
 A configured spec is named `<variant>+<option>+...` (`megatron_dev+eps_inside_sqrt+learned_exit`),
 listing only the options that differ from the variant's own, and `get_variant` resolves such a name.
 A few configurations also have a name of their own (`CONFIGURATIONS`: `deepseek_v41`, DeepSeek-V4.1's numerics),
@@ -42,6 +44,7 @@ __all__ = [
     "OutputContraction",
     "ResidualConstraint",
     "ResidualMix",
+    "SinkhornPrecision",
     "Variant",
     "VariantSpec",
     "VARIANTS",
@@ -130,6 +133,15 @@ class CoefficientPrecision(enum.StrEnum):
     (`SinglePassHyperConnection` keeps "the FP32 coefficients used by DeepSeek")."""
 
 
+class SinkhornPrecision(enum.StrEnum):
+    """The dtype Sinkhorn iterates in."""
+
+    FP32 = "fp32"
+    """fp32 at least (fp64 stays fp64), rounded once to the logits' dtype at the end: every variant's own."""
+    INPUT = "input"
+    """The logits' own dtype: bf16 logits are normalised in bf16 at every step (Megatron Lite's `hca.py`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class VariantSpec:
     """Every knob in which the variants differ."""
@@ -159,6 +171,8 @@ class VariantSpec:
     """Where the RMS norm's eps sits (an option: `configure`)."""
     output_contraction: OutputContraction = OutputContraction.MEAN
     """The block exit (an option: `configure`)."""
+    sinkhorn_precision: SinkhornPrecision = SinkhornPrecision.FP32
+    """The dtype Sinkhorn iterates in (an option: `configure`)."""
 
     def __post_init__(self) -> None:
         if self.sinkhorn_start == "exp" and self.sinkhorn_guard != "none":
@@ -230,6 +244,11 @@ class VariantSpec:
         )
 
     @property
+    def sinkhorn_in_input_dtype(self) -> bool:
+        """Whether Sinkhorn iterates in the logits' own dtype (`input_dtype_sinkhorn`)."""
+        return self.sinkhorn_precision == SinkhornPrecision.INPUT
+
+    @property
     def norm_eps_from_dtype(self) -> bool:
         """Whether the eps is the machine eps of the mapping's compute dtype rather than the configured one."""
         return self.norm_eps_placement == NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS
@@ -244,6 +263,7 @@ class NumericsOptions:
     output_contraction: OutputContraction | None = None
     residual_mix: ResidualMix | None = None
     coefficient_precision: CoefficientPrecision | None = None
+    sinkhorn_precision: SinkhornPrecision | None = None
 
     def __post_init__(self) -> None:
         for name, kind in OPTION_KINDS.items():
@@ -307,6 +327,7 @@ OPTION_KINDS: dict[str, type[enum.StrEnum]] = {
     "output_contraction": OutputContraction,
     "residual_mix": ResidualMix,
     "coefficient_precision": CoefficientPrecision,
+    "sinkhorn_precision": SinkhornPrecision,
 }
 """Each option (a `NumericsOptions` field, and a `VariantSpec` field or property) and its choices."""
 
@@ -317,6 +338,7 @@ _OPTION_FIELDS = (
     "output_contraction",
     "res_transposed",
     "coefficients_in_activation_dtype",
+    "sinkhorn_precision",
 )
 """The `VariantSpec` fields the options set (`mapping_precision` sets the two precision fields)."""
 
@@ -332,6 +354,8 @@ _OPTION_NAMES: dict[str, tuple[str, str]] = {
     "untransposed_mix": ("residual_mix", ResidualMix.UNTRANSPOSED),
     "fp32_coefficients": ("coefficient_precision", CoefficientPrecision.COMPUTE),
     "activation_coefficients": ("coefficient_precision", CoefficientPrecision.ACTIVATION),
+    "input_dtype_sinkhorn": ("sinkhorn_precision", SinkhornPrecision.INPUT),
+    "fp32_sinkhorn": ("sinkhorn_precision", SinkhornPrecision.FP32),
 }
 """Each option's name in a configuration name, and the `NumericsOptions` field and value it sets."""
 
@@ -355,6 +379,8 @@ def configure(variant: str | Variant | VariantSpec, options: NumericsOptions | N
         changes["coefficients_in_activation_dtype"] = (
             options.coefficient_precision == CoefficientPrecision.ACTIVATION
         )
+    if options.sinkhorn_precision is not None:
+        changes["sinkhorn_precision"] = options.sinkhorn_precision
     out = replace(spec, **changes)
     return VARIANTS[out.variant] if out == VARIANTS[out.variant] else out
 

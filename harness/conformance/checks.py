@@ -504,8 +504,11 @@ def expected_orientation(variant: str) -> str:
 
 def expected_exact_sums(variant: str, dtype: torch.dtype = torch.float64) -> str:
     """The sums `variant` leaves exact, as a check in `dtype` sees them: a guard eps below the dtype's exactness
-    bound (`megatron_dev`'s 1e-6 in bf16) leaves the sums normalised last looking exact."""
+    bound (`megatron_dev`'s 1e-6 in bf16) leaves the sums normalised last looking exact; a Sinkhorn iterated in a
+    half dtype (`input_dtype_sinkhorn`) leaves none."""
     spec = get_variant(variant)
+    if spec.sinkhorn_in_input_dtype and dtype not in (torch.float64, torch.float32):
+        return "none"  # each normalisation rounds every entry to the half dtype: no sum is left exact
     if spec.exact_sums == "none" and spec.sinkhorn_eps * 4 <= _EXACT[dtype]:
         return "cols" if spec.sinkhorn_order == "row_col" else "rows"
     return spec.exact_sums

@@ -59,6 +59,7 @@ from mhc_core.variants import (
     NumericsOptions,
     OutputContraction,
     ResidualMix,
+    SinkhornPrecision,
     configure,
     get_variant,
 )
@@ -307,9 +308,10 @@ OPTION_OPS = {
     "residual_mix": ("mix", "layer", "stack", "single_pass_stack"),
     "output_contraction": ("block_exit", "stack"),
     "mapping_precision": ("coefficients", "layer", "stack", "single_pass", "single_pass_stack"),
+    "sinkhorn_precision": ("sinkhorn", "coefficients", "layer", "stack", "single_pass", "single_pass_stack"),
 }
-"""The options the checks can observe, and the ops whose checks show them (the mapping precision: in half
-precision only)."""
+"""The options the checks can observe, and the ops whose checks show them (the mapping precision and the dtype
+Sinkhorn iterates in: in half precision only)."""
 
 
 def _error_cells(peer: Peer, spec: CheckSpec, exc: Exception, variants: Sequence[str | None]) -> list[Cell]:
@@ -339,6 +341,9 @@ def _relevant(spec: CheckSpec, configuration: str) -> str:
         "output_contraction": s.output_contraction if spec.op in OPTION_OPS["output_contraction"] else None,
         "mapping_precision": s.mapping_precision
         if spec.op in OPTION_OPS["mapping_precision"] and spec.dtype in _HALF
+        else None,
+        "sinkhorn_precision": s.sinkhorn_precision
+        if spec.op in OPTION_OPS["sinkhorn_precision"] and spec.dtype in _HALF
         else None,
     }
     return configure(s.variant, NumericsOptions(**keep)).name
@@ -495,6 +500,7 @@ def _configurations(peer: Peer, variants: Sequence[str]) -> list[str]:
     shown = {o for o, ops in OPTION_OPS.items() if set(ops) & peer.ops}
     if not set(peer.dtypes) & set(_HALF):
         shown.discard("mapping_precision")
+        shown.discard("sinkhorn_precision")
     eps = (
         [None, NormEpsPlacement.INSIDE_SQRT, NormEpsPlacement.INSIDE_SQRT_DTYPE_EPS]
         if "norm_eps_placement" in shown
@@ -505,16 +511,24 @@ def _configurations(peer: Peer, variants: Sequence[str]) -> list[str]:
     precisions = (
         [MappingPrecision.FP32, MappingPrecision.ACTIVATION] if "mapping_precision" in shown else [None]
     )
+    sinkhorns = [SinkhornPrecision.FP32, SinkhornPrecision.INPUT] if "sinkhorn_precision" in shown else [None]
     names = [
         configure(
             v,
-            NumericsOptions(norm_eps_placement=e, residual_mix=m, output_contraction=x, mapping_precision=p),
+            NumericsOptions(
+                norm_eps_placement=e,
+                residual_mix=m,
+                output_contraction=x,
+                mapping_precision=p,
+                sinkhorn_precision=k,
+            ),
         ).name
         for v in variants
         for e in eps
         for m in mixes
         for x in exits
         for p in precisions
+        for k in sinkhorns
     ]
     return list(dict.fromkeys([*variants, *names]))
 

@@ -91,6 +91,9 @@ class MegatronLitePeer(Peer):
         "MultiHeadHyperConnectionHead, its layer's composition (PyTorch)"
     )
     ops: frozenset[str] = frozenset({"coefficients", "mix", "sinkhorn", "layer", "block_exit", "stack"})
+    dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.bfloat16)
+    """fp64 and fp32, and bf16, the dtype it trains in, where its projection (`fn` cast to the input's dtype) and
+    its Sinkhorn run in bf16."""
     claims: str | None = "megatron_dev+eps_inside_sqrt+learned_exit"
     differences: dict[str, str] = field(
         default_factory=lambda: {

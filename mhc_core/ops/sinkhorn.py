@@ -139,9 +139,13 @@ class SinkhornBackend(Protocol):
 
 def sinkhorn_reference(call: SinkhornCall) -> torch.Tensor:
     """The reference backend's `sinkhorn`: scans the logits for NaN / inf, iterates in fp32 at least (fp64 stays
-    fp64) and rounds once to `logits.dtype`."""
+    fp64) and rounds once to `logits.dtype`; under `input_dtype_sinkhorn` in `logits.dtype` itself."""
     check_finite(call.logits, name="logits", op="sinkhorn")
-    compute = torch.promote_types(call.logits.dtype, torch.float32)
+    compute = (
+        call.logits.dtype
+        if call.spec.sinkhorn_in_input_dtype
+        else torch.promote_types(call.logits.dtype, torch.float32)
+    )
     out = _SinkhornRecompute.apply(call.logits.to(compute), call.iterations, call.eps, call.spec)
     return out.to(call.logits.dtype)
 

@@ -13,7 +13,7 @@ Importing this package needs neither `cuda.tile` nor a GPU: the kernel modules
   launches of the family's kernels (`sinkhorn_kernels.py`, `mapping_kernels.py`, `stream_kernels.py`) through
   the runtime (`runtime.py`). Uncovered cases raise `NotImplementedError` naming the case: `n` outside
   `tiling.SUPPORTED_N`, dtypes other than bf16 / fp32 (fp16, fp64), dropout > 0 in training, tensors not on a
-  CUDA device. Unlike the reference ops, the kernels do not check their inputs for NaN / inf (that check syncs
+  CUDA device, a Sinkhorn iterated in the logits' dtype (`input_dtype_sinkhorn`). Unlike the reference ops, the kernels do not check their inputs for NaN / inf (that check syncs
   the host). Call them through the entries: `mhc_core.ops.mapping(..., backend=CuTileBackend(rt))`.
 - Every launch signature, for the export / compile checks, is listed by the lab's
   `tools/cutile/signatures.py` (from the launch wrappers themselves).

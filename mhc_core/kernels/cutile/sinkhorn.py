@@ -64,6 +64,11 @@ class _SinkhornFn(torch.autograd.Function):
 def sinkhorn(rt: Callable[[], Any], call: SinkhornCall) -> torch.Tensor:
     """`mhc_core.ops.sinkhorn` of a checked call on the runtime `rt()`: `logits[..., n, n] -> [..., n, n]`."""
     op, logits = "sinkhorn", call.logits
+    if call.spec.sinkhorn_in_input_dtype:
+        raise NotImplementedError(
+            f"{op}: no cuTile kernel iterates Sinkhorn in the logits' dtype (input_dtype_sinkhorn); the kernels "
+            "iterate in fp32"
+        )
     require_n(logits.shape[-1], op)
     require_dtypes(op, logits=logits)
     runtime = rt()

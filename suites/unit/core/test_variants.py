@@ -129,3 +129,30 @@ def test_residual_mix_option_flips_the_orientation():
     assert torch.equal(mix("megatron_dev+untransposed_mix"), mix("megatron_main"))
     assert torch.equal(mix("megatron_main+transposed_mix"), mix("megatron_dev"))
     assert get_variant("megatron_dev+untransposed_mix").name == "megatron_dev+untransposed_mix"
+
+
+def test_input_dtype_sinkhorn_iterates_in_the_logits_dtype():
+    """`+input_dtype_sinkhorn` normalises bf16 logits in bf16 at every step (each step's rounding shows against the
+    fp32-iterated result, rounded once), leaves fp32 logits as they were, and every backend computes it: the
+    compiled one runs the reference for it, bit for bit."""
+    import torch
+
+    from mhc_core import ops
+    from mhc_core.kernels import dispatch
+    from mhc_core.ops.sinkhorn import sinkhorn_iterate
+    from mhc_core.variants import SinkhornPrecision
+
+    spec = get_variant("megatron_main+input_dtype_sinkhorn")
+    assert spec.sinkhorn_precision == SinkhornPrecision.INPUT and spec.sinkhorn_in_input_dtype
+    assert spec.name == "megatron_main+input_dtype_sinkhorn"
+    assert get_variant("megatron_main+fp32_sinkhorn") == get_variant("megatron_main")
+    z = 3 * torch.randn(64, 4, 4, generator=torch.Generator().manual_seed(1))
+    bf = z.to(torch.bfloat16)
+    got = ops.sinkhorn(bf, 20, None, spec)
+    assert torch.equal(got, sinkhorn_iterate(bf, 20, 1e-6, spec))
+    once = ops.sinkhorn(bf, 20, None, "megatron_main")
+    assert not torch.equal(got, once)
+    assert float((got.float() - once.float()).abs().max()) < 3e-2  # bf16 rounding, not another algorithm
+    assert torch.equal(ops.sinkhorn(z, 20, None, spec), ops.sinkhorn(z, 20, None, "megatron_main"))
+    compiled = dispatch.op_on("sinkhorn", "compiled")
+    assert torch.equal(compiled(bf, 20, None, spec), got)

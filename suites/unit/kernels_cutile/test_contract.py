@@ -72,6 +72,15 @@ def test_fp64_is_not_implemented(emu):
         emu.h_aggregate(torch.zeros(2, 4, 8, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64))
 
 
+def test_sinkhorn_in_the_input_dtype_is_not_implemented(emu):
+    """`input_dtype_sinkhorn`: no kernel iterates in bf16; NotImplementedError naming the option (auto then runs
+    the next backend)."""
+    with pytest.raises(NotImplementedError, match="input_dtype_sinkhorn"):
+        emu.sinkhorn(
+            torch.zeros(2, 4, 4, dtype=torch.bfloat16), 2, None, "megatron_main+input_dtype_sinkhorn"
+        )
+
+
 def test_dropout_in_training_is_not_implemented(emu):
     """dropout_p > 0 while training: NotImplementedError naming dropout."""
     t, n, c = 2, 4, 8
