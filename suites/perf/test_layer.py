@@ -19,6 +19,12 @@ so its saved activations grow with n; upstream answers that with mHC recompute, 
 `reference+recompute` and (GPU) `cutile+recompute`, the layer being one `mhc_core.recompute`
 group: its time overhead on any device, its memory as the CUDA peak (the saved-bytes probe cannot
 see inside the group's hooks).
+
+DeepSeek-V4.1's single-pass form (`reference+single_pass`, `compiled+single_pass`): the same layer with each
+connection in V4.1's numerics aggregating with the H_pre its predecessor returned (the layer's first, the one a
+previous layer would hand on, is an input of the step), so its pre-op is the single-pass one (one read of the
+streams where fused). In the smoke run every row iterates Sinkhorn 4 times instead of the default 20 (the compiled
+graphs unroll them; the smoke figures are no measurement).
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ CPU_SHAPE = LayerShape(seq=256, batch=2, hidden=1024, heads=8)
 SMOKE_CPU_SHAPE = LayerShape(seq=128, batch=2, hidden=512, heads=8)
 """CI's smoke run (`MHC_PERF_SMOKE=1`): a quarter of the work, the same code paths (measure with `tox -e perf`)."""
 SHAPES = GPU_SHAPES if DEVICE == "cuda" else ((SMOKE_CPU_SHAPE,) if smoke() else (CPU_SHAPE,))
+ITERATIONS = 4 if smoke() and DEVICE == "cpu" else 20
+"""Sinkhorn iterations of the mHC layers (upstream's default, 20; 4 in CI's smoke run)."""
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
@@ -83,21 +91,29 @@ class Layer(nn.Module):
         use_fused: bool = False,
         recompute: bool = False,
         peer: str | None = None,
+        single_pass: bool = False,
     ):
         super().__init__()
-        self.shape, self.recompute, self.peer = shape, recompute, peer
+        self.shape, self.recompute, self.peer, self.single_pass = shape, recompute, peer, single_pass
         c = shape.hidden
         self.norm1, self.norm2 = nn.RMSNorm(c), nn.RMSNorm(c)
         self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
         self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
         self.n = n
         if n and peer is None:
-            cfg = HyperConnectionConfig(hidden_size=c, num_residual_streams=n, use_fused=use_fused)
+            form = {"form": "single_pass", "variant": "deepseek_v41"} if single_pass else {}
+            cfg = HyperConnectionConfig(
+                hidden_size=c,
+                num_residual_streams=n,
+                use_fused=use_fused,
+                sinkhorn_iterations=ITERATIONS,
+                **form,
+            )
             self.hc_attn, self.hc_mlp = HyperConnectionModule(cfg), HyperConnectionModule(cfg)
         if peer == "hf_deepseek_v4":
             from harness.peers.hf_deepseek_v4 import _decoder_layer, _hc
 
-            hcs = [_hc(n, c, 20, torch.float32) for _ in (0, 1)]
+            hcs = [_hc(n, c, ITERATIONS, torch.float32) for _ in (0, 1)]
             for hc in hcs:  # transformers leaves them uninitialised (torch.empty): the reference's init
                 nn.init.xavier_uniform_(hc.fn)
                 nn.init.zeros_(hc.base)
@@ -124,7 +140,14 @@ class Layer(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, h_pre: torch.Tensor | None = None) -> torch.Tensor:
+        """`x [s, b, n*C]` (`[s, b, C]` plain); `h_pre [s, b, n]`: single-pass only, the H_pre a previous layer
+        hands on."""
+        if self.single_pass:
+            for hc, sub in ((self.hc_attn, self.attention), (self.hc_mlp, self.mlp)):
+                branch, h_res, h_post, h_pre = hc(x, previous_h_pre=h_pre)
+                x = hc.post_residual_bda(h_res, x, h_post, (sub(branch), None))
+            return x
         if self.peer:
             return self.hf(x.view(self.shape.batch, self.shape.seq, self.n, self.shape.hidden)).view(x.shape)
         if not self.n:
@@ -149,12 +172,16 @@ def _step(layer: Layer, width: int):
     shape = (sh.batch, sh.seq, width) if layer.peer else (sh.seq, sh.batch, width)
     x = torch.randn(*shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
     g = torch.randn_like(x)
+    h_pre = None
+    if layer.single_pass:  # the previous layer's last H_pre (fp32 under V4.1's coefficients)
+        n = layer.n or 1
+        h_pre = (0.5 + 0.1 * torch.randn(sh.seq, sh.batch, n, device=DEVICE)).requires_grad_()
 
     def run():
         layer.zero_grad(set_to_none=True)
-        torch.autograd.backward(layer(x), g)
+        torch.autograd.backward(layer(x, h_pre), g)
 
-    run.forward = lambda: layer(x)  # type: ignore[attr-defined]  # the forward alone, for the forward rows
+    run.forward = lambda: layer(x, h_pre)  # type: ignore[attr-defined]  # the forward alone, for the forward rows
     return run
 
 
@@ -168,13 +195,24 @@ def _memory(layer: Layer, run) -> dict[str, int | None]:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.id)
 @pytest.mark.parametrize(
     "backend",
-    ["reference", "compiled", "cutile", "reference+recompute", "cutile+recompute", "hf_deepseek_v4"],
+    [
+        "reference",
+        "compiled",
+        "cutile",
+        "reference+recompute",
+        "cutile+recompute",
+        "hf_deepseek_v4",
+        "reference+single_pass",
+        "compiled+single_pass",
+    ],
 )
 def test_layer_overhead(benchmark, backend, shape, reps, monkeypatch):
     """mHC layer fwd+bwd time and its overhead over the plain layer, both measured in this run; the
-    `hf_deepseek_v4` row is the same layer with DeepSeek-V4's mHC (transformers' code) instead of ours."""
+    `hf_deepseek_v4` row is the same layer with DeepSeek-V4's mHC (transformers' code) instead of ours, the
+    `+single_pass` rows DeepSeek-V4.1's single-pass form."""
     recompute = backend.endswith("+recompute")
-    ops_backend = backend.removesuffix("+recompute")
+    single_pass = backend.endswith("+single_pass")
+    ops_backend = backend.removesuffix("+recompute").removesuffix("+single_pass")
     fused = ops_backend in ("compiled", "cutile")
     peer = backend if backend == "hf_deepseek_v4" else None
     if peer:
@@ -188,7 +226,9 @@ def test_layer_overhead(benchmark, backend, shape, reps, monkeypatch):
         monkeypatch.setenv("MHC_BACKEND", ops_backend)  # use_fused=True would pick cutile on a GPU
     torch.manual_seed(0)
     plain = Layer(shape, None).to(DEVICE, DTYPE)
-    mhc = Layer(shape, shape.n, use_fused=fused, recompute=recompute, peer=peer).to(DEVICE, DTYPE)
+    mhc = Layer(shape, shape.n, use_fused=fused, recompute=recompute, peer=peer, single_pass=single_pass).to(
+        DEVICE, DTYPE
+    )
     run, plain_run = _step(mhc, shape.n * shape.hidden), _step(plain, shape.hidden)
     mhc_t, plain_t = paired_samples([run, plain_run], device=DEVICE, reps=reps, warmup=3)
     mem, plain_mem = _memory(mhc, run), _memory(plain, plain_run)
