@@ -47,6 +47,7 @@ __all__ = [
     "ours",
     "registry_peers",
     "runner",
+    "iterations_for",
     "smoke",
     "timed_peers",
 ]
@@ -124,6 +125,17 @@ def smoke() -> bool:
     return os.environ.get(SMOKE_ENV_VAR) == "1"
 
 
+SMOKE_ITERATIONS = 4
+"""Sinkhorn iterations of a smoke run's rows on CPU (ours unroll them into compiled graphs: 20 cost CI a cold compile
+of tens of seconds per row; the figures are no measurement either way)."""
+
+
+def iterations_for(case: PeerCase) -> int:
+    """Sinkhorn iterations of `case`'s rows, ours and the peer's: upstream's default 20, `SMOKE_ITERATIONS` in a
+    smoke run on CPU."""
+    return SMOKE_ITERATIONS if smoke() and case.device == "cpu" else ITERATIONS
+
+
 def peer_cases(device: str, *, smoke_run: bool | None = None) -> list[PeerCase]:
     """The sizes: the CPU perf registry's largest fp32 and bf16 (T 4096, C 1024 fp32 and 2048 bf16); on a
     GPU T 8192, C 4096, bf16; in a smoke run (`smoke_run`, by default `MHC_PERF_SMOKE=1`) T 256 at C 512
@@ -145,11 +157,11 @@ def peer_cases(device: str, *, smoke_run: bool | None = None) -> list[PeerCase]:
     return out
 
 
-def _coeffs(o, x, w, a, b, variant):
+def _coeffs(o, x, w, a, b, variant, iterations):
     """Our pre-op (mapping, Sinkhorn and aggregate in one, what `HyperConnectionModule` calls)."""
     t, n, c = x.shape
     agg, h_pre, h_post, h_res = o.pre(
-        x.reshape(t, n * c), w, a[0:1], a[1:2], a[2:3], b, n, ITERATIONS, variant
+        x.reshape(t, n * c), w, a[0:1], a[1:2], a[2:3], b, n, iterations, variant
     )
     return h_pre, h_post, h_res, agg
 
@@ -159,12 +171,13 @@ def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torc
     from types import SimpleNamespace
 
     o = SimpleNamespace(**{op: dispatch.op_on(op, backend) for op in dispatch.OPS})
+    it = iterations_for(case)
     if case.op == "sinkhorn":
-        return lambda d: (o.sinkhorn(d["logits"], ITERATIONS, None, variant),)
+        return lambda d: (o.sinkhorn(d["logits"], it, None, variant),)
     if case.op == "coefficients":
 
         def coefficients(d):
-            _, h_post, h_res, agg = _coeffs(o, d["x"], d["w0"], d["a0"], d["b0"], variant)
+            _, h_post, h_res, agg = _coeffs(o, d["x"], d["w0"], d["a0"], d["b0"], variant, it)
             return h_post, h_res, agg
 
         return coefficients
@@ -172,7 +185,7 @@ def ours(case: PeerCase, backend: str, variant: str) -> Callable[[dict[str, torc
     def layer(d):
         x = d["x"]
         for k in (0, 1):
-            _, h_post, h_res, agg = _coeffs(o, x, d[f"w{k}"], d[f"a{k}"], d[f"b{k}"], variant)
+            _, h_post, h_res, agg = _coeffs(o, x, d[f"w{k}"], d[f"a{k}"], d[f"b{k}"], variant, it)
             x = o.h_post_bda(h_res, x, h_post, agg, None, 0.0, False, variant)
         return (x,)
 
@@ -214,7 +227,9 @@ class PeerTimed:
         return self.peer.unavailable()
 
     def build(self, case: PeerCase) -> Callable[[dict[str, torch.Tensor]], tuple]:
-        fn = self.peer.timed(case.op, n=case.n, hidden=case.hidden, dtype=case.dtype, iterations=ITERATIONS)
+        fn = self.peer.timed(
+            case.op, n=case.n, hidden=case.hidden, dtype=case.dtype, iterations=iterations_for(case)
+        )
         return torch.compile(fn) if self.compiled else fn
 
     def conforms_at(self, case: PeerCase) -> tuple[bool, str]:

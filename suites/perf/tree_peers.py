@@ -40,7 +40,7 @@ from harness.peers.megatron_lm import (
     make_peers,
     tree_flavor,
 )
-from suites.perf.peers import ITERATIONS, PeerCase, conforms, paired_fns, peer_cases, peer_info
+from suites.perf.peers import PeerCase, conforms, iterations_for, paired_fns, peer_cases, peer_info
 from suites.perf.timing import paired_samples, retain_heap
 
 __all__ = ["main", "tree_rows"]
@@ -48,7 +48,9 @@ __all__ = ["main", "tree_rows"]
 
 def _build(peer: MegatronLMTreePeer, case: PeerCase):
     """The tree peer's timed entry point for `case` (`MegatronLMTreePeer.timed`)."""
-    return peer.timed(case.op, n=case.n, hidden=case.hidden, dtype=case.dtype, iterations=ITERATIONS)
+    return peer.timed(
+        case.op, n=case.n, hidden=case.hidden, dtype=case.dtype, iterations=iterations_for(case)
+    )
 
 
 def _cases(smoke: bool) -> list[PeerCase]:

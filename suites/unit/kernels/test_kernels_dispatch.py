@@ -239,9 +239,11 @@ def test_compiled_token_count_does_not_recompile():
 
 
 @needs_compiled_dev
-@pytest.mark.parametrize("variant", list(Variant), ids=str)
+@pytest.mark.parametrize("variant", [Variant.MEGATRON_DEV], ids=str)
 def test_module_fused_matches_reference(variant, monkeypatch):
-    """HyperConnectionModule with use_fused=True (compiled) matches use_fused=False on `DEV`: outputs and all grads."""
+    """HyperConnectionModule with use_fused=True (compiled) matches use_fused=False on `DEV`: outputs and all grads.
+    In DeepSeek-V4's variant: the module's routing is the same for every variant, whose ops' numerics the parity
+    tests check each (the other two variants here cost CI 70 s of cold compilation)."""
     monkeypatch.setenv("MHC_BACKEND", "compiled")
     from suites.unit.kernels.test_kernels_parity_sinkhorn import ITERATIONS
 
