@@ -192,3 +192,25 @@ def test_a_live_tree_matches_its_branchs_recording(tmp_path):
         want = {"main": "megatron_main", "dev": "megatron_dev"}.get(generation)
         if want is not None:
             assert row.best == want and row.conforms, row.peer
+
+
+def test_the_single_pass_recorder_names_a_missing_file_and_writes_nothing(tmp_path, capsys):
+    """`record_single_pass` without the single-pass file exits 2 naming it, before any tree is imported, and writes
+    no recording."""
+    from harness.conformance.record_single_pass import main as record
+
+    out = tmp_path / "rec.json"
+    code = record(
+        [
+            "--megatron-lm",
+            str(tmp_path),
+            "--single-pass",
+            str(tmp_path / "missing.py"),
+            "--file-commit",
+            "9633c754",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 2 and "missing.py: no such file" in capsys.readouterr().err
+    assert not out.exists()
