@@ -29,11 +29,11 @@ if [ -z "${MHC_PYTHON312:-}" ] && command -v pyenv >/dev/null 2>&1; then
     fi
 fi
 ENVS=${MHC_TOX_ENVS:-lint,unit,pp,functional,perf,conformance,typecheck,kernels,compat}
-# The perf env here is a smoke run beside the other lane (its figures are no measurement): three timed
+# The perf env here is a smoke run beside the other lane (its figures are no measurement): two timed
 # repetitions per benchmark instead of five, the kernel cases over 1024 tokens at 4 Sinkhorn iterations (suites/perf/test_kernels.py),
 # and the peers at T 256, C 512 with one compiled peer op (suites/perf/peers.py), keep CI's wall time down
 # (`tox -e perf` alone measures).
-export MHC_PERF_REPS="${MHC_PERF_REPS:-3}" MHC_PERF_SMOKE="${MHC_PERF_SMOKE:-1}"
+export MHC_PERF_REPS="${MHC_PERF_REPS:-2}" MHC_PERF_SMOKE="${MHC_PERF_SMOKE:-1}"
 SIDE_ENVS=(compat kernels)
 # conformance (shared .tox/cpu, which the foreground's first env installs) follows kernels in the side lane,
 # which by then has run for minutes: with the kernels env's compile time cut, the foreground was the longer

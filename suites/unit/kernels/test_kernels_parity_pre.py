@@ -34,9 +34,9 @@ ITERATIONS = 4
 """Sinkhorn iterations of the parity cases, as `test_kernels_parity_sinkhorn.py`'s: every step kind of every variant
 (start, row and column normalisations, two full rounds) at a fifth of the default's compile time (the iterations
 are unrolled into the graphs: a cold compile of one case took 63-92 s at 20, 24-37 s at 4). The default 20 runs in
-`test_kernels_parity_sinkhorn.py::test_sinkhorn_default_iterations` (the compiled Sinkhorn the pre's graphs unroll)
-and in the fused functional run (`suites/functional/test_fused_mhc.py`: megatron_main, n = 4, fp32, the compiled
-pre under every native kernel, 20 iterations, losses and grad norms within 1e-5 of the reference run's)."""
+the conformance matrix's compiled rows (`test_kernels_parity_sinkhorn.py`'s `ITERATIONS` says which) and in the
+fused functional run (`suites/functional/test_fused_mhc.py`: megatron_main, n = 4, fp32, the compiled pre under
+every native kernel, 20 iterations, losses and grad norms within 1e-5 of the reference run's)."""
 
 
 def _inputs(case: Case, device: str) -> dict[str, torch.Tensor]:

@@ -11,8 +11,10 @@ from mhc_core.variants import Variant
 from suites.unit.kernels.parity import Case, backend_params, check_parity, device_for
 
 ITERATIONS = 4
-"""Parity runs use 4 iterations: the unrolled graph is the same code at 20 (one test covers 20),
-and its compile time grows with the iteration count."""
+"""Parity runs use 4 iterations: the unrolled graph is the same code at 20, and its compile time grows with the
+iteration count. The default 20 runs on the compiled backend in the conformance matrix (`mhc_core[<variant>,compiled]`:
+`sinkhorn s<S> it20` and `coefficients`, every variant, forward and gradient against fp64) and in the fused
+functional run (`suites/functional/test_fused_mhc.py`)."""
 
 FP32, BF16 = torch.float32, torch.bfloat16
 CASES = (
@@ -61,25 +63,6 @@ def test_sinkhorn_batched_logits(backend):
         ["logits"],
         FP32,
         iterations=ITERATIONS,
-        eps=None,
-        variant=case.variant,
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", backend_params())
-def test_sinkhorn_default_iterations(backend):
-    """At the default 20 iterations (megatron_main, n = 4) output and gradient match the reference."""
-    case = Case(tokens=64, n=4, dtype=FP32)
-    device = device_for(backend)
-    check_parity(
-        f"sinkhorn[{backend}, 20 iterations]",
-        ops.sinkhorn,
-        dispatch.op_on("sinkhorn", backend),
-        {"logits": _logits(case, device)},
-        ["logits"],
-        FP32,
-        iterations=20,
         eps=None,
         variant=case.variant,
     )
