@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_core.kernels.compiled import aggregate, mapping, post_bda, pre, single_pass, sinkhorn
+from mhc_core.kernels.compiled import aggregate, mapping, post_bda, pre, sinkhorn
 from mhc_core.kernels.compiled.common import availability, compiled_cache_size
 from mhc_core.ops import AggregateCall, Backend, MappingCall, PostBdaCall, PreCall, SinkhornCall
 from mhc_core.ops.pre import pre_reference
@@ -39,7 +39,7 @@ class CompiledBackend:
     def pre(self, call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if call.spec.sinkhorn_in_input_dtype:
             return pre_reference(call)
-        return single_pass.single_pass_pre(call) if call.single_pass else pre.pre(call)
+        return pre.pre(call)
 
 
 COMPILED: Backend = CompiledBackend()

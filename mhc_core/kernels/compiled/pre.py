@@ -43,6 +43,7 @@ from mhc_core.kernels.compiled.sinkhorn import _bwd as _sinkhorn_bwd
 from mhc_core.kernels.compiled.sinkhorn import _fwd as _sinkhorn_fwd
 from mhc_core.ops.mapping import effective_norm_eps
 from mhc_core.ops.pre import PreCall, pre_reference
+from mhc_core.ops.single_pass import entry_mix
 from mhc_core.variants import VariantSpec
 
 __all__ = ["pre"]
@@ -55,6 +56,7 @@ def _fwd(
     a_post,
     a_res,
     bias,
+    mix,
     n: int,
     compute,
     out_dtype,
@@ -73,7 +75,7 @@ def _fwd(
     z = logits.to(acc_dtype(logits.dtype))
     h_res = _sinkhorn_fwd(z, start, order, guard, iterations, s_eps).to(logits.dtype)
     t, k = x.shape
-    aggregate = _aggregate_fwd(x.view(t, n, k // n), h_pre)
+    aggregate = _aggregate_fwd(x.view(t, n, k // n), h_pre if mix is None else mix)
     return aggregate, h_pre, h_post, h_res, proj, rms
 
 
@@ -179,6 +181,7 @@ def _bwd(
     a_post,
     a_res,
     bias,
+    mix,
     proj,
     rms,
     n: int,
@@ -193,16 +196,18 @@ def _bwd(
     s_eps: float,
     need_x: bool,
     need_w: bool,
+    need_mix: bool,
 ):
     acc = acc_dtype(compute)
     t, k = x.shape
     c = k // n
-    a_acc = acc_dtype(x.dtype, out_dtype)
-    xs = x.view(t, n, c).to(a_acc)
+    a_acc = acc_dtype(x.dtype, out_dtype if mix is None else mix.dtype)
     g_aggf = g_agg.to(a_acc)
-    g_h_agg = (g_aggf[:, None, :] * xs).sum(-1)  # [T, n]
+    g_h_agg = None  # the aggregate's gradient of its weights [T, n]: h_pre's, or (single-pass) the mix's
+    if mix is None or need_mix:
+        g_h_agg = (g_aggf[:, None, :] * x.view(t, n, c).to(a_acc)).sum(-1)
     g_proj, coef, h_pre, g_params = _bwd_gates(
-        g_h_agg,
+        g_h_agg if mix is None else None,
         g_pre,
         g_post,
         g_res,
@@ -224,9 +229,10 @@ def _bwd(
         iterations,
         s_eps,
     )
+    weights = h_pre if mix is None else mix
     g_x = g_w = None
     if need_x:
-        # One pointwise pass after the GEMM adds c * x and h_pre (x) g_agg to its product, read as [T, n, C] (the
+        # One pointwise pass after the GEMM adds c * x and weights (x) g_agg to its product, read as [T, n, C] (the
         # view keeps Inductor from folding c * x into an addmm, which writes c * x to a [T, K] buffer of its own
         # and copies it into the product's).
         g_mm = (g_proj.to(compute) @ weight.to(compute)).view(t, n, c).to(acc)
@@ -234,20 +240,22 @@ def _bwd(
             (
                 g_mm
                 + coef.view(t, 1, 1) * x.view(t, n, c).to(compute).to(acc)
-                + h_pre.to(acc)[:, :, None] * g_aggf[:, None, :].to(acc)
+                + weights.to(acc)[:, :, None] * g_aggf[:, None, :].to(acc)
             )
             .to(x.dtype)
             .view(t, k)
         )
     if need_w:
         g_w = (g_proj.to(compute).t() @ x.to(compute)).to(weight.dtype)
-    return g_x, g_w, *g_params
+    g_mix = None if mix is None or g_h_agg is None else g_h_agg.to(mix.dtype)
+    return g_x, g_w, *g_params, g_mix
 
 
 def _native_bwd(
     grads,
     x,
     params,
+    mix,
     proj,
     rms,
     n: int,
@@ -256,18 +264,19 @@ def _native_bwd(
     h_pre_eps: float,
     eps_outside: float,
     sink: tuple,
-    need_x: bool,
-    need_w: bool,
+    need: tuple[bool, bool, bool],
     key: tuple,
 ):
     """The backward with the native kernel's two passes over x around the compiled gates: the aggregate's gradient
-    of h_pre (one read of x and g_agg), `_bwd_gates`, then the gradients of x and W (one more)."""
+    of its weights (one read of x and g_agg; single-pass: the mix's, only where the mix needs one), `_bwd_gates`,
+    then the gradients of x and W (one more)."""
     g_agg, g_pre, g_post, g_res = grads
     weight, a_pre, a_post, a_res, bias = params
+    need_x, need_w, need_mix = need
     t, k = x.shape
-    g_h_agg = native.grad_h(x, g_agg, n)
+    g_h_agg = native.grad_h(x, g_agg, n) if mix is None or need_mix else None
     g_proj, coef, h_pre, g_params = compile_for(_bwd_gates, ("native", *key))(
-        mark_dynamic(g_h_agg, 0),
+        mark_dynamic(g_h_agg, 0) if mix is None else None,
         g_pre,
         g_post,
         g_res,
@@ -293,16 +302,21 @@ def _native_bwd(
         weight.detach().to(compute),
         g_proj.to(compute),
         coef,
-        h_pre,
+        h_pre if mix is None else mix,
         n,
         need_x,
         need_w,
         bf16_products=compute == torch.bfloat16,
     )
-    return g_x, None if g_w is None else g_w.to(compute).to(weight.dtype), *g_params
+    g_mix = None if mix is None or g_h_agg is None else g_h_agg.to(mix.dtype)
+    return g_x, None if g_w is None else g_w.to(compute).to(weight.dtype), *g_params, g_mix
 
 
 class _Pre(torch.autograd.Function):
+    """Both forms: `mix` None, the per-sublayer pre (the aggregate weighted with this sublayer's h_pre, its gradient
+    into the gates); `mix [T, n]`, the single-pass one (weighted with the previous sublayer's H_pre, its gradient
+    the mix's)."""
+
     @staticmethod
     def forward(
         ctx,
@@ -312,6 +326,7 @@ class _Pre(torch.autograd.Function):
         a_post,
         a_res,
         bias,
+        mix,
         n: int,
         iterations: int,
         spec: VariantSpec,
@@ -335,10 +350,23 @@ class _Pre(torch.autograd.Function):
             x.device.type,
         )
         eps_outside = 0.0 if spec.norm_eps_inside else norm_eps
-        native_fwd, ctx.native = _native_passes(x, compute, n)
+        native_fwd, native_bwd = _native_passes(x, compute, n)
+        if mix is not None and mix.dtype not in (torch.float32, torch.bfloat16):
+            native_fwd = native_bwd = False  # the native kernels read the mix as fp32 or bf16
+        ctx.native = native_bwd
         if native_fwd:
             proj, rms, h_pre, agg = native.pre_forward(
-                x, weight, a_pre, bias, n, norm_eps, spec.norm_eps_inside, spec.h_pre_eps, out_dtype, compute
+                x,
+                weight,
+                a_pre,
+                bias,
+                n,
+                norm_eps,
+                spec.norm_eps_inside,
+                spec.h_pre_eps,
+                out_dtype,
+                compute,
+                mix=mix,
             )
             h_post, h_res = compile_for(_epilogue, ("native", *key))(
                 mark_dynamic(proj, 0),
@@ -354,9 +382,12 @@ class _Pre(torch.autograd.Function):
                 *sink,
             )
         else:
-            agg, h_pre, h_post, h_res, proj, rms = compile_for(_fwd, key)(
+            agg, h_pre, h_post, h_res, proj, rms = compile_for(
+                _fwd, (*key, None if mix is None else mix.dtype)
+            )(
                 mark_dynamic(x, 0),
                 *params,
+                mark_dynamic(mix, 0),
                 n,
                 compute,
                 out_dtype,
@@ -365,7 +396,7 @@ class _Pre(torch.autograd.Function):
                 spec.norm_eps_inside,
                 *sink,
             )
-        ctx.save_for_backward(x, *params, proj, rms)
+        ctx.save_for_backward(x, *params, mix, proj, rms)
         ctx.n, ctx.compute, ctx.out_dtype, ctx.h_pre_eps = n, compute, out_dtype, spec.h_pre_eps
         ctx.eps_outside = eps_outside
         ctx.sink = sink
@@ -374,7 +405,7 @@ class _Pre(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_agg, g_pre, g_post, g_res):
-        x, weight, a_pre, a_post, a_res, bias, proj, rms = ctx.saved_tensors
+        x, weight, a_pre, a_post, a_res, bias, mix, proj, rms = ctx.saved_tensors
         n, t = ctx.n, x.shape[0]
         like = {
             "g_agg": ((t, x.shape[1] // n), x.dtype),
@@ -389,11 +420,12 @@ class _Pre(torch.autograd.Function):
                     torch.zeros(shape, dtype=dtype, device=x.device) if g is None else g.contiguous(), 0
                 )
             )
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[6])
         params = (weight, a_pre, a_post, a_res, bias)
         key = (
             x.dtype,
             *(p.dtype for p in params),
+            None if mix is None else mix.dtype,
             *(g.dtype for g in grads),
             n,
             ctx.compute,
@@ -401,16 +433,16 @@ class _Pre(torch.autograd.Function):
             ctx.h_pre_eps,
             ctx.eps_outside,
             *ctx.sink,
-            need_x,
-            need_w,
+            *need,
             x.device.type,
         )
-        x, proj, rms = (mark_dynamic(v, 0) for v in (x, proj, rms))
+        x, mix, proj, rms = (mark_dynamic(v, 0) for v in (x, mix, proj, rms))
         if ctx.native:
             out = _native_bwd(
                 grads,
                 x,
                 params,
+                mix,
                 proj,
                 rms,
                 n,
@@ -419,37 +451,44 @@ class _Pre(torch.autograd.Function):
                 ctx.h_pre_eps,
                 ctx.eps_outside,
                 ctx.sink,
-                need_x,
-                need_w,
+                need,
                 key,
             )
-            return (*out, None, None, None, None)
-        out = compile_for(_bwd, key)(
-            *grads,
-            x,
-            *params,
-            proj,
-            rms,
-            n,
-            ctx.compute,
-            ctx.out_dtype,
-            ctx.h_pre_eps,
-            ctx.eps_outside,
-            *ctx.sink,
-            need_x,
-            need_w,
-        )
+        else:
+            out = compile_for(_bwd, key)(
+                *grads,
+                x,
+                *params,
+                mix,
+                proj,
+                rms,
+                n,
+                ctx.compute,
+                ctx.out_dtype,
+                ctx.h_pre_eps,
+                ctx.eps_outside,
+                *ctx.sink,
+                *need,
+            )
         return (*out, None, None, None, None)
 
 
 def pre(call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sublayer's pre-op (compiled backend) of a checked call (`mhc_core.ops.pre`).
+    """The sublayer's pre-op (compiled backend) of a checked call (`mhc_core.ops.pre`), in either form: single-pass,
+    the aggregate weighted with the previous sublayer's H_pre, or at the model's entry with the identity mix (1 on
+    stream 0: the aggregate is exactly stream 0, as the reference's copy, and its gradient reaches stream 0 only).
 
     Returns:
-        `aggregate [T, C]`, `h_pre [T, n]`, `h_post [T, n]`, `h_res [T, n, n]`.
+        `aggregate [T, C]`, `h_pre [T, n]` (single-pass: the next sublayer's), `h_post [T, n]`, `h_res [T, n, n]`.
     """
     if call.x.shape[0] == 0 or call.n == 1:
         return pre_reference(call)
+    mix = None
+    if call.single_pass:
+        mix = call.previous_h_pre
+        if mix is None:
+            mix = entry_mix(call.x.shape[0], call.n, device=call.x.device)
+        mix = mix.contiguous()
     return _Pre.apply(
         call.x.contiguous(),
         call.weight.contiguous(),
@@ -457,6 +496,7 @@ def pre(call: PreCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
         call.alpha_post,
         call.alpha_res,
         call.bias.contiguous(),
+        mix,
         call.n,
         call.iterations,
         call.spec,
